@@ -1,0 +1,26 @@
+# `make demo` and `make test` set everything up on a fresh machine (a local .venv) and run.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.hetplan-installed
+
+.PHONY: demo test lint bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/hetplan plan --cluster examples/hethub-768.yaml --model llama-140b --top-k 3 --out hethub-768.plan.json
+
+test: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest
+
+bench: $(STAMP)
+	$(BIN)/python bench/plan_examples.py
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,360 @@
+"""hetplan command line: parses flags, calls the Python API, renders tables or JSON. Heavy imports are lazy."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, Optional
+
+import click
+import typer
+
+if TYPE_CHECKING:
+    from predictor.cost_model import CostContext, Evaluation
+    from profiler.profile import DeviceProfile
+    from specs.model import ModelSpec
+    from specs.training import TrainingSpec
+
+app = typer.Typer(
+    name="hetplan",
+    help="Plan large-model training on clusters that mix accelerator types and vendors.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+ClusterOpt = Annotated[Path, typer.Option("--cluster", "-c", help="Cluster YAML/JSON file.")]
+ModelOpt = Annotated[str, typer.Option("--model", "-m", help="Catalog name, model YAML/JSON, or HF config.json.")]
+TrainingOpt = Annotated[Optional[Path], typer.Option("--training", help="Training YAML/JSON file (flags override).")]
+GlobalBatchOpt = Annotated[Optional[int], typer.Option("--global-batch", help="Sequences per iteration.")]
+SeqLenOpt = Annotated[Optional[int], typer.Option("--seq-len", help="Sequence length (default: the model's).")]
+DtypeOpt = Annotated[Optional[str], typer.Option("--dtype", help="bf16, fp16 or fp32.")]
+ZeroOpt = Annotated[Optional[int], typer.Option("--zero-stage", help="0, or 1 (distributed optimizer).")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")]
+
+
+def _int_list(text: str | None, flag: str) -> list[int] | None:
+    from specs.errors import SpecError
+
+    if text is None:
+        return None
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise SpecError(flag, "", f"expected comma-separated integers, got {text!r}") from None
+
+
+def _training(path: Path | None, **overrides: Any) -> TrainingSpec:
+    from specs.training import load_training
+
+    return load_training(path, overrides)
+
+
+def _load_profiles(directory: Path | None, model: ModelSpec) -> dict[str, DeviceProfile]:
+    """Measured (or saved simulated) profiles by device key; each must describe this model's layer shape."""
+    from profiler.profile import load_profile
+    from specs.errors import SpecError
+
+    if directory is None:
+        return {}
+    if not directory.is_dir():
+        raise SpecError(str(directory), "", "expected a directory of profile JSON files")
+    shape_fields = ("hidden_size", "ffn_hidden_size", "num_attention_heads", "num_kv_heads", "vocab_size", "mlp")
+    profiles: dict[str, DeviceProfile] = {}
+    for path in sorted(directory.glob("*.json")):
+        profile = load_profile(path)
+        for field in shape_fields:
+            if profile.model.get(field) != getattr(model, field):
+                raise SpecError(str(path), f"model.{field}", f"profiled {profile.model.get(field)!r}, "
+                                f"the model to plan has {getattr(model, field)!r}")
+        key = str(profile.device.get("key", ""))
+        if key in profiles:
+            raise SpecError(str(path), "device.key", f"a second profile for device {key!r} in {directory}")
+        profiles[key] = profile
+    return profiles
+
+
+def _console() -> Any:
+    from rich.console import Console
+
+    return Console(width=max(100, Console().width))
+
+
+def _gib(value: float) -> str:
+    return f"{value / 2**30:.1f}"
+
+
+def _render_evaluation(ctx: CostContext, evaluation: Evaluation, title: str, extra_rows: list[tuple[str, str]]) -> None:
+    from rich.table import Table
+
+    console = _console()
+    strategy = evaluation.strategy
+    pipeline = strategy.pipelines[0]
+    summary = Table(title=title, show_header=False, box=None, pad_edge=False)
+    summary.add_column(style="bold")
+    summary.add_column()
+    rows = [
+        ("cluster", f"{ctx.cluster.name} ({ctx.cluster.num_devices} devices, {evaluation.devices_used} used)"),
+        ("model", f"{ctx.model.key} ({ctx.model.total_params() / 1e9:.1f}B params, {ctx.model.num_layers} layers)"),
+        ("batch", f"{ctx.training.global_batch_size} x {ctx.seq_length} tokens, {ctx.training.dtype}"),
+        ("strategy", f"{pipeline.replicas} replicas x {len(pipeline.stages)} stages, micro-batch "
+                     f"{pipeline.micro_batch_size} x {pipeline.num_microbatches}, recompute {strategy.recompute}, "
+                     f"ZeRO-{strategy.zero_stage}, {'1F1B' if strategy.virtual_stages == 1 else 'interleaved 1F1B'}"
+                     f"{'' if strategy.virtual_stages == 1 else f' (v={strategy.virtual_stages})'}"),
+        ("iteration", f"{evaluation.iteration_time_s:.3f} s (pipeline {evaluation.pipeline_time_s:.3f}, bubble "
+                      f"{evaluation.bubble_time_s:.3f}, DP sync + optimizer {evaluation.tail_time_s:.3f})"),
+        ("throughput", f"{evaluation.tokens_per_s:,.0f} tokens/s, {evaluation.samples_per_s:.2f} samples/s, "
+                       f"MFU {evaluation.mfu:.1%}"),
+        *extra_rows,
+        ("fits", "yes" if evaluation.fits else f"NO: short by {_gib(evaluation.shortfall_bytes)} GiB per device"),
+    ]
+    for name, value in rows:
+        summary.add_row(name, value)
+    console.print(summary)
+    table = Table(title="Stages (per replica)")
+    for column in ("stage", "group", "device", "layers", "n", "tp", "devices", "fwd+bwd/mb ms", "memory GiB"):
+        table.add_column(column, justify="right" if column not in ("group", "device") else "left")
+    for index, stage_eval in enumerate(evaluation.stages):
+        stage = stage_eval.stage
+        memory = f"{_gib(stage_eval.memory.total_bytes)} / {_gib(stage_eval.memory_capacity_bytes)}"
+        table.add_row(
+            str(index), stage.group, ctx.cluster.group(stage.group).device.key,
+            f"{stage.layer_start}-{stage.layer_end - 1}", str(stage.num_layers), str(stage.tp),
+            str(stage.tp * pipeline.replicas), f"{stage_eval.compute_time_s * 1e3:.1f}",
+            memory if stage_eval.fits else f"[red]{memory}[/red]",
+        )
+    console.print(table)
+
+
+@app.command()
+def plan(
+    cluster: ClusterOpt,
+    model: ModelOpt,
+    training: TrainingOpt = None,
+    global_batch: GlobalBatchOpt = None,
+    seq_len: SeqLenOpt = None,
+    dtype: DtypeOpt = None,
+    zero_stage: ZeroOpt = None,
+    recompute: Annotated[Optional[str], typer.Option(help="Allowed modes, e.g. none,selective,full.")] = None,
+    micro_batch_sizes: Annotated[Optional[str], typer.Option(help="Candidates, e.g. 1,2,4,8.")] = None,
+    virtual_stages: Annotated[Optional[str], typer.Option(help="Interleaving chunks to try, e.g. 1,2,4.")] = None,
+    profiles: Annotated[Optional[Path], typer.Option(help="Directory of profile JSON files (by device).")] = None,
+    top_k: Annotated[int, typer.Option(min=1, help="Also list the next best alternatives.")] = 1,
+    out: Annotated[Optional[Path], typer.Option(help="Write the plan JSON here.")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Search for the fastest plan that fits memory."""
+    from planner import plan as make_plan
+    from specs.cluster import load_cluster
+    from specs.model import load_model
+
+    cluster_spec = load_cluster(cluster)
+    model_spec = load_model(model)
+    training_spec = _training(
+        training, global_batch_size=global_batch, seq_length=seq_len, dtype=dtype, zero_stage=zero_stage,
+        recompute=recompute.split(",") if recompute else None,
+        micro_batch_sizes=_int_list(micro_batch_sizes, "--micro-batch-sizes"),
+        virtual_stages=_int_list(virtual_stages, "--virtual-stages"),
+    )
+    loaded = _load_profiles(profiles, model_spec)
+    if as_json or not sys.stderr.isatty():
+        result = make_plan(cluster_spec, model_spec, training_spec, loaded, top_k=top_k)
+    else:
+        from rich.progress import Progress
+
+        with Progress(transient=True) as bar:
+            task = bar.add_task("searching", total=None)
+            result = make_plan(cluster_spec, model_spec, training_spec, loaded, top_k=top_k,
+                               progress=lambda done, total: bar.update(task, completed=done, total=total))
+    if out is not None:
+        result.save(out)
+    body = result.to_dict()
+    if as_json:
+        sys.stdout.write(json.dumps(body, indent=2) + "\n")
+        return
+    _render_evaluation(result.context, result.evaluation, "hetplan plan", [
+        ("upper bound", f"{body['upper_bound_tokens_per_s']:,.0f} tokens/s (sum of groups alone): "
+                        f"{body['fraction_of_upper_bound']:.1%} of it"),
+        ("compute bound", f"{body['compute_bound_tokens_per_s']:,.0f} tokens/s (no bubble, no comm): "
+                          f"{body['fraction_of_compute_bound']:.1%} of it"),
+        ("search", f"{body['search_time_s']:.2f} s, {body['search']['evaluated']} of "
+                   f"{body['search']['configurations']} configurations evaluated"),
+    ])
+    if body["alternatives"]:
+        from rich.markup import escape
+
+        console = _console()
+        console.print("[bold]Alternatives[/bold]")
+        for alt in body["alternatives"]:
+            console.print(f"  {alt['iteration_time_s']:.3f} s  {escape(alt['summary'])}")
+    if out is not None:
+        _console().print(f"plan written to {out}")
+
+
+@app.command()
+def predict(
+    cluster: ClusterOpt,
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help="Model (default: the plan's).")] = None,
+    strategy: Annotated[Optional[Path], typer.Option(help="Evaluate this plan JSON (any plan in the schema).")] = None,
+    group: Annotated[Optional[str], typer.Option(help="Group to use with Megatron-style flags.")] = None,
+    tp: Annotated[int, typer.Option(min=1)] = 1,
+    pp: Annotated[int, typer.Option(min=1)] = 1,
+    dp: Annotated[int, typer.Option(min=1)] = 1,
+    micro_batch: Annotated[int, typer.Option(min=1)] = 1,
+    recompute: Annotated[str, typer.Option(help="none, selective or full.")] = "none",
+    sequence_parallel: Annotated[bool, typer.Option("--sequence-parallel/--no-sequence-parallel")] = True,
+    virtual_stages: Annotated[int, typer.Option(min=1)] = 1,
+    training: TrainingOpt = None,
+    global_batch: GlobalBatchOpt = None,
+    seq_len: SeqLenOpt = None,
+    dtype: DtypeOpt = None,
+    zero_stage: ZeroOpt = None,
+    profiles: Annotated[Optional[Path], typer.Option(help="Directory of profile JSON files.")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Evaluate a given strategy (no search): Megatron-style --tp/--pp/--dp, or --strategy plan.json."""
+    from planner import build_context, load_plan
+    from planner import predict as run_predict
+    from planner.plan import evaluation_dict, header_dict
+    from predictor.strategy import PipelineStrategy, StageStrategy, Strategy
+    from specs.cluster import load_cluster
+    from specs.errors import SpecError
+    from specs.model import load_model
+
+    cluster_spec = load_cluster(cluster)
+    overrides = dict(global_batch_size=global_batch, seq_length=seq_len, dtype=dtype, zero_stage=zero_stage)
+    if strategy is not None:
+        loaded = load_plan(strategy)
+        model_spec = load_model(model) if model else loaded.model
+        base = loaded.training.model_dump()
+        base.update({k: v for k, v in overrides.items() if v is not None})
+        training_spec = _training(training, **base) if training else _training(None, **base)
+        chosen, source = loaded.strategy, str(strategy)
+    else:
+        if model is None:
+            raise SpecError("--model", "", "required with Megatron-style flags (or pass --strategy plan.json)")
+        model_spec = load_model(model)
+        training_spec = _training(training, sequence_parallel=sequence_parallel, **overrides)
+        if group is None and len(cluster_spec.groups) > 1:
+            names = ", ".join(g.name for g in cluster_spec.groups)
+            raise SpecError("--group", "", f"the cluster has several groups ({names}); name one, or use --strategy")
+        target = cluster_spec.group(group) if group else cluster_spec.groups[0]
+        if model_spec.num_layers % pp:
+            raise SpecError("--pp", "", f"{model_spec.num_layers} layers do not split evenly into {pp} stages "
+                            "(Megatron's default); use --strategy with an uneven plan")
+        if tp * pp * dp > target.num_devices:
+            raise SpecError("--tp/--pp/--dp", "", f"tp x pp x dp = {tp * pp * dp} exceeds the "
+                            f"{target.num_devices} devices of group {target.name!r}")
+        batch = training_spec.global_batch_size
+        if batch % (dp * micro_batch):
+            raise SpecError("--global-batch", "", f"{batch} is not a multiple of dp x micro-batch = {dp * micro_batch}")
+        per_stage = model_spec.num_layers // pp
+        stages = tuple(StageStrategy(target.name, i * per_stage, (i + 1) * per_stage, tp, i * tp * dp)
+                       for i in range(pp))
+        if recompute not in ("none", "selective", "full"):
+            raise SpecError("--recompute", "", f"expected none, selective or full, got {recompute!r}")
+        chosen = Strategy((PipelineStrategy(dp, micro_batch, batch // (dp * micro_batch), stages),),
+                          recompute, training_spec.zero_stage, virtual_stages, sequence_parallel)  # type: ignore[arg-type]
+        source = "flags"
+    ctx = build_context(cluster_spec, model_spec, training_spec, _load_profiles(profiles, model_spec))
+    evaluation = run_predict(ctx, chosen, source)
+    if as_json:
+        body = header_dict(ctx)
+        body.update(evaluation_dict(ctx, evaluation))
+        sys.stdout.write(json.dumps(body, indent=2) + "\n")
+        return
+    _render_evaluation(ctx, evaluation, "hetplan predict", [])
+
+
+@app.command()
+def devices(as_json: JsonOpt = False) -> None:
+    """List the accelerator catalog."""
+    from rich.table import Table
+
+    from specs.device import device_catalog
+
+    catalog = device_catalog()
+    if as_json:
+        sys.stdout.write(json.dumps([d.model_dump() for d in catalog.values()], indent=2) + "\n")
+        return
+    table = Table(title="Accelerators (dense 16-bit peak; override per group in the cluster file)")
+    for column in ("key", "name", "vendor", "TFLOP/s", "memory GB", "HBM TB/s", "in-node GB/s", "library", "aliases"):
+        table.add_column(column)
+    for d in catalog.values():
+        table.add_row(d.key, d.name, d.vendor, f"{d.peak_tflops:g}", f"{d.memory_GB:g}", f"{d.hbm_TBps:g}",
+                      f"{d.intra_node_GBps:g}", d.collective_library, ", ".join(d.aliases))
+    _console().print(table)
+
+
+@app.command()
+def models(as_json: JsonOpt = False) -> None:
+    """List the model catalog."""
+    from rich.table import Table
+
+    from specs.model import model_catalog
+
+    catalog = model_catalog()
+    if as_json:
+        body = [dict(m.model_dump(), total_params=m.total_params()) for m in catalog.values()]
+        sys.stdout.write(json.dumps(body, indent=2) + "\n")
+        return
+    table = Table(title="Models")
+    for column in ("key", "params", "layers", "hidden", "ffn", "heads", "kv", "vocab", "seq", "mlp"):
+        table.add_column(column)
+    for m in catalog.values():
+        table.add_row(m.key, f"{m.total_params() / 1e9:.1f}B", str(m.num_layers), str(m.hidden_size),
+                      str(m.ffn_hidden_size), str(m.num_attention_heads), str(m.num_kv_heads), str(m.vocab_size),
+                      str(m.seq_length), m.mlp)
+    _console().print(table)
+
+
+@app.command("simulate-profile")
+def simulate_profile(
+    device: Annotated[str, typer.Option(help="Catalog device key.")],
+    model: ModelOpt,
+    out: Annotated[Path, typer.Option(help="Profile JSON to write.")],
+    micro_batches: Annotated[str, typer.Option(help="Micro-batch sizes.")] = "1,2,4,8",
+    tp: Annotated[str, typer.Option(help="TP degrees.")] = "1,2,4,8",
+    seq_len: SeqLenOpt = None,
+    dtype: Annotated[str, typer.Option(help="bf16, fp16 or fp32.")] = "bf16",
+    noise: Annotated[float, typer.Option(min=0.0, help="Log-normal sigma of seeded timing noise.")] = 0.0,
+    seed: Annotated[int, typer.Option(help="Noise seed.")] = 0,
+) -> None:
+    """Write a simulated device profile (datasheet roofline) in the profile JSON format."""
+    from profiler.simulated import SimulatedDevice
+    from specs.device import get_device
+    from specs.model import load_model
+
+    model_spec = load_model(model)
+    training_spec = _training(None, dtype=dtype, seq_length=seq_len)
+    simulated = SimulatedDevice(get_device(device, "--device"), model_spec, seq_len or model_spec.seq_length,
+                                training_spec.dtype, noise=noise, seed=seed)
+    profile = simulated.to_profile(tuple(_int_list(micro_batches, "--micro-batches") or ()),
+                                   tuple(_int_list(tp, "--tp") or ()))
+    profile.save(out)
+    _console().print(f"{len(profile.entries)} entries written to {out}")
+
+
+def main() -> None:
+    """Console entry point: user errors print one line and exit 2, never a traceback."""
+    from specs.errors import HetplanError
+
+    try:
+        app(standalone_mode=False)
+    except HetplanError as err:
+        print(f"hetplan: error: {err}", file=sys.stderr)
+        sys.exit(2)
+    except click.ClickException as err:
+        err.show()
+        sys.exit(err.exit_code)
+    except (click.Abort, KeyboardInterrupt):
+        print("hetplan: interrupted", file=sys.stderr)
+        sys.exit(130)
+    except OSError as err:
+        print(f"hetplan: error: {err.filename or ''}: {err.strerror}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,222 @@
+"""The Plan: a strategy plus everything predicted about it, as versioned JSON ("hetplan.plan/1")."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from predictor.cost_model import CostContext, Evaluation
+from predictor.strategy import PipelineStrategy, StageStrategy, Strategy
+from specs.loading import read_mapping, validate
+from specs.model import ModelSpec, Recompute
+from specs.training import TrainingSpec
+
+PLAN_SCHEMA = "hetplan.plan/1"
+
+
+def _round(value: float) -> float:
+    """Six significant digits: readable, and stable across runs of the same inputs."""
+    return float(f"{value:.6g}")
+
+
+@dataclass(frozen=True)
+class Bounds:
+    upper_bound_tokens_per_s: float
+    compute_bound_tokens_per_s: float
+    per_group_upper_bound_tokens_per_s: dict[str, float] = field(default_factory=dict)
+    scaled_groups: tuple[str, ...] = ()  # groups too small to hold the model alone (see planner.bounds)
+
+
+@dataclass(frozen=True)
+class Plan:
+    context: CostContext
+    evaluation: Evaluation
+    bounds: Bounds
+    search_time_s: float
+    search_stats: dict[str, Any]
+    alternatives: tuple[Evaluation, ...] = ()
+
+    @property
+    def strategy(self) -> Strategy:
+        return self.evaluation.strategy
+
+    def to_dict(self) -> dict[str, Any]:
+        return plan_dict(self.context, self.evaluation, self.bounds, self.search_time_s, self.search_stats,
+                         self.alternatives)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2) + "\n"
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json(), encoding="utf-8")
+
+
+def evaluation_dict(ctx: CostContext, evaluation: Evaluation) -> dict[str, Any]:
+    """The fields shared by `plan` and `predict`: metrics, strategy and per-stage memory."""
+    strategy = evaluation.strategy
+    pipelines = []
+    for pipeline in strategy.pipelines:
+        stages = []
+        for stage_eval in evaluation.stages:
+            stage = stage_eval.stage
+            memory = stage_eval.memory
+            stages.append({
+                "group": stage.group,
+                "device": ctx.cluster.group(stage.group).device.key,
+                "layers": [stage.layer_start, stage.layer_end],
+                "tp": stage.tp,
+                "devices": stage.tp * pipeline.replicas,
+                "device_offset": stage.device_offset,
+                "compute_time_s": _round(stage_eval.compute_time_s),
+                "p2p_time_s": _round(stage_eval.p2p_time_s),
+                "dp_sync_time_s": _round(stage_eval.dp_sync_time_s),
+                "memory_bytes": int(memory.total_bytes),
+                "memory_capacity_bytes": int(stage_eval.memory_capacity_bytes),
+                "memory_usable_bytes": int(stage_eval.memory_usable_bytes),
+                "memory_breakdown_bytes": {
+                    "weights": int(memory.weights_bytes),
+                    "grads": int(memory.grads_bytes),
+                    "optimizer": int(memory.optimizer_bytes),
+                    "activations": int(memory.activation_bytes),
+                },
+                "fits": stage_eval.fits,
+            })
+        pipelines.append({
+            "replicas": pipeline.replicas,
+            "micro_batch_size": pipeline.micro_batch_size,
+            "num_microbatches": pipeline.num_microbatches,
+            "samples_per_replica": pipeline.samples_per_replica,
+            "batch_weight": _round(pipeline.samples_per_replica / ctx.training.global_batch_size),
+            "stages": stages,
+        })
+    return {
+        "iteration_time_s": _round(evaluation.iteration_time_s),
+        "tokens_per_s": _round(evaluation.tokens_per_s),
+        "samples_per_s": _round(evaluation.samples_per_s),
+        "mfu": _round(evaluation.mfu),
+        "fits": evaluation.fits,
+        "devices_used": evaluation.devices_used,
+        "recompute": strategy.recompute,
+        "zero_stage": strategy.zero_stage,
+        "schedule": "1f1b" if strategy.virtual_stages == 1 else "interleaved-1f1b",
+        "virtual_stages": strategy.virtual_stages,
+        "sequence_parallel": strategy.sequence_parallel,
+        "time_breakdown_s": {
+            "pipeline": _round(evaluation.pipeline_time_s),
+            "bubble": _round(evaluation.bubble_time_s),
+            "dp_sync_and_optimizer": _round(evaluation.tail_time_s),
+        },
+        "pipelines": pipelines,
+    }
+
+
+def header_dict(ctx: CostContext) -> dict[str, Any]:
+    return {
+        "schema": PLAN_SCHEMA,
+        "cluster": ctx.cluster.name,
+        "model": ctx.model.model_dump(exclude={"aliases", "source"}),
+        "training": ctx.training.model_dump(mode="json"),
+        "global_batch_size": ctx.training.global_batch_size,
+        "seq_length": ctx.seq_length,
+        "predictor": ctx.predictor_identity,
+    }
+
+
+def plan_dict(
+    ctx: CostContext,
+    evaluation: Evaluation,
+    bounds: Bounds,
+    search_time_s: float,
+    search_stats: dict[str, Any],
+    alternatives: tuple[Evaluation, ...] = (),
+) -> dict[str, Any]:
+    body = header_dict(ctx)
+    body.update(evaluation_dict(ctx, evaluation))
+    body.update({
+        "upper_bound_tokens_per_s": _round(bounds.upper_bound_tokens_per_s),
+        "fraction_of_upper_bound": _round(evaluation.tokens_per_s / bounds.upper_bound_tokens_per_s),
+        "compute_bound_tokens_per_s": _round(bounds.compute_bound_tokens_per_s),
+        "fraction_of_compute_bound": _round(evaluation.tokens_per_s / bounds.compute_bound_tokens_per_s),
+        "upper_bound_by_group_tokens_per_s": {k: _round(v) for k, v in bounds.per_group_upper_bound_tokens_per_s.items()},
+        "upper_bound_scaled_groups": list(bounds.scaled_groups),
+        "search_time_s": round(search_time_s, 3),
+        "search": search_stats,
+        "alternatives": [
+            {
+                "iteration_time_s": _round(alt.iteration_time_s),
+                "tokens_per_s": _round(alt.tokens_per_s),
+                "summary": describe_strategy(alt.strategy),
+            }
+            for alt in alternatives
+        ],
+    })
+    return body
+
+
+def describe_strategy(strategy: Strategy) -> str:
+    """One line: 'dp 8 x [amd tp8 L0-4 | ascend tp8 L5-14 ...], mbs 1, recompute selective, zero 1'."""
+    pipeline = strategy.pipelines[0]
+    stages = " | ".join(f"{s.group} tp{s.tp} L{s.layer_start}-{s.layer_end - 1}" for s in pipeline.stages)
+    return (f"dp {pipeline.replicas} x [{stages}], mbs {pipeline.micro_batch_size} x {pipeline.num_microbatches}, "
+            f"recompute {strategy.recompute}, zero {strategy.zero_stage}, v {strategy.virtual_stages}")
+
+
+# ---- reading a plan back (predict --strategy) -------------------------------------------------------------
+class _StageFile(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    group: str
+    layers: tuple[int, int]
+    tp: int = Field(ge=1)
+    device_offset: int = Field(default=0, ge=0)
+
+
+class _PipelineFile(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    replicas: int = Field(ge=1)
+    micro_batch_size: int = Field(ge=1)
+    num_microbatches: int = Field(ge=1)
+    stages: list[_StageFile] = Field(min_length=1)
+
+
+class _PlanFile(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    schema_: str = Field(alias="schema", pattern=r"^hetplan\.plan/1$")
+    model: dict[str, Any]
+    training: dict[str, Any]
+    recompute: Recompute
+    zero_stage: int = Field(ge=0, le=1)
+    virtual_stages: int = Field(default=1, ge=1)
+    sequence_parallel: bool = True
+    pipelines: list[_PipelineFile] = Field(min_length=1)
+
+
+@dataclass(frozen=True)
+class LoadedPlan:
+    strategy: Strategy
+    model: ModelSpec
+    training: TrainingSpec
+    source: str
+
+
+def load_plan(path: str | Path) -> LoadedPlan:
+    """Read any plan in the plan schema back into a strategy, model and training spec."""
+    path = Path(path)
+    source = str(path)
+    parsed = validate(_PlanFile, read_mapping(path), source)
+    model = validate(ModelSpec, parsed.model, source, prefix="model")
+    training = validate(TrainingSpec, parsed.training, source, prefix="training")
+    pipelines = tuple(
+        PipelineStrategy(
+            replicas=p.replicas,
+            micro_batch_size=p.micro_batch_size,
+            num_microbatches=p.num_microbatches,
+            stages=tuple(StageStrategy(s.group, s.layers[0], s.layers[1], s.tp, s.device_offset) for s in p.stages),
+        )
+        for p in parsed.pipelines
+    )
+    strategy = Strategy(pipelines, parsed.recompute, parsed.zero_stage, parsed.virtual_stages, parsed.sequence_parallel)
+    return LoadedPlan(strategy, model, training, source)

@@ -1,0 +1,73 @@
+"""The planner's Python API: plan, predict."""
+
+from __future__ import annotations
+
+import time
+from typing import Mapping
+
+from planner.bounds import compute_bound_tokens_per_s, group_alone_tokens_per_s
+from planner.plan import Bounds, Plan
+from planner.search import ProgressCallback, search
+from predictor.cost_model import CostContext, Evaluation, build_context, check_strategy, evaluate
+from predictor.strategy import Strategy
+from profiler.profile import DeviceProfile
+from specs.cluster import ClusterSpec
+from specs.errors import DoesNotFitError
+from specs.model import ModelSpec
+from specs.training import TrainingSpec
+from specs.units import GIB
+
+
+def compute_bounds(ctx: CostContext) -> Bounds:
+    per_group: dict[str, float] = {}
+    scaled: list[str] = []
+    for group in ctx.cluster.groups:
+        tokens_per_s, was_scaled = group_alone_tokens_per_s(ctx, group)
+        per_group[group.name] = tokens_per_s
+        if was_scaled:
+            scaled.append(group.name)
+    return Bounds(sum(per_group.values()), compute_bound_tokens_per_s(ctx), per_group, tuple(scaled))
+
+
+def plan(
+    cluster: ClusterSpec,
+    model: ModelSpec,
+    training: TrainingSpec,
+    profiles: Mapping[str, DeviceProfile] | None = None,
+    top_k: int = 1,
+    progress: ProgressCallback | None = None,
+) -> Plan:
+    """The fastest strategy that fits memory, with its metrics and yardsticks; raises DoesNotFitError."""
+    ctx = build_context(cluster, model, training, profiles)
+    started = time.perf_counter()
+    result = search(ctx, top_k=max(1, top_k), progress=progress)
+    search_time_s = time.perf_counter() - started
+    if not result.evaluations:
+        if result.smallest_shortfall_where:
+            raise DoesNotFitError(
+                f"{model.key} does not fit on cluster {cluster.name!r}: the closest strategy "
+                f"({result.smallest_shortfall_where}) needs {result.smallest_shortfall_bytes / GIB:.1f} GiB more "
+                "per device; add devices, allow full recompute or ZeRO-1, or shorten the sequence",
+                result.smallest_shortfall_bytes,
+            )
+        raise DoesNotFitError(
+            f"{model.key} does not fit on cluster {cluster.name!r}: no strategy holds even the weights, gradients "
+            "and optimizer state; add devices or enable ZeRO-1",
+            float("inf"),
+        )
+    stats = {
+        "configurations": result.configurations,
+        "evaluated": result.evaluated,
+        "memory_infeasible": result.memory_infeasible,
+        "pruned_by_bound": result.configurations - result.evaluated,
+    }
+    return Plan(ctx, result.evaluations[0], compute_bounds(ctx), search_time_s, stats, tuple(result.evaluations[1:]))
+
+
+def predict(ctx: CostContext, strategy: Strategy, source: str = "strategy") -> Evaluation:
+    """Evaluate a given strategy without searching (what-if)."""
+    check_strategy(ctx, strategy, source)
+    return evaluate(ctx, strategy)
+
+
+__all__ = ["build_context", "compute_bounds", "plan", "predict"]

@@ -1,0 +1,91 @@
+"""Collective and point-to-point times over the link classes of a heterogeneous cluster.
+
+Alpha-beta costs with nccl-tests conventions (shared/reference/collectives.md): a ring all-reduce of S bytes over
+n ranks moves 2(n-1)/n*S per rank, reduce-scatter and all-gather (n-1)/n*S; bandwidths are bus bandwidths.
+Hierarchical all-reduce (DESIGN.md): reduce-scatter inside the node, all-reduce of 1/r of the data across nodes
+on each rail, all-gather inside. Latencies are estimates until `hetplan profile-comm` measures them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from specs.cluster import ClusterSpec, DeviceGroup
+
+LinkClass = Literal["in_node", "rail", "cross_group"]
+
+# nccl-tests: HDR 200 Gb/s NICs reach ~24 GB/s busbw of 25 GB/s, NDR 400 Gb/s 46-48 of 50 (collectives.md).
+NIC_EFFICIENCY = 0.92
+IN_NODE_ALPHA_S = 5e-6
+RAIL_ALPHA_S = 10e-6
+CROSS_GROUP_ALPHA_S = 30e-6
+
+
+@dataclass(frozen=True)
+class Link:
+    """Achievable bus bandwidth per rank and per-step latency of one link class."""
+
+    link_class: LinkClass
+    bw_bytes_per_s: float
+    alpha_s: float
+
+    def p2p_time_s(self, size_bytes: float) -> float:
+        return self.alpha_s + size_bytes / self.bw_bytes_per_s
+
+
+def in_node_link(group: DeviceGroup) -> Link:
+    device = group.device
+    return Link("in_node", device.intra_node_bw_bytes_per_s * device.intra_node_efficiency, IN_NODE_ALPHA_S)
+
+
+def rail_link(group: DeviceGroup) -> Link:
+    return Link("rail", group.nic_bw_per_device_bytes_per_s * NIC_EFFICIENCY, RAIL_ALPHA_S)
+
+
+def cross_group_link(cluster: ClusterSpec, a: DeviceGroup, b: DeviceGroup) -> Link:
+    """The path between two groups: the configured inter-group rate, capped by either side's NIC share."""
+    bw = min(cluster.inter_group_bw_bytes_per_s, a.nic_bw_per_device_bytes_per_s, b.nic_bw_per_device_bytes_per_s)
+    return Link("cross_group", bw * NIC_EFFICIENCY, CROSS_GROUP_ALPHA_S)
+
+
+def all_reduce_time_s(size_bytes: float, ranks: int, link: Link) -> float:
+    if ranks <= 1 or size_bytes <= 0:
+        return 0.0
+    return 2 * (ranks - 1) / ranks * size_bytes / link.bw_bytes_per_s + 2 * (ranks - 1) * link.alpha_s
+
+
+def reduce_scatter_time_s(size_bytes: float, ranks: int, link: Link) -> float:
+    """Reduce-scatter (or all-gather: the same volume) of a `size_bytes` array over `ranks`."""
+    if ranks <= 1 or size_bytes <= 0:
+        return 0.0
+    return (ranks - 1) / ranks * size_bytes / link.bw_bytes_per_s + (ranks - 1) * link.alpha_s
+
+
+all_gather_time_s = reduce_scatter_time_s
+
+
+def hierarchical_all_reduce_time_s(
+    size_bytes: float, ranks_per_node: int, nodes: int, inner: Link, outer: Link
+) -> float:
+    """Two-level all-reduce; falls back to a flat ring over the slow link when that is faster."""
+    if nodes <= 1:
+        return all_reduce_time_s(size_bytes, ranks_per_node, inner)
+    two_level = (
+        2 * reduce_scatter_time_s(size_bytes, ranks_per_node, inner)
+        + all_reduce_time_s(size_bytes / ranks_per_node, nodes, outer)
+    )
+    flat = all_reduce_time_s(size_bytes, ranks_per_node * nodes, outer)
+    return min(two_level, flat)
+
+
+def hierarchical_reduce_scatter_time_s(
+    size_bytes: float, ranks_per_node: int, nodes: int, inner: Link, outer: Link
+) -> float:
+    """Reduce-scatter inside the node, then across nodes on each rail with 1/r of the data (same for all-gather)."""
+    if nodes <= 1:
+        return reduce_scatter_time_s(size_bytes, ranks_per_node, inner)
+    two_level = reduce_scatter_time_s(size_bytes, ranks_per_node, inner) + reduce_scatter_time_s(
+        size_bytes / ranks_per_node, nodes, outer
+    )
+    return min(two_level, reduce_scatter_time_s(size_bytes, ranks_per_node * nodes, outer))

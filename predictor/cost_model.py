@@ -1,0 +1,402 @@
+"""The cost model: compose layer costs and communication into iteration time and memory per stage.
+
+1F1B with stage times T_i (forward + backward per micro-batch, TP communication included) and boundary p2p c_i
+over m micro-batches takes sum_i(T_i + 2*c_i) + (m-1)*max_i T_i (DESIGN.md); interleaving with v chunks divides the
+bubble, (sum_i T_i - max_i T_i), by v. DP gradient sync overlaps the last micro-batch's backward when the engine
+overlaps it; whatever sticks out, plus the optimizer step, follows the pipeline flush.
+Memory per device: bf16 weights (2 B/param), fp32 main grads (4), Adam fp32 master + m + v (12, divided by the
+DP degree under ZeRO-1), activations of in-flight micro-batches under 1F1B (min(p - i, m) on stage i).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from predictor.comm_model import (
+    Link,
+    all_reduce_time_s,
+    cross_group_link,
+    hierarchical_all_reduce_time_s,
+    hierarchical_reduce_scatter_time_s,
+    in_node_link,
+    rail_link,
+)
+from predictor.strategy import PipelineStrategy, StageStrategy, Strategy
+from profiler.profile import DeviceProfile, LayerCostSource
+from profiler.simulated import SimulatedDevice
+from specs.cluster import ClusterSpec, DeviceGroup
+from specs.errors import SpecError
+from specs.model import ModelSpec, Recompute
+from specs.training import TrainingSpec
+
+GRAD_BYTES_PER_PARAM = 4  # fp32 main gradients (Megatron's default for bf16 training)
+OPTIMIZER_BYTES_PER_PARAM_MIXED = 12  # fp32 master weights + Adam m + v
+OPTIMIZER_BYTES_PER_PARAM_FP32 = 8  # Adam m + v when the weights already are fp32
+ADAM_BYTES_MOVED_PER_PARAM = 30  # read grad, master, m, v (16) + write master, m, v (12) + write 16-bit weight (2)
+OPTIMIZER_BW_EFFICIENCY = 0.7
+
+
+@dataclass(frozen=True)
+class CostContext:
+    """Everything the cost model needs besides the strategy."""
+
+    cluster: ClusterSpec
+    model: ModelSpec
+    training: TrainingSpec
+    sources: Mapping[str, LayerCostSource]  # by group name
+
+    @property
+    def seq_length(self) -> int:
+        return self.training.seq_length or self.model.seq_length
+
+    def source(self, group: str) -> LayerCostSource:
+        return self.sources[group]
+
+    @property
+    def predictor_identity(self) -> str:
+        names = sorted({source.identity for source in self.sources.values()})
+        return "analytic cost model over " + "; ".join(names)
+
+
+def build_context(
+    cluster: ClusterSpec,
+    model: ModelSpec,
+    training: TrainingSpec,
+    profiles: Mapping[str, DeviceProfile] | None = None,
+    noise: float = 0.0,
+    seed: int = 0,
+) -> CostContext:
+    """Use a measured profile for each device type that has one (by device key), simulated ones elsewhere."""
+    seq_length = training.seq_length or model.seq_length
+    for group in cluster.groups:
+        if training.dtype == "bf16" and not group.device.supports_bf16:
+            raise SpecError(
+                cluster.source or "cluster", f"group {group.name}",
+                f"{group.device.key} has no bf16: train in fp16 (--dtype fp16)",
+            )
+    sources: dict[str, LayerCostSource] = {}
+    for group in cluster.groups:
+        profile = (profiles or {}).get(group.device.key)
+        if profile is not None:
+            if profile.seq_length != seq_length:
+                raise SpecError(
+                    profile.path, "seq_length", f"profiled at {profile.seq_length}, training uses {seq_length}"
+                )
+            sources[group.name] = profile
+        else:
+            sources[group.name] = SimulatedDevice(
+                group.device, model, seq_length, training.dtype, noise=noise, seed=seed,
+                sequence_parallel=training.sequence_parallel,
+            )
+    return CostContext(cluster, model, training, sources)
+
+
+# ---- per-stage pieces (also used by the planner's inner solvers) ---------------------------------------------
+def tp_collective_time_s(ctx: CostContext, group: DeviceGroup, micro_batch_size: int, tp: int) -> float:
+    """One all-reduce-sized TP collective of b*s*h activations inside the node."""
+    size = micro_batch_size * ctx.seq_length * ctx.model.hidden_size * ctx.training.dtype_bytes
+    return all_reduce_time_s(size, tp, in_node_link(group))
+
+
+def decoder_layer_time_s(
+    ctx: CostContext, group: DeviceGroup, micro_batch_size: int, tp: int, recompute: Recompute
+) -> float:
+    """Forward + backward of one decoder layer shard for one micro-batch, with its 4 TP collectives
+    (2 forward, 2 backward; full recompute repeats the 2 forward ones)."""
+    cost = ctx.source(group.name).layer_cost("decoder", micro_batch_size, tp, recompute)
+    collectives = 6 if recompute == "full" else 4
+    return cost.time_s + collectives * tp_collective_time_s(ctx, group, micro_batch_size, tp)
+
+
+def edge_time_s(
+    ctx: CostContext, group: DeviceGroup, micro_batch_size: int, tp: int, first: bool, last: bool
+) -> float:
+    """Embedding (first stage) and final norm + LM head + loss (last stage) per micro-batch, with one TP
+    collective each."""
+    source = ctx.source(group.name)
+    time_s = 0.0
+    if first:
+        time_s += source.layer_cost("embedding", micro_batch_size, tp, "none").time_s
+        time_s += tp_collective_time_s(ctx, group, micro_batch_size, tp)
+    if last:
+        time_s += source.layer_cost("lm_head", micro_batch_size, tp, "none").time_s
+        time_s += tp_collective_time_s(ctx, group, micro_batch_size, tp)
+    return time_s
+
+
+def stage_params(model: ModelSpec, num_layers: int, first: bool, last: bool, pipeline_stages: int) -> int:
+    """Parameters held by one stage (before TP sharding). A tied output layer keeps its own copy on the last
+    stage when the pipeline has several stages (as Megatron does)."""
+    params = num_layers * model.layer_params()
+    if first:
+        params += model.embedding_params()
+    if last:
+        params += model.lm_head_params()
+        if model.tied_embeddings and (pipeline_stages > 1 or not first):
+            params += model.vocab_size * model.hidden_size
+    return params
+
+
+def in_flight_microbatches(stage_index: int, pipeline_stages: int, num_microbatches: int, virtual_stages: int) -> float:
+    """Micro-batches whose activations stage i holds at peak under 1F1B (interleaving: Korthikanti et al.'s
+    factor 1 + (p-1)/(p*v) on top)."""
+    base = min(pipeline_stages - stage_index, num_microbatches)
+    if virtual_stages > 1:
+        return base * (1 + (pipeline_stages - 1) / (pipeline_stages * virtual_stages))
+    return float(base)
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    weights_bytes: float
+    grads_bytes: float
+    optimizer_bytes: float
+    activation_bytes: float
+
+    @property
+    def total_bytes(self) -> float:
+        return self.weights_bytes + self.grads_bytes + self.optimizer_bytes + self.activation_bytes
+
+
+def state_bytes_per_param(ctx: CostContext, dp: int) -> float:
+    """Weights + grads + optimizer bytes per parameter on one device."""
+    training = ctx.training
+    optimizer = OPTIMIZER_BYTES_PER_PARAM_FP32 if training.dtype == "fp32" else OPTIMIZER_BYTES_PER_PARAM_MIXED
+    if training.zero_stage >= 1:
+        optimizer /= dp
+    return training.dtype_bytes + GRAD_BYTES_PER_PARAM + optimizer
+
+
+def stage_memory(
+    ctx: CostContext,
+    group: DeviceGroup,
+    *,
+    num_layers: int,
+    micro_batch_size: int,
+    tp: int,
+    recompute: Recompute,
+    dp: int,
+    in_flight: float,
+    first: bool,
+    last: bool,
+    pipeline_stages: int,
+) -> StageMemory:
+    training = ctx.training
+    params = stage_params(ctx.model, num_layers, first, last, pipeline_stages) / tp
+    optimizer_per_param = state_bytes_per_param(ctx, dp) - training.dtype_bytes - GRAD_BYTES_PER_PARAM
+    source = ctx.source(group.name)
+    per_microbatch = num_layers * source.layer_cost("decoder", micro_batch_size, tp, recompute).activation_bytes
+    if first:
+        per_microbatch += source.layer_cost("embedding", micro_batch_size, tp, "none").activation_bytes
+    activations = per_microbatch * in_flight
+    if last:  # logits live for one micro-batch: 1F1B runs its backward right after its forward
+        activations += source.layer_cost("lm_head", micro_batch_size, tp, "none").activation_bytes
+    return StageMemory(
+        weights_bytes=params * training.dtype_bytes,
+        grads_bytes=params * GRAD_BYTES_PER_PARAM,
+        optimizer_bytes=params * optimizer_per_param,
+        activation_bytes=activations,
+    )
+
+
+def usable_memory_bytes(ctx: CostContext, group: DeviceGroup) -> float:
+    return group.device.memory_bytes * (1 - ctx.training.memory_reserve_fraction)
+
+
+def dp_layout(group: DeviceGroup, tp: int, replicas: int) -> tuple[int, int]:
+    """(ranks per node, nodes) of one DP group: TP innermost, replicas next, node-major numbering."""
+    per_node = max(1, min(replicas, group.devices_per_node // tp))
+    return per_node, math.ceil(replicas / per_node)
+
+
+def dp_sync_time_s(ctx: CostContext, group: DeviceGroup, params_per_device: float, tp: int, replicas: int) -> float:
+    """Gradient all-reduce (ZeRO-0) or reduce-scatter of grads + all-gather of 16-bit weights (ZeRO-1)."""
+    if replicas <= 1:
+        return 0.0
+    per_node, nodes = dp_layout(group, tp, replicas)
+    inner, outer = in_node_link(group), rail_link(group)
+    grads = params_per_device * GRAD_BYTES_PER_PARAM
+    if ctx.training.zero_stage >= 1:
+        weights = params_per_device * ctx.training.dtype_bytes
+        return hierarchical_reduce_scatter_time_s(grads, per_node, nodes, inner, outer) + (
+            hierarchical_reduce_scatter_time_s(weights, per_node, nodes, inner, outer)
+        )
+    return hierarchical_all_reduce_time_s(grads, per_node, nodes, inner, outer)
+
+
+def optimizer_time_s(ctx: CostContext, group: DeviceGroup, params_per_device: float, replicas: int) -> float:
+    local = params_per_device / replicas if ctx.training.zero_stage >= 1 else params_per_device
+    bw = group.device.hbm_bw_bytes_per_s * OPTIMIZER_BW_EFFICIENCY
+    return local * ADAM_BYTES_MOVED_PER_PARAM / bw
+
+
+def p2p_link(ctx: CostContext, a: StageStrategy, b: StageStrategy) -> Link:
+    group_a, group_b = ctx.cluster.group(a.group), ctx.cluster.group(b.group)
+    if a.group != b.group:
+        return cross_group_link(ctx.cluster, group_a, group_b)
+    if a.device_offset // group_a.devices_per_node == b.device_offset // group_a.devices_per_node:
+        return in_node_link(group_a)
+    return rail_link(group_a)
+
+
+def p2p_time_s(ctx: CostContext, a: StageStrategy, b: StageStrategy, micro_batch_size: int) -> float:
+    """Activations (or their gradients) across one stage boundary, one direction, split over the TP ranks."""
+    size = micro_batch_size * ctx.seq_length * ctx.model.hidden_size * ctx.training.dtype_bytes
+    return p2p_link(ctx, a, b).p2p_time_s(size / min(a.tp, b.tp))
+
+
+# ---- whole strategy ------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StageEvaluation:
+    stage: StageStrategy
+    compute_time_s: float  # per micro-batch, forward + backward incl. TP collectives
+    backward_time_s: float  # per micro-batch, the window DP sync can hide behind
+    p2p_time_s: float  # to the next stage, one direction, per micro-batch
+    dp_sync_time_s: float
+    dp_exposed_time_s: float
+    optimizer_time_s: float
+    memory: StageMemory
+    memory_capacity_bytes: float
+    memory_usable_bytes: float
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.total_bytes <= self.memory_usable_bytes
+
+    @property
+    def shortfall_bytes(self) -> float:
+        return max(0.0, self.memory.total_bytes - self.memory_usable_bytes)
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    strategy: Strategy
+    stages: tuple[StageEvaluation, ...]
+    iteration_time_s: float
+    pipeline_time_s: float
+    bubble_time_s: float
+    tail_time_s: float
+    tokens_per_s: float
+    samples_per_s: float
+    mfu: float
+    devices_used: int
+    extra: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def fits(self) -> bool:
+        return all(stage.fits for stage in self.stages)
+
+    @property
+    def shortfall_bytes(self) -> float:
+        return max((stage.shortfall_bytes for stage in self.stages), default=0.0)
+
+
+def check_strategy(ctx: CostContext, strategy: Strategy, source: str = "strategy") -> None:
+    """Structural checks: layers covered once, TP inside a node and dividing heads, devices available, batch."""
+    if len(strategy.pipelines) != 1:
+        raise SpecError(source, "pipelines", "expected exactly one pipeline family (several families are not supported)")
+    pipeline = strategy.pipelines[0]
+    model, training = ctx.model, ctx.training
+    if not pipeline.stages:
+        raise SpecError(source, "pipelines[0].stages", "expected at least one stage")
+    expected_start = 0
+    used: dict[str, list[tuple[int, int]]] = {}
+    for index, stage in enumerate(pipeline.stages):
+        where = f"pipelines[0].stages[{index}]"
+        group = ctx.cluster.group(stage.group)
+        if stage.layer_start != expected_start or stage.layer_end <= stage.layer_start:
+            raise SpecError(source, f"{where}.layers", f"expected [{expected_start}, end > {expected_start}) "
+                            f"(contiguous, non-empty), got [{stage.layer_start}, {stage.layer_end})")
+        expected_start = stage.layer_end
+        if group.devices_per_node % stage.tp or stage.tp < 1:
+            raise SpecError(source, f"{where}.tp", f"expected a divisor of {group.devices_per_node} devices per node "
+                            f"(TP stays inside a node), got {stage.tp}")
+        if model.num_kv_heads % stage.tp:
+            raise SpecError(source, f"{where}.tp", f"expected a divisor of the model's {model.num_kv_heads} kv heads, "
+                            f"got {stage.tp}")
+        used.setdefault(stage.group, []).append((stage.device_offset, stage.tp * pipeline.replicas))
+    if strategy.virtual_stages > 1 and any(s.num_layers < strategy.virtual_stages for s in pipeline.stages):
+        raise SpecError(source, "virtual_stages", f"every stage needs at least {strategy.virtual_stages} layers "
+                        "(one per interleaved chunk)")
+    if expected_start != model.num_layers:
+        raise SpecError(source, "pipelines[0].stages", f"layers cover [0, {expected_start}), expected [0, {model.num_layers})")
+    for name, blocks in used.items():
+        group = ctx.cluster.group(name)
+        blocks.sort()
+        end = 0
+        for offset, size in blocks:
+            if offset < end:
+                raise SpecError(source, "pipelines[0].stages", f"stages overlap on devices of group {name!r}")
+            end = offset + size
+        if end > group.num_devices:
+            raise SpecError(source, "pipelines[0].stages",
+                            f"group {name!r} has {group.num_devices} devices, the plan uses up to {end}")
+    samples = pipeline.replicas * pipeline.micro_batch_size * pipeline.num_microbatches
+    if samples != training.global_batch_size:
+        raise SpecError(source, "pipelines[0]", f"replicas x micro-batch x micro-batches = {samples}, expected the "
+                        f"global batch {training.global_batch_size}")
+
+
+def evaluate(ctx: CostContext, strategy: Strategy) -> Evaluation:
+    """Iteration time, throughput, MFU and memory per stage of a strategy (assumed structurally valid)."""
+    pipeline: PipelineStrategy = strategy.pipelines[0]
+    stages = pipeline.stages
+    p = len(stages)
+    b, m, replicas = pipeline.micro_batch_size, pipeline.num_microbatches, pipeline.replicas
+    evaluated = []
+    for index, stage in enumerate(stages):
+        group = ctx.cluster.group(stage.group)
+        first, last = index == 0, index == p - 1
+        layer_cost = ctx.source(group.name).layer_cost("decoder", b, stage.tp, strategy.recompute)
+        compute = stage.num_layers * decoder_layer_time_s(ctx, group, b, stage.tp, strategy.recompute)
+        compute += edge_time_s(ctx, group, b, stage.tp, first, last)
+        params_per_device = stage_params(ctx.model, stage.num_layers, first, last, p) / stage.tp
+        dp_time = dp_sync_time_s(ctx, group, params_per_device, stage.tp, replicas)
+        backward = stage.num_layers * layer_cost.backward_time_s
+        exposed = max(0.0, dp_time - backward) if ctx.training.overlap_grad_reduce else dp_time
+        memory = stage_memory(
+            ctx, group, num_layers=stage.num_layers, micro_batch_size=b, tp=stage.tp,
+            recompute=strategy.recompute, dp=replicas,
+            in_flight=in_flight_microbatches(index, p, m, strategy.virtual_stages),
+            first=first, last=last, pipeline_stages=p,
+        )
+        evaluated.append(
+            StageEvaluation(
+                stage=stage,
+                compute_time_s=compute,
+                backward_time_s=backward,
+                p2p_time_s=p2p_time_s(ctx, stage, stages[index + 1], b) if index + 1 < p else 0.0,
+                dp_sync_time_s=dp_time,
+                dp_exposed_time_s=exposed,
+                optimizer_time_s=optimizer_time_s(ctx, group, params_per_device, replicas),
+                memory=memory,
+                memory_capacity_bytes=group.device.memory_bytes,
+                memory_usable_bytes=usable_memory_bytes(ctx, group),
+            )
+        )
+    times = [stage.compute_time_s for stage in evaluated]
+    slowest = max(times)
+    bubble = (sum(times) - slowest) / strategy.virtual_stages
+    # Fill and drain cross every boundary once per chunk, each way.
+    p2p = 2 * strategy.virtual_stages * sum(stage.p2p_time_s for stage in evaluated)
+    pipeline_time = m * slowest + bubble + p2p
+    tail = max(stage.dp_exposed_time_s + stage.optimizer_time_s for stage in evaluated)
+    iteration = pipeline_time + tail
+    samples = ctx.training.global_batch_size
+    devices = [(ctx.cluster.group(s.group), s.tp * replicas) for s in stages]
+    peak = sum(group.device.peak_flops_for_dtype(ctx.training.dtype) * count for group, count in devices)
+    model_flops = ctx.model.model_flops_per_sequence(ctx.seq_length) * samples
+    return Evaluation(
+        strategy=strategy,
+        stages=tuple(evaluated),
+        iteration_time_s=iteration,
+        pipeline_time_s=pipeline_time,
+        bubble_time_s=bubble,
+        tail_time_s=tail,
+        tokens_per_s=samples * ctx.seq_length / iteration,
+        samples_per_s=samples / iteration,
+        mfu=model_flops / iteration / peak,
+        devices_used=sum(count for _, count in devices),
+    )

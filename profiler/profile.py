@@ -1,0 +1,173 @@
+"""The device profile: per-layer forward/backward time and activation bytes, as versioned JSON.
+
+Simulated profiles (from datasheets) and measured ones (from `hetplan profile`) share this shape, so every
+consumer reads one format:
+
+    {"schema": "hetplan.profile/1", "source": "simulated"|"measured", "device": {...}, "model": {...},
+     "dtype": "bf16", "seq_length": 4096, "environment": {...},
+     "entries": [{"layer": "decoder"|"embedding"|"lm_head", "micro_batch_size": 1, "tp": 1,
+                  "recompute": "none"|"selective"|"full", "forward_time_s": ..., "backward_time_s": ...,
+                  "activation_bytes": ...}, ...]}
+
+`backward_time_s` includes the recomputed forward work of the entry's recompute mode.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from specs.errors import SpecError
+from specs.loading import read_mapping, validate
+from specs.model import Recompute
+
+PROFILE_SCHEMA = "hetplan.profile/1"
+LayerKind = Literal["decoder", "embedding", "lm_head"]
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """Time and memory of one layer (TP shard) for one micro-batch on one device."""
+
+    forward_time_s: float
+    backward_time_s: float
+    activation_bytes: float
+
+    @property
+    def time_s(self) -> float:
+        return self.forward_time_s + self.backward_time_s
+
+
+class LayerCostSource(Protocol):
+    """Anything that knows layer costs on one device type: a simulated device, a profile, a predictor."""
+
+    @property
+    def identity(self) -> str: ...
+
+    def layer_cost(self, layer: LayerKind, micro_batch_size: int, tp: int, recompute: Recompute) -> LayerCost: ...
+
+
+class ProfileEntry(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    layer: LayerKind
+    micro_batch_size: int = Field(ge=1)
+    tp: int = Field(ge=1)
+    recompute: Recompute = "none"
+    forward_time_s: float = Field(gt=0)
+    backward_time_s: float = Field(gt=0)
+    activation_bytes: float = Field(ge=0)
+
+
+class ProfileFile(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    schema_: Literal["hetplan.profile/1"] = Field(alias="schema")
+    source: Literal["simulated", "measured"]
+    device: dict[str, Any]
+    model: dict[str, Any]
+    dtype: str
+    seq_length: int = Field(ge=1)
+    environment: dict[str, Any] = {}
+    entries: list[ProfileEntry] = Field(min_length=1)
+
+
+@dataclass
+class DeviceProfile:
+    """A profile read from (or written to) JSON; answers layer costs by lookup and interpolation."""
+
+    source: Literal["simulated", "measured"]
+    device: dict[str, Any]
+    model: dict[str, Any]
+    dtype: str
+    seq_length: int
+    entries: list[ProfileEntry]
+    environment: dict[str, Any] = field(default_factory=dict)
+    path: str = ""
+
+    @property
+    def identity(self) -> str:
+        return f"{self.source} profile {self.path or self.device.get('key', '?')}"
+
+    def to_json(self) -> str:
+        body = {
+            "schema": PROFILE_SCHEMA,
+            "source": self.source,
+            "device": self.device,
+            "model": self.model,
+            "dtype": self.dtype,
+            "seq_length": self.seq_length,
+            "environment": self.environment,
+            "entries": [entry.model_dump() for entry in self.entries],
+        }
+        return json.dumps(body, indent=2, sort_keys=True) + "\n"
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json(), encoding="utf-8")
+
+    def layer_cost(self, layer: LayerKind, micro_batch_size: int, tp: int, recompute: Recompute) -> LayerCost:
+        """Exact entry, or linear interpolation/extrapolation in micro-batch size between profiled points."""
+        mode = recompute if layer == "decoder" else "none"
+        points = sorted(
+            (e for e in self.entries if e.layer == layer and e.tp == tp and e.recompute == mode),
+            key=lambda e: e.micro_batch_size,
+        )
+        if not points:
+            have = sorted({(e.tp, e.recompute) for e in self.entries if e.layer == layer})
+            raise SpecError(
+                self.path or "profile", "entries",
+                f"no {layer} entry for tp={tp}, recompute={mode}; profiled (tp, recompute): {have}",
+            )
+        for point in points:
+            if point.micro_batch_size == micro_batch_size:
+                return LayerCost(point.forward_time_s, point.backward_time_s, point.activation_bytes)
+        if len(points) == 1:
+            scale = micro_batch_size / points[0].micro_batch_size
+            only = points[0]
+            return LayerCost(only.forward_time_s * scale, only.backward_time_s * scale, only.activation_bytes * scale)
+        below = [p for p in points if p.micro_batch_size < micro_batch_size]
+        above = [p for p in points if p.micro_batch_size > micro_batch_size]
+        if below and above:
+            lo, hi = below[-1], above[0]
+        elif above:
+            lo, hi = points[0], points[1]
+        else:
+            lo, hi = points[-2], points[-1]
+        weight = (micro_batch_size - lo.micro_batch_size) / (hi.micro_batch_size - lo.micro_batch_size)
+
+        def blend(a: float, b: float) -> float:
+            return max(a + weight * (b - a), 0.0)
+
+        return LayerCost(
+            blend(lo.forward_time_s, hi.forward_time_s),
+            blend(lo.backward_time_s, hi.backward_time_s),
+            blend(lo.activation_bytes, hi.activation_bytes),
+        )
+
+    def tp_degrees(self) -> tuple[int, ...]:
+        return tuple(sorted({e.tp for e in self.entries if e.layer == "decoder"}))
+
+
+def load_profile(path: str | Path) -> DeviceProfile:
+    """Read and validate a profile JSON file."""
+    path = Path(path)
+    data = read_mapping(path)
+    parsed = validate(ProfileFile, data, str(path))
+    return DeviceProfile(
+        source=parsed.source,
+        device=parsed.device,
+        model=parsed.model,
+        dtype=parsed.dtype,
+        seq_length=parsed.seq_length,
+        entries=list(parsed.entries),
+        environment=parsed.environment,
+        path=str(path),
+    )
+
+
+def as_dict(cost: LayerCost) -> dict[str, float]:
+    return asdict(cost)

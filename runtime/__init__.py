@@ -1,0 +1,1 @@
+"""Executes a Plan on torch.distributed and measures it (needs torch)."""

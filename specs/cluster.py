@@ -1,0 +1,144 @@
+"""Cluster files: device groups (homogeneous nodes of one accelerator type) and the network between them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from specs.device import DeviceSpec, get_device
+from specs.errors import SpecError
+from specs.loading import read_mapping, validate
+from specs.units import gbps_to_bytes_per_s
+
+Topology = Literal["rail-optimized", "rail-only", "clos"]
+
+
+class GroupSpec(BaseModel):
+    """A set of identical nodes; overrides replace the catalog's figures for this group only."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = Field(min_length=1)
+    device: str
+    nodes: int = Field(ge=1)
+    devices_per_node: int = Field(ge=1)
+    nics_per_node: int = Field(ge=1)
+    nic_gbps: float = Field(gt=0, description="line rate of one NIC, Gb/s")
+    intra_node_GBps: float | None = Field(default=None, gt=0)
+    memory_GB: float | None = Field(default=None, gt=0)
+    peak_tflops: float | None = Field(default=None, gt=0)
+
+
+class NetworkSpec(BaseModel):
+    """The scale-out network. `inter_group_gbps` is one device's path to a device of another group, Gb/s."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    topology: Topology = "rail-optimized"
+    inter_group_gbps: float = Field(gt=0)
+
+
+class ClusterFile(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = Field(min_length=1)
+    groups: list[GroupSpec] = Field(min_length=1)
+    network: NetworkSpec
+
+    @model_validator(mode="after")
+    def _unique_group_names(self) -> ClusterFile:
+        seen: set[str] = set()
+        for group in self.groups:
+            if group.name in seen:
+                raise ValueError(f"group name {group.name!r} is used twice; names must be unique")
+            seen.add(group.name)
+        return self
+
+
+@dataclass(frozen=True)
+class DeviceGroup:
+    """A cluster group with its catalog device resolved and overrides applied."""
+
+    name: str
+    device: DeviceSpec
+    nodes: int
+    devices_per_node: int
+    nics_per_node: int
+    nic_bw_bytes_per_s: float
+
+    @property
+    def num_devices(self) -> int:
+        return self.nodes * self.devices_per_node
+
+    @property
+    def nic_bw_per_device_bytes_per_s(self) -> float:
+        """Scale-out bandwidth one device gets when all devices of a node send at once (its rail share)."""
+        return self.nics_per_node * self.nic_bw_bytes_per_s / self.devices_per_node
+
+    def with_nodes(self, nodes: int) -> DeviceGroup:
+        return DeviceGroup(
+            self.name, self.device, nodes, self.devices_per_node, self.nics_per_node, self.nic_bw_bytes_per_s
+        )
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    name: str
+    groups: tuple[DeviceGroup, ...]
+    topology: Topology
+    inter_group_bw_bytes_per_s: float
+    source: str = ""
+
+    @property
+    def num_devices(self) -> int:
+        return sum(group.num_devices for group in self.groups)
+
+    def group(self, name: str) -> DeviceGroup:
+        for group in self.groups:
+            if group.name == name:
+                return group
+        raise SpecError(self.source or "cluster", "group", f"no group named {name!r} in cluster {self.name!r}")
+
+    def only(self, group: DeviceGroup) -> ClusterSpec:
+        """The cluster restricted to one group (for homogeneous baselines)."""
+        return ClusterSpec(self.name, (group,), self.topology, self.inter_group_bw_bytes_per_s, self.source)
+
+
+def resolve_cluster(spec: ClusterFile, source: str) -> ClusterSpec:
+    groups = []
+    for index, group in enumerate(spec.groups):
+        device = get_device(group.device, source, f"groups[{index}].device")
+        overrides = {
+            field: getattr(group, field)
+            for field in ("intra_node_GBps", "memory_GB", "peak_tflops")
+            if getattr(group, field) is not None
+        }
+        if overrides:
+            device = device.model_copy(update=overrides)
+        groups.append(
+            DeviceGroup(
+                name=group.name,
+                device=device,
+                nodes=group.nodes,
+                devices_per_node=group.devices_per_node,
+                nics_per_node=group.nics_per_node,
+                nic_bw_bytes_per_s=gbps_to_bytes_per_s(group.nic_gbps),
+            )
+        )
+    return ClusterSpec(
+        name=spec.name,
+        groups=tuple(groups),
+        topology=spec.network.topology,
+        inter_group_bw_bytes_per_s=gbps_to_bytes_per_s(spec.network.inter_group_gbps),
+        source=source,
+    )
+
+
+def load_cluster(path: str | Path) -> ClusterSpec:
+    """Read and validate a cluster YAML/JSON file."""
+    path = Path(path)
+    data = read_mapping(path)
+    return resolve_cluster(validate(ClusterFile, data, str(path)), str(path))

@@ -1,0 +1,84 @@
+"""Accelerator specs and the shipped device catalog (specs/catalog/devices.yaml)."""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
+from specs.errors import SpecError
+from specs.loading import validate
+from specs.units import GIB, GIGA, TERA
+
+CATALOG_DIR = Path(__file__).parent / "catalog"
+
+CollectiveLibrary = Literal["nccl", "rccl", "hccl", "habana-hccl", "xccl", "gloo"]
+
+
+class DeviceSpec(BaseModel):
+    """One accelerator type. File fields carry vendor units; the *_bytes/_per_s properties are SI."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    key: str
+    aliases: tuple[str, ...] = ()
+    name: str
+    vendor: str
+    peak_tflops: float = Field(gt=0)
+    peak_fp32_tflops: float | None = Field(default=None, gt=0)
+    supports_bf16: bool = True
+    memory_GB: float = Field(gt=0)
+    hbm_TBps: float = Field(gt=0)
+    intra_node_GBps: float = Field(gt=0)
+    collective_library: CollectiveLibrary
+    gemm_efficiency: float = Field(gt=0, le=1)
+    intra_node_efficiency: float = Field(gt=0, le=1)
+
+    @property
+    def peak_flops_per_s(self) -> float:
+        """Dense 16-bit peak, FLOP/s."""
+        return self.peak_tflops * TERA
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.memory_GB * GIB
+
+    @property
+    def hbm_bw_bytes_per_s(self) -> float:
+        return self.hbm_TBps * TERA
+
+    @property
+    def intra_node_bw_bytes_per_s(self) -> float:
+        return self.intra_node_GBps * GIGA
+
+    def peak_flops_for_dtype(self, dtype: str) -> float:
+        """Peak FLOP/s for the training dtype; fp32 needs a published fp32 figure."""
+        if dtype == "fp32":
+            if self.peak_fp32_tflops is None:
+                raise SpecError(
+                    "device catalog", f"{self.key}.peak_fp32_tflops", "no fp32 peak is known: train in bf16/fp16"
+                )
+            return self.peak_fp32_tflops * TERA
+        return self.peak_flops_per_s
+
+
+@cache
+def device_catalog() -> dict[str, DeviceSpec]:
+    """All catalog devices by key."""
+    path = CATALOG_DIR / "devices.yaml"
+    entries = yaml.safe_load(path.read_text(encoding="utf-8"))
+    devices = [validate(DeviceSpec, entry, str(path), prefix=f"[{i}]") for i, entry in enumerate(entries)]
+    return {device.key: device for device in devices}
+
+
+def get_device(name: str, source: str = "device", field: str = "device") -> DeviceSpec:
+    """Look a device up by key or alias (case-insensitive)."""
+    wanted = name.strip().lower()
+    for device in device_catalog().values():
+        if wanted == device.key or wanted in device.aliases:
+            return device
+    known = ", ".join(device_catalog())
+    raise SpecError(source, field, f"unknown device {name!r}; expected one of: {known}")

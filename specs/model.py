@@ -1,0 +1,216 @@
+"""Transformer shapes (ModelSpec), the model catalog, Hugging Face config import, and shape formulas.
+
+Formulas (DESIGN.md, "Cost-model facts"): dense decoder layer forward GEMM FLOPs per sequence of length s
+are 2*s*(2*h*h + 2*h*g*d + k*h*f), k=3 for SwiGLU and 2 for GELU, plus attention 4*s*s*h (model FLOPs;
+causal flash kernels execute half of it). Backward is 2x forward. For GPT (f=4h, g=a) a layer is
+24*s*h^2 + 4*s^2*h, and model FLOPs per iteration reproduce Narayanan et al. 2021:
+72*B*s*l*h^2*(1 + s/(6h) + V/(12*l*h)).
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from specs.device import CATALOG_DIR
+from specs.errors import SpecError
+from specs.loading import read_mapping, validate
+
+Recompute = Literal["none", "selective", "full"]
+RECOMPUTE_MODES: tuple[Recompute, ...] = ("none", "selective", "full")
+
+
+class ModelSpec(BaseModel):
+    """A dense decoder-only transformer."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    key: str = "custom"
+    aliases: tuple[str, ...] = ()
+    name: str = ""
+    source: str = ""
+    num_layers: int = Field(ge=1)
+    hidden_size: int = Field(ge=1)
+    ffn_hidden_size: int = Field(ge=1)
+    num_attention_heads: int = Field(ge=1)
+    num_kv_heads: int = Field(ge=1)
+    vocab_size: int = Field(ge=1)
+    seq_length: int = Field(ge=1)
+    mlp: Literal["gelu", "swiglu"]
+    tied_embeddings: bool = False
+
+    @model_validator(mode="after")
+    def _check_shapes(self) -> ModelSpec:
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"hidden_size {self.hidden_size} must be a multiple of num_attention_heads {self.num_attention_heads}"
+            )
+        if self.num_attention_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads {self.num_attention_heads} must be a multiple of num_kv_heads {self.num_kv_heads}"
+            )
+        return self
+
+    # ---- shapes -------------------------------------------------------------------------------------------
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def kv_size(self) -> int:
+        """Width of K (and of V): kv heads x head dim."""
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def mlp_gemm_count(self) -> int:
+        """k in the FLOP formula: SwiGLU has gate, up and down projections; GELU has two."""
+        return 3 if self.mlp == "swiglu" else 2
+
+    @property
+    def has_biases(self) -> bool:
+        """GPT-style layers carry biases and LayerNorm shifts; Llama-style layers do not."""
+        return self.mlp == "gelu"
+
+    def max_tp(self) -> int:
+        """Tensor parallelism splits heads: the degree must divide the kv heads."""
+        return self.num_kv_heads
+
+    # ---- parameters ---------------------------------------------------------------------------------------
+    def layer_params(self) -> int:
+        h, f, kv = self.hidden_size, self.ffn_hidden_size, self.kv_size
+        weights = 2 * h * h + 2 * h * kv + self.mlp_gemm_count * h * f
+        if self.has_biases:
+            return weights + (h + 2 * kv) + h + f + h + 4 * h  # qkv, out, fc1, fc2 biases; two LayerNorms
+        return weights + 2 * h  # two RMSNorm scales
+
+    def embedding_params(self) -> int:
+        positions = self.seq_length * self.hidden_size if self.mlp == "gelu" else 0  # GPT: learned positions
+        return self.vocab_size * self.hidden_size + positions
+
+    def lm_head_params(self) -> int:
+        """Final norm plus the output projection (zero extra when tied to the embedding)."""
+        norm = 2 * self.hidden_size if self.has_biases else self.hidden_size
+        return norm + (0 if self.tied_embeddings else self.vocab_size * self.hidden_size)
+
+    def total_params(self) -> int:
+        return self.num_layers * self.layer_params() + self.embedding_params() + self.lm_head_params()
+
+    # ---- FLOPs --------------------------------------------------------------------------------------------
+    def layer_gemm_flops(self, tokens: int) -> float:
+        """Forward GEMM FLOPs of one layer for `tokens` tokens."""
+        h, f, kv = self.hidden_size, self.ffn_hidden_size, self.kv_size
+        return 2.0 * tokens * (2 * h * h + 2 * h * kv + self.mlp_gemm_count * h * f)
+
+    def layer_attention_flops(self, micro_batch_size: int, seq_length: int, causal_kernel: bool = False) -> float:
+        """Forward QK^T and AV FLOPs: 4*b*s^2*h; a causal kernel computes half."""
+        flops = 4.0 * micro_batch_size * seq_length * seq_length * self.hidden_size
+        return flops / 2 if causal_kernel else flops
+
+    def lm_head_flops(self, tokens: int) -> float:
+        return 2.0 * tokens * self.hidden_size * self.vocab_size
+
+    def model_flops_per_sequence(self, seq_length: int) -> float:
+        """Model FLOPs (forward + backward, no recompute) for one sequence: the numerator of MFU."""
+        forward = self.num_layers * (
+            self.layer_gemm_flops(seq_length) + self.layer_attention_flops(1, seq_length)
+        ) + self.lm_head_flops(seq_length)
+        return 3.0 * forward
+
+    # ---- activations ---------------------------------------------------------------------------------------
+    def layer_activation_elements_per_token(self, recompute: Recompute) -> tuple[float, float]:
+        """Elements saved for backward per token per layer as (replicated, head/ffn-sharded) across TP ranks.
+
+        With flash/SDPA attention (no s^2 score matrix, Korthikanti et al. 2022's 5as/h term dropped) and no
+        dropout. Replicated tensors are split by TP only under sequence parallelism.
+          none:      layer input, QKV input, Q/K/V, attention output, post-attention residual, MLP input,
+                     MLP intermediates (SwiGLU: gate, up, silu(gate), product; GELU: fc1 out, gelu out)
+          selective: recompute norms, core attention and the MLP activation: keep layer input, Q/K/V,
+                     post-attention residual and the MLP up-projection outputs
+          full:      keep only the layer input and recompute the whole layer
+        The profiler measures these with saved-tensor hooks; this is the analytic fallback.
+        """
+        h, f, kv = self.hidden_size, self.ffn_hidden_size, self.kv_size
+        if recompute == "full":
+            return float(h), 0.0
+        if recompute == "selective":
+            return 2.0 * h, float(h + 2 * kv + (2 * f if self.mlp == "swiglu" else f))
+        intermediates = 4 * f if self.mlp == "swiglu" else 2 * f
+        return 4.0 * h, float(h + 2 * kv + h + intermediates)
+
+
+def _model_from_hf_config(data: dict[str, Any], source: str, stem: str) -> ModelSpec:
+    """Translate a Hugging Face config.json (Llama/Mistral/Qwen-style or GPT-2) into a ModelSpec."""
+    model_type = str(data.get("model_type", "")).lower()
+
+    def need(field: str) -> Any:
+        if field not in data:
+            raise SpecError(source, field, f"required by a {model_type or 'Hugging Face'} config.json")
+        return data[field]
+
+    if model_type == "gpt2":
+        hidden = int(need("n_embd"))
+        fields: dict[str, Any] = {
+            "num_layers": need("n_layer"),
+            "hidden_size": hidden,
+            "ffn_hidden_size": data.get("n_inner") or 4 * hidden,
+            "num_attention_heads": need("n_head"),
+            "num_kv_heads": need("n_head"),
+            "vocab_size": need("vocab_size"),
+            "seq_length": data.get("n_positions", 1024),
+            "mlp": "gelu",
+            "tied_embeddings": True,
+        }
+    elif model_type in ("llama", "mistral", "qwen2", "qwen3", "qwen", "internlm2", "yi", "baichuan"):
+        act = str(data.get("hidden_act", "silu")).lower()
+        if act not in ("silu", "swish"):
+            raise SpecError(source, "hidden_act", f"expected 'silu' (SwiGLU) for a {model_type} config, got {act!r}")
+        heads = need("num_attention_heads")
+        fields = {
+            "num_layers": need("num_hidden_layers"),
+            "hidden_size": need("hidden_size"),
+            "ffn_hidden_size": need("intermediate_size"),
+            "num_attention_heads": heads,
+            "num_kv_heads": data.get("num_key_value_heads") or heads,
+            "vocab_size": need("vocab_size"),
+            "seq_length": data.get("max_position_embeddings", 4096),
+            "mlp": "swiglu",
+            "tied_embeddings": bool(data.get("tie_word_embeddings", False)),
+        }
+    else:
+        raise SpecError(
+            source, "model_type", f"expected a Llama, Mistral, Qwen or GPT-2 config.json, got {model_type!r}"
+        )
+    fields.update(key=stem, name=stem, source=f"Hugging Face config {source}")
+    return validate(ModelSpec, fields, source)
+
+
+@cache
+def model_catalog() -> dict[str, ModelSpec]:
+    """All catalog models by key."""
+    path = CATALOG_DIR / "models.yaml"
+    entries = yaml.safe_load(path.read_text(encoding="utf-8"))
+    models = [validate(ModelSpec, entry, str(path), prefix=f"[{i}]") for i, entry in enumerate(entries)]
+    return {model.key: model for model in models}
+
+
+def load_model(name_or_path: str) -> ModelSpec:
+    """A catalog key or alias, a model YAML/JSON file, or a Hugging Face config.json."""
+    wanted = name_or_path.strip().lower()
+    for model in model_catalog().values():
+        if wanted == model.key or wanted in model.aliases:
+            return model
+    path = Path(name_or_path)
+    if not path.exists() and path.suffix.lower() not in (".yaml", ".yml", ".json"):
+        known = ", ".join(model_catalog())
+        raise SpecError("--model", "", f"unknown model {name_or_path!r}; expected a file or one of: {known}")
+    data = read_mapping(path)
+    if "model_type" in data or "architectures" in data:
+        return _model_from_hf_config(data, str(path), path.parent.name if path.stem == "config" else path.stem)
+    data.setdefault("key", path.stem)
+    data.setdefault("name", path.stem)
+    return validate(ModelSpec, data, str(path))
+

@@ -1,0 +1,70 @@
+"""Training settings: batch, sequence, dtype and the strategy options the planner may choose from."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from specs.loading import read_mapping, validate
+from specs.model import RECOMPUTE_MODES, Recompute
+
+Dtype = Literal["bf16", "fp16", "fp32"]
+DTYPE_BYTES: dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4}
+DEFAULT_GLOBAL_BATCH_SIZE = 1024
+
+
+class TrainingSpec(BaseModel):
+    """What to train and which strategy choices are allowed; flags override file values."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    global_batch_size: int = Field(default=DEFAULT_GLOBAL_BATCH_SIZE, ge=1, description="sequences per iteration")
+    seq_length: int | None = Field(default=None, ge=1, description="default: the model's")
+    dtype: Dtype = "bf16"
+    recompute: tuple[Recompute, ...] = RECOMPUTE_MODES
+    zero_stage: Literal[0, 1] = 1
+    micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16)
+    virtual_stages: tuple[int, ...] = Field(
+        default=(1, 2, 4), description="interleaved 1F1B chunks per device the planner may use (1: plain 1F1B)"
+    )
+    sequence_parallel: bool = True
+    overlap_grad_reduce: bool = True
+    memory_reserve_fraction: float = Field(
+        default=0.08, ge=0, lt=1, description="device memory kept free for allocator fragmentation and workspaces"
+    )
+
+    @field_validator("recompute", mode="before")
+    @classmethod
+    def _recompute_list(cls, value: Any) -> Any:
+        return (value,) if isinstance(value, str) else value
+
+    @field_validator("recompute")
+    @classmethod
+    def _recompute_non_empty(cls, value: tuple[Recompute, ...]) -> tuple[Recompute, ...]:
+        if not value:
+            raise ValueError("allow at least one recompute mode (none, selective, full)")
+        return tuple(mode for mode in RECOMPUTE_MODES if mode in value)
+
+    @field_validator("micro_batch_sizes", "virtual_stages")
+    @classmethod
+    def _positive_sizes(cls, value: tuple[int, ...]) -> tuple[int, ...]:
+        if not value or any(size < 1 for size in value):
+            raise ValueError("expected a non-empty list of integers >= 1")
+        return tuple(sorted(set(value)))
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+
+def load_training(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> TrainingSpec:
+    """Read an optional training file, then apply flag overrides (None values are ignored)."""
+    data: dict[str, Any] = read_mapping(Path(path)) if path is not None else {}
+    source = str(path) if path is not None else "training flags"
+    for field, value in (overrides or {}).items():
+        if value is not None:
+            data[field] = value
+            source = f"{source} (with flags)" if "flags" not in source else source
+    return validate(TrainingSpec, data, source)
