@@ -66,8 +66,11 @@ def _load_profiles(directory: Path | None, model: ModelSpec) -> dict[str, Device
         profile = load_profile(path)
         for field in shape_fields:
             if profile.model.get(field) != getattr(model, field):
-                raise SpecError(str(path), f"model.{field}", f"profiled {profile.model.get(field)!r}, "
-                                f"the model to plan has {getattr(model, field)!r}")
+                raise SpecError(
+                    str(path),
+                    f"model.{field}",
+                    f"profiled {profile.model.get(field)!r}, the model to plan has {getattr(model, field)!r}",
+                )
         key = str(profile.device.get("key", ""))
         if key in profiles:
             raise SpecError(str(path), "device.key", f"a second profile for device {key!r} in {directory}")
@@ -98,14 +101,23 @@ def _render_evaluation(ctx: CostContext, evaluation: Evaluation, title: str, ext
         ("cluster", f"{ctx.cluster.name} ({ctx.cluster.num_devices} devices, {evaluation.devices_used} used)"),
         ("model", f"{ctx.model.key} ({ctx.model.total_params() / 1e9:.1f}B params, {ctx.model.num_layers} layers)"),
         ("batch", f"{ctx.training.global_batch_size} x {ctx.seq_length} tokens, {ctx.training.dtype}"),
-        ("strategy", f"{pipeline.replicas} replicas x {len(pipeline.stages)} stages, micro-batch "
-                     f"{pipeline.micro_batch_size} x {pipeline.num_microbatches}, recompute {strategy.recompute}, "
-                     f"ZeRO-{strategy.zero_stage}, {'1F1B' if strategy.virtual_stages == 1 else 'interleaved 1F1B'}"
-                     f"{'' if strategy.virtual_stages == 1 else f' (v={strategy.virtual_stages})'}"),
-        ("iteration", f"{evaluation.iteration_time_s:.3f} s (pipeline {evaluation.pipeline_time_s:.3f}, bubble "
-                      f"{evaluation.bubble_time_s:.3f}, DP sync + optimizer {evaluation.tail_time_s:.3f})"),
-        ("throughput", f"{evaluation.tokens_per_s:,.0f} tokens/s, {evaluation.samples_per_s:.2f} samples/s, "
-                       f"MFU {evaluation.mfu:.1%}"),
+        (
+            "strategy",
+            f"{pipeline.replicas} replicas x {len(pipeline.stages)} stages, micro-batch "
+            f"{pipeline.micro_batch_size} x {pipeline.num_microbatches}, recompute {strategy.recompute}, "
+            f"ZeRO-{strategy.zero_stage}, {'1F1B' if strategy.virtual_stages == 1 else 'interleaved 1F1B'}"
+            f"{'' if strategy.virtual_stages == 1 else f' (v={strategy.virtual_stages})'}",
+        ),
+        (
+            "iteration",
+            f"{evaluation.iteration_time_s:.3f} s (pipeline {evaluation.pipeline_time_s:.3f}, bubble "
+            f"{evaluation.bubble_time_s:.3f}, DP sync + optimizer {evaluation.tail_time_s:.3f})",
+        ),
+        (
+            "throughput",
+            f"{evaluation.tokens_per_s:,.0f} tokens/s, {evaluation.samples_per_s:.2f} samples/s, "
+            f"MFU {evaluation.mfu:.1%}",
+        ),
         *extra_rows,
         ("fits", "yes" if evaluation.fits else f"NO: short by {_gib(evaluation.shortfall_bytes)} GiB per device"),
     ]
@@ -119,9 +131,14 @@ def _render_evaluation(ctx: CostContext, evaluation: Evaluation, title: str, ext
         stage = stage_eval.stage
         memory = f"{_gib(stage_eval.memory.total_bytes)} / {_gib(stage_eval.memory_capacity_bytes)}"
         table.add_row(
-            str(index), stage.group, ctx.cluster.group(stage.group).device.key,
-            f"{stage.layer_start}-{stage.layer_end - 1}", str(stage.num_layers), str(stage.tp),
-            str(stage.tp * pipeline.replicas), f"{stage_eval.compute_time_s * 1e3:.1f}",
+            str(index),
+            stage.group,
+            ctx.cluster.group(stage.group).device.key,
+            f"{stage.layer_start}-{stage.layer_end - 1}",
+            str(stage.num_layers),
+            str(stage.tp),
+            str(stage.tp * pipeline.replicas),
+            f"{stage_eval.compute_time_s * 1e3:.1f}",
             memory if stage_eval.fits else f"[red]{memory}[/red]",
         )
     console.print(table)
@@ -152,7 +169,11 @@ def plan(
     cluster_spec = load_cluster(cluster)
     model_spec = load_model(model)
     training_spec = _training(
-        training, global_batch_size=global_batch, seq_length=seq_len, dtype=dtype, zero_stage=zero_stage,
+        training,
+        global_batch_size=global_batch,
+        seq_length=seq_len,
+        dtype=dtype,
+        zero_stage=zero_stage,
         recompute=recompute.split(",") if recompute else None,
         micro_batch_sizes=_int_list(micro_batch_sizes, "--micro-batch-sizes"),
         virtual_stages=_int_list(virtual_stages, "--virtual-stages"),
@@ -165,22 +186,42 @@ def plan(
 
         with Progress(transient=True) as bar:
             task = bar.add_task("searching", total=None)
-            result = make_plan(cluster_spec, model_spec, training_spec, loaded, top_k=top_k,
-                               progress=lambda done, total: bar.update(task, completed=done, total=total))
+            result = make_plan(
+                cluster_spec,
+                model_spec,
+                training_spec,
+                loaded,
+                top_k=top_k,
+                progress=lambda done, total: bar.update(task, completed=done, total=total),
+            )
     if out is not None:
         result.save(out)
     body = result.to_dict()
     if as_json:
         sys.stdout.write(json.dumps(body, indent=2) + "\n")
         return
-    _render_evaluation(result.context, result.evaluation, "hetplan plan", [
-        ("upper bound", f"{body['upper_bound_tokens_per_s']:,.0f} tokens/s (sum of groups alone): "
-                        f"{body['fraction_of_upper_bound']:.1%} of it"),
-        ("compute bound", f"{body['compute_bound_tokens_per_s']:,.0f} tokens/s (no bubble, no comm): "
-                          f"{body['fraction_of_compute_bound']:.1%} of it"),
-        ("search", f"{body['search_time_s']:.2f} s, {body['search']['evaluated']} of "
-                   f"{body['search']['configurations']} configurations evaluated"),
-    ])
+    _render_evaluation(
+        result.context,
+        result.evaluation,
+        "hetplan plan",
+        [
+            (
+                "upper bound",
+                f"{body['upper_bound_tokens_per_s']:,.0f} tokens/s (sum of groups alone): "
+                f"{body['fraction_of_upper_bound']:.1%} of it",
+            ),
+            (
+                "compute bound",
+                f"{body['compute_bound_tokens_per_s']:,.0f} tokens/s (no bubble, no comm): "
+                f"{body['fraction_of_compute_bound']:.1%} of it",
+            ),
+            (
+                "search",
+                f"{body['search_time_s']:.2f} s, {body['search']['evaluated']} of "
+                f"{body['search']['configurations']} configurations evaluated",
+            ),
+        ],
+    )
     if body["alternatives"]:
         from rich.markup import escape
 
@@ -241,21 +282,34 @@ def predict(
             raise SpecError("--group", "", f"the cluster has several groups ({names}); name one, or use --strategy")
         target = cluster_spec.group(group) if group else cluster_spec.groups[0]
         if model_spec.num_layers % pp:
-            raise SpecError("--pp", "", f"{model_spec.num_layers} layers do not split evenly into {pp} stages "
-                            "(Megatron's default); use --strategy with an uneven plan")
+            raise SpecError(
+                "--pp",
+                "",
+                f"{model_spec.num_layers} layers do not split evenly into {pp} stages "
+                "(Megatron's default); use --strategy with an uneven plan",
+            )
         if tp * pp * dp > target.num_devices:
-            raise SpecError("--tp/--pp/--dp", "", f"tp x pp x dp = {tp * pp * dp} exceeds the "
-                            f"{target.num_devices} devices of group {target.name!r}")
+            raise SpecError(
+                "--tp/--pp/--dp",
+                "",
+                f"tp x pp x dp = {tp * pp * dp} exceeds the {target.num_devices} devices of group {target.name!r}",
+            )
         batch = training_spec.global_batch_size
         if batch % (dp * micro_batch):
             raise SpecError("--global-batch", "", f"{batch} is not a multiple of dp x micro-batch = {dp * micro_batch}")
         per_stage = model_spec.num_layers // pp
-        stages = tuple(StageStrategy(target.name, i * per_stage, (i + 1) * per_stage, tp, i * tp * dp)
-                       for i in range(pp))
+        stages = tuple(
+            StageStrategy(target.name, i * per_stage, (i + 1) * per_stage, tp, i * tp * dp) for i in range(pp)
+        )
         if recompute not in ("none", "selective", "full"):
             raise SpecError("--recompute", "", f"expected none, selective or full, got {recompute!r}")
-        chosen = Strategy((PipelineStrategy(dp, micro_batch, batch // (dp * micro_batch), stages),),
-                          recompute, training_spec.zero_stage, virtual_stages, sequence_parallel)  # type: ignore[arg-type]
+        chosen = Strategy(
+            (PipelineStrategy(dp, micro_batch, batch // (dp * micro_batch), stages),),
+            recompute,
+            training_spec.zero_stage,
+            virtual_stages,
+            sequence_parallel,
+        )  # type: ignore[arg-type]
         source = "flags"
     ctx = build_context(cluster_spec, model_spec, training_spec, _load_profiles(profiles, model_spec))
     evaluation = run_predict(ctx, chosen, source)
@@ -282,8 +336,17 @@ def devices(as_json: JsonOpt = False) -> None:
     for column in ("key", "name", "vendor", "TFLOP/s", "memory GB", "HBM TB/s", "in-node GB/s", "library", "aliases"):
         table.add_column(column)
     for d in catalog.values():
-        table.add_row(d.key, d.name, d.vendor, f"{d.peak_tflops:g}", f"{d.memory_GB:g}", f"{d.hbm_TBps:g}",
-                      f"{d.intra_node_GBps:g}", d.collective_library, ", ".join(d.aliases))
+        table.add_row(
+            d.key,
+            d.name,
+            d.vendor,
+            f"{d.peak_tflops:g}",
+            f"{d.memory_GB:g}",
+            f"{d.hbm_TBps:g}",
+            f"{d.intra_node_GBps:g}",
+            d.collective_library,
+            ", ".join(d.aliases),
+        )
     _console().print(table)
 
 
@@ -303,9 +366,18 @@ def models(as_json: JsonOpt = False) -> None:
     for column in ("key", "params", "layers", "hidden", "ffn", "heads", "kv", "vocab", "seq", "mlp"):
         table.add_column(column)
     for m in catalog.values():
-        table.add_row(m.key, f"{m.total_params() / 1e9:.1f}B", str(m.num_layers), str(m.hidden_size),
-                      str(m.ffn_hidden_size), str(m.num_attention_heads), str(m.num_kv_heads), str(m.vocab_size),
-                      str(m.seq_length), m.mlp)
+        table.add_row(
+            m.key,
+            f"{m.total_params() / 1e9:.1f}B",
+            str(m.num_layers),
+            str(m.hidden_size),
+            str(m.ffn_hidden_size),
+            str(m.num_attention_heads),
+            str(m.num_kv_heads),
+            str(m.vocab_size),
+            str(m.seq_length),
+            m.mlp,
+        )
     _console().print(table)
 
 
@@ -328,10 +400,17 @@ def simulate_profile(
 
     model_spec = load_model(model)
     training_spec = _training(None, dtype=dtype, seq_length=seq_len)
-    simulated = SimulatedDevice(get_device(device, "--device"), model_spec, seq_len or model_spec.seq_length,
-                                training_spec.dtype, noise=noise, seed=seed)
-    profile = simulated.to_profile(tuple(_int_list(micro_batches, "--micro-batches") or ()),
-                                   tuple(_int_list(tp, "--tp") or ()))
+    simulated = SimulatedDevice(
+        get_device(device, "--device"),
+        model_spec,
+        seq_len or model_spec.seq_length,
+        training_spec.dtype,
+        noise=noise,
+        seed=seed,
+    )
+    profile = simulated.to_profile(
+        tuple(_int_list(micro_batches, "--micro-batches") or ()), tuple(_int_list(tp, "--tp") or ())
+    )
     profile.save(out)
     _console().print(f"{len(profile.entries)} entries written to {out}")
 

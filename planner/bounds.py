@@ -38,8 +38,13 @@ def group_alone_tokens_per_s(ctx: CostContext, group: DeviceGroup) -> tuple[floa
 
     for doubling in range(MAX_SCALE_DOUBLINGS + 1):
         scaled = group.with_nodes(group.nodes * 2**doubling)
-        cluster = ClusterSpec(ctx.cluster.name, (scaled,), ctx.cluster.topology,
-                              ctx.cluster.inter_group_bw_bytes_per_s, ctx.cluster.source)
+        cluster = ClusterSpec(
+            ctx.cluster.name,
+            (scaled,),
+            ctx.cluster.topology,
+            ctx.cluster.inter_group_bw_bytes_per_s,
+            ctx.cluster.source,
+        )
         alone = CostContext(cluster, ctx.model, ctx.training, {scaled.name: ctx.source(group.name)})
         result = search(alone, top_k=1)
         if result.evaluations:
@@ -48,4 +53,6 @@ def group_alone_tokens_per_s(ctx: CostContext, group: DeviceGroup) -> tuple[floa
                 return best.tokens_per_s, False
             return best.tokens_per_s * group.num_devices / best.devices_used, True
     single = ClusterSpec(ctx.cluster.name, (group,), ctx.cluster.topology, ctx.cluster.inter_group_bw_bytes_per_s)
-    return compute_bound_tokens_per_s(CostContext(single, ctx.model, ctx.training, {group.name: ctx.source(group.name)})), True
+    return compute_bound_tokens_per_s(
+        CostContext(single, ctx.model, ctx.training, {group.name: ctx.source(group.name)})
+    ), True

@@ -47,9 +47,7 @@ def split_layers(
 
     # Candidate bottlenecks: every reachable stage time, deduplicated over identical (a, e, cap) stages.
     keys = np.unique(np.stack([a, e, cap.astype(float)], axis=1), axis=0)
-    candidates = np.unique(np.concatenate([
-        ak * np.arange(least, int(ck) + 1) + ek for ak, ek, ck in keys
-    ]))
+    candidates = np.unique(np.concatenate([ak * np.arange(least, int(ck) + 1) + ek for ak, ek, ck in keys]))
     extra = num_layers - stages * least
 
     def fill(bound: np.ndarray) -> np.ndarray:

@@ -45,8 +45,9 @@ class Plan:
         return self.evaluation.strategy
 
     def to_dict(self) -> dict[str, Any]:
-        return plan_dict(self.context, self.evaluation, self.bounds, self.search_time_s, self.search_stats,
-                         self.alternatives)
+        return plan_dict(
+            self.context, self.evaluation, self.bounds, self.search_time_s, self.search_stats, self.alternatives
+        )
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2) + "\n"
@@ -64,35 +65,39 @@ def evaluation_dict(ctx: CostContext, evaluation: Evaluation) -> dict[str, Any]:
         for stage_eval in evaluation.stages:
             stage = stage_eval.stage
             memory = stage_eval.memory
-            stages.append({
-                "group": stage.group,
-                "device": ctx.cluster.group(stage.group).device.key,
-                "layers": [stage.layer_start, stage.layer_end],
-                "tp": stage.tp,
-                "devices": stage.tp * pipeline.replicas,
-                "device_offset": stage.device_offset,
-                "compute_time_s": _round(stage_eval.compute_time_s),
-                "p2p_time_s": _round(stage_eval.p2p_time_s),
-                "dp_sync_time_s": _round(stage_eval.dp_sync_time_s),
-                "memory_bytes": int(memory.total_bytes),
-                "memory_capacity_bytes": int(stage_eval.memory_capacity_bytes),
-                "memory_usable_bytes": int(stage_eval.memory_usable_bytes),
-                "memory_breakdown_bytes": {
-                    "weights": int(memory.weights_bytes),
-                    "grads": int(memory.grads_bytes),
-                    "optimizer": int(memory.optimizer_bytes),
-                    "activations": int(memory.activation_bytes),
-                },
-                "fits": stage_eval.fits,
-            })
-        pipelines.append({
-            "replicas": pipeline.replicas,
-            "micro_batch_size": pipeline.micro_batch_size,
-            "num_microbatches": pipeline.num_microbatches,
-            "samples_per_replica": pipeline.samples_per_replica,
-            "batch_weight": _round(pipeline.samples_per_replica / ctx.training.global_batch_size),
-            "stages": stages,
-        })
+            stages.append(
+                {
+                    "group": stage.group,
+                    "device": ctx.cluster.group(stage.group).device.key,
+                    "layers": [stage.layer_start, stage.layer_end],
+                    "tp": stage.tp,
+                    "devices": stage.tp * pipeline.replicas,
+                    "device_offset": stage.device_offset,
+                    "compute_time_s": _round(stage_eval.compute_time_s),
+                    "p2p_time_s": _round(stage_eval.p2p_time_s),
+                    "dp_sync_time_s": _round(stage_eval.dp_sync_time_s),
+                    "memory_bytes": int(memory.total_bytes),
+                    "memory_capacity_bytes": int(stage_eval.memory_capacity_bytes),
+                    "memory_usable_bytes": int(stage_eval.memory_usable_bytes),
+                    "memory_breakdown_bytes": {
+                        "weights": int(memory.weights_bytes),
+                        "grads": int(memory.grads_bytes),
+                        "optimizer": int(memory.optimizer_bytes),
+                        "activations": int(memory.activation_bytes),
+                    },
+                    "fits": stage_eval.fits,
+                }
+            )
+        pipelines.append(
+            {
+                "replicas": pipeline.replicas,
+                "micro_batch_size": pipeline.micro_batch_size,
+                "num_microbatches": pipeline.num_microbatches,
+                "samples_per_replica": pipeline.samples_per_replica,
+                "batch_weight": _round(pipeline.samples_per_replica / ctx.training.global_batch_size),
+                "stages": stages,
+            }
+        )
     return {
         "iteration_time_s": _round(evaluation.iteration_time_s),
         "tokens_per_s": _round(evaluation.tokens_per_s),
@@ -136,24 +141,28 @@ def plan_dict(
 ) -> dict[str, Any]:
     body = header_dict(ctx)
     body.update(evaluation_dict(ctx, evaluation))
-    body.update({
-        "upper_bound_tokens_per_s": _round(bounds.upper_bound_tokens_per_s),
-        "fraction_of_upper_bound": _round(evaluation.tokens_per_s / bounds.upper_bound_tokens_per_s),
-        "compute_bound_tokens_per_s": _round(bounds.compute_bound_tokens_per_s),
-        "fraction_of_compute_bound": _round(evaluation.tokens_per_s / bounds.compute_bound_tokens_per_s),
-        "upper_bound_by_group_tokens_per_s": {k: _round(v) for k, v in bounds.per_group_upper_bound_tokens_per_s.items()},
-        "upper_bound_scaled_groups": list(bounds.scaled_groups),
-        "search_time_s": round(search_time_s, 3),
-        "search": search_stats,
-        "alternatives": [
-            {
-                "iteration_time_s": _round(alt.iteration_time_s),
-                "tokens_per_s": _round(alt.tokens_per_s),
-                "summary": describe_strategy(alt.strategy),
-            }
-            for alt in alternatives
-        ],
-    })
+    body.update(
+        {
+            "upper_bound_tokens_per_s": _round(bounds.upper_bound_tokens_per_s),
+            "fraction_of_upper_bound": _round(evaluation.tokens_per_s / bounds.upper_bound_tokens_per_s),
+            "compute_bound_tokens_per_s": _round(bounds.compute_bound_tokens_per_s),
+            "fraction_of_compute_bound": _round(evaluation.tokens_per_s / bounds.compute_bound_tokens_per_s),
+            "upper_bound_by_group_tokens_per_s": {
+                k: _round(v) for k, v in bounds.per_group_upper_bound_tokens_per_s.items()
+            },
+            "upper_bound_scaled_groups": list(bounds.scaled_groups),
+            "search_time_s": round(search_time_s, 3),
+            "search": search_stats,
+            "alternatives": [
+                {
+                    "iteration_time_s": _round(alt.iteration_time_s),
+                    "tokens_per_s": _round(alt.tokens_per_s),
+                    "summary": describe_strategy(alt.strategy),
+                }
+                for alt in alternatives
+            ],
+        }
+    )
     return body
 
 
@@ -161,8 +170,10 @@ def describe_strategy(strategy: Strategy) -> str:
     """One line: 'dp 8 x [amd tp8 L0-4 | ascend tp8 L5-14 ...], mbs 1, recompute selective, zero 1'."""
     pipeline = strategy.pipelines[0]
     stages = " | ".join(f"{s.group} tp{s.tp} L{s.layer_start}-{s.layer_end - 1}" for s in pipeline.stages)
-    return (f"dp {pipeline.replicas} x [{stages}], mbs {pipeline.micro_batch_size} x {pipeline.num_microbatches}, "
-            f"recompute {strategy.recompute}, zero {strategy.zero_stage}, v {strategy.virtual_stages}")
+    return (
+        f"dp {pipeline.replicas} x [{stages}], mbs {pipeline.micro_batch_size} x {pipeline.num_microbatches}, "
+        f"recompute {strategy.recompute}, zero {strategy.zero_stage}, v {strategy.virtual_stages}"
+    )
 
 
 # ---- reading a plan back (predict --strategy) -------------------------------------------------------------

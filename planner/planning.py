@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import time
-from typing import Mapping
+from collections.abc import Mapping
 
 from planner.bounds import compute_bound_tokens_per_s, group_alone_tokens_per_s
 from planner.plan import Bounds, Plan
 from planner.search import ProgressCallback, search
-from predictor.cost_model import CostContext, Evaluation, build_context, check_strategy, evaluate
+from predictor.cost_model import (
+    CostContext,
+    Evaluation,
+    build_context,
+    check_strategy,
+    evaluate,
+    state_bytes_per_param,
+    usable_memory_bytes,
+)
 from predictor.strategy import Strategy
 from profiler.profile import DeviceProfile
 from specs.cluster import ClusterSpec
@@ -50,10 +58,14 @@ def plan(
                 "per device; add devices, allow full recompute or ZeRO-1, or shorten the sequence",
                 result.smallest_shortfall_bytes,
             )
+        state = model.total_params() * state_bytes_per_param(ctx, dp=1)
+        usable = sum(g.num_devices * usable_memory_bytes(ctx, g) for g in cluster.groups)
+        missing = (state - usable) / cluster.num_devices
         raise DoesNotFitError(
-            f"{model.key} does not fit on cluster {cluster.name!r}: no strategy holds even the weights, gradients "
-            "and optimizer state; add devices or enable ZeRO-1",
-            float("inf"),
+            f"{model.key} does not fit on cluster {cluster.name!r}: its weights, gradients and optimizer state "
+            f"alone ({state / GIB:,.0f} GiB) need {missing / GIB:.1f} GiB more per device than the "
+            f"{usable / GIB:,.0f} GiB usable; add devices",
+            missing,
         )
     stats = {
         "configurations": result.configurations,

@@ -12,9 +12,8 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
@@ -125,16 +124,18 @@ def outer_configs(ctx: CostContext) -> list[OuterConfig]:
                                 if virtual > 1 and (sum(counts) == 1 or sum(counts) * virtual > model.num_layers):
                                     continue
                                 for order in _orders(subset):
-                                    configs.append(OuterConfig(
-                                        groups=tuple(subset[i] for i in order),
-                                        tps=tuple(tps[i] for i in order),
-                                        stage_counts=tuple(counts[i] for i in order),
-                                        replicas=replicas,
-                                        micro_batch_size=micro_batch_size,
-                                        recompute=recompute,
-                                        virtual_stages=virtual,
-                                        lower_bound_s=bound,
-                                    ))
+                                    configs.append(
+                                        OuterConfig(
+                                            groups=tuple(subset[i] for i in order),
+                                            tps=tuple(tps[i] for i in order),
+                                            stage_counts=tuple(counts[i] for i in order),
+                                            replicas=replicas,
+                                            micro_batch_size=micro_batch_size,
+                                            recompute=recompute,
+                                            virtual_stages=virtual,
+                                            lower_bound_s=bound,
+                                        )
+                                    )
     configs.sort(key=lambda c: c.lower_bound_s)  # stable: ties keep enumeration order
     return configs
 
@@ -153,8 +154,14 @@ def _stage_arrays(
         per_layer.append(decoder_layer_time_s(ctx, group, config.micro_batch_size, tp, config.recompute))
         fixed.append(edge_time_s(ctx, group, config.micro_batch_size, tp, first, last))
         common = dict(
-            micro_batch_size=config.micro_batch_size, tp=tp, recompute=config.recompute, dp=config.replicas,
-            in_flight=in_flight_microbatches(index, p, microbatches, config.virtual_stages), first=first, last=last, pipeline_stages=p,
+            micro_batch_size=config.micro_batch_size,
+            tp=tp,
+            recompute=config.recompute,
+            dp=config.replicas,
+            in_flight=in_flight_microbatches(index, p, microbatches, config.virtual_stages),
+            first=first,
+            last=last,
+            pipeline_stages=p,
         )
         empty = stage_memory(ctx, group, num_layers=0, **common).total_bytes
         one = stage_memory(ctx, group, num_layers=1, **common).total_bytes
@@ -162,13 +169,17 @@ def _stage_arrays(
         per_layer_bytes.append(one - empty)
         fixed_bytes.append(empty - usable)
         caps.append(math.floor((usable - empty) / (one - empty)) if usable >= empty else 0)
-    return (stages, np.array(per_layer), np.array(fixed), np.array(caps), np.array(per_layer_bytes),
-            np.array(fixed_bytes))
+    return (
+        stages,
+        np.array(per_layer),
+        np.array(fixed),
+        np.array(caps),
+        np.array(per_layer_bytes),
+        np.array(fixed_bytes),
+    )
 
 
-def _shortfall_bytes(
-    num_layers: int, per_layer_bytes: np.ndarray, excess_empty: np.ndarray, least: int
-) -> float:
+def _shortfall_bytes(num_layers: int, per_layer_bytes: np.ndarray, excess_empty: np.ndarray, least: int) -> float:
     """Smallest X such that the stages could hold the model if every device had X more bytes."""
     low, high = 0.0, float(num_layers * per_layer_bytes.max() + max(0.0, excess_empty.max()))
     for _ in range(60):
@@ -220,10 +231,13 @@ def search(ctx: CostContext, top_k: int = 1, progress: ProgressCallback | None =
                 missing = _shortfall_bytes(num_layers, per_layer_bytes, excess_empty, config.virtual_stages)
                 if missing < shortfall:
                     shortfall = missing
-                    names = "+".join(f"{g.name}(tp{t}x{c})" for g, t, c in
-                                     zip(config.groups, config.tps, config.stage_counts))
-                    shortfall_where = (f"{names}, dp {config.replicas}, micro-batch {config.micro_batch_size}, "
-                                       f"recompute {config.recompute}, virtual stages {config.virtual_stages}")
+                    names = "+".join(
+                        f"{g.name}(tp{t}x{c})" for g, t, c in zip(config.groups, config.tps, config.stage_counts)
+                    )
+                    shortfall_where = (
+                        f"{names}, dp {config.replicas}, micro-batch {config.micro_batch_size}, "
+                        f"recompute {config.recompute}, virtual stages {config.virtual_stages}"
+                    )
             continue
         evaluation = evaluate(ctx, build_strategy(ctx, config, split.layers))
         if not evaluation.fits:

@@ -71,9 +71,8 @@ def hierarchical_all_reduce_time_s(
     """Two-level all-reduce; falls back to a flat ring over the slow link when that is faster."""
     if nodes <= 1:
         return all_reduce_time_s(size_bytes, ranks_per_node, inner)
-    two_level = (
-        2 * reduce_scatter_time_s(size_bytes, ranks_per_node, inner)
-        + all_reduce_time_s(size_bytes / ranks_per_node, nodes, outer)
+    two_level = 2 * reduce_scatter_time_s(size_bytes, ranks_per_node, inner) + all_reduce_time_s(
+        size_bytes / ranks_per_node, nodes, outer
     )
     flat = all_reduce_time_s(size_bytes, ranks_per_node * nodes, outer)
     return min(two_level, flat)

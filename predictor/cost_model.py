@@ -11,8 +11,8 @@ DP degree under ZeRO-1), activations of in-flight micro-batches under 1F1B (min(
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Mapping
 
 from predictor.comm_model import (
     Link,
@@ -73,7 +73,8 @@ def build_context(
     for group in cluster.groups:
         if training.dtype == "bf16" and not group.device.supports_bf16:
             raise SpecError(
-                cluster.source or "cluster", f"group {group.name}",
+                cluster.source or "cluster",
+                f"group {group.name}",
                 f"{group.device.key} has no bf16: train in fp16 (--dtype fp16)",
             )
     sources: dict[str, LayerCostSource] = {}
@@ -87,7 +88,12 @@ def build_context(
             sources[group.name] = profile
         else:
             sources[group.name] = SimulatedDevice(
-                group.device, model, seq_length, training.dtype, noise=noise, seed=seed,
+                group.device,
+                model,
+                seq_length,
+                training.dtype,
+                noise=noise,
+                seed=seed,
                 sequence_parallel=training.sequence_parallel,
             )
     return CostContext(cluster, model, training, sources)
@@ -110,9 +116,7 @@ def decoder_layer_time_s(
     return cost.time_s + collectives * tp_collective_time_s(ctx, group, micro_batch_size, tp)
 
 
-def edge_time_s(
-    ctx: CostContext, group: DeviceGroup, micro_batch_size: int, tp: int, first: bool, last: bool
-) -> float:
+def edge_time_s(ctx: CostContext, group: DeviceGroup, micro_batch_size: int, tp: int, first: bool, last: bool) -> float:
     """Embedding (first stage) and final norm + LM head + loss (last stage) per micro-batch, with one TP
     collective each."""
     source = ctx.source(group.name)
@@ -296,7 +300,9 @@ class Evaluation:
 def check_strategy(ctx: CostContext, strategy: Strategy, source: str = "strategy") -> None:
     """Structural checks: layers covered once, TP inside a node and dividing heads, devices available, batch."""
     if len(strategy.pipelines) != 1:
-        raise SpecError(source, "pipelines", "expected exactly one pipeline family (several families are not supported)")
+        raise SpecError(
+            source, "pipelines", "expected exactly one pipeline family (several families are not supported)"
+        )
     pipeline = strategy.pipelines[0]
     model, training = ctx.model, ctx.training
     if not pipeline.stages:
@@ -307,21 +313,37 @@ def check_strategy(ctx: CostContext, strategy: Strategy, source: str = "strategy
         where = f"pipelines[0].stages[{index}]"
         group = ctx.cluster.group(stage.group)
         if stage.layer_start != expected_start or stage.layer_end <= stage.layer_start:
-            raise SpecError(source, f"{where}.layers", f"expected [{expected_start}, end > {expected_start}) "
-                            f"(contiguous, non-empty), got [{stage.layer_start}, {stage.layer_end})")
+            raise SpecError(
+                source,
+                f"{where}.layers",
+                f"expected [{expected_start}, end > {expected_start}) "
+                f"(contiguous, non-empty), got [{stage.layer_start}, {stage.layer_end})",
+            )
         expected_start = stage.layer_end
         if group.devices_per_node % stage.tp or stage.tp < 1:
-            raise SpecError(source, f"{where}.tp", f"expected a divisor of {group.devices_per_node} devices per node "
-                            f"(TP stays inside a node), got {stage.tp}")
+            raise SpecError(
+                source,
+                f"{where}.tp",
+                f"expected a divisor of {group.devices_per_node} devices per node "
+                f"(TP stays inside a node), got {stage.tp}",
+            )
         if model.num_kv_heads % stage.tp:
-            raise SpecError(source, f"{where}.tp", f"expected a divisor of the model's {model.num_kv_heads} kv heads, "
-                            f"got {stage.tp}")
+            raise SpecError(
+                source,
+                f"{where}.tp",
+                f"expected a divisor of the model's {model.num_kv_heads} kv heads, got {stage.tp}",
+            )
         used.setdefault(stage.group, []).append((stage.device_offset, stage.tp * pipeline.replicas))
     if strategy.virtual_stages > 1 and any(s.num_layers < strategy.virtual_stages for s in pipeline.stages):
-        raise SpecError(source, "virtual_stages", f"every stage needs at least {strategy.virtual_stages} layers "
-                        "(one per interleaved chunk)")
+        raise SpecError(
+            source,
+            "virtual_stages",
+            f"every stage needs at least {strategy.virtual_stages} layers (one per interleaved chunk)",
+        )
     if expected_start != model.num_layers:
-        raise SpecError(source, "pipelines[0].stages", f"layers cover [0, {expected_start}), expected [0, {model.num_layers})")
+        raise SpecError(
+            source, "pipelines[0].stages", f"layers cover [0, {expected_start}), expected [0, {model.num_layers})"
+        )
     for name, blocks in used.items():
         group = ctx.cluster.group(name)
         blocks.sort()
@@ -331,12 +353,19 @@ def check_strategy(ctx: CostContext, strategy: Strategy, source: str = "strategy
                 raise SpecError(source, "pipelines[0].stages", f"stages overlap on devices of group {name!r}")
             end = offset + size
         if end > group.num_devices:
-            raise SpecError(source, "pipelines[0].stages",
-                            f"group {name!r} has {group.num_devices} devices, the plan uses up to {end}")
+            raise SpecError(
+                source,
+                "pipelines[0].stages",
+                f"group {name!r} has {group.num_devices} devices, the plan uses up to {end}",
+            )
     samples = pipeline.replicas * pipeline.micro_batch_size * pipeline.num_microbatches
     if samples != training.global_batch_size:
-        raise SpecError(source, "pipelines[0]", f"replicas x micro-batch x micro-batches = {samples}, expected the "
-                        f"global batch {training.global_batch_size}")
+        raise SpecError(
+            source,
+            "pipelines[0]",
+            f"replicas x micro-batch x micro-batches = {samples}, expected the "
+            f"global batch {training.global_batch_size}",
+        )
 
 
 def evaluate(ctx: CostContext, strategy: Strategy) -> Evaluation:
@@ -357,10 +386,17 @@ def evaluate(ctx: CostContext, strategy: Strategy) -> Evaluation:
         backward = stage.num_layers * layer_cost.backward_time_s
         exposed = max(0.0, dp_time - backward) if ctx.training.overlap_grad_reduce else dp_time
         memory = stage_memory(
-            ctx, group, num_layers=stage.num_layers, micro_batch_size=b, tp=stage.tp,
-            recompute=strategy.recompute, dp=replicas,
+            ctx,
+            group,
+            num_layers=stage.num_layers,
+            micro_batch_size=b,
+            tp=stage.tp,
+            recompute=strategy.recompute,
+            dp=replicas,
             in_flight=in_flight_microbatches(index, p, m, strategy.virtual_stages),
-            first=first, last=last, pipeline_stages=p,
+            first=first,
+            last=last,
+            pipeline_stages=p,
         )
         evaluated.append(
             StageEvaluation(

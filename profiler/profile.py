@@ -119,7 +119,8 @@ class DeviceProfile:
         if not points:
             have = sorted({(e.tp, e.recompute) for e in self.entries if e.layer == layer})
             raise SpecError(
-                self.path or "profile", "entries",
+                self.path or "profile",
+                "entries",
                 f"no {layer} entry for tp={tp}, recompute={mode}; profiled (tp, recompute): {have}",
             )
         for point in points:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from specs.device import DeviceSpec, get_device
 from specs.errors import SpecError
@@ -48,14 +48,15 @@ class ClusterFile(BaseModel):
     groups: list[GroupSpec] = Field(min_length=1)
     network: NetworkSpec
 
-    @model_validator(mode="after")
-    def _unique_group_names(self) -> ClusterFile:
+    @field_validator("groups")
+    @classmethod
+    def _unique_group_names(cls, groups: list[GroupSpec]) -> list[GroupSpec]:
         seen: set[str] = set()
-        for group in self.groups:
+        for group in groups:
             if group.name in seen:
                 raise ValueError(f"group name {group.name!r} is used twice; names must be unique")
             seen.add(group.name)
-        return self
+        return groups
 
 
 @dataclass(frozen=True)

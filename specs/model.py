@@ -213,4 +213,3 @@ def load_model(name_or_path: str) -> ModelSpec:
     data.setdefault("key", path.stem)
     data.setdefault("name", path.stem)
     return validate(ModelSpec, data, str(path))
-

@@ -1,0 +1,170 @@
+"""The command line as a user meets it: subprocesses, exit codes, one-line errors, JSON, no torch needed."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import EXAMPLES, ONE_T4_NODE, ROOT
+
+NO_TORCH = (
+    "import sys; sys.modules['torch'] = None\n"  # any `import torch` now raises ImportError
+    "import cli\n"
+    "sys.argv = ['hetplan', *sys.argv[1:]]\n"
+    "try:\n"
+    "    cli.main()\n"
+    "finally:\n"
+    "    assert 'torch' not in [m for m in sys.modules if sys.modules[m] is not None], 'torch was imported'\n"
+)
+
+
+def hetplan(*args: str) -> subprocess.CompletedProcess[str]:
+    """Run the CLI in a fresh interpreter where torch cannot be imported."""
+    return subprocess.run(
+        [sys.executable, "-c", NO_TORCH, *args], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+
+
+@pytest.fixture(scope="module")
+def small_plan(tmp_path_factory):
+    out = tmp_path_factory.mktemp("plan") / "plan.json"
+    result = hetplan(
+        "plan",
+        "--cluster",
+        str(EXAMPLES / "a100-v100-32.yaml"),
+        "--model",
+        "gpt3-6.7b",
+        "--dtype",
+        "fp16",
+        "--global-batch",
+        "256",
+        "--json",
+        "--out",
+        str(out),
+    )
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout), out
+
+
+def test_plan_json_has_the_schema_fields(small_plan):
+    body, out = small_plan
+    for field in (
+        "iteration_time_s",
+        "tokens_per_s",
+        "mfu",
+        "upper_bound_tokens_per_s",
+        "fraction_of_upper_bound",
+        "compute_bound_tokens_per_s",
+        "fraction_of_compute_bound",
+        "search_time_s",
+        "recompute",
+        "zero_stage",
+        "pipelines",
+    ):
+        assert field in body
+    pipeline = body["pipelines"][0]
+    for field in ("replicas", "micro_batch_size", "num_microbatches", "stages"):
+        assert field in pipeline
+    for stage in pipeline["stages"]:
+        assert set(stage) >= {"group", "device", "layers", "tp", "devices", "memory_bytes", "memory_capacity_bytes"}
+    assert json.loads(out.read_text()) == body
+
+
+def test_predict_strategy_reproduces_the_plan(small_plan):
+    body, out = small_plan
+    result = hetplan("predict", "--cluster", str(EXAMPLES / "a100-v100-32.yaml"), "--strategy", str(out), "--json")
+    assert result.returncode == 0, result.stderr
+    predicted = json.loads(result.stdout)
+    assert predicted["fits"] is True
+    assert predicted["iteration_time_s"] == body["iteration_time_s"]
+    assert predicted["pipelines"] == body["pipelines"]
+
+
+def test_predict_megatron_flags_on_homogeneous_a100(write):
+    cluster = write(
+        "a100.yaml",
+        """
+name: dgx-a100-x16
+groups:
+  - {name: a100, device: a100-80gb, nodes: 16, devices_per_node: 8, nics_per_node: 8, nic_gbps: 200}
+network: {topology: rail-optimized, inter_group_gbps: 200}
+""",
+    )
+    megatron = f"predict --cluster {cluster} --model gpt3-175b --tp 8 --pp 16 --dp 1 --micro-batch 1 --recompute full"
+    result = hetplan(*megatron.split(), "--global-batch", "256", "--json")
+    assert result.returncode == 0, result.stderr
+    body = json.loads(result.stdout)
+    assert body["iteration_time_s"] > 0 and body["fits"] is True
+    stages = body["pipelines"][0]["stages"]
+    assert len(stages) == 16 and all(s["layers"][1] - s["layers"][0] == 6 for s in stages)
+    assert all(0 < s["memory_bytes"] < s["memory_capacity_bytes"] for s in stages)
+    table = hetplan(*megatron.split(), "--global-batch", "256")
+    assert table.returncode == 0 and "memory GiB" in table.stdout and "iteration" in table.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (("plan", "--cluster", "missing.yaml", "--model", "llama2-7b"), "missing.yaml: file not found"),
+        (("plan", "--cluster", "examples/hethub-768.yaml", "--model", "gpt5"), "unknown model 'gpt5'"),
+        (("plan", "--cluster", "examples/hethub-768.yaml", "--model", "llama2-7b", "--zero-stage", "2"), "zero_stage"),
+        (
+            ("predict", "--cluster", "examples/hethub-768.yaml", "--model", "llama2-7b", "--tp", "8"),
+            "several groups (amd, ascend)",
+        ),
+        (
+            ("predict", "--cluster", "examples/hethub-768.yaml", "--model", "llama2-7b", "--group", "amd", "--pp", "3"),
+            "32 layers do not split evenly into 3 stages",
+        ),
+    ],
+)
+def test_user_errors_print_one_line_and_exit_2(args, expected):
+    result = hetplan(*args)
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("hetplan: error: ") and expected in lines[0]
+
+
+def test_does_not_fit_exits_2_with_the_shortfall(write):
+    cluster = write(
+        "t4.yaml",
+        ONE_T4_NODE,
+    )
+    result = hetplan("plan", "--cluster", str(cluster), "--model", "llama2-70b", "--dtype", "fp16")
+    assert result.returncode == 2
+    assert "does not fit" in result.stderr and "GiB more per device" in result.stderr
+
+
+def test_catalog_listings():
+    devices = hetplan("devices", "--json")
+    assert devices.returncode == 0
+    assert {"h100", "mi300x", "ascend-910b", "cpu"} <= {d["key"] for d in json.loads(devices.stdout)}
+    models = hetplan("models")
+    assert models.returncode == 0 and "llama-140b" in models.stdout and "139.8B" in models.stdout
+
+
+def test_simulate_profile_writes_a_loadable_profile(tmp_path):
+    out = tmp_path / "h100.json"
+    result = hetplan(
+        "simulate-profile",
+        "--device",
+        "h100",
+        "--model",
+        "llama3-8b",
+        "--micro-batches",
+        "1,2",
+        "--tp",
+        "1,2",
+        "--out",
+        str(out),
+    )
+    assert result.returncode == 0, result.stderr
+    from profiler import load_profile
+
+    profile = load_profile(out)
+    assert profile.source == "simulated" and len(profile.entries) == 2 * 2 * 5

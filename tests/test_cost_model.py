@@ -1,0 +1,112 @@
+"""The cost model against hand-computed cases."""
+
+from __future__ import annotations
+
+import pytest
+
+from predictor.comm_model import (
+    IN_NODE_ALPHA_S,
+    Link,
+    all_reduce_time_s,
+    hierarchical_all_reduce_time_s,
+    in_node_link,
+)
+from predictor.cost_model import CostContext, check_strategy, evaluate
+from predictor.strategy import PipelineStrategy, StageStrategy, Strategy
+from specs import SpecError, get_device, load_model, load_training
+from specs.cluster import ClusterSpec, DeviceGroup
+from tests.conftest import EXAMPLES, FixedCosts
+
+
+def one_node_cluster(device: str = "a100-80gb", nodes: int = 1) -> ClusterSpec:
+    group = DeviceGroup("g", get_device(device), nodes, 8, 8, 25e9)
+    return ClusterSpec("test", (group,), "rail-optimized", 12.5e9)
+
+
+def test_ring_all_reduce_formula():
+    link = Link("in_node", 100e9, 1e-5)
+    # 2(n-1)/n * S / busbw + 2(n-1) * alpha
+    assert all_reduce_time_s(1e9, 4, link) == pytest.approx(1.5 * 1e9 / 100e9 + 6 * 1e-5)
+    assert all_reduce_time_s(1e9, 1, link) == 0.0
+
+
+def test_two_level_all_reduce_beats_flat_ring_over_slow_links():
+    fast, slow = Link("in_node", 200e9, 5e-6), Link("rail", 25e9, 1e-5)
+    size, per_node, nodes = 4e9, 8, 4
+    two_level = hierarchical_all_reduce_time_s(size, per_node, nodes, fast, slow)
+    expected = 2 * (7 / 8 * size / 200e9 + 7 * 5e-6) + (2 * 3 / 4 * size / 8 / 25e9 + 6 * 1e-5)
+    assert two_level == pytest.approx(expected)
+    assert two_level < all_reduce_time_s(size, per_node * nodes, slow)
+
+
+def fixed_context(costs: FixedCosts, **training) -> CostContext:
+    cluster = one_node_cluster()
+    model = load_model(str(EXAMPLES / "models" / "tiny-llama.yaml"))
+    return CostContext(cluster, model, load_training(None, training), {"g": costs})
+
+
+def test_1f1b_time_by_hand():
+    costs = FixedCosts(decoder_s=1.0, embedding_s=0.5, lm_head_s=2.0, activation_bytes=1000.0)
+    ctx = fixed_context(costs, global_batch_size=4, zero_stage=0)
+    stages = (StageStrategy("g", 0, 5, 1, 0), StageStrategy("g", 5, 8, 1, 1))
+    strategy = Strategy((PipelineStrategy(1, 1, 4, stages),), "none", 0)
+    check_strategy(ctx, strategy)
+    result = evaluate(ctx, strategy)
+    t0, t1 = 5 * 1.0 + 0.5, 3 * 1.0 + 2.0  # per micro-batch, TP 1 has no collectives
+    model = ctx.model
+    p2p = IN_NODE_ALPHA_S + 1 * 256 * model.hidden_size * 2 / in_node_link(ctx.cluster.groups[0]).bw_bytes_per_s
+    pipeline = 4 * max(t0, t1) + (t0 + t1 - max(t0, t1)) + 2 * p2p  # m*max + bubble + fill/drain p2p
+    assert result.pipeline_time_s == pytest.approx(pipeline)
+    params0 = 5 * model.layer_params() + model.embedding_params()
+    params1 = 3 * model.layer_params() + model.lm_head_params()
+    optimizer = max(params0, params1) * 30 / (get_device("a100-80gb").hbm_bw_bytes_per_s * 0.7)
+    assert result.iteration_time_s == pytest.approx(pipeline + optimizer)
+    # memory: bf16 weights 2 + fp32 grads 4 + Adam 12 bytes per parameter; stage 0 holds 2 micro-batches in flight
+    assert result.stages[0].memory.weights_bytes + result.stages[0].memory.grads_bytes == pytest.approx(6 * params0)
+    assert result.stages[0].memory.optimizer_bytes == pytest.approx(12 * params0)
+    assert result.stages[0].memory.activation_bytes == pytest.approx(5 * 1000 * 2)
+    assert result.stages[1].memory.activation_bytes == pytest.approx(3 * 1000 * 1)
+    assert result.tokens_per_s == pytest.approx(4 * 256 / result.iteration_time_s)
+
+
+def test_zero1_divides_optimizer_state_by_dp_and_interleaving_divides_bubble():
+    costs = FixedCosts(decoder_s=1.0)
+    ctx0 = fixed_context(costs, global_batch_size=8, zero_stage=0)
+    ctx1 = fixed_context(costs, global_batch_size=8, zero_stage=1)
+    stages = (StageStrategy("g", 0, 4, 1, 0), StageStrategy("g", 4, 8, 1, 2))
+    plain = Strategy((PipelineStrategy(2, 1, 4, stages),), "none", 0)
+    zero0 = evaluate(ctx0, plain).stages[0].memory.optimizer_bytes
+    zero1 = evaluate(ctx1, Strategy((PipelineStrategy(2, 1, 4, stages),), "none", 1)).stages[0].memory.optimizer_bytes
+    assert zero1 == pytest.approx(zero0 / 2)
+    v1 = evaluate(ctx0, plain)
+    v2 = evaluate(ctx0, Strategy(plain.pipelines, "none", 0, virtual_stages=2))
+    assert v1.bubble_time_s == pytest.approx(4.0)
+    assert v2.bubble_time_s == pytest.approx(2.0)
+
+
+def test_tp_adds_four_collectives_per_layer():
+    costs = FixedCosts(decoder_s=1.0)
+    ctx = fixed_context(costs, global_batch_size=1)
+    one = evaluate(ctx, Strategy((PipelineStrategy(1, 1, 1, (StageStrategy("g", 0, 8, 1, 0),)),), "none", 1))
+    two = evaluate(ctx, Strategy((PipelineStrategy(1, 1, 1, (StageStrategy("g", 0, 8, 2, 0),)),), "none", 1))
+    size = 256 * ctx.model.hidden_size * 2
+    collective = all_reduce_time_s(size, 2, in_node_link(ctx.cluster.groups[0]))
+    # 8 layers x 4 collectives, + 1 each for embedding and LM head; FixedCosts ignore TP in compute
+    assert two.stages[0].compute_time_s - one.stages[0].compute_time_s == pytest.approx((8 * 4 + 2) * collective)
+
+
+@pytest.mark.parametrize(
+    ("stages", "message"),
+    [
+        ((StageStrategy("g", 0, 4, 1, 0), StageStrategy("g", 5, 8, 1, 1)), "expected \\[4, end > 4\\)"),
+        ((StageStrategy("g", 0, 8, 3, 0),), "divisor of 8 devices per node"),
+        ((StageStrategy("g", 0, 4, 4, 0), StageStrategy("g", 4, 8, 4, 2)), "overlap"),
+        ((StageStrategy("g", 0, 8, 8, 0),), "divisor of the model.s 4 kv heads"),
+        ((StageStrategy("g", 0, 7, 1, 0),), "layers cover \\[0, 7\\)"),
+        ((StageStrategy("nope", 0, 8, 1, 0),), "no group named 'nope'"),
+    ],
+)
+def test_invalid_strategies_are_named(stages, message):
+    ctx = fixed_context(FixedCosts(), global_batch_size=1)
+    with pytest.raises(SpecError, match=message):
+        check_strategy(ctx, Strategy((PipelineStrategy(1, 1, 1, stages),), "none", 1))

@@ -1,0 +1,134 @@
+"""The planner end to end on the bundled examples: quality, honesty of the yardsticks, determinism, no-fit."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from planner import plan
+from planner.search import divisors
+from predictor.cost_model import decoder_layer_time_s
+from specs import DoesNotFitError, load_cluster, load_model, load_training
+from specs.cluster import ClusterSpec
+from tests.conftest import EXAMPLES, ONE_T4_NODE
+
+
+@pytest.fixture(scope="module")
+def hethub_plan():
+    cluster = load_cluster(EXAMPLES / "hethub-768.yaml")
+    return plan(cluster, load_model("llama-140b"), load_training(EXAMPLES / "training" / "hethub-140b.yaml"))
+
+
+def test_hethub_plan_fits_uses_everything_and_gives_faster_devices_more_layers(hethub_plan):
+    body = hethub_plan.to_dict()
+    assert body["schema"] == "hetplan.plan/1"
+    assert body["fits"] is True
+    assert body["devices_used"] == 768
+    ctx = hethub_plan.context
+    pipeline = hethub_plan.strategy.pipelines[0]
+    speed = {}  # layers per second per device, from the profiles the plan used
+    for stage in pipeline.stages:
+        group = ctx.cluster.group(stage.group)
+        seconds = decoder_layer_time_s(ctx, group, pipeline.micro_batch_size, stage.tp, hethub_plan.strategy.recompute)
+        speed[stage.group] = 1 / (seconds * stage.tp)
+    faster = max(speed, key=speed.get)
+    slower = min(speed, key=speed.get)
+    assert faster != slower
+
+    def layers_per_device(name):
+        stages = [s for s in pipeline.stages if s.group == name]
+        return sum(s.num_layers for s in stages) / sum(s.tp for s in stages)
+
+    assert layers_per_device(faster) > 1.5 * layers_per_device(slower)
+    for stage in body["pipelines"][0]["stages"]:
+        assert stage["memory_bytes"] <= stage["memory_usable_bytes"] < stage["memory_capacity_bytes"]
+
+
+def test_hethub_yardsticks_are_computed_not_asserted(hethub_plan):
+    body = hethub_plan.to_dict()
+    groups = body["upper_bound_by_group_tokens_per_s"]
+    assert set(groups) == {"amd", "ascend"}
+    assert body["upper_bound_tokens_per_s"] == pytest.approx(sum(groups.values()), rel=1e-5)
+    assert body["fraction_of_upper_bound"] == pytest.approx(
+        body["tokens_per_s"] / body["upper_bound_tokens_per_s"], rel=1e-5
+    )
+    assert body["fraction_of_compute_bound"] < 1.0  # nothing beats every device busy with no bubble or comm
+    assert body["tokens_per_s"] < body["compute_bound_tokens_per_s"]
+    assert 0 < body["mfu"] < 1
+
+
+def test_same_inputs_give_the_same_json_bytes():
+    cluster = load_cluster(EXAMPLES / "a100-v100-32.yaml")
+    training = load_training(None, {"dtype": "fp16", "global_batch_size": 256})
+    first = plan(cluster, load_model("gpt3-6.7b"), training, top_k=3).to_dict()
+    second = plan(cluster, load_model("gpt3-6.7b"), training, top_k=3).to_dict()
+    first["search_time_s"] = second["search_time_s"] = 0.0  # wall-clock: the one field that may differ
+    assert json.dumps(first) == json.dumps(second)
+    assert first["alternatives"] and first["iteration_time_s"] <= first["alternatives"][0]["iteration_time_s"]
+
+
+def test_plan_equals_exhaustive_search_on_a_small_homogeneous_cluster():
+    """Every (tp, pp, dp, micro-batch, recompute, v) with Megatron-style even layers is no better than the plan."""
+    from planner import build_context, predict
+    from predictor.strategy import PipelineStrategy, StageStrategy, Strategy
+
+    cluster = load_cluster(EXAMPLES / "a100-v100-32.yaml")
+    cluster = ClusterSpec(cluster.name, (cluster.group("a100"),), cluster.topology, cluster.inter_group_bw_bytes_per_s)
+    model = load_model("gpt3-1.7b")
+    training = load_training(None, {"global_batch_size": 64})
+    best = plan(cluster, model, training)
+    ctx = build_context(cluster, model, training)
+    for tp in (1, 2, 4, 8):
+        for pp in (p for p in divisors(model.num_layers) if p * tp <= 16):
+            for dp in divisors(16 // (tp * pp)):
+                for b in (b for b in training.micro_batch_sizes if 64 % (dp * b) == 0):
+                    for recompute in training.recompute:
+                        for v in (
+                            v for v in training.virtual_stages if v == 1 or (pp > 1 and model.num_layers // pp >= v)
+                        ):
+                            n = model.num_layers // pp
+                            stages = tuple(
+                                StageStrategy("a100", i * n, (i + 1) * n, tp, i * tp * dp) for i in range(pp)
+                            )
+                            strategy = Strategy((PipelineStrategy(dp, b, 64 // (dp * b), stages),), recompute, 1, v)
+                            evaluation = predict(ctx, strategy)
+                            if evaluation.fits:
+                                assert best.evaluation.iteration_time_s <= evaluation.iteration_time_s * (1 + 1e-9)
+
+
+def test_memory_infeasible_cluster_reports_smallest_shortfall(write):
+    path = write(
+        "t4.yaml",
+        ONE_T4_NODE,
+    )
+    with pytest.raises(DoesNotFitError) as caught:
+        plan(load_cluster(path), load_model("llama2-70b"), load_training(None, {"dtype": "fp16"}))
+    assert caught.value.shortfall_bytes > 0
+    message = str(caught.value)
+    assert "does not fit" in message and "GiB more per device" in message and "\n" not in message
+
+
+def test_shortfall_of_a_near_miss_names_the_closest_strategy(write):
+    path = write(
+        "two-a100.yaml",
+        """
+name: two-a100
+groups:
+  - {name: a100, device: a100-40gb, nodes: 1, devices_per_node: 2, nics_per_node: 1, nic_gbps: 100}
+network: {topology: clos, inter_group_gbps: 100}
+""",
+    )
+    # llama2-13b: 13e9 x (2 + 4 + 12) bytes = 234 GB of state on 2 x 40 GB: far; llama2-7b state 121 GB: far too.
+    # gpt3-1.7b at seq 2048 fits; at 256k tokens the fp32 logits of one micro-batch alone exceed a device.
+    training = load_training(None, {"seq_length": 262144, "recompute": ["full"], "global_batch_size": 2})
+    with pytest.raises(DoesNotFitError) as caught:
+        plan(load_cluster(path), load_model("gpt3-1.7b"), training)
+    assert "the closest strategy (a100(tp" in str(caught.value)
+    assert 0 < caught.value.shortfall_bytes < 200 * 2**30
+
+
+def test_bf16_on_a_device_without_bf16_is_a_clear_error():
+    cluster = load_cluster(EXAMPLES / "a100-v100-32.yaml")
+    with pytest.raises(Exception, match="v100 has no bf16: train in fp16"):
+        plan(cluster, load_model("gpt3-1.7b"), load_training())

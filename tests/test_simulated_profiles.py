@@ -1,0 +1,62 @@
+"""Simulated profiles: physically sensible, deterministic, and the same JSON shape measured profiles use."""
+
+from __future__ import annotations
+
+import pytest
+
+from profiler import SimulatedDevice, load_profile
+from specs import get_device, load_model
+
+
+@pytest.fixture
+def simulated() -> SimulatedDevice:
+    return SimulatedDevice(get_device("a100-80gb"), load_model("llama2-7b"), 4096)
+
+
+def test_time_grows_with_micro_batch_and_falls_with_tp(simulated):
+    times = [simulated.layer_cost("decoder", b, 1, "none").time_s for b in (1, 2, 4, 8)]
+    assert times == sorted(times)
+    per_sample = [t / b for t, b in zip(times, (1, 2, 4, 8))]
+    assert per_sample[-1] <= per_sample[0]  # larger GEMMs are at least as efficient
+    shards = [simulated.layer_cost("decoder", 1, tp, "none").time_s for tp in (1, 2, 4, 8)]
+    assert shards == sorted(shards, reverse=True)
+    assert shards[0] / shards[-1] < 8  # thinner GEMMs lose efficiency: TP 8 is less than 8x faster
+
+
+def test_recompute_trades_time_for_memory(simulated):
+    none, selective, full = (simulated.layer_cost("decoder", 2, 1, mode) for mode in ("none", "selective", "full"))
+    assert none.forward_time_s == selective.forward_time_s == full.forward_time_s
+    assert none.backward_time_s < selective.backward_time_s < full.backward_time_s
+    assert full.backward_time_s == pytest.approx(none.backward_time_s + none.forward_time_s)
+    assert none.activation_bytes > selective.activation_bytes > full.activation_bytes
+
+
+def test_layer_reaches_a_realistic_fraction_of_peak(simulated):
+    model = simulated.model
+    flops = 3 * (model.layer_gemm_flops(4096) + model.layer_attention_flops(1, 4096, causal_kernel=True))
+    utilisation = flops / simulated.layer_cost("decoder", 1, 1, "none").time_s / simulated.device.peak_flops_per_s
+    assert 0.5 < utilisation < simulated.device.gemm_efficiency
+
+
+def test_noise_is_seeded(simulated):
+    from dataclasses import replace
+
+    a = replace(simulated, noise=0.05, seed=1).layer_cost("decoder", 4, 2, "none")
+    b = replace(simulated, noise=0.05, seed=1).layer_cost("decoder", 4, 2, "none")
+    c = replace(simulated, noise=0.05, seed=2).layer_cost("decoder", 4, 2, "none")
+    assert a == b
+    assert a != c
+
+
+def test_profile_json_round_trip_and_interpolation(simulated, tmp_path):
+    profile = simulated.to_profile(micro_batch_sizes=(1, 2, 8), tp_degrees=(1, 4))
+    path = tmp_path / "a100.json"
+    profile.save(path)
+    loaded = load_profile(path)
+    assert loaded.to_json() == profile.to_json()
+    assert loaded.layer_cost("decoder", 2, 4, "selective") == simulated.layer_cost("decoder", 2, 4, "selective")
+    between = loaded.layer_cost("lm_head", 4, 1, "none").time_s
+    low, high = (simulated.layer_cost("lm_head", b, 1, "none").time_s for b in (2, 8))
+    assert low < between < high
+    with pytest.raises(Exception, match=r"no decoder entry for tp=2"):
+        loaded.layer_cost("decoder", 1, 2, "none")

@@ -1,0 +1,198 @@
+"""Spec files: good ones load, bad ones fail with one line naming the file, the field and the expectation."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specs import SpecError, load_cluster, load_model, load_training
+from specs.units import GIB
+from tests.conftest import EXAMPLES
+
+GOOD_CLUSTER = """
+name: mixed
+groups:
+  - name: fast
+    device: a100-80gb
+    nodes: 2
+    devices_per_node: 8
+    nics_per_node: 8
+    nic_gbps: 200
+  - name: slow
+    device: v100
+    nodes: 1
+    devices_per_node: 8
+    nics_per_node: 4
+    nic_gbps: 100
+    memory_GB: 16
+network:
+  topology: rail-optimized
+  inter_group_gbps: 100
+"""
+
+
+def test_good_cluster_loads_with_overrides_in_si_units(write):
+    cluster = load_cluster(write("c.yaml", GOOD_CLUSTER))
+    assert cluster.num_devices == 24
+    slow = cluster.group("slow")
+    assert slow.device.key == "v100"
+    assert slow.device.memory_bytes == 16 * GIB  # the override, not the catalog's 32
+    assert cluster.group("fast").nic_bw_per_device_bytes_per_s == pytest.approx(200e9 / 8)
+    assert cluster.inter_group_bw_bytes_per_s == pytest.approx(100e9 / 8)
+
+
+def test_cluster_json_equals_yaml(write):
+    import yaml
+
+    from_yaml = load_cluster(write("c.yaml", GOOD_CLUSTER))
+    from_json = load_cluster(write("c.json", json.dumps(yaml.safe_load(GOOD_CLUSTER))))
+    assert from_yaml.groups == from_json.groups
+
+
+@pytest.mark.parametrize(
+    ("edit", "field", "expectation"),
+    [
+        (lambda t: t.replace("nodes: 2", "nodes: 0"), "groups[0].nodes", "greater than or equal to 1"),
+        (lambda t: t.replace("nodes: 2", "nodes: two"), "groups[0].nodes", "valid integer"),
+        (lambda t: t.replace("device: v100", "device: v1000"), "groups[1].device", "unknown device 'v1000'"),
+        (
+            lambda t: t.replace("    nic_gbps: 100\n", "    nic_gbps: 100\n    nic_gpbs: 1\n", 1),
+            "groups[1].nic_gpbs",
+            "unknown field",
+        ),
+        (lambda t: t.replace("name: slow", "name: fast"), "groups", "used twice"),
+        (lambda t: t.replace("topology: rail-optimized", "topology: torus"), "network.topology", "rail-only"),
+        (lambda t: t.replace("  inter_group_gbps: 100\n", ""), "network.inter_group_gbps", "required field is missing"),
+        (lambda t: t.replace("name: mixed\n", ""), "name", "required field is missing"),
+    ],
+)
+def test_bad_cluster_names_file_field_and_expectation(write, edit, field, expectation):
+    path = write("bad.yaml", edit(GOOD_CLUSTER))
+    with pytest.raises(SpecError) as caught:
+        load_cluster(path)
+    message = str(caught.value)
+    assert message.startswith(f"{path}: {field}: "), message
+    assert expectation in message
+    assert "\n" not in message
+
+
+def test_unreadable_files_give_one_line(write, tmp_path):
+    with pytest.raises(SpecError, match="file not found"):
+        load_cluster(tmp_path / "missing.yaml")
+    with pytest.raises(SpecError, match=r"broken.yaml: line 3: invalid YAML"):
+        load_cluster(write("broken.yaml", "name: x\ngroups: [\n"))
+    with pytest.raises(SpecError, match="expected a mapping at the top level, got list"):
+        load_cluster(write("list.yaml", "- 1\n- 2\n"))
+    with pytest.raises(SpecError, match="invalid JSON"):
+        load_cluster(write("broken.json", "{"))
+
+
+def test_every_example_cluster_loads():
+    paths = sorted(EXAMPLES.glob("*.yaml"))
+    assert len(paths) >= 3
+    for path in paths:
+        assert load_cluster(path).num_devices > 0
+    assert load_training(EXAMPLES / "training" / "hethub-140b.yaml").global_batch_size == 1024
+    assert load_model(str(EXAMPLES / "models" / "tiny-llama.yaml")).num_layers == 8
+
+
+def test_model_from_catalog_alias_yaml_and_hf_configs(write):
+    assert load_model("LLAMA-2-70B").key == "llama2-70b"
+    custom = load_model(
+        str(
+            write(
+                "tiny.yaml",
+                """
+num_layers: 4
+hidden_size: 256
+ffn_hidden_size: 1024
+num_attention_heads: 8
+num_kv_heads: 2
+vocab_size: 1000
+seq_length: 128
+mlp: swiglu
+""",
+            )
+        )
+    )
+    assert custom.key == "tiny" and custom.kv_size == 64
+    llama = load_model(
+        str(
+            write(
+                "config.json",
+                json.dumps(
+                    {
+                        "model_type": "llama",
+                        "hidden_size": 4096,
+                        "intermediate_size": 14336,
+                        "num_hidden_layers": 32,
+                        "num_attention_heads": 32,
+                        "num_key_value_heads": 8,
+                        "vocab_size": 128256,
+                        "max_position_embeddings": 8192,
+                        "hidden_act": "silu",
+                        "tie_word_embeddings": False,
+                    }
+                ),
+            )
+        )
+    )
+    assert llama.total_params() == load_model("llama3-8b").total_params()
+    gpt2 = load_model(
+        str(
+            write(
+                "gpt2.json",
+                json.dumps(
+                    {
+                        "model_type": "gpt2",
+                        "n_embd": 768,
+                        "n_layer": 12,
+                        "n_head": 12,
+                        "vocab_size": 50257,
+                        "n_positions": 1024,
+                    }
+                ),
+            )
+        )
+    )
+    assert gpt2.mlp == "gelu" and gpt2.ffn_hidden_size == 3072
+    assert gpt2.total_params() == pytest.approx(124.4e6, rel=0.01)  # GPT-2 small: 124M parameters
+
+
+@pytest.mark.parametrize(
+    ("text", "field", "expectation"),
+    [
+        ('{"model_type": "t5"}', "model_type", "expected a Llama, Mistral, Qwen or GPT-2"),
+        ('{"model_type": "llama", "hidden_size": 64}', "num_attention_heads", "required"),
+        (
+            '{"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, '
+            '"num_attention_heads": 5, "vocab_size": 10}',
+            "",
+            "multiple of num_attention_heads",
+        ),
+    ],
+)
+def test_bad_hf_configs(write, text, field, expectation):
+    path = write("config.json", text)
+    with pytest.raises(SpecError) as caught:
+        load_model(str(path))
+    assert str(caught.value).startswith(f"{path}: {field}")
+    assert expectation in str(caught.value)
+
+
+def test_unknown_model_lists_catalog():
+    with pytest.raises(SpecError, match="unknown model 'gpt5'.*llama-140b"):
+        load_model("gpt5")
+
+
+def test_training_flags_override_file(write):
+    path = write("t.yaml", "global_batch_size: 512\nrecompute: full\nzero_stage: 0\n")
+    training = load_training(path, {"global_batch_size": 256, "dtype": None})
+    assert training.global_batch_size == 256
+    assert training.recompute == ("full",)
+    assert training.zero_stage == 0
+    with pytest.raises(SpecError, match=r"t\.yaml: zero_stage: "):
+        load_training(write("t.yaml", "zero_stage: 3\n"))
+    with pytest.raises(SpecError, match=r"training flags.*: dtype: "):
+        load_training(None, {"dtype": "int4"})
