@@ -61,11 +61,18 @@ def plan(
         state = model.total_params() * state_bytes_per_param(ctx, dp=1)
         usable = sum(g.num_devices * usable_memory_bytes(ctx, g) for g in cluster.groups)
         missing = (state - usable) / cluster.num_devices
+        if missing > 0:
+            raise DoesNotFitError(
+                f"{model.key} does not fit on cluster {cluster.name!r}: its weights, gradients and optimizer state "
+                f"alone ({state / GIB:,.0f} GiB) need {missing / GIB:.1f} GiB more per device than the "
+                f"{usable / GIB:,.0f} GiB usable; add devices",
+                missing,
+            )
         raise DoesNotFitError(
-            f"{model.key} does not fit on cluster {cluster.name!r}: its weights, gradients and optimizer state "
-            f"alone ({state / GIB:,.0f} GiB) need {missing / GIB:.1f} GiB more per device than the "
-            f"{usable / GIB:,.0f} GiB usable; add devices",
-            missing,
+            f"no strategy for {model.key} on cluster {cluster.name!r}: the global batch "
+            f"{training.global_batch_size} must split into replicas x micro-batches, and stages need whole layers "
+            f"({model.num_layers}) and TP degrees dividing a node and the {model.num_kv_heads} kv heads",
+            0.0,
         )
     stats = {
         "configurations": result.configurations,

@@ -1,9 +1,9 @@
 """Search the three-level tree: pipeline order and stages per group, DP replicas, TP per group, micro-batch,
 recompute; the exact layer split inside (planner.layer_split).
 
-Branch and bound: every outer configuration gets a lower bound on its iteration time (m micro-batches times the
-fractional water-filling bottleneck, which no integer split, bubble or communication can beat); configurations are
-evaluated best bound first, and the search stops once the next bound cannot beat the k-th best plan found. Groups
+Branch and bound: every outer configuration gets a lower bound on its iteration time (vectorised over TP choices;
+see `_families`); configurations are evaluated best bound first, pipeline orders expanded only then, and the
+search stops once the next bound cannot beat the k-th best plan found. Groups
 with identical devices and node shapes are interchangeable, so orders that only swap them are skipped.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -74,6 +74,9 @@ def tp_options(ctx: CostContext, group: DeviceGroup) -> list[int]:
     return options
 
 
+_PERMUTATION_INDEX = {k: {order: i for i, order in enumerate(itertools.permutations(range(k)))} for k in range(1, 9)}
+
+
 def _signature(group: DeviceGroup) -> tuple[object, ...]:
     return (group.device, group.nodes, group.devices_per_node, group.nics_per_node, group.nic_bw_bytes_per_s)
 
@@ -90,93 +93,306 @@ def _orders(groups: tuple[DeviceGroup, ...]) -> list[tuple[int, ...]]:
     return orders
 
 
-def outer_configs(ctx: CostContext) -> list[OuterConfig]:
-    """All outer choices that are structurally valid and pass the memory lower bound, best bound first."""
+@dataclass(frozen=True)
+class _Family:
+    """Candidates sharing a group subset, replica count, micro-batch and recompute mode; rows are TP choices."""
+
+    subset: tuple[DeviceGroup, ...]
+    replicas: int
+    micro_batch_size: int
+    recompute: Recompute
+    tps: np.ndarray  # (rows, groups)
+    counts: np.ndarray  # (rows, groups) stages per group
+    possible_orders: np.ndarray  # (rows, permutations of the subset) orders that may fit memory
+
+
+def _families(
+    ctx: CostContext, memory_bounds: bool = True
+) -> tuple[list[_Family], list[np.ndarray], list[np.ndarray], list[int]]:
+    """Structurally valid candidates that pass the memory lower bound, with their time lower bounds.
+
+    Bound: pipeline time is at least (m - 1/v)*M + S/v with M >= the fractional water-filling bottleneck
+    (L + sum_i e_i/a_i) / sum_i(1/a_i) and S >= L * min_i a_i + e_embedding + e_head, where a_i is a stage's
+    per-layer time and e_i its embedding / LM-head time (bounded below by the cheapest group in the candidate).
+    Memory: even holding one micro-batch in flight, the stages' layer capacity must reach L.
+    """
     training, model = ctx.training, ctx.model
-    global_batch = training.global_batch_size
+    global_batch, num_layers = training.global_batch_size, model.num_layers
     groups = ctx.cluster.groups
-    configs: list[OuterConfig] = []
+    shapes = [(g, t, b) for g in groups for t in tp_options(ctx, g) for b in training.micro_batch_sizes]
+    per_layer = {
+        (g.name, b, t, rc): decoder_layer_time_s(ctx, g, b, t, rc) for g, t, b in shapes for rc in training.recompute
+    }
+    activation = {
+        (g.name, b, t, rc): ctx.source(g.name).layer_cost("decoder", b, t, rc).activation_bytes
+        for g, t, b in shapes
+        for rc in training.recompute
+    }
+    embedding = {(g.name, b, t): edge_time_s(ctx, g, b, t, True, False) for g, t, b in shapes}
+    # Bytes the first / last stage holds besides its layers (lower bounds: one micro-batch of embedding output).
+    first_fixed = {
+        (g.name, b, t, rc, d): stage_memory(
+            ctx,
+            g,
+            num_layers=0,
+            micro_batch_size=b,
+            tp=t,
+            recompute=rc,
+            dp=d,
+            in_flight=1,
+            first=True,
+            last=False,
+            pipeline_stages=2,
+        ).total_bytes
+        for g, t, b in shapes
+        for rc in training.recompute
+        for d in divisors(global_batch)
+        if d <= g.num_devices
+    }
+    last_fixed = {
+        (g.name, b, t, d): stage_memory(
+            ctx,
+            g,
+            num_layers=0,
+            micro_batch_size=b,
+            tp=t,
+            recompute="none",
+            dp=d,
+            in_flight=1,
+            first=False,
+            last=True,
+            pipeline_stages=2,
+        ).total_bytes
+        for g, t, b in shapes
+        for d in divisors(global_batch)
+        if d <= g.num_devices
+    }
+    head = {(g.name, b, t): edge_time_s(ctx, g, b, t, False, True) for g, t, b in shapes}
+    families: list[_Family] = []
+    bounds: list[np.ndarray] = []
+    virtuals: list[np.ndarray] = []
     for size in range(1, len(groups) + 1):
         for subset in itertools.combinations(groups, size):
-            tp_choices = [tp_options(ctx, g) for g in subset]
+            tp_rows = np.array(list(itertools.product(*[tp_options(ctx, g) for g in subset])), dtype=np.int64)
+            if tp_rows.size == 0:
+                continue
+            devices = np.array([g.num_devices for g in subset], dtype=np.int64)
+            usable = np.array([usable_memory_bytes(ctx, g) for g in subset])
             for replicas in divisors(global_batch):
-                if any(g.num_devices < replicas for g in subset):
+                if devices.min() < replicas:
                     break
+                counts = devices[None, :] // (replicas * tp_rows)
                 total_state = model.total_params() * state_bytes_per_param(ctx, replicas)
-                for tps in itertools.product(*tp_choices):
-                    counts = tuple(g.num_devices // (replicas * t) for g, t in zip(subset, tps))
-                    if min(counts) == 0 or sum(counts) > model.num_layers:
+                valid = (
+                    (counts.min(axis=1) >= 1)
+                    & (counts.sum(axis=1) <= num_layers)
+                    & (((counts * tp_rows * usable[None, :]).sum(axis=1) >= total_state) | (not memory_bounds))
+                )
+                if not valid.any():
+                    continue
+                tps, stage_counts = tp_rows[valid], counts[valid]
+                stages = stage_counts.sum(axis=1)
+                state_per_layer = model.layer_params() * state_bytes_per_param(ctx, replicas) / tps
+                usable_rows = np.broadcast_to(usable[None, :], tps.shape)
+                for micro_batch_size in training.micro_batch_sizes:
+                    if global_batch % (replicas * micro_batch_size):
                         continue
-                    memory = sum(c * t * usable_memory_bytes(ctx, g) for g, t, c in zip(subset, tps, counts))
-                    if total_state > memory:
-                        continue
-                    for micro_batch_size in training.micro_batch_sizes:
-                        if global_batch % (replicas * micro_batch_size):
-                            continue
-                        microbatches = global_batch // (replicas * micro_batch_size)
-                        for recompute in training.recompute:
-                            speed = sum(
-                                c / decoder_layer_time_s(ctx, g, micro_batch_size, t, recompute)
-                                for g, t, c in zip(subset, tps, counts)
+                    microbatches = global_batch // (replicas * micro_batch_size)
+                    for recompute in training.recompute:
+                        keys = [[(g.name, micro_batch_size, int(t)) for g, t in zip(subset, row)] for row in tps]
+                        a = np.array([[per_layer[(*k, recompute)] for k in row] for row in keys])
+                        act = np.array([[activation[(*k, recompute)] for k in row] for row in keys])
+                        first_bytes = np.array([[first_fixed[(*k, recompute, replicas)] for k in row] for row in keys])
+                        last_bytes = np.array([[last_fixed[(*k, replicas)] for k in row] for row in keys])
+                        e_first = np.array([[embedding[k] for k in row] for row in keys])
+                        e_last = np.array([[head[k] for k in row] for row in keys])
+                        fixed_ratio = (e_first / a).min(axis=1) + (e_last / a).min(axis=1)
+                        bottleneck = (num_layers + fixed_ratio) / (stage_counts / a).sum(axis=1)
+                        cheapest_sum = num_layers * a.min(axis=1) + e_first.min(axis=1) + e_last.min(axis=1)
+                        for virtual in training.virtual_stages:
+                            factor = np.where(virtual > 1, 1 + (stages - 1) / (stages * virtual), 1.0).astype(float)
+                            possible = _layer_capacity(
+                                usable_rows,
+                                state_per_layer,
+                                act,
+                                first_bytes,
+                                last_bytes,
+                                stage_counts,
+                                microbatches,
+                                factor,
+                                num_layers,
+                                virtual,
                             )
-                            bound = microbatches * model.num_layers / speed
-                            for virtual in training.virtual_stages:
-                                if virtual > 1 and (sum(counts) == 1 or sum(counts) * virtual > model.num_layers):
-                                    continue
-                                for order in _orders(subset):
-                                    configs.append(
-                                        OuterConfig(
-                                            groups=tuple(subset[i] for i in order),
-                                            tps=tuple(tps[i] for i in order),
-                                            stage_counts=tuple(counts[i] for i in order),
-                                            replicas=replicas,
-                                            micro_batch_size=micro_batch_size,
-                                            recompute=recompute,
-                                            virtual_stages=virtual,
-                                            lower_bound_s=bound,
-                                        )
-                                    )
-    configs.sort(key=lambda c: c.lower_bound_s)  # stable: ties keep enumeration order
-    return configs
+                            if not memory_bounds:
+                                possible = np.ones_like(possible)
+                            allowed = (
+                                possible.any(axis=1)
+                                & (stages * virtual <= num_layers)
+                                & ((virtual == 1) | (stages > 1))
+                            )
+                            if not allowed.any():
+                                continue
+                            bound = (microbatches - 1 / virtual) * bottleneck + cheapest_sum / virtual
+                            families.append(
+                                _Family(subset, replicas, micro_batch_size, recompute, tps, stage_counts, possible)
+                            )
+                            bounds.append(np.where(allowed, bound, np.inf))
+                            virtuals.append(np.full(len(tps), virtual))
+    return families, bounds, virtuals, [len(b) for b in bounds]
 
 
-def _stage_arrays(
-    ctx: CostContext, config: OuterConfig
-) -> tuple[list[tuple[DeviceGroup, int]], np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Per stage along the pipe: (group, tp), per-layer time, fixed time, memory cap in layers, memory excess
-    with zero layers."""
-    stages = [(g, t) for g, t, c in zip(config.groups, config.tps, config.stage_counts) for _ in range(c)]
-    p = len(stages)
-    microbatches = ctx.training.global_batch_size // (config.replicas * config.micro_batch_size)
-    per_layer, fixed, caps, per_layer_bytes, fixed_bytes = [], [], [], [], []
-    for index, (group, tp) in enumerate(stages):
-        first, last = index == 0, index == p - 1
-        per_layer.append(decoder_layer_time_s(ctx, group, config.micro_batch_size, tp, config.recompute))
-        fixed.append(edge_time_s(ctx, group, config.micro_batch_size, tp, first, last))
-        common = dict(
-            micro_batch_size=config.micro_batch_size,
-            tp=tp,
-            recompute=config.recompute,
-            dp=config.replicas,
-            in_flight=in_flight_microbatches(index, p, microbatches, config.virtual_stages),
-            first=first,
-            last=last,
-            pipeline_stages=p,
+def _layer_capacity(
+    usable: np.ndarray,
+    state_per_layer: np.ndarray,
+    activation: np.ndarray,
+    first_bytes: np.ndarray,
+    last_bytes: np.ndarray,
+    counts: np.ndarray,
+    microbatches: int,
+    interleave_factor: np.ndarray,
+    num_layers: int,
+    least_layers: int,
+) -> np.ndarray:
+    """Which pipeline orders of each candidate could hold the model: (rows, permutations of the groups).
+
+    Under 1F1B the stage at depth d from the end of the pipe keeps min(d, m) micro-batches in flight (times the
+    interleaving factor). For each order of the groups (each a contiguous block), sum the layers every stage could
+    hold at its depth, the first stage also holding the embedding and the last the LM head, and require the total
+    to reach L and every stage to hold `least_layers`. An order that fails cannot fit; one that passes may.
+    Arrays are (rows, groups); `interleave_factor` is per row.
+    """
+    stages = counts.sum(axis=1)
+    depth = np.arange(1, int(stages.max()) + 1)
+    in_flight = np.minimum(depth, microbatches)[None, None, :] * interleave_factor[:, None, None]
+    per_layer = state_per_layer[..., None] + activation[..., None] * in_flight
+    room = np.floor(usable[..., None] / per_layer)
+    cumulative = np.concatenate([np.zeros((*room.shape[:-1], 1)), np.cumsum(room, axis=-1)], axis=-1)
+    rows = np.arange(len(counts))
+    deepest = np.minimum(stages, depth[-1]) - 1
+    possible = []
+    for order in itertools.permutations(range(counts.shape[1])):
+        behind = np.zeros(len(counts), dtype=np.int64)  # stages after this group: its depth offset
+        total = np.zeros(len(counts))
+        fewest = np.full(len(counts), np.inf)  # room of the tightest stage (rooms shrink with depth)
+        for column in reversed(order):
+            table = cumulative[:, column, :]
+            end = behind + counts[:, column]
+            total += table[rows, end] - table[rows, behind]
+            fewest = np.minimum(fewest, room[rows, column, np.minimum(end, depth[-1]) - 1])
+            behind = end
+        head, tail = order[0], order[-1]
+        first_room = usable[:, head] - first_bytes[:, head] - np.where(stages == 1, last_bytes[:, head], 0.0)
+        first_layers = np.floor(first_room / per_layer[rows, head, deepest])
+        total += first_layers - room[rows, head, deepest]
+        last_layers = np.floor((usable[:, tail] - last_bytes[:, tail]) / per_layer[rows, tail, 0])
+        total += np.where(stages > 1, last_layers - room[rows, tail, 0], 0.0)
+        fewest = np.minimum(np.minimum(fewest, first_layers), np.where(stages > 1, last_layers, np.inf))
+        possible.append((total >= num_layers) & (fewest >= least_layers))
+    return np.stack(possible, axis=1)
+
+
+def outer_configs(
+    ctx: CostContext, counter: list[int] | None = None, memory_bounds: bool = True
+) -> Iterator[OuterConfig]:
+    """Every candidate (all pipeline orders that may fit), best lower bound first; ties keep enumeration order.
+    `counter`, when given, receives the number of candidates before orders are expanded."""
+    families, bounds, virtuals, sizes = _families(ctx, memory_bounds)
+    if counter is not None:
+        counter.append(int(sum(np.isfinite(b).sum() for b in bounds)))
+    if not families:
+        return
+    flat_bounds = np.concatenate(bounds)
+    flat_virtual = np.concatenate(virtuals)
+    family_of = np.repeat(np.arange(len(families)), sizes)
+    row_of = np.concatenate([np.arange(n) for n in sizes])
+    for index in np.argsort(flat_bounds, kind="stable"):
+        bound = float(flat_bounds[index])
+        if not math.isfinite(bound):
+            return
+        family, row = families[family_of[index]], row_of[index]
+        for order in _orders(family.subset):
+            if not family.possible_orders[row, _PERMUTATION_INDEX[len(order)][order]]:
+                continue
+            yield OuterConfig(
+                groups=tuple(family.subset[i] for i in order),
+                tps=tuple(int(family.tps[row, i]) for i in order),
+                stage_counts=tuple(int(family.counts[row, i]) for i in order),
+                replicas=family.replicas,
+                micro_batch_size=family.micro_batch_size,
+                recompute=family.recompute,
+                virtual_stages=int(flat_virtual[index]),
+                lower_bound_s=bound,
+            )
+
+
+class _StageTerms:
+    """Per-stage cost-model terms, memoised for one search (many candidates share stage shapes)."""
+
+    def __init__(self, ctx: CostContext) -> None:
+        self.ctx = ctx
+        self._time: dict[tuple[object, ...], tuple[float, float]] = {}
+        self._memory: dict[tuple[object, ...], tuple[float, float, float]] = {}
+
+    def time_s(self, group: DeviceGroup, config: OuterConfig, tp: int, first: bool, last: bool) -> tuple[float, float]:
+        """(per-layer time, embedding/LM-head time) per micro-batch."""
+        key = (group.name, config.micro_batch_size, tp, config.recompute, first, last)
+        if key not in self._time:
+            b = config.micro_batch_size
+            self._time[key] = (
+                decoder_layer_time_s(self.ctx, group, b, tp, config.recompute),
+                edge_time_s(self.ctx, group, b, tp, first, last),
+            )
+        return self._time[key]
+
+    def memory_bytes(
+        self, group: DeviceGroup, config: OuterConfig, tp: int, in_flight: float, first: bool, last: bool, stages: int
+    ) -> tuple[float, float, float]:
+        """(bytes per layer, bytes with no layer, usable bytes): stage memory is linear in its layers."""
+        key = (
+            group.name,
+            config.micro_batch_size,
+            tp,
+            config.recompute,
+            config.replicas,
+            in_flight,
+            first,
+            last,
+            stages,
         )
-        empty = stage_memory(ctx, group, num_layers=0, **common).total_bytes
-        one = stage_memory(ctx, group, num_layers=1, **common).total_bytes
-        usable = usable_memory_bytes(ctx, group)
-        per_layer_bytes.append(one - empty)
-        fixed_bytes.append(empty - usable)
-        caps.append(math.floor((usable - empty) / (one - empty)) if usable >= empty else 0)
-    return (
-        stages,
-        np.array(per_layer),
-        np.array(fixed),
-        np.array(caps),
-        np.array(per_layer_bytes),
-        np.array(fixed_bytes),
-    )
+        if key not in self._memory:
+            common = dict(
+                micro_batch_size=config.micro_batch_size,
+                tp=tp,
+                recompute=config.recompute,
+                dp=config.replicas,
+                in_flight=in_flight,
+                first=first,
+                last=last,
+                pipeline_stages=stages,
+            )
+            empty = stage_memory(self.ctx, group, num_layers=0, **common).total_bytes
+            one = stage_memory(self.ctx, group, num_layers=1, **common).total_bytes
+            self._memory[key] = (one - empty, empty, usable_memory_bytes(self.ctx, group))
+        return self._memory[key]
+
+    def arrays(
+        self, config: OuterConfig
+    ) -> tuple[list[tuple[DeviceGroup, int]], np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Per stage along the pipe: (group, tp), per-layer time, fixed time, memory cap in layers, bytes per layer,
+        memory excess with zero layers."""
+        stages = [(g, t) for g, t, c in zip(config.groups, config.tps, config.stage_counts) for _ in range(c)]
+        p = len(stages)
+        microbatches = self.ctx.training.global_batch_size // (config.replicas * config.micro_batch_size)
+        rows = []
+        for index, (group, tp) in enumerate(stages):
+            first, last = index == 0, index == p - 1
+            per_layer, fixed = self.time_s(group, config, tp, first, last)
+            in_flight = in_flight_microbatches(index, p, microbatches, config.virtual_stages)
+            layer_bytes, empty, usable = self.memory_bytes(group, config, tp, in_flight, first, last, p)
+            cap = math.floor((usable - empty) / layer_bytes) if usable >= empty else 0
+            rows.append((per_layer, fixed, cap, layer_bytes, empty - usable))
+        per_layer_s, fixed_s, caps, per_layer_bytes, excess = (np.array(column) for column in zip(*rows))
+        return stages, per_layer_s, fixed_s, caps, per_layer_bytes, excess
 
 
 def _shortfall_bytes(num_layers: int, per_layer_bytes: np.ndarray, excess_empty: np.ndarray, least: int) -> float:
@@ -209,36 +425,50 @@ def build_strategy(ctx: CostContext, config: OuterConfig, layers: tuple[int, ...
     )
 
 
+MISFIT_CANDIDATES = 20_000
+
+
+def _closest_misfit(ctx: CostContext, terms: _StageTerms) -> tuple[float, str]:
+    """When nothing fits: the candidate needing the least extra memory per device (among the first
+    MISFIT_CANDIDATES by time bound, memory bounds off), and a description of it."""
+    num_layers = ctx.model.num_layers
+    shortfall, where = math.inf, ""
+    for config in itertools.islice(outer_configs(ctx, memory_bounds=False), MISFIT_CANDIDATES):
+        _, _, _, _, per_layer_bytes, excess_empty = terms.arrays(config)
+        missing = _shortfall_bytes(num_layers, per_layer_bytes, excess_empty, config.virtual_stages)
+        if missing < shortfall:
+            shortfall = missing
+            names = "+".join(f"{g.name}(tp{t}x{c})" for g, t, c in zip(config.groups, config.tps, config.stage_counts))
+            where = (
+                f"{names}, dp {config.replicas}, micro-batch {config.micro_batch_size}, "
+                f"recompute {config.recompute}, virtual stages {config.virtual_stages}"
+            )
+    return shortfall, where
+
+
 def search(ctx: CostContext, top_k: int = 1, progress: ProgressCallback | None = None) -> SearchResult:
     """The k fastest strategies that fit memory (fewer if fewer fit)."""
-    configs = outer_configs(ctx)
     best: list[tuple[float, int, Evaluation]] = []  # max-heap on iteration time via negation
     evaluated = infeasible = 0
     shortfall, shortfall_where = math.inf, ""
     num_layers = ctx.model.num_layers
-    for index, config in enumerate(configs):
+    terms = _StageTerms(ctx)
+    index = -1
+    candidates: list[int] = []
+    for index, config in enumerate(outer_configs(ctx, candidates)):
         if progress is not None and index % 64 == 0:
-            progress(index, len(configs))
+            progress(index, index + 64)
         if len(best) == top_k and config.lower_bound_s >= -best[0][0]:
             break
-        stages, per_layer, fixed, caps, per_layer_bytes, excess_empty = _stage_arrays(ctx, config)
+        _, per_layer, fixed, caps, _, _ = terms.arrays(config)
         microbatches = ctx.training.global_batch_size // (config.replicas * config.micro_batch_size)
         split = split_layers(num_layers, per_layer, fixed, caps, microbatches, config.virtual_stages)
         evaluated += 1
         if split is None:
             infeasible += 1
-            if len(stages) * config.virtual_stages <= num_layers:
-                missing = _shortfall_bytes(num_layers, per_layer_bytes, excess_empty, config.virtual_stages)
-                if missing < shortfall:
-                    shortfall = missing
-                    names = "+".join(
-                        f"{g.name}(tp{t}x{c})" for g, t, c in zip(config.groups, config.tps, config.stage_counts)
-                    )
-                    shortfall_where = (
-                        f"{names}, dp {config.replicas}, micro-batch {config.micro_batch_size}, "
-                        f"recompute {config.recompute}, virtual stages {config.virtual_stages}"
-                    )
             continue
+        if len(best) == top_k and split.objective_s >= -best[0][0]:
+            continue  # the split's pipeline objective is itself a lower bound on this candidate's iteration time
         evaluation = evaluate(ctx, build_strategy(ctx, config, split.layers))
         if not evaluation.fits:
             infeasible += 1
@@ -249,6 +479,8 @@ def search(ctx: CostContext, top_k: int = 1, progress: ProgressCallback | None =
         elif entry[0] > best[0][0]:
             heapq.heapreplace(best, entry)
     if progress is not None:
-        progress(len(configs), len(configs))
+        progress(index + 1, index + 1)
+    if not best:
+        shortfall, shortfall_where = _closest_misfit(ctx, terms)
     ranked = [e for _, _, e in sorted(best, key=lambda item: (-item[0], -item[1]))]
-    return SearchResult(ranked, len(configs), evaluated, infeasible, shortfall, shortfall_where)
+    return SearchResult(ranked, candidates[0] if candidates else 0, evaluated, infeasible, shortfall, shortfall_where)

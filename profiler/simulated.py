@@ -10,8 +10,7 @@ These numbers only stand in until a device is profiled; the planner reads them t
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass
-from functools import lru_cache
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -39,6 +38,9 @@ class SimulatedDevice:
     noise: float = 0.0
     seed: int = 0
     sequence_parallel: bool = True
+    _costs: dict[tuple[str, int, int, str], LayerCost] = field(
+        default_factory=dict, init=False, repr=False, compare=False, hash=False
+    )
 
     @property
     def identity(self) -> str:
@@ -121,7 +123,11 @@ class SimulatedDevice:
         return LayerCost(forward, backward, logits + DTYPE_BYTES[self.dtype] * tokens * h)
 
     def layer_cost(self, layer: LayerKind, micro_batch_size: int, tp: int, recompute: Recompute) -> LayerCost:
-        return _cached_cost(self, layer, micro_batch_size, tp, recompute)
+        key = (layer, micro_batch_size, tp, recompute)
+        cost = self._costs.get(key)
+        if cost is None:
+            cost = self._costs[key] = self._exact_cost(layer, micro_batch_size, tp, recompute)
+        return cost
 
     def _exact_cost(self, layer: LayerKind, micro_batch_size: int, tp: int, recompute: Recompute) -> LayerCost:
         if layer == "decoder":
@@ -167,10 +173,3 @@ class SimulatedDevice:
             entries=entries,
             environment={"generator": "hetplan roofline simulation", "noise": self.noise, "seed": self.seed},
         )
-
-
-@lru_cache(maxsize=65536)
-def _cached_cost(
-    device: SimulatedDevice, layer: LayerKind, micro_batch_size: int, tp: int, recompute: Recompute
-) -> LayerCost:
-    return device._exact_cost(layer, micro_batch_size, tp, recompute)
