@@ -85,6 +85,8 @@ def build_context(
                 raise SpecError(
                     profile.path, "seq_length", f"profiled at {profile.seq_length}, training uses {seq_length}"
                 )
+            if profile.dtype != training.dtype:
+                raise SpecError(profile.path, "dtype", f"profiled in {profile.dtype}, training uses {training.dtype}")
             sources[group.name] = profile
         else:
             sources[group.name] = SimulatedDevice(

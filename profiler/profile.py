@@ -15,11 +15,11 @@ consumer reads one format:
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from specs.errors import SpecError
 from specs.loading import read_mapping, validate
@@ -52,15 +52,30 @@ class LayerCostSource(Protocol):
 
 
 class ProfileEntry(BaseModel):
+    """One measured (or simulated) point. A size that did not fit the device is kept with `fits: false`."""
+
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     layer: LayerKind
     micro_batch_size: int = Field(ge=1)
     tp: int = Field(ge=1)
     recompute: Recompute = "none"
-    forward_time_s: float = Field(gt=0)
-    backward_time_s: float = Field(gt=0)
-    activation_bytes: float = Field(ge=0)
+    fits: bool = True
+    forward_time_s: float | None = Field(default=None, gt=0)
+    backward_time_s: float | None = Field(default=None, gt=0)
+    activation_bytes: float | None = Field(default=None, ge=0)
+    forward_time_min_s: float | None = Field(default=None, ge=0)
+    forward_time_max_s: float | None = Field(default=None, ge=0)
+    backward_time_min_s: float | None = Field(default=None, ge=0)
+    backward_time_max_s: float | None = Field(default=None, ge=0)
+    repeats: int | None = Field(default=None, ge=1)
+    peak_memory_bytes: float | None = Field(default=None, ge=0)
+
+    @model_validator(mode="after")
+    def _measured_if_fits(self) -> ProfileEntry:
+        if self.fits and None in (self.forward_time_s, self.backward_time_s, self.activation_bytes):
+            raise ValueError("an entry that fits needs forward_time_s, backward_time_s and activation_bytes")
+        return self
 
 
 class ProfileFile(BaseModel):
@@ -102,7 +117,7 @@ class DeviceProfile:
             "dtype": self.dtype,
             "seq_length": self.seq_length,
             "environment": self.environment,
-            "entries": [entry.model_dump() for entry in self.entries],
+            "entries": [entry.model_dump(exclude_none=True) for entry in self.entries],
         }
         return json.dumps(body, indent=2, sort_keys=True) + "\n"
 
@@ -113,7 +128,7 @@ class DeviceProfile:
         """Exact entry, or linear interpolation/extrapolation in micro-batch size between profiled points."""
         mode = recompute if layer == "decoder" else "none"
         points = sorted(
-            (e for e in self.entries if e.layer == layer and e.tp == tp and e.recompute == mode),
+            (e for e in self.entries if e.fits and e.layer == layer and e.tp == tp and e.recompute == mode),
             key=lambda e: e.micro_batch_size,
         )
         if not points:
@@ -125,10 +140,10 @@ class DeviceProfile:
             )
         for point in points:
             if point.micro_batch_size == micro_batch_size:
-                return LayerCost(point.forward_time_s, point.backward_time_s, point.activation_bytes)
+                return _cost(point)
         if len(points) == 1:
             scale = micro_batch_size / points[0].micro_batch_size
-            only = points[0]
+            only = _cost(points[0])
             return LayerCost(only.forward_time_s * scale, only.backward_time_s * scale, only.activation_bytes * scale)
         below = [p for p in points if p.micro_batch_size < micro_batch_size]
         above = [p for p in points if p.micro_batch_size > micro_batch_size]
@@ -143,14 +158,21 @@ class DeviceProfile:
         def blend(a: float, b: float) -> float:
             return max(a + weight * (b - a), 0.0)
 
+        low, high = _cost(lo), _cost(hi)
         return LayerCost(
-            blend(lo.forward_time_s, hi.forward_time_s),
-            blend(lo.backward_time_s, hi.backward_time_s),
-            blend(lo.activation_bytes, hi.activation_bytes),
+            blend(low.forward_time_s, high.forward_time_s),
+            blend(low.backward_time_s, high.backward_time_s),
+            blend(low.activation_bytes, high.activation_bytes),
         )
 
     def tp_degrees(self) -> tuple[int, ...]:
-        return tuple(sorted({e.tp for e in self.entries if e.layer == "decoder"}))
+        return tuple(sorted({e.tp for e in self.entries if e.layer == "decoder" and e.fits}))
+
+
+def _cost(entry: ProfileEntry) -> LayerCost:
+    assert entry.forward_time_s is not None and entry.backward_time_s is not None
+    assert entry.activation_bytes is not None
+    return LayerCost(entry.forward_time_s, entry.backward_time_s, entry.activation_bytes)
 
 
 def load_profile(path: str | Path) -> DeviceProfile:
@@ -169,6 +191,3 @@ def load_profile(path: str | Path) -> DeviceProfile:
         path=str(path),
     )
 
-
-def as_dict(cost: LayerCost) -> dict[str, float]:
-    return asdict(cost)

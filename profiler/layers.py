@@ -1,0 +1,172 @@
+"""The torch layers hetplan profiles and (later) runs: one definition for both.
+
+Built from a ModelSpec: a Llama-style decoder layer (RMSNorm, grouped-query attention with RoPE through
+`scaled_dot_product_attention`, SwiGLU MLP) or a GPT-style one (LayerNorm, multi-head attention, GELU MLP), the
+embedding and the LM head with its loss. `tp` builds the shard one tensor-parallel rank computes (heads/t, ffn/t,
+vocab/t) so a single device can time a TP-t layer; the collectives are modelled separately.
+
+Recompute modes (what is saved for backward; see ModelSpec.layer_activation_elements_per_token):
+  none       plain autograd;
+  selective  keep the layer input, Q/K/V, the post-attention residual and the MLP up-projection output; norms,
+             core attention and the MLP activation are recomputed inside the next GEMM's backward
+             (`recomputed_linear`);
+  full       keep only the layer input (reentrant checkpoint, so saved-tensor hooks see what it keeps).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+try:
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+except ImportError as err:  # pragma: no cover - exercised only without torch
+    from specs.errors import TorchMissingError
+
+    raise TorchMissingError("profiling and running layers") from err
+
+from specs.model import ModelSpec, Recompute
+
+
+class _RecomputedLinear(torch.autograd.Function):
+    """y = fn(*inputs) @ W^T + b, saving only `inputs`: fn is re-run in backward to get the GEMM input."""
+
+    @staticmethod
+    def forward(ctx, fn, weight, bias, *inputs):  # type: ignore[no-untyped-def, override]
+        ctx.fn = fn
+        ctx.has_bias = bias is not None
+        ctx.save_for_backward(weight, *inputs)
+        with torch.no_grad():
+            return F.linear(fn(*inputs), weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[no-untyped-def, override]
+        weight, *inputs = ctx.saved_tensors
+        detached = [x.detach().requires_grad_(x.requires_grad) for x in inputs]
+        with torch.enable_grad():
+            gemm_input = ctx.fn(*detached)
+        grad_input = grad_out @ weight
+        grad_weight = grad_out.reshape(-1, grad_out.shape[-1]).t() @ gemm_input.reshape(-1, gemm_input.shape[-1])
+        grad_bias = grad_out.reshape(-1, grad_out.shape[-1]).sum(0) if ctx.has_bias else None
+        torch.autograd.backward(gemm_input, grad_input)
+        return (None, grad_weight.to(weight.dtype), grad_bias, *[x.grad for x in detached])
+
+
+def recomputed_linear(
+    fn: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor, ...], linear: nn.Linear
+) -> torch.Tensor:
+    return _RecomputedLinear.apply(fn, linear.weight, linear.bias, *inputs)
+
+
+def rotary_tables(seq_length: int, head_dim: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """cos and sin for RoPE (theta 10000), stacked: (2, s, d/2)."""
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(seq_length, device=device, dtype=torch.float32), inv_freq)
+    return torch.stack([angles.cos(), angles.sin()]).to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    """x: (b, heads, s, d); rotate pairs (first half, second half)."""
+    cos, sin = tables[0], tables[1]
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1)
+
+
+class DecoderLayer(nn.Module):
+    """One transformer layer shard for TP rank 0 of `tp`."""
+
+    def __init__(self, model: ModelSpec, tp: int = 1, recompute: Recompute = "none") -> None:
+        super().__init__()
+        if model.num_kv_heads % tp or model.ffn_hidden_size % tp:
+            raise ValueError(f"tp {tp} must divide kv heads {model.num_kv_heads} and ffn {model.ffn_hidden_size}")
+        self.llama = model.mlp == "swiglu"
+        self.recompute = recompute
+        h, d = model.hidden_size, model.head_dim
+        self.heads = model.num_attention_heads // tp
+        self.kv_heads = model.num_kv_heads // tp
+        self.head_dim = d
+        self.ffn = model.ffn_hidden_size // tp
+        bias = not self.llama
+        norm = (lambda: nn.RMSNorm(h, eps=1e-5)) if self.llama else (lambda: nn.LayerNorm(h, eps=1e-5))
+        self.attention_norm = norm()
+        self.mlp_norm = norm()
+        self.qkv = nn.Linear(h, (self.heads + 2 * self.kv_heads) * d, bias=bias)
+        self.out = nn.Linear(self.heads * d, h, bias=bias)
+        self.up = nn.Linear(h, (2 if self.llama else 1) * self.ffn, bias=bias)
+        self.down = nn.Linear(self.ffn, h, bias=bias)
+        self.register_buffer("rotary", rotary_tables(model.seq_length, d, torch.device("cpu"), torch.float32),
+                             persistent=False)
+
+    # pieces, each a function of tensors so they can be recomputed
+    def _split_heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        b, s, _ = qkv.shape
+        d = self.head_dim
+        q, k, v = qkv.split([self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
+        q, k, v = (t.view(b, s, -1, d).transpose(1, 2) for t in (q, k, v))
+        if self.llama:
+            tables = self.rotary[:, :s].to(q.dtype)
+            q, k = apply_rotary(q, tables), apply_rotary(k, tables)
+        return q, k, v
+
+    def _core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv_heads != self.heads)
+        b, _, s, _ = out.shape
+        return out.transpose(1, 2).reshape(b, s, self.heads * self.head_dim)
+
+    def _activation(self, up: torch.Tensor) -> torch.Tensor:
+        if self.llama:
+            gate, value = up.chunk(2, dim=-1)
+            return F.silu(gate) * value
+        return F.gelu(up, approximate="tanh")
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self._split_heads(self.qkv(self.attention_norm(x)))
+        x = x + self.out(self._core_attention(q, k, v))
+        return x + self.down(self._activation(self.up(self.mlp_norm(x))))
+
+    def _forward_selective(self, x: torch.Tensor) -> torch.Tensor:
+        qkv = recomputed_linear(self.attention_norm, (x,), self.qkv)
+        q, k, v = self._split_heads(qkv)
+        x = x + recomputed_linear(self._core_attention, (q, k, v), self.out)
+        up = recomputed_linear(self.mlp_norm, (x,), self.up)
+        return x + recomputed_linear(self._activation, (up,), self.down)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.recompute == "full" and torch.is_grad_enabled():
+            return torch.utils.checkpoint.checkpoint(self._forward, x, use_reentrant=True)
+        if self.recompute == "selective" and torch.is_grad_enabled():
+            return self._forward_selective(x)
+        return self._forward(x)
+
+
+class Embedding(nn.Module):
+    """Vocabulary-parallel token embedding shard (+ learned positions for GPT-style models)."""
+
+    def __init__(self, model: ModelSpec, tp: int = 1) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(math.ceil(model.vocab_size / tp), model.hidden_size)
+        self.positions = nn.Embedding(model.seq_length, model.hidden_size) if model.mlp == "gelu" else None
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        local = token_ids % self.tokens.num_embeddings
+        x = self.tokens(local)
+        if self.positions is not None:
+            x = x + self.positions(torch.arange(token_ids.shape[1], device=token_ids.device))
+        return x
+
+
+class LMHead(nn.Module):
+    """Final norm, vocabulary-parallel output projection and cross-entropy over the local vocabulary shard."""
+
+    def __init__(self, model: ModelSpec, tp: int = 1) -> None:
+        super().__init__()
+        h = model.hidden_size
+        self.norm = nn.RMSNorm(h, eps=1e-5) if model.mlp == "swiglu" else nn.LayerNorm(h, eps=1e-5)
+        self.output = nn.Linear(h, math.ceil(model.vocab_size / tp), bias=False)
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.output(self.norm(x)).float()
+        local = targets % self.output.out_features
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), local.view(-1))
