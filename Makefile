@@ -9,7 +9,9 @@ STAMP := $(VENV)/.hetplan-installed
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	# the CPU build of torch first: a bare `torch` requirement would pull the multi-GB CUDA build
+	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet -e '.[torch,dev]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -21,6 +23,7 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/plan_examples.py
+	$(BIN)/python bench/profile_repeatability.py
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache

@@ -381,6 +381,69 @@ def models(as_json: JsonOpt = False) -> None:
     _console().print(table)
 
 
+@app.command()
+def profile(
+    model: ModelOpt,
+    out: Annotated[Path, typer.Option(help="Profile JSON to write.")],
+    device: Annotated[str, typer.Option(help="auto, cpu, cuda:N (also ROCm), xpu:N or npu:N.")] = "auto",
+    as_device: Annotated[
+        Optional[str], typer.Option(help="Catalog key the profile stands for (default: cpu, or the GPU's name).")
+    ] = None,
+    micro_batches: Annotated[str, typer.Option(help="Micro-batch sizes.")] = "1,2,4,8",
+    tp: Annotated[str, typer.Option(help="TP degrees to time (the shard one rank computes).")] = "1,2,4",
+    recompute: Annotated[str, typer.Option(help="Recompute modes to time.")] = "none,selective,full",
+    seq_len: SeqLenOpt = None,
+    dtype: Annotated[str, typer.Option(help="auto (fp32 on CPU, bf16 elsewhere), bf16, fp16 or fp32.")] = "auto",
+    repeats: Annotated[int, typer.Option(min=1, help="Timed runs per entry (at least).")] = 8,
+) -> None:
+    """Measure per-layer forward/backward time and activation memory on the local accelerator."""
+    from specs.errors import SpecError, TorchMissingError
+
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        raise TorchMissingError("`hetplan profile`") from None
+    from rich.progress import Progress
+
+    from profiler.measure import profile_model, resolve_device
+    from specs.device import get_device
+    from specs.model import RECOMPUTE_MODES, load_model
+
+    model_spec = load_model(model)
+    torch_device = resolve_device(device)
+    chosen_dtype = ("fp32" if torch_device.type == "cpu" else "bf16") if dtype == "auto" else dtype
+    training_spec = _training(None, dtype=chosen_dtype, seq_length=seq_len)
+    modes = [m.strip() for m in recompute.split(",") if m.strip()]
+    for mode in modes:
+        if mode not in RECOMPUTE_MODES:
+            raise SpecError("--recompute", "", f"expected none, selective or full, got {mode!r}")
+    key = as_device or ("cpu" if torch_device.type == "cpu" else torch_device.type)
+    if as_device:
+        key = get_device(as_device, "--as-device", "").key
+    with Progress(transient=True, disable=not sys.stderr.isatty()) as bar:
+        task = bar.add_task("profiling", total=None)
+
+        def report(done: int, total: int, what: str) -> None:
+            bar.update(task, completed=done, total=total, description=what)
+
+        result = profile_model(
+            model_spec,
+            device=torch_device,
+            device_key=key,
+            dtype=training_spec.dtype,
+            seq_length=seq_len or model_spec.seq_length,
+            micro_batch_sizes=_int_list(micro_batches, "--micro-batches") or [],
+            tp_degrees=_int_list(tp, "--tp") or [],
+            recompute_modes=modes,  # type: ignore[arg-type]
+            repeats=repeats,
+            progress=report,
+        )
+    result.save(out)
+    skipped = sum(not entry.fits for entry in result.entries)
+    note = " (interrupted: partial profile)" if result.environment.get("interrupted") else ""
+    _console().print(f"{len(result.entries)} entries ({skipped} did not fit) written to {out}{note}")
+
+
 @app.command("simulate-profile")
 def simulate_profile(
     device: Annotated[str, typer.Option(help="Catalog device key.")],

@@ -68,7 +68,7 @@ def rotary_tables(seq_length: int, head_dim: int, device: torch.device, dtype: t
 
 
 def apply_rotary(x: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
-    """x: (b, heads, s, d); rotate pairs (first half, second half)."""
+    """Rotate pairs (first half, second half) of the last dimension; `tables` broadcast against x."""
     cos, sin = tables[0], tables[1]
     first, second = x.chunk(2, dim=-1)
     return torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1)
@@ -96,19 +96,22 @@ class DecoderLayer(nn.Module):
         self.out = nn.Linear(self.heads * d, h, bias=bias)
         self.up = nn.Linear(h, (2 if self.llama else 1) * self.ffn, bias=bias)
         self.down = nn.Linear(self.ffn, h, bias=bias)
-        self.register_buffer("rotary", rotary_tables(model.seq_length, d, torch.device("cpu"), torch.float32),
-                             persistent=False)
+        self.register_buffer(
+            "rotary", rotary_tables(model.seq_length, d, torch.device("cpu"), torch.float32), persistent=False
+        )
 
     # pieces, each a function of tensors so they can be recomputed
     def _split_heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         b, s, _ = qkv.shape
         d = self.head_dim
         q, k, v = qkv.split([self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
-        q, k, v = (t.view(b, s, -1, d).transpose(1, 2) for t in (q, k, v))
+        q, k, v = (t.view(b, s, -1, d) for t in (q, k, v))
         if self.llama:
-            tables = self.rotary[:, :s].to(q.dtype)
-            q, k = apply_rotary(q, tables), apply_rotary(k, tables)
-        return q, k, v
+            # RoPE in (b, s, heads, d) layout: attention then returns its output in that layout too, so the output
+            # projection reads it without a copy. V is copied out so the QKV output itself is not kept alive.
+            tables = self.rotary[:, :s, None, :].to(q.dtype)
+            q, k, v = apply_rotary(q, tables), apply_rotary(k, tables), v.contiguous()
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
     def _core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv_heads != self.heads)

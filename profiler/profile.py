@@ -190,4 +190,3 @@ def load_profile(path: str | Path) -> DeviceProfile:
         environment=parsed.environment,
         path=str(path),
     )
-

@@ -99,8 +99,8 @@ class SimulatedDevice:
         sp_tp = tp if self.sequence_parallel else 1
         tokens = micro_batch_size * self.seq_length
         activation = DTYPE_BYTES[self.dtype] * tokens * (replicated / sp_tp + sharded / tp)
-        if recompute != "full":
-            activation += 4.0 * tokens * self.model.num_attention_heads / tp  # fp32 log-sum-exp of flash attention
+        if recompute == "none":  # fp32 log-sum-exp of flash attention (selective recomputes attention)
+            activation += 4.0 * tokens * self.model.num_attention_heads / tp
         return LayerCost(forward, backward, activation)
 
     def _embedding_cost(self, micro_batch_size: int, tp: int) -> LayerCost:

@@ -21,11 +21,10 @@ NO_TORCH = (
 )
 
 
-def hetplan(*args: str) -> subprocess.CompletedProcess[str]:
-    """Run the CLI in a fresh interpreter where torch cannot be imported."""
-    return subprocess.run(
-        [sys.executable, "-c", NO_TORCH, *args], cwd=ROOT, capture_output=True, text=True, timeout=300
-    )
+def hetplan(*args: str, torch_allowed: bool = False) -> subprocess.CompletedProcess[str]:
+    """Run the CLI in a fresh interpreter; unless allowed, torch cannot be imported there."""
+    command = ["-m", "cli"] if torch_allowed else ["-c", NO_TORCH]
+    return subprocess.run([sys.executable, *command, *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,348 @@
+"""Measure layers on the local accelerator: forward/backward time, activation bytes, peak memory.
+
+Timing: warm-up runs, then timed runs of forward and of backward, each bracketed by a device synchronisation
+(CUDA/ROCm, XPU and NPU expose the same `torch.<device>.synchronize`; the CPU needs none) and a monotonic clock,
+collected in several interleaved passes over all entries; the median of the samples is the entry's time, min and
+max its spread. Activation bytes are what autograd saves
+for backward, counted with saved-tensor hooks (unique storages, parameters and buffers excluded), so the number
+means the same on every device. Sizes that run out of memory are recorded with `fits: false`.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+try:
+    import torch
+    from torch import nn
+except ImportError as err:  # pragma: no cover - exercised only without torch
+    from specs.errors import TorchMissingError
+
+    raise TorchMissingError("`hetplan profile`") from err
+
+from profiler.layers import DecoderLayer, Embedding, LMHead
+from profiler.profile import DeviceProfile, LayerKind, ProfileEntry
+from specs.errors import SpecError
+from specs.model import RECOMPUTE_MODES, ModelSpec, Recompute
+
+TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass(frozen=True)
+class LayerMeasurement:
+    forward_time_s: float
+    backward_time_s: float
+    forward_time_min_s: float
+    forward_time_max_s: float
+    backward_time_min_s: float
+    backward_time_max_s: float
+    activation_bytes: float
+    peak_memory_bytes: float | None
+    repeats: int
+
+
+def resolve_device(name: str) -> torch.device:
+    """'auto' picks the first accelerator torch can see (CUDA/ROCm, XPU, Ascend NPU), else the CPU."""
+    if name != "auto":
+        try:
+            device = torch.device(name)
+        except RuntimeError:
+            raise SpecError("--device", "", f"expected auto, cpu, cuda:N, xpu:N or npu:N, got {name!r}") from None
+        backend = getattr(torch, device.type, None)
+        if device.type != "cpu" and not (backend is not None and backend.is_available()):
+            raise SpecError("--device", "", f"{name!r} is not available on this machine")
+        return device
+    for kind in ("cuda", "xpu", "npu"):
+        backend = getattr(torch, kind, None)
+        if backend is not None and backend.is_available():
+            return torch.device(kind, 0)
+    return torch.device("cpu")
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type != "cpu":
+        getattr(torch, device.type).synchronize(device)
+
+
+def _reset_peak(device: torch.device) -> None:
+    backend = getattr(torch, device.type, None)
+    if device.type != "cpu" and hasattr(backend, "reset_peak_memory_stats"):
+        backend.reset_peak_memory_stats(device)
+
+
+def _peak_bytes(device: torch.device) -> float | None:
+    backend = getattr(torch, device.type, None)
+    if device.type != "cpu" and hasattr(backend, "max_memory_allocated"):
+        return float(backend.max_memory_allocated(device))
+    return None
+
+
+def saved_activation_bytes(module: nn.Module, run: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, float]:
+    """Run a forward pass and count the bytes autograd keeps for backward (unique storages, no parameters)."""
+    owned = {t.untyped_storage().data_ptr() for t in (*module.parameters(), *module.buffers())}
+    seen: set[int] = set()
+    total = 0
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        storage = tensor.untyped_storage()
+        pointer = storage.data_ptr()
+        if pointer not in owned and pointer not in seen:
+            seen.add(pointer)
+            total += storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        out = run()
+    return out, float(total)
+
+
+@dataclass
+class _Samples:
+    forward_s: list[float]
+    backward_s: list[float]
+    activation_bytes: float
+    peak_memory_bytes: float | None
+
+    def summary(self) -> LayerMeasurement:
+        return LayerMeasurement(
+            forward_time_s=statistics.median(self.forward_s),
+            backward_time_s=statistics.median(self.backward_s),
+            forward_time_min_s=min(self.forward_s),
+            forward_time_max_s=max(self.forward_s),
+            backward_time_min_s=min(self.backward_s),
+            backward_time_max_s=max(self.backward_s),
+            activation_bytes=self.activation_bytes,
+            peak_memory_bytes=self.peak_memory_bytes,
+            repeats=len(self.forward_s),
+        )
+
+
+def _sample_layer(
+    module: nn.Module,
+    example_inputs: Sequence[torch.Tensor],
+    *,
+    warmup: int,
+    repeats: int,
+    min_time_s: float,
+    max_repeats: int,
+) -> _Samples:
+    device = next((t.device for t in example_inputs), torch.device("cpu"))
+    inputs = [t.detach().requires_grad_(t.is_floating_point()) for t in example_inputs]
+
+    def forward() -> torch.Tensor:
+        return module(*inputs)
+
+    out, activation_bytes = saved_activation_bytes(module, forward)
+    grad = torch.randn_like(out) if out.dim() > 0 else None
+    out.backward(grad)
+    _reset_peak(device)
+    forward_times: list[float] = []
+    backward_times: list[float] = []
+    index = 0
+    while index < warmup + repeats or (
+        sum(forward_times) + sum(backward_times) < min_time_s and len(forward_times) < max_repeats
+    ):
+        for t in inputs:
+            t.grad = None
+        module.zero_grad(set_to_none=True)
+        synchronize(device)
+        started = time.perf_counter()
+        out = forward()
+        synchronize(device)
+        middle = time.perf_counter()
+        out.backward(grad)
+        synchronize(device)
+        ended = time.perf_counter()
+        if index >= warmup:
+            forward_times.append(middle - started)
+            backward_times.append(ended - middle)
+        index += 1
+    return _Samples(forward_times, backward_times, activation_bytes, _peak_bytes(device))
+
+
+def profile_layer(
+    module: nn.Module,
+    example_inputs: Sequence[torch.Tensor],
+    *,
+    warmup: int = 2,
+    repeats: int = 5,
+    min_time_s: float = 0.25,
+    max_repeats: int = 200,
+) -> LayerMeasurement:
+    """Time forward and backward of any module on its inputs' device, and count its saved activations.
+
+    Runs at least `repeats` timed iterations and keeps going (up to `max_repeats`) until `min_time_s` of
+    measurements are collected, so short kernels get enough samples for a stable median. A non-scalar output is
+    back-propagated with a fixed random gradient; a scalar (a loss) with 1.
+    """
+    return _sample_layer(
+        module, example_inputs, warmup=warmup, repeats=repeats, min_time_s=min_time_s, max_repeats=max_repeats
+    ).summary()
+
+
+def _is_out_of_memory(err: BaseException) -> bool:
+    return isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()
+
+
+def build_layer(
+    model: ModelSpec,
+    layer: LayerKind,
+    micro_batch_size: int,
+    seq_length: int,
+    tp: int,
+    recompute: Recompute,
+    device: torch.device,
+    dtype: torch.dtype,
+    seed: int = 0,
+) -> tuple[nn.Module, list[torch.Tensor]]:
+    """The module and seeded example inputs for one profile entry."""
+    generator = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    shape_model = model.model_copy(update={"seq_length": max(seq_length, model.seq_length)})
+    if layer == "decoder":
+        module: nn.Module = DecoderLayer(shape_model, tp, recompute)
+        inputs = [torch.randn(micro_batch_size, seq_length, model.hidden_size, generator=generator)]
+    elif layer == "embedding":
+        module = Embedding(shape_model, tp)
+        inputs = [torch.randint(0, model.vocab_size, (micro_batch_size, seq_length), generator=generator)]
+    else:
+        module = LMHead(shape_model, tp)
+        inputs = [
+            torch.randn(micro_batch_size, seq_length, model.hidden_size, generator=generator),
+            torch.randint(0, model.vocab_size, (micro_batch_size, seq_length), generator=generator),
+        ]
+    module = module.to(device=device, dtype=dtype)
+    moved = [t.to(device=device, dtype=dtype) if t.is_floating_point() else t.to(device) for t in inputs]
+    return module, moved
+
+
+class _EmbeddingProbe(nn.Module):
+    """Embedding output as a float tensor whose gradient flows into the table (token ids take no gradient)."""
+
+    def __init__(self, embedding: nn.Module) -> None:
+        super().__init__()
+        self.embedding = embedding
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return self.embedding(token_ids)
+
+
+def environment(device: torch.device, dtype: str) -> dict[str, object]:
+    name = platform.processor() or platform.machine()
+    if device.type != "cpu":
+        backend = getattr(torch, device.type)
+        name = backend.get_device_name(device) if hasattr(backend, "get_device_name") else device.type
+    vendor = "cpu"
+    if device.type == "cuda":
+        vendor = "amd" if getattr(torch.version, "hip", None) else "nvidia"
+    elif device.type in ("xpu", "npu"):
+        vendor = {"xpu": "intel", "npu": "huawei"}[device.type]
+    return {
+        "device": str(device),
+        "device_name": name,
+        "vendor": vendor,
+        "torch": torch.__version__,
+        "dtype": dtype,
+        "threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
+
+
+def profile_model(
+    model: ModelSpec,
+    *,
+    device: torch.device,
+    device_key: str,
+    dtype: str,
+    seq_length: int,
+    micro_batch_sizes: Sequence[int],
+    tp_degrees: Sequence[int],
+    recompute_modes: Sequence[Recompute] = RECOMPUTE_MODES,
+    warmup: int = 1,
+    repeats: int = 8,
+    passes: int = 4,
+    min_time_s: float = 0.3,
+    progress: Callable[[int, int, str], None] | None = None,
+) -> DeviceProfile:
+    """Measure every (layer, micro-batch, TP, recompute) entry; Ctrl-C stops and keeps what was measured."""
+    for tp in tp_degrees:
+        if model.num_kv_heads % tp or model.ffn_hidden_size % tp:
+            raise SpecError("--tp", "", f"{tp} must divide the model's {model.num_kv_heads} kv heads and ffn size")
+    plan: list[tuple[LayerKind, int, int, Recompute]] = []
+    for tp in tp_degrees:
+        for size in micro_batch_sizes:
+            plan += [("decoder", size, tp, mode) for mode in recompute_modes]
+            plan += [("embedding", size, tp, "none"), ("lm_head", size, tp, "none")]
+    entries: list[ProfileEntry] = []
+    interrupted = False
+    torch_dtype = TORCH_DTYPES[dtype]
+    if plan:  # wake up thread pools, allocators and kernel caches before the first timed entry
+        layer, size, tp, mode = plan[0]
+        module, inputs = build_layer(model, layer, size, seq_length, tp, mode, device, torch_dtype)
+        profile_layer(module, inputs, warmup=1, repeats=3, min_time_s=0.5)
+    # Several interleaved passes: a drift of the machine's speed (shared hosts drift by tens of percent over
+    # seconds) spreads over all entries instead of biasing whichever entry ran during it.
+    samples: dict[int, _Samples] = {}
+    no_fit: set[int] = set()
+    steps = passes * len(plan)
+    for step in range(steps):
+        index = step % len(plan)
+        layer, size, tp, mode = plan[index]
+        if index in no_fit:
+            continue
+        if progress is not None:
+            progress(step, steps, f"{layer} b={size} tp={tp} {mode}")
+        try:
+            module, inputs = build_layer(model, layer, size, seq_length, tp, mode, device, torch_dtype)
+            if layer == "embedding":
+                module = _EmbeddingProbe(module)
+            taken = _sample_layer(
+                module,
+                inputs,
+                warmup=warmup,
+                repeats=max(1, repeats // passes),
+                min_time_s=min_time_s / passes,
+                max_repeats=200,
+            )
+        except KeyboardInterrupt:
+            interrupted = True
+            break
+        except (RuntimeError, MemoryError) as err:
+            if not (isinstance(err, MemoryError) or _is_out_of_memory(err)):
+                raise
+            no_fit.add(index)
+            continue
+        if index in samples:
+            samples[index].forward_s += taken.forward_s
+            samples[index].backward_s += taken.backward_s
+        else:
+            samples[index] = taken
+    for index, (layer, size, tp, mode) in enumerate(plan):
+        if index in no_fit:
+            entries.append(ProfileEntry(layer=layer, micro_batch_size=size, tp=tp, recompute=mode, fits=False))
+        elif index in samples:
+            measured = samples[index].summary()
+            entries.append(ProfileEntry(layer=layer, micro_batch_size=size, tp=tp, recompute=mode, **measured.__dict__))
+    if progress is not None:
+        progress(len(entries), len(plan), "done" if not interrupted else "interrupted")
+    env = environment(device, dtype)
+    env.update(
+        {"warmup": warmup, "repeats": repeats, "passes": passes, "min_time_s": min_time_s, "interrupted": interrupted}
+    )
+    return DeviceProfile(
+        source="measured",
+        device={"key": device_key, "name": str(env["device_name"]), "vendor": str(env["vendor"])},
+        model=model.model_dump(exclude={"aliases", "source"}),
+        dtype=dtype,
+        seq_length=seq_length,
+        entries=entries,
+        environment=env,
+    )

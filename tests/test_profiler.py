@@ -1,0 +1,182 @@
+"""The profiler on this machine's CPU: real torch layers, activation bytes against the analytic formula,
+recompute correctness, partial profiles, and plans made from measured profiles."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from planner import plan  # noqa: E402
+from profiler import load_profile, measure  # noqa: E402
+from profiler.layers import DecoderLayer  # noqa: E402
+from profiler.measure import build_layer, profile_layer, profile_model, saved_activation_bytes  # noqa: E402
+from specs import load_cluster, load_model, load_training  # noqa: E402
+from specs.model import ModelSpec, Recompute  # noqa: E402
+from tests.conftest import EXAMPLES  # noqa: E402
+from tests.test_cli import hetplan  # noqa: E402
+
+TINY_LLAMA = load_model(str(EXAMPLES / "models" / "tiny-llama.yaml"))
+TINY_GPT = load_model(str(EXAMPLES / "models" / "tiny-gpt.yaml"))
+CPU = torch.device("cpu")
+
+
+def analytic_bytes(model: ModelSpec, tokens: int, tp: int, mode: Recompute) -> float:
+    """The planner's formula for a TP shard without sequence parallelism (replicated tensors stay whole),
+    fp32, plus flash attention's fp32 log-sum-exp."""
+    replicated, sharded = model.layer_activation_elements_per_token(mode)
+    lse = model.num_attention_heads / tp if mode == "none" else 0
+    return 4.0 * tokens * (replicated + sharded / tp + lse)
+
+
+def implementation_extra_bytes(model: ModelSpec, tokens: int, tp: int, mode: Recompute) -> float:
+    """What our torch layer keeps beyond the formula: the norms' own state. RMSNorm (unfused on CPU) keeps
+    x * rsqrt(mean(x^2)) (h) and rsqrt (1) per norm; LayerNorm keeps mean and rstd (2) per norm. A fused RMSNorm
+    kernel (Apex, Transformer Engine) keeps only rsqrt. Selective and full recompute rebuild the norms."""
+    if mode != "none":
+        return 0.0
+    h = model.hidden_size
+    norms = 2 * (h + 1) if model.mlp == "swiglu" else 2 * 2
+    return 4.0 * tokens * norms
+
+
+@pytest.mark.parametrize("model", [TINY_LLAMA, TINY_GPT], ids=["llama", "gpt"])
+@pytest.mark.parametrize("mode", ["none", "selective", "full"])
+@pytest.mark.parametrize(("micro_batch_size", "tp"), [(1, 1), (2, 2)])
+def test_measured_activation_bytes_equal_formula_plus_known_artefacts(model, mode, micro_batch_size, tp):
+    layer, inputs = build_layer(model, "decoder", micro_batch_size, model.seq_length, tp, mode, CPU, torch.float32)
+    x = inputs[0].requires_grad_()
+    _, measured = saved_activation_bytes(layer, lambda: layer(x))
+    tokens = micro_batch_size * model.seq_length
+    expected = analytic_bytes(model, tokens, tp, mode) + implementation_extra_bytes(model, tokens, tp, mode)
+    assert measured == pytest.approx(expected, rel=1e-9)
+
+
+@pytest.mark.parametrize("model", [TINY_LLAMA, TINY_GPT], ids=["llama", "gpt"])
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_recompute_gives_the_same_gradients(model, mode):
+    torch.manual_seed(0)
+    reference = DecoderLayer(model, 2, "none").double()
+    layer = DecoderLayer(model, 2, mode).double()
+    layer.load_state_dict(reference.state_dict())
+    x = torch.randn(2, model.seq_length, model.hidden_size, dtype=torch.float64, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    grad = torch.randn_like(x)
+    reference(x).backward(grad)
+    layer(x2).backward(grad)
+    torch.testing.assert_close(x2.grad, x.grad, rtol=1e-10, atol=1e-10)
+    for (name, ours), theirs in zip(layer.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-10, atol=1e-10, msg=name)
+
+
+def test_profile_layer_on_a_user_module():
+    module = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256))
+    x = torch.randn(64, 256)
+    result = profile_layer(module, [x], repeats=3, min_time_s=0.05)
+    assert 0 < result.forward_time_min_s <= result.forward_time_s <= result.forward_time_max_s
+    assert result.backward_time_s > 0 and result.repeats >= 3
+    # saved: the input (64x256), the first GEMM's output (GELU input) and GELU's output (64x1024 each)
+    assert result.activation_bytes == 4 * (64 * 256 + 2 * 64 * 1024)
+
+
+def small_profile(**kwargs) -> object:
+    return profile_model(
+        TINY_GPT,
+        device=CPU,
+        device_key="cpu",
+        dtype="fp32",
+        seq_length=TINY_GPT.seq_length,
+        micro_batch_sizes=(1, 2),
+        tp_degrees=(1,),
+        recompute_modes=("none",),
+        repeats=2,
+        passes=1,
+        min_time_s=0.0,
+        **kwargs,
+    )
+
+
+def test_sizes_that_run_out_of_memory_are_recorded_not_fatal(monkeypatch):
+    real = measure.build_layer
+
+    def failing(model, layer, size, *args, **kwargs):
+        if layer == "decoder" and size == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(model, layer, size, *args, **kwargs)
+
+    monkeypatch.setattr(measure, "build_layer", failing)
+    profile = small_profile()
+    misfits = [e for e in profile.entries if not e.fits]
+    assert [(e.layer, e.micro_batch_size) for e in misfits] == [("decoder", 2)]
+    assert all(e.forward_time_s for e in profile.entries if e.fits)
+    cost = profile.layer_cost("decoder", 2, 1, "none")  # extrapolated from the sizes that fit
+    assert cost.time_s > 0
+
+
+def test_ctrl_c_keeps_what_was_measured(monkeypatch):
+    real = measure.build_layer
+    calls = {"n": 0}
+
+    def interrupted(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 4:  # 1 warm-up + 2 entries measured, then Ctrl-C
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(measure, "build_layer", interrupted)
+    profile = small_profile()
+    assert profile.environment["interrupted"] is True
+    assert len(profile.entries) == 2
+
+
+def test_cli_profile_then_plan_uses_the_measurements(tmp_path):
+    profiles = tmp_path / "profiles"
+    profiles.mkdir()
+    out = profiles / "cpu.json"
+    result = hetplan(
+        "profile",
+        "--model",
+        str(EXAMPLES / "models" / "tiny-gpt.yaml"),
+        "--device",
+        "cpu",
+        "--micro-batches",
+        "1,2",
+        "--tp",
+        "1,2",
+        "--recompute",
+        "none,full",
+        "--repeats",
+        "2",
+        "--out",
+        str(out),
+        torch_allowed=True,
+    )
+    assert result.returncode == 0, result.stderr
+    profile = load_profile(out)
+    assert profile.source == "measured" and profile.dtype == "fp32"
+    assert profile.environment["torch"].startswith("2.") and profile.environment["threads"] >= 1
+    assert len(profile.entries) == 2 * 2 * (2 + 2)
+    body = json.loads(out.read_text())
+    assert body["schema"] == "hetplan.profile/1"
+
+    cluster = load_cluster(EXAMPLES / "cpu-2x2.yaml")
+    training = load_training(
+        None, {"dtype": "fp32", "global_batch_size": 8, "recompute": ["none", "full"], "micro_batch_sizes": [1, 2]}
+    )
+    measured = plan(cluster, TINY_GPT, training, {"cpu": profile})
+    simulated = plan(cluster, TINY_GPT, training)
+    assert "measured profile" in measured.context.predictor_identity
+    assert measured.evaluation.iteration_time_s != simulated.evaluation.iteration_time_s
+    # the plan's stage times are the measured layer times (plus collectives), not the datasheet's
+    pipeline = measured.strategy.pipelines[0]
+    stage = measured.evaluation.stages[0]
+    layer = profile.layer_cost("decoder", pipeline.micro_batch_size, stage.stage.tp, measured.strategy.recompute)
+    assert stage.compute_time_s >= stage.stage.num_layers * layer.time_s
+
+
+def test_profile_without_torch_is_a_clear_error():
+    result = hetplan("profile", "--model", "llama2-7b", "--out", "x.json")
+    assert result.returncode == 2
+    assert "needs PyTorch" in result.stderr and "pip install" in result.stderr
