@@ -444,6 +444,102 @@ def profile(
     _console().print(f"{len(result.entries)} entries ({skipped} did not fit) written to {out}{note}")
 
 
+def _size_bytes(text: str, flag: str) -> int:
+    from specs.errors import SpecError
+
+    units = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
+    stripped = text.strip().lower()
+    number = stripped.rstrip("kmgib")
+    try:
+        return int(float(number) * units[stripped[len(number) :]])
+    except (ValueError, KeyError):
+        raise SpecError(flag, "", f"expected a size like 4KiB or 256MiB, got {text!r}") from None
+
+
+@app.command("profile-comm")
+def profile_comm(
+    out: Annotated[Path, typer.Option(help="Link profile JSON to write.")],
+    world: Annotated[str, typer.Option(help="Local process counts to launch, e.g. 2,4.")] = "2,4",
+    min_size: Annotated[str, typer.Option(help="Smallest message.")] = "4KiB",
+    max_size: Annotated[str, typer.Option(help="Largest message (sizes step by 4x).")] = "256MiB",
+    ops: Annotated[str, typer.Option(help="Collectives.")] = "all_reduce,all_gather,reduce_scatter,send_recv",
+    repeats: Annotated[int, typer.Option(min=1, help="Timed runs per point.")] = 3,
+    link_class: Annotated[
+        str, typer.Option(help="What the processes share: in_node, rail or cross_group.")
+    ] = "in_node",
+    timeout_s: Annotated[float, typer.Option("--timeout", help="Seconds any one operation may take.")] = 120.0,
+    as_json: JsonOpt = False,
+) -> None:
+    """Time real collectives (Gloo over loopback here; under torchrun, this process is one rank) and fit
+    alpha-beta per collective and group size, nccl-tests style (algbw, busbw)."""
+    import tempfile
+
+    from specs.errors import SpecError, TorchMissingError
+
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        raise TorchMissingError("`hetplan profile-comm`") from None
+    from profiler.comm_bench import COLLECTIVES, link_profile, run_local
+
+    if link_class not in ("in_node", "rail", "cross_group"):
+        raise SpecError("--link-class", "", f"expected in_node, rail or cross_group, got {link_class!r}")
+    chosen = [op.strip() for op in ops.split(",") if op.strip()]
+    for op in chosen:
+        if op not in COLLECTIVES:
+            raise SpecError("--ops", "", f"expected some of {', '.join(COLLECTIVES)}, got {op!r}")
+    low, high = _size_bytes(min_size, "--min-size"), _size_bytes(max_size, "--max-size")
+    if not 4 <= low <= high:
+        raise SpecError("--min-size/--max-size", "", "expected 4 bytes <= min-size <= max-size")
+    sizes = []
+    while low <= high:
+        sizes.append(low)
+        low *= 4
+    worlds = _int_list(world, "--world") or []
+    if any(n < 2 for n in worlds):
+        raise SpecError("--world", "", "expected process counts >= 2")
+    points = []
+    with tempfile.TemporaryDirectory() as scratch:
+        for ranks in worlds:
+            points += run_local(ranks, sizes, chosen, repeats, Path(scratch), timeout_s)
+    profile = link_profile(points, link_class, "gloo")
+    out.write_text(json.dumps(profile, indent=2) + "\n", encoding="utf-8")
+    if as_json:
+        sys.stdout.write(json.dumps(profile, indent=2) + "\n")
+        return
+    from rich.table import Table
+
+    table = Table(title="Collectives (nccl-tests convention; sizes are whole buffers)")
+    for column in ("collective", "ranks", "size", "time us", "algbw GB/s", "busbw GB/s", "ok"):
+        table.add_column(column, justify="left" if column == "collective" else "right")
+    for p in profile["points"]:
+        table.add_row(
+            p["collective"],
+            str(p["ranks"]),
+            f"{p['size_bytes'] / 2**10:,.0f} KiB",
+            f"{p['time_s'] * 1e6:,.0f}",
+            f"{p['algbw_bytes_per_s'] / 1e9:.2f}",
+            f"{p['busbw_bytes_per_s'] / 1e9:.2f}",
+            "yes" if p["correct"] else "NO",
+        )
+    fits = Table(title=f"Alpha-beta fits ({link_class})")
+    for column in ("collective", "ranks", "alpha us", "busbw GB/s", "median err", "max err"):
+        fits.add_column(column, justify="left" if column == "collective" else "right")
+    for f in profile["links"]:
+        fits.add_row(
+            f["collective"],
+            str(f["ranks"]),
+            f"{f['alpha_s'] * 1e6:.1f}",
+            f"{f['busbw_bytes_per_s'] / 1e9:.2f}",
+            f"{f['fit_median_rel_error']:.1%}",
+            f"{f['fit_max_rel_error']:.1%}",
+        )
+    console = _console()
+    console.print(table)
+    console.print(fits)
+    console.print(f"link profile written to {out}")
+
+
 @app.command("simulate-profile")
 def simulate_profile(
     device: Annotated[str, typer.Option(help="Catalog device key.")],

@@ -1,0 +1,232 @@
+"""Measure collectives for real and fit alpha-beta link models (`hetplan profile-comm`).
+
+Local processes on loopback with Gloo (or one rank of a torchrun job) time all-reduce, all-gather,
+reduce-scatter and send/recv over message sizes, reported in the nccl-tests convention
+(shared/reference/collectives.md): algbw = S / t with S the whole buffer, busbw = algbw x 2(n-1)/n for all-reduce,
+(n-1)/n for all-gather and reduce-scatter, 1 for send/recv. Each (collective, ranks) gets a fitted
+t = steps * alpha + S * factor / busbw (steps = 2(n-1), n-1 or 1), least squares on relative error, and the fit's
+error against the measured points is recorded with it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import socket
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+try:
+    import torch
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+except ImportError as err:  # pragma: no cover - exercised only without torch
+    from specs.errors import TorchMissingError
+
+    raise TorchMissingError("`hetplan profile-comm`") from err
+
+from specs.errors import HetplanError
+
+LINKS_SCHEMA = "hetplan.links/1"
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
+
+
+def bus_factor(collective: str, ranks: int) -> float:
+    """nccl-tests busbw / algbw."""
+    if collective == "all_reduce":
+        return 2 * (ranks - 1) / ranks
+    if collective in ("all_gather", "reduce_scatter"):
+        return (ranks - 1) / ranks
+    return 1.0
+
+
+def latency_steps(collective: str, ranks: int) -> int:
+    if collective == "all_reduce":
+        return 2 * (ranks - 1)
+    if collective in ("all_gather", "reduce_scatter"):
+        return ranks - 1
+    return 1
+
+
+@dataclass(frozen=True)
+class CommPoint:
+    collective: str
+    ranks: int
+    size_bytes: int
+    time_s: float
+    algbw_bytes_per_s: float
+    busbw_bytes_per_s: float
+    correct: bool
+
+
+@dataclass(frozen=True)
+class LinkFit:
+    link_class: str
+    collective: str
+    ranks: int
+    alpha_s: float
+    busbw_bytes_per_s: float
+    fit_median_rel_error: float
+    fit_max_rel_error: float
+
+
+def _run_one(collective: str, size_bytes: int, rank: int, ranks: int) -> tuple[float, bool]:
+    """One timed operation on every rank; returns rank-local time and whether the result is right."""
+    elements = max(ranks, size_bytes // 4)
+    elements -= elements % ranks
+    if collective == "all_reduce":
+        buffer = torch.full((elements,), float(rank + 1))
+        started = time.perf_counter()
+        dist.all_reduce(buffer)
+        elapsed = time.perf_counter() - started
+        return elapsed, bool(buffer[0].item() == ranks * (ranks + 1) / 2)
+    if collective == "all_gather":
+        shard = torch.full((elements // ranks,), float(rank))
+        output = torch.zeros(elements)  # touched now, so page faults stay out of the timing
+        started = time.perf_counter()
+        dist.all_gather_single(output, shard)
+        elapsed = time.perf_counter() - started
+        expected = torch.arange(ranks, dtype=torch.float32).repeat_interleave(elements // ranks)
+        return elapsed, bool(torch.equal(output, expected))
+    if collective == "reduce_scatter":
+        full = torch.full((elements,), float(rank + 1))
+        output = torch.zeros(elements // ranks)
+        started = time.perf_counter()
+        dist.reduce_scatter_single(output, full)
+        elapsed = time.perf_counter() - started
+        return elapsed, bool(output[0].item() == ranks * (ranks + 1) / 2)
+    # send/recv between rank 0 and rank 1 (others idle): one direction, size_bytes
+    buffer = torch.full((elements,), 7.0) if rank == 0 else torch.zeros(elements)
+    started = time.perf_counter()
+    if rank == 0:
+        dist.send(buffer, dst=1)
+    elif rank == 1:
+        dist.recv(buffer, src=0)
+    elapsed = time.perf_counter() - started
+    return elapsed, bool(rank != 1 or buffer[0].item() == 7.0)
+
+
+def measure_points(
+    rank: int, ranks: int, sizes: Sequence[int], collectives: Sequence[str], repeats: int
+) -> list[CommPoint]:
+    """Run inside an initialised process group; every rank returns the same points (rank 0's timings)."""
+    points = []
+    for collective in collectives:
+        if collective == "send_recv" and ranks < 2:
+            continue
+        for size in sizes:
+            times, correct = [], True
+            for index in range(repeats + 1):
+                dist.barrier()
+                elapsed, ok = _run_one(collective, size, rank, ranks)
+                # the slowest rank defines a collective's time (as nccl-tests' per-iteration max)
+                slowest = torch.tensor([elapsed, 0.0 if ok else 1.0], dtype=torch.float64)
+                dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+                correct = correct and slowest[1].item() == 0.0
+                if index > 0:
+                    times.append(slowest[0].item())
+            time_s = statistics.median(times)
+            algbw = size / time_s
+            points.append(
+                CommPoint(collective, ranks, size, time_s, algbw, algbw * bus_factor(collective, ranks), correct)
+            )
+    return points
+
+
+def _worker(
+    rank: int, ranks: int, port: int, sizes: list[int], collectives: list[str], repeats: int, timeout_s: float, out: str
+) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=ranks, timeout=timedelta(seconds=timeout_s)
+    )
+    try:
+        points = measure_points(rank, ranks, sizes, collectives, repeats)
+        if rank == 0:
+            Path(out).write_text(json.dumps([asdict(p) for p in points]), encoding="utf-8")
+    finally:
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def run_local(
+    ranks: int, sizes: Sequence[int], collectives: Sequence[str], repeats: int, scratch: Path, timeout_s: float = 120.0
+) -> list[CommPoint]:
+    """Spawn `ranks` local processes (Gloo on loopback), bounded by `timeout_s` per operation."""
+    out = scratch / f"points-{ranks}.json"
+    context = mp.start_processes(
+        _worker,
+        args=(ranks, free_port(), list(sizes), list(collectives), repeats, timeout_s, str(out)),
+        nprocs=ranks,
+        join=False,
+        start_method="spawn",
+    )
+    deadline = time.monotonic() + timeout_s * (len(sizes) * len(collectives) + 2)
+    try:
+        while not context.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                raise HetplanError(f"profile-comm with {ranks} processes did not finish in time")
+    except mp.ProcessRaisedException as err:
+        raise HetplanError(f"profile-comm with {ranks} processes failed: {str(err).strip().splitlines()[-1]}") from None
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.terminate()
+    return [CommPoint(**p) for p in json.loads(out.read_text(encoding="utf-8"))]
+
+
+def fit_link(points: Sequence[CommPoint], link_class: str) -> LinkFit:
+    """Least squares on relative error of t = steps*alpha + S*factor/busbw."""
+    first = points[0]
+    steps = latency_steps(first.collective, first.ranks)
+    factor = bus_factor(first.collective, first.ranks)
+    sizes = np.array([p.size_bytes for p in points], dtype=float)
+    times = np.array([p.time_s for p in points])
+    design = np.stack([np.full_like(sizes, steps), sizes * factor], axis=1) / times[:, None]
+    (alpha, inverse_bw), *_ = np.linalg.lstsq(design, np.ones_like(times), rcond=None)
+    alpha, inverse_bw = max(float(alpha), 0.0), max(float(inverse_bw), 1e-15)
+    predicted = steps * alpha + sizes * factor * inverse_bw
+    errors = np.abs(predicted - times) / times
+    return LinkFit(
+        link_class,
+        first.collective,
+        first.ranks,
+        alpha,
+        1.0 / inverse_bw,
+        float(np.median(errors)),
+        float(np.max(errors)),
+    )
+
+
+def link_profile(points: Sequence[CommPoint], link_class: str, backend: str) -> dict[str, Any]:
+    groups: dict[tuple[str, int], list[CommPoint]] = {}
+    for point in points:
+        groups.setdefault((point.collective, point.ranks), []).append(point)
+    fits = [fit_link(group, link_class) for group in groups.values() if len(group) >= 2]
+    return {
+        "schema": LINKS_SCHEMA,
+        "source": "measured",
+        "backend": backend,
+        "environment": {
+            "host": platform.node(),
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "cpu_count": os.cpu_count(),
+            "threads_per_rank": 1,
+        },
+        "links": [asdict(f) for f in fits],
+        "points": [asdict(p) for p in points],
+    }

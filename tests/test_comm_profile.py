@@ -1,0 +1,64 @@
+"""profile-comm: real Gloo collectives between local processes, nccl-tests bandwidth conventions, alpha-beta fits."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("torch")
+
+from profiler.comm_bench import CommPoint, bus_factor, fit_link, link_profile, run_local
+from tests.test_cli import hetplan
+
+
+def test_fit_recovers_a_known_alpha_beta():
+    alpha, busbw, ranks = 20e-6, 5e9, 4
+    points = []
+    for size in (4096, 65536, 2**20, 2**24):
+        time_s = 2 * (ranks - 1) * alpha + size * bus_factor("all_reduce", ranks) / busbw
+        points.append(CommPoint("all_reduce", ranks, size, time_s, size / time_s, 0.0, True))
+    fit = fit_link(points, "in_node")
+    assert fit.alpha_s == pytest.approx(alpha, rel=1e-6)
+    assert fit.busbw_bytes_per_s == pytest.approx(busbw, rel=1e-6)
+    assert fit.fit_max_rel_error < 1e-9
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_local_collectives_are_correct_and_reported_nccl_tests_style(tmp_path, ranks):
+    collectives = ["all_reduce", "all_gather", "reduce_scatter", "send_recv"]
+    points = run_local(ranks, [4096, 262144], collectives, repeats=2, scratch=tmp_path, timeout_s=60)
+    assert {p.collective for p in points} == set(collectives)
+    for point in points:
+        assert point.correct, point
+        assert point.ranks == ranks and point.time_s > 0
+        assert point.algbw_bytes_per_s == pytest.approx(point.size_bytes / point.time_s)
+        assert point.busbw_bytes_per_s == pytest.approx(point.algbw_bytes_per_s * bus_factor(point.collective, ranks))
+    profile = link_profile(points, "in_node", "gloo")
+    assert profile["schema"] == "hetplan.links/1"
+    assert len(profile["links"]) == 4
+    assert all(link["busbw_bytes_per_s"] > 0 and link["alpha_s"] >= 0 for link in profile["links"])
+
+
+def test_cli_profile_comm_writes_a_link_profile(tmp_path):
+    out = tmp_path / "links.json"
+    result = hetplan(
+        "profile-comm",
+        "--world",
+        "2",
+        "--max-size",
+        "64KiB",
+        "--ops",
+        "all_reduce,send_recv",
+        "--repeats",
+        "2",
+        "--out",
+        str(out),
+        torch_allowed=True,
+    )
+    assert result.returncode == 0, result.stderr
+    body = json.loads(out.read_text())
+    assert {link["collective"] for link in body["links"]} == {"all_reduce", "send_recv"}
+    assert all("fit_median_rel_error" in link for link in body["links"])
+    bad = hetplan("profile-comm", "--world", "1", "--out", str(out), torch_allowed=True)
+    assert bad.returncode == 2 and "expected process counts >= 2" in bad.stderr
