@@ -150,7 +150,9 @@ def _sample_layer(
     ):
         for t in inputs:
             t.grad = None
-        module.zero_grad(set_to_none=True)
+        # Gradient buffers persist across steps, as in training (Megatron's main_grad buffers): backward
+        # accumulates into them instead of allocating (and page-faulting) fresh ones every run.
+        module.zero_grad(set_to_none=False)
         synchronize(device)
         started = time.perf_counter()
         out = forward()
