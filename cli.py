@@ -270,7 +270,7 @@ def predict(
         model_spec = load_model(model) if model else loaded.model
         base = loaded.training.model_dump()
         base.update({k: v for k, v in overrides.items() if v is not None})
-        training_spec = _training(training, **base) if training else _training(None, **base)
+        training_spec = _training(training, **base)
         chosen, source = loaded.strategy, str(strategy)
     else:
         if model is None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from predictor.comm_model import (
     Link,
@@ -288,7 +288,6 @@ class Evaluation:
     samples_per_s: float
     mfu: float
     devices_used: int
-    extra: dict[str, float] = field(default_factory=dict)
 
     @property
     def fits(self) -> bool:

@@ -224,17 +224,6 @@ def build_layer(
     return module, moved
 
 
-class _EmbeddingProbe(nn.Module):
-    """Embedding output as a float tensor whose gradient flows into the table (token ids take no gradient)."""
-
-    def __init__(self, embedding: nn.Module) -> None:
-        super().__init__()
-        self.embedding = embedding
-
-    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
-        return self.embedding(token_ids)
-
-
 def environment(device: torch.device, dtype: str) -> dict[str, object]:
     name = platform.processor() or platform.machine()
     if device.type != "cpu":
@@ -304,8 +293,6 @@ def profile_model(
             progress(step, steps, f"{layer} b={size} tp={tp} {mode}")
         try:
             module, inputs = build_layer(model, layer, size, seq_length, tp, mode, device, torch_dtype)
-            if layer == "embedding":
-                module = _EmbeddingProbe(module)
             taken = _sample_layer(
                 module,
                 inputs,
