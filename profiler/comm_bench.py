@@ -37,6 +37,8 @@ from specs.errors import HetplanError
 
 LINKS_SCHEMA = "hetplan.links/1"
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
+MIN_POINT_TIME_S = 0.2
+MAX_POINT_REPEATS = 50
 
 
 def bus_factor(collective: str, ranks: int) -> float:
@@ -123,8 +125,12 @@ def measure_points(
         if collective == "send_recv" and ranks < 2:
             continue
         for size in sizes:
-            times, correct = [], True
-            for index in range(repeats + 1):
+            times: list[float] = []
+            correct = True
+            index = 0
+            # at least `repeats` runs, more for short messages (up to MIN_POINT_TIME_S of samples); the loop
+            # condition uses the all-reduced times, so every rank takes the same number of turns
+            while index <= repeats or (sum(times) < MIN_POINT_TIME_S and len(times) < MAX_POINT_REPEATS):
                 dist.barrier()
                 elapsed, ok = _run_one(collective, size, rank, ranks)
                 # the slowest rank defines a collective's time (as nccl-tests' per-iteration max)
@@ -133,6 +139,7 @@ def measure_points(
                 correct = correct and slowest[1].item() == 0.0
                 if index > 0:
                     times.append(slowest[0].item())
+                index += 1
             time_s = statistics.median(times)
             algbw = size / time_s
             points.append(
