@@ -14,6 +14,7 @@ import itertools
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -103,7 +104,14 @@ class _Family:
     recompute: Recompute
     tps: np.ndarray  # (rows, groups)
     counts: np.ndarray  # (rows, groups) stages per group
-    possible_orders: np.ndarray  # (rows, permutations of the subset) orders that may fit memory
+    memory_bound_args: tuple[Any, ...] | None  # inputs of _layer_capacity; None: no memory bound
+    _possible: np.ndarray | None = None
+
+    def possible_orders(self) -> np.ndarray | None:
+        """(rows, permutations of the subset): orders that may fit memory, computed when first needed."""
+        if self.memory_bound_args is not None and self._possible is None:
+            object.__setattr__(self, "_possible", _layer_capacity(*self.memory_bound_args))
+        return self._possible
 
 
 def _families(
@@ -209,9 +217,10 @@ def _families(
                         fixed_ratio = (e_first / a).min(axis=1) + (e_last / a).min(axis=1)
                         bottleneck = (num_layers + fixed_ratio) / (stage_counts / a).sum(axis=1)
                         cheapest_sum = num_layers * a.min(axis=1) + e_first.min(axis=1) + e_last.min(axis=1)
+                        integer_bottleneck = _integer_bottleneck(a, stage_counts, num_layers)
                         for virtual in training.virtual_stages:
                             factor = np.where(virtual > 1, 1 + (stages - 1) / (stages * virtual), 1.0).astype(float)
-                            possible = _layer_capacity(
+                            memory = (
                                 usable_rows,
                                 state_per_layer,
                                 act,
@@ -223,22 +232,46 @@ def _families(
                                 num_layers,
                                 virtual,
                             )
-                            if not memory_bounds:
-                                possible = np.ones_like(possible)
-                            allowed = (
-                                possible.any(axis=1)
-                                & (stages * virtual <= num_layers)
-                                & ((virtual == 1) | (stages > 1))
-                            )
+                            allowed = (stages * virtual <= num_layers) & ((virtual == 1) | (stages > 1))
                             if not allowed.any():
                                 continue
-                            bound = (microbatches - 1 / virtual) * bottleneck + cheapest_sum / virtual
+                            # every stage holds >= v layers, and layers are whole
+                            least_sum = virtual * (stage_counts * a).sum(axis=1) + (
+                                num_layers - virtual * stages
+                            ) * a.min(axis=1)
+                            least_bottleneck = np.maximum(
+                                np.maximum(bottleneck, integer_bottleneck), virtual * a.max(axis=1)
+                            )
+                            bound = (microbatches - 1 / virtual) * least_bottleneck + (
+                                np.maximum(cheapest_sum, least_sum + e_first.min(axis=1) + e_last.min(axis=1))
+                            ) / virtual
                             families.append(
-                                _Family(subset, replicas, micro_batch_size, recompute, tps, stage_counts, possible)
+                                _Family(
+                                    subset,
+                                    replicas,
+                                    micro_batch_size,
+                                    recompute,
+                                    tps,
+                                    stage_counts,
+                                    memory if memory_bounds else None,
+                                )
                             )
                             bounds.append(np.where(allowed, bound, np.inf))
                             virtuals.append(np.full(len(tps), virtual))
     return families, bounds, virtuals, [len(b) for b in bounds]
+
+
+def _integer_bottleneck(per_layer_s: np.ndarray, counts: np.ndarray, num_layers: int) -> np.ndarray:
+    """Per row, the smallest M with sum_g counts_g * floor(M / a_g) >= L: the bottleneck whole layers allow
+    (no fixed costs, no memory limit). Bisection, vectorised over rows; rounded down slightly to stay a bound."""
+    low = num_layers / (counts / per_layer_s).sum(axis=1)
+    high = low + per_layer_s.max(axis=1)
+    for _ in range(40):
+        middle = (low + high) / 2
+        enough = (counts * np.floor(middle[:, None] / per_layer_s)).sum(axis=1) >= num_layers
+        high = np.where(enough, middle, high)
+        low = np.where(enough, low, middle)
+    return low * (1 - 1e-9)
 
 
 def _layer_capacity(
@@ -310,8 +343,9 @@ def outer_configs(
         if not math.isfinite(bound):
             return
         family, row = families[family_of[index]], row_of[index]
+        possible = family.possible_orders()
         for order in _orders(family.subset):
-            if not family.possible_orders[row, _PERMUTATION_INDEX[len(order)][order]]:
+            if possible is not None and not possible[row, _PERMUTATION_INDEX[len(order)][order]]:
                 continue
             yield OuterConfig(
                 groups=tuple(family.subset[i] for i in order),
