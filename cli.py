@@ -470,8 +470,8 @@ def profile_comm(
     timeout_s: Annotated[float, typer.Option("--timeout", help="Seconds any one operation may take.")] = 120.0,
     as_json: JsonOpt = False,
 ) -> None:
-    """Time real collectives (Gloo over loopback here; under torchrun, this process is one rank) and fit
-    alpha-beta per collective and group size, nccl-tests style (algbw, busbw)."""
+    """Time real collectives (local processes, Gloo over loopback; under torchrun, this process is one rank of the
+    job and --world is ignored) and fit alpha-beta per collective and group size, nccl-tests style."""
     import tempfile
 
     from specs.errors import SpecError, TorchMissingError
@@ -480,7 +480,7 @@ def profile_comm(
         import torch  # noqa: F401
     except ImportError:
         raise TorchMissingError("`hetplan profile-comm`") from None
-    from profiler.comm_bench import COLLECTIVES, link_profile, run_local
+    from profiler.comm_bench import COLLECTIVES, launched_by_torchrun, link_profile, run_in_job, run_local
 
     if link_class not in ("in_node", "rail", "cross_group"):
         raise SpecError("--link-class", "", f"expected in_node, rail or cross_group, got {link_class!r}")
@@ -499,9 +499,14 @@ def profile_comm(
     if any(n < 2 for n in worlds):
         raise SpecError("--world", "", "expected process counts >= 2")
     points = []
-    with tempfile.TemporaryDirectory() as scratch:
-        for ranks in worlds:
-            points += run_local(ranks, sizes, chosen, repeats, Path(scratch), timeout_s)
+    if launched_by_torchrun():  # one rank of a real job: measure the job's own links; rank 0 reports
+        rank, points = run_in_job(sizes, chosen, repeats, timeout_s)
+        if rank != 0:
+            return
+    else:
+        with tempfile.TemporaryDirectory() as scratch:
+            for ranks in worlds:
+                points += run_local(ranks, sizes, chosen, repeats, Path(scratch), timeout_s)
     profile = link_profile(points, link_class, "gloo")
     out.write_text(json.dumps(profile, indent=2) + "\n", encoding="utf-8")
     if as_json:

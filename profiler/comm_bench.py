@@ -195,6 +195,22 @@ def run_local(
     return [CommPoint(**p) for p in json.loads(out.read_text(encoding="utf-8"))]
 
 
+def launched_by_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+
+
+def run_in_job(
+    sizes: Sequence[int], collectives: Sequence[str], repeats: int, timeout_s: float, backend: str = "gloo"
+) -> tuple[int, list[CommPoint]]:
+    """This process is one rank of a torchrun job: measure with every rank; returns (rank, points)."""
+    dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=timeout_s))
+    try:
+        rank, ranks = dist.get_rank(), dist.get_world_size()
+        return rank, measure_points(rank, ranks, sizes, collectives, repeats)
+    finally:
+        dist.destroy_process_group()
+
+
 def fit_link(points: Sequence[CommPoint], link_class: str) -> LinkFit:
     """Least squares on relative error of t = steps*alpha + S*factor/busbw."""
     first = points[0]

@@ -62,3 +62,36 @@ def test_cli_profile_comm_writes_a_link_profile(tmp_path):
     assert all("fit_median_rel_error" in link for link in body["links"])
     bad = hetplan("profile-comm", "--world", "1", "--out", str(out), torch_allowed=True)
     assert bad.returncode == 2 and "expected process counts >= 2" in bad.stderr
+
+
+def test_profile_comm_under_torchrun(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    out = tmp_path / "links.json"
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "cli",
+        "profile-comm",
+        "--max-size",
+        "16KiB",
+        "--ops",
+        "all_reduce",
+        "--repeats",
+        "2",
+        "--out",
+        str(out),
+    ]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr[-2000:]
+    body = json.loads(out.read_text())
+    assert [link["ranks"] for link in body["links"]] == [2]
+    assert all(point["correct"] for point in body["points"])
