@@ -10,7 +10,7 @@ recompute), no bubble, no communication, no memory limit.
 from __future__ import annotations
 
 from predictor.cost_model import CostContext
-from specs.cluster import ClusterSpec, DeviceGroup
+from specs.cluster import DeviceGroup
 
 MAX_SCALE_DOUBLINGS = 8
 
@@ -38,21 +38,12 @@ def group_alone_tokens_per_s(ctx: CostContext, group: DeviceGroup) -> tuple[floa
 
     for doubling in range(MAX_SCALE_DOUBLINGS + 1):
         scaled = group.with_nodes(group.nodes * 2**doubling)
-        cluster = ClusterSpec(
-            ctx.cluster.name,
-            (scaled,),
-            ctx.cluster.topology,
-            ctx.cluster.inter_group_bw_bytes_per_s,
-            ctx.cluster.source,
-        )
-        alone = CostContext(cluster, ctx.model, ctx.training, {scaled.name: ctx.source(group.name)})
+        alone = CostContext(ctx.cluster.only(scaled), ctx.model, ctx.training, {scaled.name: ctx.source(group.name)})
         result = search(alone, top_k=1)
         if result.evaluations:
             best = result.evaluations[0]
             if doubling == 0:
                 return best.tokens_per_s, False
             return best.tokens_per_s * group.num_devices / best.devices_used, True
-    single = ClusterSpec(ctx.cluster.name, (group,), ctx.cluster.topology, ctx.cluster.inter_group_bw_bytes_per_s)
-    return compute_bound_tokens_per_s(
-        CostContext(single, ctx.model, ctx.training, {group.name: ctx.source(group.name)})
-    ), True
+    alone = CostContext(ctx.cluster.only(group), ctx.model, ctx.training, {group.name: ctx.source(group.name)})
+    return compute_bound_tokens_per_s(alone), True

@@ -137,9 +137,10 @@ def _families(
         for rc in training.recompute
     }
     embedding = {(g.name, b, t): edge_time_s(ctx, g, b, t, True, False) for g, t, b in shapes}
-    # Bytes the first / last stage holds besides its layers (lower bounds: one micro-batch of embedding output).
-    first_fixed = {
-        (g.name, b, t, rc, d): stage_memory(
+
+    # Bytes the first / last stage holds besides its layers (lower bounds: one micro-batch in flight).
+    def edge_bytes(g: DeviceGroup, b: int, t: int, rc: Recompute, d: int, first: bool) -> float:
+        return stage_memory(
             ctx,
             g,
             num_layers=0,
@@ -148,32 +149,24 @@ def _families(
             recompute=rc,
             dp=d,
             in_flight=1,
-            first=True,
-            last=False,
+            first=first,
+            last=not first,
             pipeline_stages=2,
         ).total_bytes
-        for g, t, b in shapes
+
+    replica_options = [(g, d) for g in groups for d in divisors(global_batch) if d <= g.num_devices]
+    first_fixed = {
+        (g.name, b, t, rc, d): edge_bytes(g, b, t, rc, d, first=True)
+        for g, d in replica_options
+        for t in tp_options(ctx, g)
+        for b in training.micro_batch_sizes
         for rc in training.recompute
-        for d in divisors(global_batch)
-        if d <= g.num_devices
     }
     last_fixed = {
-        (g.name, b, t, d): stage_memory(
-            ctx,
-            g,
-            num_layers=0,
-            micro_batch_size=b,
-            tp=t,
-            recompute="none",
-            dp=d,
-            in_flight=1,
-            first=False,
-            last=True,
-            pipeline_stages=2,
-        ).total_bytes
-        for g, t, b in shapes
-        for d in divisors(global_batch)
-        if d <= g.num_devices
+        (g.name, b, t, d): edge_bytes(g, b, t, "none", d, first=False)
+        for g, d in replica_options
+        for t in tp_options(ctx, g)
+        for b in training.micro_batch_sizes
     }
     head = {(g.name, b, t): edge_time_s(ctx, g, b, t, False, True) for g, t, b in shapes}
     families: list[_Family] = []

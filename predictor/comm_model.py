@@ -62,9 +62,6 @@ def reduce_scatter_time_s(size_bytes: float, ranks: int, link: Link) -> float:
     return (ranks - 1) / ranks * size_bytes / link.bw_bytes_per_s + (ranks - 1) * link.alpha_s
 
 
-all_gather_time_s = reduce_scatter_time_s
-
-
 def hierarchical_all_reduce_time_s(
     size_bytes: float, ranks_per_node: int, nodes: int, inner: Link, outer: Link
 ) -> float:

@@ -10,7 +10,6 @@ from planner import plan
 from planner.search import divisors
 from predictor.cost_model import decoder_layer_time_s
 from specs import DoesNotFitError, load_cluster, load_model, load_training
-from specs.cluster import ClusterSpec
 from tests.conftest import EXAMPLES, ONE_T4_NODE
 
 
@@ -74,7 +73,7 @@ def test_plan_equals_exhaustive_search_on_a_small_homogeneous_cluster():
     from predictor.strategy import PipelineStrategy, StageStrategy, Strategy
 
     cluster = load_cluster(EXAMPLES / "a100-v100-32.yaml")
-    cluster = ClusterSpec(cluster.name, (cluster.group("a100"),), cluster.topology, cluster.inter_group_bw_bytes_per_s)
+    cluster = cluster.only(cluster.group("a100"))
     model = load_model("gpt3-1.7b")
     training = load_training(None, {"global_batch_size": 64})
     best = plan(cluster, model, training)
