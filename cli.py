@@ -104,7 +104,7 @@ def _render_evaluation(ctx: CostContext, evaluation: Evaluation, title: str, ext
         (
             "strategy",
             f"{pipeline.replicas} replicas x {len(pipeline.stages)} stages, micro-batch "
-            f"{pipeline.micro_batch_size} x {pipeline.num_microbatches}, recompute {strategy.recompute}, "
+            f"{pipeline.micro_batch_size} x {pipeline.num_microbatches}, recompute {strategy.recompute_summary}, "
             f"ZeRO-{strategy.zero_stage}, {'1F1B' if strategy.virtual_stages == 1 else 'interleaved 1F1B'}"
             f"{'' if strategy.virtual_stages == 1 else f' (v={strategy.virtual_stages})'}",
         ),
@@ -125,8 +125,9 @@ def _render_evaluation(ctx: CostContext, evaluation: Evaluation, title: str, ext
         summary.add_row(name, value)
     console.print(summary)
     table = Table(title="Stages (per replica)")
-    for column in ("stage", "group", "device", "layers", "n", "tp", "devices", "fwd+bwd/mb ms", "memory GiB"):
-        table.add_column(column, justify="right" if column not in ("group", "device") else "left")
+    columns = ("stage", "group", "device", "layers", "n", "tp", "recompute", "devices", "fwd+bwd/mb ms", "memory GiB")
+    for column in columns:
+        table.add_column(column, justify="left" if column in ("group", "device", "recompute") else "right")
     for index, stage_eval in enumerate(evaluation.stages):
         stage = stage_eval.stage
         memory = f"{_gib(stage_eval.memory.total_bytes)} / {_gib(stage_eval.memory_capacity_bytes)}"
@@ -137,6 +138,7 @@ def _render_evaluation(ctx: CostContext, evaluation: Evaluation, title: str, ext
             f"{stage.layer_start}-{stage.layer_end - 1}",
             str(stage.num_layers),
             str(stage.tp),
+            strategy.stage_recompute(stage),
             str(stage.tp * pipeline.replicas),
             f"{stage_eval.compute_time_s * 1e3:.1f}",
             memory if stage_eval.fits else f"[red]{memory}[/red]",
@@ -395,12 +397,15 @@ def profile(
     seq_len: SeqLenOpt = None,
     dtype: Annotated[str, typer.Option(help="auto (fp32 on CPU, bf16 elsewhere), bf16, fp16 or fp32.")] = "auto",
     repeats: Annotated[int, typer.Option(min=1, help="Timed runs per entry (at least).")] = 8,
+    threads: Annotated[
+        Optional[int], typer.Option(min=1, help="CPU threads torch may use (default: torch's choice).")
+    ] = None,
 ) -> None:
     """Measure per-layer forward/backward time and activation memory on the local accelerator."""
     from specs.errors import SpecError, TorchMissingError
 
     try:
-        import torch  # noqa: F401
+        import torch
     except ImportError:
         raise TorchMissingError("`hetplan profile`") from None
     from rich.progress import Progress
@@ -411,6 +416,8 @@ def profile(
 
     model_spec = load_model(model)
     torch_device = resolve_device(device)
+    if threads is not None:
+        torch.set_num_threads(threads)
     chosen_dtype = ("fp32" if torch_device.type == "cpu" else "bf16") if dtype == "auto" else dtype
     training_spec = _training(None, dtype=chosen_dtype, seq_length=seq_len)
     modes = [m.strip() for m in recompute.split(",") if m.strip()]

@@ -11,7 +11,9 @@ optimum; tests compare it with brute force.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -21,6 +23,12 @@ class LayerSplit:
     layers: tuple[int, ...]
     bottleneck_s: float
     objective_s: float
+
+
+# (stages as (group, tp), num_layers, per-layer s, fixed s, caps in layers, micro-batches, virtual stages) -> split
+LayerSplitter = Callable[
+    [Sequence[tuple[Any, int]], int, np.ndarray, np.ndarray, np.ndarray, int, int], "LayerSplit | None"
+]
 
 
 def continuous_bottleneck_s(num_layers: int, per_layer_s: np.ndarray, fixed_s: np.ndarray) -> float:
@@ -69,3 +77,52 @@ def split_layers(
     result = np.empty(stages, dtype=np.int64)
     result[order] = layers[best]
     return LayerSplit(tuple(int(x) for x in result), float(bottleneck[best]), float(objective[best]))
+
+
+def per_stage_mode_lower_bound_s(
+    num_layers: int,
+    per_layer_s: np.ndarray,
+    fixed_s: np.ndarray,
+    max_layers: np.ndarray,
+    num_microbatches: int,
+    virtual_stages: int = 1,
+) -> float | None:
+    """Lower bound on the pipeline objective when each stage picks its own mode (columns of the (stages, modes)
+    arrays), or None when no choice of modes can hold the model.
+
+    The bottleneck part is exact: under a bottleneck M stage i can take max_r min(cap_ir, floor((M - e_i)/a_ir))
+    layers, whatever the others do. The sum part is relaxed: layers are charged at the stage's fastest mode."""
+    stages = per_layer_s.shape[0]
+    least = virtual_stages
+    caps = np.minimum(max_layers, num_layers - least * (stages - 1)).astype(np.int64)
+    usable = caps >= least
+    if stages * least > num_layers or not usable.any(axis=1).all():
+        return None
+    if np.where(usable, caps, 0).max(axis=1).sum() < num_layers:
+        return None
+    candidates = np.unique(
+        np.concatenate(
+            [
+                per_layer_s[i, r] * np.arange(least, int(caps[i, r]) + 1) + fixed_s[i]
+                for i in range(stages)
+                for r in range(per_layer_s.shape[1])
+                if usable[i, r]
+            ]
+        )
+    )
+    room = np.floor((candidates[:, None, None] - fixed_s[None, :, None]) / per_layer_s[None] + 1e-9)
+    upper = np.where(usable[None], np.minimum(caps[None], room), -1).max(axis=2)
+    feasible = np.all(upper >= least, axis=1) & (upper.sum(axis=1) >= num_layers)
+    if not feasible.any():
+        return None
+    candidates, upper = candidates[feasible], upper[feasible].astype(np.int64)
+    fastest = per_layer_s.min(axis=1)
+    order = np.argsort(fastest, kind="stable")
+    a, e, upper = fastest[order], fixed_s[order], upper[:, order]
+    extra = num_layers - stages * least
+    spare = upper - least
+    before = np.cumsum(spare, axis=1) - spare
+    layers = least + np.clip(extra - before, 0, spare)
+    times = a[None, :] * layers + e[None, :]
+    objective = (num_microbatches - 1 / virtual_stages) * times.max(axis=1) + times.sum(axis=1) / virtual_stages
+    return float(objective.min())

@@ -71,6 +71,7 @@ def evaluation_dict(ctx: CostContext, evaluation: Evaluation) -> dict[str, Any]:
                     "device": ctx.cluster.group(stage.group).device.key,
                     "layers": [stage.layer_start, stage.layer_end],
                     "tp": stage.tp,
+                    "recompute": strategy.stage_recompute(stage),
                     "devices": stage.tp * pipeline.replicas,
                     "device_offset": stage.device_offset,
                     "compute_time_s": _round(stage_eval.compute_time_s),
@@ -106,6 +107,7 @@ def evaluation_dict(ctx: CostContext, evaluation: Evaluation) -> dict[str, Any]:
         "fits": evaluation.fits,
         "devices_used": evaluation.devices_used,
         "recompute": strategy.recompute,
+        "recompute_summary": strategy.recompute_summary,
         "zero_stage": strategy.zero_stage,
         "schedule": "1f1b" if strategy.virtual_stages == 1 else "interleaved-1f1b",
         "virtual_stages": strategy.virtual_stages,
@@ -172,7 +174,7 @@ def describe_strategy(strategy: Strategy) -> str:
     stages = " | ".join(f"{s.group} tp{s.tp} L{s.layer_start}-{s.layer_end - 1}" for s in pipeline.stages)
     return (
         f"dp {pipeline.replicas} x [{stages}], mbs {pipeline.micro_batch_size} x {pipeline.num_microbatches}, "
-        f"recompute {strategy.recompute}, zero {strategy.zero_stage}, v {strategy.virtual_stages}"
+        f"recompute {strategy.recompute_summary}, zero {strategy.zero_stage}, v {strategy.virtual_stages}"
     )
 
 
@@ -183,6 +185,7 @@ class _StageFile(BaseModel):
     layers: tuple[int, int]
     tp: int = Field(ge=1)
     device_offset: int = Field(default=0, ge=0)
+    recompute: Recompute | None = None
 
 
 class _PipelineFile(BaseModel):
@@ -225,7 +228,9 @@ def load_plan(path: str | Path) -> LoadedPlan:
             replicas=p.replicas,
             micro_batch_size=p.micro_batch_size,
             num_microbatches=p.num_microbatches,
-            stages=tuple(StageStrategy(s.group, s.layers[0], s.layers[1], s.tp, s.device_offset) for s in p.stages),
+            stages=tuple(
+                StageStrategy(s.group, s.layers[0], s.layers[1], s.tp, s.device_offset, s.recompute) for s in p.stages
+            ),
         )
         for p in parsed.pipelines
     )

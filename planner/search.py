@@ -9,6 +9,7 @@ with identical devices and node shapes are interchangeable, so orders that only 
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import math
@@ -18,7 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from planner.layer_split import split_layers
+from planner.layer_split import LayerSplitter, per_stage_mode_lower_bound_s, split_layers
+from planner.mixed_recompute import split_layers_and_modes
 from predictor.cost_model import (
     CostContext,
     Evaluation,
@@ -35,6 +37,8 @@ from specs.cluster import DeviceGroup
 from specs.model import Recompute
 
 ProgressCallback = Callable[[int, int], None]
+PER_STAGE = "per-stage"  # pseudo recompute mode of candidates whose stages each pick their own mode
+PER_STAGE_CANDIDATES = 8  # the best distinct candidates re-solved with per-stage recompute
 
 
 @dataclass(frozen=True)
@@ -46,7 +50,7 @@ class OuterConfig:
     stage_counts: tuple[int, ...]
     replicas: int
     micro_batch_size: int
-    recompute: Recompute
+    recompute: str  # a Recompute mode, or PER_STAGE (set only by the refinement step of `search`)
     virtual_stages: int
     lower_bound_s: float
 
@@ -59,6 +63,8 @@ class SearchResult:
     memory_infeasible: int
     smallest_shortfall_bytes: float
     smallest_shortfall_where: str
+    lower_bound_s: float = math.inf  # smallest lower bound over the whole search space (the root relaxation)
+    per_stage_recompute_solved: int = 0  # candidates re-solved with a recompute mode per stage
 
 
 def divisors(n: int) -> list[int]:
@@ -360,37 +366,37 @@ class _StageTerms:
         self._time: dict[tuple[object, ...], tuple[float, float]] = {}
         self._memory: dict[tuple[object, ...], tuple[float, float, float]] = {}
 
-    def time_s(self, group: DeviceGroup, config: OuterConfig, tp: int, first: bool, last: bool) -> tuple[float, float]:
+    def time_s(
+        self, group: DeviceGroup, config: OuterConfig, tp: int, mode: Recompute, first: bool, last: bool
+    ) -> tuple[float, float]:
         """(per-layer time, embedding/LM-head time) per micro-batch."""
-        key = (group.name, config.micro_batch_size, tp, config.recompute, first, last)
+        key = (group.name, config.micro_batch_size, tp, mode, first, last)
         if key not in self._time:
             b = config.micro_batch_size
             self._time[key] = (
-                decoder_layer_time_s(self.ctx, group, b, tp, config.recompute),
+                decoder_layer_time_s(self.ctx, group, b, tp, mode),
                 edge_time_s(self.ctx, group, b, tp, first, last),
             )
         return self._time[key]
 
     def memory_bytes(
-        self, group: DeviceGroup, config: OuterConfig, tp: int, in_flight: float, first: bool, last: bool, stages: int
+        self,
+        group: DeviceGroup,
+        config: OuterConfig,
+        tp: int,
+        mode: Recompute,
+        in_flight: float,
+        first: bool,
+        last: bool,
+        stages: int,
     ) -> tuple[float, float, float]:
         """(bytes per layer, bytes with no layer, usable bytes): stage memory is linear in its layers."""
-        key = (
-            group.name,
-            config.micro_batch_size,
-            tp,
-            config.recompute,
-            config.replicas,
-            in_flight,
-            first,
-            last,
-            stages,
-        )
+        key = (group.name, config.micro_batch_size, tp, mode, config.replicas, in_flight, first, last, stages)
         if key not in self._memory:
             common = dict(
                 micro_batch_size=config.micro_batch_size,
                 tp=tp,
-                recompute=config.recompute,
+                recompute=mode,
                 dp=config.replicas,
                 in_flight=in_flight,
                 first=first,
@@ -403,19 +409,20 @@ class _StageTerms:
         return self._memory[key]
 
     def arrays(
-        self, config: OuterConfig
+        self, config: OuterConfig, mode: Recompute | None = None
     ) -> tuple[list[tuple[DeviceGroup, int]], np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """Per stage along the pipe: (group, tp), per-layer time, fixed time, memory cap in layers, bytes per layer,
-        memory excess with zero layers."""
+        """Per stage along the pipe, with every stage in `mode` (default: the config's): (group, tp), per-layer
+        time, fixed time, memory cap in layers, bytes per layer, memory excess with zero layers."""
+        mode = mode or config.recompute  # type: ignore[assignment]
         stages = [(g, t) for g, t, c in zip(config.groups, config.tps, config.stage_counts) for _ in range(c)]
         p = len(stages)
         microbatches = self.ctx.training.global_batch_size // (config.replicas * config.micro_batch_size)
         rows = []
         for index, (group, tp) in enumerate(stages):
             first, last = index == 0, index == p - 1
-            per_layer, fixed = self.time_s(group, config, tp, first, last)
+            per_layer, fixed = self.time_s(group, config, tp, mode, first, last)
             in_flight = in_flight_microbatches(index, p, microbatches, config.virtual_stages)
-            layer_bytes, empty, usable = self.memory_bytes(group, config, tp, in_flight, first, last, p)
+            layer_bytes, empty, usable = self.memory_bytes(group, config, tp, mode, in_flight, first, last, p)
             cap = math.floor((usable - empty) / layer_bytes) if usable >= empty else 0
             rows.append((per_layer, fixed, cap, layer_bytes, empty - usable))
         per_layer_s, fixed_s, caps, per_layer_bytes, excess = (np.array(column) for column in zip(*rows))
@@ -435,20 +442,24 @@ def _shortfall_bytes(num_layers: int, per_layer_bytes: np.ndarray, excess_empty:
     return high
 
 
-def build_strategy(ctx: CostContext, config: OuterConfig, layers: tuple[int, ...]) -> Strategy:
+def build_strategy(
+    ctx: CostContext, config: OuterConfig, layers: tuple[int, ...], modes: tuple[Recompute, ...] | None = None
+) -> Strategy:
+    """The strategy of a candidate and its layer split; `modes` gives each stage its own recompute mode."""
     stages = []
     start = 0
     offsets: dict[str, int] = {}
     stage_groups = [(g, t) for g, t, c in zip(config.groups, config.tps, config.stage_counts) for _ in range(c)]
-    for (group, tp), count in zip(stage_groups, layers):
+    for index, ((group, tp), count) in enumerate(zip(stage_groups, layers)):
         offset = offsets.get(group.name, 0)
-        stages.append(StageStrategy(group.name, start, start + count, tp, offset))
+        stages.append(StageStrategy(group.name, start, start + count, tp, offset, modes[index] if modes else None))
         offsets[group.name] = offset + tp * config.replicas
         start += count
     microbatches = ctx.training.global_batch_size // (config.replicas * config.micro_batch_size)
     pipeline = PipelineStrategy(config.replicas, config.micro_batch_size, microbatches, tuple(stages))
+    default: Recompute = max(modes, key=modes.count) if modes else config.recompute  # type: ignore[assignment]
     return Strategy(
-        (pipeline,), config.recompute, ctx.training.zero_stage, config.virtual_stages, ctx.training.sequence_parallel
+        (pipeline,), default, ctx.training.zero_stage, config.virtual_stages, ctx.training.sequence_parallel
     )
 
 
@@ -473,41 +484,121 @@ def _closest_misfit(ctx: CostContext, terms: _StageTerms) -> tuple[float, str]:
     return shortfall, where
 
 
-def search(ctx: CostContext, top_k: int = 1, progress: ProgressCallback | None = None) -> SearchResult:
-    """The k fastest strategies that fit memory (fewer if fewer fit)."""
+def _candidate_strategy(
+    ctx: CostContext, terms: _StageTerms, config: OuterConfig, incumbent_s: float, splitter: LayerSplitter | None
+) -> tuple[Strategy | None, bool]:
+    """(the candidate's best strategy, or None; whether memory made it infeasible). None without infeasibility:
+    the candidate cannot beat `incumbent_s` (its split objective is a lower bound on its iteration time)."""
+    num_layers = ctx.model.num_layers
+    microbatches = ctx.training.global_batch_size // (config.replicas * config.micro_batch_size)
+    v = config.virtual_stages
+    if config.recompute != PER_STAGE:
+        stages, per_layer, fixed, caps, _, _ = terms.arrays(config)
+        if splitter is None:
+            split = split_layers(num_layers, per_layer, fixed, caps, microbatches, v)
+        else:
+            split = splitter(stages, num_layers, per_layer, fixed, caps, microbatches, v)
+        if split is None:
+            return None, True
+        if split.objective_s >= incumbent_s:
+            return None, False
+        return build_strategy(ctx, config, split.layers), False
+    if splitter is not None:
+        return None, False  # the baseline rules split layers only, under one recompute mode
+    modes = ctx.training.recompute
+    per_mode = [terms.arrays(config, mode) for mode in modes]
+    per_layer = np.stack([arrays[1] for arrays in per_mode], axis=1)
+    caps = np.stack([arrays[3] for arrays in per_mode], axis=1)
+    fixed = per_mode[0][2]
+    bound = per_stage_mode_lower_bound_s(num_layers, per_layer, fixed, caps, microbatches, v)
+    if bound is None:
+        return None, True
+    if bound >= incumbent_s:
+        return None, False
+    mixed = split_layers_and_modes(num_layers, per_layer, fixed, caps, microbatches, v)
+    if mixed is None:
+        return None, True
+    if len(set(mixed.modes)) == 1 or mixed.objective_s >= incumbent_s:
+        return None, False  # one mode everywhere: that candidate is searched on its own
+    return build_strategy(ctx, config, mixed.layers, tuple(modes[r] for r in mixed.modes)), False
+
+
+def search(
+    ctx: CostContext,
+    top_k: int = 1,
+    progress: ProgressCallback | None = None,
+    splitter: LayerSplitter | None = None,
+) -> SearchResult:
+    """The k fastest strategies that fit memory (fewer if fewer fit). `splitter` replaces the exact layer split
+    by another rule (planner.baselines); the candidates' bounds hold for any split, so the search stays exact
+    for the rule it is given."""
     best: list[tuple[float, int, Evaluation]] = []  # max-heap on iteration time via negation
     evaluated = infeasible = 0
     shortfall, shortfall_where = math.inf, ""
-    num_layers = ctx.model.num_layers
     terms = _StageTerms(ctx)
     index = -1
+    root_bound_s = math.inf
     candidates: list[int] = []
+    tried: list[tuple[float, int, OuterConfig]] = []
     for index, config in enumerate(outer_configs(ctx, candidates)):
         if progress is not None and index % 64 == 0:
             progress(index, index + 64)
-        if len(best) == top_k and config.lower_bound_s >= -best[0][0]:
+        root_bound_s = min(root_bound_s, config.lower_bound_s)
+        incumbent_s = -best[0][0] if len(best) == top_k else math.inf
+        if config.lower_bound_s >= incumbent_s:
             break
-        _, per_layer, fixed, caps, _, _ = terms.arrays(config)
-        microbatches = ctx.training.global_batch_size // (config.replicas * config.micro_batch_size)
-        split = split_layers(num_layers, per_layer, fixed, caps, microbatches, config.virtual_stages)
         evaluated += 1
-        if split is None:
-            infeasible += 1
+        strategy, memory_bound = _candidate_strategy(ctx, terms, config, incumbent_s, splitter)
+        if strategy is None:
+            infeasible += memory_bound
             continue
-        if len(best) == top_k and split.objective_s >= -best[0][0]:
-            continue  # the split's pipeline objective is itself a lower bound on this candidate's iteration time
-        evaluation = evaluate(ctx, build_strategy(ctx, config, split.layers))
+        evaluation = evaluate(ctx, strategy)
         if not evaluation.fits:
             infeasible += 1
             continue
-        entry = (-evaluation.iteration_time_s, -index, evaluation)
-        if len(best) < top_k:
-            heapq.heappush(best, entry)
-        elif entry[0] > best[0][0]:
-            heapq.heapreplace(best, entry)
+        tried.append((evaluation.iteration_time_s, index, config))
+        _keep(best, top_k, evaluation, index)
     if progress is not None:
         progress(index + 1, index + 1)
+    refined = 0
+    if splitter is None and len(ctx.training.recompute) > 1:
+        # Per-stage recompute: the best candidates again, each stage free to pick its mode (CP-SAT).
+        seen: set[tuple[object, ...]] = set()
+        for _, order, config in sorted(tried, key=lambda item: (item[0], item[1])):
+            shape = (config.groups, config.tps, config.stage_counts, config.replicas, config.micro_batch_size)
+            if (*shape, config.virtual_stages) in seen:
+                continue
+            seen.add((*shape, config.virtual_stages))
+            if len(seen) > PER_STAGE_CANDIDATES:
+                break
+            incumbent_s = -best[0][0] if len(best) == top_k else math.inf
+            mixed_config = dataclasses.replace(config, recompute=PER_STAGE)
+            strategy, _ = _candidate_strategy(ctx, terms, mixed_config, incumbent_s, None)
+            if strategy is None:
+                continue
+            refined += 1
+            evaluation = evaluate(ctx, strategy)
+            if evaluation.fits:
+                _keep(best, top_k, evaluation, order)
     if not best:
         shortfall, shortfall_where = _closest_misfit(ctx, terms)
     ranked = [e for _, _, e in sorted(best, key=lambda item: (-item[0], -item[1]))]
-    return SearchResult(ranked, candidates[0] if candidates else 0, evaluated, infeasible, shortfall, shortfall_where)
+    return SearchResult(
+        ranked,
+        candidates[0] if candidates else 0,
+        evaluated,
+        infeasible,
+        shortfall,
+        shortfall_where,
+        root_bound_s,
+        refined,
+    )
+
+
+def _keep(best: list[tuple[float, int, Evaluation]], top_k: int, evaluation: Evaluation, order: int) -> None:
+    """Keep the k fastest (a max-heap on iteration time; earlier candidates win ties)."""
+    entry = (-evaluation.iteration_time_s, -order, evaluation)
+    if len(best) < top_k:
+        heapq.heappush(best, entry)
+    elif entry[0] > best[0][0]:
+        heapq.heapreplace(best, entry)

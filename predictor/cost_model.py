@@ -379,8 +379,9 @@ def evaluate(ctx: CostContext, strategy: Strategy) -> Evaluation:
     for index, stage in enumerate(stages):
         group = ctx.cluster.group(stage.group)
         first, last = index == 0, index == p - 1
-        layer_cost = ctx.source(group.name).layer_cost("decoder", b, stage.tp, strategy.recompute)
-        compute = stage.num_layers * decoder_layer_time_s(ctx, group, b, stage.tp, strategy.recompute)
+        recompute = strategy.stage_recompute(stage)
+        layer_cost = ctx.source(group.name).layer_cost("decoder", b, stage.tp, recompute)
+        compute = stage.num_layers * decoder_layer_time_s(ctx, group, b, stage.tp, recompute)
         compute += edge_time_s(ctx, group, b, stage.tp, first, last)
         params_per_device = stage_params(ctx.model, stage.num_layers, first, last, p) / stage.tp
         dp_time = dp_sync_time_s(ctx, group, params_per_device, stage.tp, replicas)
@@ -392,7 +393,7 @@ def evaluate(ctx: CostContext, strategy: Strategy) -> Evaluation:
             num_layers=stage.num_layers,
             micro_batch_size=b,
             tp=stage.tp,
-            recompute=strategy.recompute,
+            recompute=recompute,
             dp=replicas,
             in_flight=in_flight_microbatches(index, p, m, strategy.virtual_stages),
             first=first,

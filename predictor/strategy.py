@@ -11,6 +11,7 @@ from specs.model import Recompute
 class StageStrategy:
     """One pipeline stage: a contiguous layer range on a homogeneous device block of one group.
 
+    `recompute`, when set, overrides the strategy's mode for this stage (per-stage recompute).
     Across the pipeline's replicas the stage occupies `tp * replicas` devices of `group`, starting at
     `device_offset` in the group's node-major device numbering; TP ranks are innermost, then replicas.
     """
@@ -20,6 +21,7 @@ class StageStrategy:
     layer_end: int
     tp: int
     device_offset: int = 0
+    recompute: Recompute | None = None  # this stage's own mode; None: the strategy's
 
     @property
     def num_layers(self) -> int:
@@ -43,7 +45,19 @@ class PipelineStrategy:
 @dataclass(frozen=True)
 class Strategy:
     pipelines: tuple[PipelineStrategy, ...]
-    recompute: Recompute
+    recompute: Recompute  # for stages that do not set their own
     zero_stage: int
     virtual_stages: int = 1
     sequence_parallel: bool = True
+
+    def stage_recompute(self, stage: StageStrategy) -> Recompute:
+        return stage.recompute or self.recompute
+
+    @property
+    def recompute_summary(self) -> str:
+        """The mode, or 'per-stage (none x3, selective x2)' when stages differ."""
+        modes = [self.stage_recompute(s) for p in self.pipelines for s in p.stages]
+        distinct = sorted(set(modes), key=modes.index)
+        if len(distinct) == 1:
+            return distinct[0]
+        return "per-stage (" + ", ".join(f"{m} x{modes.count(m)}" for m in distinct) + ")"

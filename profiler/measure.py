@@ -10,6 +10,7 @@ means the same on every device. Sizes that run out of memory are recorded with `
 
 from __future__ import annotations
 
+import ctypes
 import os
 import platform
 import statistics
@@ -67,6 +68,27 @@ def resolve_device(name: str) -> torch.device:
 def synchronize(device: torch.device) -> None:
     if device.type != "cpu":
         getattr(torch, device.type).synchronize(device)
+
+
+_MALLOPT_MMAP_THRESHOLD = -3
+_MALLOPT_TRIM_THRESHOLD = -1
+_MMAP_THRESHOLD_MAX_BYTES = 32 * 2**20  # glibc's ceiling on 64-bit
+
+
+def keep_freed_host_memory() -> str:
+    """Make glibc reuse freed host memory instead of returning it to the OS after every tensor.
+
+    GPU runtimes cache device memory, so a training step does not pay for fresh allocations; glibc by default
+    hands large blocks back and page-faults them in again on the next step, which makes CPU timings slow and
+    noisy. Returns what was done, for the environment record ('' where glibc is absent)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return ""
+    applied = libc.mallopt(_MALLOPT_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX_BYTES) and libc.mallopt(
+        _MALLOPT_TRIM_THRESHOLD, 2**30
+    )
+    return "glibc: mmap threshold 32 MiB, trim threshold 1 GiB" if applied else ""
 
 
 def _reset_peak(device: torch.device) -> None:
@@ -181,8 +203,11 @@ def profile_layer(
 
     Runs at least `repeats` timed iterations and keeps going (up to `max_repeats`) until `min_time_s` of
     measurements are collected, so short kernels get enough samples for a stable median. A non-scalar output is
-    back-propagated with a fixed random gradient; a scalar (a loss) with 1.
+    back-propagated with a fixed random gradient; a scalar (a loss) with 1. On the CPU, freed host memory is
+    kept for reuse (see `keep_freed_host_memory`), as a GPU's caching allocator would.
     """
+    if next((t.device.type for t in example_inputs), "cpu") == "cpu":
+        keep_freed_host_memory()
     return _sample_layer(
         module, example_inputs, warmup=warmup, repeats=repeats, min_time_s=min_time_s, max_repeats=max_repeats
     ).summary()
@@ -264,6 +289,7 @@ def profile_model(
     progress: Callable[[int, int, str], None] | None = None,
 ) -> DeviceProfile:
     """Measure every (layer, micro-batch, TP, recompute) entry; Ctrl-C stops and keeps what was measured."""
+    allocator = keep_freed_host_memory() if device.type == "cpu" else ""
     for tp in tp_degrees:
         if model.num_kv_heads % tp or model.ffn_hidden_size % tp:
             raise SpecError("--tp", "", f"{tp} must divide the model's {model.num_kv_heads} kv heads and ffn size")
@@ -324,7 +350,14 @@ def profile_model(
         progress(len(entries), len(plan), "done" if not interrupted else "interrupted")
     env = environment(device, dtype)
     env.update(
-        {"warmup": warmup, "repeats": repeats, "passes": passes, "min_time_s": min_time_s, "interrupted": interrupted}
+        {
+            "warmup": warmup,
+            "repeats": repeats,
+            "passes": passes,
+            "min_time_s": min_time_s,
+            "interrupted": interrupted,
+            "host_allocator": allocator or "default",
+        }
     )
     return DeviceProfile(
         source="measured",

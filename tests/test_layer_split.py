@@ -49,3 +49,49 @@ def test_faster_stages_get_more_layers_and_bound_holds():
     assert result is not None
     assert result.layers[1] >= 2 * result.layers[0] - 1
     assert result.bottleneck_s >= continuous_bottleneck_s(40, per_layer, np.zeros(3))
+
+
+def brute_force_modes(layers, per_layer, fixed, caps, microbatches, virtual):
+    """Every mode per stage, then every split that fits the chosen modes' caps."""
+    best = None
+    stages, modes = per_layer.shape
+    for chosen in itertools.product(range(modes), repeat=stages):
+        a = [per_layer[i, r] for i, r in enumerate(chosen)]
+        cap = [caps[i, r] for i, r in enumerate(chosen)]
+        if min(cap) < virtual:
+            continue
+        value = brute_force(layers, a, fixed, cap, microbatches, virtual)
+        if value is not None and (best is None or value < best):
+            best = value
+    return best
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_per_stage_modes_cp_sat_is_optimal_and_the_bound_holds(seed):
+    from planner.layer_split import per_stage_mode_lower_bound_s
+    from planner.mixed_recompute import TIME_UNITS, split_layers_and_modes
+
+    rng = np.random.default_rng(100 + seed)
+    for _ in range(12):
+        stages = int(rng.integers(1, 4))
+        virtual = int(rng.choice([1, 2]))
+        layers = int(rng.integers(stages * virtual, 13))
+        # modes: fast with little memory room, slower with more room (as none / selective / full)
+        base = rng.uniform(0.5, 2.0, stages)
+        per_layer = np.stack([base, base * 1.05, base * 1.33], axis=1)
+        room = rng.integers(0, layers + 1, stages)
+        caps = np.stack([room, room + rng.integers(0, 4, stages), room + rng.integers(2, 8, stages)], axis=1)
+        fixed = rng.uniform(0, 1.0, stages)
+        microbatches = int(rng.integers(1, 9))
+        expected = brute_force_modes(layers, per_layer, fixed, caps, microbatches, virtual)
+        got = split_layers_and_modes(layers, per_layer, fixed, caps, microbatches, virtual)
+        bound = per_stage_mode_lower_bound_s(layers, per_layer, fixed, caps, microbatches, virtual)
+        if expected is None:
+            assert got is None and bound is None
+            continue
+        assert got is not None and got.optimal
+        # integer time scaling may pick a near-tie; never worse than the resolution allows
+        assert got.objective_s == pytest.approx(expected, rel=microbatches * 4 / TIME_UNITS)
+        assert sum(got.layers) == layers
+        assert all(virtual <= n <= caps[i, r] for i, (n, r) in enumerate(zip(got.layers, got.modes)))
+        assert bound <= expected * (1 + 1e-12)

@@ -131,3 +131,77 @@ def test_bf16_on_a_device_without_bf16_is_a_clear_error():
     cluster = load_cluster(EXAMPLES / "a100-v100-32.yaml")
     with pytest.raises(Exception, match="v100 has no bf16: train in fp16"):
         plan(cluster, load_model("gpt3-1.7b"), load_training())
+
+
+def test_plan_equals_exhaustive_search_on_a_small_heterogeneous_cluster():
+    """Two device types, 8 devices, 12 layers: every group order, TP per group, replica count, stage count per group
+    (not only the largest), micro-batch, recompute, interleaving and every composition of the layers into stages,
+    evaluated with the full cost model, is no faster than the plan. Compositions are screened with the pipeline
+    objective (a lower bound on the iteration time), so only those that could beat the incumbent are evaluated."""
+    import dataclasses
+    import itertools
+
+    import numpy as np
+
+    from planner import build_context, predict
+    from predictor.cost_model import decoder_layer_time_s, edge_time_s
+    from predictor.strategy import PipelineStrategy, StageStrategy, Strategy
+
+    cluster = load_cluster(EXAMPLES / "a100-v100-32.yaml")
+    small = tuple(dataclasses.replace(g, nodes=1, devices_per_node=4) for g in cluster.groups)
+    cluster = dataclasses.replace(cluster, groups=small)
+    model = load_model("gpt3-1.7b").model_copy(update={"num_layers": 12})
+    training = load_training(
+        None,
+        {
+            "dtype": "fp16",
+            "global_batch_size": 16,
+            "micro_batch_sizes": [1, 2],
+            "recompute": ["none", "full"],
+            "virtual_stages": [1, 2],
+        },
+    )
+    best = plan(cluster, model, training).evaluation.iteration_time_s
+    ctx = build_context(cluster, model, training)
+    layers = model.num_layers
+    compositions = {
+        p: np.array([np.diff((0, *cuts, layers)) for cuts in itertools.combinations(range(1, layers), p - 1)])
+        for p in range(1, 9)
+    }
+    incumbent = np.inf
+    evaluated = screened = 0
+    groups = cluster.groups
+    for order in [(0,), (1,), (0, 1), (1, 0)]:
+        chosen = [groups[i] for i in order]
+        for tps in itertools.product(*[[1, 2, 4]] * len(chosen)):
+            for dp in (1, 2, 4):
+                ranges = [range(1, g.num_devices // (t * dp) + 1) for g, t in zip(chosen, tps)]
+                for counts in itertools.product(*ranges):
+                    stage_groups = [(g, t) for g, t, c in zip(chosen, tps, counts) for _ in range(c)]
+                    p = len(stage_groups)
+                    for b, recompute, v in itertools.product((1, 2), ("none", "full"), (1, 2)):
+                        if 16 % (dp * b) or p > layers or (v > 1 and p == 1):
+                            continue
+                        m = 16 // (dp * b)
+                        a = np.array([decoder_layer_time_s(ctx, g, b, t, recompute) for g, t in stage_groups])
+                        e = np.array(
+                            [edge_time_s(ctx, g, b, t, i == 0, i == p - 1) for i, (g, t) in enumerate(stage_groups)]
+                        )
+                        splits = compositions[p][np.all(compositions[p] >= v, axis=1)]
+                        times = splits * a + e
+                        objective = (m - 1 / v) * times.max(axis=1) + times.sum(axis=1) / v
+                        screened += len(splits)
+                        for split in splits[objective < incumbent * (1 - 1e-12)]:
+                            offsets: dict[str, int] = {}
+                            stages, start = [], 0
+                            for (g, t), n in zip(stage_groups, split):
+                                stages.append(StageStrategy(g.name, start, start + int(n), t, offsets.get(g.name, 0)))
+                                offsets[g.name] = offsets.get(g.name, 0) + t * dp
+                                start += int(n)
+                            strategy = Strategy((PipelineStrategy(dp, b, m, tuple(stages)),), recompute, 1, v)
+                            evaluation = predict(ctx, strategy)
+                            evaluated += 1
+                            if evaluation.fits:
+                                incumbent = min(incumbent, evaluation.iteration_time_s)
+    assert screened > 50_000 and evaluated > 10
+    assert best == pytest.approx(incumbent, rel=1e-9)

@@ -1,0 +1,149 @@
+"""Search time and plan quality from 16 to 16,384 devices, 2-4 device types, 24-126 layers, against baselines that
+use the same search and cost model but another layer-split rule, and against the best single device type.
+
+Columns: search time of the plan; its iteration time; the fraction of HETHUB's upper bound (sum of each group's best
+homogeneous tokens/s) and of the compute bound (every device busy at its profiled speed); the relaxation gap (plan
+vs the smallest lower bound over the whole search space, the root of the branch and bound); then each baseline's
+throughput relative to the plan. Table + bench/results/search_scaling.json.
+
+Run: python bench/search_scaling.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from planner import build_context, compute_bounds  # noqa: E402
+from planner.baselines import SPLITTERS  # noqa: E402
+from planner.search import search  # noqa: E402
+from specs import load_model, load_training  # noqa: E402
+from specs.cluster import ClusterSpec, DeviceGroup  # noqa: E402
+from specs.device import get_device  # noqa: E402
+from specs.units import gbps_to_bytes_per_s  # noqa: E402
+
+DEVICE_MIX = ["h100", "mi300x", "ascend-910b", "gaudi2"]  # four vendors, in this order
+OLD_AND_NEW = ["a100-80gb", "v100"]
+CASES = [
+    # (devices, device types, model, global batch)
+    (16, OLD_AND_NEW, "gpt3-1.7b", 128),
+    (64, DEVICE_MIX[:2], "llama2-13b", 256),
+    (256, DEVICE_MIX[:3], "llama2-70b", 1024),
+    (1024, DEVICE_MIX[:3], "gpt3-175b", 2048),
+    (1024, DEVICE_MIX, "llama-140b", 2048),
+    (4096, DEVICE_MIX, "gpt3-175b", 4096),
+    (16384, DEVICE_MIX[:2], "llama3-405b", 8192),
+    (16384, DEVICE_MIX, "llama3-405b", 8192),
+]
+QUICK = {16, 64, 256, 1024}
+
+
+def synthetic_cluster(devices: int, kinds: list[str]) -> ClusterSpec:
+    """Equal shares of each device type, 8 devices and 8 NICs of 400 Gb/s per node, 200 Gb/s across groups."""
+    nodes = devices // (8 * len(kinds))
+    groups = tuple(
+        DeviceGroup(
+            name=kind,
+            device=get_device(kind),
+            nodes=nodes,
+            devices_per_node=8,
+            nics_per_node=8,
+            nic_bw_bytes_per_s=gbps_to_bytes_per_s(400),
+        )
+        for kind in kinds
+    )
+    return ClusterSpec(f"synthetic-{devices}", groups, "rail-optimized", gbps_to_bytes_per_s(200))
+
+
+def homogeneous_only_tokens_per_s(ctx) -> tuple[float, str]:  # type: ignore[no-untyped-def]
+    """The best plan on a single device type, using only that type's real devices (no scaling up)."""
+    best, which = 0.0, "none fits"
+    for group in ctx.cluster.groups:
+        alone = build_context(ctx.cluster.only(group), ctx.model, ctx.training)
+        result = search(alone)
+        if result.evaluations and result.evaluations[0].tokens_per_s > best:
+            best, which = result.evaluations[0].tokens_per_s, group.name
+    return best, which
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="only the cases up to 1,024 devices")
+    args = parser.parse_args()
+    rows = []
+    header = (
+        f"{'devices':>7} {'types':>5} {'model':<12} {'layers':>6} {'search s':>8} {'iter s':>8} {'of UB':>6} "
+        f"{'of CB':>6} {'gap':>6} {'uniform':>8} {'FLOPs':>8} {'greedy':>8} {'homog.':>8}"
+    )
+    print(header)
+    print("-" * len(header))
+    for devices, kinds, model_key, batch in CASES:
+        if args.quick and devices not in QUICK:
+            continue
+        model = load_model(model_key)
+        dtype = "bf16" if all(get_device(kind).supports_bf16 for kind in kinds) else "fp16"
+        training = load_training(None, {"global_batch_size": batch, "dtype": dtype})
+        ctx = build_context(synthetic_cluster(devices, kinds), model, training)
+        started = time.perf_counter()
+        result = search(ctx)
+        search_s = time.perf_counter() - started
+        best = result.evaluations[0]
+        started = time.perf_counter()
+        bounds = compute_bounds(ctx)
+        bounds_s = time.perf_counter() - started
+        baselines = {}
+        baseline_s = {}
+        for name, splitter in SPLITTERS.items():
+            started = time.perf_counter()
+            other = search(ctx, splitter=splitter)
+            baseline_s[name] = time.perf_counter() - started
+            baselines[name] = other.evaluations[0].tokens_per_s / best.tokens_per_s if other.evaluations else 0.0
+        homogeneous, homogeneous_group = homogeneous_only_tokens_per_s(ctx)
+        baselines["homogeneous-only"] = homogeneous / best.tokens_per_s
+        gap = (best.iteration_time_s - result.lower_bound_s) / best.iteration_time_s
+        row = {
+            "devices": devices,
+            "device_types": kinds,
+            "model": model_key,
+            "layers": model.num_layers,
+            "global_batch_size": batch,
+            "search_time_s": search_s,
+            "bounds_time_s": bounds_s,
+            "iteration_time_s": best.iteration_time_s,
+            "tokens_per_s": best.tokens_per_s,
+            "mfu": best.mfu,
+            "fraction_of_upper_bound": best.tokens_per_s / bounds.upper_bound_tokens_per_s,
+            "upper_bound_scaled_groups": list(bounds.scaled_groups),
+            "fraction_of_compute_bound": best.tokens_per_s / bounds.compute_bound_tokens_per_s,
+            "relaxation_lower_bound_s": result.lower_bound_s,
+            "relaxation_gap": gap,
+            "candidates": result.configurations,
+            "evaluated": result.evaluated,
+            "baseline_throughput_relative_to_plan": baselines,
+            "baseline_search_time_s": baseline_s,
+            "homogeneous_only_group": homogeneous_group,
+        }
+        rows.append(row)
+        print(
+            f"{devices:>7} {len(kinds):>5} {model_key:<12} {model.num_layers:>6} {search_s:>8.2f} "
+            f"{best.iteration_time_s:>8.2f} {row['fraction_of_upper_bound']:>6.1%} "
+            f"{row['fraction_of_compute_bound']:>6.1%} {gap:>6.1%} {baselines['uniform']:>8.1%} "
+            f"{baselines['datasheet-flops']:>8.1%} {baselines['greedy']:>8.1%} {baselines['homogeneous-only']:>8.1%}",
+            flush=True,
+        )
+    print("baselines: throughput relative to the plan (100% = as fast; 0% = the rule found nothing that fits)")
+    out = ROOT / "bench" / "results" / ("search_scaling_quick.json" if args.quick else "search_scaling.json")
+    machine = {"python": platform.python_version(), "machine": platform.machine(), "cpus": __import__("os").cpu_count()}
+    out.write_text(json.dumps({"machine": machine, "rows": rows}, indent=2) + "\n")
+    print(f"written {out.relative_to(ROOT)}")
+
+
+if __name__ == "__main__":
+    main()
