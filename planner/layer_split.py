@@ -54,8 +54,11 @@ def split_layers(
     a, e, cap = per_layer_s[order], fixed_s[order], caps[order]
 
     # Candidate bottlenecks: every reachable stage time, deduplicated over identical (a, e, cap) stages.
-    keys = np.unique(np.stack([a, e, cap.astype(float)], axis=1), axis=0)
-    candidates = np.unique(np.concatenate([ak * np.arange(least, int(ck) + 1) + ek for ak, ek, ck in keys]))
+    # Below the fractional water-filling level (or a stage's least work) no bottleneck is feasible.
+    keys = sorted(set(zip(a.tolist(), e.tolist(), cap.tolist())))
+    candidates = np.unique(np.concatenate([ak * np.arange(least, ck + 1) + ek for ak, ek, ck in keys]))
+    floor_s = max(continuous_bottleneck_s(num_layers, a, e), float(np.max(a * least + e)))
+    candidates = candidates[candidates >= floor_s * (1 - 1e-9)]
     extra = num_layers - stages * least
 
     def fill(bound: np.ndarray) -> np.ndarray:

@@ -10,6 +10,7 @@ with identical devices and node shapes are interchangeable, so orders that only 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import heapq
 import itertools
 import math
@@ -39,6 +40,7 @@ from specs.model import Recompute
 ProgressCallback = Callable[[int, int], None]
 PER_STAGE = "per-stage"  # pseudo recompute mode of candidates whose stages each pick their own mode
 PER_STAGE_CANDIDATES = 8  # the best distinct candidates re-solved with per-stage recompute
+BISECTION_STEPS = 30  # bisected bounds keep the side known infeasible: valid after any number of steps
 
 
 @dataclass(frozen=True)
@@ -52,7 +54,8 @@ class OuterConfig:
     micro_batch_size: int
     recompute: str  # a Recompute mode, or PER_STAGE (set only by the refinement step of `search`)
     virtual_stages: int
-    lower_bound_s: float
+    lower_bound_s: float  # of every order of these groups (candidates come in this bound's order)
+    order_bound_s: float = 0.0  # of this order: memory caps at each stage's pipeline depth (>= lower_bound_s)
 
 
 @dataclass
@@ -88,8 +91,10 @@ def _signature(group: DeviceGroup) -> tuple[object, ...]:
     return (group.device, group.nodes, group.devices_per_node, group.nics_per_node, group.nic_bw_bytes_per_s)
 
 
+@functools.cache
 def _orders(groups: tuple[DeviceGroup, ...]) -> list[tuple[int, ...]]:
-    """Permutations of group indices, skipping those that only swap interchangeable groups."""
+    """Permutations of group indices, skipping those that only swap interchangeable groups (memoised: callers
+    must not modify the list)."""
     seen: set[tuple[object, ...]] = set()
     orders = []
     for order in itertools.permutations(range(len(groups))):
@@ -111,6 +116,9 @@ class _Family:
     tps: np.ndarray  # (rows, groups)
     counts: np.ndarray  # (rows, groups) stages per group
     memory_bound_args: tuple[Any, ...] | None  # inputs of _layer_capacity; None: no memory bound
+    per_layer_s: np.ndarray | None = None  # (rows, groups), for the per-order bound
+    edge_s: tuple[np.ndarray, np.ndarray] | None = None  # (rows, groups) embedding and LM-head time
+    least_bottleneck_s: np.ndarray | None = None  # (rows,) the bottleneck the row's bound assumed
     _possible: np.ndarray | None = None
 
     def possible_orders(self) -> np.ndarray | None:
@@ -253,6 +261,9 @@ def _families(
                                     tps,
                                     stage_counts,
                                     memory if memory_bounds else None,
+                                    a,
+                                    (e_first, e_last),
+                                    least_bottleneck,
                                 )
                             )
                             bounds.append(np.where(allowed, bound, np.inf))
@@ -265,7 +276,7 @@ def _integer_bottleneck(per_layer_s: np.ndarray, counts: np.ndarray, num_layers:
     (no fixed costs, no memory limit). Bisection, vectorised over rows; rounded down slightly to stay a bound."""
     low = num_layers / (counts / per_layer_s).sum(axis=1)
     high = low + per_layer_s.max(axis=1)
-    for _ in range(40):
+    for _ in range(BISECTION_STEPS):
         middle = (low + high) / 2
         enough = (counts * np.floor(middle[:, None] / per_layer_s)).sum(axis=1) >= num_layers
         high = np.where(enough, middle, high)
@@ -323,6 +334,45 @@ def _layer_capacity(
     return np.stack(possible, axis=1)
 
 
+def _order_bound_increase_s(family: _Family, row: int, orders: list[tuple[int, ...]], virtual: int) -> np.ndarray:
+    """Per order of the family's groups, how much the row's bound rises when memory is seen (inf: cannot fit). The
+    bottleneck becomes the smallest
+    bottleneck M with sum over stages of min(cap_s, floor((M - e_s) / a_s)) >= L, each stage's cap taken at its
+    depth in the pipe (1F1B keeps min(depth, m) micro-batches in flight), first and last stages also holding the
+    embedding / LM head; where it exceeds the bottleneck the row's bound assumed, the bound rises by
+    (m - 1/v) times the difference."""
+    assert family.memory_bound_args is not None and family.per_layer_s is not None and family.edge_s is not None
+    usable, state_per_layer, activation, first_bytes, last_bytes, counts, microbatches, factor, num_layers, _ = (
+        family.memory_bound_args
+    )
+    a_row, counts_row = family.per_layer_s[row], counts[row]
+    stage_group = np.array([[g for g in order for _ in range(int(counts_row[g]))] for order in orders])
+    stages = stage_group.shape[1]
+    depth = stages - np.arange(stages)  # 1 at the last stage
+    in_flight = np.minimum(depth, microbatches) * factor[row]
+    fixed_bytes = np.zeros(stage_group.shape)
+    fixed_bytes[:, 0] += first_bytes[row][stage_group[:, 0]]
+    fixed_bytes[:, -1] += last_bytes[row][stage_group[:, -1]]
+    per_layer_bytes = state_per_layer[row][stage_group] + activation[row][stage_group] * in_flight[None, :]
+    caps = np.floor((usable[row][stage_group] - fixed_bytes) / per_layer_bytes)
+    a = a_row[stage_group]
+    edge = np.zeros(stage_group.shape)
+    edge[:, 0] += family.edge_s[0][row][stage_group[:, 0]]
+    edge[:, -1] += family.edge_s[1][row][stage_group[:, -1]]
+    feasible = (caps >= virtual).all(axis=1) & (caps.sum(axis=1) >= num_layers)
+    low = (a * virtual + edge).max(axis=1)
+    high = low + a.max(axis=1) * num_layers
+    for _ in range(BISECTION_STEPS):
+        middle = (low + high) / 2
+        layers = np.minimum(caps, np.floor((middle[:, None] - edge) / a))
+        enough = layers.sum(axis=1) >= num_layers
+        high = np.where(enough, middle, high)
+        low = np.where(enough, low, middle)
+    bottleneck = low * (1 - 1e-9)
+    extra = np.maximum(0.0, bottleneck - family.least_bottleneck_s[row]) * (microbatches - 1 / virtual)
+    return np.where(feasible, extra, np.inf)
+
+
 def outer_configs(
     ctx: CostContext, counter: list[int] | None = None, memory_bounds: bool = True
 ) -> Iterator[OuterConfig]:
@@ -343,7 +393,10 @@ def outer_configs(
             return
         family, row = families[family_of[index]], row_of[index]
         possible = family.possible_orders()
-        for order in _orders(family.subset):
+        orders = _orders(family.subset)
+        virtual = int(flat_virtual[index])
+        increase = _order_bound_increase_s(family, row, orders, virtual) if possible is not None else None
+        for number, order in enumerate(orders):
             if possible is not None and not possible[row, _PERMUTATION_INDEX[len(order)][order]]:
                 continue
             yield OuterConfig(
@@ -353,8 +406,9 @@ def outer_configs(
                 replicas=family.replicas,
                 micro_batch_size=family.micro_batch_size,
                 recompute=family.recompute,
-                virtual_stages=int(flat_virtual[index]),
+                virtual_stages=virtual,
                 lower_bound_s=bound,
+                order_bound_s=bound + float(increase[number]) if increase is not None else bound,
             )
 
 
@@ -486,9 +540,10 @@ def _closest_misfit(ctx: CostContext, terms: _StageTerms) -> tuple[float, str]:
 
 def _candidate_strategy(
     ctx: CostContext, terms: _StageTerms, config: OuterConfig, incumbent_s: float, splitter: LayerSplitter | None
-) -> tuple[Strategy | None, bool]:
-    """(the candidate's best strategy, or None; whether memory made it infeasible). None without infeasibility:
-    the candidate cannot beat `incumbent_s` (its split objective is a lower bound on its iteration time)."""
+) -> tuple[Strategy | None, bool, float]:
+    """(the candidate's best strategy, or None; whether memory made it infeasible; its pipeline objective).
+    None without infeasibility: the candidate cannot beat `incumbent_s`, a bound on the pipeline objective
+    (the objective is a lower bound on the iteration time)."""
     num_layers = ctx.model.num_layers
     microbatches = ctx.training.global_batch_size // (config.replicas * config.micro_batch_size)
     v = config.virtual_stages
@@ -499,12 +554,12 @@ def _candidate_strategy(
         else:
             split = splitter(stages, num_layers, per_layer, fixed, caps, microbatches, v)
         if split is None:
-            return None, True
+            return None, True, math.inf
         if split.objective_s >= incumbent_s:
-            return None, False
-        return build_strategy(ctx, config, split.layers), False
+            return None, False, split.objective_s
+        return build_strategy(ctx, config, split.layers), False, split.objective_s
     if splitter is not None:
-        return None, False  # the baseline rules split layers only, under one recompute mode
+        return None, False, math.inf  # the baseline rules split layers only, under one recompute mode
     modes = ctx.training.recompute
     per_mode = [terms.arrays(config, mode) for mode in modes]
     per_layer = np.stack([arrays[1] for arrays in per_mode], axis=1)
@@ -512,15 +567,16 @@ def _candidate_strategy(
     fixed = per_mode[0][2]
     bound = per_stage_mode_lower_bound_s(num_layers, per_layer, fixed, caps, microbatches, v)
     if bound is None:
-        return None, True
-    if bound >= incumbent_s:
-        return None, False
+        return None, True, math.inf
+    if bound >= incumbent_s * (1 - 1e-9):
+        return None, False, bound
     mixed = split_layers_and_modes(num_layers, per_layer, fixed, caps, microbatches, v)
     if mixed is None:
-        return None, True
+        return None, True, math.inf
     if len(set(mixed.modes)) == 1 or mixed.objective_s >= incumbent_s:
-        return None, False  # one mode everywhere: that candidate is searched on its own
-    return build_strategy(ctx, config, mixed.layers, tuple(modes[r] for r in mixed.modes)), False
+        return None, False, mixed.objective_s  # one mode everywhere: that candidate is searched on its own
+    strategy = build_strategy(ctx, config, mixed.layers, tuple(modes[r] for r in mixed.modes))
+    return strategy, False, mixed.objective_s
 
 
 def search(
@@ -528,6 +584,7 @@ def search(
     top_k: int = 1,
     progress: ProgressCallback | None = None,
     splitter: LayerSplitter | None = None,
+    gap: float = 0.0,
 ) -> SearchResult:
     """The k fastest strategies that fit memory (fewer if fewer fit). `splitter` replaces the exact layer split
     by another rule (planner.baselines); the candidates' bounds hold for any split, so the search stays exact
@@ -539,16 +596,18 @@ def search(
     index = -1
     root_bound_s = math.inf
     candidates: list[int] = []
-    tried: list[tuple[float, int, OuterConfig]] = []
+    tried: list[tuple[float, int, OuterConfig, float]] = []
     for index, config in enumerate(outer_configs(ctx, candidates)):
         if progress is not None and index % 64 == 0:
             progress(index, index + 64)
         root_bound_s = min(root_bound_s, config.lower_bound_s)
-        incumbent_s = -best[0][0] if len(best) == top_k else math.inf
+        incumbent_s = -best[0][0] * (1 - gap) if len(best) == top_k else math.inf
         if config.lower_bound_s >= incumbent_s:
             break
+        if config.order_bound_s >= incumbent_s:
+            continue
         evaluated += 1
-        strategy, memory_bound = _candidate_strategy(ctx, terms, config, incumbent_s, splitter)
+        strategy, memory_bound, objective_s = _candidate_strategy(ctx, terms, config, incumbent_s, splitter)
         if strategy is None:
             infeasible += memory_bound
             continue
@@ -556,24 +615,30 @@ def search(
         if not evaluation.fits:
             infeasible += 1
             continue
-        tried.append((evaluation.iteration_time_s, index, config))
+        tried.append((evaluation.iteration_time_s, index, config, objective_s))
         _keep(best, top_k, evaluation, index)
     if progress is not None:
         progress(index + 1, index + 1)
     refined = 0
     if splitter is None and len(ctx.training.recompute) > 1:
-        # Per-stage recompute: the best candidates again, each stage free to pick its mode (CP-SAT).
-        seen: set[tuple[object, ...]] = set()
-        for _, order, config in sorted(tried, key=lambda item: (item[0], item[1])):
+        # Per-stage recompute: the best candidates again, each stage free to pick its mode (CP-SAT), where the
+        # bound says that can beat the candidate's best single mode.
+        uniform_objective: dict[tuple[object, ...], float] = {}
+        for _, _, config, objective_s in tried:
             shape = (config.groups, config.tps, config.stage_counts, config.replicas, config.micro_batch_size)
-            if (*shape, config.virtual_stages) in seen:
+            key = (*shape, config.virtual_stages)
+            uniform_objective[key] = min(uniform_objective.get(key, math.inf), objective_s)
+        seen: set[tuple[object, ...]] = set()
+        for _, order, config, _ in sorted(tried, key=lambda item: (item[0], item[1])):
+            shape = (config.groups, config.tps, config.stage_counts, config.replicas, config.micro_batch_size)
+            key = (*shape, config.virtual_stages)
+            if key in seen:
                 continue
-            seen.add((*shape, config.virtual_stages))
+            seen.add(key)
             if len(seen) > PER_STAGE_CANDIDATES:
                 break
-            incumbent_s = -best[0][0] if len(best) == top_k else math.inf
             mixed_config = dataclasses.replace(config, recompute=PER_STAGE)
-            strategy, _ = _candidate_strategy(ctx, terms, mixed_config, incumbent_s, None)
+            strategy, _, _ = _candidate_strategy(ctx, terms, mixed_config, uniform_objective[key], None)
             if strategy is None:
                 continue
             refined += 1

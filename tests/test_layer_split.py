@@ -69,7 +69,7 @@ def brute_force_modes(layers, per_layer, fixed, caps, microbatches, virtual):
 @pytest.mark.parametrize("seed", range(4))
 def test_per_stage_modes_cp_sat_is_optimal_and_the_bound_holds(seed):
     from planner.layer_split import per_stage_mode_lower_bound_s
-    from planner.mixed_recompute import TIME_UNITS, split_layers_and_modes
+    from planner.mixed_recompute import RELATIVE_GAP, TIME_UNITS, split_layers_and_modes
 
     rng = np.random.default_rng(100 + seed)
     for _ in range(12):
@@ -90,8 +90,8 @@ def test_per_stage_modes_cp_sat_is_optimal_and_the_bound_holds(seed):
             assert got is None and bound is None
             continue
         assert got is not None and got.optimal
-        # integer time scaling may pick a near-tie; never worse than the resolution allows
-        assert got.objective_s == pytest.approx(expected, rel=microbatches * 4 / TIME_UNITS)
+        # proven within the solver gap, plus the resolution of the integer time scale
+        assert expected * (1 - 1e-9) <= got.objective_s <= expected * (1 + RELATIVE_GAP + microbatches * 4 / TIME_UNITS)
         assert sum(got.layers) == layers
         assert all(virtual <= n <= caps[i, r] for i, (n, r) in enumerate(zip(got.layers, got.modes)))
         assert bound <= expected * (1 + 1e-12)
