@@ -23,7 +23,9 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/plan_examples.py
+	$(BIN)/python bench/search_scaling.py
 	$(BIN)/python bench/profile_repeatability.py
+	$(BIN)/python bench/measured_vs_simulated.py
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache
