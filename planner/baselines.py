@@ -4,7 +4,7 @@ splits layers over stages changes; see bench/search_scaling.py).
 - uniform: Megatron's default, L/p layers per stage (the remainder one each to the first stages).
 - datasheet FLOPs: layers proportional to each stage's peak FLOP/s (device peak x TP), the simple HETHUB rule.
 - greedy (Metis-style): start proportional to the profiled layer speed, then move single layers off the slowest
-  stage while that lowers the slowest stage's time; memory caps respected when moving.
+  stage to the stage that would end soonest, while that lowers the slowest stage's time; memory caps respected.
 Each returns the split with its pipeline objective, or None when the rule's split does not fit memory.
 """
 
@@ -30,14 +30,17 @@ def _scored(
 
 
 def _proportional(num_layers: int, weights: np.ndarray, least: int) -> np.ndarray:
-    """Integer layers proportional to weights (largest remainder), each stage at least `least`."""
-    extra = num_layers - least * len(weights)
-    share = extra * weights / weights.sum()
+    """Integer layers proportional to weights (largest remainder), then raised to `least` where below, taking
+    the layers from the stages that have the most."""
+    share = num_layers * weights / weights.sum()
     layers = np.floor(share).astype(np.int64)
-    remainder = extra - int(layers.sum())
     order = np.argsort(-(share - layers), kind="stable")
-    layers[order[:remainder]] += 1
-    return layers + least
+    layers[order[: num_layers - int(layers.sum())]] += 1
+    for index in np.flatnonzero(layers < least):
+        while layers[index] < least:
+            layers[int(np.argmax(layers))] -= 1
+            layers[index] += 1
+    return layers
 
 
 def _proportional_rule(weights: Callable[[Sequence[tuple[DeviceGroup, int]], np.ndarray], np.ndarray]) -> LayerSplitter:
@@ -88,20 +91,18 @@ def greedy_split(
         layers[index] += max(0, min(room, missing))
     if layers.sum() != num_layers:
         return None
+    stage_index = np.arange(len(layers))
     while True:
         times = per_layer_s * layers + fixed_s
         slowest = int(np.argmax(times))
-        moved = False
-        for target in np.argsort(times, kind="stable"):
-            if target == slowest or layers[target] >= caps[target] or layers[slowest] <= least:
-                continue
-            if times[target] + per_layer_s[target] < times[slowest]:
-                layers[slowest] -= 1
-                layers[target] += 1
-                moved = True
-                break
-        if not moved:
+        if layers[slowest] <= least:
             break
+        after = np.where((layers < caps) & (stage_index != slowest), times + per_layer_s, np.inf)
+        target = int(np.argmin(after))
+        if not after[target] < times[slowest]:
+            break
+        layers[slowest] -= 1
+        layers[target] += 1
     return _scored(layers, per_layer_s, fixed_s, caps, microbatches, virtual_stages)
 
 

@@ -95,3 +95,31 @@ def test_per_stage_modes_cp_sat_is_optimal_and_the_bound_holds(seed):
         assert sum(got.layers) == layers
         assert all(virtual <= n <= caps[i, r] for i, (n, r) in enumerate(zip(got.layers, got.modes)))
         assert bound <= expected * (1 + 1e-12)
+
+
+def test_baseline_rules_are_what_they_say_and_never_beat_the_exact_split():
+    from planner.baselines import SPLITTERS
+
+    class Device:
+        def __init__(self, peak_tflops):
+            self.peak_tflops = peak_tflops
+
+    class Group:
+        def __init__(self, peak_tflops):
+            self.device = Device(peak_tflops)
+
+    stages = [(Group(100.0), 1), (Group(300.0), 1), (Group(300.0), 2)]
+    per_layer = np.array([3.0, 1.0, 0.5])
+    fixed = np.array([0.5, 0.0, 0.7])
+    caps = np.array([40, 40, 40])
+    uniform = SPLITTERS["uniform"](stages, 31, per_layer, fixed, caps, 8, 1)
+    assert uniform.layers == (11, 10, 10)
+    flops = SPLITTERS["datasheet-flops"](stages, 30, per_layer, fixed, caps, 8, 1)
+    assert flops.layers == (3, 9, 18)  # 100 : 300 : 600 TFLOP/s
+    exact = split_layers(30, per_layer, fixed, caps, 8, 1)
+    for name, rule in SPLITTERS.items():
+        split = rule(stages, 30, per_layer, fixed, caps, 8, 1)
+        assert sum(split.layers) == 30, name
+        assert split.objective_s >= exact.objective_s * (1 - 1e-12), name
+    # a rule whose split breaks a memory cap finds nothing
+    assert SPLITTERS["uniform"](stages, 30, per_layer, fixed, np.array([40, 40, 5]), 8, 1) is None
