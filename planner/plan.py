@@ -229,7 +229,15 @@ def load_plan(path: str | Path) -> LoadedPlan:
             micro_batch_size=p.micro_batch_size,
             num_microbatches=p.num_microbatches,
             stages=tuple(
-                StageStrategy(s.group, s.layers[0], s.layers[1], s.tp, s.device_offset, s.recompute) for s in p.stages
+                StageStrategy(
+                    s.group,
+                    s.layers[0],
+                    s.layers[1],
+                    s.tp,
+                    s.device_offset,
+                    s.recompute if s.recompute != parsed.recompute else None,  # None: the plan's mode
+                )
+                for s in p.stages
             ),
         )
         for p in parsed.pipelines

@@ -205,3 +205,28 @@ def test_plan_equals_exhaustive_search_on_a_small_heterogeneous_cluster():
                                 incumbent = min(incumbent, evaluation.iteration_time_s)
     assert screened > 50_000 and evaluated > 10
     assert best == pytest.approx(incumbent, rel=1e-9)
+
+
+def test_per_stage_recompute_round_trips_through_the_plan_file(tmp_path):
+    import dataclasses
+
+    from planner import predict
+    from planner.plan import load_plan
+
+    cluster = load_cluster(EXAMPLES / "a100-v100-32.yaml")
+    training = load_training(None, {"dtype": "fp16", "global_batch_size": 256})
+    result = plan(cluster, load_model("gpt3-6.7b"), training)
+    pipeline = result.strategy.pipelines[0]
+    stages = (dataclasses.replace(pipeline.stages[0], recompute="full"), *pipeline.stages[1:])
+    strategy = dataclasses.replace(
+        result.strategy, recompute="none", pipelines=(dataclasses.replace(pipeline, stages=stages),)
+    )
+    evaluation = predict(result.context, strategy)
+    assert evaluation.stages[0].compute_time_s > result.evaluation.stages[0].compute_time_s  # recompute costs time
+    assert evaluation.stages[0].memory.activation_bytes < result.evaluation.stages[0].memory.activation_bytes
+    path = tmp_path / "mixed.plan.json"
+    dataclasses.replace(result, evaluation=evaluation).save(path)
+    body = json.loads(path.read_text())
+    assert [s["recompute"] for s in body["pipelines"][0]["stages"]][:1] == ["full"]
+    assert body["recompute_summary"].startswith("per-stage (full x1, none x")
+    assert load_plan(path).strategy == strategy
