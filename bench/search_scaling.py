@@ -25,6 +25,7 @@ sys.path.insert(0, str(ROOT))
 from planner import build_context, compute_bounds  # noqa: E402
 from planner.baselines import SPLITTERS  # noqa: E402
 from planner.search import search  # noqa: E402
+from predictor.cost_model import CostContext  # noqa: E402
 from specs import load_model, load_training  # noqa: E402
 from specs.cluster import ClusterSpec, DeviceGroup  # noqa: E402
 from specs.device import get_device  # noqa: E402
@@ -63,7 +64,7 @@ def synthetic_cluster(devices: int, kinds: list[str]) -> ClusterSpec:
     return ClusterSpec(f"synthetic-{devices}", groups, "rail-optimized", gbps_to_bytes_per_s(200))
 
 
-def homogeneous_only_tokens_per_s(ctx) -> tuple[float, str]:  # type: ignore[no-untyped-def]
+def homogeneous_only_tokens_per_s(ctx: CostContext) -> tuple[float, str]:
     """The best plan on a single device type, using only that type's real devices (no scaling up)."""
     best, which = 0.0, "none fits"
     for group in ctx.cluster.groups:

@@ -82,6 +82,19 @@ def split_layers(
     return LayerSplit(tuple(int(x) for x in result), float(bottleneck[best]), float(objective[best]))
 
 
+def per_mode_caps(num_layers: int, max_layers: np.ndarray, least: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """(stages, modes) caps clipped to what the other stages leave, and which modes can hold a stage's least
+    layers; None when no choice of modes can hold the model."""
+    stages = max_layers.shape[0]
+    caps = np.minimum(max_layers, num_layers - least * (stages - 1)).astype(np.int64)
+    usable = caps >= least
+    if stages * least > num_layers or not usable.any(axis=1).all():
+        return None
+    if np.where(usable, caps, 0).max(axis=1).sum() < num_layers:
+        return None
+    return caps, usable
+
+
 def per_stage_mode_lower_bound_s(
     num_layers: int,
     per_layer_s: np.ndarray,
@@ -97,12 +110,10 @@ def per_stage_mode_lower_bound_s(
     layers, whatever the others do. The sum part is relaxed: layers are charged at the stage's fastest mode."""
     stages = per_layer_s.shape[0]
     least = virtual_stages
-    caps = np.minimum(max_layers, num_layers - least * (stages - 1)).astype(np.int64)
-    usable = caps >= least
-    if stages * least > num_layers or not usable.any(axis=1).all():
+    clipped = per_mode_caps(num_layers, max_layers, least)
+    if clipped is None:
         return None
-    if np.where(usable, caps, 0).max(axis=1).sum() < num_layers:
-        return None
+    caps, usable = clipped
     candidates = np.unique(
         np.concatenate(
             [

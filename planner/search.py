@@ -116,9 +116,9 @@ class _Family:
     tps: np.ndarray  # (rows, groups)
     counts: np.ndarray  # (rows, groups) stages per group
     memory_bound_args: tuple[Any, ...] | None  # inputs of _layer_capacity; None: no memory bound
-    per_layer_s: np.ndarray | None = None  # (rows, groups), for the per-order bound
-    edge_s: tuple[np.ndarray, np.ndarray] | None = None  # (rows, groups) embedding and LM-head time
-    least_bottleneck_s: np.ndarray | None = None  # (rows,) the bottleneck the row's bound assumed
+    per_layer_s: np.ndarray  # (rows, groups), for the per-order bound
+    edge_s: tuple[np.ndarray, np.ndarray]  # (rows, groups) embedding and LM-head time
+    least_bottleneck_s: np.ndarray  # (rows,) the bottleneck the row's bound assumed
     _possible: np.ndarray | None = None
 
     def possible_orders(self) -> np.ndarray | None:
@@ -341,7 +341,7 @@ def _order_bound_increase_s(family: _Family, row: int, orders: list[tuple[int, .
     depth in the pipe (1F1B keeps min(depth, m) micro-batches in flight), first and last stages also holding the
     embedding / LM head; where it exceeds the bottleneck the row's bound assumed, the bound rises by
     (m - 1/v) times the difference."""
-    assert family.memory_bound_args is not None and family.per_layer_s is not None and family.edge_s is not None
+    assert family.memory_bound_args is not None
     usable, state_per_layer, activation, first_bytes, last_bytes, counts, microbatches, factor, num_layers, _ = (
         family.memory_bound_args
     )
@@ -543,7 +543,8 @@ def _candidate_strategy(
 ) -> tuple[Strategy | None, bool, float]:
     """(the candidate's best strategy, or None; whether memory made it infeasible; its pipeline objective).
     None without infeasibility: the candidate cannot beat `incumbent_s`, a bound on the pipeline objective
-    (the objective is a lower bound on the iteration time)."""
+    (the objective is a lower bound on the iteration time). Per-stage candidates (the refinement step, which runs
+    without a baseline `splitter`) are solved by CP-SAT."""
     num_layers = ctx.model.num_layers
     microbatches = ctx.training.global_batch_size // (config.replicas * config.micro_batch_size)
     v = config.virtual_stages
@@ -558,8 +559,6 @@ def _candidate_strategy(
         if split.objective_s >= incumbent_s:
             return None, False, split.objective_s
         return build_strategy(ctx, config, split.layers), False, split.objective_s
-    if splitter is not None:
-        return None, False, math.inf  # the baseline rules split layers only, under one recompute mode
     modes = ctx.training.recompute
     per_mode = [terms.arrays(config, mode) for mode in modes]
     per_layer = np.stack([arrays[1] for arrays in per_mode], axis=1)
@@ -623,22 +622,19 @@ def search(
     if splitter is None and len(ctx.training.recompute) > 1:
         # Per-stage recompute: the best candidates again, each stage free to pick its mode (CP-SAT), where the
         # bound says that can beat the candidate's best single mode.
-        uniform_objective: dict[tuple[object, ...], float] = {}
+        uniform_objective: dict[OuterConfig, float] = {}
         for _, _, config, objective_s in tried:
-            shape = (config.groups, config.tps, config.stage_counts, config.replicas, config.micro_batch_size)
-            key = (*shape, config.virtual_stages)
+            key = dataclasses.replace(config, recompute=PER_STAGE, lower_bound_s=0.0, order_bound_s=0.0)
             uniform_objective[key] = min(uniform_objective.get(key, math.inf), objective_s)
-        seen: set[tuple[object, ...]] = set()
+        seen: set[OuterConfig] = set()
         for _, order, config, _ in sorted(tried, key=lambda item: (item[0], item[1])):
-            shape = (config.groups, config.tps, config.stage_counts, config.replicas, config.micro_batch_size)
-            key = (*shape, config.virtual_stages)
+            key = dataclasses.replace(config, recompute=PER_STAGE, lower_bound_s=0.0, order_bound_s=0.0)
             if key in seen:
                 continue
             seen.add(key)
             if len(seen) > PER_STAGE_CANDIDATES:
                 break
-            mixed_config = dataclasses.replace(config, recompute=PER_STAGE)
-            strategy, _, _ = _candidate_strategy(ctx, terms, mixed_config, uniform_objective[key], None)
+            strategy, _, _ = _candidate_strategy(ctx, terms, key, uniform_objective[key], None)
             if strategy is None:
                 continue
             refined += 1

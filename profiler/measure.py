@@ -11,6 +11,7 @@ means the same on every device. Sizes that run out of memory are recorded with `
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import platform
 import statistics
@@ -75,12 +76,13 @@ _MALLOPT_TRIM_THRESHOLD = -1
 _MMAP_THRESHOLD_MAX_BYTES = 32 * 2**20  # glibc's ceiling on 64-bit
 
 
+@functools.cache
 def keep_freed_host_memory() -> str:
     """Make glibc reuse freed host memory instead of returning it to the OS after every tensor.
 
     GPU runtimes cache device memory, so a training step does not pay for fresh allocations; glibc by default
     hands large blocks back and page-faults them in again on the next step, which makes CPU timings slow and
-    noisy. Returns what was done, for the environment record ('' where glibc is absent)."""
+    noisy. Returns what was done, for the environment record ('' where glibc is absent); done once per process."""
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:
