@@ -11,7 +11,9 @@ import click
 import typer
 
 if TYPE_CHECKING:
+    from predictor.calibration import Interval
     from predictor.cost_model import CostContext, Evaluation
+    from predictor.predictor import Predictor
     from profiler.profile import DeviceProfile
     from specs.model import ModelSpec
     from specs.training import TrainingSpec
@@ -32,6 +34,9 @@ SeqLenOpt = Annotated[Optional[int], typer.Option("--seq-len", help="Sequence le
 DtypeOpt = Annotated[Optional[str], typer.Option("--dtype", help="bf16, fp16 or fp32.")]
 ZeroOpt = Annotated[Optional[int], typer.Option("--zero-stage", help="0, or 1 (distributed optimizer).")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")]
+PredictorOpt = Annotated[
+    Optional[Path], typer.Option("--predictor", help="Predictor file from `hetplan fit` (default: the shipped one).")
+]
 
 
 def _int_list(text: str | None, flag: str) -> list[int] | None:
@@ -49,6 +54,12 @@ def _training(path: Path | None, **overrides: Any) -> TrainingSpec:
     from specs.training import load_training
 
     return load_training(path, overrides)
+
+
+def _predictor(path: Path | None) -> Predictor:
+    from predictor.predictor import default_predictor, load_predictor
+
+    return load_predictor(path) if path is not None else default_predictor()
 
 
 def _load_profiles(directory: Path | None, model: ModelSpec) -> dict[str, DeviceProfile]:
@@ -88,7 +99,15 @@ def _gib(value: float) -> str:
     return f"{value / 2**30:.1f}"
 
 
+def _interval_row(interval: Interval) -> tuple[str, str]:
+    return (
+        "90% interval",
+        f"{interval.low_s:.3f} - {interval.high_s:.3f} s (from {interval.basis})",
+    )
+
+
 def _render_evaluation(ctx: CostContext, evaluation: Evaluation, title: str, extra_rows: list[tuple[str, str]]) -> None:
+    from rich.markup import escape
     from rich.table import Table
 
     console = _console()
@@ -119,6 +138,7 @@ def _render_evaluation(ctx: CostContext, evaluation: Evaluation, title: str, ext
             f"MFU {evaluation.mfu:.1%}",
         ),
         *extra_rows,
+        ("predictor", escape(ctx.predictor_identity)),
         ("fits", "yes" if evaluation.fits else f"NO: short by {_gib(evaluation.shortfall_bytes)} GiB per device"),
     ]
     for name, value in rows:
@@ -160,6 +180,7 @@ def plan(
     virtual_stages: Annotated[Optional[str], typer.Option(help="Interleaving chunks to try, e.g. 1,2,4.")] = None,
     profiles: Annotated[Optional[Path], typer.Option(help="Directory of profile JSON files (by device).")] = None,
     top_k: Annotated[int, typer.Option(min=1, help="Also list the next best alternatives.")] = 1,
+    predictor: PredictorOpt = None,
     out: Annotated[Optional[Path], typer.Option(help="Write the plan JSON here.")] = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -181,8 +202,9 @@ def plan(
         virtual_stages=_int_list(virtual_stages, "--virtual-stages"),
     )
     loaded = _load_profiles(profiles, model_spec)
+    chosen_predictor = _predictor(predictor)
     if as_json or not sys.stderr.isatty():
-        result = make_plan(cluster_spec, model_spec, training_spec, loaded, top_k=top_k)
+        result = make_plan(cluster_spec, model_spec, training_spec, loaded, top_k=top_k, predictor=chosen_predictor)
     else:
         from rich.progress import Progress
 
@@ -195,6 +217,7 @@ def plan(
                 loaded,
                 top_k=top_k,
                 progress=lambda done, total: bar.update(task, completed=done, total=total),
+                predictor=chosen_predictor,
             )
     if out is not None:
         result.save(out)
@@ -207,6 +230,7 @@ def plan(
         result.evaluation,
         "hetplan plan",
         [
+            *([_interval_row(result.interval)] if result.interval else []),
             (
                 "upper bound",
                 f"{body['upper_bound_tokens_per_s']:,.0f} tokens/s (sum of groups alone): "
@@ -254,13 +278,14 @@ def predict(
     dtype: DtypeOpt = None,
     zero_stage: ZeroOpt = None,
     profiles: Annotated[Optional[Path], typer.Option(help="Directory of profile JSON files.")] = None,
+    predictor: PredictorOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Evaluate a given strategy (no search): Megatron-style --tp/--pp/--dp, or --strategy plan.json."""
-    from planner import build_context, load_plan
+    from planner import load_plan
     from planner import predict as run_predict
-    from planner.plan import evaluation_dict, header_dict
-    from predictor.strategy import PipelineStrategy, StageStrategy, Strategy
+    from planner.plan import evaluation_dict, header_dict, interval_dict
+    from predictor.strategy import megatron_strategy
     from specs.cluster import load_cluster
     from specs.errors import SpecError
     from specs.model import load_model
@@ -279,48 +304,34 @@ def predict(
             raise SpecError("--model", "", "required with Megatron-style flags (or pass --strategy plan.json)")
         model_spec = load_model(model)
         training_spec = _training(training, sequence_parallel=sequence_parallel, **overrides)
-        if group is None and len(cluster_spec.groups) > 1:
-            names = ", ".join(g.name for g in cluster_spec.groups)
-            raise SpecError("--group", "", f"the cluster has several groups ({names}); name one, or use --strategy")
-        target = cluster_spec.group(group) if group else cluster_spec.groups[0]
-        if model_spec.num_layers % pp:
-            raise SpecError(
-                "--pp",
-                "",
-                f"{model_spec.num_layers} layers do not split evenly into {pp} stages "
-                "(Megatron's default); use --strategy with an uneven plan",
-            )
-        if tp * pp * dp > target.num_devices:
-            raise SpecError(
-                "--tp/--pp/--dp",
-                "",
-                f"tp x pp x dp = {tp * pp * dp} exceeds the {target.num_devices} devices of group {target.name!r}",
-            )
-        batch = training_spec.global_batch_size
-        if batch % (dp * micro_batch):
-            raise SpecError("--global-batch", "", f"{batch} is not a multiple of dp x micro-batch = {dp * micro_batch}")
-        per_stage = model_spec.num_layers // pp
-        stages = tuple(
-            StageStrategy(target.name, i * per_stage, (i + 1) * per_stage, tp, i * tp * dp) for i in range(pp)
+        chosen = megatron_strategy(
+            cluster_spec,
+            model_spec,
+            training_spec,
+            group=group,
+            tp=tp,
+            pp=pp,
+            dp=dp,
+            micro_batch_size=micro_batch,
+            recompute=recompute,
+            virtual_stages=virtual_stages,
+            source="--tp/--pp/--dp flags",
         )
-        if recompute not in ("none", "selective", "full"):
-            raise SpecError("--recompute", "", f"expected none, selective or full, got {recompute!r}")
-        chosen = Strategy(
-            (PipelineStrategy(dp, micro_batch, batch // (dp * micro_batch), stages),),
-            recompute,
-            training_spec.zero_stage,
-            virtual_stages,
-            sequence_parallel,
-        )  # type: ignore[arg-type]
         source = "flags"
-    ctx = build_context(cluster_spec, model_spec, training_spec, _load_profiles(profiles, model_spec))
+    chosen_predictor = _predictor(predictor)
+    loaded = _load_profiles(profiles, model_spec)
+    ctx = chosen_predictor.context(cluster_spec, model_spec, training_spec, loaded)
     evaluation = run_predict(ctx, chosen, source)
+    interval = chosen_predictor.interval(
+        chosen_predictor.base_context(cluster_spec, model_spec, training_spec, loaded), chosen
+    )
     if as_json:
         body = header_dict(ctx)
         body.update(evaluation_dict(ctx, evaluation))
+        body["iteration_time_interval_s"] = interval_dict(interval)
         sys.stdout.write(json.dumps(body, indent=2) + "\n")
         return
-    _render_evaluation(ctx, evaluation, "hetplan predict", [])
+    _render_evaluation(ctx, evaluation, "hetplan predict", [_interval_row(interval)])
 
 
 @app.command()
@@ -550,6 +561,68 @@ def profile_comm(
     console.print(table)
     console.print(fits)
     console.print(f"link profile written to {out}")
+
+
+@app.command()
+def fit(
+    out: Annotated[Path, typer.Option(help="Write the predictor (joblib) here.")],
+    profiles: Annotated[Optional[Path], typer.Option(help="Directory of profile JSON files (any devices).")] = None,
+    links: Annotated[
+        Optional[list[Path]], typer.Option(help="Link profile from `hetplan profile-comm` (repeat).")
+    ] = None,
+    runs: Annotated[Optional[list[Path]], typer.Option(help="Run record(s) of measured iterations (repeat).")] = None,
+    published_runs: Annotated[
+        bool, typer.Option("--published-runs/--no-published-runs", help="Also calibrate on the bundled published run.")
+    ] = True,
+    as_json: JsonOpt = False,
+) -> None:
+    """Fit a predictor: layer models from profiles, links from link profiles, calibration from runs."""
+    from predictor.predictor import fit_predictor, save_predictor
+    from specs.errors import SpecError
+
+    profile_paths: list[Path] = []
+    if profiles is not None:
+        if not profiles.is_dir():
+            raise SpecError(str(profiles), "", "expected a directory of profile JSON files")
+        profile_paths = sorted(profiles.glob("*.json"))
+        if not profile_paths:
+            raise SpecError(str(profiles), "", "no *.json profiles in this directory")
+    fitted = fit_predictor(profile_paths, links or [], runs or [], published_runs=published_runs, name=out.name)
+    save_predictor(fitted, out)
+    body = fitted.describe()
+    if as_json:
+        sys.stdout.write(json.dumps(body, indent=2) + "\n")
+        return
+    from rich.table import Table
+
+    console = _console()
+    if body["layer_models"]:
+        table = Table(title="Layer models (cross-validated)")
+        for column in ("device", "profiles", "rms error of log time"):
+            table.add_column(column)
+        for key, info in body["layer_models"].items():
+            table.add_row(key, str(len(info["trained_on"])), f"{info['cv_log_error_rms']:.1%}")
+        console.print(table)
+    for key, info in body["links"].items():
+        console.print(
+            f"link {key}: busbw {info['busbw_bytes_per_s'] / 1e9:.2f} GB/s, alpha {info['alpha_s'] * 1e6:.1f} us, "
+            f"+{info['slowdown_per_doubling']:.1%} per doubling of ranks (median fit error "
+            f"{info['fit_median_rel_error']:.1%})"
+        )
+    table = Table(title="Calibration runs")
+    for column in ("run", "measured s", "uncalibrated s", "calibrated s"):
+        table.add_column(column)
+    for run in body["calibration"]["runs"]:
+        table.add_row(
+            run["name"],
+            f"{run['measured_iteration_time_s']:.3f}",
+            f"{run['uncalibrated_iteration_time_s']:.3f}",
+            f"{run['calibrated_iteration_time_s']:.3f}",
+        )
+    console.print(table)
+    terms = ", ".join(f"{k} {v['value']:+.3f} (sd {v['sd']:.3f})" for k, v in body["calibration"]["parameters"].items())
+    console.print(f"fitted terms: {terms or 'none (no runs)'}")
+    console.print(f"predictor written to {out}")
 
 
 @app.command("simulate-profile")

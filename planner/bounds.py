@@ -9,6 +9,8 @@ recompute), no bubble, no communication, no memory limit.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from predictor.cost_model import CostContext
 from specs.cluster import DeviceGroup
 
@@ -38,12 +40,12 @@ def group_alone_tokens_per_s(ctx: CostContext, group: DeviceGroup) -> tuple[floa
 
     for doubling in range(MAX_SCALE_DOUBLINGS + 1):
         scaled = group.with_nodes(group.nodes * 2**doubling)
-        alone = CostContext(ctx.cluster.only(scaled), ctx.model, ctx.training, {scaled.name: ctx.source(group.name)})
+        alone = replace(ctx, cluster=ctx.cluster.only(scaled), sources={scaled.name: ctx.source(group.name)})
         result = search(alone, top_k=1)
         if result.evaluations:
             best = result.evaluations[0]
             if doubling == 0:
                 return best.tokens_per_s, False
             return best.tokens_per_s * group.num_devices / best.devices_used, True
-    alone = CostContext(ctx.cluster.only(group), ctx.model, ctx.training, {group.name: ctx.source(group.name)})
+    alone = replace(ctx, cluster=ctx.cluster.only(group), sources={group.name: ctx.source(group.name)})
     return compute_bound_tokens_per_s(alone), True

@@ -9,6 +9,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from predictor.calibration import Interval
 from predictor.cost_model import CostContext, Evaluation
 from predictor.strategy import PipelineStrategy, StageStrategy, Strategy
 from specs.loading import read_mapping, validate
@@ -39,15 +40,19 @@ class Plan:
     search_time_s: float
     search_stats: dict[str, Any]
     alternatives: tuple[Evaluation, ...] = ()
+    interval: Interval | None = None
 
     @property
     def strategy(self) -> Strategy:
         return self.evaluation.strategy
 
     def to_dict(self) -> dict[str, Any]:
-        return plan_dict(
+        body = plan_dict(
             self.context, self.evaluation, self.bounds, self.search_time_s, self.search_stats, self.alternatives
         )
+        if self.interval is not None:
+            body["iteration_time_interval_s"] = interval_dict(self.interval)
+        return body
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2) + "\n"
@@ -118,6 +123,16 @@ def evaluation_dict(ctx: CostContext, evaluation: Evaluation) -> dict[str, Any]:
             "dp_sync_and_optimizer": _round(evaluation.tail_time_s),
         },
         "pipelines": pipelines,
+    }
+
+
+def interval_dict(interval: Interval) -> dict[str, Any]:
+    return {
+        "low": _round(interval.low_s),
+        "high": _round(interval.high_s),
+        "confidence": 0.9,
+        "log_sd": round(interval.log_sd, 4),
+        "basis": interval.basis,
     }
 
 

@@ -17,6 +17,7 @@ from predictor.cost_model import (
     state_bytes_per_param,
     usable_memory_bytes,
 )
+from predictor.predictor import Predictor, default_predictor
 from predictor.strategy import Strategy
 from profiler.profile import DeviceProfile
 from specs.cluster import ClusterSpec
@@ -44,9 +45,13 @@ def plan(
     profiles: Mapping[str, DeviceProfile] | None = None,
     top_k: int = 1,
     progress: ProgressCallback | None = None,
+    predictor: Predictor | None = None,
 ) -> Plan:
-    """The fastest strategy that fits memory, with its metrics and yardsticks; raises DoesNotFitError."""
-    ctx = build_context(cluster, model, training, profiles)
+    """The fastest strategy that fits memory, with its metrics, yardsticks and a 90% interval on its iteration
+    time; raises DoesNotFitError. `predictor` defaults to the shipped one (`default_predictor()`)."""
+    predictor = predictor or default_predictor()
+    base = predictor.base_context(cluster, model, training, profiles)
+    ctx = predictor.context(cluster, model, training, profiles)
     started = time.perf_counter()
     result = search(ctx, top_k=max(1, top_k), progress=progress)
     search_time_s = time.perf_counter() - started
@@ -80,7 +85,9 @@ def plan(
         "memory_infeasible": result.memory_infeasible,
         "pruned_by_bound": result.configurations - result.evaluated,
     }
-    return Plan(ctx, result.evaluations[0], compute_bounds(ctx), search_time_s, stats, tuple(result.evaluations[1:]))
+    best = result.evaluations[0]
+    interval = predictor.interval(base, best.strategy)
+    return Plan(ctx, best, compute_bounds(ctx), search_time_s, stats, tuple(result.evaluations[1:]), interval)
 
 
 def predict(ctx: CostContext, strategy: Strategy, source: str = "strategy") -> Evaluation:

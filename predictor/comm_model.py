@@ -8,6 +8,7 @@ on each rail, all-gather inside. Latencies are estimates until `hetplan profile-
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -24,14 +25,27 @@ CROSS_GROUP_ALPHA_S = 30e-6
 
 @dataclass(frozen=True)
 class Link:
-    """Achievable bus bandwidth per rank and per-step latency of one link class."""
+    """Achievable bus bandwidth per rank and per-step latency of one link class.
+
+    A fitted link (`hetplan fit --links`) may also say how the per-byte time grows with the group size
+    (`slowdown_per_doubling`: +x per doubling of ranks beyond 2) and carry its own point-to-point figures.
+    """
 
     link_class: LinkClass
     bw_bytes_per_s: float
     alpha_s: float
+    slowdown_per_doubling: float = 0.0
+    p2p_bw_bytes_per_s: float | None = None
+    p2p_alpha_s: float | None = None
+
+    def seconds_per_byte(self, ranks: int) -> float:
+        doublings = max(0.0, math.log2(ranks / 2)) if ranks > 2 else 0.0
+        return (1.0 + self.slowdown_per_doubling * doublings) / self.bw_bytes_per_s
 
     def p2p_time_s(self, size_bytes: float) -> float:
-        return self.alpha_s + size_bytes / self.bw_bytes_per_s
+        alpha = self.alpha_s if self.p2p_alpha_s is None else self.p2p_alpha_s
+        bw = self.bw_bytes_per_s if self.p2p_bw_bytes_per_s is None else self.p2p_bw_bytes_per_s
+        return alpha + size_bytes / bw
 
 
 def in_node_link(group: DeviceGroup) -> Link:
@@ -52,14 +66,14 @@ def cross_group_link(cluster: ClusterSpec, a: DeviceGroup, b: DeviceGroup) -> Li
 def all_reduce_time_s(size_bytes: float, ranks: int, link: Link) -> float:
     if ranks <= 1 or size_bytes <= 0:
         return 0.0
-    return 2 * (ranks - 1) / ranks * size_bytes / link.bw_bytes_per_s + 2 * (ranks - 1) * link.alpha_s
+    return 2 * (ranks - 1) / ranks * size_bytes * link.seconds_per_byte(ranks) + 2 * (ranks - 1) * link.alpha_s
 
 
 def reduce_scatter_time_s(size_bytes: float, ranks: int, link: Link) -> float:
     """Reduce-scatter (or all-gather: the same volume) of a `size_bytes` array over `ranks`."""
     if ranks <= 1 or size_bytes <= 0:
         return 0.0
-    return (ranks - 1) / ranks * size_bytes / link.bw_bytes_per_s + (ranks - 1) * link.alpha_s
+    return (ranks - 1) / ranks * size_bytes * link.seconds_per_byte(ranks) + (ranks - 1) * link.alpha_s
 
 
 def hierarchical_all_reduce_time_s(

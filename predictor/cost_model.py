@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from predictor.comm_model import (
     Link,
@@ -39,6 +39,22 @@ OPTIMIZER_BW_EFFICIENCY = 0.7
 
 
 @dataclass(frozen=True)
+class EndToEndTerms:
+    """Whole-iteration effects per-layer profiles cannot see; `hetplan fit --runs` learns them from measured runs.
+
+    The scales multiply the modelled times of TP collectives, network transfers (p2p and DP sync) and the optimizer
+    step; `dp_overlap` is the fraction of the last backward that DP sync hides behind (1: all of it, as Megatron's
+    overlapped grad reduce aims for); `iteration_overhead_s` is a fixed cost per iteration (launch, data, logging).
+    """
+
+    tp_comm_scale: float = 1.0
+    network_scale: float = 1.0
+    optimizer_scale: float = 1.0
+    dp_overlap: float = 1.0
+    iteration_overhead_s: float = 0.0
+
+
+@dataclass(frozen=True)
 class CostContext:
     """Everything the cost model needs besides the strategy."""
 
@@ -46,6 +62,9 @@ class CostContext:
     model: ModelSpec
     training: TrainingSpec
     sources: Mapping[str, LayerCostSource]  # by group name
+    terms: EndToEndTerms = EndToEndTerms()
+    links: Mapping[str, Link] = field(default_factory=dict)  # fitted links by class; datasheet links elsewhere
+    identity: str = ""  # the predictor's, when one made this context
 
     @property
     def seq_length(self) -> int:
@@ -57,7 +76,17 @@ class CostContext:
     @property
     def predictor_identity(self) -> str:
         names = sorted({source.identity for source in self.sources.values()})
-        return "analytic cost model over " + "; ".join(names)
+        base = "analytic cost model over " + "; ".join(names)
+        return f"{self.identity}: {base}" if self.identity else base
+
+    def in_node_link(self, group: DeviceGroup) -> Link:
+        return self.links.get("in_node") or in_node_link(group)
+
+    def rail_link(self, group: DeviceGroup) -> Link:
+        return self.links.get("rail") or rail_link(group)
+
+    def cross_group_link(self, a: DeviceGroup, b: DeviceGroup) -> Link:
+        return self.links.get("cross_group") or cross_group_link(self.cluster, a, b)
 
 
 def build_context(
@@ -97,6 +126,7 @@ def build_context(
                 noise=noise,
                 seed=seed,
                 sequence_parallel=training.sequence_parallel,
+                flash_attention=training.attention == "flash",
             )
     return CostContext(cluster, model, training, sources)
 
@@ -105,7 +135,7 @@ def build_context(
 def tp_collective_time_s(ctx: CostContext, group: DeviceGroup, micro_batch_size: int, tp: int) -> float:
     """One all-reduce-sized TP collective of b*s*h activations inside the node."""
     size = micro_batch_size * ctx.seq_length * ctx.model.hidden_size * ctx.training.dtype_bytes
-    return all_reduce_time_s(size, tp, in_node_link(group))
+    return all_reduce_time_s(size, tp, ctx.in_node_link(group)) * ctx.terms.tp_comm_scale
 
 
 def decoder_layer_time_s(
@@ -222,35 +252,37 @@ def dp_sync_time_s(ctx: CostContext, group: DeviceGroup, params_per_device: floa
     if replicas <= 1:
         return 0.0
     per_node, nodes = dp_layout(group, tp, replicas)
-    inner, outer = in_node_link(group), rail_link(group)
+    inner, outer = ctx.in_node_link(group), ctx.rail_link(group)
     grads = params_per_device * GRAD_BYTES_PER_PARAM
     if ctx.training.zero_stage >= 1:
         weights = params_per_device * ctx.training.dtype_bytes
-        return hierarchical_reduce_scatter_time_s(grads, per_node, nodes, inner, outer) + (
+        time_s = hierarchical_reduce_scatter_time_s(grads, per_node, nodes, inner, outer) + (
             hierarchical_reduce_scatter_time_s(weights, per_node, nodes, inner, outer)
         )
-    return hierarchical_all_reduce_time_s(grads, per_node, nodes, inner, outer)
+    else:
+        time_s = hierarchical_all_reduce_time_s(grads, per_node, nodes, inner, outer)
+    return time_s * ctx.terms.network_scale
 
 
 def optimizer_time_s(ctx: CostContext, group: DeviceGroup, params_per_device: float, replicas: int) -> float:
     local = params_per_device / replicas if ctx.training.zero_stage >= 1 else params_per_device
     bw = group.device.hbm_bw_bytes_per_s * OPTIMIZER_BW_EFFICIENCY
-    return local * ADAM_BYTES_MOVED_PER_PARAM / bw
+    return local * ADAM_BYTES_MOVED_PER_PARAM / bw * ctx.terms.optimizer_scale
 
 
 def p2p_link(ctx: CostContext, a: StageStrategy, b: StageStrategy) -> Link:
     group_a, group_b = ctx.cluster.group(a.group), ctx.cluster.group(b.group)
     if a.group != b.group:
-        return cross_group_link(ctx.cluster, group_a, group_b)
+        return ctx.cross_group_link(group_a, group_b)
     if a.device_offset // group_a.devices_per_node == b.device_offset // group_a.devices_per_node:
-        return in_node_link(group_a)
-    return rail_link(group_a)
+        return ctx.in_node_link(group_a)
+    return ctx.rail_link(group_a)
 
 
 def p2p_time_s(ctx: CostContext, a: StageStrategy, b: StageStrategy, micro_batch_size: int) -> float:
     """Activations (or their gradients) across one stage boundary, one direction, split over the TP ranks."""
     size = micro_batch_size * ctx.seq_length * ctx.model.hidden_size * ctx.training.dtype_bytes
-    return p2p_link(ctx, a, b).p2p_time_s(size / min(a.tp, b.tp))
+    return p2p_link(ctx, a, b).p2p_time_s(size / min(a.tp, b.tp)) * ctx.terms.network_scale
 
 
 # ---- whole strategy ------------------------------------------------------------------------------------------
@@ -386,7 +418,8 @@ def evaluate(ctx: CostContext, strategy: Strategy) -> Evaluation:
         params_per_device = stage_params(ctx.model, stage.num_layers, first, last, p) / stage.tp
         dp_time = dp_sync_time_s(ctx, group, params_per_device, stage.tp, replicas)
         backward = stage.num_layers * layer_cost.backward_time_s
-        exposed = max(0.0, dp_time - backward) if ctx.training.overlap_grad_reduce else dp_time
+        hidden = ctx.terms.dp_overlap * backward if ctx.training.overlap_grad_reduce else 0.0
+        exposed = max(0.0, dp_time - hidden)
         memory = stage_memory(
             ctx,
             group,
@@ -420,7 +453,7 @@ def evaluate(ctx: CostContext, strategy: Strategy) -> Evaluation:
     # Fill and drain cross every boundary once per chunk, each way.
     p2p = 2 * strategy.virtual_stages * sum(stage.p2p_time_s for stage in evaluated)
     pipeline_time = m * slowest + bubble + p2p
-    tail = max(stage.dp_exposed_time_s + stage.optimizer_time_s for stage in evaluated)
+    tail = max(stage.dp_exposed_time_s + stage.optimizer_time_s for stage in evaluated) + ctx.terms.iteration_overhead_s
     iteration = pipeline_time + tail
     samples = ctx.training.global_batch_size
     devices = [(ctx.cluster.group(s.group), s.tp * replicas) for s in stages]

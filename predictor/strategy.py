@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specs.model import Recompute
+from specs.cluster import ClusterSpec
+from specs.errors import SpecError
+from specs.model import RECOMPUTE_MODES, ModelSpec, Recompute
+from specs.training import TrainingSpec
 
 
 @dataclass(frozen=True)
@@ -61,3 +64,51 @@ class Strategy:
         if len(distinct) == 1:
             return distinct[0]
         return "per-stage (" + ", ".join(f"{m} x{modes.count(m)}" for m in distinct) + ")"
+
+
+def megatron_strategy(
+    cluster: ClusterSpec,
+    model: ModelSpec,
+    training: TrainingSpec,
+    *,
+    group: str | None,
+    tp: int,
+    pp: int,
+    dp: int,
+    micro_batch_size: int,
+    recompute: str,
+    virtual_stages: int = 1,
+    source: str = "flags",
+) -> Strategy:
+    """A Megatron-style strategy on one group: even layer split over `pp` stages, `dp` identical replicas."""
+    if group is None and len(cluster.groups) > 1:
+        names = ", ".join(g.name for g in cluster.groups)
+        raise SpecError(source, "group", f"the cluster has several groups ({names}); name one")
+    target = cluster.group(group) if group else cluster.groups[0]
+    if model.num_layers % pp:
+        raise SpecError(
+            source,
+            "pp",
+            f"{model.num_layers} layers do not split evenly into {pp} stages (Megatron's default); "
+            "use a plan with uneven stages",
+        )
+    if tp * pp * dp > target.num_devices:
+        raise SpecError(
+            source, "tp x pp x dp", f"{tp * pp * dp} exceeds the {target.num_devices} devices of group {target.name!r}"
+        )
+    batch = training.global_batch_size
+    if batch % (dp * micro_batch_size):
+        raise SpecError(
+            source, "global batch", f"{batch} is not a multiple of dp x micro-batch = {dp * micro_batch_size}"
+        )
+    if recompute not in RECOMPUTE_MODES:
+        raise SpecError(source, "recompute", f"expected none, selective or full, got {recompute!r}")
+    per_stage = model.num_layers // pp
+    stages = tuple(StageStrategy(target.name, i * per_stage, (i + 1) * per_stage, tp, i * tp * dp) for i in range(pp))
+    return Strategy(
+        (PipelineStrategy(dp, micro_batch_size, batch // (dp * micro_batch_size), stages),),
+        recompute,  # type: ignore[arg-type]
+        training.zero_stage,
+        virtual_stages,
+        training.sequence_parallel,
+    )

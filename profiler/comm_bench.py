@@ -33,29 +33,13 @@ except ImportError as err:  # pragma: no cover - exercised only without torch
 
     raise TorchMissingError("`hetplan profile-comm`") from err
 
+from profiler.collectives import bus_factor, latency_steps
 from specs.errors import HetplanError
 
 LINKS_SCHEMA = "hetplan.links/1"
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
 MIN_POINT_TIME_S = 0.2
 MAX_POINT_REPEATS = 50
-
-
-def bus_factor(collective: str, ranks: int) -> float:
-    """nccl-tests busbw / algbw."""
-    if collective == "all_reduce":
-        return 2 * (ranks - 1) / ranks
-    if collective in ("all_gather", "reduce_scatter"):
-        return (ranks - 1) / ranks
-    return 1.0
-
-
-def latency_steps(collective: str, ranks: int) -> int:
-    if collective == "all_reduce":
-        return 2 * (ranks - 1)
-    if collective in ("all_gather", "reduce_scatter"):
-        return ranks - 1
-    return 1
 
 
 @dataclass(frozen=True)

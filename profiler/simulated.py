@@ -21,10 +21,48 @@ from specs.training import DTYPE_BYTES
 
 HALF_EFFICIENCY_S = 4e-6
 ATTENTION_EFFICIENCY = 0.7  # flash attention vs large GEMMs on the same device
+# Materialized attention (Korthikanti et al. 2022): per score element the forward writes the scores (2 B), reads and
+# writes the softmax (4 B) and writes the dropout mask and output (3 B); it keeps 5 B per element for backward.
+SCORE_BYTES_FORWARD = 9.0
+SCORE_BYTES_SAVED = 5.0
 ATTENTION_BACKWARD_RATIO = 2.5  # flash backward recomputes the scores: ~2.5x forward FLOPs
 KERNEL_LAUNCH_S = 5e-6
 FORWARD_KERNELS_PER_LAYER = 16
 ELEMENTWISE_BW_EFFICIENCY = 0.8
+
+
+def analytic_activation_bytes(
+    model: ModelSpec,
+    seq_length: int,
+    dtype: str,
+    layer: LayerKind,
+    micro_batch_size: int,
+    tp: int,
+    recompute: Recompute,
+    sequence_parallel: bool = True,
+    flash_attention: bool = True,
+) -> float:
+    """Bytes one layer (TP shard) keeps for backward per micro-batch, from the model's shapes (no measurement).
+
+    Decoder: the saved tensors of `ModelSpec.layer_activation_elements_per_token`, plus flash attention's fp32
+    log-sum-exp when attention is not recomputed. Embedding: its output. LM head: bf16 and fp32 logits and the
+    final norm's input."""
+    tokens = micro_batch_size * seq_length
+    width = DTYPE_BYTES[dtype]
+    sp_tp = tp if sequence_parallel else 1
+    if layer == "decoder":
+        replicated, sharded = model.layer_activation_elements_per_token(recompute)
+        activation = width * tokens * (replicated / sp_tp + sharded / tp)
+        if recompute == "none":  # selective and full recompute the attention and drop its scores or statistics
+            if flash_attention:  # fp32 log-sum-exp per head and token
+                activation += 4.0 * tokens * model.num_attention_heads / tp
+            else:  # Korthikanti et al.'s 5as/h term
+                activation += SCORE_BYTES_SAVED * tokens * seq_length * model.num_attention_heads / tp
+        return activation
+    if layer == "embedding":
+        return width * tokens * model.hidden_size / sp_tp
+    logits = tokens * model.vocab_size / tp * (width + 4)
+    return logits + width * tokens * model.hidden_size
 
 
 @dataclass(frozen=True)
@@ -38,13 +76,15 @@ class SimulatedDevice:
     noise: float = 0.0
     seed: int = 0
     sequence_parallel: bool = True
+    flash_attention: bool = True
     _costs: dict[tuple[str, int, int, str], LayerCost] = field(
         default_factory=dict, init=False, repr=False, compare=False, hash=False
     )
 
     @property
     def identity(self) -> str:
-        return f"simulated {self.device.key} (roofline, noise {self.noise:g}, seed {self.seed})"
+        kernel = "" if self.flash_attention else ", materialized attention"
+        return f"simulated {self.device.key} (roofline{kernel}, noise {self.noise:g}, seed {self.seed})"
 
     # ---- kernels --------------------------------------------------------------------------------------------
     @property
@@ -59,7 +99,11 @@ class SimulatedDevice:
         return max(flops / achieved, moved / self.device.hbm_bw_bytes_per_s)
 
     def _attention_forward_s(self, micro_batch_size: int, tp: int) -> float:
-        flops = self.model.layer_attention_flops(micro_batch_size, self.seq_length, causal_kernel=True) / tp
+        flops = self.model.layer_attention_flops(micro_batch_size, self.seq_length, self.flash_attention) / tp
+        if not self.flash_attention:  # two batched GEMMs over the whole score matrix, then memory-bound softmax
+            scores = micro_batch_size * self.model.num_attention_heads / tp * self.seq_length**2
+            bw = self.device.hbm_bw_bytes_per_s * ELEMENTWISE_BW_EFFICIENCY
+            return flops / (self._peak * self.device.gemm_efficiency) + SCORE_BYTES_FORWARD * scores / bw
         peak = self._peak * self.device.gemm_efficiency * ATTENTION_EFFICIENCY
         return flops / (peak * flops / (flops + self._peak * HALF_EFFICIENCY_S))
 
@@ -81,26 +125,30 @@ class SimulatedDevice:
             + self._gemm_time_s(tokens, up_width / tp, h)
             + self._gemm_time_s(tokens, h, f / tp)
         )
-        sp_tp = tp if self.sequence_parallel else 1
-        act_elements = (3 * f if model.mlp == "swiglu" else 2 * f) / tp
-        elementwise = self._elementwise_s(tokens * (6 * h / sp_tp + 2 * (h + kv) / tp + act_elements))
+        elementwise = self._elementwise_s(model.layer_elementwise_elements(tokens, tp, self.sequence_parallel))
         return gemms, self._attention_forward_s(micro_batch_size, tp), elementwise
 
     def _decoder_cost(self, micro_batch_size: int, tp: int, recompute: Recompute) -> LayerCost:
         gemms, attention, elementwise = self._decoder_parts(micro_batch_size, tp)
         launches = FORWARD_KERNELS_PER_LAYER * KERNEL_LAUNCH_S
         forward = gemms + attention + elementwise + launches
-        backward = 2 * gemms + ATTENTION_BACKWARD_RATIO * attention + 2 * elementwise + 2 * launches
+        attention_backward = ATTENTION_BACKWARD_RATIO if self.flash_attention else 2.0
+        backward = 2 * gemms + attention_backward * attention + 2 * elementwise + 2 * launches
         if recompute == "full":
             backward += forward
         elif recompute == "selective":
             backward += attention + elementwise + launches / 2
-        replicated, sharded = self.model.layer_activation_elements_per_token(recompute)
-        sp_tp = tp if self.sequence_parallel else 1
-        tokens = micro_batch_size * self.seq_length
-        activation = DTYPE_BYTES[self.dtype] * tokens * (replicated / sp_tp + sharded / tp)
-        if recompute == "none":  # fp32 log-sum-exp of flash attention (selective recomputes attention)
-            activation += 4.0 * tokens * self.model.num_attention_heads / tp
+        activation = analytic_activation_bytes(
+            self.model,
+            self.seq_length,
+            self.dtype,
+            "decoder",
+            micro_batch_size,
+            tp,
+            recompute,
+            self.sequence_parallel,
+            self.flash_attention,
+        )
         return LayerCost(forward, backward, activation)
 
     def _embedding_cost(self, micro_batch_size: int, tp: int) -> LayerCost:
@@ -108,8 +156,10 @@ class SimulatedDevice:
         h = self.model.hidden_size
         forward = self._elementwise_s(tokens * h / tp) + KERNEL_LAUNCH_S * 2
         backward = 2 * forward
-        sp_tp = tp if self.sequence_parallel else 1
-        return LayerCost(forward, backward, DTYPE_BYTES[self.dtype] * tokens * h / sp_tp)
+        activation = analytic_activation_bytes(
+            self.model, self.seq_length, self.dtype, "embedding", micro_batch_size, tp, "none", self.sequence_parallel
+        )
+        return LayerCost(forward, backward, activation)
 
     def _lm_head_cost(self, micro_batch_size: int, tp: int) -> LayerCost:
         """Final norm, output projection and cross-entropy (logits upcast to fp32)."""
@@ -119,8 +169,10 @@ class SimulatedDevice:
         loss = 3 * self._elementwise_s(tokens * vocab / tp) + self._elementwise_s(tokens * h)
         forward = gemm + loss + 6 * KERNEL_LAUNCH_S
         backward = 2 * gemm + loss + 6 * KERNEL_LAUNCH_S
-        logits = tokens * vocab / tp * (DTYPE_BYTES[self.dtype] + 4)
-        return LayerCost(forward, backward, logits + DTYPE_BYTES[self.dtype] * tokens * h)
+        activation = analytic_activation_bytes(
+            self.model, self.seq_length, self.dtype, "lm_head", micro_batch_size, tp, "none", self.sequence_parallel
+        )
+        return LayerCost(forward, backward, activation)
 
     def layer_cost(self, layer: LayerKind, micro_batch_size: int, tp: int, recompute: Recompute) -> LayerCost:
         key = (layer, micro_batch_size, tp, recompute)

@@ -110,6 +110,14 @@ class ModelSpec(BaseModel):
         flops = 4.0 * micro_batch_size * seq_length * seq_length * self.hidden_size
         return flops / 2 if causal_kernel else flops
 
+    def layer_elementwise_elements(self, tokens: int, tp: int, sequence_parallel: bool = True) -> float:
+        """Elements the forward's memory-bound ops (norms, residuals, rotary, MLP activation) read and write once
+        each, for one layer shard: norms and residuals are split by TP only under sequence parallelism."""
+        h, f, kv = self.hidden_size, self.ffn_hidden_size, self.kv_size
+        sp_tp = tp if sequence_parallel else 1
+        activation = (3 * f if self.mlp == "swiglu" else 2 * f) / tp
+        return tokens * (6 * h / sp_tp + 2 * (h + kv) / tp + activation)
+
     def lm_head_flops(self, tokens: int) -> float:
         return 2.0 * tokens * self.hidden_size * self.vocab_size
 

@@ -30,6 +30,11 @@ class TrainingSpec(BaseModel):
         default=(1, 2, 4), description="interleaved 1F1B chunks per device the planner may use (1: plain 1F1B)"
     )
     sequence_parallel: bool = True
+    attention: Literal["flash", "materialized"] = Field(
+        default="flash",
+        description="flash: fused kernels (causal half of 4*b*s^2*h FLOPs, no score matrix); materialized: "
+        "pre-2023 Megatron, the b*a*s^2 scores are written, soft-maxed and dropped out in memory",
+    )
     overlap_grad_reduce: bool = True
     memory_reserve_fraction: float = Field(
         default=0.08, ge=0, lt=1, description="device memory kept free for allocator fragmentation and workspaces"

@@ -8,7 +8,8 @@ import pytest
 
 pytest.importorskip("torch")
 
-from profiler.comm_bench import CommPoint, bus_factor, fit_link, link_profile, run_local
+from profiler.collectives import bus_factor
+from profiler.comm_bench import CommPoint, fit_link, link_profile, run_local
 from tests.test_cli import hetplan
 
 

@@ -69,7 +69,7 @@ def test_same_inputs_give_the_same_json_bytes():
 
 def test_plan_equals_exhaustive_search_on_a_small_homogeneous_cluster():
     """Every (tp, pp, dp, micro-batch, recompute, v) with Megatron-style even layers is no better than the plan."""
-    from planner import build_context, predict
+    from planner import predict
     from predictor.strategy import PipelineStrategy, StageStrategy, Strategy
 
     cluster = load_cluster(EXAMPLES / "a100-v100-32.yaml")
@@ -77,7 +77,7 @@ def test_plan_equals_exhaustive_search_on_a_small_homogeneous_cluster():
     model = load_model("gpt3-1.7b")
     training = load_training(None, {"global_batch_size": 64})
     best = plan(cluster, model, training)
-    ctx = build_context(cluster, model, training)
+    ctx = best.context  # the (calibrated) costs the plan was searched under
     for tp in (1, 2, 4, 8):
         for pp in (p for p in divisors(model.num_layers) if p * tp <= 16):
             for dp in divisors(16 // (tp * pp)):
@@ -143,7 +143,7 @@ def test_plan_equals_exhaustive_search_on_a_small_heterogeneous_cluster():
 
     import numpy as np
 
-    from planner import build_context, predict
+    from planner import predict
     from predictor.cost_model import decoder_layer_time_s, edge_time_s
     from predictor.strategy import PipelineStrategy, StageStrategy, Strategy
 
@@ -161,8 +161,8 @@ def test_plan_equals_exhaustive_search_on_a_small_heterogeneous_cluster():
             "virtual_stages": [1, 2],
         },
     )
-    best = plan(cluster, model, training).evaluation.iteration_time_s
-    ctx = build_context(cluster, model, training)
+    result = plan(cluster, model, training)
+    best, ctx = result.evaluation.iteration_time_s, result.context
     layers = model.num_layers
     compositions = {
         p: np.array([np.diff((0, *cuts, layers)) for cuts in itertools.combinations(range(1, layers), p - 1)])

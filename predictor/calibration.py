@@ -1,0 +1,279 @@
+"""Calibration: learn the end-to-end terms per-layer profiles cannot see from measured whole-iteration runs.
+
+Parameters (log-scales unless said otherwise), each with a Gaussian prior centred on "the analytic model is right":
+  compute:<kind>            layer times from one kind of source (simulated / measured / learned), all devices (sd 0.3)
+  compute:<kind>:<device>   the same for one device type, on top of the kind's (sd 0.15): a device nobody ran
+                            inherits what the runs taught about its kind, with wider uncertainty
+  tp_comm, network          TP collectives; p2p and DP sync over the network (sd 0.3)
+  optimizer                 the optimizer step (sd 0.5)
+  dp_overlap                fraction of the last backward that hides DP sync, in [0, 1] (prior 1, sd 0.3)
+  iteration_overhead_s      fixed seconds per iteration, >= 0 (prior 0, sd 0.05 s)
+The fit is the maximum a-posteriori estimate (scipy least squares on log-time residuals / run noise and prior
+residuals); only parameters some run is sensitive to move. Its Gauss-Newton covariance, with the priors of
+parameters no run informed, gives each prediction an interval: var(log t) = g' S g + run noise^2.
+Run noise: 3% (an assumption about published and measured iteration times), estimated from the residuals instead
+once there are at least 3 more runs than fitted parameters.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from predictor.cost_model import CostContext, EndToEndTerms, evaluate
+from predictor.strategy import Strategy
+from profiler.profile import DeviceProfile, LayerCost, LayerCostSource, LayerKind
+from profiler.simulated import SimulatedDevice
+from specs.model import Recompute
+
+DEFAULT_RUN_NOISE = 0.03
+MIN_RUN_NOISE = 0.01
+Z_90 = 1.6448536269514722  # two-sided 90% interval of a normal
+FINITE_STEP = 1e-4
+
+
+@dataclass(frozen=True)
+class Parameter:
+    name: str
+    prior_mean: float
+    prior_sd: float
+    lower: float = -math.inf
+    upper: float = math.inf
+
+
+def source_kind(source: LayerCostSource) -> str:
+    if isinstance(source, ScaledLayerCosts):
+        return source_kind(source.inner)
+    if isinstance(source, SimulatedDevice):
+        return "simulated"
+    if isinstance(source, DeviceProfile):
+        return "measured"
+    return "learned"
+
+
+@dataclass
+class ScaledLayerCosts:
+    """A layer cost source whose times are multiplied by a calibrated factor (activation bytes unchanged)."""
+
+    inner: LayerCostSource
+    factor: float
+    _costs: dict[tuple[str, int, int, str], LayerCost] = field(default_factory=dict, repr=False)
+
+    @property
+    def identity(self) -> str:
+        return f"{self.inner.identity} x{self.factor:.3f}"
+
+    def layer_cost(self, layer: LayerKind, micro_batch_size: int, tp: int, recompute: Recompute) -> LayerCost:
+        key = (layer, micro_batch_size, tp, recompute)
+        cost = self._costs.get(key)
+        if cost is None:
+            inner = self.inner.layer_cost(layer, micro_batch_size, tp, recompute)
+            factor = self.factor
+            cost = LayerCost(inner.forward_time_s * factor, inner.backward_time_s * factor, inner.activation_bytes)
+            self._costs[key] = cost
+        return cost
+
+
+def parameters_for(ctx: CostContext) -> list[Parameter]:
+    """The calibration parameters a context's predictions depend on."""
+    names: dict[str, Parameter] = {}
+    for group in ctx.cluster.groups:
+        kind = source_kind(ctx.source(group.name))
+        names.setdefault(f"compute:{kind}", Parameter(f"compute:{kind}", 0.0, 0.3))
+        device = f"compute:{kind}:{group.device.key}"
+        names.setdefault(device, Parameter(device, 0.0, 0.15))
+    return [
+        *names.values(),
+        Parameter("tp_comm", 0.0, 0.3),
+        Parameter("network", 0.0, 0.3),
+        Parameter("optimizer", 0.0, 0.5),
+        Parameter("dp_overlap", 1.0, 0.3, 0.0, 1.0),
+        Parameter("iteration_overhead_s", 0.0, 0.05, 0.0),
+    ]
+
+
+def apply(ctx: CostContext, values: Mapping[str, float]) -> CostContext:
+    """The context with calibrated layer-time factors and end-to-end terms (missing values: prior means)."""
+
+    def value(name: str, default: float = 0.0) -> float:
+        return values.get(name, default)
+
+    sources: dict[str, LayerCostSource] = {}
+    for group in ctx.cluster.groups:
+        source = ctx.source(group.name)
+        kind = source_kind(source)
+        log_factor = value(f"compute:{kind}") + value(f"compute:{kind}:{group.device.key}")
+        sources[group.name] = ScaledLayerCosts(source, math.exp(log_factor)) if log_factor else source
+    terms = EndToEndTerms(
+        tp_comm_scale=math.exp(value("tp_comm")),
+        network_scale=math.exp(value("network")),
+        optimizer_scale=math.exp(value("optimizer")),
+        dp_overlap=value("dp_overlap", 1.0),
+        iteration_overhead_s=value("iteration_overhead_s"),
+    )
+    return replace(ctx, sources=sources, terms=terms)
+
+
+@dataclass(frozen=True)
+class RunFit:
+    name: str
+    measured_iteration_time_s: float
+    uncalibrated_iteration_time_s: float
+    calibrated_iteration_time_s: float
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Fitted parameter values, their covariance, and how the runs are predicted before and after."""
+
+    names: tuple[str, ...] = ()
+    values: tuple[float, ...] = ()
+    covariance: tuple[tuple[float, ...], ...] = ()
+    run_noise: float = DEFAULT_RUN_NOISE
+    runs: tuple[RunFit, ...] = ()
+
+    def value_map(self) -> dict[str, float]:
+        return dict(zip(self.names, self.values, strict=True))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "parameters": {
+                name: {"value": round(value, 6), "sd": round(math.sqrt(self.covariance[i][i]), 6)}
+                for i, (name, value) in enumerate(zip(self.names, self.values, strict=True))
+            },
+            "run_noise": self.run_noise,
+            "runs": [
+                {
+                    "name": run.name,
+                    "measured_iteration_time_s": run.measured_iteration_time_s,
+                    "uncalibrated_iteration_time_s": round(run.uncalibrated_iteration_time_s, 6),
+                    "calibrated_iteration_time_s": round(run.calibrated_iteration_time_s, 6),
+                }
+                for run in self.runs
+            ],
+        }
+
+
+def _log_time(ctx: CostContext, strategy: Strategy, values: Mapping[str, float]) -> float:
+    return math.log(evaluate(apply(ctx, values), strategy).iteration_time_s)
+
+
+def _gradient(
+    ctx: CostContext, strategy: Strategy, values: Mapping[str, float], parameters: Sequence[Parameter]
+) -> np.ndarray:
+    """d log(iteration time) / d parameter, one-sided differences that stay inside each parameter's bounds."""
+    base = _log_time(ctx, strategy, values)
+    gradient = np.zeros(len(parameters))
+    for i, parameter in enumerate(parameters):
+        at = values.get(parameter.name, parameter.prior_mean)
+        step = FINITE_STEP if at + FINITE_STEP <= parameter.upper else -FINITE_STEP
+        moved = dict(values)
+        moved[parameter.name] = at + step
+        gradient[i] = (_log_time(ctx, strategy, moved) - base) / step
+    return gradient
+
+
+def fit_calibration(cases: Sequence[tuple[str, CostContext, Strategy, float]]) -> Calibration:
+    """MAP fit over (name, uncalibrated context, strategy, measured seconds) cases."""
+    if not cases:
+        return Calibration()
+    from scipy.optimize import least_squares  # imported here: scipy.optimize takes most of a second to load
+
+    catalog: dict[str, Parameter] = {}
+    for _, ctx, _, _ in cases:
+        for parameter in parameters_for(ctx):
+            catalog.setdefault(parameter.name, parameter)
+    priors = {name: p.prior_mean for name, p in catalog.items()}
+    sensitivity = np.zeros(len(catalog))
+    for _, ctx, strategy, _ in cases:
+        relevant = parameters_for(ctx)
+        gradient = _gradient(ctx, strategy, priors, relevant)
+        for parameter, g in zip(relevant, gradient, strict=True):
+            sensitivity[list(catalog).index(parameter.name)] += abs(g)
+    active = [p for p, s in zip(catalog.values(), sensitivity, strict=True) if s > 1e-6]
+    if not active:
+        return Calibration()
+    measured = np.log([case[3] for case in cases])
+
+    def values_of(x: np.ndarray) -> dict[str, float]:
+        values = dict(priors)
+        values.update({p.name: float(v) for p, v in zip(active, x, strict=True)})
+        return values
+
+    def residuals(x: np.ndarray, run_noise: float) -> np.ndarray:
+        values = values_of(x)
+        predicted = np.array([_log_time(ctx, strategy, values) for _, ctx, strategy, _ in cases])
+        prior = [(v - p.prior_mean) / p.prior_sd for p, v in zip(active, x, strict=True)]
+        return np.concatenate([(predicted - measured) / run_noise, prior])
+
+    start = np.array([p.prior_mean for p in active])
+    bounds = ([p.lower for p in active], [p.upper for p in active])
+    run_noise = DEFAULT_RUN_NOISE
+    tolerances = {"ftol": 1e-12, "xtol": 1e-12, "gtol": 1e-12}
+    result = least_squares(residuals, start, bounds=bounds, args=(run_noise,), x_scale="jac", **tolerances)
+    degrees_of_freedom = len(cases) - len(active)
+    if degrees_of_freedom >= 3:
+        run_errors = result.fun[: len(cases)] * run_noise
+        run_noise = max(MIN_RUN_NOISE, float(np.sqrt(np.sum(run_errors**2) / degrees_of_freedom)))
+        result = least_squares(residuals, result.x, bounds=bounds, args=(run_noise,), x_scale="jac", **tolerances)
+    jacobian = result.jac
+    covariance = np.linalg.pinv(jacobian.T @ jacobian)
+    values = values_of(result.x)
+    fits = tuple(
+        RunFit(
+            name,
+            measured_s,
+            math.exp(_log_time(ctx, strategy, priors)),
+            math.exp(_log_time(ctx, strategy, values)),
+        )
+        for name, ctx, strategy, measured_s in cases
+    )
+    return Calibration(
+        names=tuple(p.name for p in active),
+        values=tuple(float(v) for v in result.x),
+        covariance=tuple(tuple(float(c) for c in row) for row in covariance),
+        run_noise=run_noise,
+        runs=fits,
+    )
+
+
+@dataclass(frozen=True)
+class Interval:
+    """A prediction with its 90% interval; `log_sd` is the standard deviation of log(time)."""
+
+    iteration_time_s: float
+    low_s: float
+    high_s: float
+    log_sd: float
+    basis: str
+
+
+def prediction_interval(
+    ctx: CostContext,
+    strategy: Strategy,
+    calibration: Calibration,
+    extra_log_variance: float = 0.0,
+    basis: str = "",
+) -> Interval:
+    """Point and 90% interval of the calibrated iteration time of `strategy` (ctx is uncalibrated)."""
+    parameters = parameters_for(ctx)
+    values = {p.name: p.prior_mean for p in parameters}
+    values.update(calibration.value_map())
+    point = math.exp(_log_time(ctx, strategy, values))
+    gradient = _gradient(ctx, strategy, values, parameters)
+    fitted = {name: i for i, name in enumerate(calibration.names)}
+    covariance = np.zeros((len(parameters), len(parameters)))
+    for i, a in enumerate(parameters):
+        for j, b in enumerate(parameters):
+            if a.name in fitted and b.name in fitted:
+                covariance[i, j] = calibration.covariance[fitted[a.name]][fitted[b.name]]
+            elif i == j:
+                covariance[i, j] = a.prior_sd**2
+    variance = float(gradient @ covariance @ gradient) + calibration.run_noise**2 + extra_log_variance
+    log_sd = math.sqrt(max(variance, 0.0))
+    return Interval(point, point * math.exp(-Z_90 * log_sd), point * math.exp(Z_90 * log_sd), log_sd, basis)
+

@@ -1,0 +1,107 @@
+"""Learned link costs: alpha-beta per link class, and how they grow with the group size, from link profiles.
+
+`hetplan profile-comm` writes `hetplan.links/1` files: measured (collective, ranks, size, time) points. Per link
+class a positive linear model (scikit-learn, fitted for relative error) learns
+    t = alpha * steps(c, n) + S * factor(c, n) * (beta + gamma * log2(n / 2))
+over all collectives and group sizes (nccl-tests conventions: factor 2(n-1)/n for all-reduce, (n-1)/n for
+reduce-scatter / all-gather; steps 2(n-1) or n-1), so busbw = 1/beta at two ranks and the per-byte time grows by
+gamma/beta per doubling of ranks. Send/recv points get their own alpha and bandwidth.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+from sklearn.linear_model import LinearRegression
+
+from predictor.comm_model import Link, LinkClass
+from profiler.collectives import bus_factor, latency_steps
+from specs.errors import SpecError
+from specs.loading import read_mapping, validate
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
+
+
+class LinkPoint(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    collective: Literal["all_reduce", "all_gather", "reduce_scatter", "send_recv"]
+    ranks: int = Field(ge=2)
+    size_bytes: float = Field(gt=0)
+    time_s: float = Field(gt=0)
+    correct: bool = True
+
+
+class LinkFile(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    schema_: Literal["hetplan.links/1"] = Field(alias="schema")
+    link_class: LinkClass = "in_node"
+    points: list[LinkPoint] = Field(min_length=2)
+
+
+def load_link_points(path: str | Path) -> tuple[LinkClass, list[LinkPoint]]:
+    """The link class and the correct measured points of a links file (its class is in_node unless it says)."""
+    path = Path(path)
+    data = read_mapping(path)
+    if "link_class" not in data:
+        classes = {link.get("link_class") for link in data.get("links", []) if isinstance(link, dict)}
+        if len(classes) == 1:
+            data["link_class"] = classes.pop()
+    parsed = validate(LinkFile, data, str(path))
+    wrong = [p for p in parsed.points if not p.correct]
+    if wrong:
+        raise SpecError(str(path), "points", f"{len(wrong)} points are marked incorrect: re-measure the link")
+    return parsed.link_class, parsed.points
+
+
+def _positive_relative_fit(design: np.ndarray, times: np.ndarray) -> np.ndarray:
+    scale = np.where(design.max(axis=0) > 0, design.max(axis=0), 1.0)
+    linear = LinearRegression(positive=True, fit_intercept=False)
+    linear.fit(design / scale / times[:, None], np.ones_like(times))
+    return linear.coef_ / scale
+
+
+def fit_link(link_class: LinkClass, points: Sequence[LinkPoint], source: str = "links") -> tuple[Link, float]:
+    """The fitted link and the fit's median relative error over the points."""
+    collective = [p for p in points if p.collective in COLLECTIVES]
+    if len(collective) < 2:
+        raise SpecError(source, "points", "expected at least 2 all-reduce/all-gather/reduce-scatter points")
+    times = np.array([p.time_s for p in collective])
+    design = np.array(
+        [
+            (
+                latency_steps(p.collective, p.ranks),
+                p.size_bytes * bus_factor(p.collective, p.ranks),
+                p.size_bytes * bus_factor(p.collective, p.ranks) * math.log2(p.ranks / 2),
+            )
+            for p in collective
+        ]
+    )
+    alpha, beta, gamma = _positive_relative_fit(design, times)
+    if beta <= 0:
+        raise SpecError(source, "points", "the points show no size dependence: measure larger messages")
+    errors = list(np.abs(design @ np.array([alpha, beta, gamma]) - times) / times)
+    p2p_alpha = p2p_bw = None
+    p2p = [p for p in points if p.collective == "send_recv"]
+    if len(p2p) >= 2:
+        p2p_times = np.array([p.time_s for p in p2p])
+        p2p_design = np.array([(1.0, p.size_bytes) for p in p2p])
+        a, b = _positive_relative_fit(p2p_design, p2p_times)
+        if b > 0:
+            p2p_alpha, p2p_bw = float(a), float(1 / b)
+            errors += list(np.abs(p2p_design @ np.array([a, b]) - p2p_times) / p2p_times)
+    link = Link(
+        link_class,
+        bw_bytes_per_s=float(1 / beta),
+        alpha_s=float(alpha),
+        slowdown_per_doubling=float(gamma / beta),
+        p2p_bw_bytes_per_s=p2p_bw,
+        p2p_alpha_s=p2p_alpha,
+    )
+    return link, float(np.median(errors))

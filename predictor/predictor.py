@@ -1,0 +1,232 @@
+"""The predictor: learned layer models, fitted links and calibration, composed by the analytic cost model.
+
+`hetplan fit` builds one from profiles (per device type, `predictor.layer_model`), link profiles
+(`predictor.link_model`) and measured runs (`predictor.calibration`); `plan` and `predict` use it through
+`Predictor.context`. Saved with joblib: a header (schema, library versions, training-data fingerprint) next to the
+pickled predictor, so a file from another scikit-learn version is refused with a clear message before anything of
+it is unpickled. Without a file, `default_predictor()` is used: datasheet-simulated layer costs calibrated on the
+published small run bundled in predictor/data (shared/reference/calibration.md).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import pickle
+import platform
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from predictor.calibration import Calibration, Interval, apply, fit_calibration, prediction_interval
+from predictor.comm_model import Link
+from predictor.cost_model import CostContext, build_context
+from predictor.runs import Run, fingerprint, load_runs
+from predictor.strategy import Strategy
+from profiler.profile import DeviceProfile, load_profile
+from specs.cluster import ClusterSpec
+from specs.errors import SpecError
+from specs.model import ModelSpec
+from specs.training import TrainingSpec
+
+if TYPE_CHECKING:  # scikit-learn costs a second to import: only fitting and learned layer models need it
+    from predictor.layer_model import LayerCostModel
+
+PREDICTOR_SCHEMA = "hetplan.predictor/1"
+PUBLISHED_RUNS = Path(__file__).parent / "data" / "korthikanti-2022-a100.json"
+
+
+def library_versions() -> dict[str, str]:
+    import joblib
+    import numpy
+    import scipy
+    import sklearn
+
+    try:
+        own = version("hetplan")
+    except PackageNotFoundError:  # running from a source tree that was not installed
+        own = "source"
+    return {
+        "hetplan": own,
+        "scikit-learn": sklearn.__version__,
+        "numpy": numpy.__version__,
+        "scipy": scipy.__version__,
+        "joblib": joblib.__version__,
+        "python": platform.python_version(),
+    }
+
+
+@dataclass
+class Predictor:
+    layer_models: dict[str, LayerCostModel] = field(default_factory=dict)  # by device key
+    links: dict[str, Link] = field(default_factory=dict)  # by link class
+    link_fit_errors: dict[str, float] = field(default_factory=dict)
+    calibration: Calibration = field(default_factory=Calibration)
+    metadata: dict[str, Any] = field(default_factory=dict)
+    name: str = "default"
+
+    @property
+    def identity(self) -> str:
+        parts = []
+        if self.layer_models:
+            parts.append("layer models for " + ", ".join(sorted(self.layer_models)))
+        if self.links:
+            parts.append("fitted links " + ", ".join(sorted(self.links)))
+        parts.append(f"calibrated on {len(self.calibration.runs)} runs")
+        return f"predictor {self.name} ({'; '.join(parts)})"
+
+    def base_context(
+        self,
+        cluster: ClusterSpec,
+        model: ModelSpec,
+        training: TrainingSpec,
+        profiles: Mapping[str, DeviceProfile] | None = None,
+    ) -> CostContext:
+        """Uncalibrated costs: explicit profiles first, then learned layer models, then datasheet simulation."""
+        ctx = build_context(cluster, model, training, profiles)
+        if not self.layer_models and not self.links:
+            return replace(ctx, identity=self.identity)
+        from predictor.layer_model import PredictedLayerCosts
+
+        sources = dict(ctx.sources)
+        seq_length = ctx.seq_length
+        for group in cluster.groups:
+            key = group.device.key
+            if key in self.layer_models and key not in (profiles or {}):
+                sources[group.name] = PredictedLayerCosts(self.layer_models[key], model, seq_length, training.dtype)
+        return replace(ctx, sources=sources, links=dict(self.links), identity=self.identity)
+
+    def context(
+        self,
+        cluster: ClusterSpec,
+        model: ModelSpec,
+        training: TrainingSpec,
+        profiles: Mapping[str, DeviceProfile] | None = None,
+    ) -> CostContext:
+        """Calibrated costs: what plan and predict use."""
+        return apply(self.base_context(cluster, model, training, profiles), self.calibration.value_map())
+
+    def interval(self, base: CostContext, strategy: Strategy) -> Interval:
+        """90% interval of the iteration time of `strategy` on an uncalibrated `base_context`."""
+        learned = [
+            self.layer_models[g.device.key].log_error_std**2
+            for g in base.cluster.groups
+            if base.source(g.name).identity.startswith("learned layer model")
+        ]
+        extra = max(learned, default=0.0)
+        basis = (
+            f"{len(self.calibration.runs)} calibration runs (run noise {self.calibration.run_noise:.1%}), "
+            "priors for terms no run informed"
+            + (f", cross-validated layer-model error {math.sqrt(extra):.1%}" if learned else "")
+        )
+        return prediction_interval(base, strategy, self.calibration, extra, basis)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "metadata": self.metadata,
+            "layer_models": {
+                key: {"cv_log_error_rms": round(m.log_error_std, 4), "trained_on": m.trained_on}
+                for key, m in sorted(self.layer_models.items())
+            },
+            "links": {
+                key: {
+                    "busbw_bytes_per_s": link.bw_bytes_per_s,
+                    "alpha_s": link.alpha_s,
+                    "slowdown_per_doubling": link.slowdown_per_doubling,
+                    "fit_median_rel_error": self.link_fit_errors.get(key),
+                }
+                for key, link in sorted(self.links.items())
+            },
+            "calibration": self.calibration.to_dict(),
+        }
+
+
+def _calibration_cases(predictor: Predictor, runs: Sequence[Run]) -> list[tuple[str, CostContext, Strategy, float]]:
+    cases = []
+    for run in runs:
+        base = predictor.base_context(run.cluster, run.model, run.training)
+        cases.append((run.name, base, run.strategy, run.measured_iteration_time_s))
+    return cases
+
+
+def fit_predictor(
+    profile_paths: Sequence[Path] = (),
+    link_paths: Sequence[Path] = (),
+    run_paths: Sequence[Path] = (),
+    published_runs: bool = True,
+    name: str = "fitted",
+) -> Predictor:
+    """Fit layer models per device type, links per class, then calibration on the runs (plus the bundled
+    published run unless `published_runs` is False)."""
+    from predictor.layer_model import fit_layer_cost_model
+    from predictor.link_model import fit_link, load_link_points
+
+    by_device: dict[str, list[DeviceProfile]] = {}
+    for path in profile_paths:
+        profile = load_profile(path)
+        by_device.setdefault(str(profile.device.get("key", "")), []).append(profile)
+    predictor = Predictor(name=name)
+    for key, profiles in sorted(by_device.items()):
+        predictor.layer_models[key] = fit_layer_cost_model(profiles)
+    for path in link_paths:
+        link_class, points = load_link_points(path)
+        if link_class in predictor.links:
+            raise SpecError(str(path), "link_class", f"a second links file for class {link_class!r}")
+        predictor.links[link_class], predictor.link_fit_errors[link_class] = fit_link(link_class, points, str(path))
+    all_run_paths = [*run_paths, *([PUBLISHED_RUNS] if published_runs else [])]
+    runs = [run for path in all_run_paths for run in load_runs(path)]
+    predictor.calibration = fit_calibration(_calibration_cases(predictor, runs))
+    inputs = [str(p) for p in [*profile_paths, *link_paths, *all_run_paths]]
+    predictor.metadata = {
+        "schema": PREDICTOR_SCHEMA,
+        "versions": library_versions(),
+        "fingerprint": fingerprint(inputs),
+        "inputs": inputs,
+    }
+    return predictor
+
+
+@functools.cache
+def default_predictor() -> Predictor:
+    """Datasheet simulation calibrated on the bundled published run (deterministic; fitted once per process)."""
+    return fit_predictor(name="default")
+
+
+def save_predictor(predictor: Predictor, path: str | Path) -> None:
+    import joblib
+
+    header = {"schema": PREDICTOR_SCHEMA, "metadata": predictor.metadata}
+    joblib.dump({**header, "payload": pickle.dumps(predictor)}, Path(path))
+
+
+def load_predictor(path: str | Path) -> Predictor:
+    """Read a predictor file; refuses files of another schema or scikit-learn version with a one-line reason."""
+    import joblib
+
+    source = str(path)
+    if not Path(path).is_file():
+        raise SpecError(source, "", "predictor file not found (make one with `hetplan fit ... --out FILE`)")
+    try:
+        blob = joblib.load(Path(path))
+    except Exception:  # any unreadable file gets the same one-line answer
+        raise SpecError(source, "", "not a hetplan predictor file (expected the output of `hetplan fit`)") from None
+    if not isinstance(blob, dict) or blob.get("schema") != PREDICTOR_SCHEMA:
+        raise SpecError(source, "schema", f"expected {PREDICTOR_SCHEMA!r} (a file written by `hetplan fit`)")
+    fitted = blob.get("metadata", {}).get("versions", {})
+    here = library_versions()
+    for library in ("scikit-learn", "hetplan"):
+        if fitted.get(library) != here[library]:
+            raise SpecError(
+                source,
+                f"metadata.versions.{library}",
+                f"fitted with {library} {fitted.get(library)}, this environment has {here[library]}: "
+                "refit it with `hetplan fit` (its inputs are listed in metadata.inputs)",
+            )
+    predictor = pickle.loads(blob["payload"])
+    if not isinstance(predictor, Predictor):
+        raise SpecError(source, "payload", "expected a hetplan predictor")
+    predictor.name = Path(path).name
+    return predictor

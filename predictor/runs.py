@@ -1,0 +1,138 @@
+"""Measured runs: what calibration learns from (`hetplan fit --runs`).
+
+A run record (`hetplan.run/1`) says what ran and how long an iteration took: the cluster (a file next to the
+record, or inline), the model (catalog key, file, or inline shape), training settings, the strategy (Megatron-style
+tp/pp/dp on one group) and `measured_iteration_time_s`. A file holds one record, or several under
+`{"schema": "hetplan.runs/1", "runs": [...]}`. `hetplan run` writes them; published small runs fit too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from predictor.strategy import Strategy, megatron_strategy
+from specs.cluster import ClusterFile, ClusterSpec, load_cluster, resolve_cluster
+from specs.errors import SpecError
+from specs.loading import read_mapping, validate
+from specs.model import ModelSpec, Recompute, load_model
+from specs.training import TrainingSpec
+
+RUN_SCHEMA = "hetplan.run/1"
+RUNS_SCHEMA = "hetplan.runs/1"
+
+
+class MegatronLayout(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    group: str | None = None
+    tp: int = Field(default=1, ge=1)
+    pp: int = Field(default=1, ge=1)
+    dp: int = Field(default=1, ge=1)
+    micro_batch_size: int = Field(default=1, ge=1)
+    recompute: Recompute = "none"
+    virtual_stages: int = Field(default=1, ge=1)
+
+
+class RunRecord(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    schema_: Literal["hetplan.run/1"] = Field(default="hetplan.run/1", alias="schema")
+    name: str
+    source: str = Field(description="where the number comes from: a citation, or the machine it was measured on")
+    cluster: str | dict[str, Any]
+    model: str | dict[str, Any]
+    training: dict[str, Any] = {}
+    strategy: MegatronLayout
+    measured_iteration_time_s: float = Field(gt=0)
+
+
+@dataclass(frozen=True)
+class Run:
+    """A run record resolved into specs and a strategy."""
+
+    name: str
+    source: str
+    cluster: ClusterSpec
+    model: ModelSpec
+    training: TrainingSpec
+    strategy: Strategy
+    measured_iteration_time_s: float
+    path: str
+
+
+def _resolve(record: RunRecord, path: Path, where: str) -> Run:
+    if isinstance(record.cluster, str):
+        cluster = load_cluster(path.parent / record.cluster)
+    else:
+        parsed = validate(ClusterFile, record.cluster, str(path), prefix=f"{where}.cluster")
+        cluster = resolve_cluster(parsed, str(path))
+    if isinstance(record.model, str):
+        candidate = path.parent / record.model
+        model = load_model(str(candidate) if candidate.exists() else record.model)
+    else:
+        model = validate(ModelSpec, record.model, str(path), prefix=f"{where}.model")
+    training = validate(TrainingSpec, record.training, str(path), prefix=f"{where}.training")
+    layout = record.strategy
+    strategy = megatron_strategy(
+        cluster,
+        model,
+        training,
+        group=layout.group,
+        tp=layout.tp,
+        pp=layout.pp,
+        dp=layout.dp,
+        micro_batch_size=layout.micro_batch_size,
+        recompute=layout.recompute,
+        virtual_stages=layout.virtual_stages,
+        source=f"{path}: {where}.strategy",
+    )
+    return Run(
+        record.name, record.source, cluster, model, training, strategy, record.measured_iteration_time_s, str(path)
+    )
+
+
+def load_runs(path: str | Path) -> list[Run]:
+    """Read one run record, or a `hetplan.runs/1` list of them."""
+    path = Path(path)
+    data = read_mapping(path)
+    if data.get("schema") == RUNS_SCHEMA:
+        records = data.get("runs")
+        if not isinstance(records, list) or not records:
+            raise SpecError(str(path), "runs", "expected a non-empty list of run records")
+        items = [(f"runs[{i}]", item) for i, item in enumerate(records)]
+    elif data.get("schema") == RUN_SCHEMA:
+        items = [("run", data)]
+    else:
+        raise SpecError(str(path), "schema", f"expected {RUN_SCHEMA!r} or {RUNS_SCHEMA!r}, got {data.get('schema')!r}")
+    runs = []
+    for where, item in items:
+        if not isinstance(item, dict):
+            raise SpecError(str(path), where, "expected a run record (a mapping)")
+        record = validate(RunRecord, item, str(path), prefix=where if where != "run" else "")
+        runs.append(_resolve(record, path, where))
+    return runs
+
+
+def fingerprint(paths: list[str]) -> str:
+    """SHA-256 over the training files' names and bytes: which data a predictor was fitted on."""
+    digest = hashlib.sha256()
+    for path in sorted(paths):
+        digest.update(Path(path).name.encode())
+        digest.update(Path(path).read_bytes())
+    return digest.hexdigest()
+
+
+def run_summary(run: Run) -> dict[str, Any]:
+    pipeline = run.strategy.pipelines[0]
+    return {
+        "name": run.name,
+        "source": run.source,
+        "path": run.path,
+        "devices": pipeline.replicas * sum(s.tp for s in pipeline.stages),
+        "measured_iteration_time_s": run.measured_iteration_time_s,
+    }
