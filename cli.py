@@ -277,6 +277,9 @@ def predict(
     seq_len: SeqLenOpt = None,
     dtype: DtypeOpt = None,
     zero_stage: ZeroOpt = None,
+    attention: Annotated[
+        Optional[str], typer.Option(help="flash, or materialized (pre-flash Megatron: scores in memory).")
+    ] = None,
     profiles: Annotated[Optional[Path], typer.Option(help="Directory of profile JSON files.")] = None,
     predictor: PredictorOpt = None,
     as_json: JsonOpt = False,
@@ -291,7 +294,9 @@ def predict(
     from specs.model import load_model
 
     cluster_spec = load_cluster(cluster)
-    overrides = dict(global_batch_size=global_batch, seq_length=seq_len, dtype=dtype, zero_stage=zero_stage)
+    overrides = dict(
+        global_batch_size=global_batch, seq_length=seq_len, dtype=dtype, zero_stage=zero_stage, attention=attention
+    )
     if strategy is not None:
         loaded = load_plan(strategy)
         model_spec = load_model(model) if model else loaded.model

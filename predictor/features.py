@@ -30,7 +30,7 @@ KERNEL_GROUPS: tuple[tuple[str, Pass, str], ...] = tuple(
     for mode in modes
     for pass_ in PASSES
 )
-WORK_COLUMNS = ("gemm_flops", "attention_flops", "memory_bytes")
+WORK_COLUMNS = ("gemm_flops", "attention_flops", "memory_bytes", "memory_bytes_sp")
 
 
 @dataclass(frozen=True)
@@ -57,18 +57,29 @@ class LayerPoint:
 
 @dataclass(frozen=True)
 class PassWork:
+    """Work of one pass. Memory-bound bytes come twice: as if norms and residuals run on every TP rank
+    (`memory_bytes`) and as if sequence parallelism splits them (`memory_bytes_sp`); the fit picks whichever
+    the measured implementation does."""
+
     gemm_flops: float
     attention_flops: float
     memory_bytes: float
+    memory_bytes_sp: float
 
-    def scaled(self, factor: float) -> PassWork:
-        return PassWork(self.gemm_flops * factor, self.attention_flops * factor, self.memory_bytes * factor)
+    def scaled(self, gemm: float, attention: float, memory: float) -> PassWork:
+        return PassWork(
+            self.gemm_flops * gemm,
+            self.attention_flops * attention,
+            self.memory_bytes * memory,
+            self.memory_bytes_sp * memory,
+        )
 
     def plus(self, other: PassWork) -> PassWork:
         return PassWork(
             self.gemm_flops + other.gemm_flops,
             self.attention_flops + other.attention_flops,
             self.memory_bytes + other.memory_bytes,
+            self.memory_bytes_sp + other.memory_bytes_sp,
         )
 
 
@@ -81,26 +92,24 @@ def pass_work(point: LayerPoint, pass_: Pass) -> PassWork:
             model.layer_gemm_flops(tokens) / tp,
             model.layer_attention_flops(point.micro_batch_size, point.seq_length, causal_kernel=True) / tp,
             2.0 * width * model.layer_elementwise_elements(tokens, tp, sequence_parallel=False),
+            2.0 * width * model.layer_elementwise_elements(tokens, tp, sequence_parallel=True),
         )
         if pass_ == "forward":
             return forward
-        backward = PassWork(
-            2 * forward.gemm_flops, ATTENTION_BACKWARD_RATIO * forward.attention_flops, 2 * forward.memory_bytes
-        )
+        backward = forward.scaled(2.0, ATTENTION_BACKWARD_RATIO, 2.0)
         if point.mode == "full":
             return backward.plus(forward)
         if point.mode == "selective":
-            return backward.plus(PassWork(0.0, forward.attention_flops, forward.memory_bytes))
+            return backward.plus(forward.scaled(0.0, 1.0, 1.0))
         return backward
     h, vocab = model.hidden_size, model.vocab_size
     if point.layer == "embedding":
         gather = 2.0 * width * tokens * h
-        if pass_ == "forward":
-            return PassWork(0.0, 0.0, gather)
-        return PassWork(0.0, 0.0, 2 * gather + 2.0 * GRAD_BYTES * vocab * h / tp)  # dense table gradient
+        bytes_ = gather if pass_ == "forward" else 2 * gather + 2.0 * GRAD_BYTES * vocab * h / tp  # dense table grad
+        return PassWork(0.0, 0.0, bytes_, bytes_)
     gemm = model.lm_head_flops(tokens) / tp
     loss_bytes = 2.0 * width * (3 * tokens * vocab / tp + tokens * h)
-    return PassWork(gemm if pass_ == "forward" else 2 * gemm, 0.0, loss_bytes)
+    return PassWork(gemm if pass_ == "forward" else 2 * gemm, 0.0, loss_bytes, loss_bytes)
 
 
 def work_matrix(points: list[LayerPoint], passes: list[Pass]) -> np.ndarray:
@@ -108,8 +117,8 @@ def work_matrix(points: list[LayerPoint], passes: list[Pass]) -> np.ndarray:
     rows = np.zeros((len(points), len(WORK_COLUMNS) + len(KERNEL_GROUPS)))
     for row, (point, pass_) in enumerate(zip(points, passes, strict=True)):
         work = pass_work(point, pass_)
-        rows[row, :3] = (work.gemm_flops, work.attention_flops, work.memory_bytes)
-        rows[row, 3 + KERNEL_GROUPS.index((point.layer, pass_, point.mode))] = 1.0
+        rows[row, :4] = (work.gemm_flops, work.attention_flops, work.memory_bytes, work.memory_bytes_sp)
+        rows[row, 4 + KERNEL_GROUPS.index((point.layer, pass_, point.mode))] = 1.0
     return rows
 
 
