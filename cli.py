@@ -491,12 +491,16 @@ def profile_comm(
         str, typer.Option(help="What the processes share: in_node, rail or cross_group.")
     ] = "in_node",
     timeout_s: Annotated[float, typer.Option("--timeout", help="Seconds any one operation may take.")] = 120.0,
+    as_device: Annotated[
+        str, typer.Option(help="Catalog key of the devices measured (the predictor applies the link to them).")
+    ] = "cpu",
     as_json: JsonOpt = False,
 ) -> None:
     """Time real collectives (local processes, Gloo over loopback; under torchrun, this process is one rank of the
     job and --world is ignored) and fit alpha-beta per collective and group size, nccl-tests style."""
     import tempfile
 
+    from specs.device import get_device
     from specs.errors import SpecError, TorchMissingError
 
     try:
@@ -530,7 +534,7 @@ def profile_comm(
         with tempfile.TemporaryDirectory() as scratch:
             for ranks in worlds:
                 points += run_local(ranks, sizes, chosen, repeats, Path(scratch), timeout_s)
-    profile = link_profile(points, link_class, "gloo")
+    profile = link_profile(points, link_class, "gloo", get_device(as_device, "--as-device", "").key)
     out.write_text(json.dumps(profile, indent=2) + "\n", encoding="utf-8")
     if as_json:
         sys.stdout.write(json.dumps(profile, indent=2) + "\n")

@@ -63,7 +63,7 @@ class CostContext:
     training: TrainingSpec
     sources: Mapping[str, LayerCostSource]  # by group name
     terms: EndToEndTerms = EndToEndTerms()
-    links: Mapping[str, Link] = field(default_factory=dict)  # fitted links by class; datasheet links elsewhere
+    links: Mapping[str, Link] = field(default_factory=dict)  # fitted, by "device key/link class"; else datasheet
     identity: str = ""  # the predictor's, when one made this context
 
     @property
@@ -80,13 +80,14 @@ class CostContext:
         return f"{self.identity}: {base}" if self.identity else base
 
     def in_node_link(self, group: DeviceGroup) -> Link:
-        return self.links.get("in_node") or in_node_link(group)
+        return self.links.get(f"{group.device.key}/in_node") or in_node_link(group)
 
     def rail_link(self, group: DeviceGroup) -> Link:
-        return self.links.get("rail") or rail_link(group)
+        return self.links.get(f"{group.device.key}/rail") or rail_link(group)
 
     def cross_group_link(self, a: DeviceGroup, b: DeviceGroup) -> Link:
-        return self.links.get("cross_group") or cross_group_link(self.cluster, a, b)
+        fitted = self.links.get(f"{a.device.key}/cross_group") or self.links.get(f"{b.device.key}/cross_group")
+        return fitted or cross_group_link(self.cluster, a, b)
 
 
 def build_context(

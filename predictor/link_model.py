@@ -21,6 +21,7 @@ from sklearn.linear_model import LinearRegression
 
 from predictor.comm_model import Link, LinkClass
 from profiler.collectives import bus_factor, latency_steps
+from specs.device import get_device
 from specs.errors import SpecError
 from specs.loading import read_mapping, validate
 
@@ -41,12 +42,15 @@ class LinkFile(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     schema_: Literal["hetplan.links/1"] = Field(alias="schema")
+    device: str | None = None
+    backend: str | None = None
     link_class: LinkClass = "in_node"
     points: list[LinkPoint] = Field(min_length=2)
 
 
-def load_link_points(path: str | Path) -> tuple[LinkClass, list[LinkPoint]]:
-    """The link class and the correct measured points of a links file (its class is in_node unless it says)."""
+def load_link_points(path: str | Path) -> tuple[str, LinkClass, list[LinkPoint]]:
+    """The device key, link class and measured points of a links file (class in_node unless it says; files
+    without a device key are accepted only from Gloo on the CPU, i.e. device `cpu`)."""
     path = Path(path)
     data = read_mapping(path)
     if "link_class" not in data:
@@ -57,7 +61,10 @@ def load_link_points(path: str | Path) -> tuple[LinkClass, list[LinkPoint]]:
     wrong = [p for p in parsed.points if not p.correct]
     if wrong:
         raise SpecError(str(path), "points", f"{len(wrong)} points are marked incorrect: re-measure the link")
-    return parsed.link_class, parsed.points
+    device = parsed.device or ("cpu" if parsed.backend == "gloo" else None)
+    if device is None:
+        raise SpecError(str(path), "device", "expected the catalog key of the devices measured (e.g. \"h100\")")
+    return get_device(device, str(path), "device").key, parsed.link_class, parsed.points
 
 
 def _positive_relative_fit(design: np.ndarray, times: np.ndarray) -> np.ndarray:

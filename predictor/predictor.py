@@ -61,7 +61,7 @@ def library_versions() -> dict[str, str]:
 @dataclass
 class Predictor:
     layer_models: dict[str, LayerCostModel] = field(default_factory=dict)  # by device key
-    links: dict[str, Link] = field(default_factory=dict)  # by link class
+    links: dict[str, Link] = field(default_factory=dict)  # by "device key/link class"
     link_fit_errors: dict[str, float] = field(default_factory=dict)
     calibration: Calibration = field(default_factory=Calibration)
     metadata: dict[str, Any] = field(default_factory=dict)
@@ -172,10 +172,11 @@ def fit_predictor(
     for key, profiles in sorted(by_device.items()):
         predictor.layer_models[key] = fit_layer_cost_model(profiles)
     for path in link_paths:
-        link_class, points = load_link_points(path)
-        if link_class in predictor.links:
-            raise SpecError(str(path), "link_class", f"a second links file for class {link_class!r}")
-        predictor.links[link_class], predictor.link_fit_errors[link_class] = fit_link(link_class, points, str(path))
+        device, link_class, points = load_link_points(path)
+        key = f"{device}/{link_class}"
+        if key in predictor.links:
+            raise SpecError(str(path), "link_class", f"a second links file for {link_class!r} links of {device!r}")
+        predictor.links[key], predictor.link_fit_errors[key] = fit_link(link_class, points, str(path))
     all_run_paths = [*run_paths, *([PUBLISHED_RUNS] if published_runs else [])]
     runs = [run for path in all_run_paths for run in load_runs(path)]
     predictor.calibration = fit_calibration(_calibration_cases(predictor, runs))

@@ -218,7 +218,9 @@ def fit_link(points: Sequence[CommPoint], link_class: str) -> LinkFit:
     )
 
 
-def link_profile(points: Sequence[CommPoint], link_class: str, backend: str) -> dict[str, Any]:
+def link_profile(
+    points: Sequence[CommPoint], link_class: str, backend: str, device_key: str = "cpu"
+) -> dict[str, Any]:
     groups: dict[tuple[str, int], list[CommPoint]] = {}
     for point in points:
         groups.setdefault((point.collective, point.ranks), []).append(point)
@@ -226,6 +228,7 @@ def link_profile(points: Sequence[CommPoint], link_class: str, backend: str) -> 
     return {
         "schema": LINKS_SCHEMA,
         "source": "measured",
+        "device": device_key,
         "backend": backend,
         "environment": {
             "host": platform.node(),
