@@ -634,6 +634,188 @@ def fit(
     console.print(f"predictor written to {out}")
 
 
+def _traffic_heatmap(traffic: Any, title: str, path: Path) -> None:
+    """Per-pair bytes as a heatmap (devices, or nodes when there are more than 512 devices)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+    from matplotlib.colors import LogNorm
+
+    by_node = len(traffic.device_names) > 512
+    labels = sorted(set(traffic.node_of), key=traffic.node_of.index) if by_node else traffic.device_names
+    index = {label: i for i, label in enumerate(labels)}
+    matrix = np.zeros((len(labels), len(labels)))
+    for pairs in traffic.pairs.values():
+        for (src, dst), size in pairs.items():
+            a = index[traffic.node_of[src]] if by_node else src
+            b = index[traffic.node_of[dst]] if by_node else dst
+            matrix[a, b] += size
+    figure, axes = plt.subplots(figsize=(8, 7), dpi=110)
+    positive = matrix[matrix > 0]
+    norm = LogNorm(vmin=positive.min(), vmax=positive.max()) if positive.size else None
+    image = axes.imshow(np.where(matrix > 0, matrix, np.nan), cmap="viridis", norm=norm, interpolation="nearest")
+    unit = "node" if by_node else "device"
+    axes.set_title(title)
+    axes.set_xlabel(f"destination {unit}")
+    axes.set_ylabel(f"source {unit}")
+    step = max(1, len(labels) // 16)
+    axes.set_xticks(
+        range(0, len(labels), step), [labels[i] for i in range(0, len(labels), step)], rotation=90, fontsize=6
+    )
+    axes.set_yticks(range(0, len(labels), step), [labels[i] for i in range(0, len(labels), step)], fontsize=6)
+    figure.colorbar(image, ax=axes, label="bytes per iteration")
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
+
+
+@app.command()
+def traffic(
+    plan_file: Annotated[Path, typer.Argument(help="Plan JSON (from `hetplan plan --out`).", metavar="PLAN")],
+    cluster: Annotated[Optional[Path], typer.Option("--cluster", "-c", help="Cluster file of the plan.")] = None,
+    tokens: Annotated[Optional[float], typer.Option(help="Dataset tokens per epoch (for per-epoch totals).")] = None,
+    epochs: Annotated[float, typer.Option(help="Epochs (with --tokens).")] = 1.0,
+    png: Annotated[Optional[Path], typer.Option(help="Write the per-pair traffic heatmap here.")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Bytes per iteration (and epoch) by parallel dimension and link class; rail-only check."""
+    from planner import load_plan
+    from predictor.cost_model import build_context
+    from predictor.traffic import DIMENSIONS, LINK_CLASSES, strategy_traffic
+    from specs.cluster import load_cluster
+    from specs.errors import SpecError
+
+    loaded = load_plan(plan_file)
+    if cluster is None:
+        raise SpecError("--cluster", "", "required: the cluster file the plan was made for")
+    cluster_spec = load_cluster(cluster)
+    if loaded.cluster_name and cluster_spec.name != loaded.cluster_name:
+        raise SpecError(
+            str(cluster), "name", f"the plan is for cluster {loaded.cluster_name!r}, got {cluster_spec.name!r}"
+        )
+    ctx = build_context(cluster_spec, loaded.model, loaded.training)
+    result = strategy_traffic(ctx, loaded.strategy)
+    table = result.by_dimension_and_link()
+    tokens_per_iteration = ctx.training.global_batch_size * ctx.seq_length
+    iterations = epochs * tokens / tokens_per_iteration if tokens else None
+    spine = result.spine_pairs()
+    breaking = sorted(
+        {
+            result.group_of[src]
+            for d in DIMENSIONS
+            for (src, dst) in result.pairs[d]
+            if result.link_class(src, dst) == "spine"
+        }
+    )
+    relay_bytes = max(
+        (
+            sum(
+                size
+                for (src, dst), size in result.pairs[d].items()
+                if src == device and result.link_class(src, dst) == "spine"
+            )
+            for device in range(len(result.device_names))
+            for d in DIMENSIONS
+        ),
+        default=0.0,
+    )
+    body: dict[str, Any] = {
+        "plan": str(plan_file),
+        "bytes_per_iteration": {d: {k: round(v) for k, v in table[d].items()} for d in DIMENSIONS},
+        "total_bytes_per_iteration": round(result.total_bytes()),
+        "iterations": iterations,
+        "bytes_total": (
+            {d: {k: round(v * iterations) for k, v in table[d].items()} for d in DIMENSIONS} if iterations else None
+        ),
+        "rail_only": {
+            "ok": not any(spine.values()),
+            "spine_bytes_per_iteration": {d: round(v) for d, v in spine.items()},
+            "groups_breaking_it": breaking,
+            "relay_bytes_per_iteration_worst_device": round(relay_bytes),
+        },
+    }
+    if png is not None:
+        _traffic_heatmap(result, f"{loaded.model.key} on {cluster_spec.name}: bytes per iteration", png)
+        body["png"] = str(png)
+    if as_json:
+        sys.stdout.write(json.dumps(body, indent=2) + "\n")
+        return
+    from rich.table import Table
+
+    console = _console()
+    title = "Traffic per iteration, GB" + (f" (and over {iterations:,.0f} iterations, TB)" if iterations else "")
+    out = Table(title=title)
+    out.add_column("dimension")
+    for link in LINK_CLASSES:
+        out.add_column(link, justify="right")
+    for d in DIMENSIONS:
+        cells = []
+        for link in LINK_CLASSES:
+            cell = f"{table[d][link] / 1e9:,.1f}"
+            if iterations:
+                cell += f" ({table[d][link] * iterations / 1e12:,.1f})"
+            cells.append(cell)
+        out.add_row(d, *cells)
+    console.print(out)
+    if body["rail_only"]["ok"]:
+        console.print("rail-only: ok, every cross-node byte stays on one rail (same local rank)")
+    else:
+        console.print(
+            f"rail-only: NO, {sum(spine.values()) / 1e9:,.1f} GB per iteration cross nodes off-rail "
+            f"(groups {', '.join(breaking)}); on a rail-only fabric they are relayed through the node "
+            f"(worst device relays {relay_bytes / 1e9:,.2f} GB per iteration over its in-node link)"
+        )
+    if png is not None:
+        console.print(f"heatmap written to {png}")
+
+
+@app.command("traffic-calc")
+def traffic_calc(
+    model: ModelOpt,
+    tokens: Annotated[float, typer.Option(help="Training tokens (e.g. one epoch of the dataset).")],
+    global_batch: Annotated[int, typer.Option(help="Sequences per step.")],
+    gpus: Annotated[int, typer.Option(min=2, help="Ranks in the one parallel dimension.")],
+    seq_len: SeqLenOpt = None,
+    grad_bytes: Annotated[int, typer.Option(help="Bytes per gradient value in the DP all-reduce.")] = 2,
+    as_json: JsonOpt = False,
+) -> None:
+    """Textbook per-rank traffic of DP, FSDP, TP and PP over a training run (standard ring volumes)."""
+    from predictor.traffic import textbook_traffic_per_rank
+    from specs.model import load_model
+
+    spec = load_model(model)
+    seq = seq_len or spec.seq_length
+    per_rank = textbook_traffic_per_rank(
+        params=spec.total_params(),
+        layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        tokens=tokens,
+        global_batch_tokens=global_batch * seq,
+        ranks=gpus,
+        grad_bytes=grad_bytes,
+    )
+    body = {
+        "model": spec.key,
+        "params": spec.total_params(),
+        "tokens": tokens,
+        "steps": tokens / (global_batch * seq),
+        "ranks": gpus,
+        "bytes_per_rank": per_rank,
+    }
+    if as_json:
+        sys.stdout.write(json.dumps(body, indent=2) + "\n")
+        return
+    console = _console()
+    console.print(
+        f"{spec.key}: {spec.total_params() / 1e9:.1f}B params, {tokens:,.0f} tokens = {body['steps']:,.0f} steps of "
+        f"{global_batch} x {seq} tokens, {gpus} ranks"
+    )
+    for name, value in per_rank.items():
+        console.print(f"  {name:<5} {value / 1e15:,.2f} PB sent per rank ({value * gpus / 1e15:,.2f} PB in all)")
+
+
 @app.command("simulate-profile")
 def simulate_profile(
     device: Annotated[str, typer.Option(help="Catalog device key.")],

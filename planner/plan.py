@@ -214,6 +214,7 @@ class _PipelineFile(BaseModel):
 class _PlanFile(BaseModel):
     model_config = ConfigDict(extra="ignore")
     schema_: str = Field(alias="schema", pattern=r"^hetplan\.plan/1$")
+    cluster: str = ""
     model: dict[str, Any]
     training: dict[str, Any]
     recompute: Recompute
@@ -229,6 +230,7 @@ class LoadedPlan:
     model: ModelSpec
     training: TrainingSpec
     source: str
+    cluster_name: str = ""
 
 
 def load_plan(path: str | Path) -> LoadedPlan:
@@ -258,4 +260,4 @@ def load_plan(path: str | Path) -> LoadedPlan:
         for p in parsed.pipelines
     )
     strategy = Strategy(pipelines, parsed.recompute, parsed.zero_stage, parsed.virtual_stages, parsed.sequence_parallel)
-    return LoadedPlan(strategy, model, training, source)
+    return LoadedPlan(strategy, model, training, source, parsed.cluster)

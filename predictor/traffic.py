@@ -1,0 +1,189 @@
+"""Network traffic of a strategy: bytes per iteration by parallel dimension and link class, per device pair.
+
+The collectives are the ones the cost model schedules (predictor/cost_model.py), as rings in the nccl-tests
+convention (shared/reference/collectives.md): in a ring all-reduce of S bytes over n ranks every rank sends
+2(n-1)/n * S to its successor; reduce-scatter and all-gather (n-1)/n * S.
+  TP   per micro-batch and layer 4 collectives of b*s*h values (6 with full recompute), one more for the embedding
+       and one for the LM head, ring over the stage's TP ranks (inside a node).
+  PP   per micro-batch and stage boundary b*s*h values forward and the same backward, split over the TP ranks
+       (rank k talks to rank k); interleaving with v chunks crosses every boundary v times and wraps from the last
+       stage to the first v-1 times.
+  DP   per stage and TP rank, over the replicas: fp32 gradient all-reduce (ZeRO-0) or gradient reduce-scatter +
+       16-bit weight all-gather (ZeRO-1); two-level (ring inside the node, ring across nodes on each rail with 1/r of
+       the data) or one flat ring, whichever the cost model picked for its time.
+Link classes: in_node (same node), rail (other node, same local rank: a rail-only fabric carries it), spine (other
+node, other local rank: needs the spine), cross_group (between device groups: the inter-vendor path).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from predictor.comm_model import (
+    all_reduce_time_s,
+    reduce_scatter_time_s,
+)
+from predictor.cost_model import GRAD_BYTES_PER_PARAM, CostContext, dp_layout, stage_params
+from predictor.strategy import Strategy
+
+DIMENSIONS = ("tp", "pp", "dp")
+LINK_CLASSES = ("in_node", "rail", "spine", "cross_group")
+
+
+@dataclass
+class Traffic:
+    """Bytes sent per iteration, by (dimension, source device, destination device); devices are numbered
+    across the cluster in group order, node-major inside a group."""
+
+    device_names: list[str]
+    node_of: list[str]
+    local_rank_of: list[int]
+    group_of: list[str]
+    pairs: dict[str, dict[tuple[int, int], float]] = field(
+        default_factory=lambda: {d: defaultdict(float) for d in DIMENSIONS}
+    )
+
+    def add_ring(self, dimension: str, ranks: list[int], bytes_per_rank: float) -> None:
+        if len(ranks) < 2 or bytes_per_rank <= 0:
+            return
+        for i, rank in enumerate(ranks):
+            self.pairs[dimension][(rank, ranks[(i + 1) % len(ranks)])] += bytes_per_rank
+
+    def link_class(self, src: int, dst: int) -> str:
+        if self.group_of[src] != self.group_of[dst]:
+            return "cross_group"
+        if self.node_of[src] == self.node_of[dst]:
+            return "in_node"
+        return "rail" if self.local_rank_of[src] == self.local_rank_of[dst] else "spine"
+
+    def by_dimension_and_link(self) -> dict[str, dict[str, float]]:
+        table = {d: dict.fromkeys(LINK_CLASSES, 0.0) for d in DIMENSIONS}
+        for dimension, pairs in self.pairs.items():
+            for (src, dst), size in pairs.items():
+                table[dimension][self.link_class(src, dst)] += size
+        return table
+
+    def total_bytes(self, dimension: str | None = None) -> float:
+        dimensions: Iterable[str] = (dimension,) if dimension else DIMENSIONS
+        return sum(sum(self.pairs[d].values()) for d in dimensions)
+
+    def spine_pairs(self) -> dict[str, float]:
+        """Bytes that cross nodes off-rail, by dimension: what a rail-only fabric cannot carry directly."""
+        return {
+            d: sum(size for (src, dst), size in self.pairs[d].items() if self.link_class(src, dst) == "spine")
+            for d in DIMENSIONS
+        }
+
+
+def _device_tables(ctx: CostContext) -> tuple[dict[str, int], list[str], list[str], list[int], list[str]]:
+    offsets: dict[str, int] = {}
+    names: list[str] = []
+    nodes: list[str] = []
+    local: list[int] = []
+    groups: list[str] = []
+    for group in ctx.cluster.groups:
+        offsets[group.name] = len(names)
+        for index in range(group.num_devices):
+            names.append(f"{group.name}:{index}")
+            nodes.append(f"{group.name}/node{index // group.devices_per_node}")
+            local.append(index % group.devices_per_node)
+            groups.append(group.name)
+    return offsets, names, nodes, local, groups
+
+
+def strategy_traffic(ctx: CostContext, strategy: Strategy) -> Traffic:
+    """Per-pair bytes of one iteration of `strategy` (one pipeline family)."""
+    offsets, names, nodes, local, groups = _device_tables(ctx)
+    traffic = Traffic(names, nodes, local, groups)
+    pipeline = strategy.pipelines[0]
+    stages = pipeline.stages
+    b, m, replicas, v = pipeline.micro_batch_size, pipeline.num_microbatches, pipeline.replicas, strategy.virtual_stages
+    activation = b * ctx.seq_length * ctx.model.hidden_size * ctx.training.dtype_bytes
+
+    def device(stage_index: int, replica: int, tp_rank: int) -> int:
+        stage = stages[stage_index]
+        return offsets[stage.group] + stage.device_offset + replica * stage.tp + tp_rank
+
+    for index, stage in enumerate(stages):
+        first, last = index == 0, index == len(stages) - 1
+        group = ctx.cluster.group(stage.group)
+        per_layer = 6 if strategy.stage_recompute(stage) == "full" else 4
+        collectives = m * (stage.num_layers * per_layer + int(first) + int(last))
+        for replica in range(replicas):
+            ranks = [device(index, replica, k) for k in range(stage.tp)]
+            traffic.add_ring("tp", ranks, collectives * 2 * (stage.tp - 1) / stage.tp * activation)
+        # DP over the replicas, per TP rank
+        params = stage_params(ctx.model, stage.num_layers, first, last, len(stages)) / stage.tp
+        if replicas > 1:
+            per_node, node_count = dp_layout(group, stage.tp, replicas)
+            inner, outer = ctx.in_node_link(group), ctx.rail_link(group)
+            grads = params * GRAD_BYTES_PER_PARAM
+            weights = params * ctx.training.dtype_bytes
+            # (array bytes, ring volume factor: 2 for all-reduce, 1 for reduce-scatter or all-gather)
+            arrays = [(grads, 1.0), (weights, 1.0)] if ctx.training.zero_stage >= 1 else [(grads, 2.0)]
+            for size, factor in arrays:
+                collective = all_reduce_time_s if factor == 2.0 else reduce_scatter_time_s
+                flat_time = collective(size, per_node * node_count, outer)
+                two_level_time = (
+                    factor * reduce_scatter_time_s(size, per_node, inner)
+                    + collective(size / per_node, node_count, outer)
+                    if node_count > 1
+                    else 0.0
+                )
+                for tp_rank in range(stage.tp):
+                    ranks = [device(index, r, tp_rank) for r in range(replicas)]
+                    if node_count <= 1 or two_level_time <= flat_time:
+                        for start in range(0, replicas, per_node):
+                            inside = ranks[start : start + per_node]
+                            traffic.add_ring("dp", inside, factor * (len(inside) - 1) / len(inside) * size)
+                        for slot in range(per_node):
+                            rail = ranks[slot::per_node]
+                            share = size / per_node
+                            traffic.add_ring("dp", rail, factor * (len(rail) - 1) / len(rail) * share)
+                    else:
+                        traffic.add_ring("dp", ranks, factor * (len(ranks) - 1) / len(ranks) * size)
+    # PP: boundaries, forward activations and backward gradients, v times each; wrap-around for interleaving
+    boundaries = [(i, i + 1, v) for i in range(len(stages) - 1)]
+    if v > 1 and len(stages) > 1:
+        boundaries.append((len(stages) - 1, 0, v - 1))
+    for a, c, crossings in boundaries:
+        width = min(stages[a].tp, stages[c].tp)
+        for replica in range(replicas):
+            for k in range(width):
+                src, dst = device(a, replica, k), device(c, replica, k)
+                traffic.pairs["pp"][(src, dst)] += m * crossings * activation / width
+                traffic.pairs["pp"][(dst, src)] += m * crossings * activation / width
+    return traffic
+
+
+def textbook_traffic_per_rank(
+    *,
+    params: float,
+    layers: int,
+    hidden_size: int,
+    tokens: float,
+    global_batch_tokens: float,
+    ranks: int,
+    dtype_bytes: int = 2,
+    grad_bytes: int = 2,
+) -> dict[str, float]:
+    """Bytes one rank sends over `tokens` of training with all `ranks` in one parallel dimension, standard ring
+    volumes (shared/reference/collectives.md). Steps = tokens / global-batch tokens.
+      dp    all-reduce of the gradients every step: 2(G-1)/G * params * grad_bytes
+      fsdp  all-gather forward + all-gather backward + reduce-scatter: 3(G-1)/G * params * dtype_bytes
+      tp    Megatron: 4 all-reduces per layer of the step's activations split over nobody (every TP rank holds the
+            whole b*s*h): 4 * layers * 2(G-1)/G * tokens_per_step * h * dtype_bytes
+      pp    each of the G-1 boundaries carries tokens*h activations forward and as many gradients back; per rank
+            (averaged over G ranks) 2 * (G-1)/G * tokens_per_step * h * dtype_bytes
+    """
+    steps = tokens / global_batch_tokens
+    fraction = (ranks - 1) / ranks
+    per_step = {
+        "dp": 2 * fraction * params * grad_bytes,
+        "fsdp": 3 * fraction * params * dtype_bytes,
+        "tp": 4 * layers * 2 * fraction * global_batch_tokens * hidden_size * dtype_bytes,
+        "pp": 2 * fraction * global_batch_tokens * hidden_size * dtype_bytes,
+    }
+    return {name: value * steps for name, value in per_step.items()}

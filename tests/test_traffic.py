@@ -1,0 +1,170 @@
+"""Traffic: bytes per dimension and link class agree with the collectives the cost model times; rail-only check;
+the textbook calculator; `hetplan traffic` with a real heatmap."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from predictor.cost_model import (
+    GRAD_BYTES_PER_PARAM,
+    build_context,
+    dp_layout,
+    dp_sync_time_s,
+    stage_params,
+    tp_collective_time_s,
+)
+from predictor.strategy import PipelineStrategy, StageStrategy, Strategy, megatron_strategy
+from predictor.traffic import strategy_traffic, textbook_traffic_per_rank
+from specs import load_cluster, load_model, load_training
+from tests.conftest import EXAMPLES
+
+CLUSTER = EXAMPLES / "a100-v100-32.yaml"
+
+
+def _a100_context(zero_stage: int):
+    cluster = load_cluster(CLUSTER)
+    cluster = cluster.only(cluster.group("a100"))
+    training = load_training(None, {"global_batch_size": 64, "zero_stage": zero_stage})
+    return build_context(cluster, load_model("gpt3-1.7b"), training)
+
+
+@pytest.mark.parametrize("zero_stage", [0, 1])
+def test_dp_bytes_per_rank_reproduce_the_cost_models_sync_time(zero_stage):
+    """Two-level DP over 2 nodes: in-node and rail bytes of one rank, divided by the link bandwidths, plus the ring
+    latencies, give the cost model's DP sync time."""
+    ctx = _a100_context(zero_stage)
+    strategy = megatron_strategy(
+        ctx.cluster, ctx.model, ctx.training, group="a100", tp=1, pp=1, dp=16, micro_batch_size=1, recompute="none"
+    )
+    traffic = strategy_traffic(ctx, strategy)
+    group = ctx.cluster.groups[0]
+    inner, outer = ctx.in_node_link(group), ctx.rail_link(group)
+    per_node, nodes = dp_layout(group, 1, 16)
+    sent = {"in_node": 0.0, "rail": 0.0}
+    for (src, dst), size in traffic.pairs["dp"].items():
+        if src == 0:
+            sent[traffic.link_class(src, dst)] += size
+    collectives = 2 if zero_stage else 1  # reduce-scatter + all-gather, or one all-reduce
+    steps_inner = (per_node - 1) * (1 if zero_stage else 2)
+    steps_outer = (nodes - 1) * (1 if zero_stage else 2)
+    time_s = sent["in_node"] / inner.bw_bytes_per_s + sent["rail"] / outer.bw_bytes_per_s
+    time_s += collectives * (steps_inner * inner.alpha_s + steps_outer * outer.alpha_s)
+    params = stage_params(ctx.model, ctx.model.num_layers, True, True, 1)
+    assert time_s == pytest.approx(dp_sync_time_s(ctx, group, params, 1, 16), rel=1e-9)
+    assert traffic.total_bytes("tp") == 0 and traffic.total_bytes("pp") == 0
+    grads = params * GRAD_BYTES_PER_PARAM
+    if zero_stage == 0:  # every rank's in-node share of the two-level all-reduce: 2(r-1)/r of the gradients
+        assert sent["in_node"] == pytest.approx(2 * (per_node - 1) / per_node * grads)
+
+
+def test_tp_and_pp_bytes_follow_the_scheduled_collectives():
+    ctx = _a100_context(1)
+    strategy = megatron_strategy(
+        ctx.cluster, ctx.model, ctx.training, group="a100", tp=4, pp=2, dp=2, micro_batch_size=2, recompute="full"
+    )
+    traffic = strategy_traffic(ctx, strategy)
+    pipeline = strategy.pipelines[0]
+    m, layers = pipeline.num_microbatches, ctx.model.num_layers
+    activation = 2 * ctx.seq_length * ctx.model.hidden_size * ctx.training.dtype_bytes
+    # 6 collectives per layer with full recompute, one for the embedding and one for the LM head
+    collectives = m * (layers * 6 + 2) * pipeline.replicas
+    assert traffic.total_bytes("tp") == pytest.approx(collectives * 4 * 2 * 3 / 4 * activation)
+    group = ctx.cluster.groups[0]
+    one = tp_collective_time_s(ctx, group, 2, 4)
+    assert one == pytest.approx(2 * 3 / 4 * activation / ctx.in_node_link(group).bw_bytes_per_s + 6 * 5e-6, rel=1e-9)
+    # one boundary, both directions, every micro-batch, both replicas
+    assert traffic.total_bytes("pp") == pytest.approx(2 * m * 2 * activation)
+
+
+def test_rail_only_check_finds_a_stage_boundary_that_shifts_local_ranks():
+    ctx = _a100_context(1)
+    n = ctx.model.num_layers // 2
+    aligned = (StageStrategy("a100", 0, n, 2, 0), StageStrategy("a100", n, 2 * n, 2, 8))
+    shifted = (StageStrategy("a100", 0, n, 2, 0), StageStrategy("a100", n, 2 * n, 2, 6))
+    rail = []
+    for stages in (aligned, shifted):
+        strategy = Strategy((PipelineStrategy(3, 1, 21, stages),), "none", 1)  # 3 replicas of tp 2: 6 devices
+        traffic = strategy_traffic(ctx, strategy)
+        rail.append(traffic.spine_pairs()["pp"])
+    assert rail[0] == 0 and rail[1] > 0
+
+
+def test_textbook_dp_volume_equals_a_pure_dp_plan_on_one_node():
+    ctx = _a100_context(0)
+    group = ctx.cluster.groups[0]
+    one_node = ctx.cluster.only(dataclasses.replace(group, nodes=1))
+    ctx = build_context(one_node, ctx.model, ctx.training)
+    strategy = megatron_strategy(
+        one_node, ctx.model, ctx.training, group="a100", tp=1, pp=1, dp=8, micro_batch_size=8, recompute="none"
+    )
+    traffic = strategy_traffic(ctx, strategy)
+    tokens = ctx.training.global_batch_size * ctx.seq_length
+    textbook = textbook_traffic_per_rank(
+        params=ctx.model.total_params(),
+        layers=ctx.model.num_layers,
+        hidden_size=ctx.model.hidden_size,
+        tokens=tokens,
+        global_batch_tokens=tokens,
+        ranks=8,
+        grad_bytes=GRAD_BYTES_PER_PARAM,
+    )
+    assert traffic.total_bytes("dp") / 8 == pytest.approx(textbook["dp"])
+
+
+def test_textbook_example_llama3_70b_on_c4():
+    """The seed's example: Llama-3-70B, ~156B tokens, batch 2048 sequences, 8 GPUs (standard ring volumes)."""
+    model = load_model("llama3-70b")
+    tokens, batch_tokens = 156e9, 2048 * model.seq_length
+    result = textbook_traffic_per_rank(
+        params=model.total_params(),
+        layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        tokens=tokens,
+        global_batch_tokens=batch_tokens,
+        ranks=8,
+    )
+    steps = tokens / batch_tokens
+    assert result["dp"] == pytest.approx(steps * 2 * 7 / 8 * model.total_params() * 2)
+    assert result["fsdp"] / result["dp"] == pytest.approx(1.5)
+    assert result["tp"] == pytest.approx(
+        steps * 4 * model.num_layers * 2 * 7 / 8 * batch_tokens * model.hidden_size * 2
+    )
+
+
+def test_traffic_command_writes_a_readable_heatmap(tmp_path):
+    import matplotlib.image
+
+    from tests.test_cli import hetplan
+
+    plan_path = tmp_path / "plan.json"
+    made = hetplan(
+        "plan",
+        "--cluster",
+        str(CLUSTER),
+        "--model",
+        "gpt3-1.7b",
+        "--dtype",
+        "fp16",
+        "--global-batch",
+        "64",
+        "--out",
+        str(plan_path),
+        "--json",
+    )
+    assert made.returncode == 0, made.stderr
+    png = tmp_path / "traffic.png"
+    result = hetplan(
+        "traffic", str(plan_path), "--cluster", str(CLUSTER), "--tokens", "1e9", "--png", str(png), "--json"
+    )
+    assert result.returncode == 0, result.stderr
+    body = json.loads(result.stdout)
+    assert body["total_bytes_per_iteration"] > 0
+    assert body["iterations"] == pytest.approx(1e9 / (64 * 2048))
+    image = matplotlib.image.imread(png)
+    assert image.shape[0] >= 600 and image.shape[1] >= 600
+    assert image[..., :3].std() > 0.1  # not a blank canvas
+    wrong = hetplan("traffic", str(plan_path), "--cluster", str(EXAMPLES / "hethub-768.yaml"))
+    assert wrong.returncode == 2 and "the plan is for cluster" in wrong.stderr
