@@ -671,6 +671,152 @@ def _traffic_heatmap(traffic: Any, title: str, path: Path) -> None:
     plt.close(figure)
 
 
+def _explain_figure(ctx: CostContext, evaluation: Evaluation, blocks: list[Any], title: str, path: Path) -> None:
+    """Gantt of one iteration (top) and memory per stage against capacity (bottom)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    colors = {"forward": "#4c78a8", "backward": "#f58518", "dp_sync": "#e45756", "optimizer": "#54a24b"}
+    stages = evaluation.stages
+    figure, (gantt, memory) = plt.subplots(
+        2, 1, figsize=(11, 3 + 0.45 * len(stages) * 2), dpi=110, gridspec_kw={"height_ratios": [3, 2]}
+    )
+    for block in blocks:
+        gantt.barh(
+            block.stage,
+            block.end_s - block.start_s,
+            left=block.start_s,
+            height=0.7,
+            color=colors[block.kind],
+            edgecolor="white",
+            linewidth=0.3,
+        )
+    end = max(block.end_s for block in blocks)
+    for i in range(len(stages)):
+        gantt.barh(i, end, left=0, height=0.7, color="#dddddd", zorder=0)  # idle: bubble and p2p waits
+    labels = [
+        f"{i}: {s.stage.group} L{s.stage.layer_start}-{s.stage.layer_end - 1} tp{s.stage.tp}"
+        for i, s in enumerate(stages)
+    ]
+    gantt.set_yticks(range(len(stages)), labels, fontsize=8)
+    gantt.invert_yaxis()
+    gantt.set_xlabel("time in the iteration (s)")
+    gantt.set_title(title)
+    legend = [Patch(color=c, label=k.replace("_", " ")) for k, c in colors.items()]
+    legend.append(Patch(color="#dddddd", label="idle (bubble, p2p wait)"))
+    gantt.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.18), fontsize=8, ncols=5)
+    gib = 2**30
+    parts = (
+        ("weights", "weights_bytes", "#4c78a8"),
+        ("grads", "grads_bytes", "#72b7b2"),
+        ("optimizer", "optimizer_bytes", "#54a24b"),
+        ("activations", "activation_bytes", "#f58518"),
+    )
+    bottom = [0.0] * len(stages)
+    for name, field, color in parts:
+        values = [getattr(s.memory, field) / gib for s in stages]
+        memory.bar(range(len(stages)), values, bottom=bottom, color=color, label=name)
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    for i, s in enumerate(stages):
+        memory.hlines(
+            s.memory_capacity_bytes / gib, i - 0.4, i + 0.4, colors="black", label="capacity" if i == 0 else None
+        )
+        memory.hlines(
+            s.memory_usable_bytes / gib,
+            i - 0.4,
+            i + 0.4,
+            colors="black",
+            linestyles="dashed",
+            label="usable" if i == 0 else None,
+        )
+    memory.set_xticks(range(len(stages)), [f"stage {i}" for i in range(len(stages))], fontsize=8)
+    memory.set_ylabel("GiB per device")
+    memory.set_title("memory per stage")
+    memory.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
+
+
+@app.command()
+def explain(
+    plan_file: Annotated[Path, typer.Argument(help="Plan JSON (from `hetplan plan --out`).", metavar="PLAN")],
+    cluster: Annotated[Path, typer.Option("--cluster", "-c", help="Cluster file of the plan.")],
+    predictor: PredictorOpt = None,
+    png: Annotated[Optional[Path], typer.Option(help="Write the schedule and memory picture here.")] = None,
+    html: Annotated[Optional[Path], typer.Option(help="Write a self-contained HTML report here.")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """The plan's pipeline schedule (Gantt), memory per stage against capacity, and its bottleneck in words."""
+    import base64
+    import tempfile
+
+    from planner import load_plan
+    from planner import predict as run_predict
+    from predictor.schedule import bottleneck_words, pipeline_timeline
+    from specs.cluster import load_cluster
+    from specs.errors import SpecError
+
+    loaded = load_plan(plan_file)
+    cluster_spec = load_cluster(cluster)
+    if loaded.cluster_name and cluster_spec.name != loaded.cluster_name:
+        raise SpecError(
+            str(cluster), "name", f"the plan is for cluster {loaded.cluster_name!r}, got {cluster_spec.name!r}"
+        )
+    ctx = _predictor(predictor).context(cluster_spec, loaded.model, loaded.training)
+    evaluation = run_predict(ctx, loaded.strategy, str(plan_file))
+    blocks = pipeline_timeline(ctx, evaluation)
+    words = bottleneck_words(ctx, evaluation)
+    if evaluation.strategy.virtual_stages > 1:
+        words.append(
+            f"Interleaved 1F1B (v={evaluation.strategy.virtual_stages}) is drawn as plain 1F1B; the cost model "
+            "divides the bubble by v."
+        )
+    title = f"{loaded.model.key} on {cluster_spec.name}: one iteration, {evaluation.iteration_time_s:.3f} s predicted"
+    picture = png
+    if html is not None and picture is None:
+        picture = Path(tempfile.mkdtemp()) / "explain.png"
+    if picture is not None:
+        _explain_figure(ctx, evaluation, blocks, title, picture)
+    if html is not None:
+        assert picture is not None
+        encoded = base64.b64encode(picture.read_bytes()).decode()
+        rows = "".join(
+            f"<tr><td>{i}</td><td>{s.stage.group}</td><td>{s.stage.layer_start}-{s.stage.layer_end - 1}</td>"
+            f"<td>{s.stage.tp}</td><td>{s.compute_time_s * 1e3:.1f}</td><td>{s.memory.total_bytes / 2**30:.1f}</td>"
+            f"<td>{s.memory_usable_bytes / 2**30:.1f}</td></tr>"
+            for i, s in enumerate(evaluation.stages)
+        )
+        html.write_text(
+            "<!doctype html><html><head><meta charset='utf-8'><title>hetplan explain</title></head><body>"
+            f"<h1>{title}</h1><ul>{''.join(f'<li>{w}</li>' for w in words)}</ul>"
+            f"<img alt='schedule and memory' src='data:image/png;base64,{encoded}'>"
+            "<table border='1'><tr><th>stage</th><th>group</th><th>layers</th><th>tp</th><th>fwd+bwd/mb ms</th>"
+            f"<th>memory GiB</th><th>usable GiB</th></tr>{rows}</table></body></html>\n",
+            encoding="utf-8",
+        )
+    body = {
+        "iteration_time_s": evaluation.iteration_time_s,
+        "flush_s": max(b.end_s for b in blocks if b.kind in ("forward", "backward")),
+        "bottleneck": words,
+        "png": str(png) if png else None,
+        "html": str(html) if html else None,
+    }
+    if as_json:
+        sys.stdout.write(json.dumps(body, indent=2) + "\n")
+        return
+    console = _console()
+    console.print(f"[bold]{title}[/bold]")
+    for line in words:
+        console.print(f"  - {line}")
+    for name, path in (("picture", png), ("report", html)):
+        if path is not None:
+            console.print(f"{name} written to {path}")
+
+
 @app.command()
 def traffic(
     plan_file: Annotated[Path, typer.Argument(help="Plan JSON (from `hetplan plan --out`).", metavar="PLAN")],

@@ -26,6 +26,13 @@ NO_TORCH = (
 )
 
 
+def write_plan(out, cluster, model: str, global_batch: int) -> None:
+    """`hetplan plan ... --out out` (fp16: the example clusters include V100s)."""
+    args = ["--cluster", str(cluster), "--model", model, "--dtype", "fp16", "--global-batch", str(global_batch)]
+    made = hetplan("plan", *args, "--out", str(out), "--json")
+    assert made.returncode == 0, made.stderr
+
+
 def hetplan(*args: str, torch_allowed: bool = False) -> subprocess.CompletedProcess[str]:
     """Run the CLI in a fresh interpreter; unless allowed, torch cannot be imported there."""
     command = ["-m", "cli"] if torch_allowed else ["-c", NO_TORCH]

@@ -137,24 +137,10 @@ def test_textbook_example_llama3_70b_on_c4():
 def test_traffic_command_writes_a_readable_heatmap(tmp_path):
     import matplotlib.image
 
-    from tests.test_cli import hetplan
+    from tests.test_cli import hetplan, write_plan
 
     plan_path = tmp_path / "plan.json"
-    made = hetplan(
-        "plan",
-        "--cluster",
-        str(CLUSTER),
-        "--model",
-        "gpt3-1.7b",
-        "--dtype",
-        "fp16",
-        "--global-batch",
-        "64",
-        "--out",
-        str(plan_path),
-        "--json",
-    )
-    assert made.returncode == 0, made.stderr
+    write_plan(plan_path, CLUSTER, "gpt3-1.7b", 64)
     png = tmp_path / "traffic.png"
     result = hetplan(
         "traffic", str(plan_path), "--cluster", str(CLUSTER), "--tokens", "1e9", "--png", str(png), "--json"

@@ -1,0 +1,119 @@
+"""The pipeline schedule as a timeline: when each stage runs which forward and backward (1F1B), for pictures.
+
+List scheduling of 1F1B: stage i runs min(p - i - 1, m) warm-up forwards, then alternates one forward and one
+backward, then drains its backwards; a forward waits for the previous stage's forward of the same micro-batch plus
+the boundary p2p, a backward for the next stage's backward. After the flush every stage syncs its gradients (what the
+backward did not hide) and steps its optimizer. Interleaved schedules are drawn as plain 1F1B (the cost model divides
+the bubble by v; the picture says so).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from predictor.cost_model import CostContext, Evaluation
+
+Kind = Literal["forward", "backward", "dp_sync", "optimizer"]
+
+
+@dataclass(frozen=True)
+class Block:
+    stage: int
+    kind: Kind
+    micro_batch: int  # -1 for the tail blocks
+    start_s: float
+    end_s: float
+
+
+def forward_share(ctx: CostContext, evaluation: Evaluation, stage_index: int) -> float:
+    """Forward's share of the stage's fwd+bwd compute time, from its decoder layer costs."""
+    stage = evaluation.stages[stage_index].stage
+    pipeline = evaluation.strategy.pipelines[0]
+    cost = ctx.source(stage.group).layer_cost(
+        "decoder", pipeline.micro_batch_size, stage.tp, evaluation.strategy.stage_recompute(stage)
+    )
+    return cost.forward_time_s / cost.time_s
+
+
+def pipeline_timeline(ctx: CostContext, evaluation: Evaluation) -> list[Block]:
+    """Blocks of one iteration of one replica (all replicas run the same timeline)."""
+    stages = evaluation.stages
+    p = len(stages)
+    m = evaluation.strategy.pipelines[0].num_microbatches
+    forward = [s.compute_time_s * forward_share(ctx, evaluation, i) for i, s in enumerate(stages)]
+    backward = [s.compute_time_s - f for s, f in zip(stages, forward, strict=True)]
+    p2p = [s.p2p_time_s for s in stages]  # to the next stage
+    orders: list[list[tuple[Kind, int]]] = []
+    for i in range(p):
+        warmup = min(p - i - 1, m)
+        order: list[tuple[Kind, int]] = [("forward", j) for j in range(warmup)]
+        next_forward, next_backward = warmup, 0
+        while next_backward < m:
+            if next_forward < m:
+                order.append(("forward", next_forward))
+                next_forward += 1
+            order.append(("backward", next_backward))
+            next_backward += 1
+        orders.append(order)
+    done: dict[tuple[int, Kind, int], float] = {}
+    position = [0] * p
+    free = [0.0] * p
+    blocks: list[Block] = []
+    remaining = sum(len(order) for order in orders)
+    while remaining:
+        progressed = False
+        for i in range(p):
+            while position[i] < len(orders[i]):
+                kind, j = orders[i][position[i]]
+                if kind == "forward":
+                    dependency = 0.0 if i == 0 else done.get((i - 1, "forward", j), -1.0)
+                    ready = dependency + (p2p[i - 1] if i > 0 else 0.0)
+                    duration = forward[i]
+                else:
+                    dependency = (
+                        done.get((i, "forward", j), -1.0) if i == p - 1 else done.get((i + 1, "backward", j), -1.0)
+                    )
+                    ready = dependency + (p2p[i] if i < p - 1 else 0.0)
+                    duration = backward[i]
+                if dependency < 0:
+                    break
+                start = max(free[i], ready)
+                free[i] = start + duration
+                done[(i, kind, j)] = free[i]
+                blocks.append(Block(i, kind, j, start, free[i]))
+                position[i] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:  # cannot happen for 1F1B orders; guards against an endless loop
+            raise RuntimeError("pipeline schedule deadlocked")
+    flush = max(free)
+    for i, stage in enumerate(stages):
+        sync_end = flush + stage.dp_exposed_time_s
+        if stage.dp_exposed_time_s > 0:
+            blocks.append(Block(i, "dp_sync", -1, flush, sync_end))
+        if stage.optimizer_time_s > 0:
+            blocks.append(Block(i, "optimizer", -1, sync_end, sync_end + stage.optimizer_time_s))
+    return blocks
+
+
+def bottleneck_words(ctx: CostContext, evaluation: Evaluation) -> list[str]:
+    """What limits the plan, in sentences."""
+    stages = evaluation.stages
+    slowest = max(range(len(stages)), key=lambda i: stages[i].compute_time_s)
+    stage = stages[slowest].stage
+    iteration = evaluation.iteration_time_s
+    lines = [
+        f"Stage {slowest} ({stage.group}, {stage.num_layers} layers, TP {stage.tp}) is the slowest at "
+        f"{stages[slowest].compute_time_s * 1e3:.1f} ms per micro-batch: it sets the steady-state pace.",
+        f"Pipeline bubble {evaluation.bubble_time_s:.3f} s ({evaluation.bubble_time_s / iteration:.1%} of the "
+        f"iteration); DP sync and optimizer after the flush {evaluation.tail_time_s:.3f} s "
+        f"({evaluation.tail_time_s / iteration:.1%}).",
+    ]
+    fullest = max(range(len(stages)), key=lambda i: stages[i].memory.total_bytes / stages[i].memory_usable_bytes)
+    used = stages[fullest].memory.total_bytes / stages[fullest].memory_usable_bytes
+    lines.append(f"Memory is tightest on stage {fullest} ({stages[fullest].stage.group}): {used:.0%} of usable.")
+    spread = min(s.compute_time_s for s in stages) / stages[slowest].compute_time_s
+    if spread < 0.9:
+        lines.append(f"Stage times are uneven: the fastest stage idles {1 - spread:.0%} of each steady-state slot.")
+    return lines

@@ -1,0 +1,84 @@
+"""`hetplan explain`: the 1F1B timeline obeys the schedule's dependencies and matches the cost model's pipeline time;
+the picture and the HTML report are real."""
+
+from __future__ import annotations
+
+import base64
+import itertools
+import json
+
+import pytest
+
+from predictor.cost_model import build_context, evaluate
+from predictor.schedule import bottleneck_words, pipeline_timeline
+from predictor.strategy import megatron_strategy
+from specs import load_cluster, load_model, load_training
+from tests.conftest import EXAMPLES
+
+CLUSTER = EXAMPLES / "a100-v100-32.yaml"
+
+
+def _evaluation(pp: int):
+    cluster = load_cluster(CLUSTER)
+    cluster = cluster.only(cluster.group("a100"))
+    training = load_training(None, {"global_batch_size": 32, "zero_stage": 1})
+    ctx = build_context(cluster, load_model("gpt3-1.7b"), training)
+    strategy = megatron_strategy(
+        cluster, ctx.model, training, group="a100", tp=2, pp=pp, dp=16 // (2 * pp), micro_batch_size=1, recompute="none"
+    )
+    return ctx, evaluate(ctx, strategy)
+
+
+@pytest.mark.parametrize("pp", [1, 2, 4])
+def test_timeline_respects_1f1b_dependencies_and_the_cost_models_pipeline_time(pp):
+    ctx, evaluation = _evaluation(pp)
+    blocks = pipeline_timeline(ctx, evaluation)
+    m = evaluation.strategy.pipelines[0].num_microbatches
+    end = {(b.stage, b.kind, b.micro_batch): b.end_s for b in blocks}
+    start = {(b.stage, b.kind, b.micro_batch): b.start_s for b in blocks}
+    for stage in range(pp):
+        runs = sorted((b.start_s, b.end_s) for b in blocks if b.stage == stage and b.micro_batch >= 0)
+        assert len(runs) == 2 * m
+        assert all(a[1] <= b[0] + 1e-12 for a, b in itertools.pairwise(runs))  # one thing at a time
+        for j in range(m):
+            if stage > 0:
+                assert start[(stage, "forward", j)] >= end[(stage - 1, "forward", j)]
+            if stage < pp - 1:
+                assert start[(stage, "backward", j)] >= end[(stage + 1, "backward", j)]
+            else:
+                assert start[(stage, "backward", j)] >= end[(stage, "forward", j)]
+    flush = max(b.end_s for b in blocks if b.micro_batch >= 0)
+    # even stages: the list schedule's makespan is the cost model's 1F1B formula
+    assert flush == pytest.approx(evaluation.pipeline_time_s, rel=1e-9)
+    tail = max(b.end_s for b in blocks) - flush
+    assert tail == pytest.approx(evaluation.tail_time_s, rel=1e-9)
+
+
+def test_bottleneck_names_the_slowest_stage():
+    ctx, evaluation = _evaluation(4)
+    words = bottleneck_words(ctx, evaluation)
+    assert words[0].startswith("Stage ") and "slowest" in words[0]
+    assert any("Memory is tightest" in line for line in words)
+
+
+def test_explain_command_writes_a_picture_and_a_self_contained_report(tmp_path):
+    import matplotlib.image
+
+    from tests.test_cli import hetplan, write_plan
+
+    plan_path = tmp_path / "plan.json"
+    write_plan(plan_path, CLUSTER, "gpt3-6.7b", 128)
+    png, html = tmp_path / "explain.png", tmp_path / "explain.html"
+    result = hetplan(
+        "explain", str(plan_path), "--cluster", str(CLUSTER), "--png", str(png), "--html", str(html), "--json"
+    )
+    assert result.returncode == 0, result.stderr
+    body = json.loads(result.stdout)
+    assert body["bottleneck"] and body["flush_s"] > 0
+    image = matplotlib.image.imread(png)
+    assert image.shape[0] >= 500 and image.shape[1] >= 800
+    assert image[..., :3].std() > 0.1
+    report = html.read_text()
+    assert body["bottleneck"][0] in report
+    encoded = report.split("data:image/png;base64,")[1].split("'")[0]
+    assert base64.b64decode(encoded)[:8] == b"\x89PNG\r\n\x1a\n"
