@@ -27,6 +27,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/profile_repeatability.py
 	$(BIN)/python bench/measured_vs_simulated.py
 	$(BIN)/python bench/predictor_accuracy.py
+	$(BIN)/python bench/replan.py
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache

@@ -818,6 +818,93 @@ def explain(
 
 
 @app.command()
+def replan(
+    plan_file: Annotated[Path, typer.Argument(help="The current plan JSON.", metavar="PLAN")],
+    cluster: Annotated[Path, typer.Option("--cluster", "-c", help="Cluster file the plan was made for.")],
+    without: Annotated[
+        Optional[list[str]], typer.Option(help="Lost capacity: node:GROUP/INDEX or group:NAME:COUNT (repeat).")
+    ] = None,
+    add: Annotated[Optional[list[str]], typer.Option(help="New capacity: group:NAME:COUNT nodes (repeat).")] = None,
+    predictor: PredictorOpt = None,
+    out: Annotated[Optional[Path], typer.Option(help="Write the new plan JSON here.")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Re-plan after failures or additions, warm-started from the current plan; show what changed."""
+    from planner import load_plan
+    from planner.plan import describe_strategy
+    from planner.replan import changed_cluster
+    from planner.replan import replan as run_replan
+    from specs.cluster import load_cluster
+    from specs.errors import SpecError
+
+    loaded = load_plan(plan_file)
+    original = load_cluster(cluster)
+    if loaded.cluster_name and original.name != loaded.cluster_name:
+        raise SpecError(str(cluster), "name", f"the plan is for cluster {loaded.cluster_name!r}, got {original.name!r}")
+    if not without and not add:
+        raise SpecError("--without/--add", "", "say what changed, e.g. --without node:ascend/17")
+    new_cluster = changed_cluster(original, without or [], add or [])
+    chosen = _predictor(predictor)
+    old_ctx = chosen.context(original, loaded.model, loaded.training)
+    from planner import predict as run_predict
+
+    old = run_predict(old_ctx, loaded.strategy, str(plan_file))
+    result = run_replan(new_cluster, loaded.model, loaded.training, loaded.strategy, chosen)
+    new = result.plan.evaluation
+    if out is not None:
+        result.plan.save(out)
+    body = {
+        "cluster_devices": {"before": original.num_devices, "after": new_cluster.num_devices},
+        "old": {
+            "summary": describe_strategy(old.strategy),
+            "iteration_time_s": old.iteration_time_s,
+            "tokens_per_s": old.tokens_per_s,
+        },
+        "old_adapted": (
+            {
+                "summary": describe_strategy(result.adapted.strategy),
+                "iteration_time_s": result.adapted.iteration_time_s,
+                "tokens_per_s": result.adapted.tokens_per_s,
+            }
+            if result.adapted
+            else None
+        ),
+        "new": {
+            "summary": describe_strategy(new.strategy),
+            "iteration_time_s": new.iteration_time_s,
+            "tokens_per_s": new.tokens_per_s,
+        },
+        "throughput_change": new.tokens_per_s / old.tokens_per_s - 1,
+        "replan_time_s": round(result.replan_time_s, 3),
+        "warm_started": result.adapted is not None,
+    }
+    if as_json:
+        sys.stdout.write(json.dumps(body, indent=2) + "\n")
+        return
+    from rich.markup import escape
+
+    console = _console()
+    console.print(f"cluster: {original.num_devices} -> {new_cluster.num_devices} devices")
+    console.print(f"before:  {old.iteration_time_s:.3f} s, {old.tokens_per_s:,.0f} tokens/s")
+    console.print(f"         {escape(body['old']['summary'])}")
+    if result.adapted is not None:
+        console.print(
+            f"old plan shrunk to fit: {result.adapted.iteration_time_s:.3f} s, {result.adapted.tokens_per_s:,.0f} "
+            f"tokens/s  {escape(body['old_adapted']['summary'])}"
+        )
+    else:
+        console.print("old plan shrunk to fit: cannot run on the changed cluster")
+    console.print(f"after:   {new.iteration_time_s:.3f} s, {new.tokens_per_s:,.0f} tokens/s")
+    console.print(f"         {escape(body['new']['summary'])}")
+    console.print(
+        f"throughput {body['throughput_change']:+.1%}; re-planned in {result.replan_time_s:.2f} s"
+        f"{' (warm-started from the old plan)' if result.adapted else ''}"
+    )
+    if out is not None:
+        console.print(f"plan written to {out}")
+
+
+@app.command()
 def traffic(
     plan_file: Annotated[Path, typer.Argument(help="Plan JSON (from `hetplan plan --out`).", metavar="PLAN")],
     cluster: Annotated[Optional[Path], typer.Option("--cluster", "-c", help="Cluster file of the plan.")] = None,

@@ -14,7 +14,7 @@ import functools
 import heapq
 import itertools
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -584,11 +584,16 @@ def search(
     progress: ProgressCallback | None = None,
     splitter: LayerSplitter | None = None,
     gap: float = 0.0,
+    warm_start: Sequence[Evaluation] = (),
 ) -> SearchResult:
     """The k fastest strategies that fit memory (fewer if fewer fit). `splitter` replaces the exact layer split
     by another rule (planner.baselines); the candidates' bounds hold for any split, so the search stays exact
-    for the rule it is given."""
+    for the rule it is given. `warm_start`: feasible evaluations (e.g. the previous plan adapted to a changed
+    cluster) that seed the incumbent, so the bounds prune from the first candidate on."""
     best: list[tuple[float, int, Evaluation]] = []  # max-heap on iteration time via negation
+    for position, evaluation in enumerate(warm_start):
+        if evaluation.fits:
+            _keep(best, top_k, evaluation, -1 - position)
     evaluated = infeasible = 0
     shortfall, shortfall_where = math.inf, ""
     terms = _StageTerms(ctx)

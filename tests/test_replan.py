@@ -1,0 +1,91 @@
+"""Re-planning: cluster changes parse strictly, the old plan is adapted when it still fits, and warm-starting never
+changes the optimum."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from planner import plan
+from planner.replan import adapt_strategy, changed_cluster, replan
+from predictor.predictor import default_predictor
+from specs import load_cluster, load_model, load_training
+from specs.errors import SpecError
+from tests.conftest import EXAMPLES
+
+CLUSTER = EXAMPLES / "a100-v100-32.yaml"
+
+
+def test_cluster_changes_parse_and_check():
+    cluster = load_cluster(CLUSTER)
+    smaller = changed_cluster(cluster, ["node:a100/1"], [])
+    assert smaller.group("a100").nodes == 1 and smaller.num_devices == cluster.num_devices - 8
+    assert [g.name for g in changed_cluster(cluster, ["group:v100:2"], []).groups] == ["a100"]
+    assert changed_cluster(cluster, [], ["group:v100:3"]).group("v100").nodes == 5
+    for without, add, message in (
+        (["node:a100/2"], [], "nodes 0..1"),
+        (["node:h100/0"], [], "no group 'h100'"),
+        (["group:a100:3"], [], "only 2 nodes"),
+        (["a100"], [], "expected node:GROUP/INDEX or group:NAME:COUNT"),
+        ([], ["node:a100/0"], "expected group:NAME:COUNT"),
+        (["group:a100:2", "group:v100:2"], [], "no nodes would be left"),
+    ):
+        with pytest.raises(SpecError, match=message):
+            changed_cluster(cluster, without, add)
+
+
+def test_replan_after_losing_a_node_equals_a_fresh_plan_and_is_warm_started():
+    cluster = load_cluster(CLUSTER)
+    model = load_model("gpt3-1.7b")
+    training = load_training(None, {"global_batch_size": 64, "dtype": "fp16"})
+    old = plan(cluster, model, training)
+    smaller = changed_cluster(cluster, ["node:v100/0"], [])
+    result = replan(smaller, model, training, old.strategy)
+    fresh = plan(smaller, model, training)
+    assert result.plan.evaluation.iteration_time_s == pytest.approx(fresh.evaluation.iteration_time_s, rel=1e-12)
+    assert result.adapted is not None
+    assert result.plan.evaluation.iteration_time_s <= result.adapted.iteration_time_s
+    assert result.plan.search_stats["warm_started"] is True
+
+
+def test_adapted_plan_keeps_the_stages_with_fewer_replicas():
+    cluster = load_cluster(CLUSTER)
+    model = load_model("gpt3-1.7b")
+    training = load_training(None, {"global_batch_size": 64, "dtype": "fp16"})
+    old = plan(cluster, model, training).strategy
+    smaller = changed_cluster(cluster, ["node:a100/0"], [])
+    ctx = default_predictor().context(smaller, model, training)
+    adapted = adapt_strategy(ctx, old)
+    assert adapted is not None  # the plan is dp 16 x [a100 | v100]: dp 8 fits on one A100 node
+    new_pipeline, old_pipeline = adapted.strategy.pipelines[0], old.pipelines[0]
+    assert new_pipeline.replicas < old_pipeline.replicas
+    assert [(s.group, s.layer_start, s.layer_end, s.tp) for s in new_pipeline.stages] == [
+        (s.group, s.layer_start, s.layer_end, s.tp) for s in old_pipeline.stages
+    ]
+    assert adapted.fits
+
+
+def test_replan_command(tmp_path):
+    from tests.test_cli import hetplan, write_plan
+
+    plan_path = tmp_path / "plan.json"
+    write_plan(plan_path, CLUSTER, "gpt3-1.7b", 64)
+    result = hetplan(
+        "replan",
+        str(plan_path),
+        "--cluster",
+        str(CLUSTER),
+        "--without",
+        "node:a100/1",
+        "--out",
+        str(tmp_path / "new.json"),
+        "--json",
+    )
+    assert result.returncode == 0, result.stderr
+    body = json.loads(result.stdout)
+    assert body["cluster_devices"] == {"before": 32, "after": 24}
+    assert body["new"]["tokens_per_s"] <= body["old"]["tokens_per_s"]
+    assert json.loads((tmp_path / "new.json").read_text())["schema"] == "hetplan.plan/1"
+    bad = hetplan("replan", str(plan_path), "--cluster", str(CLUSTER))
+    assert bad.returncode == 2 and "say what changed" in bad.stderr
