@@ -178,6 +178,13 @@ def plan(
     recompute: Annotated[Optional[str], typer.Option(help="Allowed modes, e.g. none,selective,full.")] = None,
     micro_batch_sizes: Annotated[Optional[str], typer.Option(help="Candidates, e.g. 1,2,4,8.")] = None,
     virtual_stages: Annotated[Optional[str], typer.Option(help="Interleaving chunks to try, e.g. 1,2,4.")] = None,
+    uneven_batch: Annotated[
+        Optional[bool],
+        typer.Option(
+            "--uneven-batch/--even-batch",
+            help="Also try replica counts that do not divide the batch (slower search; default: the training file's).",
+        ),
+    ] = None,
     profiles: Annotated[Optional[Path], typer.Option(help="Directory of profile JSON files (by device).")] = None,
     top_k: Annotated[int, typer.Option(min=1, help="Also list the next best alternatives.")] = 1,
     predictor: PredictorOpt = None,
@@ -200,6 +207,7 @@ def plan(
         recompute=recompute.split(",") if recompute else None,
         micro_batch_sizes=_int_list(micro_batch_sizes, "--micro-batch-sizes"),
         virtual_stages=_int_list(virtual_stages, "--virtual-stages"),
+        uneven_batch=uneven_batch,
     )
     loaded = _load_profiles(profiles, model_spec)
     chosen_predictor = _predictor(predictor)

@@ -85,8 +85,12 @@ def main() -> None:
         help="run the baselines on cases up to this many devices (they search longer than the plan: their worse "
         "incumbents prune less)",
     )
+    parser.add_argument(
+        "--uneven-batch", action="store_true", help="also search replica counts that do not divide the batch"
+    )
     args = parser.parse_args()
-    out = ROOT / "bench" / "results" / ("search_scaling_quick.json" if args.quick else "search_scaling.json")
+    name = "search_scaling" + ("_quick" if args.quick else "") + ("_uneven" if args.uneven_batch else "")
+    out = ROOT / "bench" / "results" / f"{name}.json"
     machine = {"python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count()}
     rows = []
     header = (
@@ -100,7 +104,9 @@ def main() -> None:
             continue
         model = load_model(model_key)
         dtype = "bf16" if all(get_device(kind).supports_bf16 for kind in kinds) else "fp16"
-        training = load_training(None, {"global_batch_size": batch, "dtype": dtype})
+        training = load_training(
+            None, {"global_batch_size": batch, "dtype": dtype, "uneven_batch": args.uneven_batch}
+        )
         ctx = build_context(synthetic_cluster(devices, kinds), model, training)
         started = time.perf_counter()
         result = search(ctx)

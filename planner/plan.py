@@ -101,6 +101,8 @@ def evaluation_dict(ctx: CostContext, evaluation: Evaluation) -> dict[str, Any]:
                 "num_microbatches": pipeline.num_microbatches,
                 "samples_per_replica": pipeline.samples_per_replica,
                 "batch_weight": _round(pipeline.samples_per_replica / ctx.training.global_batch_size),
+                "total_microbatches": pipeline.microbatch_total,
+                "replica_batches": _replica_batches(ctx, pipeline),
                 "stages": stages,
             }
         )
@@ -124,6 +126,23 @@ def evaluation_dict(ctx: CostContext, evaluation: Evaluation) -> dict[str, Any]:
         },
         "pipelines": pipelines,
     }
+
+
+def _replica_batches(ctx: CostContext, pipeline: PipelineStrategy) -> list[dict[str, Any]]:
+    """How the global batch is split: replicas with the same share, their samples and gradient weight."""
+    counts = pipeline.replica_microbatches()
+    out = []
+    for microbatches in sorted(set(counts), reverse=True):
+        samples = microbatches * pipeline.micro_batch_size
+        out.append(
+            {
+                "replicas": counts.count(microbatches),
+                "first_replica": counts.index(microbatches),
+                "samples": samples,
+                "gradient_weight": _round(samples / ctx.training.global_batch_size),
+            }
+        )
+    return out
 
 
 def interval_dict(interval: Interval) -> dict[str, Any]:
@@ -187,8 +206,11 @@ def describe_strategy(strategy: Strategy) -> str:
     """One line: 'dp 8 x [amd tp8 L0-4 | ascend tp8 L5-14 ...], mbs 1, recompute selective, zero 1'."""
     pipeline = strategy.pipelines[0]
     stages = " | ".join(f"{s.group} tp{s.tp} L{s.layer_start}-{s.layer_end - 1}" for s in pipeline.stages)
+    microbatches = str(pipeline.num_microbatches)
+    if pipeline.uneven:
+        microbatches = f"{pipeline.num_microbatches - 1}-{pipeline.num_microbatches} (uneven)"
     return (
-        f"dp {pipeline.replicas} x [{stages}], mbs {pipeline.micro_batch_size} x {pipeline.num_microbatches}, "
+        f"dp {pipeline.replicas} x [{stages}], mbs {pipeline.micro_batch_size} x {microbatches}, "
         f"recompute {strategy.recompute_summary}, zero {strategy.zero_stage}, v {strategy.virtual_stages}"
     )
 
@@ -208,6 +230,7 @@ class _PipelineFile(BaseModel):
     replicas: int = Field(ge=1)
     micro_batch_size: int = Field(ge=1)
     num_microbatches: int = Field(ge=1)
+    total_microbatches: int = Field(default=0, ge=0)
     stages: list[_StageFile] = Field(min_length=1)
 
 
@@ -245,6 +268,7 @@ def load_plan(path: str | Path) -> LoadedPlan:
             replicas=p.replicas,
             micro_batch_size=p.micro_batch_size,
             num_microbatches=p.num_microbatches,
+            total_microbatches=p.total_microbatches if p.total_microbatches != p.replicas * p.num_microbatches else 0,
             stages=tuple(
                 StageStrategy(
                     s.group,

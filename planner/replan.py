@@ -1,8 +1,9 @@
 """Re-planning after failures or additions: change the cluster, adapt the old plan, search warm-started from it.
 
 The old strategy is adapted to the new cluster by keeping its stages, TP degrees and layer split and lowering the
-replica count until every group has the devices and the global batch still divides; if that fits memory it seeds the
-search's incumbent, so the bounds prune from the first candidate and the result is still the exact optimum.
+replica count until every group has the devices (the batch split over the replicas in whole micro-batches); if that
+fits memory it seeds the search's incumbent, so the bounds prune from the first candidate and the result is still the
+exact optimum. The search allows uneven batch splits: after a failure the cluster rarely divides the batch evenly.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from planner.planning import compute_bounds
 from planner.search import search
 from predictor.cost_model import CostContext, Evaluation, check_strategy, evaluate
 from predictor.predictor import Predictor, default_predictor
-from predictor.strategy import PipelineStrategy, Strategy
+from predictor.strategy import PipelineStrategy, Strategy, split_batch
 from specs.cluster import ClusterSpec
 from specs.errors import DoesNotFitError, HetplanError, SpecError
 from specs.model import ModelSpec
@@ -59,8 +60,10 @@ def adapt_strategy(ctx: CostContext, strategy: Strategy) -> Evaluation | None:
         return None
     batch = ctx.training.global_batch_size
     for replicas in range(pipeline.replicas, 0, -1):
-        if batch % (replicas * pipeline.micro_batch_size):
+        split = split_batch(batch, replicas, pipeline.micro_batch_size)
+        if split is None:
             continue
+        microbatches, total = split
         used: dict[str, int] = {}
         stages = []
         for stage in pipeline.stages:
@@ -72,7 +75,11 @@ def adapt_strategy(ctx: CostContext, strategy: Strategy) -> Evaluation | None:
             strategy,
             pipelines=(
                 PipelineStrategy(
-                    replicas, pipeline.micro_batch_size, batch // (replicas * pipeline.micro_batch_size), tuple(stages)
+                    replicas,
+                    pipeline.micro_batch_size,
+                    microbatches,
+                    tuple(stages),
+                    total if total != replicas * microbatches else 0,
                 ),
             ),
         )
@@ -100,8 +107,10 @@ def replan(
     old: Strategy,
     predictor: Predictor | None = None,
 ) -> Replan:
-    """Plan again on a changed cluster, warm-started from the old strategy."""
+    """Plan again on a changed cluster, warm-started from the old strategy. Uneven batch splits are allowed: after
+    a failure the cluster rarely divides the batch evenly."""
     predictor = predictor or default_predictor()
+    training = training.model_copy(update={"uneven_batch": True})
     started = time.perf_counter()
     ctx = predictor.context(cluster, model, training)
     adapted = adapt_strategy(ctx, old)

@@ -33,13 +33,16 @@ from predictor.cost_model import (
     state_bytes_per_param,
     usable_memory_bytes,
 )
-from predictor.strategy import PipelineStrategy, StageStrategy, Strategy
+from predictor.strategy import PipelineStrategy, StageStrategy, Strategy, split_batch
 from specs.cluster import DeviceGroup
 from specs.model import Recompute
 
 ProgressCallback = Callable[[int, int], None]
 PER_STAGE = "per-stage"  # pseudo recompute mode of candidates whose stages each pick their own mode
 PER_STAGE_CANDIDATES = 8  # the best distinct candidates re-solved with per-stage recompute
+# With `uneven_batch`, replica counts that do not divide the batch are tried where a group fits one more of up to this
+# many stages (deeper pipelines have long per-replica shares, where whole micro-batches round off little).
+UNEVEN_MAX_STAGES_PER_GROUP = 8
 BISECTION_STEPS = 30  # bisected bounds keep the side known infeasible: valid after any number of steps
 
 
@@ -72,6 +75,29 @@ class SearchResult:
 
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def config_microbatches(ctx: CostContext, config: OuterConfig) -> tuple[int, int]:
+    """(most micro-batches per replica, total micro-batches) of a candidate."""
+    split = split_batch(ctx.training.global_batch_size, config.replicas, config.micro_batch_size)
+    assert split is not None, "candidates are generated with a valid batch split"
+    return split
+
+
+def replica_counts(global_batch: int, subset: Sequence[DeviceGroup], tp_rows: np.ndarray, max_stages: int) -> list[int]:
+    """Replica counts worth trying for a set of groups: the divisors of the batch (even splits), and the counts at
+    which some group fits one more stage (floor(devices / (replicas * tp)) steps up), where an uneven split of the
+    batch keeps devices busy that an even split would leave idle. Between two such counts fewer replicas only
+    lengthen every replica's share."""
+    counts = set(divisors(global_batch))
+    for column, group in enumerate(subset):
+        for tp in sorted(set(int(t) for t in tp_rows[:, column])):
+            for stages in range(1, max_stages + 1):
+                replicas = group.num_devices // (stages * tp)
+                if replicas < 1:
+                    break
+                counts.add(replicas)
+    return sorted(c for c in counts if c <= global_batch)
 
 
 def tp_options(ctx: CostContext, group: DeviceGroup) -> list[int]:
@@ -168,20 +194,16 @@ def _families(
             pipeline_stages=2,
         ).total_bytes
 
-    replica_options = [(g, d) for g in groups for d in divisors(global_batch) if d <= g.num_devices]
-    first_fixed = {
-        (g.name, b, t, rc, d): edge_bytes(g, b, t, rc, d, first=True)
-        for g, d in replica_options
-        for t in tp_options(ctx, g)
-        for b in training.micro_batch_sizes
-        for rc in training.recompute
-    }
-    last_fixed = {
-        (g.name, b, t, d): edge_bytes(g, b, t, "none", d, first=False)
-        for g, d in replica_options
-        for t in tp_options(ctx, g)
-        for b in training.micro_batch_sizes
-    }
+    by_name = {g.name: g for g in groups}
+
+    @functools.cache
+    def first_fixed(name: str, b: int, t: int, rc: Recompute, d: int) -> float:
+        return edge_bytes(by_name[name], b, t, rc, d, first=True)
+
+    @functools.cache
+    def last_fixed(name: str, b: int, t: int, d: int) -> float:
+        return edge_bytes(by_name[name], b, t, "none", d, first=False)
+
     head = {(g.name, b, t): edge_time_s(ctx, g, b, t, False, True) for g, t, b in shapes}
     families: list[_Family] = []
     bounds: list[np.ndarray] = []
@@ -193,13 +215,22 @@ def _families(
                 continue
             devices = np.array([g.num_devices for g in subset], dtype=np.int64)
             usable = np.array([usable_memory_bytes(ctx, g) for g in subset])
-            for replicas in divisors(global_batch):
+            replica_options = (
+                replica_counts(global_batch, subset, tp_rows, UNEVEN_MAX_STAGES_PER_GROUP)
+                if training.uneven_batch
+                else divisors(global_batch)
+            )
+            for replicas in replica_options:
                 if devices.min() < replicas:
                     break
                 counts = devices[None, :] // (replicas * tp_rows)
                 total_state = model.total_params() * state_bytes_per_param(ctx, replicas)
+                # an uneven batch split only where one more replica would cost some group a stage
+                even = global_batch % replicas == 0
+                worth = even or ((devices[None, :] // ((replicas + 1) * tp_rows)) < counts).any(axis=1)
                 valid = (
-                    (counts.min(axis=1) >= 1)
+                    worth
+                    & (counts.min(axis=1) >= 1)
                     & (counts.sum(axis=1) <= num_layers)
                     & (((counts * tp_rows * usable[None, :]).sum(axis=1) >= total_state) | (not memory_bounds))
                 )
@@ -210,21 +241,24 @@ def _families(
                 state_per_layer = model.layer_params() * state_bytes_per_param(ctx, replicas) / tps
                 usable_rows = np.broadcast_to(usable[None, :], tps.shape)
                 for micro_batch_size in training.micro_batch_sizes:
-                    if global_batch % (replicas * micro_batch_size):
+                    split = split_batch(global_batch, replicas, micro_batch_size)
+                    if split is None:
                         continue
-                    microbatches = global_batch // (replicas * micro_batch_size)
+                    microbatches = split[0]
                     for recompute in training.recompute:
                         keys = [[(g.name, micro_batch_size, int(t)) for g, t in zip(subset, row)] for row in tps]
                         a = np.array([[per_layer[(*k, recompute)] for k in row] for row in keys])
                         act = np.array([[activation[(*k, recompute)] for k in row] for row in keys])
-                        first_bytes = np.array([[first_fixed[(*k, recompute, replicas)] for k in row] for row in keys])
-                        last_bytes = np.array([[last_fixed[(*k, replicas)] for k in row] for row in keys])
+                        first_bytes = np.array([[first_fixed(*k, recompute, replicas) for k in row] for row in keys])
+                        last_bytes = np.array([[last_fixed(*k, replicas) for k in row] for row in keys])
                         e_first = np.array([[embedding[k] for k in row] for row in keys])
                         e_last = np.array([[head[k] for k in row] for row in keys])
                         fixed_ratio = (e_first / a).min(axis=1) + (e_last / a).min(axis=1)
                         bottleneck = (num_layers + fixed_ratio) / (stage_counts / a).sum(axis=1)
                         cheapest_sum = num_layers * a.min(axis=1) + e_first.min(axis=1) + e_last.min(axis=1)
-                        integer_bottleneck = _integer_bottleneck(a, stage_counts, num_layers)
+                        # the tighter whole-layer bound only where the batch splits evenly (most candidates are
+                        # there); uneven-split candidates keep the fractional bound, valid and cheaper
+                        integer_bottleneck = _integer_bottleneck(a, stage_counts, num_layers) if even else bottleneck
                         for virtual in training.virtual_stages:
                             factor = np.where(virtual > 1, 1 + (stages - 1) / (stages * virtual), 1.0).astype(float)
                             memory = (
@@ -470,7 +504,7 @@ class _StageTerms:
         mode = mode or config.recompute  # type: ignore[assignment]
         stages = [(g, t) for g, t, c in zip(config.groups, config.tps, config.stage_counts) for _ in range(c)]
         p = len(stages)
-        microbatches = self.ctx.training.global_batch_size // (config.replicas * config.micro_batch_size)
+        microbatches = config_microbatches(self.ctx, config)[0]
         rows = []
         for index, (group, tp) in enumerate(stages):
             first, last = index == 0, index == p - 1
@@ -509,8 +543,9 @@ def build_strategy(
         stages.append(StageStrategy(group.name, start, start + count, tp, offset, modes[index] if modes else None))
         offsets[group.name] = offset + tp * config.replicas
         start += count
-    microbatches = ctx.training.global_batch_size // (config.replicas * config.micro_batch_size)
-    pipeline = PipelineStrategy(config.replicas, config.micro_batch_size, microbatches, tuple(stages))
+    microbatches, total = config_microbatches(ctx, config)
+    uneven_total = total if total != config.replicas * microbatches else 0
+    pipeline = PipelineStrategy(config.replicas, config.micro_batch_size, microbatches, tuple(stages), uneven_total)
     default: Recompute = max(modes, key=modes.count) if modes else config.recompute  # type: ignore[assignment]
     return Strategy(
         (pipeline,), default, ctx.training.zero_stage, config.virtual_stages, ctx.training.sequence_parallel
@@ -546,7 +581,7 @@ def _candidate_strategy(
     (the objective is a lower bound on the iteration time). Per-stage candidates (the refinement step, which runs
     without a baseline `splitter`) are solved by CP-SAT."""
     num_layers = ctx.model.num_layers
-    microbatches = ctx.training.global_batch_size // (config.replicas * config.micro_batch_size)
+    microbatches = config_microbatches(ctx, config)[0]
     v = config.virtual_stages
     if config.recompute != PER_STAGE:
         stages, per_layer, fixed, caps, _, _ = terms.arrays(config)

@@ -392,13 +392,21 @@ def check_strategy(ctx: CostContext, strategy: Strategy, source: str = "strategy
                 "pipelines[0].stages",
                 f"group {name!r} has {group.num_devices} devices, the plan uses up to {end}",
             )
-    samples = pipeline.replicas * pipeline.micro_batch_size * pipeline.num_microbatches
+    samples = pipeline.micro_batch_size * pipeline.microbatch_total
     if samples != training.global_batch_size:
         raise SpecError(
             source,
             "pipelines[0]",
-            f"replicas x micro-batch x micro-batches = {samples}, expected the "
+            f"micro-batch x micro-batches over all replicas = {samples}, expected the "
             f"global batch {training.global_batch_size}",
+        )
+    balanced = pipeline.replicas * (pipeline.num_microbatches - 1) < pipeline.microbatch_total
+    if not balanced or pipeline.microbatch_total > pipeline.replicas * pipeline.num_microbatches:
+        raise SpecError(
+            source,
+            "pipelines[0].total_microbatches",
+            f"expected {pipeline.replicas} replicas to run {pipeline.num_microbatches} or "
+            f"{pipeline.num_microbatches - 1} micro-batches each, got {pipeline.microbatch_total} in all",
         )
 
 

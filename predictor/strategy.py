@@ -33,16 +33,45 @@ class StageStrategy:
 
 @dataclass(frozen=True)
 class PipelineStrategy:
-    """Identical pipeline replicas sharing one stage layout and an even share of the global batch."""
+    """Pipeline replicas sharing one stage layout. The global batch is split as evenly as whole micro-batches allow:
+    `num_microbatches` is the most any replica runs; with `total_microbatches` set (uneven split), the first
+    total - replicas*(num_microbatches-1) replicas run num_microbatches and the rest one fewer, and each replica's
+    gradients are weighted by its share of the samples so the update equals the even-batch one."""
 
     replicas: int
     micro_batch_size: int
     num_microbatches: int
     stages: tuple[StageStrategy, ...]
+    total_microbatches: int = 0  # 0: every replica runs num_microbatches
 
     @property
     def samples_per_replica(self) -> int:
+        """The most samples any replica processes."""
         return self.micro_batch_size * self.num_microbatches
+
+    @property
+    def microbatch_total(self) -> int:
+        return self.total_microbatches or self.replicas * self.num_microbatches
+
+    @property
+    def uneven(self) -> bool:
+        return self.microbatch_total != self.replicas * self.num_microbatches
+
+    def replica_microbatches(self) -> list[int]:
+        """Micro-batches of each replica, in replica order."""
+        full = self.microbatch_total - self.replicas * (self.num_microbatches - 1)
+        return [self.num_microbatches if r < full else self.num_microbatches - 1 for r in range(self.replicas)]
+
+
+def split_batch(global_batch: int, replicas: int, micro_batch_size: int) -> tuple[int, int] | None:
+    """(most micro-batches per replica, total micro-batches) of the most even split of the batch over the
+    replicas in whole micro-batches, or None when the batch is not whole micro-batches or too small."""
+    if global_batch % micro_batch_size:
+        return None
+    total = global_batch // micro_batch_size
+    if total < replicas:
+        return None
+    return -(-total // replicas), total
 
 
 @dataclass(frozen=True)

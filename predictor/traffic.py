@@ -99,7 +99,9 @@ def strategy_traffic(ctx: CostContext, strategy: Strategy) -> Traffic:
     traffic = Traffic(names, nodes, local, groups)
     pipeline = strategy.pipelines[0]
     stages = pipeline.stages
-    b, m, replicas, v = pipeline.micro_batch_size, pipeline.num_microbatches, pipeline.replicas, strategy.virtual_stages
+    replicas, v = pipeline.replicas, strategy.virtual_stages
+    replica_microbatches = pipeline.replica_microbatches()  # uneven batch splits: some replicas run one fewer
+    b = pipeline.micro_batch_size
     activation = b * ctx.seq_length * ctx.model.hidden_size * ctx.training.dtype_bytes
 
     def device(stage_index: int, replica: int, tp_rank: int) -> int:
@@ -110,10 +112,11 @@ def strategy_traffic(ctx: CostContext, strategy: Strategy) -> Traffic:
         first, last = index == 0, index == len(stages) - 1
         group = ctx.cluster.group(stage.group)
         per_layer = 6 if strategy.stage_recompute(stage) == "full" else 4
-        collectives = m * (stage.num_layers * per_layer + int(first) + int(last))
+        collectives = stage.num_layers * per_layer + int(first) + int(last)
         for replica in range(replicas):
             ranks = [device(index, replica, k) for k in range(stage.tp)]
-            traffic.add_ring("tp", ranks, collectives * 2 * (stage.tp - 1) / stage.tp * activation)
+            count = collectives * replica_microbatches[replica]
+            traffic.add_ring("tp", ranks, count * 2 * (stage.tp - 1) / stage.tp * activation)
         # DP over the replicas, per TP rank
         params = stage_params(ctx.model, stage.num_layers, first, last, len(stages)) / stage.tp
         if replicas > 1:
@@ -153,6 +156,7 @@ def strategy_traffic(ctx: CostContext, strategy: Strategy) -> Traffic:
         for replica in range(replicas):
             for k in range(width):
                 src, dst = device(a, replica, k), device(c, replica, k)
+                m = replica_microbatches[replica]
                 traffic.pairs["pp"][(src, dst)] += m * crossings * activation / width
                 traffic.pairs["pp"][(dst, src)] += m * crossings * activation / width
     return traffic

@@ -30,6 +30,12 @@ class TrainingSpec(BaseModel):
         default=(1, 2, 4), description="interleaved 1F1B chunks per device the planner may use (1: plain 1F1B)"
     )
     sequence_parallel: bool = True
+    uneven_batch: bool = Field(
+        default=False,
+        description="also try replica counts that do not divide the global batch (replicas get whole micro-batches, "
+        "within one of each other; gradients weighted by share): better device use on odd-sized clusters, "
+        "a longer search",
+    )
     attention: Literal["flash", "materialized"] = Field(
         default="flash",
         description="flash: fused kernels (causal half of 4*b*s^2*h FLOPs, no score matrix); materialized: "
