@@ -179,10 +179,9 @@ def plan(
     micro_batch_sizes: Annotated[Optional[str], typer.Option(help="Candidates, e.g. 1,2,4,8.")] = None,
     virtual_stages: Annotated[Optional[str], typer.Option(help="Interleaving chunks to try, e.g. 1,2,4.")] = None,
     uneven_batch: Annotated[
-        Optional[bool],
+        Optional[str],
         typer.Option(
-            "--uneven-batch/--even-batch",
-            help="Also try replica counts that do not divide the batch (slower search; default: the training file's).",
+            help="Replica counts that do not divide the batch: refine (default), exhaustive (slower), or off.",
         ),
     ] = None,
     profiles: Annotated[Optional[Path], typer.Option(help="Directory of profile JSON files (by device).")] = None,

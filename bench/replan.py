@@ -39,7 +39,7 @@ def main() -> None:
     training = load_training(ROOT / "examples" / "training" / "hethub-140b.yaml")
     predictor = default_predictor()
     old = plan(cluster, model, training, predictor=predictor)
-    uneven = training.model_copy(update={"uneven_batch": True})  # what replan searches
+    uneven = training.model_copy(update={"uneven_batch": "exhaustive"})  # what replan searches
     rows = []
     header = f"{'change':<22} {'devices':>8} {'warm s':>8} {'cold s':>8} {'old shrunk tok/s':>17} "
     header += f"{'new tok/s':>10} {'change':>8}"

@@ -86,10 +86,14 @@ def main() -> None:
         "incumbents prune less)",
     )
     parser.add_argument(
-        "--uneven-batch", action="store_true", help="also search replica counts that do not divide the batch"
+        "--uneven-batch",
+        choices=("off", "refine", "exhaustive"),
+        default="off",
+        help="replica counts that do not divide the batch (see TrainingSpec.uneven_batch)",
     )
     args = parser.parse_args()
-    name = "search_scaling" + ("_quick" if args.quick else "") + ("_uneven" if args.uneven_batch else "")
+    name = "search_scaling" + ("_quick" if args.quick else "")
+    name += "" if args.uneven_batch == "off" else f"_uneven_{args.uneven_batch}"
     out = ROOT / "bench" / "results" / f"{name}.json"
     machine = {"python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count()}
     rows = []

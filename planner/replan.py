@@ -3,7 +3,7 @@
 The old strategy is adapted to the new cluster by keeping its stages, TP degrees and layer split and lowering the
 replica count until every group has the devices (the batch split over the replicas in whole micro-batches); if that
 fits memory it seeds the search's incumbent, so the bounds prune from the first candidate and the result is still the
-exact optimum. The search allows uneven batch splits: after a failure the cluster rarely divides the batch evenly.
+exact optimum. The search tries every uneven batch split: after a failure the cluster rarely divides the batch.
 """
 
 from __future__ import annotations
@@ -107,10 +107,10 @@ def replan(
     old: Strategy,
     predictor: Predictor | None = None,
 ) -> Replan:
-    """Plan again on a changed cluster, warm-started from the old strategy. Uneven batch splits are allowed: after
-    a failure the cluster rarely divides the batch evenly."""
+    """Plan again on a changed cluster, warm-started from the old strategy, over every uneven batch split
+    (`uneven_batch: exhaustive`): after a failure the cluster rarely divides the batch evenly."""
     predictor = predictor or default_predictor()
-    training = training.model_copy(update={"uneven_batch": True})
+    training = training.model_copy(update={"uneven_batch": "exhaustive"})
     started = time.perf_counter()
     ctx = predictor.context(cluster, model, training)
     adapted = adapt_strategy(ctx, old)

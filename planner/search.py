@@ -40,9 +40,11 @@ from specs.model import Recompute
 ProgressCallback = Callable[[int, int], None]
 PER_STAGE = "per-stage"  # pseudo recompute mode of candidates whose stages each pick their own mode
 PER_STAGE_CANDIDATES = 8  # the best distinct candidates re-solved with per-stage recompute
-# With `uneven_batch`, replica counts that do not divide the batch are tried where a group fits one more of up to this
-# many stages (deeper pipelines have long per-replica shares, where whole micro-batches round off little).
+# With `uneven_batch: exhaustive`, replica counts that do not divide the batch are tried where a group fits one more of
+# up to this many stages (deeper pipelines have long per-replica shares, where whole micro-batches round off little).
 UNEVEN_MAX_STAGES_PER_GROUP = 8
+# With `uneven_batch: refine`, the best this many even candidates are tried again at nearby uneven replica counts.
+UNEVEN_CANDIDATES = 8
 BISECTION_STEPS = 30  # bisected bounds keep the side known infeasible: valid after any number of steps
 
 
@@ -217,7 +219,7 @@ def _families(
             usable = np.array([usable_memory_bytes(ctx, g) for g in subset])
             replica_options = (
                 replica_counts(global_batch, subset, tp_rows, UNEVEN_MAX_STAGES_PER_GROUP)
-                if training.uneven_batch
+                if training.uneven_batch == "exhaustive"
                 else divisors(global_batch)
             )
             for replicas in replica_options:
@@ -658,6 +660,8 @@ def search(
         _keep(best, top_k, evaluation, index)
     if progress is not None:
         progress(index + 1, index + 1)
+    if splitter is None and ctx.training.uneven_batch == "refine":
+        evaluated += _uneven_refinement(ctx, terms, tried, best, top_k)
     refined = 0
     if splitter is None and len(ctx.training.recompute) > 1:
         # Per-stage recompute: the best candidates again, each stage free to pick its mode (CP-SAT), where the
@@ -694,6 +698,55 @@ def search(
         root_bound_s,
         refined,
     )
+
+
+def _nearby_replica_counts(config: OuterConfig) -> list[int]:
+    """Replica counts at which some group of a candidate holds fewer stages, or up to two more (and one replica
+    fewer than the candidate's)."""
+    counts = {config.replicas - 1}
+    for group, tp, stages in zip(config.groups, config.tps, config.stage_counts):
+        for k in range(1, stages + 3):
+            counts.add(group.num_devices // (k * tp))
+    return sorted((c for c in counts if c >= 1), reverse=True)
+
+
+def _uneven_refinement(
+    ctx: CostContext,
+    terms: _StageTerms,
+    tried: list[tuple[float, int, OuterConfig, float]],
+    best: list[tuple[float, int, Evaluation]],
+    top_k: int,
+) -> int:
+    """The best even candidates again at nearby replica counts that do not divide the batch (each group keeping as
+    many stages as it then fits); returns how many were solved. Adds what it finds to `tried` and `best`."""
+    global_batch, num_layers = ctx.training.global_batch_size, ctx.model.num_layers
+    seen: set[OuterConfig] = set()
+    solved = 0
+    for _, order, config, _ in sorted(tried, key=lambda item: (item[0], item[1]))[:UNEVEN_CANDIDATES]:
+        for replicas in _nearby_replica_counts(config):
+            if global_batch % replicas == 0 or split_batch(global_batch, replicas, config.micro_batch_size) is None:
+                continue  # even splits were searched already
+            counts = tuple(g.num_devices // (replicas * t) for g, t in zip(config.groups, config.tps))
+            stages = sum(counts)
+            v = config.virtual_stages if stages > 1 else 1  # a single stage cannot interleave
+            if min(counts) < 1 or stages * v > num_layers:
+                continue
+            candidate = dataclasses.replace(
+                config, replicas=replicas, stage_counts=counts, virtual_stages=v, lower_bound_s=0.0, order_bound_s=0.0
+            )
+            if candidate in seen:
+                continue
+            seen.add(candidate)
+            incumbent_s = -best[0][0] if len(best) == top_k else math.inf
+            strategy, _, objective_s = _candidate_strategy(ctx, terms, candidate, incumbent_s, None)
+            if strategy is None:
+                continue
+            solved += 1
+            evaluation = evaluate(ctx, strategy)
+            if evaluation.fits:
+                tried.append((evaluation.iteration_time_s, order, candidate, objective_s))
+                _keep(best, top_k, evaluation, order)
+    return solved
 
 
 def _keep(best: list[tuple[float, int, Evaluation]], top_k: int, evaluation: Evaluation, order: int) -> None:

@@ -30,11 +30,11 @@ class TrainingSpec(BaseModel):
         default=(1, 2, 4), description="interleaved 1F1B chunks per device the planner may use (1: plain 1F1B)"
     )
     sequence_parallel: bool = True
-    uneven_batch: bool = Field(
-        default=False,
-        description="also try replica counts that do not divide the global batch (replicas get whole micro-batches, "
-        "within one of each other; gradients weighted by share): better device use on odd-sized clusters, "
-        "a longer search",
+    uneven_batch: Literal["off", "refine", "exhaustive"] = Field(
+        default="off",
+        description="replica counts that do not divide the global batch (replicas run whole micro-batches within one "
+        "of each other; gradients weighted by share). off: even splits only (the default: fastest search); refine: "
+        "around the best even candidates; exhaustive: wherever a group fits one more stage (exact, a longer search)",
     )
     attention: Literal["flash", "materialized"] = Field(
         default="flash",
@@ -45,6 +45,13 @@ class TrainingSpec(BaseModel):
     memory_reserve_fraction: float = Field(
         default=0.08, ge=0, lt=1, description="device memory kept free for allocator fragmentation and workspaces"
     )
+
+    @field_validator("uneven_batch", mode="before")
+    @classmethod
+    def _uneven_from_bool(cls, value: Any) -> Any:
+        if isinstance(value, bool):
+            return "exhaustive" if value else "off"
+        return value
 
     @field_validator("recompute", mode="before")
     @classmethod

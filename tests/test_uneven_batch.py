@@ -35,9 +35,11 @@ def test_uneven_split_beats_the_best_even_split_on_24_devices():
     """64 sequences over 24 A100s: even splits need 8 replicas x 3 stages (pipeline bubble) or 16 replicas (8 idle
     devices); 24 replicas of 2-3 micro-batches each do better."""
     cluster, model = _three_a100_nodes(), load_model("gpt3-1.7b")
-    even = plan(cluster, model, load_training(None, {"global_batch_size": 64}))
-    uneven = plan(cluster, model, load_training(None, {"global_batch_size": 64, "uneven_batch": True}))
+    even = plan(cluster, model, load_training(None, {"global_batch_size": 64}))  # off, the default
+    uneven = plan(cluster, model, load_training(None, {"global_batch_size": 64, "uneven_batch": "refine"}))
+    exhaustive = plan(cluster, model, load_training(None, {"global_batch_size": 64, "uneven_batch": "exhaustive"}))
     assert uneven.evaluation.iteration_time_s < even.evaluation.iteration_time_s
+    assert exhaustive.evaluation.iteration_time_s == pytest.approx(uneven.evaluation.iteration_time_s, rel=1e-12)
     pipeline = uneven.strategy.pipelines[0]
     assert 64 % pipeline.replicas != 0 and pipeline.uneven
     body = uneven.to_dict()["pipelines"][0]
@@ -47,7 +49,7 @@ def test_uneven_split_beats_the_best_even_split_on_24_devices():
 
 def test_uneven_plan_round_trips_and_predicts_the_same(tmp_path):
     cluster, model = _three_a100_nodes(), load_model("gpt3-1.7b")
-    result = plan(cluster, model, load_training(None, {"global_batch_size": 64, "uneven_batch": True}))
+    result = plan(cluster, model, load_training(None, {"global_batch_size": 64, "uneven_batch": "refine"}))
     path = tmp_path / "plan.json"
     result.save(path)
     loaded = load_plan(path)
@@ -59,7 +61,7 @@ def test_uneven_plan_round_trips_and_predicts_the_same(tmp_path):
 
 def test_unbalanced_split_is_refused():
     cluster, model = _three_a100_nodes(), load_model("gpt3-1.7b")
-    result = plan(cluster, model, load_training(None, {"global_batch_size": 64, "uneven_batch": True}))
+    result = plan(cluster, model, load_training(None, {"global_batch_size": 64, "uneven_batch": "refine"}))
     pipeline = result.strategy.pipelines[0]
     skewed = dataclasses.replace(pipeline, num_microbatches=pipeline.num_microbatches + 1)
     strategy = dataclasses.replace(result.strategy, pipelines=(skewed,))
@@ -72,7 +74,8 @@ def test_uneven_plan_is_no_worse_than_any_megatron_layout_with_any_replica_count
     better than the plan."""
     cluster, model = _three_a100_nodes(), load_model("gpt3-1.7b")
     training = load_training(
-        None, {"global_batch_size": 64, "uneven_batch": True, "virtual_stages": [1], "micro_batch_sizes": [1, 2, 4]}
+        None,
+        {"global_batch_size": 64, "uneven_batch": "exhaustive", "virtual_stages": [1], "micro_batch_sizes": [1, 2, 4]},
     )
     best = plan(cluster, model, training)
     ctx = best.context
