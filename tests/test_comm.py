@@ -1,0 +1,139 @@
+"""The unified communicator with simulated islands: 2-4 local processes, Gloo on loopback, every wait bounded."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+from comm.communicator import CommError, Communicator  # noqa: E402
+from comm.vendors import VENDORS, detect_local_vendor  # noqa: E402
+from profiler.comm_bench import free_port  # noqa: E402
+
+ISLANDS = ["nvidia", "nvidia", "amd", "amd"]
+
+
+def _init(rank: int, world: int, port: int, timeout_s: float) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s)
+    )
+
+
+def _collectives_worker(rank: int, port: int, out: str) -> None:
+    _init(rank, 4, port, 30.0)
+    checks: dict[str, bool] = {}
+    try:
+        comm = Communicator(ISLANDS, timeout_s=30.0)
+        world, partial, inside = comm.create_groups([[0, 1, 2, 3], [0, 1, 2], [0, 1]])
+        value = torch.arange(7, dtype=torch.float64) * (rank + 1)
+        expected = torch.arange(7, dtype=torch.float64) * 10  # 1 + 2 + 3 + 4
+        checks["world all_reduce (equal islands, padded)"] = torch.equal(
+            comm.all_reduce(value.clone(), world), expected
+        )
+        if rank in (0, 1, 2):
+            got = comm.all_reduce(value.clone(), partial)
+            checks["partial all_reduce (unequal islands)"] = torch.equal(got, torch.arange(7, dtype=torch.float64) * 6)
+        if rank in (0, 1):
+            got = comm.all_reduce(value.clone(), inside)
+            checks["single-island all_reduce (native)"] = torch.equal(got, torch.arange(7, dtype=torch.float64) * 3)
+        gathered = comm.all_gather(torch.tensor([float(rank)]), world)
+        checks["all_gather"] = [float(t) for t in gathered] == [0.0, 1.0, 2.0, 3.0]
+        shard = comm.reduce_scatter(torch.arange(8, dtype=torch.float64) + rank, world)
+        full = sum(torch.arange(8, dtype=torch.float64) + r for r in range(4))
+        checks["reduce_scatter"] = torch.equal(shard, full.chunk(4)[rank])
+        sent = torch.full((3,), 7.0) if rank == 2 else torch.zeros(3)
+        checks["broadcast across islands"] = torch.equal(comm.broadcast(sent, 2, world), torch.full((3,), 7.0))
+        if rank == 0:
+            comm.send(torch.tensor([1.0, 2.0]), 3)
+            checks["recv across islands"] = torch.equal(comm.recv(torch.zeros(2), 3), torch.tensor([2.0, 4.0]))
+        if rank == 3:
+            received = comm.recv(torch.zeros(2), 0)
+            comm.send(received * 2, 0)
+            checks["send across islands"] = torch.equal(received, torch.tensor([1.0, 2.0]))
+        # uneven batches: replica r holds r+1 samples; gradients scaled by share then summed = full-batch gradient
+        torch.manual_seed(0)
+        weight = torch.randn(5, 1, dtype=torch.float64)
+        data = torch.randn(10, 5, dtype=torch.float64)
+        sizes = [1, 2, 3, 4]
+        start = sum(sizes[:rank])
+        local = data[start : start + sizes[rank]]
+        w = weight.clone().requires_grad_()
+        (local @ w).pow(2).mean().backward()
+        grad = w.grad * (sizes[rank] / sum(sizes))
+        comm.all_reduce(grad, world)
+        w_ref = weight.clone().requires_grad_()
+        (data @ w_ref).pow(2).mean().backward()
+        checks["uneven-batch weighted gradient sync"] = torch.allclose(grad, w_ref.grad, atol=1e-12)
+        comm.barrier(world)
+    finally:
+        Path(out, f"{rank}.json").write_text(json.dumps(checks))
+        dist.destroy_process_group()
+
+
+def _dying_worker(rank: int, port: int, out: str) -> None:
+    _init(rank, 3, port, 5.0)
+    comm = Communicator(["nvidia", "amd", "amd"], timeout_s=5.0)
+    (world,) = comm.create_groups([[0, 1, 2]])
+    comm.all_reduce(torch.ones(4), world)  # everybody alive
+    if rank == 2:
+        os._exit(1)  # dies without a word
+    started = time.monotonic()
+    try:
+        comm.all_reduce(torch.ones(4), world)
+        result = {"error": None}
+    except CommError as err:
+        result = {"error": str(err)}
+    result["elapsed_s"] = time.monotonic() - started
+    Path(out, f"{rank}.json").write_text(json.dumps(result))
+    os._exit(0)  # the group cannot be torn down cleanly with a dead member
+
+
+def _spawn(worker, ranks: int, tmp_path: Path, deadline_s: float) -> dict[int, dict]:
+    """Start the ranks and wait for each (bounded); a rank that is meant to die does not stop the others."""
+    context = mp.start_processes(
+        worker, args=(free_port(), str(tmp_path)), nprocs=ranks, join=False, start_method="spawn"
+    )
+    deadline = time.monotonic() + deadline_s
+    try:
+        for process in context.processes:
+            process.join(timeout=max(0.0, deadline - time.monotonic()))
+        assert all(not p.is_alive() for p in context.processes), "workers did not finish in time"
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.terminate()
+    files = {r: Path(tmp_path, f"{r}.json") for r in range(ranks)}
+    return {r: json.loads(path.read_text()) for r, path in files.items() if path.exists()}
+
+
+def test_every_collective_is_correct_across_simulated_islands(tmp_path):
+    results = _spawn(_collectives_worker, 4, tmp_path, 120)
+    assert sorted(results) == [0, 1, 2, 3]
+    for rank, checks in results.items():
+        assert checks and all(checks.values()), (rank, checks)
+    assert results[0]["recv across islands"] and results[3]["send across islands"]
+    assert "partial all_reduce (unequal islands)" in results[2]
+
+
+def test_a_dead_peer_makes_the_others_fail_cleanly_within_the_timeout(tmp_path):
+    results = _spawn(_dying_worker, 3, tmp_path, 60)
+    assert sorted(results) == [0, 1]
+    for result in results.values():
+        assert result["error"] and "all_reduce over ranks [0, 1, 2] failed within the 5 s timeout" in result["error"]
+        assert result["elapsed_s"] < 5 + 3
+
+
+def test_local_vendor_detection_and_registry():
+    assert detect_local_vendor().name in VENDORS
+    assert VENDORS["amd"].backend == "nccl" and VENDORS["amd"].library == "RCCL"
+    assert VENDORS["ascend"].backend == "hccl" and VENDORS["cpu"].backend == "gloo"
