@@ -40,6 +40,14 @@ def _npu() -> bool:
     return bool(getattr(torch, "npu", None) and torch.npu.is_available())
 
 
+def _hpu() -> bool:
+    if importlib.util.find_spec("habana_frameworks") is None:
+        return False
+    import habana_frameworks.torch  # noqa: F401  (registers torch.hpu and Habana's hccl backend)
+
+    return bool(getattr(torch, "hpu", None) and torch.hpu.is_available())
+
+
 def _xpu() -> bool:
     return bool(getattr(torch, "xpu", None) and torch.xpu.is_available())
 
@@ -56,10 +64,14 @@ for _vendor in (
     Vendor("nvidia", "cuda", "nccl", "NCCL", _cuda_flavour(hip=False)),
     Vendor("amd", "cuda", "nccl", "RCCL", _cuda_flavour(hip=True)),
     Vendor("ascend", "npu", "hccl", "HCCL", _npu),
+    Vendor("habana", "hpu", "hccl", "Habana HCCL", _hpu),
     Vendor("intel", "xpu", "xccl", "XCCL (oneCCL)", _xpu),
     Vendor("cpu", "cpu", "gloo", "Gloo", lambda: True),
 ):
     register_vendor(_vendor)
+
+# Catalog vendor (specs/catalog/devices.yaml) -> island vendor.
+CATALOG_VENDORS = {"nvidia": "nvidia", "amd": "amd", "huawei": "ascend", "intel-habana": "habana", "cpu": "cpu"}
 
 # Cross-vendor libraries used for bridged groups when importable (behind the same API); else host-staged Gloo.
 CROSS_VENDOR_BACKENDS = {"flagcx": "flagcx"}

@@ -137,3 +137,59 @@ def test_local_vendor_detection_and_registry():
     assert detect_local_vendor().name in VENDORS
     assert VENDORS["amd"].backend == "nccl" and VENDORS["amd"].library == "RCCL"
     assert VENDORS["ascend"].backend == "hccl" and VENDORS["cpu"].backend == "gloo"
+
+
+def _plan_groups_worker(rank: int, port: int, out: str, islands: list[str], groups: list[list[int]]) -> None:
+    _init(rank, len(islands), port, 30.0)
+    sums = []
+    try:
+        comm = Communicator(islands, timeout_s=30.0)
+        made = comm.create_groups(groups)  # every rank, every group, one order
+        for group in made:
+            if rank in group.ranks:
+                total = comm.all_reduce(torch.tensor([float(rank + 1)]), group)
+                sums.append([list(group.ranks), float(total)])
+    finally:
+        Path(out, f"{rank}.json").write_text(json.dumps(sums))
+        dist.destroy_process_group()
+
+
+def test_a_plans_groups_are_created_everywhere_and_work_across_islands(tmp_path):
+    from comm.plan_groups import plan_groups, rank_islands
+    from predictor.strategy import PipelineStrategy, StageStrategy, Strategy
+    from specs import load_cluster
+
+    path = tmp_path / "cluster.yaml"
+    path.write_text(
+        "name: two-vendors\n"
+        "groups:\n"
+        "  - {name: nv, device: a100-80gb, nodes: 1, devices_per_node: 2, nics_per_node: 1, nic_gbps: 100}\n"
+        "  - {name: amd, device: mi250x, nodes: 1, devices_per_node: 2, nics_per_node: 1, nic_gbps: 100}\n"
+        "network: {topology: clos, inter_group_gbps: 100}\n"
+    )
+    cluster = load_cluster(path)
+    stages = (StageStrategy("nv", 0, 3, 1, 0), StageStrategy("amd", 3, 6, 1, 0))
+    strategy = Strategy((PipelineStrategy(2, 1, 3, stages, total_microbatches=5),), "none", 1)
+    planned = plan_groups(cluster, strategy, global_batch=5)
+    islands = rank_islands(cluster)
+    assert islands == ["nvidia", "nvidia", "amd", "amd"]
+    dp = [g for g in planned if g.kind == "dp"]
+    assert [g.ranks for g in dp] == [(0, 1), (2, 3)] and all(g.weights == (0.6, 0.4) for g in dp)
+    assert [g.ranks for g in planned if g.kind == "pp"] == [(0, 2), (1, 3)]
+    rank_lists = [list(g.ranks) for g in planned]
+    out = tmp_path / "out"
+    out.mkdir()
+    context = mp.start_processes(
+        _plan_groups_worker,
+        args=(free_port(), str(out), islands, rank_lists),
+        nprocs=4,
+        join=False,
+        start_method="spawn",
+    )
+    for process in context.processes:
+        process.join(timeout=120)
+    assert all(not p.is_alive() for p in context.processes)
+    for rank in range(4):
+        for ranks, total in json.loads(Path(out, f"{rank}.json").read_text()):
+            assert total == sum(r + 1 for r in ranks)
+    assert any(len(set(islands[r] for r in ranks)) == 2 for ranks, _ in json.loads(Path(out, "0.json").read_text()))
