@@ -1056,6 +1056,65 @@ def traffic_calc(
         console.print(f"  {name:<5} {value / 1e15:,.2f} PB sent per rank ({value * gpus / 1e15:,.2f} PB in all)")
 
 
+@app.command("comm-bench")
+def comm_bench(
+    world: Annotated[int, typer.Option(min=2, help="Local processes to launch.")] = 4,
+    islands: Annotated[str, typer.Option(help="Island (vendor) of each rank, e.g. nvidia,nvidia,amd,amd.")] = (
+        "nvidia,nvidia,amd,amd"
+    ),
+    sizes: Annotated[str, typer.Option(help="Message sizes, e.g. 4KiB,1MiB,16MiB.")] = "4KiB,64KiB,1MiB,16MiB",
+    repeats: Annotated[int, typer.Option(min=1, help="Timed runs per point.")] = 5,
+    timeout_s: Annotated[float, typer.Option("--timeout", help="Seconds any one operation may take.")] = 60.0,
+    links_out: Annotated[
+        Optional[Path], typer.Option(help="Write the bridged path as a cross-group link profile (for `fit --links`).")
+    ] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """All-reduce over simulated vendor islands: direct vs bridged vs hierarchical, checked and timed."""
+    import tempfile
+
+    from specs.errors import SpecError, TorchMissingError
+
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        raise TorchMissingError("`hetplan comm-bench`") from None
+    from comm.bench import links_from_bench, run_comm_bench
+    from comm.vendors import VENDORS
+
+    names = [name.strip() for name in islands.split(",") if name.strip()]
+    if len(names) != world:
+        raise SpecError("--islands", "", f"expected {world} islands (one per rank), got {len(names)}")
+    unknown = sorted(set(names) - set(VENDORS))
+    if unknown:
+        raise SpecError("--islands", "", f"unknown vendor(s) {unknown}; known: {', '.join(VENDORS)}")
+    size_list = [_size_bytes(part.strip(), "--sizes") for part in sizes.split(",") if part.strip()]
+    with tempfile.TemporaryDirectory() as scratch:
+        result = run_comm_bench(names, size_list, repeats, Path(scratch), timeout_s)
+    if links_out is not None:
+        links_out.write_text(json.dumps(links_from_bench(result), indent=2) + "\n", encoding="utf-8")
+    if as_json:
+        sys.stdout.write(json.dumps(result, indent=2) + "\n")
+        return
+    from rich.table import Table
+
+    table = Table(title=f"all-reduce over {world} ranks, islands {', '.join(names)} (simulated on CPU, Gloo)")
+    for column in ("size", "path", "time ms", "algbw GB/s", "busbw GB/s", "correct"):
+        table.add_column(column, justify="right")
+    for row in result["rows"]:
+        table.add_row(
+            f"{row['size_bytes']:,}",
+            row["path"],
+            f"{row['time_s'] * 1e3:.2f}",
+            f"{row['algbw_bytes_per_s'] / 1e9:.3f}",
+            f"{row['busbw_bytes_per_s'] / 1e9:.3f}",
+            "yes" if row["correct"] else "[red]NO[/red]",
+        )
+    _console().print(table)
+    if links_out is not None:
+        _console().print(f"link profile written to {links_out}")
+
+
 @app.command("simulate-profile")
 def simulate_profile(
     device: Annotated[str, typer.Option(help="Catalog device key.")],

@@ -26,6 +26,9 @@ from comm.vendors import VENDORS, Vendor
 from specs.errors import HetplanError
 
 CHUNK_BYTES = 4 * 2**20
+# torch 2.13 renamed the tensor forms of reduce-scatter and all-gather; older releases have only the old names
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class CommError(HetplanError):
@@ -156,14 +159,14 @@ class Communicator:
                 padded[: flat.numel()] = flat
                 shard = torch.empty(padded.numel() // size, dtype=tensor.dtype, device=tensor.device)
                 if inside is not None:
-                    dist.reduce_scatter_tensor(shard, padded, group=inside)
+                    _reduce_scatter(shard, padded, group=inside)
                 else:
                     shard.copy_(padded)
                 host = self._staged(shard)
                 self._bridge_all_reduce(host, group.across.get(members.index(self.rank)))
                 shard.copy_(host)
                 if inside is not None:
-                    dist.all_gather_into_tensor(padded, shard, group=inside)
+                    _all_gather(padded, shard, group=inside)
                 else:
                     padded.copy_(shard)
                 tensor.copy_(padded[: flat.numel()].view_as(tensor))
@@ -180,6 +183,17 @@ class Communicator:
             return tensor
         except (RuntimeError, dist.DistBackendError) as err:
             raise self._fail("all_reduce", group, err) from None
+
+    def bridged_all_reduce(self, tensor: torch.Tensor, group: CommGroup) -> torch.Tensor:
+        """A flat all-reduce of the whole group through the bridge (no island hierarchy), in place: the baseline
+        the hierarchical path is compared with."""
+        try:
+            host = self._staged(tensor)
+            self._bridge_all_reduce(host, group.bridge if not group.single_island else group.native)
+            tensor.copy_(host)
+            return tensor
+        except (RuntimeError, dist.DistBackendError) as err:
+            raise self._fail("bridged all_reduce", group, err) from None
 
     def all_gather(self, tensor: torch.Tensor, group: CommGroup) -> list[torch.Tensor]:
         """Every member's tensor, in group order."""
@@ -206,7 +220,7 @@ class Communicator:
             out = torch.empty_like(tensor.chunk(n)[0])
             if group.native is None:
                 return tensor.clone()
-            dist.reduce_scatter_tensor(out, tensor, group=group.native)
+            _reduce_scatter(out, tensor, group=group.native)
             return out
         except (RuntimeError, dist.DistBackendError) as err:
             raise self._fail("reduce_scatter", group, err) from None

@@ -16,7 +16,7 @@ import platform
 import socket
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -153,29 +153,36 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def run_processes(
+    worker: Callable[..., None], args: tuple[Any, ...], nprocs: int, deadline_s: float, what: str
+) -> None:
+    """Spawn `nprocs` local processes running worker(rank, *args); a failure or the deadline is a one-line error."""
+    context = mp.start_processes(worker, args=args, nprocs=nprocs, join=False, start_method="spawn")
+    deadline = time.monotonic() + deadline_s
+    try:
+        while not context.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                raise HetplanError(f"{what} did not finish in time")
+    except mp.ProcessRaisedException as err:
+        raise HetplanError(f"{what} failed: {str(err).strip().splitlines()[-1]}") from None
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.terminate()
+
+
 def run_local(
     ranks: int, sizes: Sequence[int], collectives: Sequence[str], repeats: int, scratch: Path, timeout_s: float = 120.0
 ) -> list[CommPoint]:
     """Spawn `ranks` local processes (Gloo on loopback), bounded by `timeout_s` per operation."""
     out = scratch / f"points-{ranks}.json"
-    context = mp.start_processes(
+    run_processes(
         _worker,
-        args=(ranks, free_port(), list(sizes), list(collectives), repeats, timeout_s, str(out)),
-        nprocs=ranks,
-        join=False,
-        start_method="spawn",
+        (ranks, free_port(), list(sizes), list(collectives), repeats, timeout_s, str(out)),
+        ranks,
+        timeout_s * (len(sizes) * len(collectives) + 2),
+        f"profile-comm with {ranks} processes",
     )
-    deadline = time.monotonic() + timeout_s * (len(sizes) * len(collectives) + 2)
-    try:
-        while not context.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                raise HetplanError(f"profile-comm with {ranks} processes did not finish in time")
-    except mp.ProcessRaisedException as err:
-        raise HetplanError(f"profile-comm with {ranks} processes failed: {str(err).strip().splitlines()[-1]}") from None
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.terminate()
     return [CommPoint(**p) for p in json.loads(out.read_text(encoding="utf-8"))]
 
 
@@ -218,9 +225,7 @@ def fit_link(points: Sequence[CommPoint], link_class: str) -> LinkFit:
     )
 
 
-def link_profile(
-    points: Sequence[CommPoint], link_class: str, backend: str, device_key: str = "cpu"
-) -> dict[str, Any]:
+def link_profile(points: Sequence[CommPoint], link_class: str, backend: str, device_key: str = "cpu") -> dict[str, Any]:
     groups: dict[tuple[str, int], list[CommPoint]] = {}
     for point in points:
         groups.setdefault((point.collective, point.ranks), []).append(point)

@@ -193,3 +193,35 @@ def test_a_plans_groups_are_created_everywhere_and_work_across_islands(tmp_path)
         for ranks, total in json.loads(Path(out, f"{rank}.json").read_text()):
             assert total == sum(r + 1 for r in ranks)
     assert any(len(set(islands[r] for r in ranks)) == 2 for ranks, _ in json.loads(Path(out, "0.json").read_text()))
+
+
+def test_comm_bench_checks_every_path_and_writes_a_link_profile_the_predictor_reads(tmp_path):
+    from predictor.link_model import fit_link, load_link_points
+    from tests.test_cli import hetplan
+
+    links = tmp_path / "cross.json"
+    result = hetplan(
+        "comm-bench",
+        "--world",
+        "2",
+        "--islands",
+        "nvidia,amd",
+        "--sizes",
+        "4KiB,256KiB,4MiB",
+        "--repeats",
+        "1",
+        "--links-out",
+        str(links),
+        "--json",
+        torch_allowed=True,
+    )
+    assert result.returncode == 0, result.stderr
+    body = json.loads(result.stdout)
+    assert {row["path"] for row in body["rows"]} == {"direct", "bridged", "hierarchical"}
+    assert all(row["correct"] and row["busbw_bytes_per_s"] > 0 for row in body["rows"])
+    device, link_class, points = load_link_points(links)
+    assert (device, link_class, len(points)) == ("cpu", "cross_group", 3)
+    link, _ = fit_link(link_class, points)
+    assert link.bw_bytes_per_s > 0
+    bad = hetplan("comm-bench", "--world", "3", "--islands", "nvidia,amd", torch_allowed=True)
+    assert bad.returncode == 2 and "expected 3 islands" in bad.stderr
