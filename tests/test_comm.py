@@ -225,3 +225,76 @@ def test_comm_bench_checks_every_path_and_writes_a_link_profile_the_predictor_re
     assert link.bw_bytes_per_s > 0
     bad = hetplan("comm-bench", "--world", "3", "--islands", "nvidia,amd", torch_allowed=True)
     assert bad.returncode == 2 and "expected 3 islands" in bad.stderr
+
+
+def _small_layers() -> list:
+    torch.manual_seed(0)
+    return [torch.nn.Sequential(torch.nn.Linear(6, 6, dtype=torch.float64), torch.nn.Tanh()) for _ in range(5)]
+
+
+def _registered_backend_worker(rank: int, port: int, out: str) -> None:
+    """DDP over a `hetplan` group spanning two islands, then an uneven 3-stage pipeline (2, 1, 2 layers) through
+    torch.distributed.pipelining whose stages sit on different islands; both against single-process references."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    from comm.backend import HetplanProcessGroup, register_backend
+
+    _init(rank, 4, port, 30.0)
+    result: dict = {}
+    try:
+        register_backend(ISLANDS)
+        world = dist.new_group([0, 1, 2, 3], backend="hetplan")
+        pipe = dist.new_group([0, 2, 3], backend="hetplan")  # nvidia, amd, amd
+        result["group type"] = type(world).__name__
+        torch.manual_seed(rank)  # different weights on every rank: DDP must broadcast rank 0's
+        model = torch.nn.Sequential(torch.nn.Linear(6, 5, dtype=torch.float64), torch.nn.Tanh())
+        ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=world, bucket_cap_mb=0.0001)
+        torch.manual_seed(7)
+        data = torch.randn(8, 6, dtype=torch.float64)
+        ddp(data[2 * rank : 2 * rank + 2]).pow(2).mean().backward()
+        torch.manual_seed(0)
+        reference = torch.nn.Sequential(torch.nn.Linear(6, 5, dtype=torch.float64), torch.nn.Tanh())
+        reference(data).pow(2).mean().backward()
+        result["ddp gradient error"] = max(
+            (p.grad - r.grad).abs().max().item() for p, r in zip(model.parameters(), reference.parameters())
+        )
+        if rank != 1:
+            stage_index = [0, 2, 3].index(rank)
+            start, end = [(0, 2), (2, 3), (3, 5)][stage_index]
+            layers = _small_layers()
+            module = torch.nn.Sequential(*layers[start:end])
+            stage = PipelineStage(module, stage_index, 3, torch.device("cpu"), group=pipe)
+
+            def loss_fn(y: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+                return (y - t).pow(2).mean()
+
+            schedule = Schedule1F1B(stage, n_microbatches=4, loss_fn=loss_fn)
+            x, target = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
+            if stage_index == 0:
+                schedule.step(x)
+            elif stage_index == 2:
+                schedule.step(target=target)
+            else:
+                schedule.step()
+            full = torch.nn.Sequential(*_small_layers())
+            # the schedule averages micro-batch losses
+            (sum(loss_fn(full(a), b) for a, b in zip(x.chunk(4), target.chunk(4), strict=True)) / 4).backward()
+            expected = list(full[start:end].parameters())
+            result["pipeline gradient error"] = max(
+                (p.grad - r.grad).abs().max().item() for p, r in zip(module.parameters(), expected, strict=True)
+            )
+            result["pipeline group is hetplan"] = isinstance(pipe, HetplanProcessGroup)
+        dist.barrier()
+    finally:
+        Path(out, f"{rank}.json").write_text(json.dumps(result))
+        dist.destroy_process_group()
+
+
+def test_the_registered_backend_carries_ddp_and_uneven_pipelining_across_islands(tmp_path):
+    results = _spawn(_registered_backend_worker, 4, tmp_path, 120)
+    assert sorted(results) == [0, 1, 2, 3]
+    for rank, result in results.items():
+        assert result["group type"] == "HetplanProcessGroup", (rank, result)
+        assert result["ddp gradient error"] < 1e-12, (rank, result)
+        if rank != 1:
+            assert result["pipeline group is hetplan"] and result["pipeline gradient error"] < 1e-12, (rank, result)
