@@ -108,9 +108,7 @@ def main() -> None:
             continue
         model = load_model(model_key)
         dtype = "bf16" if all(get_device(kind).supports_bf16 for kind in kinds) else "fp16"
-        training = load_training(
-            None, {"global_batch_size": batch, "dtype": dtype, "uneven_batch": args.uneven_batch}
-        )
+        training = load_training(None, {"global_batch_size": batch, "dtype": dtype, "uneven_batch": args.uneven_batch})
         ctx = build_context(synthetic_cluster(devices, kinds), model, training)
         started = time.perf_counter()
         result = search(ctx)

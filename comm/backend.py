@@ -310,19 +310,19 @@ class HetplanProcessGroup(dist.ProcessGroup):
             raise CommError(f"send inside a one-rank group {self.members}")
         (tensor,) = tensors
         payload = self._staged(tensor).contiguous()
-        return _StagedWork(self.bridge.send([payload], dst, tag), self.timeout, self.members)
+        return StagedWork(self.bridge.send([payload], dst, tag), self.timeout, self.members)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> dist.Work:
         if self.bridge is None:
             raise CommError(f"recv inside a one-rank group {self.members}")
         (tensor,) = tensors
         if self.single_island:
-            return _StagedWork(self.bridge.recv([tensor], src, tag), self.timeout, self.members)
+            return StagedWork(self.bridge.recv([tensor], src, tag), self.timeout, self.members)
         host = torch.empty_like(tensor, device="cpu")
-        return _StagedWork(self.bridge.recv([host], src, tag), self.timeout, self.members, host, tensor)
+        return StagedWork(self.bridge.recv([host], src, tag), self.timeout, self.members, host, tensor)
 
 
-class _StagedWork(dist.Work):
+class StagedWork(dist.Work):
     """An asynchronous bridge transfer; a receive copies the host buffer into the caller's tensor on `wait`
     (Gloo's point-to-point works have no future to chain the copy on)."""
 
@@ -341,8 +341,13 @@ class _StagedWork(dist.Work):
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         if not self.finished:
-            if not self.work.wait(timeout or self.timeout):
-                raise CommError(f"a transfer over ranks {self.members} did not finish within {self.timeout}")
+            try:
+                finished = self.work.wait(timeout or self.timeout)
+            except (RuntimeError, dist.DistBackendError) as err:
+                text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+                raise CommError(f"a transfer between ranks {self.members} failed: {text}") from None
+            if not finished:
+                raise CommError(f"a transfer between ranks {self.members} did not finish within {self.timeout}")
             if self.target is not None and self.host is not None:
                 self.target.copy_(self.host)
             self.finished = True

@@ -20,7 +20,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from comm.backend import BACKEND_NAME, CommError, HetplanProcessGroup, register_backend
+from comm.backend import BACKEND_NAME, CommError, HetplanProcessGroup, StagedWork, register_backend
 from comm.vendors import VENDORS, Vendor
 
 __all__ = ["CommError", "CommGroup", "Communicator"]
@@ -173,6 +173,21 @@ class Communicator:
             ) from None
         tensor.copy_(host)
         return tensor
+
+    def isend(self, tensor: torch.Tensor, dst: int) -> dist.Work:
+        """Start a send over the default group (staged through the host when `dst` is on another island)."""
+        payload = tensor.detach().contiguous() if self.islands[dst] == self.islands[self.rank] else self._staged(tensor)
+        try:
+            return StagedWork(dist.isend(payload, dst=dst), self.timeout, [self.rank, dst])
+        except _FAILURES as err:
+            raise CommError(f"rank {self.rank}: send to {dst} failed: {str(err).splitlines()[0]}") from None
+
+    def irecv(self, tensor: torch.Tensor, src: int) -> dist.Work:
+        """Start a receive into `tensor`; `wait()` (bounded by the timeout) completes it."""
+        if self.islands[src] == self.islands[self.rank]:
+            return StagedWork(dist.irecv(tensor, src=src), self.timeout, [src, self.rank])
+        host = torch.empty_like(tensor, device="cpu")
+        return StagedWork(dist.irecv(host, src=src), self.timeout, [src, self.rank], host, tensor)
 
     def barrier(self, group: CommGroup) -> None:
         try:

@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from predictor.calibration import Interval
 from predictor.cost_model import CostContext, Evaluation
-from predictor.strategy import PipelineStrategy, StageStrategy, Strategy
+from predictor.strategy import PipelineFile, PipelineStrategy, Strategy, pipelines_from_files
 from specs.loading import read_mapping, validate
 from specs.model import ModelSpec, Recompute
 from specs.training import TrainingSpec
@@ -216,24 +216,6 @@ def describe_strategy(strategy: Strategy) -> str:
 
 
 # ---- reading a plan back (predict --strategy) -------------------------------------------------------------
-class _StageFile(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    group: str
-    layers: tuple[int, int]
-    tp: int = Field(ge=1)
-    device_offset: int = Field(default=0, ge=0)
-    recompute: Recompute | None = None
-
-
-class _PipelineFile(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    replicas: int = Field(ge=1)
-    micro_batch_size: int = Field(ge=1)
-    num_microbatches: int = Field(ge=1)
-    total_microbatches: int = Field(default=0, ge=0)
-    stages: list[_StageFile] = Field(min_length=1)
-
-
 class _PlanFile(BaseModel):
     model_config = ConfigDict(extra="ignore")
     schema_: str = Field(alias="schema", pattern=r"^hetplan\.plan/1$")
@@ -244,7 +226,7 @@ class _PlanFile(BaseModel):
     zero_stage: int = Field(ge=0, le=1)
     virtual_stages: int = Field(default=1, ge=1)
     sequence_parallel: bool = True
-    pipelines: list[_PipelineFile] = Field(min_length=1)
+    pipelines: list[PipelineFile] = Field(min_length=1)
 
 
 @dataclass(frozen=True)
@@ -263,25 +245,6 @@ def load_plan(path: str | Path) -> LoadedPlan:
     parsed = validate(_PlanFile, read_mapping(path), source)
     model = validate(ModelSpec, parsed.model, source, prefix="model")
     training = validate(TrainingSpec, parsed.training, source, prefix="training")
-    pipelines = tuple(
-        PipelineStrategy(
-            replicas=p.replicas,
-            micro_batch_size=p.micro_batch_size,
-            num_microbatches=p.num_microbatches,
-            total_microbatches=p.total_microbatches if p.total_microbatches != p.replicas * p.num_microbatches else 0,
-            stages=tuple(
-                StageStrategy(
-                    s.group,
-                    s.layers[0],
-                    s.layers[1],
-                    s.tp,
-                    s.device_offset,
-                    s.recompute if s.recompute != parsed.recompute else None,  # None: the plan's mode
-                )
-                for s in p.stages
-            ),
-        )
-        for p in parsed.pipelines
-    )
+    pipelines = pipelines_from_files(parsed.pipelines, parsed.recompute)
     strategy = Strategy(pipelines, parsed.recompute, parsed.zero_stage, parsed.virtual_stages, parsed.sequence_parallel)
     return LoadedPlan(strategy, model, training, source, parsed.cluster)

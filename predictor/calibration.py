@@ -19,16 +19,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
 from predictor.cost_model import CostContext, EndToEndTerms, evaluate
 from predictor.strategy import Strategy
-from profiler.profile import DeviceProfile, LayerCost, LayerCostSource, LayerKind
+from profiler.profile import DeviceProfile, LayerCostSource, ScaledLayerCosts
 from profiler.simulated import SimulatedDevice
-from specs.model import Recompute
 
 DEFAULT_RUN_NOISE = 0.03
 MIN_RUN_NOISE = 0.01
@@ -53,29 +52,6 @@ def source_kind(source: LayerCostSource) -> str:
     if isinstance(source, DeviceProfile):
         return "measured"
     return "learned"
-
-
-@dataclass
-class ScaledLayerCosts:
-    """A layer cost source whose times are multiplied by a calibrated factor (activation bytes unchanged)."""
-
-    inner: LayerCostSource
-    factor: float
-    _costs: dict[tuple[str, int, int, str], LayerCost] = field(default_factory=dict, repr=False)
-
-    @property
-    def identity(self) -> str:
-        return f"{self.inner.identity} x{self.factor:.3f}"
-
-    def layer_cost(self, layer: LayerKind, micro_batch_size: int, tp: int, recompute: Recompute) -> LayerCost:
-        key = (layer, micro_batch_size, tp, recompute)
-        cost = self._costs.get(key)
-        if cost is None:
-            inner = self.inner.layer_cost(layer, micro_batch_size, tp, recompute)
-            factor = self.factor
-            cost = LayerCost(inner.forward_time_s * factor, inner.backward_time_s * factor, inner.activation_bytes)
-            self._costs[key] = cost
-        return cost
 
 
 def parameters_for(ctx: CostContext) -> list[Parameter]:
@@ -276,4 +252,3 @@ def prediction_interval(
     variance = float(gradient @ covariance @ gradient) + calibration.run_noise**2 + extra_log_variance
     log_sd = math.sqrt(max(variance, 0.0))
     return Interval(point, point * math.exp(-Z_90 * log_sd), point * math.exp(Z_90 * log_sd), log_sd, basis)
-

@@ -24,7 +24,7 @@ from predictor.comm_model import (
     rail_link,
 )
 from predictor.strategy import PipelineStrategy, StageStrategy, Strategy
-from profiler.profile import DeviceProfile, LayerCostSource
+from profiler.profile import DeviceProfile, LayerCostSource, ScaledLayerCosts
 from profiler.simulated import SimulatedDevice
 from specs.cluster import ClusterSpec, DeviceGroup
 from specs.errors import SpecError
@@ -90,6 +90,11 @@ class CostContext:
         return fitted or cross_group_link(self.cluster, a, b)
 
 
+def emulated(group: DeviceGroup, source: LayerCostSource) -> LayerCostSource:
+    """A CPU group emulating a slower device (`emulate_speed` < 1) computes 1/speed times as long."""
+    return ScaledLayerCosts(source, 1.0 / group.emulate_speed) if group.emulate_speed != 1.0 else source
+
+
 def build_context(
     cluster: ClusterSpec,
     model: ModelSpec,
@@ -117,9 +122,9 @@ def build_context(
                 )
             if profile.dtype != training.dtype:
                 raise SpecError(profile.path, "dtype", f"profiled in {profile.dtype}, training uses {training.dtype}")
-            sources[group.name] = profile
+            sources[group.name] = emulated(group, profile)
         else:
-            sources[group.name] = SimulatedDevice(
+            simulated = SimulatedDevice(
                 group.device,
                 model,
                 seq_length,
@@ -129,6 +134,7 @@ def build_context(
                 sequence_parallel=training.sequence_parallel,
                 flash_attention=training.attention == "flash",
             )
+            sources[group.name] = emulated(group, simulated)
     return CostContext(cluster, model, training, sources)
 
 

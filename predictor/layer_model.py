@@ -100,9 +100,7 @@ def design_matrix(points: Sequence[LayerPoint], passes: Sequence[Pass]) -> np.nd
     return np.hstack([work_matrix(list(points), list(passes)), shape_features(list(points), list(passes))])
 
 
-def _points_and_times(
-    profile: DeviceProfile, model: ModelSpec
-) -> tuple[list[LayerPoint], list[ProfileEntry]]:
+def _points_and_times(profile: DeviceProfile, model: ModelSpec) -> tuple[list[LayerPoint], list[ProfileEntry]]:
     entries = [e for e in profile.entries if e.fits]
     points = [
         LayerPoint(model, profile.seq_length, profile.dtype, e.layer, e.micro_batch_size, e.tp, e.recompute)

@@ -63,7 +63,7 @@ def load_link_points(path: str | Path) -> tuple[str, LinkClass, list[LinkPoint]]
         raise SpecError(str(path), "points", f"{len(wrong)} points are marked incorrect: re-measure the link")
     device = parsed.device or ("cpu" if parsed.backend == "gloo" else None)
     if device is None:
-        raise SpecError(str(path), "device", "expected the catalog key of the devices measured (e.g. \"h100\")")
+        raise SpecError(str(path), "device", 'expected the catalog key of the devices measured (e.g. "h100")')
     return get_device(device, str(path), "device").key, parsed.link_class, parsed.points
 
 

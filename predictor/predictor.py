@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from predictor.calibration import Calibration, Interval, apply, fit_calibration, prediction_interval
 from predictor.comm_model import Link
-from predictor.cost_model import CostContext, build_context
+from predictor.cost_model import CostContext, build_context, emulated
 from predictor.runs import Run, fingerprint, load_runs
 from predictor.strategy import Strategy
 from profiler.profile import DeviceProfile, load_profile
@@ -95,7 +95,8 @@ class Predictor:
         for group in cluster.groups:
             key = group.device.key
             if key in self.layer_models and key not in (profiles or {}):
-                sources[group.name] = PredictedLayerCosts(self.layer_models[key], model, seq_length, training.dtype)
+                learned = PredictedLayerCosts(self.layer_models[key], model, seq_length, training.dtype)
+                sources[group.name] = emulated(group, learned)
         return replace(ctx, sources=sources, links=dict(self.links), identity=self.identity)
 
     def context(
@@ -111,7 +112,7 @@ class Predictor:
     def interval(self, base: CostContext, strategy: Strategy) -> Interval:
         """90% interval of the iteration time of `strategy` on an uncalibrated `base_context`."""
         learned = [
-            self.layer_models[g.device.key].log_error_std**2
+            self.layer_models[g.device.key].log_error_std ** 2
             for g in base.cluster.groups
             if base.source(g.name).identity.startswith("learned layer model")
         ]

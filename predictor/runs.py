@@ -2,7 +2,8 @@
 
 A run record (`hetplan.run/1`) says what ran and how long an iteration took: the cluster (a file next to the
 record, or inline), the model (catalog key, file, or inline shape), training settings, the strategy (Megatron-style
-tp/pp/dp on one group) and `measured_iteration_time_s`. A file holds one record, or several under
+tp/pp/dp on one group, or a whole plan's pipelines as `hetplan run` writes them) and `measured_iteration_time_s`.
+A file holds one record, or several under
 `{"schema": "hetplan.runs/1", "runs": [...]}`. `hetplan run` writes them; published small runs fit too.
 """
 
@@ -15,7 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from predictor.strategy import Strategy, megatron_strategy
+from predictor.strategy import PipelineFile, Strategy, megatron_strategy, pipelines_from_files
 from specs.cluster import ClusterFile, ClusterSpec, load_cluster, resolve_cluster
 from specs.errors import SpecError
 from specs.loading import read_mapping, validate
@@ -38,6 +39,22 @@ class MegatronLayout(BaseModel):
     virtual_stages: int = Field(default=1, ge=1)
 
 
+class PlanLayout(BaseModel):
+    """A whole plan's strategy (as a plan file writes it): what `hetplan run` records."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    recompute: Recompute = "none"
+    zero_stage: int = Field(default=0, ge=0, le=1)
+    virtual_stages: int = Field(default=1, ge=1)
+    sequence_parallel: bool = True
+    pipelines: list[PipelineFile] = Field(min_length=1)
+
+    def to_strategy(self) -> Strategy:
+        pipelines = pipelines_from_files(self.pipelines, self.recompute)
+        return Strategy(pipelines, self.recompute, self.zero_stage, self.virtual_stages, self.sequence_parallel)
+
+
 class RunRecord(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -47,8 +64,13 @@ class RunRecord(BaseModel):
     cluster: str | dict[str, Any]
     model: str | dict[str, Any]
     training: dict[str, Any] = {}
-    strategy: MegatronLayout
+    strategy: MegatronLayout | PlanLayout
     measured_iteration_time_s: float = Field(gt=0)
+    # what `hetplan run` adds beside the measurement (calibration reads only the fields above)
+    predicted_iteration_time_s: float | None = None
+    losses: list[float] = []
+    reference_match: dict[str, Any] | None = None
+    measurements: dict[str, Any] = {}
 
 
 @dataclass(frozen=True)
@@ -78,6 +100,12 @@ def _resolve(record: RunRecord, path: Path, where: str) -> Run:
         model = validate(ModelSpec, record.model, str(path), prefix=f"{where}.model")
     training = validate(TrainingSpec, record.training, str(path), prefix=f"{where}.training")
     layout = record.strategy
+    if isinstance(layout, PlanLayout):
+        strategy = layout.to_strategy()
+        check_strategy_fits(cluster, strategy, f"{path}: {where}.strategy")
+        return Run(
+            record.name, record.source, cluster, model, training, strategy, record.measured_iteration_time_s, str(path)
+        )
     strategy = megatron_strategy(
         cluster,
         model,
@@ -94,6 +122,17 @@ def _resolve(record: RunRecord, path: Path, where: str) -> Run:
     return Run(
         record.name, record.source, cluster, model, training, strategy, record.measured_iteration_time_s, str(path)
     )
+
+
+def check_strategy_fits(cluster: ClusterSpec, strategy: Strategy, source: str) -> None:
+    """The plan's stages name groups of the cluster and fit in them."""
+    for pipeline in strategy.pipelines:
+        for stage in pipeline.stages:
+            group = cluster.group(stage.group)
+            if stage.device_offset + stage.tp * pipeline.replicas > group.num_devices:
+                raise SpecError(
+                    source, f"stage on {stage.group}", f"needs more devices than the group's {group.num_devices}"
+                )
 
 
 def load_runs(path: str | Path) -> list[Run]:

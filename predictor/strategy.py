@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+from pydantic import BaseModel, ConfigDict, Field
 
 from specs.cluster import ClusterSpec
 from specs.errors import SpecError
@@ -140,4 +143,47 @@ def megatron_strategy(
         training.zero_stage,
         virtual_stages,
         training.sequence_parallel,
+    )
+
+
+# ---- the strategy part of plan files (and of run records that carry a whole plan's layout) --------------------
+class StageFile(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    group: str
+    layers: tuple[int, int]
+    tp: int = Field(ge=1)
+    device_offset: int = Field(default=0, ge=0)
+    recompute: Recompute | None = None
+
+
+class PipelineFile(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    replicas: int = Field(ge=1)
+    micro_batch_size: int = Field(ge=1)
+    num_microbatches: int = Field(ge=1)
+    total_microbatches: int = Field(default=0, ge=0)
+    stages: list[StageFile] = Field(min_length=1)
+
+
+def pipelines_from_files(pipelines: Sequence[PipelineFile], recompute: Recompute) -> tuple[PipelineStrategy, ...]:
+    """Pipelines as a plan file writes them; a stage's recompute equal to the plan's is kept as None (the plan's)."""
+    return tuple(
+        PipelineStrategy(
+            replicas=p.replicas,
+            micro_batch_size=p.micro_batch_size,
+            num_microbatches=p.num_microbatches,
+            total_microbatches=p.total_microbatches if p.total_microbatches != p.replicas * p.num_microbatches else 0,
+            stages=tuple(
+                StageStrategy(
+                    s.group,
+                    s.layers[0],
+                    s.layers[1],
+                    s.tp,
+                    s.device_offset,
+                    s.recompute if s.recompute != recompute else None,
+                )
+                for s in p.stages
+            ),
+        )
+        for p in pipelines
     )

@@ -165,6 +165,8 @@ def run_processes(
                 raise HetplanError(f"{what} did not finish in time")
     except mp.ProcessRaisedException as err:
         raise HetplanError(f"{what} failed: {str(err).strip().splitlines()[-1]}") from None
+    except mp.ProcessExitedException as err:
+        raise HetplanError(f"{what} failed: {err}") from None
     finally:
         for process in context.processes:
             if process.is_alive():

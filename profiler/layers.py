@@ -74,6 +74,10 @@ def apply_rotary(x: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
     return torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1)
 
 
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
 class DecoderLayer(nn.Module):
     """One transformer layer shard for TP rank 0 of `tp`."""
 
@@ -99,6 +103,10 @@ class DecoderLayer(nn.Module):
         self.register_buffer(
             "rotary", rotary_tables(model.seq_length, d, torch.device("cpu"), torch.float32), persistent=False
         )
+        # tensor-parallel boundaries (identity when profiling one shard; the runtime sets Megatron's f and g:
+        # enter = identity forward / all-reduce backward, leave = all-reduce forward / identity backward)
+        self.enter_tp: Callable[[torch.Tensor], torch.Tensor] = _identity
+        self.leave_tp: Callable[[torch.Tensor], torch.Tensor] = _identity
 
     # pieces, each a function of tensors so they can be recomputed
     def _split_heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -124,17 +132,23 @@ class DecoderLayer(nn.Module):
             return F.silu(gate) * value
         return F.gelu(up, approximate="tanh")
 
+    def _attention_input(self, x: torch.Tensor) -> torch.Tensor:
+        return self.enter_tp(self.attention_norm(x))
+
+    def _mlp_input(self, x: torch.Tensor) -> torch.Tensor:
+        return self.enter_tp(self.mlp_norm(x))
+
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = self._split_heads(self.qkv(self.attention_norm(x)))
-        x = x + self.out(self._core_attention(q, k, v))
-        return x + self.down(self._activation(self.up(self.mlp_norm(x))))
+        q, k, v = self._split_heads(self.qkv(self._attention_input(x)))
+        x = x + self.leave_tp(self.out(self._core_attention(q, k, v)))
+        return x + self.leave_tp(self.down(self._activation(self.up(self._mlp_input(x)))))
 
     def _forward_selective(self, x: torch.Tensor) -> torch.Tensor:
-        qkv = recomputed_linear(self.attention_norm, (x,), self.qkv)
+        qkv = recomputed_linear(self._attention_input, (x,), self.qkv)
         q, k, v = self._split_heads(qkv)
-        x = x + recomputed_linear(self._core_attention, (q, k, v), self.out)
-        up = recomputed_linear(self.mlp_norm, (x,), self.up)
-        return x + recomputed_linear(self._activation, (up,), self.down)
+        x = x + self.leave_tp(recomputed_linear(self._core_attention, (q, k, v), self.out))
+        up = recomputed_linear(self._mlp_input, (x,), self.up)
+        return x + self.leave_tp(recomputed_linear(self._activation, (up,), self.down))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.recompute == "full" and torch.is_grad_enabled():

@@ -51,6 +51,29 @@ class LayerCostSource(Protocol):
     def layer_cost(self, layer: LayerKind, micro_batch_size: int, tp: int, recompute: Recompute) -> LayerCost: ...
 
 
+@dataclass
+class ScaledLayerCosts:
+    """A layer cost source whose times are multiplied by a calibrated factor (activation bytes unchanged)."""
+
+    inner: LayerCostSource
+    factor: float
+    _costs: dict[tuple[str, int, int, str], LayerCost] = field(default_factory=dict, repr=False)
+
+    @property
+    def identity(self) -> str:
+        return f"{self.inner.identity} x{self.factor:.3f}"
+
+    def layer_cost(self, layer: LayerKind, micro_batch_size: int, tp: int, recompute: Recompute) -> LayerCost:
+        key = (layer, micro_batch_size, tp, recompute)
+        cost = self._costs.get(key)
+        if cost is None:
+            inner = self.inner.layer_cost(layer, micro_batch_size, tp, recompute)
+            factor = self.factor
+            cost = LayerCost(inner.forward_time_s * factor, inner.backward_time_s * factor, inner.activation_bytes)
+            self._costs[key] = cost
+        return cost
+
+
 class ProfileEntry(BaseModel):
     """One measured (or simulated) point. A size that did not fit the device is kept with `fits: false`."""
 

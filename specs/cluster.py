@@ -30,6 +30,12 @@ class GroupSpec(BaseModel):
     intra_node_GBps: float | None = Field(default=None, gt=0)
     memory_GB: float | None = Field(default=None, gt=0)
     peak_tflops: float | None = Field(default=None, gt=0)
+    emulate_speed: float | None = Field(
+        default=None,
+        gt=0,
+        le=1,
+        description="cpu groups only: run (and predict) this group's compute at this fraction of the host's speed",
+    )
 
 
 class NetworkSpec(BaseModel):
@@ -69,6 +75,7 @@ class DeviceGroup:
     devices_per_node: int
     nics_per_node: int
     nic_bw_bytes_per_s: float
+    emulate_speed: float = 1.0  # < 1: a CPU group emulating a slower device type (compute really repeated)
 
     @property
     def num_devices(self) -> int:
@@ -81,7 +88,13 @@ class DeviceGroup:
 
     def with_nodes(self, nodes: int) -> DeviceGroup:
         return DeviceGroup(
-            self.name, self.device, nodes, self.devices_per_node, self.nics_per_node, self.nic_bw_bytes_per_s
+            self.name,
+            self.device,
+            nodes,
+            self.devices_per_node,
+            self.nics_per_node,
+            self.nic_bw_bytes_per_s,
+            self.emulate_speed,
         )
 
 
@@ -119,6 +132,12 @@ def resolve_cluster(spec: ClusterFile, source: str) -> ClusterSpec:
         }
         if overrides:
             device = device.model_copy(update=overrides)
+        if group.emulate_speed is not None and device.key != "cpu":
+            raise SpecError(
+                source,
+                f"groups[{index}].emulate_speed",
+                f"speed emulation is for cpu groups (this one is {device.key}): a real device runs at its own speed",
+            )
         groups.append(
             DeviceGroup(
                 name=group.name,
@@ -127,6 +146,7 @@ def resolve_cluster(spec: ClusterFile, source: str) -> ClusterSpec:
                 devices_per_node=group.devices_per_node,
                 nics_per_node=group.nics_per_node,
                 nic_bw_bytes_per_s=gbps_to_bytes_per_s(group.nic_gbps),
+                emulate_speed=group.emulate_speed or 1.0,
             )
         )
     return ClusterSpec(

@@ -1,0 +1,425 @@
+"""One rank of a plan: its stage shard, 1F1B over its replica's micro-batches, weighted DP sync, (ZeRO-1) Adam.
+
+Ranks are numbered as the planner numbers devices (comm.plan_groups): groups in cluster order, node-major; a stage's
+rank for (replica r, TP rank k) is group offset + stage offset + r * tp + k. Every rank creates every group of the plan
+in one order. Activations are replicated over a stage's TP ranks, so between stages of different TP widths receiving
+rank k takes its input from sending rank k mod tp_sender (and gradients flow back the same way).
+
+The schedule is 1F1B (what the cost model times) written out here rather than taken from torch.distributed.pipelining,
+because stages of one pipeline may have different TP widths (a PipelineStage has one rank per stage) and because the
+run record needs each stage's compute and wait time. Each micro-batch's loss is scaled by 1 / (micro-batches in the
+global batch) and DP gradients are summed, so replicas with uneven batch shares give exactly the full-batch gradient.
+
+Speed emulation (`emulate_speed` s < 1 on a CPU group): after each forward and backward, the rank keeps repeating its
+stage's layer math (no gradients, no collectives) until the pass has taken 1/s of its real time; no sleeping.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from itertools import cycle
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from comm.communicator import CommGroup, Communicator
+from comm.plan_groups import plan_groups, rank_islands
+from predictor.strategy import StageStrategy, Strategy
+from runtime.model import StageModule, seeded_pieces
+from runtime.tensor_parallel import TensorParallel
+from specs.cluster import ClusterSpec
+from specs.model import ModelSpec
+
+TORCH_DTYPES = {"fp32": torch.float32, "fp64": torch.float64, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    steps: int = 5
+    seed: int = 0
+    dtype: str = "fp32"
+    learning_rate: float = 1e-3
+    weight_decay: float = 0.01
+    timeout_s: float = 120.0
+    capture_gradients: bool = False  # write step 0's synced gradients (parity tests)
+
+
+@dataclass(frozen=True)
+class Role:
+    stage_index: int
+    replica: int
+    tp_rank: int
+    stage: StageStrategy
+    microbatches: int
+    sample_start: int  # this replica's first sample in the global batch
+
+
+def rank_roles(cluster: ClusterSpec, strategy: Strategy) -> dict[int, Role]:
+    offsets, start = {}, 0
+    for group in cluster.groups:
+        offsets[group.name] = start
+        start += group.num_devices
+    pipeline = strategy.pipelines[0]
+    counts = pipeline.replica_microbatches()
+    starts = [sum(counts[:r]) * pipeline.micro_batch_size for r in range(pipeline.replicas)]
+    roles = {}
+    for index, stage in enumerate(pipeline.stages):
+        for replica in range(pipeline.replicas):
+            for k in range(stage.tp):
+                rank = offsets[stage.group] + stage.device_offset + replica * stage.tp + k
+                roles[rank] = Role(index, replica, k, stage, counts[replica], starts[replica])
+    return roles
+
+
+def synthetic_batch(model: ModelSpec, global_batch: int, seq_length: int, seed: int, step: int) -> torch.Tensor:
+    """Token sequences (global_batch, seq_length + 1) following a fixed rule next = (7 * token + 3) mod V with
+    random starts and 10% random tokens: learnable, so the loss falls as training works."""
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    vocab = model.vocab_size
+    tokens = torch.empty(global_batch, seq_length + 1, dtype=torch.long)
+    tokens[:, 0] = torch.randint(0, vocab, (global_batch,), generator=generator)
+    for t in range(seq_length):
+        tokens[:, t + 1] = (7 * tokens[:, t] + 3) % vocab
+    noise = torch.rand(global_batch, seq_length + 1, generator=generator) < 0.1
+    tokens[noise] = torch.randint(0, vocab, (int(noise.sum()),), generator=generator)
+    return tokens
+
+
+class FlatAdam:
+    """AdamW (torch's update, decoupled weight decay) over the flattened parameters; with ZeRO-1 this rank keeps
+    moments for and updates only its 1/dp slice, then the slices are all-gathered."""
+
+    def __init__(
+        self,
+        params: list[torch.nn.Parameter],
+        settings: RunSettings,
+        shard: tuple[CommGroup, int, int] | None,
+        comm: Communicator,
+    ) -> None:
+        self.params = params
+        self.settings = settings
+        self.comm = comm
+        self.numel = sum(p.numel() for p in params)
+        self.shard = shard
+        if shard is not None:
+            _, index, count = shard
+            self.chunk = -(-self.numel // count)
+            self.lo, self.hi = index * self.chunk, min(self.numel, (index + 1) * self.chunk)
+        else:
+            self.lo, self.hi = 0, self.numel
+        size = max(0, self.hi - self.lo)
+        dtype = params[0].dtype if params else torch.float32
+        self.exp_avg = torch.zeros(size, dtype=dtype)
+        self.exp_avg_sq = torch.zeros(size, dtype=dtype)
+        self.steps = 0
+
+    def flat(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.zeros(0)
+
+    def step(self, grads: torch.Tensor) -> None:
+        self.steps += 1
+        beta1, beta2, eps = 0.9, 0.999, 1e-8
+        lr, wd = self.settings.learning_rate, self.settings.weight_decay
+        with torch.no_grad():
+            flat = self.flat([p.data for p in self.params])
+            mine, grad = flat[self.lo : self.hi], grads[self.lo : self.hi]
+            mine.mul_(1 - lr * wd)
+            self.exp_avg.lerp_(grad, 1 - beta1)
+            self.exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+            denom = (self.exp_avg_sq.sqrt() / math.sqrt(1 - beta2**self.steps)).add_(eps)
+            mine.addcdiv_(self.exp_avg, denom, value=-lr / (1 - beta1**self.steps))
+            if self.shard is not None:
+                group = self.shard[0]
+                padded = torch.zeros(self.chunk, dtype=flat.dtype)
+                padded[: mine.numel()] = mine
+                pieces = self.comm.all_gather(padded, group)
+                flat = torch.cat(pieces)[: self.numel]
+            offset = 0
+            for p in self.params:
+                p.data.copy_(flat[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
+
+
+@dataclass
+class StageTimes:
+    compute_s: float = 0.0
+    emulation_s: float = 0.0
+    wait_s: float = 0.0
+    sync_s: float = 0.0
+    optimizer_s: float = 0.0
+    per_step: list[dict[str, float]] = field(default_factory=list)
+
+
+class Emulator:
+    """Makes a pass take 1/speed of its real time by repeating the stage's layer math."""
+
+    def __init__(self, speed: float, stage: StageModule, tp: TensorParallel) -> None:
+        self.speed, self.stage, self.tp = speed, stage, tp
+        self.sample: torch.Tensor | None = None
+
+    def extend(self, real_s: float) -> float:
+        if self.speed >= 1.0 or self.sample is None:
+            return 0.0
+        started = time.perf_counter()
+        deadline = started + real_s * (1.0 / self.speed - 1.0)
+        pieces = list(self.stage.layers) or [torch.nn.Identity()]
+        with torch.no_grad(), self.tp.suppress():
+            for layer in cycle(pieces):
+                if time.perf_counter() >= deadline:
+                    break
+                layer(self.sample)
+        return time.perf_counter() - started
+
+
+def _targets(rank_from: int, tp_from: int, tp_to: int) -> list[int]:
+    """TP ranks of the next stage that take their input from TP rank `rank_from` (receiver k <- sender k % tp)."""
+    return [k for k in range(tp_to) if k % tp_from == rank_from]
+
+
+def run_rank(
+    rank: int,
+    world_size: int,
+    cluster: ClusterSpec,
+    model: ModelSpec,
+    strategy: Strategy,
+    global_batch: int,
+    seq_length: int,
+    settings: RunSettings,
+    out_dir: str,
+) -> None:
+    """Train `settings.steps` steps as one rank (torch.distributed already initialised) and write rank-R.json."""
+    torch.set_num_threads(1)
+    comm = Communicator(rank_islands(cluster), timeout_s=settings.timeout_s)
+    planned = plan_groups(cluster, strategy, global_batch)
+    made = comm.create_groups([g.ranks for g in planned])
+    roles = rank_roles(cluster, strategy)
+    role = roles.get(rank)
+    result: dict[str, Any] = {"rank": rank}
+    if role is None:  # a device the plan leaves idle: it only keeps step with the others
+        for _ in range(settings.steps):
+            dist.barrier()
+        result["idle"] = True
+        _finish(comm, rank, result, out_dir)
+        return
+    pipeline = strategy.pipelines[0]
+    stages = pipeline.stages
+    index, stage = role.stage_index, role.stage
+    tp_group = next(g for p, g in zip(planned, made, strict=True) if p.kind == "tp" and rank in p.ranks)
+    dp_group = next(g for p, g in zip(planned, made, strict=True) if p.kind == "dp" and rank in p.ranks)
+    tp = TensorParallel(tp_group.process_group, stage.tp, role.tp_rank)
+    first, last = index == 0, index == len(stages) - 1
+    pieces = seeded_pieces(model, stage.layer_start, stage.layer_end, first, last, settings.seed)
+    module = StageModule(model, pieces, tp, strategy.stage_recompute(stage))
+    dtype = TORCH_DTYPES[settings.dtype]
+    module.to(dtype)
+    params = [p for p in module.parameters() if p.requires_grad]
+    dp_size = len(dp_group.ranks)
+    shard = (dp_group, dp_group.ranks.index(rank), dp_size) if strategy.zero_stage >= 1 and dp_size > 1 else None
+    optimizer = FlatAdam(params, settings, shard, comm)
+    speed = cluster.group(stage.group).emulate_speed
+    emulator = Emulator(speed, module, tp)
+    mbs, total_mb = pipeline.micro_batch_size, pipeline.microbatch_total
+    shape = (mbs, seq_length, model.hidden_size)
+    emulator.sample = torch.randn(shape, dtype=dtype)  # what repeated layer math runs on
+
+    runner = _StageRunner(rank, cluster, model, strategy, role, module, comm, emulator, dtype, seq_length)
+    times = runner.times
+    losses: list[float] = []
+    for step in range(settings.steps):
+        dist.barrier()
+        started = time.perf_counter()
+        before = (times.compute_s, times.emulation_s, times.wait_s)
+        tokens = synthetic_batch(model, global_batch, seq_length, settings.seed, step)
+        loss_sum = runner.one_f_one_b(tokens[role.sample_start : role.sample_start + role.microbatches * mbs])
+        t0 = time.perf_counter()
+        grads = optimizer.flat([p.grad if p.grad is not None else torch.zeros_like(p) for p in params])
+        comm.all_reduce(grads, dp_group)
+        times.sync_s += time.perf_counter() - t0
+        if settings.capture_gradients and step == 0:
+            torch.save(_unflatten(module, params, grads), Path(out_dir, f"grads-{rank}.pt"))
+        t0 = time.perf_counter()
+        optimizer.step(grads)
+        for p in params:
+            p.grad = None
+        times.optimizer_s += time.perf_counter() - t0
+        elapsed = time.perf_counter() - started
+        times.per_step.append(
+            {
+                "time_s": elapsed,
+                "compute_s": times.compute_s - before[0],
+                "emulation_s": times.emulation_s - before[1],
+                "wait_s": times.wait_s - before[2],
+            }
+        )
+        losses.append(loss_sum / total_mb if last and role.tp_rank == 0 else 0.0)
+
+    result.update(
+        stage=index,
+        replica=role.replica,
+        tp_rank=role.tp_rank,
+        group=stage.group,
+        layers=[stage.layer_start, stage.layer_end],
+        microbatches=role.microbatches,
+        emulate_speed=speed,
+        loss_contributions=losses,
+        last_stage=last,
+        steps=times.per_step,
+        sync_s=times.sync_s,
+        optimizer_s=times.optimizer_s,
+        parameters=sum(p.numel() for p in params),
+        max_rss_bytes=_max_rss_bytes(),
+    )
+    _finish(comm, rank, result, out_dir)
+
+
+class _StageRunner:
+    """One rank's pipeline work for an iteration: 1F1B over its replica's micro-batches."""
+
+    def __init__(
+        self,
+        rank: int,
+        cluster: ClusterSpec,
+        model: ModelSpec,
+        strategy: Strategy,
+        role: Role,
+        module: StageModule,
+        comm: Communicator,
+        emulator: Emulator,
+        dtype: torch.dtype,
+        seq_length: int,
+    ) -> None:
+        pipeline = strategy.pipelines[0]
+        self.stages = pipeline.stages
+        self.role, self.module, self.comm, self.emulator, self.dtype = role, module, comm, emulator, dtype
+        self.index = role.stage_index
+        self.first, self.last = self.index == 0, self.index == len(self.stages) - 1
+        self.mbs, self.total_mb = pipeline.micro_batch_size, pipeline.microbatch_total
+        self.shape = (self.mbs, seq_length, model.hidden_size)
+        self.offsets = {}
+        start = 0
+        for group in cluster.groups:
+            self.offsets[group.name] = start
+            start += group.num_devices
+        self.times = StageTimes()
+        self.sends: list[dist.Work] = []
+        self.saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.loss_sum = 0.0
+
+    def peer(self, stage_index: int, tp_rank: int) -> int:
+        other = self.stages[stage_index]
+        return self.offsets[other.group] + other.device_offset + self.role.replica * other.tp + tp_rank
+
+    def receive(self, src: int) -> torch.Tensor:
+        buffer = torch.empty(self.shape, dtype=self.dtype)
+        waited = time.perf_counter()
+        self.comm.irecv(buffer, src).wait()
+        self.times.wait_s += time.perf_counter() - waited
+        return buffer
+
+    def forward(self, j: int, tokens: torch.Tensor) -> None:
+        index, tp_rank = self.index, self.role.tp_rank
+        batch = tokens[j * self.mbs : (j + 1) * self.mbs]
+        if self.first:
+            x = batch[:, :-1]
+        else:
+            x = self.receive(self.peer(index - 1, tp_rank % self.stages[index - 1].tp)).requires_grad_()
+        t0 = time.perf_counter()
+        out = self.module(x, batch[:, 1:] if self.last else None)
+        real = time.perf_counter() - t0
+        self.times.compute_s += real
+        self.times.emulation_s += self.emulator.extend(real)
+        if self.last:
+            self.loss_sum += float(out.detach())
+        else:
+            for k in _targets(tp_rank, self.stages[index].tp, self.stages[index + 1].tp):
+                self.sends.append(self.comm.isend(out.detach(), self.peer(index + 1, k)))
+        self.saved[j] = (x, out)
+
+    def backward(self, j: int) -> None:
+        index, tp_rank = self.index, self.role.tp_rank
+        x, out = self.saved.pop(j)
+        grad = None
+        if not self.last:
+            grad = self.receive(self.peer(index + 1, tp_rank % self.stages[index + 1].tp))
+        t0 = time.perf_counter()
+        if self.last:
+            (out / self.total_mb).backward()
+        else:
+            out.backward(grad)
+        real = time.perf_counter() - t0
+        self.times.compute_s += real
+        self.times.emulation_s += self.emulator.extend(real)
+        if not self.first:
+            for k in _targets(tp_rank, self.stages[index].tp, self.stages[index - 1].tp):
+                self.sends.append(self.comm.isend(x.grad, self.peer(index - 1, k)))
+
+    def one_f_one_b(self, tokens: torch.Tensor) -> float:
+        """Run this replica's micro-batches through the stage; returns the sum of micro-batch losses (last stage)."""
+        self.loss_sum = 0.0
+        count = self.role.microbatches
+        warmup = min(len(self.stages) - self.index - 1, count)
+        for j in range(warmup):
+            self.forward(j, tokens)
+        for j in range(count - warmup):
+            self.forward(warmup + j, tokens)
+            self.backward(j)
+        for j in range(count - warmup, count):
+            self.backward(j)
+        for work in self.sends:
+            work.wait()
+        self.sends.clear()
+        return self.loss_sum
+
+
+def _unflatten(module: StageModule, params: list[torch.nn.Parameter], flat: torch.Tensor) -> dict[str, torch.Tensor]:
+    names = {id(p): name for name, p in module.named_parameters()}
+    out, offset = {}, 0
+    for p in params:
+        out[names[id(p)]] = flat[offset : offset + p.numel()].view_as(p).clone()
+        offset += p.numel()
+    return out
+
+
+def _max_rss_bytes() -> int:
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def _finish(comm: Communicator, rank: int, result: dict[str, Any], out_dir: str) -> None:
+    dist.barrier()
+    Path(out_dir, f"rank-{rank}.json").write_text(json.dumps(result), encoding="utf-8")
+
+
+def spawned_rank(
+    rank: int,
+    world_size: int,
+    port: int,
+    cluster: ClusterSpec,
+    model: ModelSpec,
+    strategy: Strategy,
+    global_batch: int,
+    seq_length: int,
+    settings: RunSettings,
+    out_dir: str,
+) -> None:
+    """Entry point of a locally spawned rank (Gloo over loopback)."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=settings.timeout_s),
+    )
+    try:
+        run_rank(rank, world_size, cluster, model, strategy, global_batch, seq_length, settings, out_dir)
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,182 @@
+"""The model a plan runs: the profiler's layers at the plan's sizes, each initialised from its own seed.
+
+Piece i of the model (0: embedding, 1..L: decoder layers, L+1: final norm and LM head) is built whole from
+`seed + i`, so every rank builds only the pieces of its stage and slices its tensor-parallel shard out of them, and a
+single-process reference (`reference_model`) builds the very same weights.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from profiler.layers import DecoderLayer
+from runtime.tensor_parallel import TensorParallel, VocabParallelEmbedding, VocabParallelHead
+from specs.errors import SpecError
+from specs.model import ModelSpec, Recompute
+
+
+def _seeded(seed: int) -> None:
+    torch.manual_seed(seed)
+
+
+def full_embedding(model: ModelSpec, seed: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    _seeded(seed)
+    tokens = nn.Embedding(model.vocab_size, model.hidden_size).weight.detach()
+    positions = nn.Embedding(model.seq_length, model.hidden_size).weight.detach() if model.mlp == "gelu" else None
+    return tokens, positions
+
+
+def full_layer(model: ModelSpec, index: int, seed: int, recompute: Recompute = "none") -> DecoderLayer:
+    _seeded(seed + 1 + index)
+    return DecoderLayer(model, 1, recompute)
+
+
+def full_head(model: ModelSpec, seed: int) -> tuple[nn.Module, torch.Tensor]:
+    _seeded(seed + 1 + model.num_layers)
+    h = model.hidden_size
+    norm = nn.RMSNorm(h, eps=1e-5) if model.mlp == "swiglu" else nn.LayerNorm(h, eps=1e-5)
+    output = nn.Linear(h, model.vocab_size, bias=False).weight.detach()
+    return norm, output
+
+
+def check_tp(model: ModelSpec, tp: int, source: str) -> None:
+    for what, value in (
+        ("attention heads", model.num_attention_heads),
+        ("kv heads", model.num_kv_heads),
+        ("ffn hidden size", model.ffn_hidden_size),
+        ("vocabulary", model.vocab_size),
+    ):
+        if value % tp:
+            raise SpecError(source, "tp", f"the runtime shards {what} ({value}) over TP {tp}: it must divide")
+
+
+def shard_layer(full: DecoderLayer, model: ModelSpec, tp: TensorParallel, recompute: Recompute) -> DecoderLayer:
+    """TP rank `tp.rank`'s shard of a whole layer: column-parallel QKV and up, row-parallel out and down."""
+    shard = DecoderLayer(model, tp.size, recompute)
+    k, t, d = tp.rank, tp.size, model.head_dim
+    heads, kv = model.num_attention_heads, model.num_kv_heads
+    f = model.ffn_hidden_size
+
+    def rows(weight: torch.Tensor, start: int, count: int) -> torch.Tensor:
+        return weight[start : start + count]
+
+    with torch.no_grad():
+        shard.attention_norm.load_state_dict(full.attention_norm.state_dict())
+        shard.mlp_norm.load_state_dict(full.mlp_norm.state_dict())
+        q_rows, kv_rows = heads * d // t, kv * d // t
+        for name in ("weight", "bias"):
+            full_qkv = getattr(full.qkv, name)
+            if full_qkv is None:
+                continue
+            q = rows(full_qkv, k * q_rows, q_rows)
+            key = rows(full_qkv, heads * d + k * kv_rows, kv_rows)
+            value = rows(full_qkv, heads * d + kv * d + k * kv_rows, kv_rows)
+            getattr(shard.qkv, name).copy_(torch.cat([q, key, value]))
+        shard.out.weight.copy_(full.out.weight[:, k * q_rows : (k + 1) * q_rows])
+        per = f // t
+        if model.mlp == "swiglu":
+            gate, value = full.up.weight.chunk(2)
+            shard.up.weight.copy_(torch.cat([rows(gate, k * per, per), rows(value, k * per, per)]))
+        else:
+            shard.up.weight.copy_(rows(full.up.weight, k * per, per))
+            shard.up.bias.copy_(rows(full.up.bias, k * per, per))
+        shard.down.weight.copy_(full.down.weight[:, k * per : (k + 1) * per])
+        for row_parallel, whole in ((shard.out, full.out), (shard.down, full.down)):
+            if row_parallel.bias is not None:  # added once, after the reduction: rank 0 keeps it
+                row_parallel.bias.copy_(whole.bias if k == 0 else torch.zeros_like(whole.bias))
+                row_parallel.bias.requires_grad_(k == 0)
+    shard.enter_tp, shard.leave_tp = tp.enter, tp.leave
+    return shard
+
+
+class StageModule(nn.Module):
+    """Layers [start, end) of the model for one TP rank, with the embedding on the first stage and the LM head and
+    loss on the last. forward(x) gives the stage output; the last stage's is the micro-batch's mean loss.
+    Built from whole pieces (`seeded_pieces`, or a reference model's gradients for comparing shards)."""
+
+    def __init__(self, model: ModelSpec, pieces: Pieces, tp: TensorParallel, recompute: Recompute) -> None:
+        super().__init__()
+        vocab_rows = model.vocab_size // tp.size
+        lo = tp.rank * vocab_rows
+        self.embedding = None
+        if pieces.embedding is not None:
+            tokens, positions = pieces.embedding
+            self.embedding = VocabParallelEmbedding(tokens[lo : lo + vocab_rows], lo, tp, positions)
+        self.layers = nn.ModuleList(shard_layer(layer, model, tp, recompute) for layer in pieces.layers)
+        self.head = None
+        if pieces.head is not None:
+            norm, output = pieces.head
+            self.head = VocabParallelHead(copy.deepcopy(norm), output[lo : lo + vocab_rows], lo, tp)
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        if self.embedding is not None:
+            x = self.embedding(x)
+        for layer in self.layers:
+            x = layer(x)
+        if self.head is not None:
+            return self.head(x, targets)
+        return x
+
+
+@dataclass
+class Pieces:
+    """Whole (unsharded) pieces of one stage."""
+
+    embedding: tuple[torch.Tensor, torch.Tensor | None] | None
+    layers: list[DecoderLayer]
+    head: tuple[nn.Module, torch.Tensor] | None
+
+
+def seeded_pieces(model: ModelSpec, start: int, end: int, first: bool, last: bool, seed: int) -> Pieces:
+    return Pieces(
+        full_embedding(model, seed) if first else None,
+        [full_layer(model, i, seed) for i in range(start, end)],
+        full_head(model, seed) if last else None,
+    )
+
+
+def gradient_pieces(reference: ReferenceModel, start: int, end: int, first: bool, last: bool) -> Pieces:
+    """The reference model's gradients laid out as pieces, so sharding them gives each rank's expected gradients."""
+
+    def as_grads(module: nn.Module) -> nn.Module:
+        clone = copy.deepcopy(module)
+        for mine, theirs in zip(clone.parameters(), module.parameters(), strict=True):
+            mine.data = theirs.grad.detach().clone()
+        return clone
+
+    def grad(parameter: nn.Parameter | None) -> torch.Tensor | None:
+        return None if parameter is None else parameter.grad.detach().clone()
+
+    return Pieces(
+        (grad(reference.tokens), grad(reference.positions)) if first else None,  # type: ignore[arg-type]
+        [as_grads(reference.layers[i]) for i in range(start, end)],  # type: ignore[misc]
+        (as_grads(reference.norm), grad(reference.output)) if last else None,  # type: ignore[arg-type]
+    )
+
+
+class ReferenceModel(nn.Module):
+    """The whole model in one process, from plain torch pieces (no TP code): what parity is checked against."""
+
+    def __init__(self, model: ModelSpec, seed: int) -> None:
+        super().__init__()
+        tokens, positions = full_embedding(model, seed)
+        self.tokens = nn.Parameter(tokens.clone())
+        self.positions = nn.Parameter(positions.clone()) if positions is not None else None
+        self.layers = nn.ModuleList(full_layer(model, i, seed) for i in range(model.num_layers))
+        self.norm, output = full_head(model, seed)
+        self.output = nn.Parameter(output.clone())
+
+    def forward(self, token_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = F.embedding(token_ids, self.tokens)
+        if self.positions is not None:
+            x = x + self.positions[: token_ids.shape[1]]
+        for layer in self.layers:
+            x = layer(x)
+        logits = F.linear(self.norm(x), self.output)
+        logits = logits if logits.dtype == torch.float64 else logits.float()
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))

@@ -1,0 +1,131 @@
+"""Megatron-style tensor parallelism inside a stage: the f / g boundaries, vocabulary-parallel embedding and loss.
+
+`TensorParallel` wraps the stage's TP process group. `enter` (Megatron's f) is identity forward and all-reduce of the
+input gradient backward, placed where a replicated activation meets a column-parallel GEMM; `leave` (g) all-reduces a
+row-parallel GEMM's partial output forward and is identity backward. Activations are replicated across the TP ranks
+(no sequence parallelism in the runtime). While speed emulation repeats layer math the collectives are skipped
+(`suppressed`), so an emulated slow rank does more compute, not more communication.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+class TensorParallel:
+    """A stage's TP group: `size` ranks, this one is `rank`; `group` is None for TP 1."""
+
+    def __init__(self, group: dist.ProcessGroup | None, size: int, rank: int) -> None:
+        self.group, self.size, self.rank = group, size, rank
+        self.suppressed = False
+
+    def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
+        if self.size > 1 and not self.suppressed:
+            dist.all_reduce(tensor, op=op, group=self.group)
+        return tensor
+
+    @contextmanager
+    def suppress(self) -> Iterator[None]:
+        self.suppressed = True
+        try:
+            yield
+        finally:
+            self.suppressed = False
+
+    def enter(self, x: torch.Tensor) -> torch.Tensor:
+        return _Enter.apply(x, self) if self.size > 1 else x
+
+    def leave(self, x: torch.Tensor) -> torch.Tensor:
+        return _Leave.apply(x, self) if self.size > 1 else x
+
+
+class _Enter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, tp):  # type: ignore[no-untyped-def, override]
+        ctx.tp = tp
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[no-untyped-def, override]
+        return ctx.tp.all_reduce(grad.clone()), None
+
+
+class _Leave(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, tp):  # type: ignore[no-untyped-def, override]
+        return tp.all_reduce(x.clone())
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[no-untyped-def, override]
+        return grad, None
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [start, start + rows) of the token embedding; the partial lookups are summed over the TP group."""
+
+    def __init__(self, weight: torch.Tensor, start: int, tp: TensorParallel, positions: torch.Tensor | None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight.clone())
+        self.start = start
+        self.tp = tp
+        self.positions = nn.Parameter(positions.clone()) if positions is not None else None
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        local = token_ids - self.start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        x = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight)
+        x = x.masked_fill(outside.unsqueeze(-1), 0.0)
+        x = self.tp.leave(x)
+        if self.positions is not None:
+            x = x + self.positions[: token_ids.shape[1]]
+        return x
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy over tokens whose logits are split by vocabulary across the TP group."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, start, tp):  # type: ignore[no-untyped-def, override]
+        logits = logits if logits.dtype == torch.float64 else logits.float()
+        top = logits.max(dim=-1).values
+        tp.all_reduce(top, dist.ReduceOp.MAX)
+        shifted = logits - top.unsqueeze(-1)
+        exp = shifted.exp()
+        total = tp.all_reduce(exp.sum(dim=-1))
+        local = targets - start
+        inside = (local >= 0) & (local < logits.shape[-1])
+        index = local.clamp(0, logits.shape[-1] - 1)
+        target_logit = shifted.gather(-1, index.unsqueeze(-1)).squeeze(-1) * inside
+        tp.all_reduce(target_logit)
+        ctx.save_for_backward(exp, total, index, inside)
+        return (total.log() - target_logit).mean()
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[no-untyped-def, override]
+        exp, total, index, inside = ctx.saved_tensors
+        softmax = exp / total.unsqueeze(-1)
+        softmax.scatter_add_(-1, index.unsqueeze(-1), -inside.to(softmax.dtype).unsqueeze(-1))
+        return softmax * (grad / exp.shape[0]), None, None, None
+
+
+class VocabParallelHead(nn.Module):
+    """Final norm (replicated), the output projection's vocabulary rows [start, ...) and the parallel loss."""
+
+    def __init__(self, norm: nn.Module, weight: torch.Tensor, start: int, tp: TensorParallel) -> None:
+        super().__init__()
+        self.norm = norm
+        self.weight = nn.Parameter(weight.clone())
+        self.start = start
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(self.tp.enter(self.norm(x)), self.weight)
+        return _VocabParallelCrossEntropy.apply(
+            logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), self.start, self.tp
+        )
