@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Optional
 
@@ -746,6 +748,103 @@ def _explain_figure(ctx: CostContext, evaluation: Evaluation, blocks: list[Any],
     figure.tight_layout()
     figure.savefig(path)
     plt.close(figure)
+
+
+@app.command()
+def run(
+    plan_file: Annotated[Path, typer.Argument(help="Plan JSON (from `hetplan plan --out`).", metavar="PLAN")],
+    cluster: Annotated[Path, typer.Option("--cluster", "-c", help="Cluster file of the plan.")],
+    out: Annotated[Path, typer.Option(help="Run record to write (hetplan.run/1; `hetplan fit --runs` reads it).")],
+    steps: Annotated[int, typer.Option(min=1, help="Training steps (the first is a warm-up).")] = 5,
+    seed: Annotated[int, typer.Option(help="Seed of the weights and the synthetic tokens.")] = 0,
+    profiles: Annotated[
+        Optional[Path], typer.Option(help="Predict from these profiles (this machine's), uncalibrated.")
+    ] = None,
+    predictor: PredictorOpt = None,
+    timeout: Annotated[float, typer.Option(min=1, help="Seconds any one wait may take.")] = 120.0,
+    as_json: JsonOpt = False,
+) -> None:
+    """Train a plan for a few steps on local processes (one per device, Gloo) and write the measurement, with the
+    prediction, the loss curve and a single-process loss check beside it."""
+    from planner import load_plan
+    from runtime.execute import RunSettings
+    from runtime.launch import execute
+    from specs.cluster import load_cluster
+    from specs.errors import SpecError
+
+    loaded = load_plan(plan_file)
+    cluster_spec = load_cluster(cluster)
+    if loaded.cluster_name and cluster_spec.name != loaded.cluster_name:
+        raise SpecError(
+            str(cluster), "name", f"the plan is for cluster {loaded.cluster_name!r}, got {cluster_spec.name!r}"
+        )
+    not_cpu = sorted({g.device.key for g in cluster_spec.groups} - {"cpu"})
+    if not_cpu:
+        raise SpecError(
+            str(cluster),
+            "groups",
+            f"local runs use this machine's CPU; the cluster has {', '.join(not_cpu)} (run one rank per device "
+            "under torchrun on the real cluster)",
+        )
+    chosen = _predictor(predictor)
+    measured = _load_profiles(profiles, loaded.model)
+    # the ranks share this machine's cores: predict each rank's compute at its share of a core (profiles are taken
+    # with one thread, as every rank runs)
+    cores = len(os.sched_getaffinity(0))
+    share = min(1.0, cores / cluster_spec.num_devices)
+    shared = replace(
+        cluster_spec, groups=tuple(replace(g, emulate_speed=g.emulate_speed * share) for g in cluster_spec.groups)
+    )
+    if measured:
+        ctx = chosen.base_context(shared, loaded.model, loaded.training, measured)
+    else:
+        ctx = chosen.context(shared, loaded.model, loaded.training)
+    dtype = loaded.training.dtype if loaded.training.dtype == "fp32" else "fp32"
+    settings = RunSettings(steps=steps, seed=seed, dtype=dtype, timeout_s=timeout)
+    console = _console()
+    record = execute(loaded, cluster_spec, str(cluster), ctx, settings, progress=console.print)
+    record["measurements"]["cpu_share"] = {"cores": cores, "ranks": cluster_spec.num_devices, "share": share}
+    out.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+    if as_json:
+        sys.stdout.write(json.dumps(record, indent=2) + "\n")
+        return
+    from rich.table import Table
+
+    details = record["measurements"]
+    table = Table(title=f"hetplan run: {record['name']}")
+    table.add_column("stage")
+    table.add_column("group")
+    table.add_column("layers")
+    table.add_column("speed", justify="right")
+    table.add_column("compute s", justify="right")
+    table.add_column("emulation s", justify="right")
+    table.add_column("wait s", justify="right")
+    for stage in details["stages"]:
+        table.add_row(
+            str(stage["stage"]),
+            stage["group"],
+            f"{stage['layers'][0]}-{stage['layers'][1] - 1}",
+            f"{stage['emulate_speed']:g}",
+            f"{stage['compute_s']:.3f}",
+            f"{stage['emulation_s']:.3f}",
+            f"{stage['wait_s']:.3f}",
+        )
+    console.print(table)
+    reference = record["reference_match"]
+    console.print(
+        f"iteration: measured {record['measured_iteration_time_s']:.3f} s (median of steps 2-{steps}), predicted "
+        f"{record['predicted_iteration_time_s']:.3f} s ({details['prediction_error']:+.1%})"
+    )
+    console.print(f"prediction from: {details['prediction_from']}")
+    console.print("loss per step: " + ", ".join(f"{loss:.4f}" for loss in record["losses"]))
+    if reference.get("checked"):
+        verdict = "matches" if reference["match"] else "DOES NOT MATCH"
+        console.print(
+            f"step 1 loss {verdict} one process: {reference['run_loss']:.6f} vs {reference['reference_loss']:.6f}"
+        )
+    if details["emulation"]:
+        console.print(f"emulated: {details['emulated_groups']}: {details['emulation']}")
+    console.print(f"run record written to {out}")
 
 
 @app.command()

@@ -124,8 +124,8 @@ def summarize(results: list[dict[str, Any]], steps: int) -> dict[str, Any]:
 def reference_check(plan: LoadedPlan, settings: RunSettings, measured_loss: float) -> dict[str, Any]:
     """Step 0's loss of the whole model in this one process, on the same batch and weights."""
     model = plan.model
-    if model.total_params > REFERENCE_MAX_PARAMS:
-        return {"checked": False, "why": f"the model has {model.total_params:,} parameters: too big for one process"}
+    if model.total_params() > REFERENCE_MAX_PARAMS:
+        return {"checked": False, "why": f"the model has {model.total_params():,} parameters: too big for one process"}
     seq_length = plan.training.seq_length or model.seq_length
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
     reference = ReferenceModel(model, settings.seed)
@@ -145,6 +145,7 @@ def reference_check(plan: LoadedPlan, settings: RunSettings, measured_loss: floa
 
 def run_record(
     plan: LoadedPlan,
+    cluster: ClusterSpec,
     cluster_path: str,
     ctx: CostContext,
     settings: RunSettings,
@@ -160,10 +161,10 @@ def run_record(
         for key in ("recompute", "zero_stage", "virtual_stages", "sequence_parallel", "pipelines")
         if key in plan_data
     }
-    emulated = {g.name: g.emulate_speed for g in ctx.cluster.groups if g.emulate_speed != 1.0}
+    emulated = {g.name: g.emulate_speed for g in cluster.groups if g.emulate_speed != 1.0}
     return {
         "schema": RUN_SCHEMA,
-        "name": f"{Path(plan.source).stem} on {ctx.cluster.name}",
+        "name": f"{Path(plan.source).stem} on {cluster.name}",
         "source": f"hetplan run on {platform.node()} ({platform.machine()}, {len(os.sched_getaffinity(0))} cores)",
         "cluster": read_mapping(Path(cluster_path)),
         "model": plan.model.model_dump(mode="json"),
@@ -205,4 +206,4 @@ def execute(
     results = run_plan(plan, cluster, settings)
     summary = summarize(results, settings.steps)
     reference = reference_check(plan, settings, summary["losses"][0])
-    return run_record(plan, cluster_path, ctx, settings, summary, reference)
+    return run_record(plan, cluster, cluster_path, ctx, settings, summary, reference)
