@@ -110,3 +110,26 @@ def test_invalid_strategies_are_named(stages, message):
     ctx = fixed_context(FixedCosts(), global_batch_size=1)
     with pytest.raises(SpecError, match=message):
         check_strategy(ctx, Strategy((PipelineStrategy(1, 1, 1, stages),), "none", 1))
+
+
+def test_an_emulated_cpu_group_is_predicted_slower_by_its_speed_and_only_cpu_groups_may_emulate():
+    from predictor.cost_model import build_context
+    from specs.cluster import ClusterFile, resolve_cluster
+    from specs.errors import SpecError
+    from specs.model import load_model as load
+    from specs.training import TrainingSpec
+
+    def cluster(device: str, speed: float | None) -> object:
+        group = {"name": "g", "device": device, "nodes": 1, "devices_per_node": 2, "nics_per_node": 1, "nic_gbps": 10}
+        if speed is not None:
+            group["emulate_speed"] = speed
+        file = {"name": "c", "groups": [group], "network": {"topology": "clos", "inter_group_gbps": 10}}
+        return resolve_cluster(ClusterFile.model_validate(file), "c.yaml")
+
+    model, training = load("llama2-7b"), TrainingSpec(dtype="fp32")
+    plain = build_context(cluster("cpu", None), model, training).source("g").layer_cost("decoder", 1, 1, "none")
+    slowed = build_context(cluster("cpu", 0.25), model, training).source("g").layer_cost("decoder", 1, 1, "none")
+    assert slowed.forward_time_s == pytest.approx(4 * plain.forward_time_s)
+    assert slowed.backward_time_s == pytest.approx(4 * plain.backward_time_s)
+    with pytest.raises(SpecError, match="emulate_speed"):
+        cluster("a100-80gb", 0.5)
