@@ -154,24 +154,11 @@ class Communicator:
             raise self._fail("broadcast", group, err) from None
 
     def send(self, tensor: torch.Tensor, dst: int) -> None:
-        """Point-to-point over the bridge (the default group), staged through the host."""
-        try:
-            dist.send(self._staged(tensor), dst=dst)
-        except _FAILURES as err:
-            raise CommError(f"rank {self.rank}: send to {dst} failed: {str(err).splitlines()[0]}") from None
+        """Point-to-point over the default group (staged through the host across islands), bounded by the timeout."""
+        self.isend(tensor, dst).wait()
 
     def recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
-        host = torch.empty_like(tensor, device="cpu")
-        try:
-            work = dist.irecv(host, src=src)
-            if not work.wait(self.timeout):
-                raise RuntimeError("timed out")
-        except _FAILURES as err:
-            raise CommError(
-                f"rank {self.rank}: recv from {src} failed within the {self.timeout.total_seconds():g} s timeout: "
-                f"{str(err).splitlines()[0]}"
-            ) from None
-        tensor.copy_(host)
+        self.irecv(tensor, src).wait()
         return tensor
 
     def isend(self, tensor: torch.Tensor, dst: int) -> dist.Work:
@@ -183,11 +170,17 @@ class Communicator:
             raise CommError(f"rank {self.rank}: send to {dst} failed: {str(err).splitlines()[0]}") from None
 
     def irecv(self, tensor: torch.Tensor, src: int) -> dist.Work:
-        """Start a receive into `tensor`; `wait()` (bounded by the timeout) completes it."""
-        if self.islands[src] == self.islands[self.rank]:
-            return StagedWork(dist.irecv(tensor, src=src), self.timeout, [src, self.rank])
-        host = torch.empty_like(tensor, device="cpu")
-        return StagedWork(dist.irecv(host, src=src), self.timeout, [src, self.rank], host, tensor)
+        """Start a receive into `tensor` (through a host buffer across islands); `wait()`, bounded by the timeout,
+        completes it."""
+        same_island = self.islands[src] == self.islands[self.rank]
+        buffer = tensor if same_island else torch.empty_like(tensor, device="cpu")
+        try:
+            work = dist.irecv(buffer, src=src)
+        except _FAILURES as err:
+            raise CommError(f"rank {self.rank}: recv from {src} failed: {str(err).splitlines()[0]}") from None
+        if same_island:
+            return StagedWork(work, self.timeout, [src, self.rank])
+        return StagedWork(work, self.timeout, [src, self.rank], buffer, tensor)
 
     def barrier(self, group: CommGroup) -> None:
         try:

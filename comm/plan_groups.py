@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from comm.vendors import CATALOG_VENDORS
-from predictor.strategy import Strategy
+from predictor.strategy import StageStrategy, Strategy
 from specs.cluster import ClusterSpec
 from specs.errors import SpecError
 
@@ -37,17 +37,27 @@ def rank_islands(cluster: ClusterSpec) -> list[str]:
     return islands
 
 
-def plan_groups(cluster: ClusterSpec, strategy: Strategy, global_batch: int) -> list[PlannedGroup]:
+def group_offsets(cluster: ClusterSpec) -> dict[str, int]:
+    """The global rank of each group's first device."""
     offsets, start = {}, 0
     for group in cluster.groups:
         offsets[group.name] = start
         start += group.num_devices
+    return offsets
+
+
+def stage_rank(offsets: dict[str, int], stage: StageStrategy, replica: int, tp_rank: int) -> int:
+    """The global rank of (replica, TP rank) of a stage: group offset + stage offset + replica * tp + tp rank."""
+    return offsets[stage.group] + stage.device_offset + replica * stage.tp + tp_rank
+
+
+def plan_groups(cluster: ClusterSpec, strategy: Strategy, global_batch: int) -> list[PlannedGroup]:
+    offsets = group_offsets(cluster)
     pipeline = strategy.pipelines[0]
     stages = pipeline.stages
 
     def rank(stage_index: int, replica: int, tp_rank: int) -> int:
-        stage = stages[stage_index]
-        return offsets[stage.group] + stage.device_offset + replica * stage.tp + tp_rank
+        return stage_rank(offsets, stages[stage_index], replica, tp_rank)
 
     groups: list[PlannedGroup] = []
     for index, stage in enumerate(stages):

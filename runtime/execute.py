@@ -30,11 +30,12 @@ import torch
 import torch.distributed as dist
 
 from comm.communicator import CommGroup, Communicator
-from comm.plan_groups import plan_groups, rank_islands
+from comm.plan_groups import group_offsets, plan_groups, rank_islands, stage_rank
 from predictor.strategy import StageStrategy, Strategy
 from runtime.model import StageModule, seeded_pieces
 from runtime.tensor_parallel import TensorParallel
 from specs.cluster import ClusterSpec
+from specs.errors import SpecError
 from specs.model import ModelSpec
 
 TORCH_DTYPES = {"fp32": torch.float32, "fp64": torch.float64, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -52,6 +53,19 @@ class RunSettings:
 
 
 @dataclass(frozen=True)
+class RunJob:
+    """What every rank of a run needs (pickled to the spawned processes)."""
+
+    cluster: ClusterSpec
+    model: ModelSpec
+    strategy: Strategy
+    global_batch: int
+    seq_length: int
+    settings: RunSettings
+    out_dir: str
+
+
+@dataclass(frozen=True)
 class Role:
     stage_index: int
     replica: int
@@ -62,10 +76,7 @@ class Role:
 
 
 def rank_roles(cluster: ClusterSpec, strategy: Strategy) -> dict[int, Role]:
-    offsets, start = {}, 0
-    for group in cluster.groups:
-        offsets[group.name] = start
-        start += group.num_devices
+    offsets = group_offsets(cluster)
     pipeline = strategy.pipelines[0]
     counts = pipeline.replica_microbatches()
     starts = [sum(counts[:r]) * pipeline.micro_batch_size for r in range(pipeline.replicas)]
@@ -73,8 +84,9 @@ def rank_roles(cluster: ClusterSpec, strategy: Strategy) -> dict[int, Role]:
     for index, stage in enumerate(pipeline.stages):
         for replica in range(pipeline.replicas):
             for k in range(stage.tp):
-                rank = offsets[stage.group] + stage.device_offset + replica * stage.tp + k
-                roles[rank] = Role(index, replica, k, stage, counts[replica], starts[replica])
+                roles[stage_rank(offsets, stage, replica, k)] = Role(
+                    index, replica, k, stage, counts[replica], starts[replica]
+                )
     return roles
 
 
@@ -160,18 +172,19 @@ class StageTimes:
 class Emulator:
     """Makes a pass take 1/speed of its real time by repeating the stage's layer math."""
 
-    def __init__(self, speed: float, stage: StageModule, tp: TensorParallel) -> None:
+    def __init__(self, speed: float, stage: StageModule, tp: TensorParallel, sample: torch.Tensor) -> None:
+        if speed < 1.0 and not len(stage.layers):
+            raise SpecError("cluster", "emulate_speed", "a stage without decoder layers has no layer math to repeat")
         self.speed, self.stage, self.tp = speed, stage, tp
-        self.sample: torch.Tensor | None = None
+        self.sample = sample  # an activation of the stage's shape for the repeated layer math
 
     def extend(self, real_s: float) -> float:
-        if self.speed >= 1.0 or self.sample is None:
+        if self.speed >= 1.0:
             return 0.0
         started = time.perf_counter()
         deadline = started + real_s * (1.0 / self.speed - 1.0)
-        pieces = list(self.stage.layers) or [torch.nn.Identity()]
         with torch.no_grad(), self.tp.suppress():
-            for layer in cycle(pieces):
+            for layer in cycle(self.stage.layers):
                 if time.perf_counter() >= deadline:
                     break
                 layer(self.sample)
@@ -183,18 +196,10 @@ def _targets(rank_from: int, tp_from: int, tp_to: int) -> list[int]:
     return [k for k in range(tp_to) if k % tp_from == rank_from]
 
 
-def run_rank(
-    rank: int,
-    world_size: int,
-    cluster: ClusterSpec,
-    model: ModelSpec,
-    strategy: Strategy,
-    global_batch: int,
-    seq_length: int,
-    settings: RunSettings,
-    out_dir: str,
-) -> None:
+def run_rank(rank: int, job: RunJob) -> None:
     """Train `settings.steps` steps as one rank (torch.distributed already initialised) and write rank-R.json."""
+    cluster, model, strategy, settings = job.cluster, job.model, job.strategy, job.settings
+    global_batch, seq_length, out_dir = job.global_batch, job.seq_length, job.out_dir
     torch.set_num_threads(1)
     comm = Communicator(rank_islands(cluster), timeout_s=settings.timeout_s)
     planned = plan_groups(cluster, strategy, global_batch)
@@ -206,7 +211,7 @@ def run_rank(
         for _ in range(settings.steps):
             dist.barrier()
         result["idle"] = True
-        _finish(comm, rank, result, out_dir)
+        _finish(rank, result, out_dir)
         return
     pipeline = strategy.pipelines[0]
     stages = pipeline.stages
@@ -224,12 +229,10 @@ def run_rank(
     shard = (dp_group, dp_group.ranks.index(rank), dp_size) if strategy.zero_stage >= 1 and dp_size > 1 else None
     optimizer = FlatAdam(params, settings, shard, comm)
     speed = cluster.group(stage.group).emulate_speed
-    emulator = Emulator(speed, module, tp)
     mbs, total_mb = pipeline.micro_batch_size, pipeline.microbatch_total
-    shape = (mbs, seq_length, model.hidden_size)
-    emulator.sample = torch.randn(shape, dtype=dtype)  # what repeated layer math runs on
+    emulator = Emulator(speed, module, tp, torch.randn(mbs, seq_length, model.hidden_size, dtype=dtype))
 
-    runner = _StageRunner(rank, cluster, model, strategy, role, module, comm, emulator, dtype, seq_length)
+    runner = _StageRunner(job, role, module, comm, emulator, dtype)
     times = runner.times
     losses: list[float] = []
     for step in range(settings.steps):
@@ -276,7 +279,7 @@ def run_rank(
         parameters=sum(p.numel() for p in params),
         max_rss_bytes=_max_rss_bytes(),
     )
-    _finish(comm, rank, result, out_dir)
+    _finish(rank, result, out_dir)
 
 
 class _StageRunner:
@@ -284,37 +287,28 @@ class _StageRunner:
 
     def __init__(
         self,
-        rank: int,
-        cluster: ClusterSpec,
-        model: ModelSpec,
-        strategy: Strategy,
+        job: RunJob,
         role: Role,
         module: StageModule,
         comm: Communicator,
         emulator: Emulator,
         dtype: torch.dtype,
-        seq_length: int,
     ) -> None:
-        pipeline = strategy.pipelines[0]
+        pipeline = job.strategy.pipelines[0]
         self.stages = pipeline.stages
         self.role, self.module, self.comm, self.emulator, self.dtype = role, module, comm, emulator, dtype
         self.index = role.stage_index
         self.first, self.last = self.index == 0, self.index == len(self.stages) - 1
         self.mbs, self.total_mb = pipeline.micro_batch_size, pipeline.microbatch_total
-        self.shape = (self.mbs, seq_length, model.hidden_size)
-        self.offsets = {}
-        start = 0
-        for group in cluster.groups:
-            self.offsets[group.name] = start
-            start += group.num_devices
+        self.shape = (self.mbs, job.seq_length, job.model.hidden_size)
+        self.offsets = group_offsets(job.cluster)
         self.times = StageTimes()
         self.sends: list[dist.Work] = []
         self.saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.loss_sum = 0.0
 
     def peer(self, stage_index: int, tp_rank: int) -> int:
-        other = self.stages[stage_index]
-        return self.offsets[other.group] + other.device_offset + self.role.replica * other.tp + tp_rank
+        return stage_rank(self.offsets, self.stages[stage_index], self.role.replica, tp_rank)
 
     def receive(self, src: int) -> torch.Tensor:
         buffer = torch.empty(self.shape, dtype=self.dtype)
@@ -393,23 +387,12 @@ def _max_rss_bytes() -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
-def _finish(comm: Communicator, rank: int, result: dict[str, Any], out_dir: str) -> None:
+def _finish(rank: int, result: dict[str, Any], out_dir: str) -> None:
     dist.barrier()
     Path(out_dir, f"rank-{rank}.json").write_text(json.dumps(result), encoding="utf-8")
 
 
-def spawned_rank(
-    rank: int,
-    world_size: int,
-    port: int,
-    cluster: ClusterSpec,
-    model: ModelSpec,
-    strategy: Strategy,
-    global_batch: int,
-    seq_length: int,
-    settings: RunSettings,
-    out_dir: str,
-) -> None:
+def spawned_rank(rank: int, world_size: int, port: int, job: RunJob) -> None:
     """Entry point of a locally spawned rank (Gloo over loopback)."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     dist.init_process_group(
@@ -417,9 +400,9 @@ def spawned_rank(
         init_method=f"tcp://127.0.0.1:{port}",
         rank=rank,
         world_size=world_size,
-        timeout=timedelta(seconds=settings.timeout_s),
+        timeout=timedelta(seconds=job.settings.timeout_s),
     )
     try:
-        run_rank(rank, world_size, cluster, model, strategy, global_batch, seq_length, settings, out_dir)
+        run_rank(rank, job)
     finally:
         dist.destroy_process_group()

@@ -21,7 +21,7 @@ from planner.plan import LoadedPlan
 from predictor.cost_model import CostContext, check_strategy, evaluate
 from predictor.runs import RUN_SCHEMA
 from profiler.comm_bench import free_port, run_processes
-from runtime.execute import RunSettings, spawned_rank, synthetic_batch
+from runtime.execute import RunJob, RunSettings, spawned_rank, synthetic_batch
 from runtime.model import ReferenceModel, check_tp
 from specs.cluster import ClusterSpec
 from specs.errors import SpecError
@@ -54,19 +54,10 @@ def run_plan(
         )
     seq_length = plan.training.seq_length or plan.model.seq_length
     scratch = out_dir or tempfile.mkdtemp(prefix="hetplan-run-")
+    job = RunJob(cluster, plan.model, strategy, plan.training.global_batch_size, seq_length, settings, scratch)
     run_processes(
         spawned_rank,
-        (
-            world,
-            free_port(),
-            cluster,
-            plan.model,
-            strategy,
-            plan.training.global_batch_size,
-            seq_length,
-            settings,
-            scratch,
-        ),
+        (world, free_port(), job),
         world,
         settings.timeout_s * (settings.steps + 3),
         f"hetplan run with {world} processes",

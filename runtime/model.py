@@ -20,24 +20,20 @@ from specs.errors import SpecError
 from specs.model import ModelSpec, Recompute
 
 
-def _seeded(seed: int) -> None:
-    torch.manual_seed(seed)
-
-
 def full_embedding(model: ModelSpec, seed: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    _seeded(seed)
+    torch.manual_seed(seed)
     tokens = nn.Embedding(model.vocab_size, model.hidden_size).weight.detach()
     positions = nn.Embedding(model.seq_length, model.hidden_size).weight.detach() if model.mlp == "gelu" else None
     return tokens, positions
 
 
 def full_layer(model: ModelSpec, index: int, seed: int, recompute: Recompute = "none") -> DecoderLayer:
-    _seeded(seed + 1 + index)
+    torch.manual_seed(seed + 1 + index)
     return DecoderLayer(model, 1, recompute)
 
 
 def full_head(model: ModelSpec, seed: int) -> tuple[nn.Module, torch.Tensor]:
-    _seeded(seed + 1 + model.num_layers)
+    torch.manual_seed(seed + 1 + model.num_layers)
     h = model.hidden_size
     norm = nn.RMSNorm(h, eps=1e-5) if model.mlp == "swiglu" else nn.LayerNorm(h, eps=1e-5)
     output = nn.Linear(h, model.vocab_size, bias=False).weight.detach()
