@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
-from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Optional
 
@@ -17,6 +15,7 @@ if TYPE_CHECKING:
     from predictor.cost_model import CostContext, Evaluation
     from predictor.predictor import Predictor
     from profiler.profile import DeviceProfile
+    from specs.cluster import ClusterSpec
     from specs.model import ModelSpec
     from specs.training import TrainingSpec
 
@@ -788,22 +787,15 @@ def run(
         )
     chosen = _predictor(predictor)
     measured = _load_profiles(profiles, loaded.model)
-    # the ranks share this machine's cores: predict each rank's compute at its share of a core (profiles are taken
-    # with one thread, as every rank runs)
-    cores = len(os.sched_getaffinity(0))
-    share = min(1.0, cores / cluster_spec.num_devices)
-    shared = replace(
-        cluster_spec, groups=tuple(replace(g, emulate_speed=g.emulate_speed * share) for g in cluster_spec.groups)
-    )
-    if measured:
-        ctx = chosen.base_context(shared, loaded.model, loaded.training, measured)
-    else:
-        ctx = chosen.context(shared, loaded.model, loaded.training)
-    dtype = loaded.training.dtype if loaded.training.dtype == "fp32" else "fp32"
-    settings = RunSettings(steps=steps, seed=seed, dtype=dtype, timeout_s=timeout)
+
+    def context(seen: ClusterSpec) -> CostContext:
+        if measured:  # this machine's profiles as they are: the prediction the run is compared with
+            return chosen.base_context(seen, loaded.model, loaded.training, measured)
+        return chosen.context(seen, loaded.model, loaded.training)
+
+    settings = RunSettings(steps=steps, seed=seed, dtype=loaded.training.dtype, timeout_s=timeout)
     console = _console()
-    record = execute(loaded, cluster_spec, str(cluster), ctx, settings, progress=console.print)
-    record["measurements"]["cpu_share"] = {"cores": cores, "ranks": cluster_spec.num_devices, "share": share}
+    record = execute(loaded, cluster_spec, str(cluster), context, settings, progress=console.print)
     out.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
     if as_json:
         sys.stdout.write(json.dumps(record, indent=2) + "\n")

@@ -66,6 +66,9 @@ class RunRecord(BaseModel):
     training: dict[str, Any] = {}
     strategy: MegatronLayout | PlanLayout
     measured_iteration_time_s: float = Field(gt=0)
+    cpu_share: float = Field(
+        default=1.0, gt=0, le=1, description="the share of a core each CPU rank had (local runs: cores / ranks)"
+    )
     # what `hetplan run` adds beside the measurement (calibration reads only the fields above)
     predicted_iteration_time_s: float | None = None
     losses: list[float] = []
@@ -93,6 +96,7 @@ def _resolve(record: RunRecord, path: Path, where: str) -> Run:
     else:
         parsed = validate(ClusterFile, record.cluster, str(path), prefix=f"{where}.cluster")
         cluster = resolve_cluster(parsed, str(path))
+    cluster = cluster.sharing_cores(record.cpu_share)
     if isinstance(record.model, str):
         candidate = path.parent / record.model
         model = load_model(str(candidate) if candidate.exists() else record.model)

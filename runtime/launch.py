@@ -17,11 +17,11 @@ from typing import Any
 
 import torch
 
-from planner.plan import LoadedPlan
+from planner.plan import LoadedPlan, evaluation_dict
 from predictor.cost_model import CostContext, check_strategy, evaluate
 from predictor.runs import RUN_SCHEMA
 from profiler.comm_bench import free_port, run_processes
-from runtime.execute import RunJob, RunSettings, spawned_rank, synthetic_batch
+from runtime.execute import TORCH_DTYPES, RunJob, RunSettings, spawned_rank, synthetic_batch
 from runtime.model import ReferenceModel, check_tp
 from specs.cluster import ClusterSpec
 from specs.errors import SpecError
@@ -29,6 +29,8 @@ from specs.loading import read_mapping
 
 MAX_LOCAL_RANKS = 16
 REFERENCE_MAX_PARAMS = 200_000_000
+# relative loss difference allowed between the run and one process (same weights and data, different sum orders)
+LOSS_TOLERANCE = {"fp64": 1e-9, "fp32": 1e-4, "bf16": 3e-2, "fp16": 1e-2}
 
 
 def run_plan(
@@ -119,7 +121,7 @@ def reference_check(plan: LoadedPlan, settings: RunSettings, measured_loss: floa
         return {"checked": False, "why": f"the model has {model.total_params():,} parameters: too big for one process"}
     seq_length = plan.training.seq_length or model.seq_length
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
-    reference = ReferenceModel(model, settings.seed)
+    reference = ReferenceModel(model, settings.seed).to(TORCH_DTYPES[settings.dtype])
     tokens = synthetic_batch(model, plan.training.global_batch_size, seq_length, settings.seed, 0)
     with torch.no_grad():
         loss = float(reference(tokens[:, :-1], tokens[:, 1:]))
@@ -130,7 +132,8 @@ def reference_check(plan: LoadedPlan, settings: RunSettings, measured_loss: floa
         "reference_loss": loss,
         "run_loss": measured_loss,
         "relative_difference": difference,
-        "match": difference < 1e-4,
+        "tolerance": LOSS_TOLERANCE[settings.dtype],
+        "match": difference < LOSS_TOLERANCE[settings.dtype],
     }
 
 
@@ -142,16 +145,17 @@ def run_record(
     settings: RunSettings,
     summary: dict[str, Any],
     reference: dict[str, Any],
+    cpu_share: float,
 ) -> dict[str, Any]:
-    strategy = plan.strategy
-    check_strategy(ctx, strategy, plan.source)
-    predicted = evaluate(ctx, strategy).iteration_time_s
-    plan_data = read_mapping(Path(plan.source))
-    layout = {
-        key: plan_data[key]
-        for key in ("recompute", "zero_stage", "virtual_stages", "sequence_parallel", "pipelines")
-        if key in plan_data
-    }
+    """A `hetplan.run/1` record; `ctx` is the prediction's context (its cluster already at the cores' share)."""
+    evaluation = evaluate(ctx, plan.strategy)
+    predicted = evaluation.iteration_time_s
+    written = evaluation_dict(ctx, evaluation)
+    layout = {key: written[key] for key in ("recompute", "zero_stage", "virtual_stages", "sequence_parallel")}
+    layout["pipelines"] = [
+        {key: p[key] for key in ("replicas", "micro_batch_size", "num_microbatches", "total_microbatches", "stages")}
+        for p in written["pipelines"]
+    ]
     emulated = {g.name: g.emulate_speed for g in cluster.groups if g.emulate_speed != 1.0}
     return {
         "schema": RUN_SCHEMA,
@@ -162,6 +166,7 @@ def run_record(
         "training": plan.training.model_dump(mode="json"),
         "strategy": layout,
         "measured_iteration_time_s": summary["measured_iteration_time_s"],
+        "cpu_share": cpu_share,
         "predicted_iteration_time_s": predicted,
         "losses": summary["losses"],
         "reference_match": reference,
@@ -184,17 +189,26 @@ def run_record(
     }
 
 
+def cpu_share(cluster: ClusterSpec) -> float:
+    """The share of a core each local rank gets when the ranks outnumber this machine's cores."""
+    return min(1.0, len(os.sched_getaffinity(0)) / cluster.num_devices)
+
+
 def execute(
     plan: LoadedPlan,
     cluster: ClusterSpec,
     cluster_path: str,
-    ctx: CostContext,
+    context: Callable[[ClusterSpec], CostContext],
     settings: RunSettings,
     progress: Callable[[str], None] = print,
 ) -> dict[str, Any]:
+    """Run the plan locally and return its run record; `context(cluster)` makes the prediction's cost context, asked
+    for the cluster as the local ranks see it (sharing the cores)."""
+    share = cpu_share(cluster)
+    ctx = context(cluster.sharing_cores(share))
     check_strategy(ctx, plan.strategy, plan.source)
     progress(f"running {plan.source} on {cluster.num_devices} local processes for {settings.steps} steps ...")
     results = run_plan(plan, cluster, settings)
     summary = summarize(results, settings.steps)
     reference = reference_check(plan, settings, summary["losses"][0])
-    return run_record(plan, cluster, cluster_path, ctx, settings, summary, reference)
+    return run_record(plan, cluster, cluster_path, ctx, settings, summary, reference, share)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
@@ -115,6 +115,16 @@ class ClusterSpec:
             if group.name == name:
                 return group
         raise SpecError(self.source or "cluster", "group", f"no group named {name!r} in cluster {self.name!r}")
+
+    def sharing_cores(self, share: float) -> ClusterSpec:
+        """The cluster as a local run sees it when its ranks outnumber the cores: each CPU rank computes at `share`
+        of a core (the profiles are taken with one thread per process, as the ranks run)."""
+        if share >= 1.0:
+            return self
+        groups = tuple(
+            replace(g, emulate_speed=g.emulate_speed * share) if g.device.key == "cpu" else g for g in self.groups
+        )
+        return replace(self, groups=groups)
 
     def only(self, group: DeviceGroup) -> ClusterSpec:
         """The cluster restricted to one group (for homogeneous baselines)."""

@@ -57,6 +57,7 @@ CLUSTER = resolve_cluster(
     "test",
 )
 SEED, BATCH, STEPS = 3, 6, 2
+ROOT_EXAMPLES = Path(__file__).parent.parent / "examples"
 
 
 def _reference() -> tuple[ReferenceModel, list[float]]:
@@ -124,3 +125,49 @@ def test_every_dimension_at_once_matches_one_process(tmp_path):
     # TP 2 -> TP 2 with an uneven layer split and the LM head's vocabulary-parallel loss at TP 2
     stages = (StageStrategy("fast", 0, 1, 2, 0), StageStrategy("slow", 1, 5, 2, 0))
     _check(Strategy((PipelineStrategy(1, 1, 6, stages),), "none", 0), tmp_path)
+
+
+def test_hetplan_run_plans_trains_records_and_feeds_fit(tmp_path):
+    """plan -> run -> record -> fit through the CLI, on a 2-layer model and 2 local processes (one emulated slow)."""
+    import json
+    import os
+
+    from tests.test_cli import hetplan
+
+    (tmp_path / "model.yaml").write_text(
+        "num_layers: 2\nhidden_size: 64\nffn_hidden_size: 128\nnum_attention_heads: 4\nnum_kv_heads: 2\n"
+        "vocab_size: 256\nseq_length: 16\nmlp: swiglu\n"
+    )
+    groups = "".join(
+        f"  - {{name: {name}, device: cpu, nodes: 1, devices_per_node: 1, nics_per_node: 1, nic_gbps: 10{extra}}}\n"
+        for name, extra in (("fast", ""), ("slow", ", emulate_speed: 0.5"))
+    )
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text(f"name: two\ngroups:\n{groups}network: {{topology: clos, inter_group_gbps: 10}}\n")
+    training = tmp_path / "training.yaml"
+    training.write_text("global_batch_size: 4\ndtype: fp32\nrecompute: [none]\nzero_stage: 0\nmicro_batch_sizes: [1]\n")
+    plan = tmp_path / "plan.json"
+    made = hetplan(
+        "plan", "--cluster", str(cluster), "--model", str(tmp_path / "model.yaml"), "--training", str(training),
+        "--out", str(plan), "--json",
+    )  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    record_path = tmp_path / "run.json"
+    ran = hetplan("run", str(plan), "--cluster", str(cluster), "--steps", "2", "--out", str(record_path),
+                  "--timeout", "60", torch_allowed=True)  # fmt: skip
+    assert ran.returncode == 0, ran.stderr
+    record = json.loads(record_path.read_text())
+    assert record["schema"] == "hetplan.run/1"
+    assert record["measured_iteration_time_s"] > 0 and record["predicted_iteration_time_s"] > 0
+    assert len(record["losses"]) == 2 and record["reference_match"]["match"], record["reference_match"]
+    assert record["cpu_share"] == pytest.approx(min(1.0, len(os.sched_getaffinity(0)) / 2))
+    for stage in record["measurements"]["stages"]:
+        assert stage["compute_s"] > 0
+        if stage["group"] == "slow":  # its ranks really computed longer
+            assert stage["emulate_speed"] == 0.5 and stage["emulation_s"] > 0
+    fitted = hetplan("fit", "--runs", str(record_path), "--out", str(tmp_path / "p.joblib"), torch_allowed=True)
+    assert fitted.returncode == 0, fitted.stderr
+    assert "plan on two" in fitted.stdout
+    wrong = hetplan("run", str(plan), "--cluster", str(ROOT_EXAMPLES / "a100-v100-32.yaml"), "--out",
+                    str(tmp_path / "x.json"), torch_allowed=True)  # fmt: skip
+    assert wrong.returncode == 2 and wrong.stderr.count("\n") == 1 and "cluster" in wrong.stderr, wrong.stderr
