@@ -28,6 +28,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/measured_vs_simulated.py
 	$(BIN)/python bench/predictor_accuracy.py
 	$(BIN)/python bench/replan.py
+	$(BIN)/python bench/runtime_vs_prediction.py
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache
