@@ -105,8 +105,7 @@ def _resolve(record: RunRecord, path: Path, where: str) -> Run:
     training = validate(TrainingSpec, record.training, str(path), prefix=f"{where}.training")
     layout = record.strategy
     if isinstance(layout, PlanLayout):
-        strategy = layout.to_strategy()
-        check_strategy_fits(cluster, strategy, f"{path}: {where}.strategy")
+        strategy = layout.to_strategy()  # checked against the cluster when calibration builds its context
         return Run(
             record.name, record.source, cluster, model, training, strategy, record.measured_iteration_time_s, str(path)
         )
@@ -126,17 +125,6 @@ def _resolve(record: RunRecord, path: Path, where: str) -> Run:
     return Run(
         record.name, record.source, cluster, model, training, strategy, record.measured_iteration_time_s, str(path)
     )
-
-
-def check_strategy_fits(cluster: ClusterSpec, strategy: Strategy, source: str) -> None:
-    """The plan's stages name groups of the cluster and fit in them."""
-    for pipeline in strategy.pipelines:
-        for stage in pipeline.stages:
-            group = cluster.group(stage.group)
-            if stage.device_offset + stage.tp * pipeline.replicas > group.num_devices:
-                raise SpecError(
-                    source, f"stage on {stage.group}", f"needs more devices than the group's {group.num_devices}"
-                )
 
 
 def load_runs(path: str | Path) -> list[Run]:
