@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	# the CPU build of torch first: a bare `torch` requirement would pull the multi-GB CUDA build
 	$(BIN)/python -m pip install --quiet torch==2.13.0
-	$(BIN)/python -m pip install --quiet -e '.[torch,dev]'
+	DS_BUILD_OPS=0 $(BIN)/python -m pip install --quiet -e '.[torch,dev,engines]'
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -11,6 +11,7 @@ import click
 import typer
 
 if TYPE_CHECKING:
+    from planner.plan import LoadedPlan
     from predictor.calibration import Interval
     from predictor.cost_model import CostContext, Evaluation
     from predictor.predictor import Predictor
@@ -88,6 +89,21 @@ def _load_profiles(directory: Path | None, model: ModelSpec) -> dict[str, Device
             raise SpecError(str(path), "device.key", f"a second profile for device {key!r} in {directory}")
         profiles[key] = profile
     return profiles
+
+
+def _plan_and_cluster(plan_file: Path, cluster: Path) -> tuple[LoadedPlan, ClusterSpec]:
+    """A plan file and the cluster file it was made for (refused when the cluster's name differs)."""
+    from planner import load_plan
+    from specs.cluster import load_cluster
+    from specs.errors import SpecError
+
+    loaded = load_plan(plan_file)
+    cluster_spec = load_cluster(cluster)
+    if loaded.cluster_name and cluster_spec.name != loaded.cluster_name:
+        raise SpecError(
+            str(cluster), "name", f"the plan is for cluster {loaded.cluster_name!r}, got {cluster_spec.name!r}"
+        )
+    return loaded, cluster_spec
 
 
 def _console() -> Any:
@@ -765,18 +781,11 @@ def run(
 ) -> None:
     """Train a plan for a few steps on local processes (one per device, Gloo) and write the measurement, with the
     prediction, the loss curve and a single-process loss check beside it."""
-    from planner import load_plan
     from runtime.execute import RunSettings
     from runtime.launch import execute
-    from specs.cluster import load_cluster
     from specs.errors import SpecError
 
-    loaded = load_plan(plan_file)
-    cluster_spec = load_cluster(cluster)
-    if loaded.cluster_name and cluster_spec.name != loaded.cluster_name:
-        raise SpecError(
-            str(cluster), "name", f"the plan is for cluster {loaded.cluster_name!r}, got {cluster_spec.name!r}"
-        )
+    loaded, cluster_spec = _plan_and_cluster(plan_file, cluster)
     not_cpu = sorted({g.device.key for g in cluster_spec.groups} - {"cpu"})
     if not_cpu:
         raise SpecError(
@@ -840,6 +849,53 @@ def run(
 
 
 @app.command()
+def export(
+    plan_file: Annotated[Path, typer.Argument(help="Plan JSON (from `hetplan plan --out`).", metavar="PLAN")],
+    cluster: Annotated[Path, typer.Option("--cluster", "-c", help="Cluster file of the plan.")],
+    format: Annotated[
+        str, typer.Option("--format", "-f", help="megatron, flagscale, deepspeed, torchtitan, torchrun.")
+    ],
+    out: Annotated[Path, typer.Option(help="Directory to write the files into.")] = Path("export"),
+    predictor: PredictorOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Write the plan as an engine's arguments/config plus one torchrun command per node; when the engine cannot
+    express the plan, say what is lost and write the closest plan it can run, with that plan's predicted time."""
+    from planner.export import export_plan
+    from planner.plan import describe_strategy
+
+    loaded, cluster_spec = _plan_and_cluster(plan_file, cluster)
+    ctx = _predictor(predictor).context(cluster_spec, loaded.model, loaded.training)
+    exported = export_plan(ctx, loaded.strategy, format)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, content in exported.files.items():
+        (out / name).write_text(content, encoding="utf-8")
+    (out / "launch.sh").chmod(0o755)
+    summary = exported.summary()
+    summary["exported_strategy"] = describe_strategy(exported.strategy)
+    (out / "export.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    if as_json:
+        sys.stdout.write(json.dumps(summary, indent=2) + "\n")
+        return
+    from rich.markup import escape
+
+    console = _console()
+    console.print(f"{format}: {', '.join(sorted(exported.files))} and export.json written to {out}/")
+    if exported.lost:
+        console.print(f"{format} cannot express all of the plan; the files describe the closest plan it can run:")
+        for item in exported.lost:
+            console.print(f"  lost: {escape(item)}")
+        console.print(f"  exported: {escape(summary['exported_strategy'])}")
+    for note in exported.notes:
+        console.print(f"note: {escape(note)}")
+    console.print(
+        f"predicted iteration: plan {exported.plan_iteration_time_s:.3f} s, exported "
+        f"{exported.predicted_iteration_time_s:.3f} s ({summary['slowdown']:+.1%})"
+    )
+    console.print(f"{len(exported.nodes)} nodes: run launch.sh on each with NODE_RANK and MASTER_ADDR set")
+
+
+@app.command()
 def explain(
     plan_file: Annotated[Path, typer.Argument(help="Plan JSON (from `hetplan plan --out`).", metavar="PLAN")],
     cluster: Annotated[Path, typer.Option("--cluster", "-c", help="Cluster file of the plan.")],
@@ -852,18 +908,10 @@ def explain(
     import base64
     import tempfile
 
-    from planner import load_plan
     from planner import predict as run_predict
     from predictor.schedule import bottleneck_words, pipeline_timeline
-    from specs.cluster import load_cluster
-    from specs.errors import SpecError
 
-    loaded = load_plan(plan_file)
-    cluster_spec = load_cluster(cluster)
-    if loaded.cluster_name and cluster_spec.name != loaded.cluster_name:
-        raise SpecError(
-            str(cluster), "name", f"the plan is for cluster {loaded.cluster_name!r}, got {cluster_spec.name!r}"
-        )
+    loaded, cluster_spec = _plan_and_cluster(plan_file, cluster)
     ctx = _predictor(predictor).context(cluster_spec, loaded.model, loaded.training)
     evaluation = run_predict(ctx, loaded.strategy, str(plan_file))
     blocks = pipeline_timeline(ctx, evaluation)
@@ -928,17 +976,12 @@ def replan(
     as_json: JsonOpt = False,
 ) -> None:
     """Re-plan after failures or additions, warm-started from the current plan; show what changed."""
-    from planner import load_plan
     from planner.plan import describe_strategy
     from planner.replan import changed_cluster
     from planner.replan import replan as run_replan
-    from specs.cluster import load_cluster
     from specs.errors import SpecError
 
-    loaded = load_plan(plan_file)
-    original = load_cluster(cluster)
-    if loaded.cluster_name and original.name != loaded.cluster_name:
-        raise SpecError(str(cluster), "name", f"the plan is for cluster {loaded.cluster_name!r}, got {original.name!r}")
+    loaded, original = _plan_and_cluster(plan_file, cluster)
     if not without and not add:
         raise SpecError("--without/--add", "", "say what changed, e.g. --without node:ascend/17")
     new_cluster = changed_cluster(original, without or [], add or [])
@@ -1012,20 +1055,13 @@ def traffic(
     as_json: JsonOpt = False,
 ) -> None:
     """Bytes per iteration (and epoch) by parallel dimension and link class; rail-only check."""
-    from planner import load_plan
     from predictor.cost_model import build_context
     from predictor.traffic import DIMENSIONS, LINK_CLASSES, strategy_traffic
-    from specs.cluster import load_cluster
     from specs.errors import SpecError
 
-    loaded = load_plan(plan_file)
     if cluster is None:
         raise SpecError("--cluster", "", "required: the cluster file the plan was made for")
-    cluster_spec = load_cluster(cluster)
-    if loaded.cluster_name and cluster_spec.name != loaded.cluster_name:
-        raise SpecError(
-            str(cluster), "name", f"the plan is for cluster {loaded.cluster_name!r}, got {cluster_spec.name!r}"
-        )
+    loaded, cluster_spec = _plan_and_cluster(plan_file, cluster)
     ctx = build_context(cluster_spec, loaded.model, loaded.training)
     result = strategy_traffic(ctx, loaded.strategy)
     table = result.by_dimension_and_link()

@@ -1,0 +1,167 @@
+"""Exports: engine files checked by the engines' own parsers where installable, what is lost said, launch order."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from dataclasses import replace
+
+import pytest
+import tomllib
+
+from planner import plan
+from planner.export import export_plan, megatron_layout
+from predictor.predictor import default_predictor
+from predictor.strategy import PipelineStrategy, StageStrategy, Strategy
+from specs import load_cluster, load_model, load_training
+from specs.errors import SpecError
+from tests.conftest import EXAMPLES
+from tests.test_cli import hetplan
+
+
+@pytest.fixture(scope="module")
+def hethub():
+    """The 768-device example's plan (amd + ascend, uneven stages, interleaved) and its context."""
+    cluster = load_cluster(EXAMPLES / "hethub-768.yaml")
+    model, training = load_model("llama-140b"), load_training(EXAMPLES / "training" / "hethub-140b.yaml")
+    ctx = default_predictor().context(cluster, model, training)
+    return ctx, plan(cluster, model, training).strategy
+
+
+@pytest.fixture(scope="module")
+def mixed():
+    """A hand-made plan on a100-v100-32 with per-stage TP and an uneven batch (every exporter must give something)."""
+    cluster = load_cluster(EXAMPLES / "a100-v100-32.yaml")
+    model, training = load_model("gpt3-1.7b"), load_training(overrides={"global_batch_size": 30, "dtype": "fp16"})
+    ctx = default_predictor().context(cluster, model, training)
+    a100, v100 = cluster.groups[0].name, cluster.groups[1].name
+    stages = (StageStrategy(a100, 0, 14, 2, 0), StageStrategy(v100, 14, 24, 4, 0))
+    strategy = Strategy((PipelineStrategy(4, 1, 8, stages, total_microbatches=30),), "selective", 1)
+    return ctx, strategy
+
+
+def test_megatron_layout_is_accepted_by_megatron_core_and_keeps_every_ranks_layer_count(hethub):
+    layout_module = pytest.importorskip("megatron.core.transformer.pipeline_parallel_layer_layout")
+    ctx, strategy = hethub
+    exported = export_plan(ctx, strategy, "megatron")
+    layout_text = megatron_layout(exported.strategy)
+    stages = exported.strategy.pipelines[0].stages
+    assert f"--pipeline-model-parallel-layout '{layout_text}'" in exported.files["megatron_args.txt"]
+    layout = layout_module.PipelineParallelLayerLayout(layout_text, len(stages))
+    layout.validate_layer_layout(ctx.model.num_layers, None)
+    decoder = layout_module.LayerType.decoder
+    per_rank = [sum(chunk.count(decoder) for chunk in rank) for rank in layout.layout]
+    assert per_rank == [s.num_layers for s in stages]
+    assert layout.virtual_pipeline_model_parallel_size == exported.strategy.virtual_stages
+
+
+def test_megatron_drops_per_stage_tp_and_uneven_batches_and_says_so_flagscale_keeps_tp(mixed):
+    ctx, strategy = mixed
+    megatron = export_plan(ctx, strategy, "megatron")
+    assert any("per-stage TP" in item for item in megatron.lost)
+    assert any("uneven batch" in item for item in megatron.lost)
+    exported = megatron.strategy.pipelines[0]
+    assert len({s.tp for s in exported.stages}) == 1 and not exported.uneven
+    assert ctx.training.global_batch_size == exported.replicas * exported.num_microbatches * exported.micro_batch_size
+    assert megatron.predicted_iteration_time_s > 0 and megatron.plan_iteration_time_s > 0
+    flagscale = export_plan(ctx, strategy, "flagscale")
+    assert not any("TP" in item for item in flagscale.lost)
+    args = flagscale.files["flagscale_args.txt"]
+    assert (
+        "--hetero-process-meshes 2 1 1" in args and " 4 1 1 " in args and "--hetero-pipeline-layer-split 14 10" in args
+    )
+
+
+def test_deepspeed_config_passes_deepspeeds_own_checks(mixed, tmp_path):
+    ctx, strategy = mixed
+    exported = export_plan(ctx, strategy, "deepspeed")
+    config = json.loads(exported.files["ds_config.json"])
+    pipeline = exported.strategy.pipelines[0]
+    assert config["train_batch_size"] == (
+        config["train_micro_batch_size_per_gpu"] * config["gradient_accumulation_steps"] * pipeline.replicas
+    )
+    parts_line = next(line for line in exported.files["hetplan_pipeline.py"].splitlines() if line.startswith("PARTS"))
+    assert parts_line == "PARTS = [0, 15, 26]"  # embedding + 14 layers | 10 layers + head
+    compile(exported.files["hetplan_pipeline.py"], "hetplan_pipeline.py", "exec")
+    config_module = pytest.importorskip("deepspeed.runtime.config")
+
+    class DataParallel:
+        def get_data_parallel_world_size(self) -> int:
+            return pipeline.replicas
+
+    import deepspeed.comm
+    import torch.distributed as dist
+
+    from profiler.comm_bench import free_port
+
+    # DeepSpeed reads the data-parallel size from `mpu` only once its communication is up (one local rank here)
+    address = f"tcp://127.0.0.1:{free_port()}"
+    deepspeed.comm.init_distributed("gloo", auto_mpi_discovery=False, init_method=address, rank=0, world_size=1)
+    wrong = {**config, "train_batch_size": config["train_batch_size"] + 1}
+    try:
+        checked = config_module.DeepSpeedConfig(config, mpu=DataParallel())
+        assert checked.gradient_accumulation_steps == pipeline.num_microbatches
+        with pytest.raises(AssertionError):  # the check can fail: a batch that does not add up
+            config_module.DeepSpeedConfig(wrong, mpu=DataParallel())
+    finally:
+        dist.destroy_process_group()
+
+
+def test_torchtitan_parts_cover_the_model_once_in_order(hethub):
+    ctx, strategy = hethub
+    exported = export_plan(ctx, strategy, "torchtitan")
+    parsed = tomllib.loads(exported.files["torchtitan.toml"])
+    parts = parsed["parallelism"]["module_fqns_per_model_part"]
+    pipeline = exported.strategy.pipelines[0]
+    assert len(parts) == len(pipeline.stages) * exported.strategy.virtual_stages
+    flat = [name for part in parts for name in part]
+    layers = [f"layers.{i}" for i in range(ctx.model.num_layers)]
+    assert flat == ["tok_embeddings", *layers, "norm", "output"]
+    assert parsed["parallelism"]["pipeline_parallel_degree"] == len(pipeline.stages)
+    assert parsed["parallelism"]["pipeline_parallel_schedule"] == "Interleaved1F1B"
+
+
+def test_launch_script_lists_every_used_device_once_in_stage_order(hethub, tmp_path):
+    ctx, strategy = hethub
+    exported = export_plan(ctx, strategy, "torchrun")
+    pipeline = exported.strategy.pipelines[0]
+    assert sum(len(n.devices) for n in exported.nodes) == sum(s.tp for s in pipeline.stages) * pipeline.replicas
+    assert [n.node_rank for n in exported.nodes] == list(range(len(exported.nodes)))
+    groups_in_order = [n.group for n in exported.nodes]
+    assert groups_in_order == sorted(groups_in_order, key=[s.group for s in pipeline.stages].index)
+    script = tmp_path / "launch.sh"
+    script.write_text(exported.files["launch.sh"])
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    assert "HIP_VISIBLE_DEVICES=" in exported.files["launch.sh"]  # the amd nodes
+    assert any("vendors" in note for note in export_plan(ctx, strategy, "megatron").notes)
+
+
+def test_a_node_split_between_distant_stages_is_refused(mixed):
+    ctx, strategy = mixed
+    a100 = ctx.cluster.groups[0].name
+    stages = strategy.pipelines[0].stages
+    # stage 0 and stage 2 share the A100 group's first node (4 devices each), stage 1 (V100) sits between them
+    reordered = (
+        StageStrategy(a100, 0, 8, 1, 0),
+        replace(stages[1], layer_start=8, layer_end=18),
+        StageStrategy(a100, 18, 24, 1, 4),
+    )
+    odd = Strategy((PipelineStrategy(4, 1, 8, reordered, total_microbatches=30),), "selective", 1)
+    with pytest.raises(SpecError, match="reopen node"):
+        export_plan(ctx, odd, "torchrun")
+
+
+def test_cli_export_writes_files_and_refuses_an_unknown_format(tmp_path):
+    plan_file = tmp_path / "plan.json"
+    made = hetplan("plan", "--cluster", str(EXAMPLES / "a100-v100-32.yaml"), "--model", "gpt3-1.7b", "--dtype", "fp16",
+                   "--global-batch", "64", "--out", str(plan_file), "--json")  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    out = tmp_path / "megatron"
+    done = hetplan("export", str(plan_file), "--cluster", str(EXAMPLES / "a100-v100-32.yaml"), "--format", "megatron",
+                   "--out", str(out))  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert {p.name for p in out.iterdir()} == {"megatron_args.txt", "launch.sh", "export.json"}
+    summary = json.loads((out / "export.json").read_text())
+    assert summary["exported_iteration_time_s"] >= summary["plan_iteration_time_s"] * (1 - 1e-9)
+    bad = hetplan("export", str(plan_file), "--cluster", str(EXAMPLES / "a100-v100-32.yaml"), "--format", "nemo")
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "megatron" in bad.stderr
