@@ -1,6 +1,7 @@
-"""Plan -> run -> compare on this machine: the searched plan and the uniform layer split of the same layout, both run
-on local processes of examples/cpu-hetero.yaml (one group emulating a device at half speed), measured against the
-prediction from this machine's own profile; table + bench/results/runtime_vs_prediction.json.
+"""Plan -> run -> compare on this machine: the searched plan, the uniform layer split of the same layout, and two
+replicas sharing an odd batch unevenly, all run on local processes of examples/cpu-hetero.yaml (one group emulating a
+device at half speed) and measured against the prediction from this machine's own profile; table +
+bench/results/runtime_vs_prediction.json.
 
 Run: python bench/runtime_vs_prediction.py [--profiles DIR] [--steps 4]
 (without --profiles it first profiles the tiny Llama here with one thread per process, as the ranks run: ~1 min)
@@ -21,14 +22,15 @@ sys.path.insert(0, str(ROOT))
 
 from planner.plan import LoadedPlan, describe_strategy  # noqa: E402
 from planner.search import search  # noqa: E402
-from predictor.cost_model import CostContext, evaluate  # noqa: E402
+from predictor.cost_model import CostContext  # noqa: E402
 from predictor.predictor import default_predictor  # noqa: E402
-from predictor.strategy import Strategy  # noqa: E402
+from predictor.strategy import PipelineStrategy, Strategy  # noqa: E402
 from profiler.profile import load_profile  # noqa: E402
 from runtime.execute import RunSettings  # noqa: E402
 from runtime.launch import cpu_share, execute  # noqa: E402
 from specs import load_cluster, load_model, load_training  # noqa: E402
 from specs.cluster import ClusterSpec  # noqa: E402
+from specs.training import TrainingSpec  # noqa: E402
 
 CLUSTER = ROOT / "examples" / "cpu-hetero.yaml"
 MODEL = ROOT / "examples" / "models" / "tiny-llama.yaml"
@@ -63,22 +65,36 @@ def main() -> None:
     cluster, model, training = load_cluster(CLUSTER), load_model(str(MODEL)), load_training(TRAINING)
     predictor = default_predictor()
 
-    def context(seen: ClusterSpec) -> CostContext:
-        return predictor.base_context(seen, model, training, profiles)
-
     share = cpu_share(cluster)
-    ctx = context(cluster.sharing_cores(share))
+    ctx = predictor.base_context(cluster.sharing_cores(share), model, training, profiles)
     searched = search(ctx).evaluations[0].strategy
+    # also a layout the search does not pick here but the runtime must run: 2 replicas of (fast TP 1 -> slow TP 1)
+    # sharing an odd batch unevenly (6 and 5 micro-batches), the same uneven layer split
+    odd_batch = training.model_copy(update={"global_batch_size": training.global_batch_size - 1})
+    replicated = tuple(replace(s, tp=1) for s in searched.pipelines[0].stages)
+    uneven_batch = Strategy(
+        (PipelineStrategy(2, 1, training.global_batch_size // 2, replicated, odd_batch.global_batch_size),), "none", 1
+    )
+    cases = (
+        ("searched", searched, training),
+        ("uniform split", uniform(searched, model.num_layers), training),
+        ("DP, uneven batch", uneven_batch, odd_batch),
+    )
     rows = []
-    for name, strategy in (("searched", searched), ("uniform split", uniform(searched, model.num_layers))):
-        plan = LoadedPlan(strategy, model, training, name, cluster.name)
-        settings = RunSettings(steps=args.steps, dtype=training.dtype)
+    for name, strategy, run_training in cases:
+
+        def context(seen: ClusterSpec, run_training: TrainingSpec = run_training) -> CostContext:
+            return predictor.base_context(seen, model, run_training, profiles)
+
+        plan = LoadedPlan(strategy, model, run_training, name, cluster.name)
+        settings = RunSettings(steps=args.steps, dtype=run_training.dtype)
         record = execute(plan, cluster, str(CLUSTER), context, settings, progress=lambda _: None)
         rows.append(
             {
                 "plan": name,
+                "global_batch_size": run_training.global_batch_size,
                 "strategy": describe_strategy(strategy),
-                "predicted_iteration_time_s": evaluate(ctx, strategy).iteration_time_s,
+                "predicted_iteration_time_s": record["predicted_iteration_time_s"],
                 "measured_iteration_time_s": record["measured_iteration_time_s"],
                 "error": record["measurements"]["prediction_error"],
                 "step_times_s": record["measurements"]["step_times_s"],
@@ -88,7 +104,7 @@ def main() -> None:
             }
         )
         print(f"{name}: {rows[-1]['strategy']}", flush=True)
-    searched_row, uniform_row = rows
+    searched_row, uniform_row = rows[:2]
     result = {
         "cluster": cluster.name,
         "model": model.key,
