@@ -129,7 +129,7 @@ def _render_evaluation(ctx: CostContext, evaluation: Evaluation, title: str, ext
 
     console = _console()
     strategy = evaluation.strategy
-    pipeline = strategy.pipelines[0]
+    families = strategy.pipelines
     summary = Table(title=title, show_header=False, box=None, pad_edge=False)
     summary.add_column(style="bold")
     summary.add_column()
@@ -139,8 +139,13 @@ def _render_evaluation(ctx: CostContext, evaluation: Evaluation, title: str, ext
         ("batch", f"{ctx.training.global_batch_size} x {ctx.seq_length} tokens, {ctx.training.dtype}"),
         (
             "strategy",
-            f"{pipeline.replicas} replicas x {len(pipeline.stages)} stages, micro-batch "
-            f"{pipeline.micro_batch_size} x {pipeline.num_microbatches}, recompute {strategy.recompute_summary}, "
+            " + ".join(
+                f"{p.replicas} replicas x {len(p.stages)} stages, micro-batch {p.micro_batch_size} x "
+                f"{p.num_microbatches}"
+                + (f" ({p.micro_batch_size * p.microbatch_total} samples)" if len(families) > 1 else "")
+                for p in families
+            )
+            + f", recompute {strategy.recompute_summary}, "
             f"ZeRO-{strategy.zero_stage}, {'1F1B' if strategy.virtual_stages == 1 else 'interleaved 1F1B'}"
             f"{'' if strategy.virtual_stages == 1 else f' (v={strategy.virtual_stages})'}",
         ),
@@ -165,11 +170,14 @@ def _render_evaluation(ctx: CostContext, evaluation: Evaluation, title: str, ext
     columns = ("stage", "group", "device", "layers", "n", "tp", "recompute", "devices", "fwd+bwd/mb ms", "memory GiB")
     for column in columns:
         table.add_column(column, justify="left" if column in ("group", "device", "recompute") else "right")
-    for index, stage_eval in enumerate(evaluation.stages):
+    stage_numbers: dict[int, int] = {}
+    for stage_eval in evaluation.stages:
         stage = stage_eval.stage
+        pipeline = families[stage_eval.family]
+        index = stage_numbers[stage_eval.family] = stage_numbers.get(stage_eval.family, -1) + 1
         memory = f"{_gib(stage_eval.memory.total_bytes)} / {_gib(stage_eval.memory_capacity_bytes)}"
         table.add_row(
-            str(index),
+            f"{stage_eval.family}.{index}" if len(families) > 1 else str(index),
             stage.group,
             ctx.cluster.group(stage.group).device.key,
             f"{stage.layer_start}-{stage.layer_end - 1}",
@@ -198,7 +206,14 @@ def plan(
     uneven_batch: Annotated[
         Optional[str],
         typer.Option(
-            help="Replica counts that do not divide the batch: refine (default), exhaustive (slower), or off.",
+            help="Replica counts that do not divide the batch: off (default), refine, or exhaustive (slower).",
+        ),
+    ] = None,
+    families: Annotated[
+        Optional[str],
+        typer.Option(
+            help="Pipeline families of different device mixes, each with its share of the batch: off (default) "
+            "or search (longer).",
         ),
     ] = None,
     profiles: Annotated[Optional[Path], typer.Option(help="Directory of profile JSON files (by device).")] = None,
@@ -224,6 +239,7 @@ def plan(
         micro_batch_sizes=_int_list(micro_batch_sizes, "--micro-batch-sizes"),
         virtual_stages=_int_list(virtual_stages, "--virtual-stages"),
         uneven_batch=uneven_batch,
+        families=families,
     )
     loaded = _load_profiles(profiles, model_spec)
     chosen_predictor = _predictor(predictor)

@@ -91,15 +91,22 @@ def main() -> None:
         default="off",
         help="replica counts that do not divide the batch (see TrainingSpec.uneven_batch)",
     )
+    parser.add_argument(
+        "--families",
+        choices=("off", "search"),
+        default="off",
+        help="pipeline families of different device mixes (see TrainingSpec.families)",
+    )
     args = parser.parse_args()
     name = "search_scaling" + ("_quick" if args.quick else "")
     name += "" if args.uneven_batch == "off" else f"_uneven_{args.uneven_batch}"
+    name += "" if args.families == "off" else "_families"
     out = ROOT / "bench" / "results" / f"{name}.json"
     machine = {"python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count()}
     rows = []
     header = (
         f"{'devices':>7} {'types':>5} {'model':<12} {'layers':>6} {'search s':>8} {'iter s':>8} {'of UB':>6} "
-        f"{'of CB':>6} {'gap':>6} {'uniform':>8} {'FLOPs':>8} {'greedy':>8} {'homog.':>8}"
+        f"{'of CB':>6} {'gap':>6} {'fam':>3} {'uniform':>8} {'FLOPs':>8} {'greedy':>8} {'homog.':>8}"
     )
     print(header)
     print("-" * len(header))
@@ -108,7 +115,8 @@ def main() -> None:
             continue
         model = load_model(model_key)
         dtype = "bf16" if all(get_device(kind).supports_bf16 for kind in kinds) else "fp16"
-        training = load_training(None, {"global_batch_size": batch, "dtype": dtype, "uneven_batch": args.uneven_batch})
+        options = {"global_batch_size": batch, "dtype": dtype, "uneven_batch": args.uneven_batch}
+        training = load_training(None, {**options, "families": args.families})
         ctx = build_context(synthetic_cluster(devices, kinds), model, training)
         started = time.perf_counter()
         result = search(ctx)
@@ -145,6 +153,8 @@ def main() -> None:
             "fraction_of_compute_bound": best.tokens_per_s / bounds.compute_bound_tokens_per_s,
             "relaxation_lower_bound_s": result.lower_bound_s,
             "relaxation_gap": gap,
+            "families": len(best.strategy.pipelines),
+            "family_partitions": result.family_partitions,
             "candidates": result.configurations,
             "evaluated": result.evaluated,
             "baseline_throughput_relative_to_plan": baselines,
@@ -155,7 +165,7 @@ def main() -> None:
         print(
             f"{devices:>7} {len(kinds):>5} {model_key:<12} {model.num_layers:>6} {search_s:>8.2f} "
             f"{best.iteration_time_s:>8.2f} {row['fraction_of_upper_bound']:>6.1%} "
-            f"{row['fraction_of_compute_bound']:>6.1%} {gap:>6.1%} "
+            f"{row['fraction_of_compute_bound']:>6.1%} {gap:>6.1%} {len(best.strategy.pipelines):>3} "
             + " ".join(
                 f"{baselines[name]:>8.1%}" if name in baselines else f"{'-':>8}"
                 for name in ("uniform", "datasheet-flops", "greedy", "homogeneous-only")

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from comm.vendors import CATALOG_VENDORS
-from predictor.strategy import StageStrategy, Strategy
+from predictor.strategy import StageStrategy, Strategy, one_family
 from specs.cluster import ClusterSpec
 from specs.errors import SpecError
 
@@ -53,7 +53,7 @@ def stage_rank(offsets: dict[str, int], stage: StageStrategy, replica: int, tp_r
 
 def plan_groups(cluster: ClusterSpec, strategy: Strategy, global_batch: int) -> list[PlannedGroup]:
     offsets = group_offsets(cluster)
-    pipeline = strategy.pipelines[0]
+    pipeline = one_family(strategy, "plan", "the runtime's process groups")
     stages = pipeline.stages
 
     def rank(stage_index: int, replica: int, tp_rank: int) -> int:

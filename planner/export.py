@@ -16,6 +16,7 @@ import json
 import shlex
 from dataclasses import dataclass, field, replace
 
+from planner.search import search
 from predictor.cost_model import CostContext, check_strategy, evaluate
 from predictor.strategy import PipelineStrategy, StageStrategy, Strategy, split_batch
 from specs.errors import SpecError
@@ -114,9 +115,20 @@ def closest(
     one_recompute: bool,
     interleaving: bool,
 ) -> tuple[Strategy, list[str]]:
-    """The fastest fitting plan within the engine's limits, near the given one, and what had to change."""
-    pipeline = strategy.pipelines[0]
+    """The fastest fitting plan within the engine's limits, near the given one, and what had to change. No engine
+    runs several pipeline families: such a plan is replaced by the best plan of one family first."""
     lost: list[str] = []
+    if len(strategy.pipelines) > 1:
+        single = ctx.training.model_copy(update={"families": "off"})
+        found = search(replace(ctx, training=single))
+        if not found.evaluations:
+            raise SpecError("export", "plan", "no plan of one pipeline family fits memory")
+        lost.append(
+            f"{len(strategy.pipelines)} pipeline families with their own batch shares -> one family "
+            "(the best plan of one family)"
+        )
+        strategy = found.evaluations[0].strategy
+    pipeline = strategy.pipelines[0]
     candidates = [strategy]
     if not interleaving and strategy.virtual_stages > 1:
         lost.append(f"interleaved 1F1B with {strategy.virtual_stages} virtual stages -> plain 1F1B")
@@ -139,7 +151,7 @@ def closest(
             "-> the same number of micro-batches on every replica"
         )
         candidates = [even for c in candidates if (even := _even_batch(c, ctx.training.global_batch_size))]
-    if not lost:
+    if not lost or candidates == [strategy]:
         return strategy, lost
     chosen = _fastest_fitting(ctx, candidates)
     if chosen is None:

@@ -65,9 +65,9 @@ def evaluation_dict(ctx: CostContext, evaluation: Evaluation) -> dict[str, Any]:
     """The fields shared by `plan` and `predict`: metrics, strategy and per-stage memory."""
     strategy = evaluation.strategy
     pipelines = []
-    for pipeline in strategy.pipelines:
+    for family, pipeline in enumerate(strategy.pipelines):
         stages = []
-        for stage_eval in evaluation.stages:
+        for stage_eval in (e for e in evaluation.stages if e.family == family):
             stage = stage_eval.stage
             memory = stage_eval.memory
             stages.append(
@@ -101,6 +101,7 @@ def evaluation_dict(ctx: CostContext, evaluation: Evaluation) -> dict[str, Any]:
                 "num_microbatches": pipeline.num_microbatches,
                 "samples_per_replica": pipeline.samples_per_replica,
                 "batch_weight": _round(pipeline.samples_per_replica / ctx.training.global_batch_size),
+                "family_samples": pipeline.micro_batch_size * pipeline.microbatch_total,
                 "total_microbatches": pipeline.microbatch_total,
                 "replica_batches": _replica_batches(ctx, pipeline),
                 "stages": stages,
@@ -203,15 +204,21 @@ def plan_dict(
 
 
 def describe_strategy(strategy: Strategy) -> str:
-    """One line: 'dp 8 x [amd tp8 L0-4 | ascend tp8 L5-14 ...], mbs 1, recompute selective, zero 1'."""
-    pipeline = strategy.pipelines[0]
-    stages = " | ".join(f"{s.group} tp{s.tp} L{s.layer_start}-{s.layer_end - 1}" for s in pipeline.stages)
-    microbatches = str(pipeline.num_microbatches)
-    if pipeline.uneven:
-        microbatches = f"{pipeline.num_microbatches - 1}-{pipeline.num_microbatches} (uneven)"
+    """One line: 'dp 8 x [amd tp8 L0-4 | ascend tp8 L5-14 ...], mbs 1, recompute selective, zero 1'; several
+    pipeline families are joined with ' + ', each with its share of the batch."""
+    families = []
+    for pipeline in strategy.pipelines:
+        stages = " | ".join(f"{s.group} tp{s.tp} L{s.layer_start}-{s.layer_end - 1}" for s in pipeline.stages)
+        microbatches = str(pipeline.num_microbatches)
+        if pipeline.uneven:
+            microbatches = f"{pipeline.num_microbatches - 1}-{pipeline.num_microbatches} (uneven)"
+        share = (
+            f" ({pipeline.micro_batch_size * pipeline.microbatch_total} samples)" if len(strategy.pipelines) > 1 else ""
+        )
+        families.append(f"dp {pipeline.replicas} x [{stages}], mbs {pipeline.micro_batch_size} x {microbatches}{share}")
     return (
-        f"dp {pipeline.replicas} x [{stages}], mbs {pipeline.micro_batch_size} x {microbatches}, "
-        f"recompute {strategy.recompute_summary}, zero {strategy.zero_stage}, v {strategy.virtual_stages}"
+        " + ".join(families)
+        + f", recompute {strategy.recompute_summary}, zero {strategy.zero_stage}, v {strategy.virtual_stages}"
     )
 
 

@@ -84,6 +84,7 @@ def plan(
         "evaluated": result.evaluated,
         "memory_infeasible": result.memory_infeasible,
         "pruned_by_bound": result.configurations - result.evaluated,
+        "family_partitions": result.family_partitions,
     }
     best = result.evaluations[0]
     interval = predictor.interval(base, best.strategy)

@@ -55,6 +55,8 @@ def changed_cluster(cluster: ClusterSpec, without: list[str], add: list[str]) ->
 
 def adapt_strategy(ctx: CostContext, strategy: Strategy) -> Evaluation | None:
     """The old stages with as many replicas as the new cluster holds (and the batch divides), if that fits."""
+    if len(strategy.pipelines) != 1:
+        return None  # several families: the search starts cold
     pipeline = strategy.pipelines[0]
     if any(stage.group not in {g.name for g in ctx.cluster.groups} for stage in pipeline.stages):
         return None

@@ -73,6 +73,7 @@ class SearchResult:
     smallest_shortfall_where: str
     lower_bound_s: float = math.inf  # smallest lower bound over the whole search space (the root relaxation)
     per_stage_recompute_solved: int = 0  # candidates re-solved with a recompute mode per stage
+    family_partitions: int = 0  # partitions of the groups into pipeline families tried (`families: search`)
 
 
 def divisors(n: int) -> list[int]:
@@ -212,9 +213,11 @@ def _families(
     virtuals: list[np.ndarray] = []
     for size in range(1, len(groups) + 1):
         for subset in itertools.combinations(groups, size):
-            tp_rows = np.array(list(itertools.product(*[tp_options(ctx, g) for g in subset])), dtype=np.int64)
+            tp_lists = [tp_options(ctx, g) for g in subset]
+            tp_rows = np.array(list(itertools.product(*tp_lists)), dtype=np.int64)
             if tp_rows.size == 0:
                 continue
+            tp_positions = np.array(list(itertools.product(*[range(len(t)) for t in tp_lists])), dtype=np.int64)
             devices = np.array([g.num_devices for g in subset], dtype=np.int64)
             usable = np.array([usable_memory_bytes(ctx, g) for g in subset])
             replica_options = (
@@ -238,7 +241,15 @@ def _families(
                 )
                 if not valid.any():
                     continue
-                tps, stage_counts = tp_rows[valid], counts[valid]
+                tps, stage_counts, positions = tp_rows[valid], counts[valid], tp_positions[valid]
+
+                def by_row(per_group: list[list[float]]) -> np.ndarray:
+                    """(rows, groups) from each group's values over its TP options."""
+                    return np.stack(
+                        [np.asarray(values)[positions[:, j]] for j, values in enumerate(per_group)],  # noqa: B023
+                        axis=1,
+                    )
+
                 stages = stage_counts.sum(axis=1)
                 state_per_layer = model.layer_params() * state_bytes_per_param(ctx, replicas) / tps
                 usable_rows = np.broadcast_to(usable[None, :], tps.shape)
@@ -248,19 +259,18 @@ def _families(
                         continue
                     microbatches = split[0]
                     for recompute in training.recompute:
-                        keys = [[(g.name, micro_batch_size, int(t)) for g, t in zip(subset, row)] for row in tps]
-                        a = np.array([[per_layer[(*k, recompute)] for k in row] for row in keys])
-                        act = np.array([[activation[(*k, recompute)] for k in row] for row in keys])
-                        first_bytes = np.array([[first_fixed(*k, recompute, replicas) for k in row] for row in keys])
-                        last_bytes = np.array([[last_fixed(*k, replicas) for k in row] for row in keys])
-                        e_first = np.array([[embedding[k] for k in row] for row in keys])
-                        e_last = np.array([[head[k] for k in row] for row in keys])
+                        keys = [[(g.name, micro_batch_size, t) for t in ts] for g, ts in zip(subset, tp_lists)]
+                        a = by_row([[per_layer[(*k, recompute)] for k in column] for column in keys])
+                        act = by_row([[activation[(*k, recompute)] for k in column] for column in keys])
+                        first_bytes = by_row(
+                            [[first_fixed(*k, recompute, replicas) for k in column] for column in keys]
+                        )
+                        last_bytes = by_row([[last_fixed(*k, replicas) for k in column] for column in keys])
+                        e_first = by_row([[embedding[k] for k in column] for column in keys])
+                        e_last = by_row([[head[k] for k in column] for column in keys])
                         fixed_ratio = (e_first / a).min(axis=1) + (e_last / a).min(axis=1)
                         bottleneck = (num_layers + fixed_ratio) / (stage_counts / a).sum(axis=1)
                         cheapest_sum = num_layers * a.min(axis=1) + e_first.min(axis=1) + e_last.min(axis=1)
-                        # the tighter whole-layer bound only where the batch splits evenly (most candidates are
-                        # there); uneven-split candidates keep the fractional bound, valid and cheaper
-                        integer_bottleneck = _integer_bottleneck(a, stage_counts, num_layers) if even else bottleneck
                         for virtual in training.virtual_stages:
                             factor = np.where(virtual > 1, 1 + (stages - 1) / (stages * virtual), 1.0).astype(float)
                             memory = (
@@ -282,9 +292,9 @@ def _families(
                             least_sum = virtual * (stage_counts * a).sum(axis=1) + (
                                 num_layers - virtual * stages
                             ) * a.min(axis=1)
-                            least_bottleneck = np.maximum(
-                                np.maximum(bottleneck, integer_bottleneck), virtual * a.max(axis=1)
-                            )
+                            # whole layers and memory caps tighten this per pipeline order when a candidate comes up
+                            # (_order_bound_increase_s): cheaper there than for every row here
+                            least_bottleneck = np.maximum(bottleneck, virtual * a.max(axis=1))
                             bound = (microbatches - 1 / virtual) * least_bottleneck + (
                                 np.maximum(cheapest_sum, least_sum + e_first.min(axis=1) + e_last.min(axis=1))
                             ) / virtual
@@ -305,19 +315,6 @@ def _families(
                             bounds.append(np.where(allowed, bound, np.inf))
                             virtuals.append(np.full(len(tps), virtual))
     return families, bounds, virtuals, [len(b) for b in bounds]
-
-
-def _integer_bottleneck(per_layer_s: np.ndarray, counts: np.ndarray, num_layers: int) -> np.ndarray:
-    """Per row, the smallest M with sum_g counts_g * floor(M / a_g) >= L: the bottleneck whole layers allow
-    (no fixed costs, no memory limit). Bisection, vectorised over rows; rounded down slightly to stay a bound."""
-    low = num_layers / (counts / per_layer_s).sum(axis=1)
-    high = low + per_layer_s.max(axis=1)
-    for _ in range(BISECTION_STEPS):
-        middle = (low + high) / 2
-        enough = (counts * np.floor(middle[:, None] / per_layer_s)).sum(axis=1) >= num_layers
-        high = np.where(enough, middle, high)
-        low = np.where(enough, low, middle)
-    return low * (1 - 1e-9)
 
 
 def _layer_capacity(
@@ -622,11 +619,13 @@ def search(
     splitter: LayerSplitter | None = None,
     gap: float = 0.0,
     warm_start: Sequence[Evaluation] = (),
+    per_stage_recompute: bool = True,
 ) -> SearchResult:
     """The k fastest strategies that fit memory (fewer if fewer fit). `splitter` replaces the exact layer split
     by another rule (planner.baselines); the candidates' bounds hold for any split, so the search stays exact
     for the rule it is given. `warm_start`: feasible evaluations (e.g. the previous plan adapted to a changed
-    cluster) that seed the incumbent, so the bounds prune from the first candidate on."""
+    cluster) that seed the incumbent, so the bounds prune from the first candidate on. `per_stage_recompute`:
+    re-solve the best candidates with a recompute mode per stage (off for the family search's block searches)."""
     best: list[tuple[float, int, Evaluation]] = []  # max-heap on iteration time via negation
     for position, evaluation in enumerate(warm_start):
         if evaluation.fits:
@@ -663,7 +662,7 @@ def search(
     if splitter is None and ctx.training.uneven_batch == "refine":
         evaluated += _uneven_refinement(ctx, terms, tried, best, top_k)
     refined = 0
-    if splitter is None and len(ctx.training.recompute) > 1:
+    if splitter is None and per_stage_recompute and len(ctx.training.recompute) > 1:
         # Per-stage recompute: the best candidates again, each stage free to pick its mode (CP-SAT), where the
         # bound says that can beat the candidate's best single mode.
         uniform_objective: dict[OuterConfig, float] = {}
@@ -685,6 +684,21 @@ def search(
             evaluation = evaluate(ctx, strategy)
             if evaluation.fits:
                 _keep(best, top_k, evaluation, order)
+    partitions_tried = 0
+    if splitter is None and ctx.training.families == "search" and len(ctx.cluster.groups) > 1:
+        from planner.bounds import compute_bound_tokens_per_s
+        from planner.families import family_search
+
+        rates = {
+            g.name: compute_bound_tokens_per_s(dataclasses.replace(ctx, cluster=ctx.cluster.only(g)))
+            for g in ctx.cluster.groups
+        }
+        families = family_search(ctx, top_k, rates)
+        partitions_tried = families.partitions
+        for position, evaluation in enumerate(families.evaluations):
+            _keep(best, top_k, evaluation, index + 1 + position)
+        # every plan, of any family structure, is bounded by all devices busy at their best speed
+        root_bound_s = min(root_bound_s, ctx.training.global_batch_size * ctx.seq_length / sum(rates.values()))
     if not best:
         shortfall, shortfall_where = _closest_misfit(ctx, terms)
     ranked = [e for _, _, e in sorted(best, key=lambda item: (-item[0], -item[1]))]
@@ -697,6 +711,7 @@ def search(
         shortfall_where,
         root_bound_s,
         refined,
+        partitions_tried,
     )
 
 

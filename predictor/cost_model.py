@@ -305,6 +305,7 @@ class StageEvaluation:
     memory: StageMemory
     memory_capacity_bytes: float
     memory_usable_bytes: float
+    family: int = 0  # index of the stage's pipeline family in the strategy
 
     @property
     def fits(self) -> bool:
@@ -338,19 +339,50 @@ class Evaluation:
 
 
 def check_strategy(ctx: CostContext, strategy: Strategy, source: str = "strategy") -> None:
-    """Structural checks: layers covered once, TP inside a node and dividing heads, devices available, batch."""
-    if len(strategy.pipelines) != 1:
-        raise SpecError(
-            source, "pipelines", "expected exactly one pipeline family (several families are not supported)"
-        )
-    pipeline = strategy.pipelines[0]
-    model, training = ctx.model, ctx.training
-    if not pipeline.stages:
-        raise SpecError(source, "pipelines[0].stages", "expected at least one stage")
-    expected_start = 0
+    """Structural checks: every family covers the layers once, TP inside a node and dividing heads, devices used by
+    at most one stage of one family, the families' samples add up to the global batch."""
+    if not strategy.pipelines:
+        raise SpecError(source, "pipelines", "expected at least one pipeline family")
     used: dict[str, list[tuple[int, int]]] = {}
+    for family, pipeline in enumerate(strategy.pipelines):
+        _check_pipeline(ctx, strategy, pipeline, f"pipelines[{family}]", source, used)
+    for name, blocks in used.items():
+        group = ctx.cluster.group(name)
+        blocks.sort()
+        end = 0
+        for offset, size in blocks:
+            if offset < end:
+                raise SpecError(source, "pipelines", f"stages overlap on devices of group {name!r}")
+            end = offset + size
+        if end > group.num_devices:
+            raise SpecError(
+                source, "pipelines", f"group {name!r} has {group.num_devices} devices, the plan uses up to {end}"
+            )
+    samples = sum(p.micro_batch_size * p.microbatch_total for p in strategy.pipelines)
+    if samples != ctx.training.global_batch_size:
+        field = "pipelines[0]" if len(strategy.pipelines) == 1 else "pipelines"
+        raise SpecError(
+            source,
+            field,
+            f"micro-batch x micro-batches over all replicas{' of all families' if field == 'pipelines' else ''} "
+            f"= {samples}, expected the global batch {ctx.training.global_batch_size}",
+        )
+
+
+def _check_pipeline(
+    ctx: CostContext,
+    strategy: Strategy,
+    pipeline: PipelineStrategy,
+    where_pipeline: str,
+    source: str,
+    used: dict[str, list[tuple[int, int]]],
+) -> None:
+    model = ctx.model
+    if not pipeline.stages:
+        raise SpecError(source, f"{where_pipeline}.stages", "expected at least one stage")
+    expected_start = 0
     for index, stage in enumerate(pipeline.stages):
-        where = f"pipelines[0].stages[{index}]"
+        where = f"{where_pipeline}.stages[{index}]"
         group = ctx.cluster.group(stage.group)
         if stage.layer_start != expected_start or stage.layer_end <= stage.layer_start:
             raise SpecError(
@@ -382,43 +414,54 @@ def check_strategy(ctx: CostContext, strategy: Strategy, source: str = "strategy
         )
     if expected_start != model.num_layers:
         raise SpecError(
-            source, "pipelines[0].stages", f"layers cover [0, {expected_start}), expected [0, {model.num_layers})"
-        )
-    for name, blocks in used.items():
-        group = ctx.cluster.group(name)
-        blocks.sort()
-        end = 0
-        for offset, size in blocks:
-            if offset < end:
-                raise SpecError(source, "pipelines[0].stages", f"stages overlap on devices of group {name!r}")
-            end = offset + size
-        if end > group.num_devices:
-            raise SpecError(
-                source,
-                "pipelines[0].stages",
-                f"group {name!r} has {group.num_devices} devices, the plan uses up to {end}",
-            )
-    samples = pipeline.micro_batch_size * pipeline.microbatch_total
-    if samples != training.global_batch_size:
-        raise SpecError(
             source,
-            "pipelines[0]",
-            f"micro-batch x micro-batches over all replicas = {samples}, expected the "
-            f"global batch {training.global_batch_size}",
+            f"{where_pipeline}.stages",
+            f"layers cover [0, {expected_start}), expected [0, {model.num_layers})",
         )
     balanced = pipeline.replicas * (pipeline.num_microbatches - 1) < pipeline.microbatch_total
     if not balanced or pipeline.microbatch_total > pipeline.replicas * pipeline.num_microbatches:
         raise SpecError(
             source,
-            "pipelines[0].total_microbatches",
+            f"{where_pipeline}.total_microbatches",
             f"expected {pipeline.replicas} replicas to run {pipeline.num_microbatches} or "
             f"{pipeline.num_microbatches - 1} micro-batches each, got {pipeline.microbatch_total} in all",
         )
 
 
-def evaluate(ctx: CostContext, strategy: Strategy) -> Evaluation:
-    """Iteration time, throughput, MFU and memory per stage of a strategy (assumed structurally valid)."""
-    pipeline: PipelineStrategy = strategy.pipelines[0]
+def cross_family_sync_time_s(
+    ctx: CostContext, strategy: Strategy, family: int, stage: StageStrategy, params_per_device: float
+) -> float:
+    """With several pipeline families, a stage's gradients also meet the other families' copies of its layers: after
+    the reduce-scatter inside its own family, each device all-reduces its 1/replicas shard across the families (over
+    the slowest path to a device holding those layers in another family: rail inside a group, else cross-group).
+    Layer boundaries may differ between families; the volume per device is the same."""
+    if len(strategy.pipelines) <= 1:
+        return 0.0
+    own = ctx.cluster.group(stage.group)
+    slowest: Link | None = None
+    for other_index, other in enumerate(strategy.pipelines):
+        if other_index == family:
+            continue
+        for partner in other.stages:
+            if partner.layer_end <= stage.layer_start or partner.layer_start >= stage.layer_end:
+                continue
+            if partner.group == stage.group:
+                link = ctx.rail_link(own)
+            else:
+                link = ctx.cross_group_link(own, ctx.cluster.group(partner.group))
+            if slowest is None or link.seconds_per_byte(2) > slowest.seconds_per_byte(2):
+                slowest = link
+    if slowest is None:
+        return 0.0
+    replicas = strategy.pipelines[family].replicas
+    shard_bytes = params_per_device * GRAD_BYTES_PER_PARAM / replicas
+    families = len(strategy.pipelines)
+    return all_reduce_time_s(shard_bytes, families, slowest) * ctx.terms.network_scale
+
+
+def _evaluate_stages(ctx: CostContext, strategy: Strategy, family: int) -> tuple[list[StageEvaluation], float, float]:
+    """The stages of one family, its pipeline time and its bubble."""
+    pipeline = strategy.pipelines[family]
     stages = pipeline.stages
     p = len(stages)
     b, m, replicas = pipeline.micro_batch_size, pipeline.num_microbatches, pipeline.replicas
@@ -432,6 +475,7 @@ def evaluate(ctx: CostContext, strategy: Strategy) -> Evaluation:
         compute += edge_time_s(ctx, group, b, stage.tp, first, last)
         params_per_device = stage_params(ctx.model, stage.num_layers, first, last, p) / stage.tp
         dp_time = dp_sync_time_s(ctx, group, params_per_device, stage.tp, replicas)
+        dp_time += cross_family_sync_time_s(ctx, strategy, family, stage, params_per_device)
         backward = stage.num_layers * layer_cost.backward_time_s
         hidden = ctx.terms.dp_overlap * backward if ctx.training.overlap_grad_reduce else 0.0
         exposed = max(0.0, dp_time - hidden)
@@ -460,6 +504,7 @@ def evaluate(ctx: CostContext, strategy: Strategy) -> Evaluation:
                 memory=memory,
                 memory_capacity_bytes=group.device.memory_bytes,
                 memory_usable_bytes=usable_memory_bytes(ctx, group),
+                family=family,
             )
         )
     times = [stage.compute_time_s for stage in evaluated]
@@ -467,11 +512,24 @@ def evaluate(ctx: CostContext, strategy: Strategy) -> Evaluation:
     bubble = (sum(times) - slowest) / strategy.virtual_stages
     # Fill and drain cross every boundary once per chunk, each way.
     p2p = 2 * strategy.virtual_stages * sum(stage.p2p_time_s for stage in evaluated)
-    pipeline_time = m * slowest + bubble + p2p
+    return evaluated, m * slowest + bubble + p2p, bubble
+
+
+def evaluate(ctx: CostContext, strategy: Strategy) -> Evaluation:
+    """Iteration time, throughput, MFU and memory per stage of a strategy (assumed structurally valid). With several
+    pipeline families, the iteration waits for the slowest family's pipeline, then for the DP sync (across families
+    too) and the optimizer step."""
+    evaluated: list[StageEvaluation] = []
+    pipeline_time = bubble = -1.0
+    for family in range(len(strategy.pipelines)):
+        stages, family_time, family_bubble = _evaluate_stages(ctx, strategy, family)
+        evaluated.extend(stages)
+        if family_time > pipeline_time:
+            pipeline_time, bubble = family_time, family_bubble
     tail = max(stage.dp_exposed_time_s + stage.optimizer_time_s for stage in evaluated) + ctx.terms.iteration_overhead_s
     iteration = pipeline_time + tail
     samples = ctx.training.global_batch_size
-    devices = [(ctx.cluster.group(s.group), s.tp * replicas) for s in stages]
+    devices = [(ctx.cluster.group(s.group), s.tp * p.replicas) for p in strategy.pipelines for s in p.stages]
     peak = sum(group.device.peak_flops_for_dtype(ctx.training.dtype) * count for group, count in devices)
     model_flops = ctx.model.model_flops_per_sequence(ctx.seq_length) * samples
     return Evaluation(

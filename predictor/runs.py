@@ -159,11 +159,10 @@ def fingerprint(paths: list[str]) -> str:
 
 
 def run_summary(run: Run) -> dict[str, Any]:
-    pipeline = run.strategy.pipelines[0]
     return {
         "name": run.name,
         "source": run.source,
         "path": run.path,
-        "devices": pipeline.replicas * sum(s.tp for s in pipeline.stages),
+        "devices": sum(p.replicas * sum(s.tp for s in p.stages) for p in run.strategy.pipelines),
         "measured_iteration_time_s": run.measured_iteration_time_s,
     }

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from predictor.cost_model import CostContext, Evaluation
+from predictor.strategy import one_family
 
 Kind = Literal["forward", "backward", "dp_sync", "optimizer"]
 
@@ -38,9 +39,9 @@ def forward_share(ctx: CostContext, evaluation: Evaluation, stage_index: int) ->
 
 def pipeline_timeline(ctx: CostContext, evaluation: Evaluation) -> list[Block]:
     """Blocks of one iteration of one replica (all replicas run the same timeline)."""
+    m = one_family(evaluation.strategy, "plan", "the schedule drawing").num_microbatches
     stages = evaluation.stages
     p = len(stages)
-    m = evaluation.strategy.pipelines[0].num_microbatches
     forward = [s.compute_time_s * forward_share(ctx, evaluation, i) for i, s in enumerate(stages)]
     backward = [s.compute_time_s - f for s, f in zip(stages, forward, strict=True)]
     p2p = [s.p2p_time_s for s in stages]  # to the next stage

@@ -26,7 +26,7 @@ from predictor.comm_model import (
     reduce_scatter_time_s,
 )
 from predictor.cost_model import GRAD_BYTES_PER_PARAM, CostContext, dp_layout, stage_params
-from predictor.strategy import Strategy
+from predictor.strategy import Strategy, one_family
 
 DIMENSIONS = ("tp", "pp", "dp")
 LINK_CLASSES = ("in_node", "rail", "spine", "cross_group")
@@ -97,7 +97,7 @@ def strategy_traffic(ctx: CostContext, strategy: Strategy) -> Traffic:
     """Per-pair bytes of one iteration of `strategy` (one pipeline family)."""
     offsets, names, nodes, local, groups = _device_tables(ctx)
     traffic = Traffic(names, nodes, local, groups)
-    pipeline = strategy.pipelines[0]
+    pipeline = one_family(strategy, "plan", "the traffic model")
     stages = pipeline.stages
     replicas, v = pipeline.replicas, strategy.virtual_stages
     replica_microbatches = pipeline.replica_microbatches()  # uneven batch splits: some replicas run one fewer

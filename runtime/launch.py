@@ -20,6 +20,7 @@ import torch
 from planner.plan import LoadedPlan, evaluation_dict
 from predictor.cost_model import CostContext, check_strategy, evaluate
 from predictor.runs import RUN_SCHEMA
+from predictor.strategy import one_family
 from profiler.comm_bench import free_port, run_processes
 from runtime.execute import TORCH_DTYPES, RunJob, RunSettings, spawned_rank, synthetic_batch
 from runtime.model import ReferenceModel, check_tp
@@ -41,8 +42,7 @@ def run_plan(
 ) -> list[dict[str, Any]]:
     """Spawn one local process per cluster device and train; returns every rank's result."""
     strategy = plan.strategy
-    if len(strategy.pipelines) != 1:
-        raise SpecError(plan.source, "pipelines", "the runtime runs plans of one pipeline family")
+    one_family(strategy, plan.source, "the runtime")
     if strategy.virtual_stages != 1:
         raise SpecError(plan.source, "virtual_stages", "the runtime runs 1F1B; interleaved plans are not run yet")
     for stage in strategy.pipelines[0].stages:

@@ -36,6 +36,11 @@ class TrainingSpec(BaseModel):
         "of each other; gradients weighted by share). off: even splits only (the default: fastest search); refine: "
         "around the best even candidates; exhaustive: wherever a group fits one more stage (exact, a longer search)",
     )
+    families: Literal["off", "search"] = Field(
+        default="off",
+        description="off: one pipeline family (every replica the same device mix); search: also split the groups "
+        "into families, each with its own pipelines and a share of the batch (CP-SAT), gradients weighted by share",
+    )
     attention: Literal["flash", "materialized"] = Field(
         default="flash",
         description="flash: fused kernels (causal half of 4*b*s^2*h FLOPs, no score matrix); materialized: "

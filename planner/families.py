@@ -1,0 +1,300 @@
+"""Several pipeline families (level 2 of the tree across device mixes): the groups are split into blocks, each
+block trains its own pipeline replicas, and the global batch is split unevenly across the families.
+
+One family makes every replica the same device mix, so each group must give every replica the same share of its
+devices; where the groups' sizes and speeds do not line up, devices idle or the slowest type sets every replica's
+pace. With families, each block runs the pipeline that suits it (its own depth, TP, micro-batch) and gets a share
+of the batch its speed earns; gradients meet across families after each family's own reduce-scatter
+(`cost_model.cross_family_sync_time_s`), and each replica's gradients are weighted by its share of the samples.
+
+For each partition of the groups into blocks: the best few plans of every block at a batch share (the ordinary
+search on the block alone, memoised), then OR-Tools CP-SAT picks one plan per block and the micro-batches of each
+family (integers, sum of samples = global batch) minimising the slowest family's pipeline + tail. A family's
+pipeline time is affine in its micro-batches per replica, q * bottleneck + fill/drain, so the split is exact for
+the chosen plans; memory holds when q grows only where q already reaches the pipeline depth (1F1B keeps at most
+depth micro-batches in flight). Blocks are searched again at the shares the split chose, and the split solved again
+over both rounds' plans. Every result is re-evaluated by the full cost model, cross-family sync included.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from predictor.cost_model import CostContext, Evaluation, evaluate
+from predictor.strategy import PipelineStrategy, Strategy
+from specs.cluster import DeviceGroup
+from specs.model import Recompute
+
+PLANS_PER_BLOCK = 3  # the best plans of each block offered to the batch split
+REFINED_PARTITIONS = 2  # the best partitions whose blocks are searched again at the shares the split chose
+BISECTION_STEPS = 50  # on the slowest family's time: 2^-50 of the first bracket
+
+
+@dataclass(frozen=True)
+class _BlockPlan:
+    """One plan of a block, as an affine function of its micro-batches per replica."""
+
+    evaluation: Evaluation
+    replicas: int
+    micro_batch_size: int
+    per_microbatch_s: float  # the bottleneck stage's time per micro-batch
+    fixed_s: float  # fill, drain, p2p and the block's own tail
+    max_microbatches: int  # memory: at most this many per replica (large where depth is reached)
+    virtual_stages: int  # 0: a single stage, compatible with any interleaving
+
+
+@dataclass
+class FamilySearchResult:
+    evaluations: list[Evaluation]
+    partitions: int
+    block_searches: int
+
+
+def partitions(items: Sequence[DeviceGroup]) -> Iterator[list[list[DeviceGroup]]]:
+    """Every partition of the groups into non-empty blocks, in a fixed order (the first group starts block 0)."""
+    if not items:
+        yield []
+        return
+    first, rest = items[0], items[1:]
+    for smaller in partitions(rest):
+        yield [[first], *smaller]
+        for index in range(len(smaller)):
+            yield [*smaller[:index], [first, *smaller[index]], *smaller[index + 1 :]]
+
+
+def _block_context(ctx: CostContext, block: Sequence[DeviceGroup], samples: int) -> CostContext:
+    cluster = dataclasses.replace(ctx.cluster, groups=tuple(block))
+    training = ctx.training.model_copy(update={"global_batch_size": samples, "families": "off"})
+    return dataclasses.replace(ctx, cluster=cluster, training=training)
+
+
+def _block_plans(evaluations: Sequence[Evaluation]) -> list[_BlockPlan]:
+    plans = []
+    for evaluation in evaluations:
+        pipeline = evaluation.strategy.pipelines[0]
+        bottleneck = max(stage.compute_time_s for stage in evaluation.stages)
+        q = pipeline.num_microbatches
+        stages = len(pipeline.stages)
+        plans.append(
+            _BlockPlan(
+                evaluation=evaluation,
+                replicas=pipeline.replicas,
+                micro_batch_size=pipeline.micro_batch_size,
+                per_microbatch_s=bottleneck,
+                fixed_s=evaluation.pipeline_time_s - q * bottleneck + evaluation.tail_time_s,
+                max_microbatches=q if q < stages else 1 << 30,
+                virtual_stages=evaluation.strategy.virtual_stages if stages > 1 else 0,
+            )
+        )
+    return plans
+
+
+def split_batch_across(global_batch: int, blocks: Sequence[Sequence[_BlockPlan]]) -> tuple[list[int], list[int]] | None:
+    """One plan per block and its total micro-batches, samples adding up to the global batch exactly, every replica
+    running q or q - 1 (>= 1) micro-batches, minimising the slowest family's time; plans of several stages share one
+    interleaving depth. Returns (plan index per block, micro-batches per block), or None when no split exists.
+
+    Exact: within a time T, plan p of a block can take any n in [replicas, replicas * q_max(T)] micro-batches of
+    its size b, so the sample totals reachable by the blocks together are a sum of sets (a subset-sum table over
+    0..global batch); reaching the global batch is monotone in T, so bisection finds the least T, and walking the
+    tables back gives the split."""
+    best: tuple[float, list[int], list[int]] | None = None
+    depths = sorted({p.virtual_stages for plans in blocks for p in plans if p.virtual_stages}) or [0]
+    for depth in depths:
+        allowed = [[i for i, p in enumerate(plans) if p.virtual_stages in (0, depth)] for plans in blocks]
+        if any(not indices for indices in allowed):
+            continue
+        found = _least_time_split(global_batch, blocks, allowed)
+        if found is not None and (best is None or found[0] < best[0]):
+            best = found
+    return None if best is None else (best[1], best[2])
+
+
+def _ranges(global_batch: int, plan: _BlockPlan, time_s: float) -> tuple[int, int] | None:
+    """(fewest, most) micro-batches the plan's family can run within `time_s`, or None."""
+    most_samples = global_batch // plan.micro_batch_size
+    q = math.floor((time_s - plan.fixed_s) / plan.per_microbatch_s) if time_s >= plan.fixed_s else 0
+    q = min(q, plan.max_microbatches, most_samples)
+    if q < 1 or plan.replicas > most_samples:
+        return None
+    return plan.replicas, min(plan.replicas * q, most_samples)
+
+
+def _add_range(reachable: np.ndarray, step: int, low: int, high: int) -> np.ndarray:
+    """{x + step * n : x reachable, low <= n <= high} as a table over 0..len-1 (sliding window per residue)."""
+    out = np.zeros_like(reachable)
+    for residue in range(step):
+        column = reachable[residue::step].astype(np.int64)
+        running = np.concatenate([[0], np.cumsum(column)])
+        j = np.arange(len(column))
+        upper = np.clip(j - low + 1, 0, len(column))
+        lower = np.clip(j - high, 0, len(column))
+        out[residue::step] = (running[upper] - running[lower]) > 0
+    return out
+
+
+def _tables(
+    global_batch: int, blocks: Sequence[Sequence[_BlockPlan]], allowed: Sequence[Sequence[int]], time_s: float
+) -> list[np.ndarray] | None:
+    """Reachable sample totals after each block within `time_s`; None when the global batch is not reachable."""
+    reachable = np.zeros(global_batch + 1, dtype=bool)
+    reachable[0] = True
+    tables = [reachable]
+    for plans, indices in zip(blocks, allowed, strict=True):
+        merged = np.zeros_like(reachable)
+        for i in indices:
+            span = _ranges(global_batch, plans[i], time_s)
+            if span is not None:
+                merged |= _add_range(reachable, plans[i].micro_batch_size, *span)
+        reachable = merged
+        tables.append(reachable)
+    return tables if reachable[global_batch] else None
+
+
+def _least_time_split(
+    global_batch: int, blocks: Sequence[Sequence[_BlockPlan]], allowed: Sequence[Sequence[int]]
+) -> tuple[float, list[int], list[int]] | None:
+    plans = [blocks[f][i] for f, indices in enumerate(allowed) for i in indices]
+    high = max(p.per_microbatch_s * (global_batch // p.micro_batch_size) + p.fixed_s for p in plans)
+    if _tables(global_batch, blocks, allowed, high) is None:
+        return None
+    low = 0.0
+    for _ in range(BISECTION_STEPS):
+        middle = (low + high) / 2
+        if _tables(global_batch, blocks, allowed, middle) is None:
+            low = middle
+        else:
+            high = middle
+    tables = _tables(global_batch, blocks, allowed, high)
+    assert tables is not None
+    picked: list[int] = []
+    microbatches: list[int] = []
+    remaining = global_batch
+    for f in range(len(blocks) - 1, -1, -1):
+        before = tables[f]
+        choice = None
+        for i in allowed[f]:
+            plan = blocks[f][i]
+            span = _ranges(global_batch, plan, high)
+            if span is None:
+                continue
+            for n in range(span[1], span[0] - 1, -1):
+                rest = remaining - plan.micro_batch_size * n
+                if rest >= 0 and before[rest]:
+                    choice = (i, n)
+                    break
+            if choice is not None:
+                break
+        assert choice is not None, "the tables say the remainder is reachable"
+        picked.append(choice[0])
+        microbatches.append(choice[1])
+        remaining -= blocks[f][choice[0]].micro_batch_size * choice[1]
+    picked.reverse()
+    microbatches.reverse()
+    slowest = max(
+        blocks[f][i].per_microbatch_s * -(-n // blocks[f][i].replicas) + blocks[f][i].fixed_s
+        for f, (i, n) in enumerate(zip(picked, microbatches, strict=True))
+    )
+    return slowest, picked, microbatches
+
+
+def combine(ctx: CostContext, plans: Sequence[_BlockPlan], microbatches: Sequence[int]) -> Strategy:
+    """One strategy of several families: each block's plan with its micro-batch total; stage recompute made
+    explicit, the most common mode as the strategy's."""
+    pipelines = []
+    modes: list[Recompute] = []
+    virtual = max([p.virtual_stages for p in plans] + [1])
+    for plan, total in zip(plans, microbatches, strict=True):
+        strategy = plan.evaluation.strategy
+        pipeline = strategy.pipelines[0]
+        most = -(-total // pipeline.replicas)
+        stages = tuple(dataclasses.replace(s, recompute=strategy.stage_recompute(s)) for s in pipeline.stages)
+        modes += [s.recompute for s in stages]  # type: ignore[misc]
+        pipelines.append(
+            PipelineStrategy(
+                pipeline.replicas,
+                pipeline.micro_batch_size,
+                most,
+                stages,
+                total if total != most * pipeline.replicas else 0,
+            )
+        )
+    default: Recompute = max(modes, key=modes.count)
+    pipelines = [
+        dataclasses.replace(
+            p,
+            stages=tuple(
+                dataclasses.replace(s, recompute=None if s.recompute == default else s.recompute) for s in p.stages
+            ),
+        )
+        for p in pipelines
+    ]
+    return Strategy(tuple(pipelines), default, ctx.training.zero_stage, virtual, ctx.training.sequence_parallel)
+
+
+def family_search(ctx: CostContext, top_k: int, block_rate: dict[str, float]) -> FamilySearchResult:
+    """The fastest plans of two or more families over every partition of the groups. `block_rate`: an estimate
+    of each group's throughput (any unit), for the first shares.
+
+    Every partition: each block's best plans at its share of the batch by `block_rate` (single-mode recompute: the
+    per-stage CP-SAT refinement would cost most of the time), then the exact batch split. The best
+    REFINED_PARTITIONS partitions: blocks searched again at the shares the split chose, now with per-stage
+    recompute, and the split solved over both rounds' plans."""
+    from planner.search import search  # families search blocks with the ordinary search
+
+    global_batch = ctx.training.global_batch_size
+    memo: dict[tuple[tuple[str, ...], int, bool], list[_BlockPlan]] = {}
+
+    def block_plans(block: Sequence[DeviceGroup], samples: int, refine: bool) -> list[_BlockPlan]:
+        key = (tuple(g.name for g in block), samples, refine)
+        if key not in memo:
+            block_ctx = _block_context(ctx, block, samples)
+            result = search(block_ctx, top_k=PLANS_PER_BLOCK, per_stage_recompute=refine)
+            memo[key] = _block_plans(result.evaluations)
+        return memo[key]
+
+    def solve(pools: list[list[_BlockPlan]]) -> tuple[Evaluation, list[int]] | None:
+        split = split_batch_across(global_batch, pools)
+        if split is None:
+            return None
+        picked, microbatches = split
+        chosen = [pool[i] for pool, i in zip(pools, picked, strict=True)]
+        evaluation = evaluate(ctx, combine(ctx, chosen, microbatches))
+        shares = [p.micro_batch_size * n for p, n in zip(chosen, microbatches, strict=True)]
+        return (evaluation, shares) if evaluation.fits else None
+
+    total_rate = sum(block_rate.values())
+    found: list[Evaluation] = []
+    first_round: list[tuple[float, int, list[list[DeviceGroup]], list[list[_BlockPlan]], list[int]]] = []
+    count = 0
+    for partition in partitions(list(ctx.cluster.groups)):
+        if len(partition) < 2:
+            continue
+        count += 1
+        # a block's first share depends on the block only (its part of the whole cluster's rate), so every block
+        # is searched once whatever partition it is in; the split then moves samples freely
+        shares = [
+            max(1, round(global_batch * sum(block_rate[g.name] for g in block) / total_rate)) for block in partition
+        ]
+        pools = [block_plans(block, share, False) for block, share in zip(partition, shares, strict=True)]
+        if any(not pool for pool in pools):
+            continue  # a block cannot hold the model (memory barely depends on the share)
+        solved = solve(pools)
+        if solved is not None:
+            found.append(solved[0])
+            first_round.append((solved[0].iteration_time_s, count, partition, pools, solved[1]))
+    for _, _, partition, pools, shares in sorted(first_round, key=lambda item: item[:2])[:REFINED_PARTITIONS]:
+        fresh = [block_plans(block, share, True) for block, share in zip(partition, shares, strict=True)]
+        merged = [pool + [p for p in more if p not in pool] for pool, more in zip(pools, fresh, strict=True)]
+        solved = solve(merged)
+        if solved is not None:
+            found.append(solved[0])
+    unique: dict[str, Evaluation] = {}
+    for evaluation in sorted(found, key=lambda e: e.iteration_time_s):
+        unique.setdefault(repr(evaluation.strategy), evaluation)
+    return FamilySearchResult(list(unique.values())[:top_k], count, len(memo))

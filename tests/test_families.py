@@ -1,0 +1,229 @@
+"""Several pipeline families: groups split into blocks, each block its own pipelines and share of the batch."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import random
+
+import pytest
+import yaml
+
+from planner import build_context, load_plan, plan, predict
+from planner.export import export_plan
+from planner.families import _block_context, _block_plans, _BlockPlan, combine, partitions, split_batch_across
+from planner.search import search
+from predictor.cost_model import check_strategy, evaluate
+from predictor.schedule import pipeline_timeline
+from predictor.strategy import PipelineStrategy, StageStrategy, Strategy
+from predictor.traffic import strategy_traffic
+from specs import load_model, load_training
+from specs.cluster import ClusterFile, ClusterSpec, resolve_cluster
+from specs.errors import SpecError
+from tests.test_cli import hetplan
+
+BATCH = 64
+
+
+CLUSTER_YAML = """
+name: a100-v100
+groups:
+  - {{name: a100-80gb, device: a100-80gb, nodes: 3, devices_per_node: 8, nics_per_node: 8, nic_gbps: 200}}
+  - {{name: v100, device: v100, nodes: 1, devices_per_node: 8, nics_per_node: 8, nic_gbps: 200}}
+network: {{topology: rail-optimized, inter_group_gbps: {inter_group_gbps}}}
+"""
+
+
+def _a100_and_v100(inter_group_gbps: float = 200) -> ClusterSpec:
+    """3 A100 nodes and 1 V100 node: one family must give every replica the same mix, so the V100s either slow
+    every replica down or sit idle."""
+    text = CLUSTER_YAML.format(inter_group_gbps=inter_group_gbps)
+    return resolve_cluster(ClusterFile.model_validate(yaml.safe_load(text)), "test cluster")
+
+
+def _training(families: str = "search"):
+    return load_training(None, {"global_batch_size": BATCH, "dtype": "fp16", "families": families})
+
+
+@pytest.fixture(scope="module")
+def family_plan():
+    return plan(_a100_and_v100(), load_model("gpt3-1.7b"), _training())
+
+
+def test_partitions_are_every_set_partition_once():
+    for n, bell in zip(range(1, 6), (1, 2, 5, 15, 52)):
+        found = [tuple(sorted(tuple(sorted(block)) for block in p)) for p in partitions(list(range(n)))]
+        assert len(found) == bell == len(set(found))
+        assert all(sorted(x for block in p for x in block) == list(range(n)) for p in found)
+
+
+def _brute_force_split(batch: int, blocks: list[list[_BlockPlan]]) -> float:
+    best = float("inf")
+    for picks in itertools.product(*[range(len(plans)) for plans in blocks]):
+        chosen = [blocks[f][i] for f, i in enumerate(picks)]
+        depths = {p.virtual_stages for p in chosen if p.virtual_stages}
+        if len(depths) > 1:
+            continue
+        ranges = [range(p.replicas, batch // p.micro_batch_size + 1) for p in chosen]
+        for totals in itertools.product(*ranges):
+            if sum(p.micro_batch_size * n for p, n in zip(chosen, totals)) != batch:
+                continue
+            q = [-(-n // p.replicas) for p, n in zip(chosen, totals)]
+            if any(qi > p.max_microbatches for qi, p in zip(q, chosen)):
+                continue
+            best = min(best, max(p.per_microbatch_s * qi + p.fixed_s for p, qi in zip(chosen, q)))
+    return best
+
+
+def test_the_batch_split_across_families_is_exact():
+    """Random small instances: the subset-sum bisection equals brute force over every plan choice and total."""
+    rng = random.Random(7)
+    for _ in range(60):
+        batch = rng.randint(4, 30)
+        blocks = [
+            [
+                _BlockPlan(
+                    evaluation=None,  # type: ignore[arg-type]  # the split does not look at it
+                    replicas=rng.randint(1, 4),
+                    micro_batch_size=rng.choice((1, 2, 3)),
+                    per_microbatch_s=rng.uniform(0.5, 3.0),
+                    fixed_s=rng.uniform(0.0, 5.0),
+                    max_microbatches=rng.choice((2, 3, 1 << 30)),
+                    virtual_stages=rng.choice((0, 1, 2)),
+                )
+                for _ in range(rng.randint(1, 3))
+            ]
+            for _ in range(rng.randint(2, 3))
+        ]
+        expected = _brute_force_split(batch, blocks)
+        split = split_batch_across(batch, blocks)
+        if expected == float("inf"):
+            assert split is None
+            continue
+        assert split is not None
+        picked, totals = split
+        chosen = [blocks[f][i] for f, i in enumerate(picked)]
+        assert sum(p.micro_batch_size * n for p, n in zip(chosen, totals)) == batch
+        assert all(n >= p.replicas for p, n in zip(chosen, totals))
+        slowest = max(p.per_microbatch_s * -(-n // p.replicas) + p.fixed_s for p, n in zip(chosen, totals))
+        assert slowest == pytest.approx(expected, rel=1e-9)
+
+
+def test_families_beat_one_family_and_match_every_batch_share(family_plan):
+    """The V100s train their own replicas with a small share of the batch instead of slowing every A100 replica;
+    the plan equals the best over every share of the batch between the two blocks (each block's best plans at
+    that share, every combination, evaluated by the full cost model)."""
+    cluster, model = _a100_and_v100(), load_model("gpt3-1.7b")
+    one = plan(cluster, model, _training("off"))
+    assert len(family_plan.strategy.pipelines) == 2
+    assert family_plan.evaluation.iteration_time_s < 0.97 * one.evaluation.iteration_time_s
+    ctx = family_plan.context
+    a100, v100 = cluster.groups
+    best = float("inf")
+    for share in range(1, BATCH):
+        first = _block_plans(search(_block_context(ctx, [a100], share), top_k=3).evaluations)
+        second = _block_plans(search(_block_context(ctx, [v100], BATCH - share), top_k=3).evaluations)
+        for x, y in itertools.product(first, second):
+            if x.virtual_stages and y.virtual_stages and x.virtual_stages != y.virtual_stages:
+                continue
+            totals = [share // x.micro_batch_size, (BATCH - share) // y.micro_batch_size]
+            if totals[0] * x.micro_batch_size != share or totals[1] * y.micro_batch_size != BATCH - share:
+                continue
+            if totals[0] < x.replicas or totals[1] < y.replicas:
+                continue
+            evaluation = evaluate(ctx, combine(ctx, [x, y], totals))
+            if evaluation.fits:
+                best = min(best, evaluation.iteration_time_s)
+    assert family_plan.evaluation.iteration_time_s == pytest.approx(best, rel=1e-9)
+
+
+def test_a_family_plan_round_trips_and_records_the_shares(family_plan, tmp_path):
+    path = tmp_path / "plan.json"
+    family_plan.save(path)
+    body = json.loads(path.read_text())
+    assert sum(p["family_samples"] for p in body["pipelines"]) == BATCH
+    weights = [b["replicas"] * b["gradient_weight"] for p in body["pipelines"] for b in p["replica_batches"]]
+    assert sum(weights) == pytest.approx(1.0, abs=1e-5)
+    loaded = load_plan(path)
+    assert loaded.strategy == family_plan.strategy
+    again = predict(family_plan.context, loaded.strategy)
+    assert again.iteration_time_s == pytest.approx(family_plan.evaluation.iteration_time_s, rel=1e-12)
+
+
+def _two_families(ctx, a100_samples: int) -> Strategy:
+    first = PipelineStrategy(8, 1, a100_samples // 8, (StageStrategy("a100-80gb", 0, 24, 1, 0),))
+    second = PipelineStrategy(8, 1, (BATCH - a100_samples) // 8, (StageStrategy("v100", 0, 24, 1, 0),))
+    return Strategy((first, second), "none", 1, 1, True)
+
+
+def test_the_cost_model_waits_for_the_slowest_family_then_syncs_across_families():
+    model = load_model("gpt3-1.7b")
+    fast = build_context(_a100_and_v100(), model, _training("off"))
+    slow = build_context(_a100_and_v100(inter_group_gbps=10), model, _training("off"))
+    strategy = _two_families(fast, 48)
+    check_strategy(fast, strategy)
+    evaluation = evaluate(fast, strategy)
+    families = [
+        evaluate(fast, dataclasses.replace(strategy, pipelines=(p,))).pipeline_time_s for p in strategy.pipelines
+    ]
+    assert evaluation.pipeline_time_s == pytest.approx(max(families), rel=1e-12)
+    assert {s.family for s in evaluation.stages} == {0, 1}
+    # the gradients cross the groups' link: a slower link makes the sync longer, nothing else
+    slower = evaluate(slow, strategy)
+    assert slower.pipeline_time_s == pytest.approx(evaluation.pipeline_time_s, rel=1e-12)
+    assert all(b.dp_sync_time_s > a.dp_sync_time_s for a, b in zip(evaluation.stages, slower.stages))
+    # moving samples to the slow family makes it the slowest
+    assert evaluate(fast, _two_families(fast, 32)).pipeline_time_s > evaluation.pipeline_time_s
+
+
+@pytest.mark.parametrize(
+    ("change", "field", "words"),
+    [
+        (lambda p: (p[0], dataclasses.replace(p[1], num_microbatches=3)), "pipelines", "expected the global batch 64"),
+        (
+            lambda p: (p[0], dataclasses.replace(p[1], stages=(StageStrategy("a100-80gb", 0, 24, 1, 0),))),
+            "pipelines",
+            "stages overlap on devices of group 'a100-80gb'",
+        ),
+        (
+            lambda p: (p[0], dataclasses.replace(p[1], stages=(StageStrategy("v100", 0, 20, 1, 0),))),
+            "pipelines[1].stages",
+            "layers cover [0, 20)",
+        ),
+    ],
+)
+def test_family_errors_name_the_family_and_field(change, field, words):
+    ctx = build_context(_a100_and_v100(), load_model("gpt3-1.7b"), _training("off"))
+    strategy = _two_families(ctx, 48)
+    broken = dataclasses.replace(strategy, pipelines=change(strategy.pipelines))
+    with pytest.raises(SpecError) as error:
+        check_strategy(ctx, broken, "plan.json")
+    assert f"plan.json: {field}:" in str(error.value) and words in str(error.value)
+
+
+def test_tools_of_one_family_say_so_and_export_falls_back_to_one_family(family_plan):
+    ctx, evaluation = family_plan.context, family_plan.evaluation
+    for tool in (lambda: pipeline_timeline(ctx, evaluation), lambda: strategy_traffic(ctx, family_plan.strategy)):
+        with pytest.raises(SpecError, match="handles plans of one pipeline family, this one has 2"):
+            tool()
+    exported = export_plan(ctx, family_plan.strategy, "megatron")
+    assert len(exported.strategy.pipelines) == 1
+    assert any("2 pipeline families" in lost for lost in exported.lost)
+    assert exported.predicted_iteration_time_s > exported.plan_iteration_time_s
+
+
+def test_cli_plans_families_and_explain_refuses_in_one_line(tmp_path):
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text(CLUSTER_YAML.format(inter_group_gbps=200))
+    out = tmp_path / "plan.json"
+    args = ["--cluster", str(cluster), "--model", "gpt3-1.7b", "--dtype", "fp16", "--global-batch", str(BATCH)]
+    made = hetplan("plan", *args, "--families", "search", "--out", str(out), "--json")
+    assert made.returncode == 0, made.stderr
+    body = json.loads(made.stdout)
+    assert len(body["pipelines"]) == 2 and body["training"]["families"] == "search"
+    assert body["search"]["family_partitions"] == 1
+    explained = hetplan("explain", str(out), "--cluster", str(cluster))
+    assert explained.returncode == 2
+    lines = explained.stderr.strip().splitlines()
+    assert len(lines) == 1 and "one pipeline family" in lines[0], explained.stderr
