@@ -32,6 +32,7 @@ from specs.model import Recompute
 
 PLANS_PER_BLOCK = 3  # the best plans of each block offered to the batch split
 REFINED_PARTITIONS = 2  # the best partitions whose blocks are searched again at the shares the split chose
+REFINED_PER_STAGE_CANDIDATES = 2  # ... with per-stage recompute for this many of each block's best candidates
 BISECTION_STEPS = 50  # on the slowest family's time: 2^-50 of the first bracket
 
 
@@ -254,7 +255,8 @@ def family_search(ctx: CostContext, top_k: int, block_rate: dict[str, float]) ->
         key = (tuple(g.name for g in block), samples, refine)
         if key not in memo:
             block_ctx = _block_context(ctx, block, samples)
-            result = search(block_ctx, top_k=PLANS_PER_BLOCK, per_stage_recompute=refine)
+            per_stage = REFINED_PER_STAGE_CANDIDATES if refine else 0
+            result = search(block_ctx, top_k=PLANS_PER_BLOCK, per_stage_candidates=per_stage, every_group=True)
             memo[key] = _block_plans(result.evaluations)
         return memo[key]
 

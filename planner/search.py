@@ -5,6 +5,12 @@ Branch and bound: every outer configuration gets a lower bound on its iteration 
 see `_families`); configurations are evaluated best bound first, pipeline orders expanded only then, and the
 search stops once the next bound cannot beat the k-th best plan found. Groups
 with identical devices and node shapes are interchangeable, so orders that only swap them are skipped.
+
+The ZeRO stage is not branched on: under the cost model stage 1 weakly dominates stage 0 (optimizer state divided by
+the DP degree; DP traffic of a reduce-scatter of 4-byte gradients plus an all-gather of 16-bit weights, 6 bytes per
+parameter against the all-reduce's 8, equal for fp32 weights; the optimizer step on 1/dp of the parameters), so the
+training's stage (1 unless pinned) is the best choice for every candidate. Several pipeline families of different
+device mixes: planner.families (`families: search`).
 """
 
 from __future__ import annotations
@@ -158,7 +164,7 @@ class _Family:
 
 
 def _families(
-    ctx: CostContext, memory_bounds: bool = True
+    ctx: CostContext, memory_bounds: bool = True, every_group: bool = False
 ) -> tuple[list[_Family], list[np.ndarray], list[np.ndarray], list[int]]:
     """Structurally valid candidates that pass the memory lower bound, with their time lower bounds.
 
@@ -211,7 +217,7 @@ def _families(
     families: list[_Family] = []
     bounds: list[np.ndarray] = []
     virtuals: list[np.ndarray] = []
-    for size in range(1, len(groups) + 1):
+    for size in range(len(groups) if every_group else 1, len(groups) + 1):
         for subset in itertools.combinations(groups, size):
             tp_lists = [tp_options(ctx, g) for g in subset]
             tp_rows = np.array(list(itertools.product(*tp_lists)), dtype=np.int64)
@@ -407,11 +413,11 @@ def _order_bound_increase_s(family: _Family, row: int, orders: list[tuple[int, .
 
 
 def outer_configs(
-    ctx: CostContext, counter: list[int] | None = None, memory_bounds: bool = True
+    ctx: CostContext, counter: list[int] | None = None, memory_bounds: bool = True, every_group: bool = False
 ) -> Iterator[OuterConfig]:
     """Every candidate (all pipeline orders that may fit), best lower bound first; ties keep enumeration order.
     `counter`, when given, receives the number of candidates before orders are expanded."""
-    families, bounds, virtuals, sizes = _families(ctx, memory_bounds)
+    families, bounds, virtuals, sizes = _families(ctx, memory_bounds, every_group)
     if counter is not None:
         counter.append(int(sum(np.isfinite(b).sum() for b in bounds)))
     if not families:
@@ -619,13 +625,16 @@ def search(
     splitter: LayerSplitter | None = None,
     gap: float = 0.0,
     warm_start: Sequence[Evaluation] = (),
-    per_stage_recompute: bool = True,
+    per_stage_candidates: int = PER_STAGE_CANDIDATES,
+    every_group: bool = False,
 ) -> SearchResult:
     """The k fastest strategies that fit memory (fewer if fewer fit). `splitter` replaces the exact layer split
     by another rule (planner.baselines); the candidates' bounds hold for any split, so the search stays exact
     for the rule it is given. `warm_start`: feasible evaluations (e.g. the previous plan adapted to a changed
-    cluster) that seed the incumbent, so the bounds prune from the first candidate on. `per_stage_recompute`:
-    re-solve the best candidates with a recompute mode per stage (off for the family search's block searches)."""
+    cluster) that seed the incumbent, so the bounds prune from the first candidate on. `per_stage_candidates`:
+    how many of the best candidates are re-solved with a recompute mode per stage (0: none).
+    `every_group`: only pipelines that use every group (the family search's blocks: a block that leaves a group
+    idle is another partition's business)."""
     best: list[tuple[float, int, Evaluation]] = []  # max-heap on iteration time via negation
     for position, evaluation in enumerate(warm_start):
         if evaluation.fits:
@@ -637,7 +646,7 @@ def search(
     root_bound_s = math.inf
     candidates: list[int] = []
     tried: list[tuple[float, int, OuterConfig, float]] = []
-    for index, config in enumerate(outer_configs(ctx, candidates)):
+    for index, config in enumerate(outer_configs(ctx, candidates, every_group=every_group)):
         if progress is not None and index % 64 == 0:
             progress(index, index + 64)
         root_bound_s = min(root_bound_s, config.lower_bound_s)
@@ -662,7 +671,7 @@ def search(
     if splitter is None and ctx.training.uneven_batch == "refine":
         evaluated += _uneven_refinement(ctx, terms, tried, best, top_k)
     refined = 0
-    if splitter is None and per_stage_recompute and len(ctx.training.recompute) > 1:
+    if splitter is None and per_stage_candidates and len(ctx.training.recompute) > 1:
         # Per-stage recompute: the best candidates again, each stage free to pick its mode (CP-SAT), where the
         # bound says that can beat the candidate's best single mode.
         uniform_objective: dict[OuterConfig, float] = {}
@@ -675,7 +684,7 @@ def search(
             if key in seen:
                 continue
             seen.add(key)
-            if len(seen) > PER_STAGE_CANDIDATES:
+            if len(seen) > per_stage_candidates:
                 break
             strategy, _, _ = _candidate_strategy(ctx, terms, key, uniform_objective[key], None)
             if strategy is None:

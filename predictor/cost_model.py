@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from predictor.comm_model import (
     Link,
@@ -518,7 +518,9 @@ def _evaluate_stages(ctx: CostContext, strategy: Strategy, family: int) -> tuple
 def evaluate(ctx: CostContext, strategy: Strategy) -> Evaluation:
     """Iteration time, throughput, MFU and memory per stage of a strategy (assumed structurally valid). With several
     pipeline families, the iteration waits for the slowest family's pipeline, then for the DP sync (across families
-    too) and the optimizer step."""
+    too) and the optimizer step. The strategy's ZeRO stage is the one evaluated (a plan may pin its own)."""
+    if strategy.zero_stage != ctx.training.zero_stage:
+        ctx = replace(ctx, training=ctx.training.model_copy(update={"zero_stage": strategy.zero_stage}))
     evaluated: list[StageEvaluation] = []
     pipeline_time = bubble = -1.0
     for family in range(len(strategy.pipelines)):

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
 from planner import plan
 from planner.search import divisors
-from predictor.cost_model import decoder_layer_time_s
+from predictor.cost_model import decoder_layer_time_s, evaluate
 from specs import DoesNotFitError, load_cluster, load_model, load_training
 from tests.conftest import EXAMPLES, ONE_T4_NODE
 
@@ -138,7 +139,6 @@ def test_plan_equals_exhaustive_search_on_a_small_heterogeneous_cluster():
     (not only the largest), micro-batch, recompute, interleaving and every composition of the layers into stages,
     evaluated with the full cost model, is no faster than the plan. Compositions are screened with the pipeline
     objective (a lower bound on the iteration time), so only those that could beat the incumbent are evaluated."""
-    import dataclasses
     import itertools
 
     import numpy as np
@@ -208,7 +208,6 @@ def test_plan_equals_exhaustive_search_on_a_small_heterogeneous_cluster():
 
 
 def test_per_stage_recompute_round_trips_through_the_plan_file(tmp_path):
-    import dataclasses
 
     from planner import predict
     from planner.plan import load_plan
@@ -230,3 +229,17 @@ def test_per_stage_recompute_round_trips_through_the_plan_file(tmp_path):
     assert [s["recompute"] for s in body["pipelines"][0]["stages"]][:1] == ["full"]
     assert body["recompute_summary"].startswith("per-stage (full x1, none x")
     assert load_plan(path).strategy == strategy
+
+
+def test_zero1_dominates_zero0_in_the_cost_model_so_the_search_keeps_the_training_stage(hethub_plan):
+    """The search does not branch on the ZeRO stage: under the cost model stage 1 is never slower and never needs
+    more memory than stage 0 (optimizer state / dp, 6 instead of 8 bytes of DP traffic per parameter, the optimizer
+    step on 1/dp of the parameters): the searched plan's layout and a pinned ZeRO-0 search both say so."""
+    ctx = hethub_plan.context
+    zero0 = evaluate(ctx, dataclasses.replace(hethub_plan.strategy, zero_stage=0))
+    zero1 = evaluate(ctx, dataclasses.replace(hethub_plan.strategy, zero_stage=1))
+    assert zero1.iteration_time_s < zero0.iteration_time_s
+    assert all(one.memory.total_bytes < zero.memory.total_bytes for one, zero in zip(zero1.stages, zero0.stages))
+    pinned = plan(ctx.cluster, ctx.model, ctx.training.model_copy(update={"zero_stage": 0}))
+    assert pinned.strategy.zero_stage == 0
+    assert pinned.evaluation.iteration_time_s > hethub_plan.evaluation.iteration_time_s
