@@ -21,7 +21,7 @@ import heapq
 import itertools
 import math
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -67,6 +67,9 @@ class OuterConfig:
     virtual_stages: int
     lower_bound_s: float  # of every order of these groups (candidates come in this bound's order)
     order_bound_s: float = 0.0  # of this order: memory caps at each stage's pipeline depth (>= lower_bound_s)
+    # lower_bound_s tightened by whole layers (no memory limit), computed on demand: valid for every order and for
+    # per-stage recompute (the candidate row of the cheapest mode bounds those); for the reported root bound
+    whole_layer_bound: Callable[[], float] | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass
@@ -91,6 +94,13 @@ def config_microbatches(ctx: CostContext, config: OuterConfig) -> tuple[int, int
     split = split_batch(ctx.training.global_batch_size, config.replicas, config.micro_batch_size)
     assert split is not None, "candidates are generated with a valid batch split"
     return split
+
+
+def config_microbatches_of(ctx: CostContext, replicas: int, micro_batch_size: int) -> int:
+    """The most micro-batches a replica runs."""
+    split = split_batch(ctx.training.global_batch_size, replicas, micro_batch_size)
+    assert split is not None, "candidates are generated with a valid batch split"
+    return split[0]
 
 
 def replica_counts(global_batch: int, subset: Sequence[DeviceGroup], tp_rows: np.ndarray, max_stages: int) -> list[int]:
@@ -323,6 +333,40 @@ def _families(
     return families, bounds, virtuals, [len(b) for b in bounds]
 
 
+def _integer_bottleneck(per_layer_s: np.ndarray, counts: np.ndarray, num_layers: int) -> np.ndarray:
+    """Per row, the smallest M with sum_g counts_g * floor(M / a_g) >= L: the bottleneck whole layers allow
+    (no fixed costs, no memory limit). Bisection, vectorised over rows; rounded down slightly to stay a bound."""
+    low = num_layers / (counts / per_layer_s).sum(axis=1)
+    high = low + per_layer_s.max(axis=1)
+    for _ in range(BISECTION_STEPS):
+        middle = (low + high) / 2
+        enough = (counts * np.floor(middle[:, None] / per_layer_s)).sum(axis=1) >= num_layers
+        high = np.where(enough, middle, high)
+        low = np.where(enough, low, middle)
+    return low * (1 - 1e-9)
+
+
+@dataclass
+class _WholeLayerBound:
+    """A candidate row's bound with the whole-layer bottleneck, computed once when first asked for."""
+
+    family: _Family
+    row: int
+    bound_s: float
+    microbatches: int
+    virtual: int
+    num_layers: int
+    _value: float | None = None
+
+    def __call__(self) -> float:
+        if self._value is None:
+            a, counts = self.family.per_layer_s[self.row : self.row + 1], self.family.counts[self.row : self.row + 1]
+            whole = float(_integer_bottleneck(a, counts, self.num_layers)[0])
+            rise = max(0.0, whole - float(self.family.least_bottleneck_s[self.row]))
+            self._value = self.bound_s + rise * (self.microbatches - 1 / self.virtual)
+        return self._value
+
+
 def _layer_capacity(
     usable: np.ndarray,
     state_per_layer: np.ndarray,
@@ -435,6 +479,8 @@ def outer_configs(
         orders = _orders(family.subset)
         virtual = int(flat_virtual[index])
         increase = _order_bound_increase_s(family, row, orders, virtual) if possible is not None else None
+        microbatches = config_microbatches_of(ctx, family.replicas, family.micro_batch_size)
+        whole = _WholeLayerBound(family, row, bound, microbatches, virtual, ctx.model.num_layers)
         for number, order in enumerate(orders):
             if possible is not None and not possible[row, _PERMUTATION_INDEX[len(order)][order]]:
                 continue
@@ -448,6 +494,7 @@ def outer_configs(
                 virtual_stages=virtual,
                 lower_bound_s=bound,
                 order_bound_s=bound + float(increase[number]) if increase is not None else bound,
+                whole_layer_bound=whole,
             )
 
 
@@ -649,10 +696,15 @@ def search(
     for index, config in enumerate(outer_configs(ctx, candidates, every_group=every_group)):
         if progress is not None and index % 64 == 0:
             progress(index, index + 64)
-        root_bound_s = min(root_bound_s, config.lower_bound_s)
         incumbent_s = -best[0][0] * (1 - gap) if len(best) == top_k else math.inf
         if config.lower_bound_s >= incumbent_s:
+            root_bound_s = min(root_bound_s, config.lower_bound_s)  # every later candidate is bounded by this
             break
+        # the root bound: the least bound over the space, candidates tightened by whole layers as they come up
+        # (in bound order, so once a bound reaches the least tightened one, nothing later can go below it)
+        if config.lower_bound_s < root_bound_s:
+            assert config.whole_layer_bound is not None
+            root_bound_s = min(root_bound_s, config.whole_layer_bound())
         if config.order_bound_s >= incumbent_s:
             continue
         evaluated += 1
