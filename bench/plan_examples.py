@@ -1,10 +1,11 @@
 """Plan every bundled example and print search time and plan quality (table + bench/results/plan_examples.json).
 
-Run: python bench/plan_examples.py   (make bench)
+Run: python bench/plan_examples.py [--families search]   (make bench runs the default, one pipeline family)
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import platform
 import sys
@@ -30,9 +31,12 @@ CASES = [
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--families", choices=("off", "search"), default="off", help="see TrainingSpec.families")
+    args = parser.parse_args()
     rows = []
     for cluster_file, model_key, options in CASES:
-        options = dict(options)
+        options = {**options, "families": args.families}
         training_file = options.pop("training_file", None)
         training = load_training(ROOT / "examples" / training_file if training_file else None, options)
         cluster = load_cluster(ROOT / "examples" / cluster_file)
@@ -49,6 +53,7 @@ def main() -> None:
                 "search_time_s": body["search_time_s"],
                 "plan_wall_time_s": round(wall_s, 3),
                 "configurations": body["search"]["configurations"],
+                "families": len(result.strategy.pipelines),
                 "evaluated": body["search"]["evaluated"],
                 "iteration_time_s": body["iteration_time_s"],
                 "tokens_per_s": body["tokens_per_s"],
@@ -61,7 +66,7 @@ def main() -> None:
         )
     header = (
         f"{'cluster':<16} {'dev':>5} {'model':<11} {'search s':>8} {'total s':>7} {'evald':>6} "
-        f"{'iter s':>7} {'MFU':>6} {'of UB':>6} {'of CB':>6}"
+        f"{'iter s':>7} {'MFU':>6} {'of UB':>6} {'of CB':>6} {'fam':>3}"
     )
     print(header)
     print("-" * len(header))
@@ -69,7 +74,7 @@ def main() -> None:
         print(
             f"{r['cluster']:<16} {r['devices']:>5} {r['model']:<11} {r['search_time_s']:>8.2f} "
             f"{r['plan_wall_time_s']:>7.2f} {r['evaluated']:>6} {r['iteration_time_s']:>7.2f} {r['mfu']:>6.1%} "
-            f"{r['fraction_of_upper_bound']:>6.1%} {r['fraction_of_compute_bound']:>6.1%}"
+            f"{r['fraction_of_upper_bound']:>6.1%} {r['fraction_of_compute_bound']:>6.1%} {r['families']:>3}"
         )
     for r in rows:
         print(
@@ -80,7 +85,9 @@ def main() -> None:
                 else ""
             )
         )
-    out = ROOT / "bench" / "results" / "plan_examples.json"
+    out = (
+        ROOT / "bench" / "results" / ("plan_examples.json" if args.families == "off" else "plan_examples_families.json")
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     machine = {"python": platform.python_version(), "machine": platform.machine(), "processor": platform.processor()}
     out.write_text(json.dumps({"machine": machine, "rows": rows}, indent=2) + "\n", encoding="utf-8")

@@ -234,6 +234,25 @@ def _families(
             if tp_rows.size == 0:
                 continue
             tp_positions = np.array(list(itertools.product(*[range(len(t)) for t in tp_lists])), dtype=np.int64)
+            columns = np.arange(len(subset))[None, :]
+
+            def padded(value: Callable[[DeviceGroup, int], float]) -> np.ndarray:
+                """(groups, TP options) of a per-group, per-TP value (NaN past a group's options)."""
+                table = np.full((len(subset), max(len(t) for t in tp_lists)), np.nan)  # noqa: B023
+                for j, (group, options) in enumerate(zip(subset, tp_lists)):  # noqa: B023
+                    table[j, : len(options)] = [value(group, t) for t in options]
+                return table
+
+            @functools.cache
+            def tables(b: int, rc: Recompute) -> tuple[np.ndarray, ...]:
+                """Per-layer time, activation bytes, embedding and LM-head time as (groups, TP options)."""
+                return (
+                    padded(lambda group, tp: per_layer[(group.name, b, tp, rc)]),
+                    padded(lambda group, tp: activation[(group.name, b, tp, rc)]),
+                    padded(lambda group, tp: embedding[(group.name, b, tp)]),
+                    padded(lambda group, tp: head[(group.name, b, tp)]),
+                )
+
             devices = np.array([g.num_devices for g in subset], dtype=np.int64)
             usable = np.array([usable_memory_bytes(ctx, g) for g in subset])
             replica_options = (
@@ -259,13 +278,6 @@ def _families(
                     continue
                 tps, stage_counts, positions = tp_rows[valid], counts[valid], tp_positions[valid]
 
-                def by_row(per_group: list[list[float]]) -> np.ndarray:
-                    """(rows, groups) from each group's values over its TP options."""
-                    return np.stack(
-                        [np.asarray(values)[positions[:, j]] for j, values in enumerate(per_group)],  # noqa: B023
-                        axis=1,
-                    )
-
                 stages = stage_counts.sum(axis=1)
                 state_per_layer = model.layer_params() * state_bytes_per_param(ctx, replicas) / tps
                 usable_rows = np.broadcast_to(usable[None, :], tps.shape)
@@ -275,15 +287,10 @@ def _families(
                         continue
                     microbatches = split[0]
                     for recompute in training.recompute:
-                        keys = [[(g.name, micro_batch_size, t) for t in ts] for g, ts in zip(subset, tp_lists)]
-                        a = by_row([[per_layer[(*k, recompute)] for k in column] for column in keys])
-                        act = by_row([[activation[(*k, recompute)] for k in column] for column in keys])
-                        first_bytes = by_row(
-                            [[first_fixed(*k, recompute, replicas) for k in column] for column in keys]
-                        )
-                        last_bytes = by_row([[last_fixed(*k, replicas) for k in column] for column in keys])
-                        e_first = by_row([[embedding[k] for k in column] for column in keys])
-                        e_last = by_row([[head[k] for k in column] for column in keys])
+                        a, act, e_first, e_last = (t[columns, positions] for t in tables(micro_batch_size, recompute))
+                        b, rc, d = micro_batch_size, recompute, replicas
+                        first_bytes = padded(lambda g, t: first_fixed(g.name, b, t, rc, d))[columns, positions]  # noqa: B023
+                        last_bytes = padded(lambda g, t: last_fixed(g.name, b, t, d))[columns, positions]  # noqa: B023
                         fixed_ratio = (e_first / a).min(axis=1) + (e_last / a).min(axis=1)
                         bottleneck = (num_layers + fixed_ratio) / (stage_counts / a).sum(axis=1)
                         cheapest_sum = num_layers * a.min(axis=1) + e_first.min(axis=1) + e_last.min(axis=1)
@@ -333,17 +340,19 @@ def _families(
     return families, bounds, virtuals, [len(b) for b in bounds]
 
 
-def _integer_bottleneck(per_layer_s: np.ndarray, counts: np.ndarray, num_layers: int) -> np.ndarray:
-    """Per row, the smallest M with sum_g counts_g * floor(M / a_g) >= L: the bottleneck whole layers allow
-    (no fixed costs, no memory limit). Bisection, vectorised over rows; rounded down slightly to stay a bound."""
-    low = num_layers / (counts / per_layer_s).sum(axis=1)
-    high = low + per_layer_s.max(axis=1)
-    for _ in range(BISECTION_STEPS):
-        middle = (low + high) / 2
-        enough = (counts * np.floor(middle[:, None] / per_layer_s)).sum(axis=1) >= num_layers
-        high = np.where(enough, middle, high)
-        low = np.where(enough, low, middle)
-    return low * (1 - 1e-9)
+def _whole_layer_bottleneck(per_layer_s: Sequence[float], counts: Sequence[int], num_layers: int) -> float:
+    """The smallest M with sum_g counts_g * floor(M / a_g) >= L: the bottleneck whole layers allow (no fixed costs,
+    no memory limit). Exact: from the fractional level, step through the multiples of the a_g in order (each step
+    adds counts_g layers, so at most sum(counts) steps); rounded down slightly to stay a bound."""
+    level = num_layers / sum(c / a for a, c in zip(per_layer_s, counts, strict=True))
+    layers = sum(c * math.floor(level / a) for a, c in zip(per_layer_s, counts, strict=True))
+    steps = [((math.floor(level / a) + 1) * a, a, c) for a, c in zip(per_layer_s, counts, strict=True)]
+    heapq.heapify(steps)
+    while layers < num_layers:
+        level, a, c = heapq.heappop(steps)
+        layers += c
+        heapq.heappush(steps, (level + a, a, c))
+    return level * (1 - 1e-9)
 
 
 @dataclass
@@ -360,8 +369,8 @@ class _WholeLayerBound:
 
     def __call__(self) -> float:
         if self._value is None:
-            a, counts = self.family.per_layer_s[self.row : self.row + 1], self.family.counts[self.row : self.row + 1]
-            whole = float(_integer_bottleneck(a, counts, self.num_layers)[0])
+            a, counts = self.family.per_layer_s[self.row].tolist(), self.family.counts[self.row].tolist()
+            whole = _whole_layer_bottleneck(a, counts, self.num_layers)
             rise = max(0.0, whole - float(self.family.least_bottleneck_s[self.row]))
             self._value = self.bound_s + rise * (self.microbatches - 1 / self.virtual)
         return self._value
@@ -456,8 +465,21 @@ def _order_bound_increase_s(family: _Family, row: int, orders: list[tuple[int, .
     return np.where(feasible, extra, np.inf)
 
 
+@dataclass
+class Pruning:
+    """Shared with the search while candidates are generated: rows whose whole-layer bound reaches `limit_s` (the
+    incumbent) are not expanded into pipeline orders; the least such bound is kept for the root bound."""
+
+    limit_s: float = math.inf
+    least_skipped_s: float = math.inf
+
+
 def outer_configs(
-    ctx: CostContext, counter: list[int] | None = None, memory_bounds: bool = True, every_group: bool = False
+    ctx: CostContext,
+    counter: list[int] | None = None,
+    memory_bounds: bool = True,
+    every_group: bool = False,
+    pruning: Pruning | None = None,
 ) -> Iterator[OuterConfig]:
     """Every candidate (all pipeline orders that may fit), best lower bound first; ties keep enumeration order.
     `counter`, when given, receives the number of candidates before orders are expanded."""
@@ -475,12 +497,15 @@ def outer_configs(
         if not math.isfinite(bound):
             return
         family, row = families[family_of[index]], row_of[index]
-        possible = family.possible_orders()
-        orders = _orders(family.subset)
         virtual = int(flat_virtual[index])
-        increase = _order_bound_increase_s(family, row, orders, virtual) if possible is not None else None
         microbatches = config_microbatches_of(ctx, family.replicas, family.micro_batch_size)
         whole = _WholeLayerBound(family, row, bound, microbatches, virtual, ctx.model.num_layers)
+        if pruning is not None and bound < pruning.limit_s and whole() >= pruning.limit_s:
+            pruning.least_skipped_s = min(pruning.least_skipped_s, whole())
+            continue  # no order of this row can beat the incumbent: skip the per-order bounds
+        possible = family.possible_orders()
+        orders = _orders(family.subset)
+        increase = _order_bound_increase_s(family, row, orders, virtual) if possible is not None else None
         for number, order in enumerate(orders):
             if possible is not None and not possible[row, _PERMUTATION_INDEX[len(order)][order]]:
                 continue
@@ -693,7 +718,8 @@ def search(
     root_bound_s = math.inf
     candidates: list[int] = []
     tried: list[tuple[float, int, OuterConfig, float]] = []
-    for index, config in enumerate(outer_configs(ctx, candidates, every_group=every_group)):
+    pruning = Pruning(-best[0][0] * (1 - gap) if len(best) == top_k else math.inf)
+    for index, config in enumerate(outer_configs(ctx, candidates, every_group=every_group, pruning=pruning)):
         if progress is not None and index % 64 == 0:
             progress(index, index + 64)
         incumbent_s = -best[0][0] * (1 - gap) if len(best) == top_k else math.inf
@@ -718,6 +744,9 @@ def search(
             continue
         tried.append((evaluation.iteration_time_s, index, config, objective_s))
         _keep(best, top_k, evaluation, index)
+        if len(best) == top_k:
+            pruning.limit_s = -best[0][0] * (1 - gap)
+    root_bound_s = min(root_bound_s, pruning.least_skipped_s)
     if progress is not None:
         progress(index + 1, index + 1)
     if splitter is None and ctx.training.uneven_batch == "refine":
