@@ -174,7 +174,7 @@ class _Family:
 
 
 def _families(
-    ctx: CostContext, memory_bounds: bool = True, every_group: bool = False
+    ctx: CostContext, memory_bounds: bool = True, subsets: Sequence[tuple[DeviceGroup, ...]] | None = None
 ) -> tuple[list[_Family], list[np.ndarray], list[np.ndarray], list[int]]:
     """Structurally valid candidates that pass the memory lower bound, with their time lower bounds.
 
@@ -227,116 +227,117 @@ def _families(
     families: list[_Family] = []
     bounds: list[np.ndarray] = []
     virtuals: list[np.ndarray] = []
-    for size in range(len(groups) if every_group else 1, len(groups) + 1):
-        for subset in itertools.combinations(groups, size):
-            tp_lists = [tp_options(ctx, g) for g in subset]
-            tp_rows = np.array(list(itertools.product(*tp_lists)), dtype=np.int64)
-            if tp_rows.size == 0:
-                continue
-            tp_positions = np.array(list(itertools.product(*[range(len(t)) for t in tp_lists])), dtype=np.int64)
-            columns = np.arange(len(subset))[None, :]
+    if subsets is None:
+        subsets = [s for size in range(1, len(groups) + 1) for s in itertools.combinations(groups, size)]
+    for subset in subsets:
+        tp_lists = [tp_options(ctx, g) for g in subset]
+        tp_rows = np.array(list(itertools.product(*tp_lists)), dtype=np.int64)
+        if tp_rows.size == 0:
+            continue
+        tp_positions = np.array(list(itertools.product(*[range(len(t)) for t in tp_lists])), dtype=np.int64)
+        columns = np.arange(len(subset))[None, :]
 
-            def padded(value: Callable[[DeviceGroup, int], float]) -> np.ndarray:
-                """(groups, TP options) of a per-group, per-TP value (NaN past a group's options)."""
-                table = np.full((len(subset), max(len(t) for t in tp_lists)), np.nan)  # noqa: B023
-                for j, (group, options) in enumerate(zip(subset, tp_lists)):  # noqa: B023
-                    table[j, : len(options)] = [value(group, t) for t in options]
-                return table
+        def padded(value: Callable[[DeviceGroup, int], float]) -> np.ndarray:
+            """(groups, TP options) of a per-group, per-TP value (NaN past a group's options)."""
+            table = np.full((len(subset), max(len(t) for t in tp_lists)), np.nan)  # noqa: B023
+            for j, (group, options) in enumerate(zip(subset, tp_lists)):  # noqa: B023
+                table[j, : len(options)] = [value(group, t) for t in options]
+            return table
 
-            @functools.cache
-            def tables(b: int, rc: Recompute) -> tuple[np.ndarray, ...]:
-                """Per-layer time, activation bytes, embedding and LM-head time as (groups, TP options)."""
-                return (
-                    padded(lambda group, tp: per_layer[(group.name, b, tp, rc)]),
-                    padded(lambda group, tp: activation[(group.name, b, tp, rc)]),
-                    padded(lambda group, tp: embedding[(group.name, b, tp)]),
-                    padded(lambda group, tp: head[(group.name, b, tp)]),
-                )
-
-            devices = np.array([g.num_devices for g in subset], dtype=np.int64)
-            usable = np.array([usable_memory_bytes(ctx, g) for g in subset])
-            replica_options = (
-                replica_counts(global_batch, subset, tp_rows, UNEVEN_MAX_STAGES_PER_GROUP)
-                if training.uneven_batch == "exhaustive"
-                else divisors(global_batch)
+        @functools.cache
+        def tables(b: int, rc: Recompute) -> tuple[np.ndarray, ...]:
+            """Per-layer time, activation bytes, embedding and LM-head time as (groups, TP options)."""
+            return (
+                padded(lambda group, tp: per_layer[(group.name, b, tp, rc)]),
+                padded(lambda group, tp: activation[(group.name, b, tp, rc)]),
+                padded(lambda group, tp: embedding[(group.name, b, tp)]),
+                padded(lambda group, tp: head[(group.name, b, tp)]),
             )
-            for replicas in replica_options:
-                if devices.min() < replicas:
-                    break
-                counts = devices[None, :] // (replicas * tp_rows)
-                total_state = model.total_params() * state_bytes_per_param(ctx, replicas)
-                # an uneven batch split only where one more replica would cost some group a stage
-                even = global_batch % replicas == 0
-                worth = even or ((devices[None, :] // ((replicas + 1) * tp_rows)) < counts).any(axis=1)
-                valid = (
-                    worth
-                    & (counts.min(axis=1) >= 1)
-                    & (counts.sum(axis=1) <= num_layers)
-                    & (((counts * tp_rows * usable[None, :]).sum(axis=1) >= total_state) | (not memory_bounds))
-                )
-                if not valid.any():
-                    continue
-                tps, stage_counts, positions = tp_rows[valid], counts[valid], tp_positions[valid]
 
-                stages = stage_counts.sum(axis=1)
-                state_per_layer = model.layer_params() * state_bytes_per_param(ctx, replicas) / tps
-                usable_rows = np.broadcast_to(usable[None, :], tps.shape)
-                for micro_batch_size in training.micro_batch_sizes:
-                    split = split_batch(global_batch, replicas, micro_batch_size)
-                    if split is None:
-                        continue
-                    microbatches = split[0]
-                    for recompute in training.recompute:
-                        a, act, e_first, e_last = (t[columns, positions] for t in tables(micro_batch_size, recompute))
-                        b, rc, d = micro_batch_size, recompute, replicas
-                        first_bytes = padded(lambda g, t: first_fixed(g.name, b, t, rc, d))[columns, positions]  # noqa: B023
-                        last_bytes = padded(lambda g, t: last_fixed(g.name, b, t, d))[columns, positions]  # noqa: B023
-                        fixed_ratio = (e_first / a).min(axis=1) + (e_last / a).min(axis=1)
-                        bottleneck = (num_layers + fixed_ratio) / (stage_counts / a).sum(axis=1)
-                        cheapest_sum = num_layers * a.min(axis=1) + e_first.min(axis=1) + e_last.min(axis=1)
-                        for virtual in training.virtual_stages:
-                            factor = np.where(virtual > 1, 1 + (stages - 1) / (stages * virtual), 1.0).astype(float)
-                            memory = (
-                                usable_rows,
-                                state_per_layer,
-                                act,
-                                first_bytes,
-                                last_bytes,
+        devices = np.array([g.num_devices for g in subset], dtype=np.int64)
+        usable = np.array([usable_memory_bytes(ctx, g) for g in subset])
+        replica_options = (
+            replica_counts(global_batch, subset, tp_rows, UNEVEN_MAX_STAGES_PER_GROUP)
+            if training.uneven_batch == "exhaustive"
+            else divisors(global_batch)
+        )
+        for replicas in replica_options:
+            if devices.min() < replicas:
+                break
+            counts = devices[None, :] // (replicas * tp_rows)
+            total_state = model.total_params() * state_bytes_per_param(ctx, replicas)
+            # an uneven batch split only where one more replica would cost some group a stage
+            even = global_batch % replicas == 0
+            worth = even or ((devices[None, :] // ((replicas + 1) * tp_rows)) < counts).any(axis=1)
+            valid = (
+                worth
+                & (counts.min(axis=1) >= 1)
+                & (counts.sum(axis=1) <= num_layers)
+                & (((counts * tp_rows * usable[None, :]).sum(axis=1) >= total_state) | (not memory_bounds))
+            )
+            if not valid.any():
+                continue
+            tps, stage_counts, positions = tp_rows[valid], counts[valid], tp_positions[valid]
+
+            stages = stage_counts.sum(axis=1)
+            state_per_layer = model.layer_params() * state_bytes_per_param(ctx, replicas) / tps
+            usable_rows = np.broadcast_to(usable[None, :], tps.shape)
+            for micro_batch_size in training.micro_batch_sizes:
+                split = split_batch(global_batch, replicas, micro_batch_size)
+                if split is None:
+                    continue
+                microbatches = split[0]
+                for recompute in training.recompute:
+                    a, act, e_first, e_last = (t[columns, positions] for t in tables(micro_batch_size, recompute))
+                    b, rc, d = micro_batch_size, recompute, replicas
+                    first_bytes = padded(lambda g, t: first_fixed(g.name, b, t, rc, d))[columns, positions]  # noqa: B023
+                    last_bytes = padded(lambda g, t: last_fixed(g.name, b, t, d))[columns, positions]  # noqa: B023
+                    fixed_ratio = (e_first / a).min(axis=1) + (e_last / a).min(axis=1)
+                    bottleneck = (num_layers + fixed_ratio) / (stage_counts / a).sum(axis=1)
+                    cheapest_sum = num_layers * a.min(axis=1) + e_first.min(axis=1) + e_last.min(axis=1)
+                    for virtual in training.virtual_stages:
+                        factor = np.where(virtual > 1, 1 + (stages - 1) / (stages * virtual), 1.0).astype(float)
+                        memory = (
+                            usable_rows,
+                            state_per_layer,
+                            act,
+                            first_bytes,
+                            last_bytes,
+                            stage_counts,
+                            microbatches,
+                            factor,
+                            num_layers,
+                            virtual,
+                        )
+                        allowed = (stages * virtual <= num_layers) & ((virtual == 1) | (stages > 1))
+                        if not allowed.any():
+                            continue
+                        # every stage holds >= v layers, and layers are whole
+                        least_sum = virtual * (stage_counts * a).sum(axis=1) + (num_layers - virtual * stages) * a.min(
+                            axis=1
+                        )
+                        # whole layers and memory caps tighten this per pipeline order when a candidate comes up
+                        # (_order_bound_increase_s): cheaper there than for every row here
+                        least_bottleneck = np.maximum(bottleneck, virtual * a.max(axis=1))
+                        bound = (microbatches - 1 / virtual) * least_bottleneck + (
+                            np.maximum(cheapest_sum, least_sum + e_first.min(axis=1) + e_last.min(axis=1))
+                        ) / virtual
+                        families.append(
+                            _Family(
+                                subset,
+                                replicas,
+                                micro_batch_size,
+                                recompute,
+                                tps,
                                 stage_counts,
-                                microbatches,
-                                factor,
-                                num_layers,
-                                virtual,
+                                memory if memory_bounds else None,
+                                a,
+                                (e_first, e_last),
+                                least_bottleneck,
                             )
-                            allowed = (stages * virtual <= num_layers) & ((virtual == 1) | (stages > 1))
-                            if not allowed.any():
-                                continue
-                            # every stage holds >= v layers, and layers are whole
-                            least_sum = virtual * (stage_counts * a).sum(axis=1) + (
-                                num_layers - virtual * stages
-                            ) * a.min(axis=1)
-                            # whole layers and memory caps tighten this per pipeline order when a candidate comes up
-                            # (_order_bound_increase_s): cheaper there than for every row here
-                            least_bottleneck = np.maximum(bottleneck, virtual * a.max(axis=1))
-                            bound = (microbatches - 1 / virtual) * least_bottleneck + (
-                                np.maximum(cheapest_sum, least_sum + e_first.min(axis=1) + e_last.min(axis=1))
-                            ) / virtual
-                            families.append(
-                                _Family(
-                                    subset,
-                                    replicas,
-                                    micro_batch_size,
-                                    recompute,
-                                    tps,
-                                    stage_counts,
-                                    memory if memory_bounds else None,
-                                    a,
-                                    (e_first, e_last),
-                                    least_bottleneck,
-                                )
-                            )
-                            bounds.append(np.where(allowed, bound, np.inf))
-                            virtuals.append(np.full(len(tps), virtual))
+                        )
+                        bounds.append(np.where(allowed, bound, np.inf))
+                        virtuals.append(np.full(len(tps), virtual))
     return families, bounds, virtuals, [len(b) for b in bounds]
 
 
@@ -374,6 +375,23 @@ class _WholeLayerBound:
             rise = max(0.0, whole - float(self.family.least_bottleneck_s[self.row]))
             self._value = self.bound_s + rise * (self.microbatches - 1 / self.virtual)
         return self._value
+
+
+def _work_bound_s(ctx: CostContext, subset: Sequence[DeviceGroup]) -> float:
+    """A lower bound on any plan over these groups: B samples x L layers of work, each layer of one sample costing a
+    device of group g at least c_g = min over TP t, micro-batch b and recompute of t * (layer time) / b
+    device-seconds, and every device busy at most the whole iteration: T >= B * L / sum_g(devices_g / c_g)."""
+    training = ctx.training
+    rate = 0.0
+    for group in subset:
+        least = min(
+            decoder_layer_time_s(ctx, group, b, t, rc) * t / b
+            for t in tp_options(ctx, group)
+            for b in training.micro_batch_sizes
+            for rc in training.recompute
+        )
+        rate += group.num_devices / least
+    return training.global_batch_size * ctx.model.num_layers / rate if rate > 0 else math.inf
 
 
 def _layer_capacity(
@@ -478,12 +496,13 @@ def outer_configs(
     ctx: CostContext,
     counter: list[int] | None = None,
     memory_bounds: bool = True,
-    every_group: bool = False,
+    subsets: Sequence[tuple[DeviceGroup, ...]] | None = None,
     pruning: Pruning | None = None,
 ) -> Iterator[OuterConfig]:
-    """Every candidate (all pipeline orders that may fit), best lower bound first; ties keep enumeration order.
-    `counter`, when given, receives the number of candidates before orders are expanded."""
-    families, bounds, virtuals, sizes = _families(ctx, memory_bounds, every_group)
+    """Every candidate (all pipeline orders that may fit) on the given group subsets (default: all), best lower
+    bound first; ties keep enumeration order. `counter`, when given, receives the number of candidates before
+    orders are expanded."""
+    families, bounds, virtuals, sizes = _families(ctx, memory_bounds, subsets)
     if counter is not None:
         counter.append(int(sum(np.isfinite(b).sum() for b in bounds)))
     if not families:
@@ -719,34 +738,52 @@ def search(
     candidates: list[int] = []
     tried: list[tuple[float, int, OuterConfig, float]] = []
     pruning = Pruning(-best[0][0] * (1 - gap) if len(best) == top_k else math.inf)
-    for index, config in enumerate(outer_configs(ctx, candidates, every_group=every_group, pruning=pruning)):
-        if progress is not None and index % 64 == 0:
-            progress(index, index + 64)
+    scanned = 0
+
+    def scan(subsets: list[tuple[DeviceGroup, ...]]) -> None:
+        """Branch and bound over the candidates on these group subsets."""
+        nonlocal root_bound_s, evaluated, infeasible, scanned
+        for index, config in enumerate(outer_configs(ctx, candidates, subsets=subsets, pruning=pruning), scanned):
+            scanned = index + 1
+            if progress is not None and index % 64 == 0:
+                progress(index, index + 64)
+            incumbent_s = -best[0][0] * (1 - gap) if len(best) == top_k else math.inf
+            if config.lower_bound_s >= incumbent_s:
+                root_bound_s = min(root_bound_s, config.lower_bound_s)  # every later candidate is bounded by this
+                return
+            # the root bound: the least bound over the space, candidates tightened by whole layers as they come
+            # up (in bound order, so once a bound reaches the least tightened one, nothing later can go below it)
+            if config.lower_bound_s < root_bound_s:
+                assert config.whole_layer_bound is not None
+                root_bound_s = min(root_bound_s, config.whole_layer_bound())
+            if config.order_bound_s >= incumbent_s:
+                continue
+            evaluated += 1
+            strategy, memory_bound, objective_s = _candidate_strategy(ctx, terms, config, incumbent_s, splitter)
+            if strategy is None:
+                infeasible += memory_bound
+                continue
+            evaluation = evaluate(ctx, strategy)
+            if not evaluation.fits:
+                infeasible += 1
+                continue
+            tried.append((evaluation.iteration_time_s, index, config, objective_s))
+            _keep(best, top_k, evaluation, index)
+            if len(best) == top_k:
+                pruning.limit_s = -best[0][0] * (1 - gap)
+
+    # Pipelines over every group first; then the smaller subsets whose work bound can still beat the incumbent
+    # (most cannot: fewer devices do the same work), each in best-bound order.
+    groups = tuple(ctx.cluster.groups)
+    scan([groups])
+    if not every_group:
+        smaller = [s for size in range(1, len(groups)) for s in itertools.combinations(groups, size)]
         incumbent_s = -best[0][0] * (1 - gap) if len(best) == top_k else math.inf
-        if config.lower_bound_s >= incumbent_s:
-            root_bound_s = min(root_bound_s, config.lower_bound_s)  # every later candidate is bounded by this
-            break
-        # the root bound: the least bound over the space, candidates tightened by whole layers as they come up
-        # (in bound order, so once a bound reaches the least tightened one, nothing later can go below it)
-        if config.lower_bound_s < root_bound_s:
-            assert config.whole_layer_bound is not None
-            root_bound_s = min(root_bound_s, config.whole_layer_bound())
-        if config.order_bound_s >= incumbent_s:
-            continue
-        evaluated += 1
-        strategy, memory_bound, objective_s = _candidate_strategy(ctx, terms, config, incumbent_s, splitter)
-        if strategy is None:
-            infeasible += memory_bound
-            continue
-        evaluation = evaluate(ctx, strategy)
-        if not evaluation.fits:
-            infeasible += 1
-            continue
-        tried.append((evaluation.iteration_time_s, index, config, objective_s))
-        _keep(best, top_k, evaluation, index)
-        if len(best) == top_k:
-            pruning.limit_s = -best[0][0] * (1 - gap)
+        bounds = {s: _work_bound_s(ctx, s) for s in smaller}
+        scan([s for s in smaller if bounds[s] < incumbent_s])
+        root_bound_s = min([root_bound_s, *(b for b in bounds.values() if b >= incumbent_s)])
     root_bound_s = min(root_bound_s, pruning.least_skipped_s)
+    index = scanned - 1
     if progress is not None:
         progress(index + 1, index + 1)
     if splitter is None and ctx.training.uneven_batch == "refine":
