@@ -31,6 +31,7 @@ from planner.mixed_recompute import split_layers_and_modes
 from predictor.cost_model import (
     CostContext,
     Evaluation,
+    StageCache,
     decoder_layer_time_s,
     edge_time_s,
     evaluate,
@@ -52,6 +53,7 @@ UNEVEN_MAX_STAGES_PER_GROUP = 8
 # With `uneven_batch: refine`, the best this many even candidates are tried again at nearby uneven replica counts.
 UNEVEN_CANDIDATES = 8
 BISECTION_STEPS = 30  # bisected bounds keep the side known infeasible: valid after any number of steps
+ORDER_BOUND_STEPS = 20  # the per-order bounds need less precision than they cost: 2^-20 of the bracket
 
 
 @dataclass(frozen=True)
@@ -472,7 +474,7 @@ def _order_bound_increase_s(family: _Family, row: int, orders: list[tuple[int, .
     feasible = (caps >= virtual).all(axis=1) & (caps.sum(axis=1) >= num_layers)
     low = (a * virtual + edge).max(axis=1)
     high = low + a.max(axis=1) * num_layers
-    for _ in range(BISECTION_STEPS):
+    for _ in range(ORDER_BOUND_STEPS):
         middle = (low + high) / 2
         layers = np.minimum(caps, np.floor((middle[:, None] - edge) / a))
         enough = layers.sum(axis=1) >= num_layers
@@ -549,6 +551,7 @@ class _StageTerms:
         self.ctx = ctx
         self._time: dict[tuple[object, ...], tuple[float, float]] = {}
         self._memory: dict[tuple[object, ...], tuple[float, float, float]] = {}
+        self.evaluations: StageCache = {}  # stage evaluations (cost_model.evaluate's cache)
 
     def time_s(
         self, group: DeviceGroup, config: OuterConfig, tp: int, mode: Recompute, first: bool, last: bool
@@ -763,7 +766,7 @@ def search(
             if strategy is None:
                 infeasible += memory_bound
                 continue
-            evaluation = evaluate(ctx, strategy)
+            evaluation = evaluate(ctx, strategy, terms.evaluations)
             if not evaluation.fits:
                 infeasible += 1
                 continue
@@ -808,7 +811,7 @@ def search(
             if strategy is None:
                 continue
             refined += 1
-            evaluation = evaluate(ctx, strategy)
+            evaluation = evaluate(ctx, strategy, terms.evaluations)
             if evaluation.fits:
                 _keep(best, top_k, evaluation, order)
     partitions_tried = 0
@@ -884,7 +887,7 @@ def _uneven_refinement(
             if strategy is None:
                 continue
             solved += 1
-            evaluation = evaluate(ctx, strategy)
+            evaluation = evaluate(ctx, strategy, terms.evaluations)
             if evaluation.fits:
                 tried.append((evaluation.iteration_time_s, order, candidate, objective_s))
                 _keep(best, top_k, evaluation, order)

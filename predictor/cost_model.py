@@ -459,17 +459,57 @@ def cross_family_sync_time_s(
     return all_reduce_time_s(shard_bytes, families, slowest) * ctx.terms.network_scale
 
 
-def _evaluate_stages(ctx: CostContext, strategy: Strategy, family: int) -> tuple[list[StageEvaluation], float, float]:
-    """The stages of one family, its pipeline time and its bubble."""
+StageCache = dict[tuple[object, ...], StageEvaluation]
+
+
+def _stage_key(
+    ctx: CostContext, strategy: Strategy, pipeline: PipelineStrategy, index: int, recompute: Recompute
+) -> tuple[object, ...]:
+    """Everything a stage's evaluation depends on within one context (one pipeline family)."""
+    stages = pipeline.stages
+    stage = stages[index]
+    after: tuple[object, ...] = ()
+    if index + 1 < len(stages):
+        following = stages[index + 1]
+        per_node = ctx.cluster.group(stage.group).devices_per_node
+        same_node = stage.device_offset // per_node == following.device_offset // per_node
+        after = (following.group, following.tp, same_node)
+    return (
+        stage.group,
+        stage.num_layers,
+        stage.tp,
+        recompute,
+        index,
+        len(stages),
+        pipeline.micro_batch_size,
+        pipeline.num_microbatches,
+        pipeline.replicas,
+        strategy.virtual_stages,
+        strategy.zero_stage,
+        after,
+    )
+
+
+def _evaluate_stages(
+    ctx: CostContext, strategy: Strategy, family: int, cache: StageCache | None = None
+) -> tuple[list[StageEvaluation], float, float]:
+    """The stages of one family, its pipeline time and its bubble. `cache`: stage evaluations of earlier strategies
+    in the same context (one family only: across families the sync depends on the other families' layers)."""
     pipeline = strategy.pipelines[family]
     stages = pipeline.stages
     p = len(stages)
     b, m, replicas = pipeline.micro_batch_size, pipeline.num_microbatches, pipeline.replicas
     evaluated = []
+    if len(strategy.pipelines) > 1:
+        cache = None
     for index, stage in enumerate(stages):
+        recompute = strategy.stage_recompute(stage)
+        key = _stage_key(ctx, strategy, pipeline, index, recompute) if cache is not None else ()
+        if cache is not None and key in cache:
+            evaluated.append(replace(cache[key], stage=stage))
+            continue
         group = ctx.cluster.group(stage.group)
         first, last = index == 0, index == p - 1
-        recompute = strategy.stage_recompute(stage)
         layer_cost = ctx.source(group.name).layer_cost("decoder", b, stage.tp, recompute)
         compute = stage.num_layers * decoder_layer_time_s(ctx, group, b, stage.tp, recompute)
         compute += edge_time_s(ctx, group, b, stage.tp, first, last)
@@ -507,6 +547,8 @@ def _evaluate_stages(ctx: CostContext, strategy: Strategy, family: int) -> tuple
                 family=family,
             )
         )
+        if cache is not None:
+            cache[key] = evaluated[-1]
     times = [stage.compute_time_s for stage in evaluated]
     slowest = max(times)
     bubble = (sum(times) - slowest) / strategy.virtual_stages
@@ -515,16 +557,17 @@ def _evaluate_stages(ctx: CostContext, strategy: Strategy, family: int) -> tuple
     return evaluated, m * slowest + bubble + p2p, bubble
 
 
-def evaluate(ctx: CostContext, strategy: Strategy) -> Evaluation:
+def evaluate(ctx: CostContext, strategy: Strategy, cache: StageCache | None = None) -> Evaluation:
     """Iteration time, throughput, MFU and memory per stage of a strategy (assumed structurally valid). With several
     pipeline families, the iteration waits for the slowest family's pipeline, then for the DP sync (across families
-    too) and the optimizer step. The strategy's ZeRO stage is the one evaluated (a plan may pin its own)."""
+    too) and the optimizer step. The strategy's ZeRO stage is the one evaluated (a plan may pin its own). `cache`
+    (a dict the caller keeps for one context) reuses stage evaluations across strategies, as the search does."""
     if strategy.zero_stage != ctx.training.zero_stage:
         ctx = replace(ctx, training=ctx.training.model_copy(update={"zero_stage": strategy.zero_stage}))
     evaluated: list[StageEvaluation] = []
     pipeline_time = bubble = -1.0
     for family in range(len(strategy.pipelines)):
-        stages, family_time, family_bubble = _evaluate_stages(ctx, strategy, family)
+        stages, family_time, family_bubble = _evaluate_stages(ctx, strategy, family, cache)
         evaluated.extend(stages)
         if family_time > pipeline_time:
             pipeline_time, bubble = family_time, family_bubble
