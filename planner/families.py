@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -238,9 +238,14 @@ def combine(ctx: CostContext, plans: Sequence[_BlockPlan], microbatches: Sequenc
     return Strategy(tuple(pipelines), default, ctx.training.zero_stage, virtual, ctx.training.sequence_parallel)
 
 
-def family_search(ctx: CostContext, top_k: int, block_rate: dict[str, float]) -> FamilySearchResult:
+def family_search(
+    ctx: CostContext,
+    top_k: int,
+    block_rate: dict[str, float],
+    progress: Callable[[int, int], None] | None = None,
+) -> FamilySearchResult:
     """The fastest plans of two or more families over every partition of the groups. `block_rate`: an estimate
-    of each group's throughput (any unit), for the first shares.
+    of each group's throughput (any unit), for the first shares. `progress(done, total)` counts partitions.
 
     Every partition: each block's best plans at its share of the batch by `block_rate` (single-mode recompute: the
     per-stage CP-SAT refinement would cost most of the time), then the exact batch split. The best
@@ -274,9 +279,11 @@ def family_search(ctx: CostContext, top_k: int, block_rate: dict[str, float]) ->
     found: list[Evaluation] = []
     first_round: list[tuple[float, int, list[list[DeviceGroup]], list[list[_BlockPlan]], list[int]]] = []
     count = 0
-    for partition in partitions(list(ctx.cluster.groups)):
-        if len(partition) < 2:
-            continue
+    several = [p for p in partitions(list(ctx.cluster.groups)) if len(p) >= 2]
+    steps = len(several) + min(REFINED_PARTITIONS, len(several))
+    for partition in several:
+        if progress is not None:
+            progress(count, steps)
         count += 1
         # a block's first share depends on the block only (its part of the whole cluster's rate), so every block
         # is searched once whatever partition it is in; the split then moves samples freely
@@ -290,7 +297,11 @@ def family_search(ctx: CostContext, top_k: int, block_rate: dict[str, float]) ->
         if solved is not None:
             found.append(solved[0])
             first_round.append((solved[0].iteration_time_s, count, partition, pools, solved[1]))
-    for _, _, partition, pools, shares in sorted(first_round, key=lambda item: item[:2])[:REFINED_PARTITIONS]:
+    for step, (_, _, partition, pools, shares) in enumerate(
+        sorted(first_round, key=lambda item: item[:2])[:REFINED_PARTITIONS], len(several)
+    ):
+        if progress is not None:
+            progress(step, steps)
         fresh = [block_plans(block, share, True) for block, share in zip(partition, shares, strict=True)]
         merged = [pool + [p for p in more if p not in pool] for pool, more in zip(pools, fresh, strict=True)]
         solved = solve(merged)

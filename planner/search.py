@@ -823,7 +823,7 @@ def search(
             g.name: compute_bound_tokens_per_s(dataclasses.replace(ctx, cluster=ctx.cluster.only(g)))
             for g in ctx.cluster.groups
         }
-        families = family_search(ctx, top_k, rates)
+        families = family_search(ctx, top_k, rates, progress)
         partitions_tried = families.partitions
         for position, evaluation in enumerate(families.evaluations):
             _keep(best, top_k, evaluation, index + 1 + position)
