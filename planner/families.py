@@ -12,7 +12,7 @@ search on the block alone, memoised), then OR-Tools CP-SAT picks one plan per bl
 family (integers, sum of samples = global batch) minimising the slowest family's pipeline + tail. A family's
 pipeline time is affine in its micro-batches per replica, q * bottleneck + fill/drain, so the split is exact for
 the chosen plans; memory holds when q grows only where q already reaches the pipeline depth (1F1B keeps at most
-depth micro-batches in flight). Blocks are searched again at the shares the split chose, and the split solved again
+depth micro-batches in flight). Blocks are searched again near the shares the split chose, and the split solved again
 over both rounds' plans. Every result is re-evaluated by the full cost model, cross-family sync included.
 """
 
@@ -31,7 +31,7 @@ from specs.cluster import DeviceGroup
 from specs.model import Recompute
 
 PLANS_PER_BLOCK = 3  # the best plans of each block offered to the batch split
-REFINED_PARTITIONS = 2  # the best partitions whose blocks are searched again at the shares the split chose
+REFINED_PARTITIONS = 2  # the best partitions whose blocks are searched again near the shares the split chose
 REFINED_PER_STAGE_CANDIDATES = 2  # ... with per-stage recompute for this many of each block's best candidates
 BISECTION_STEPS = 50  # on the slowest family's time: 2^-50 of the first bracket
 
@@ -249,7 +249,7 @@ def family_search(
 
     Every partition: each block's best plans at its share of the batch by `block_rate` (single-mode recompute: the
     per-stage CP-SAT refinement would cost most of the time), then the exact batch split. The best
-    REFINED_PARTITIONS partitions: blocks searched again at the shares the split chose, now with per-stage
+    REFINED_PARTITIONS partitions: blocks searched again near the shares the split chose, now with per-stage
     recompute, and the split solved over both rounds' plans."""
     from planner.search import search  # families search blocks with the ordinary search
 
@@ -288,7 +288,7 @@ def family_search(
         # a block's first share depends on the block only (its part of the whole cluster's rate), so every block
         # is searched once whatever partition it is in; the split then moves samples freely
         shares = [
-            max(1, round(global_batch * sum(block_rate[g.name] for g in block) / total_rate)) for block in partition
+            _probe_share(global_batch * sum(block_rate[g.name] for g in block) / total_rate) for block in partition
         ]
         pools = [block_plans(block, share, False) for block, share in zip(partition, shares, strict=True)]
         if any(not pool for pool in pools):
@@ -302,7 +302,7 @@ def family_search(
     ):
         if progress is not None:
             progress(step, steps)
-        fresh = [block_plans(block, share, True) for block, share in zip(partition, shares, strict=True)]
+        fresh = [block_plans(block, _probe_share(share), True) for block, share in zip(partition, shares, strict=True)]
         merged = [pool + [p for p in more if p not in pool] for pool, more in zip(pools, fresh, strict=True)]
         solved = solve(merged)
         if solved is not None:
@@ -311,3 +311,12 @@ def family_search(
     for evaluation in sorted(found, key=lambda e: e.iteration_time_s):
         unique.setdefault(repr(evaluation.strategy), evaluation)
     return FamilySearchResult(list(unique.values())[:top_k], count, len(memo))
+
+
+def _probe_share(samples: float) -> int:
+    """A share near `samples` with many divisors (a multiple of the largest power of two up to a quarter of it): the
+    block's search tries replica counts that divide its share, and the split moves samples freely afterwards."""
+    if samples < 4:
+        return max(1, round(samples))
+    step = 1 << int(math.log2(samples / 4))
+    return max(step, round(samples / step) * step)
