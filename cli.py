@@ -719,6 +719,8 @@ def _explain_figure(ctx: CostContext, evaluation: Evaluation, blocks: list[Any],
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
+    from predictor.schedule import stage_label
+
     colors = {"forward": "#4c78a8", "backward": "#f58518", "dp_sync": "#e45756", "optimizer": "#54a24b"}
     stages = evaluation.stages
     figure, (gantt, memory) = plt.subplots(
@@ -738,7 +740,7 @@ def _explain_figure(ctx: CostContext, evaluation: Evaluation, blocks: list[Any],
     for i in range(len(stages)):
         gantt.barh(i, end, left=0, height=0.7, color="#dddddd", zorder=0)  # idle: bubble and p2p waits
     labels = [
-        f"{i}: {s.stage.group} L{s.stage.layer_start}-{s.stage.layer_end - 1} tp{s.stage.tp}"
+        f"{stage_label(evaluation, i)}: {s.stage.group} L{s.stage.layer_start}-{s.stage.layer_end - 1} tp{s.stage.tp}"
         for i, s in enumerate(stages)
     ]
     gantt.set_yticks(range(len(stages)), labels, fontsize=8)
@@ -925,7 +927,7 @@ def explain(
     import tempfile
 
     from planner import predict as run_predict
-    from predictor.schedule import bottleneck_words, pipeline_timeline
+    from predictor.schedule import bottleneck_words, pipeline_timeline, stage_label
 
     loaded, cluster_spec = _plan_and_cluster(plan_file, cluster)
     ctx = _predictor(predictor).context(cluster_spec, loaded.model, loaded.training)
@@ -947,7 +949,8 @@ def explain(
         assert picture is not None
         encoded = base64.b64encode(picture.read_bytes()).decode()
         rows = "".join(
-            f"<tr><td>{i}</td><td>{s.stage.group}</td><td>{s.stage.layer_start}-{s.stage.layer_end - 1}</td>"
+            f"<tr><td>{stage_label(evaluation, i)}</td><td>{s.stage.group}</td>"
+            f"<td>{s.stage.layer_start}-{s.stage.layer_end - 1}</td>"
             f"<td>{s.stage.tp}</td><td>{s.compute_time_s * 1e3:.1f}</td><td>{s.memory.total_bytes / 2**30:.1f}</td>"
             f"<td>{s.memory_usable_bytes / 2**30:.1f}</td></tr>"
             for i, s in enumerate(evaluation.stages)

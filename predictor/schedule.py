@@ -4,7 +4,7 @@ List scheduling of 1F1B: stage i runs min(p - i - 1, m) warm-up forwards, then a
 backward, then drains its backwards; a forward waits for the previous stage's forward of the same micro-batch plus
 the boundary p2p, a backward for the next stage's backward. After the flush every stage syncs its gradients (what the
 backward did not hide) and steps its optimizer. Interleaved schedules are drawn as plain 1F1B (the cost model divides
-the bubble by v; the picture says so).
+the bubble by v; the picture says so). Several pipeline families are drawn side by side, one replica each.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import Literal
 
 from predictor.cost_model import CostContext, Evaluation
-from predictor.strategy import one_family
 
 Kind = Literal["forward", "backward", "dp_sync", "optimizer"]
 
@@ -27,22 +26,48 @@ class Block:
     end_s: float
 
 
+def stage_label(evaluation: Evaluation, index: int) -> str:
+    """'3' for stage 3 of a one-family plan, '1.3' for stage 3 of family 1 when there are several."""
+    if len(evaluation.strategy.pipelines) == 1:
+        return str(index)
+    family = evaluation.stages[index].family
+    position = sum(1 for s in evaluation.stages[:index] if s.family == family)
+    return f"{family}.{position}"
+
+
 def forward_share(ctx: CostContext, evaluation: Evaluation, stage_index: int) -> float:
     """Forward's share of the stage's fwd+bwd compute time, from its decoder layer costs."""
-    stage = evaluation.stages[stage_index].stage
-    pipeline = evaluation.strategy.pipelines[0]
-    cost = ctx.source(stage.group).layer_cost(
-        "decoder", pipeline.micro_batch_size, stage.tp, evaluation.strategy.stage_recompute(stage)
+    stage_eval = evaluation.stages[stage_index]
+    pipeline = evaluation.strategy.pipelines[stage_eval.family]
+    cost = ctx.source(stage_eval.stage.group).layer_cost(
+        "decoder", pipeline.micro_batch_size, stage_eval.stage.tp, evaluation.strategy.stage_recompute(stage_eval.stage)
     )
     return cost.forward_time_s / cost.time_s
 
 
 def pipeline_timeline(ctx: CostContext, evaluation: Evaluation) -> list[Block]:
-    """Blocks of one iteration of one replica (all replicas run the same timeline)."""
-    m = one_family(evaluation.strategy, "plan", "the schedule drawing").num_microbatches
-    stages = evaluation.stages
+    """Blocks of one iteration of one replica of each family (a family's replicas run the same timeline; the
+    families run side by side and all wait for the slowest before the DP sync). Stages are numbered as in
+    `evaluation.stages`."""
+    blocks: list[Block] = []
+    for family, pipeline in enumerate(evaluation.strategy.pipelines):
+        indices = [i for i, s in enumerate(evaluation.stages) if s.family == family]
+        blocks += _family_timeline(ctx, evaluation, indices, pipeline.num_microbatches)
+    flush = max(block.end_s for block in blocks)
+    for i, stage in enumerate(evaluation.stages):
+        sync_end = flush + stage.dp_exposed_time_s
+        if stage.dp_exposed_time_s > 0:
+            blocks.append(Block(i, "dp_sync", -1, flush, sync_end))
+        if stage.optimizer_time_s > 0:
+            blocks.append(Block(i, "optimizer", -1, sync_end, sync_end + stage.optimizer_time_s))
+    return blocks
+
+
+def _family_timeline(ctx: CostContext, evaluation: Evaluation, indices: list[int], m: int) -> list[Block]:
+    """List scheduling of 1F1B over one family's stages (`indices` into evaluation.stages, in pipeline order)."""
+    stages = [evaluation.stages[i] for i in indices]
     p = len(stages)
-    forward = [s.compute_time_s * forward_share(ctx, evaluation, i) for i, s in enumerate(stages)]
+    forward = [s.compute_time_s * forward_share(ctx, evaluation, i) for i, s in zip(indices, stages, strict=True)]
     backward = [s.compute_time_s - f for s, f in zip(stages, forward, strict=True)]
     p2p = [s.p2p_time_s for s in stages]  # to the next stage
     orders: list[list[tuple[Kind, int]]] = []
@@ -82,19 +107,12 @@ def pipeline_timeline(ctx: CostContext, evaluation: Evaluation) -> list[Block]:
                 start = max(free[i], ready)
                 free[i] = start + duration
                 done[(i, kind, j)] = free[i]
-                blocks.append(Block(i, kind, j, start, free[i]))
+                blocks.append(Block(indices[i], kind, j, start, free[i]))
                 position[i] += 1
                 remaining -= 1
                 progressed = True
         if not progressed:  # cannot happen for 1F1B orders; guards against an endless loop
             raise RuntimeError("pipeline schedule deadlocked")
-    flush = max(free)
-    for i, stage in enumerate(stages):
-        sync_end = flush + stage.dp_exposed_time_s
-        if stage.dp_exposed_time_s > 0:
-            blocks.append(Block(i, "dp_sync", -1, flush, sync_end))
-        if stage.optimizer_time_s > 0:
-            blocks.append(Block(i, "optimizer", -1, sync_end, sync_end + stage.optimizer_time_s))
     return blocks
 
 
@@ -105,7 +123,8 @@ def bottleneck_words(ctx: CostContext, evaluation: Evaluation) -> list[str]:
     stage = stages[slowest].stage
     iteration = evaluation.iteration_time_s
     lines = [
-        f"Stage {slowest} ({stage.group}, {stage.num_layers} layers, TP {stage.tp}) is the slowest at "
+        f"Stage {stage_label(evaluation, slowest)} ({stage.group}, {stage.num_layers} layers, TP {stage.tp}) is the "
+        "slowest at "
         f"{stages[slowest].compute_time_s * 1e3:.1f} ms per micro-batch: it sets the steady-state pace.",
         f"Pipeline bubble {evaluation.bubble_time_s:.3f} s ({evaluation.bubble_time_s / iteration:.1%} of the "
         f"iteration); DP sync and optimizer after the flush {evaluation.tail_time_s:.3f} s "
@@ -113,7 +132,22 @@ def bottleneck_words(ctx: CostContext, evaluation: Evaluation) -> list[str]:
     ]
     fullest = max(range(len(stages)), key=lambda i: stages[i].memory.total_bytes / stages[i].memory_usable_bytes)
     used = stages[fullest].memory.total_bytes / stages[fullest].memory_usable_bytes
-    lines.append(f"Memory is tightest on stage {fullest} ({stages[fullest].stage.group}): {used:.0%} of usable.")
+    lines.append(
+        f"Memory is tightest on stage {stage_label(evaluation, fullest)} ({stages[fullest].stage.group}): "
+        f"{used:.0%} of usable."
+    )
+    families = evaluation.strategy.pipelines
+    if len(families) > 1:
+        shares = ", ".join(
+            f"family {f}: {p.replicas} replicas x {len(p.stages)} stages, {p.micro_batch_size * p.microbatch_total} "
+            "samples"
+            for f, p in enumerate(families)
+        )
+        lines.append(
+            f"{len(families)} pipeline families run side by side ({shares}); the iteration waits for the slowest, "
+            "then gradients are reduced within and across the families."
+        )
+        return lines
     spread = min(s.compute_time_s for s in stages) / stages[slowest].compute_time_s
     if spread < 0.9:
         lines.append(f"Stage times are uneven: the fastest stage idles {1 - spread:.0%} of each steady-state slot.")

@@ -15,7 +15,7 @@ from planner.export import export_plan
 from planner.families import _block_context, _block_plans, _BlockPlan, combine, partitions, split_batch_across
 from planner.search import search
 from predictor.cost_model import check_strategy, evaluate
-from predictor.schedule import pipeline_timeline
+from predictor.schedule import bottleneck_words, pipeline_timeline, stage_label
 from predictor.strategy import PipelineStrategy, StageStrategy, Strategy
 from predictor.traffic import strategy_traffic
 from specs import load_model, load_training
@@ -202,18 +202,39 @@ def test_family_errors_name_the_family_and_field(change, field, words):
     assert f"plan.json: {field}:" in str(error.value) and words in str(error.value)
 
 
-def test_tools_of_one_family_say_so_and_export_falls_back_to_one_family(family_plan):
-    ctx, evaluation = family_plan.context, family_plan.evaluation
-    for tool in (lambda: pipeline_timeline(ctx, evaluation), lambda: strategy_traffic(ctx, family_plan.strategy)):
-        with pytest.raises(SpecError, match="handles plans of one pipeline family, this one has 2"):
-            tool()
+def test_the_schedule_draws_every_family_and_waits_for_the_slowest(family_plan):
+    ctx = family_plan.context
+    # plain 1F1B (the picture draws interleaving as plain 1F1B)
+    evaluation = evaluate(ctx, dataclasses.replace(family_plan.strategy, virtual_stages=1))
+    blocks = pipeline_timeline(ctx, evaluation)
+    flush = max(b.end_s for b in blocks if b.micro_batch >= 0)
+    for family, pipeline in enumerate(evaluation.strategy.pipelines):
+        indices = [i for i, s in enumerate(evaluation.stages) if s.family == family]
+        for i in indices:
+            forwards = [b for b in blocks if b.stage == i and b.kind == "forward"]
+            assert len(forwards) == pipeline.num_microbatches
+        # each family's own makespan is at most the iteration's pipeline time, the slowest one equals it
+        own = max(b.end_s for b in blocks if b.stage in indices and b.micro_batch >= 0)
+        assert own <= flush + 1e-12
+    # uneven stages: the cost model's closed form is the list schedule's makespan to within a fraction of a stage
+    assert flush == pytest.approx(evaluation.pipeline_time_s, rel=0.01)
+    assert all(b.start_s >= flush - 1e-12 for b in blocks if b.micro_batch < 0)  # DP sync after every family
+    words = bottleneck_words(ctx, evaluation)
+    assert any("2 pipeline families run side by side" in line for line in words)
+    assert stage_label(evaluation, len(evaluation.stages) - 1) == "1.0"
+
+
+def test_traffic_says_it_handles_one_family_and_export_falls_back_to_one_family(family_plan):
+    ctx = family_plan.context
+    with pytest.raises(SpecError, match="handles plans of one pipeline family, this one has 2"):
+        strategy_traffic(ctx, family_plan.strategy)
     exported = export_plan(ctx, family_plan.strategy, "megatron")
     assert len(exported.strategy.pipelines) == 1
     assert any("2 pipeline families" in lost for lost in exported.lost)
     assert exported.predicted_iteration_time_s > exported.plan_iteration_time_s
 
 
-def test_cli_plans_families_and_explain_refuses_in_one_line(tmp_path):
+def test_cli_plans_families_explains_them_and_traffic_refuses_in_one_line(tmp_path):
     cluster = tmp_path / "cluster.yaml"
     cluster.write_text(CLUSTER_YAML.format(inter_group_gbps=200))
     out = tmp_path / "plan.json"
@@ -223,7 +244,10 @@ def test_cli_plans_families_and_explain_refuses_in_one_line(tmp_path):
     body = json.loads(made.stdout)
     assert len(body["pipelines"]) == 2 and body["training"]["families"] == "search"
     assert body["search"]["family_partitions"] == 1
-    explained = hetplan("explain", str(out), "--cluster", str(cluster))
-    assert explained.returncode == 2
-    lines = explained.stderr.strip().splitlines()
-    assert len(lines) == 1 and "one pipeline family" in lines[0], explained.stderr
+    explained = hetplan("explain", str(out), "--cluster", str(cluster), "--png", str(tmp_path / "x.png"), "--json")
+    assert explained.returncode == 0, explained.stderr
+    assert (tmp_path / "x.png").stat().st_size > 10_000
+    traffic = hetplan("traffic", str(out), "--cluster", str(cluster))
+    assert traffic.returncode == 2
+    lines = traffic.stderr.strip().splitlines()
+    assert len(lines) == 1 and "one pipeline family" in lines[0], traffic.stderr
