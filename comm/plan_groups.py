@@ -53,7 +53,7 @@ def stage_rank(offsets: dict[str, int], stage: StageStrategy, replica: int, tp_r
 
 def plan_groups(cluster: ClusterSpec, strategy: Strategy, global_batch: int) -> list[PlannedGroup]:
     offsets = group_offsets(cluster)
-    pipeline = one_family(strategy, "plan", "the runtime's process groups")
+    pipeline = one_family(strategy, "plan", "the runtime")
     stages = pipeline.stages
 
     def rank(stage_index: int, replica: int, tp_rank: int) -> int:

@@ -11,6 +11,8 @@ convention (shared/reference/collectives.md): in a ring all-reduce of S bytes ov
   DP   per stage and TP rank, over the replicas: fp32 gradient all-reduce (ZeRO-0) or gradient reduce-scatter +
        16-bit weight all-gather (ZeRO-1); two-level (ring inside the node, ring across nodes on each rail with 1/r of
        the data) or one flat ring, whichever the cost model picked for its time.
+  DP across pipeline families (several families): after its family's reduce-scatter, every device all-reduces its
+       1/replicas gradient shard across the F families (2(F-1)/F of it sent), as the cost model has it.
 Link classes: in_node (same node), rail (other node, same local rank: a rail-only fabric carries it), spine (other
 node, other local rank: needs the spine), cross_group (between device groups: the inter-vendor path).
 """
@@ -26,7 +28,7 @@ from predictor.comm_model import (
     reduce_scatter_time_s,
 )
 from predictor.cost_model import GRAD_BYTES_PER_PARAM, CostContext, dp_layout, stage_params
-from predictor.strategy import Strategy, one_family
+from predictor.strategy import PipelineStrategy, StageStrategy, Strategy
 
 DIMENSIONS = ("tp", "pp", "dp")
 LINK_CLASSES = ("in_node", "rail", "spine", "cross_group")
@@ -94,10 +96,45 @@ def _device_tables(ctx: CostContext) -> tuple[dict[str, int], list[str], list[st
 
 
 def strategy_traffic(ctx: CostContext, strategy: Strategy) -> Traffic:
-    """Per-pair bytes of one iteration of `strategy` (one pipeline family)."""
+    """Per-pair bytes of one iteration of `strategy`: each family's own TP, PP and DP traffic, and with several
+    families the all-reduce of each device's gradient shard across the families."""
     offsets, names, nodes, local, groups = _device_tables(ctx)
     traffic = Traffic(names, nodes, local, groups)
-    pipeline = one_family(strategy, "plan", "the traffic model")
+    for pipeline in strategy.pipelines:
+        _family_traffic(ctx, strategy, pipeline, offsets, traffic)
+    _cross_family_traffic(ctx, strategy, offsets, traffic)
+    return traffic
+
+
+def _device(offsets: dict[str, int], stage: StageStrategy, replica: int, tp_rank: int) -> int:
+    return offsets[stage.group] + stage.device_offset + replica * stage.tp + tp_rank
+
+
+def _cross_family_traffic(ctx: CostContext, strategy: Strategy, offsets: dict[str, int], traffic: Traffic) -> None:
+    """As the cost model has it (cost_model.cross_family_sync_time_s): after the reduce-scatter inside its family,
+    every device all-reduces its 1/replicas gradient shard across the F families, sending 2(F-1)/F of it; the ring
+    goes to the next family's device holding this stage's first layer (same replica and TP rank, modulo)."""
+    pipelines = strategy.pipelines
+    families = len(pipelines)
+    if families < 2:
+        return
+    for f, pipeline in enumerate(pipelines):
+        following = pipelines[(f + 1) % families]
+        for index, stage in enumerate(pipeline.stages):
+            first, last = index == 0, index == len(pipeline.stages) - 1
+            params = stage_params(ctx.model, stage.num_layers, first, last, len(pipeline.stages)) / stage.tp
+            shard = params * GRAD_BYTES_PER_PARAM / pipeline.replicas
+            partner = next(p for p in following.stages if p.layer_start <= stage.layer_start < p.layer_end)
+            for replica in range(pipeline.replicas):
+                for tp_rank in range(stage.tp):
+                    src = _device(offsets, stage, replica, tp_rank)
+                    dst = _device(offsets, partner, replica % following.replicas, tp_rank % partner.tp)
+                    traffic.pairs["dp"][(src, dst)] += 2 * (families - 1) / families * shard
+
+
+def _family_traffic(
+    ctx: CostContext, strategy: Strategy, pipeline: PipelineStrategy, offsets: dict[str, int], traffic: Traffic
+) -> None:
     stages = pipeline.stages
     replicas, v = pipeline.replicas, strategy.virtual_stages
     replica_microbatches = pipeline.replica_microbatches()  # uneven batch splits: some replicas run one fewer
@@ -105,8 +142,7 @@ def strategy_traffic(ctx: CostContext, strategy: Strategy) -> Traffic:
     activation = b * ctx.seq_length * ctx.model.hidden_size * ctx.training.dtype_bytes
 
     def device(stage_index: int, replica: int, tp_rank: int) -> int:
-        stage = stages[stage_index]
-        return offsets[stage.group] + stage.device_offset + replica * stage.tp + tp_rank
+        return _device(offsets, stages[stage_index], replica, tp_rank)
 
     for index, stage in enumerate(stages):
         first, last = index == 0, index == len(stages) - 1
@@ -159,7 +195,6 @@ def strategy_traffic(ctx: CostContext, strategy: Strategy) -> Traffic:
                 m = replica_microbatches[replica]
                 traffic.pairs["pp"][(src, dst)] += m * crossings * activation / width
                 traffic.pairs["pp"][(dst, src)] += m * crossings * activation / width
-    return traffic
 
 
 def textbook_traffic_per_rank(
