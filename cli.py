@@ -123,6 +123,10 @@ def _interval_row(interval: Interval) -> tuple[str, str]:
     )
 
 
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}{'' if number == 1 else 's'}"
+
+
 def _render_evaluation(ctx: CostContext, evaluation: Evaluation, title: str, extra_rows: list[tuple[str, str]]) -> None:
     from rich.markup import escape
     from rich.table import Table
@@ -140,7 +144,7 @@ def _render_evaluation(ctx: CostContext, evaluation: Evaluation, title: str, ext
         (
             "strategy",
             " + ".join(
-                f"{p.replicas} replicas x {len(p.stages)} stages, micro-batch {p.micro_batch_size} x "
+                f"{p.replicas} replicas x {_count(len(p.stages), 'stage')}, micro-batch {p.micro_batch_size} x "
                 f"{p.num_microbatches}"
                 + (f" ({p.micro_batch_size * p.microbatch_total} samples)" if len(families) > 1 else "")
                 for p in families
@@ -774,7 +778,9 @@ def _explain_figure(ctx: CostContext, evaluation: Evaluation, blocks: list[Any],
             linestyles="dashed",
             label="usable" if i == 0 else None,
         )
-    memory.set_xticks(range(len(stages)), [f"stage {i}" for i in range(len(stages))], fontsize=8)
+    memory.set_xticks(
+        range(len(stages)), [f"stage {stage_label(evaluation, i)}" for i in range(len(stages))], fontsize=8
+    )
     memory.set_ylabel("GiB per device")
     memory.set_title("memory per stage")
     memory.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))

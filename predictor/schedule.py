@@ -116,16 +116,31 @@ def _family_timeline(ctx: CostContext, evaluation: Evaluation, indices: list[int
     return blocks
 
 
+def _family_pipeline_s(evaluation: Evaluation, family: int) -> float:
+    """The cost model's pipeline time of one family (its stages' 1F1B with its own micro-batches)."""
+    stages = [s for s in evaluation.stages if s.family == family]
+    pipeline = evaluation.strategy.pipelines[family]
+    v = evaluation.strategy.virtual_stages
+    times = [s.compute_time_s for s in stages]
+    p2p = 2 * v * sum(s.p2p_time_s for s in stages)
+    return pipeline.num_microbatches * max(times) + (sum(times) - max(times)) / v + p2p
+
+
 def bottleneck_words(ctx: CostContext, evaluation: Evaluation) -> list[str]:
     """What limits the plan, in sentences."""
     stages = evaluation.stages
-    slowest = max(range(len(stages)), key=lambda i: stages[i].compute_time_s)
+    families = evaluation.strategy.pipelines
+    slowest_family = max(range(len(families)), key=lambda f: _family_pipeline_s(evaluation, f))
+    members = [i for i, s in enumerate(stages) if s.family == slowest_family]
+    slowest = max(members, key=lambda i: stages[i].compute_time_s)
     stage = stages[slowest].stage
     iteration = evaluation.iteration_time_s
+    pace = "it sets the steady-state pace"
+    if len(families) > 1:
+        pace += f" of family {slowest_family}, the slowest family"
     lines = [
         f"Stage {stage_label(evaluation, slowest)} ({stage.group}, {stage.num_layers} layers, TP {stage.tp}) is the "
-        "slowest at "
-        f"{stages[slowest].compute_time_s * 1e3:.1f} ms per micro-batch: it sets the steady-state pace.",
+        f"slowest at {stages[slowest].compute_time_s * 1e3:.1f} ms per micro-batch: {pace}.",
         f"Pipeline bubble {evaluation.bubble_time_s:.3f} s ({evaluation.bubble_time_s / iteration:.1%} of the "
         f"iteration); DP sync and optimizer after the flush {evaluation.tail_time_s:.3f} s "
         f"({evaluation.tail_time_s / iteration:.1%}).",
@@ -136,11 +151,10 @@ def bottleneck_words(ctx: CostContext, evaluation: Evaluation) -> list[str]:
         f"Memory is tightest on stage {stage_label(evaluation, fullest)} ({stages[fullest].stage.group}): "
         f"{used:.0%} of usable."
     )
-    families = evaluation.strategy.pipelines
     if len(families) > 1:
-        shares = ", ".join(
-            f"family {f}: {p.replicas} replicas x {len(p.stages)} stages, {p.micro_batch_size * p.microbatch_total} "
-            "samples"
+        shares = "; ".join(
+            f"family {f}: {p.replicas} replicas x {len(p.stages)} stage{'s' if len(p.stages) != 1 else ''}, "
+            f"{p.micro_batch_size * p.microbatch_total} samples, pipeline {_family_pipeline_s(evaluation, f):.3f} s"
             for f, p in enumerate(families)
         )
         lines.append(

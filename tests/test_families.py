@@ -221,6 +221,7 @@ def test_the_schedule_draws_every_family_and_waits_for_the_slowest(family_plan):
     assert all(b.start_s >= flush - 1e-12 for b in blocks if b.micro_batch < 0)  # DP sync after every family
     words = bottleneck_words(ctx, evaluation)
     assert any("2 pipeline families run side by side" in line for line in words)
+    assert "of family 0, the slowest family" in words[0]  # the A100 pipeline, 56 of the 64 samples
     assert stage_label(evaluation, len(evaluation.stages) - 1) == "1.0"
 
 
