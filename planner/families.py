@@ -7,13 +7,15 @@ pace. With families, each block runs the pipeline that suits it (its own depth, 
 of the batch its speed earns; gradients meet across families after each family's own reduce-scatter
 (`cost_model.cross_family_sync_time_s`), and each replica's gradients are weighted by its share of the samples.
 
-For each partition of the groups into blocks: the best few plans of every block at a batch share (the ordinary
-search on the block alone, memoised), then OR-Tools CP-SAT picks one plan per block and the micro-batches of each
-family (integers, sum of samples = global batch) minimising the slowest family's pipeline + tail. A family's
-pipeline time is affine in its micro-batches per replica, q * bottleneck + fill/drain, so the split is exact for
-the chosen plans; memory holds when q grows only where q already reaches the pipeline depth (1F1B keeps at most
-depth micro-batches in flight). Blocks are searched again near the shares the split chose, and the split solved again
-over both rounds' plans. Every result is re-evaluated by the full cost model, cross-family sync included.
+For each partition of the groups into blocks: the best few plans of every block at about its share of the batch
+(the ordinary search on the block alone, memoised), then an exact split picks one plan per block and the
+micro-batches of each family (integers, sum of samples = global batch) minimising the slowest family's pipeline +
+tail. A family's pipeline time is affine in its micro-batches per replica, q * bottleneck + fill/drain, so the split
+is exact for the offered plans (`split_batch_across`: a subset-sum table and bisection; a CP-SAT model of the same
+problem timed out at 2 s with worse splits); memory holds when q grows only where q already reaches the pipeline
+depth (1F1B keeps at most depth micro-batches in flight). The best partitions' blocks are searched again near the
+shares the split chose, and the split solved again over both rounds' plans. Every result is re-evaluated by the full
+cost model, cross-family sync included.
 """
 
 from __future__ import annotations
