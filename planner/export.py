@@ -17,7 +17,7 @@ import shlex
 from dataclasses import dataclass, field, replace
 
 from planner.search import search
-from predictor.cost_model import CostContext, check_strategy, evaluate
+from predictor.cost_model import CostContext, check_strategy, evaluate, interleaved_group_size
 from predictor.strategy import PipelineStrategy, StageStrategy, Strategy, split_batch
 from specs.errors import SpecError
 from specs.model import RECOMPUTE_MODES
@@ -270,6 +270,11 @@ def _megatron(ctx: CostContext, strategy: Strategy) -> dict[str, str]:
     counts = {s.num_layers for s in pipeline.stages}
     if len(pipeline.stages) > 1 and (len(counts) > 1 or strategy.virtual_stages > 1):
         args.append(f"--pipeline-model-parallel-layout {shlex.quote(megatron_layout(strategy))}")
+    stages, microbatches = len(pipeline.stages), pipeline.num_microbatches
+    if strategy.virtual_stages > 1 and interleaved_group_size(microbatches, stages) != stages:
+        # Megatron refuses an interleaved run whose micro-batches do not fall into groups of at least p
+        size = interleaved_group_size(microbatches, stages)
+        args.append(f"--microbatch-group-size-per-virtual-pipeline-stage {size}")
     args += _recompute_args(strategy.recompute)
     if strategy.zero_stage >= 1:
         args.append("--use-distributed-optimizer")

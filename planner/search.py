@@ -36,6 +36,7 @@ from predictor.cost_model import (
     edge_time_s,
     evaluate,
     in_flight_microbatches,
+    in_flight_table,
     stage_memory,
     state_bytes_per_param,
     usable_memory_bytes,
@@ -46,7 +47,7 @@ from specs.model import Recompute
 
 ProgressCallback = Callable[[int, int], None]
 PER_STAGE = "per-stage"  # pseudo recompute mode of candidates whose stages each pick their own mode
-PER_STAGE_CANDIDATES = 8  # the best distinct candidates re-solved with per-stage recompute
+PER_STAGE_CANDIDATES = 2  # the best distinct candidates re-solved with per-stage recompute
 # With `uneven_batch: exhaustive`, replica counts that do not divide the batch are tried where a group fits one more of
 # up to this many stages (deeper pipelines have long per-replica shares, where whole micro-batches round off little).
 UNEVEN_MAX_STAGES_PER_GROUP = 8
@@ -298,7 +299,6 @@ def _families(
                     bottleneck = (num_layers + fixed_ratio) / (stage_counts / a).sum(axis=1)
                     cheapest_sum = num_layers * a.min(axis=1) + e_first.min(axis=1) + e_last.min(axis=1)
                     for virtual in training.virtual_stages:
-                        factor = np.where(virtual > 1, 1 + (stages - 1) / (stages * virtual), 1.0).astype(float)
                         memory = (
                             usable_rows,
                             state_per_layer,
@@ -307,7 +307,6 @@ def _families(
                             last_bytes,
                             stage_counts,
                             microbatches,
-                            factor,
                             num_layers,
                             virtual,
                         )
@@ -404,21 +403,21 @@ def _layer_capacity(
     last_bytes: np.ndarray,
     counts: np.ndarray,
     microbatches: int,
-    interleave_factor: np.ndarray,
     num_layers: int,
-    least_layers: int,
+    virtual: int,
 ) -> np.ndarray:
     """Which pipeline orders of each candidate could hold the model: (rows, permutations of the groups).
 
-    Under 1F1B the stage at depth d from the end of the pipe keeps min(d, m) micro-batches in flight (times the
-    interleaving factor). For each order of the groups (each a contiguous block), sum the layers every stage could
-    hold at its depth, the first stage also holding the embedding and the last the LM head, and require the total
-    to reach L and every stage to hold `least_layers`. An order that fails cannot fit; one that passes may.
-    Arrays are (rows, groups); `interleave_factor` is per row.
+    Under 1F1B the stage at depth d from the end of the pipe keeps min(d, m) micro-batches in flight (interleaved:
+    cost_model.in_flight_table). For each order of the groups (each a contiguous block), sum the layers every stage
+    could hold at its depth, the first stage also holding the embedding and the last the LM head, and require the total
+    to reach L and every stage to hold `virtual` layers. An order that fails cannot fit; one that passes may.
+    Arrays are (rows, groups).
     """
+    least_layers = virtual
     stages = counts.sum(axis=1)
     depth = np.arange(1, int(stages.max()) + 1)
-    in_flight = np.minimum(depth, microbatches)[None, None, :] * interleave_factor[:, None, None]
+    in_flight = in_flight_table(depth, microbatches, stages, virtual)[:, None, :]
     per_layer = state_per_layer[..., None] + activation[..., None] * in_flight
     room = np.floor(usable[..., None] / per_layer)
     cumulative = np.concatenate([np.zeros((*room.shape[:-1], 1)), np.cumsum(room, axis=-1)], axis=-1)
@@ -454,14 +453,14 @@ def _order_bound_increase_s(family: _Family, row: int, orders: list[tuple[int, .
     embedding / LM head; where it exceeds the bottleneck the row's bound assumed, the bound rises by
     (m - 1/v) times the difference."""
     assert family.memory_bound_args is not None
-    usable, state_per_layer, activation, first_bytes, last_bytes, counts, microbatches, factor, num_layers, _ = (
+    usable, state_per_layer, activation, first_bytes, last_bytes, counts, microbatches, num_layers, _ = (
         family.memory_bound_args
     )
     a_row, counts_row = family.per_layer_s[row], counts[row]
     stage_group = np.array([[g for g in order for _ in range(int(counts_row[g]))] for order in orders])
     stages = stage_group.shape[1]
     depth = stages - np.arange(stages)  # 1 at the last stage
-    in_flight = np.minimum(depth, microbatches) * factor[row]
+    in_flight = in_flight_table(depth, microbatches, np.array([stages]), virtual)[0]
     fixed_bytes = np.zeros(stage_group.shape)
     fixed_bytes[:, 0] += first_bytes[row][stage_group[:, 0]]
     fixed_bytes[:, -1] += last_bytes[row][stage_group[:, -1]]

@@ -14,6 +14,8 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
+import numpy as np
+
 from predictor.comm_model import (
     Link,
     all_reduce_time_s,
@@ -182,13 +184,40 @@ def stage_params(model: ModelSpec, num_layers: int, first: bool, last: bool, pip
     return params
 
 
+def interleaved_group_size(num_microbatches: int, pipeline_stages: int) -> int:
+    """Megatron's contiguous micro-batches per virtual stage (`--microbatch-group-size-per-virtual-pipeline-stage`):
+    the pipeline size when it divides m, else the smallest N > p with m % N == 0 or m % N >= p (Megatron refuses a
+    last group smaller than p: it would stall the pipeline); m at most."""
+    m, p = num_microbatches, pipeline_stages
+    for size in range(p, m + 1):
+        if m % size == 0 or m % size >= p:
+            return size
+    return max(m, 1)
+
+
 def in_flight_microbatches(stage_index: int, pipeline_stages: int, num_microbatches: int, virtual_stages: int) -> float:
-    """Micro-batches whose activations stage i holds at peak under 1F1B (interleaving: Korthikanti et al.'s
-    factor 1 + (p-1)/(p*v) on top)."""
-    base = min(pipeline_stages - stage_index, num_microbatches)
-    if virtual_stages > 1:
-        return base * (1 + (pipeline_stages - 1) / (pipeline_stages * virtual_stages))
-    return float(base)
+    """Micro-batches' worth of activations stage i holds at peak. 1F1B: its warm-up forwards plus one,
+    min(p - i, m). Interleaved (Megatron; v chunks of 1/v of the stage each): warm-up 2(p-i-1) + (v-1)N chunks plus
+    one, at most all m*v, N = interleaved_group_size. On the first stage with N = p that is p + (p-1)/v, Korthikanti
+    et al.'s factor 1 + (p-1)/(p*v) on p; later stages hold more than that factor on p - i says."""
+    p, m, v = pipeline_stages, num_microbatches, virtual_stages
+    if v > 1 and p > 1:
+        chunks = min(2 * (p - stage_index - 1) + (v - 1) * interleaved_group_size(m, p) + 1, m * v)
+        return chunks / v
+    return float(min(p - stage_index, m))
+
+
+def in_flight_table(depths: np.ndarray, num_microbatches: int, stages: np.ndarray, virtual_stages: int) -> np.ndarray:
+    """in_flight_microbatches for pipelines of `stages` (rows) at depths from the end (1 = last stage): (rows,
+    depths); vectorised for the planner's bounds."""
+    m, v = num_microbatches, virtual_stages
+    if v == 1:
+        return np.broadcast_to(np.minimum(depths, m)[None, :], (len(stages), len(depths))).astype(float)
+    sizes = {int(p): interleaved_group_size(m, int(p)) for p in np.unique(stages)}
+    group = np.array([sizes[int(p)] for p in stages])
+    chunks = np.minimum(2 * (depths[None, :] - 1) + (v - 1) * group[:, None] + 1, m * v)
+    single = (stages <= 1)[:, None]
+    return np.where(single, np.minimum(depths, m)[None, :], chunks / v).astype(float)
 
 
 @dataclass(frozen=True)

@@ -2,9 +2,9 @@
 
 List scheduling of 1F1B: stage i runs min(p - i - 1, m) warm-up forwards, then alternates one forward and one
 backward, then drains its backwards; a forward waits for the previous stage's forward of the same micro-batch plus
-the boundary p2p, a backward for the next stage's backward. After the flush every stage syncs its gradients (what the
-backward did not hide) and steps its optimizer. Interleaved schedules are drawn as plain 1F1B (the cost model divides
-the bubble by v; the picture says so). Several pipeline families are drawn side by side, one replica each.
+the boundary p2p, a backward for the next stage's backward. Interleaved 1F1B follows Megatron's order chunk by chunk
+(`_stage_order`). After the flush every stage syncs its gradients (what the backward did not hide) and steps its
+optimizer. Several pipeline families are drawn side by side, one replica each.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from predictor.cost_model import CostContext, Evaluation
+from predictor.cost_model import CostContext, Evaluation, interleaved_group_size
 
 Kind = Literal["forward", "backward", "dp_sync", "optimizer"]
 
@@ -24,6 +24,7 @@ class Block:
     micro_batch: int  # -1 for the tail blocks
     start_s: float
     end_s: float
+    chunk: int = 0  # the model chunk on this stage (interleaved schedules: 0 .. v-1)
 
 
 def stage_label(evaluation: Evaluation, index: int) -> str:
@@ -52,7 +53,9 @@ def pipeline_timeline(ctx: CostContext, evaluation: Evaluation) -> list[Block]:
     blocks: list[Block] = []
     for family, pipeline in enumerate(evaluation.strategy.pipelines):
         indices = [i for i, s in enumerate(evaluation.stages) if s.family == family]
-        blocks += _family_timeline(ctx, evaluation, indices, pipeline.num_microbatches)
+        blocks += _family_timeline(
+            ctx, evaluation, indices, pipeline.num_microbatches, evaluation.strategy.virtual_stages
+        )
     flush = max(block.end_s for block in blocks)
     for i, stage in enumerate(evaluation.stages):
         sync_end = flush + stage.dp_exposed_time_s
@@ -63,26 +66,40 @@ def pipeline_timeline(ctx: CostContext, evaluation: Evaluation) -> list[Block]:
     return blocks
 
 
-def _family_timeline(ctx: CostContext, evaluation: Evaluation, indices: list[int], m: int) -> list[Block]:
-    """List scheduling of 1F1B over one family's stages (`indices` into evaluation.stages, in pipeline order)."""
+def _stage_order(p: int, m: int, v: int, i: int) -> list[tuple[Kind, int, int]]:
+    """What stage i runs, in order: (kind, micro-batch, chunk). Megatron's (interleaved) 1F1B: micro-batches in
+    groups of N (interleaved_group_size), each group through chunk 0, 1, ... forward and the reverse backward;
+    warm-up forwards (p - i - 1) * 2 + (v - 1) * N (plain 1F1B: p - i - 1), then one forward and one backward,
+    then the drain."""
+    size = interleaved_group_size(m, p) if v > 1 else p
+    starts = range(0, m, size)
+    forwards = [(j, k) for begin in starts for k in range(v) for j in range(begin, min(begin + size, m))]
+    backwards = [(j, k) for begin in starts for k in reversed(range(v)) for j in range(begin, min(begin + size, m))]
+    warmup = min((p - i - 1) * 2 + (v - 1) * size if v > 1 else p - i - 1, m * v)
+    order: list[tuple[Kind, int, int]] = [("forward", *forwards[t]) for t in range(warmup)]
+    next_forward, next_backward = warmup, 0
+    while next_backward < m * v:
+        if next_forward < m * v:
+            order.append(("forward", *forwards[next_forward]))
+            next_forward += 1
+        order.append(("backward", *backwards[next_backward]))
+        next_backward += 1
+    return order
+
+
+def _family_timeline(ctx: CostContext, evaluation: Evaluation, indices: list[int], m: int, v: int) -> list[Block]:
+    """List scheduling of (interleaved) 1F1B over one family's stages (`indices` into evaluation.stages, in
+    pipeline order). With v chunks, model chunk c = k * p + i lives on stage i as its chunk k and takes 1/v of the
+    stage's time; a forward waits for chunk c - 1's forward (plus the boundary p2p; the wrap from the last stage to
+    the first is not priced, as in the cost model), a backward for chunk c + 1's backward."""
     stages = [evaluation.stages[i] for i in indices]
     p = len(stages)
-    forward = [s.compute_time_s * forward_share(ctx, evaluation, i) for i, s in zip(indices, stages, strict=True)]
-    backward = [s.compute_time_s - f for s, f in zip(stages, forward, strict=True)]
+    forward = [s.compute_time_s * forward_share(ctx, evaluation, i) / v for i, s in zip(indices, stages, strict=True)]
+    backward = [s.compute_time_s / v - f for s, f in zip(stages, forward, strict=True)]
     p2p = [s.p2p_time_s for s in stages]  # to the next stage
-    orders: list[list[tuple[Kind, int]]] = []
-    for i in range(p):
-        warmup = min(p - i - 1, m)
-        order: list[tuple[Kind, int]] = [("forward", j) for j in range(warmup)]
-        next_forward, next_backward = warmup, 0
-        while next_backward < m:
-            if next_forward < m:
-                order.append(("forward", next_forward))
-                next_forward += 1
-            order.append(("backward", next_backward))
-            next_backward += 1
-        orders.append(order)
-    done: dict[tuple[int, Kind, int], float] = {}
+    last_chunk = p * v - 1
+    orders = [_stage_order(p, m, v, i) for i in range(p)]
+    done: dict[tuple[int, Kind, int, int], float] = {}
     position = [0] * p
     free = [0.0] * p
     blocks: list[Block] = []
@@ -91,27 +108,34 @@ def _family_timeline(ctx: CostContext, evaluation: Evaluation, indices: list[int
         progressed = False
         for i in range(p):
             while position[i] < len(orders[i]):
-                kind, j = orders[i][position[i]]
+                kind, j, k = orders[i][position[i]]
+                chunk = k * p + i
                 if kind == "forward":
-                    dependency = 0.0 if i == 0 else done.get((i - 1, "forward", j), -1.0)
-                    ready = dependency + (p2p[i - 1] if i > 0 else 0.0)
+                    if chunk == 0:
+                        dependency, hop = 0.0, 0.0
+                    else:
+                        before = chunk - 1
+                        dependency = done.get((before % p, "forward", j, before // p), -1.0)
+                        hop = p2p[i - 1] if i > 0 else 0.0
                     duration = forward[i]
                 else:
-                    dependency = (
-                        done.get((i, "forward", j), -1.0) if i == p - 1 else done.get((i + 1, "backward", j), -1.0)
-                    )
-                    ready = dependency + (p2p[i] if i < p - 1 else 0.0)
+                    if chunk == last_chunk:
+                        dependency, hop = done.get((i, "forward", j, k), -1.0), 0.0
+                    else:
+                        after = chunk + 1
+                        dependency = done.get((after % p, "backward", j, after // p), -1.0)
+                        hop = p2p[i] if i < p - 1 else 0.0
                     duration = backward[i]
                 if dependency < 0:
                     break
-                start = max(free[i], ready)
+                start = max(free[i], dependency + hop)
                 free[i] = start + duration
-                done[(i, kind, j)] = free[i]
-                blocks.append(Block(indices[i], kind, j, start, free[i]))
+                done[(i, kind, j, k)] = free[i]
+                blocks.append(Block(indices[i], kind, j, start, free[i], k))
                 position[i] += 1
                 remaining -= 1
                 progressed = True
-        if not progressed:  # cannot happen for 1F1B orders; guards against an endless loop
+        if not progressed:  # cannot happen for these orders; guards against an endless loop
             raise RuntimeError("pipeline schedule deadlocked")
     return blocks
 

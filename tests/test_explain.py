@@ -82,3 +82,47 @@ def test_explain_command_writes_a_picture_and_a_self_contained_report(tmp_path):
     assert body["bottleneck"][0] in report
     encoded = report.split("data:image/png;base64,")[1].split("'")[0]
     assert base64.b64decode(encoded)[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(("pp", "virtual", "batch"), [(2, 2, 32), (4, 4, 32), (4, 2, 28), (3, 2, 32), (4, 3, 24)])
+def test_interleaved_timeline_follows_megatrons_order_and_the_closed_form(pp, virtual, batch):
+    """Chunk by chunk in Megatron's order (micro-batch groups of N, including m not a multiple of p): no deadlock,
+    one thing at a time per stage, chunk c waits for chunk c - 1 (forward) and c + 1 (backward), and the makespan
+    is the cost model's interleaved closed form to within 1%."""
+    cluster = load_cluster(CLUSTER)
+    cluster = cluster.only(cluster.group("a100"))
+    training = load_training(None, {"global_batch_size": batch, "zero_stage": 1})
+    ctx = build_context(cluster, load_model("gpt3-1.7b"), training)
+    strategy = megatron_strategy(
+        cluster,
+        ctx.model,
+        training,
+        group="a100",
+        tp=2,
+        pp=pp,
+        dp=16 // (2 * pp),
+        micro_batch_size=1,
+        recompute="none",
+        virtual_stages=virtual,
+    )
+    evaluation = evaluate(ctx, strategy)
+    blocks = pipeline_timeline(ctx, evaluation)
+    m = strategy.pipelines[0].num_microbatches
+    end = {(b.stage, b.kind, b.micro_batch, b.chunk): b.end_s for b in blocks}
+    start = {(b.stage, b.kind, b.micro_batch, b.chunk): b.start_s for b in blocks}
+    last = pp * virtual - 1
+    for stage in range(pp):
+        runs = sorted((b.start_s, b.end_s) for b in blocks if b.stage == stage and b.micro_batch >= 0)
+        assert len(runs) == 2 * m * virtual
+        assert all(a[1] <= b[0] + 1e-12 for a, b in itertools.pairwise(runs))
+        for j in range(m):
+            for k in range(virtual):
+                chunk = k * pp + stage
+                if chunk > 0:
+                    before = chunk - 1
+                    assert start[(stage, "forward", j, k)] >= end[(before % pp, "forward", j, before // pp)]
+                after = chunk + 1
+                if chunk < last:
+                    assert start[(stage, "backward", j, k)] >= end[(after % pp, "backward", j, after // pp)]
+    flush = max(b.end_s for b in blocks if b.micro_batch >= 0)
+    assert flush == pytest.approx(evaluation.pipeline_time_s, rel=0.01)

@@ -55,6 +55,31 @@ def test_megatron_layout_is_accepted_by_megatron_core_and_keeps_every_ranks_laye
     assert layout.virtual_pipeline_model_parallel_size == exported.strategy.virtual_stages
 
 
+@pytest.mark.parametrize("microbatches", [64, 128])
+def test_megatron_gets_a_microbatch_group_size_it_accepts_when_interleaving_needs_one(hethub, microbatches):
+    """Megatron's interleaved schedule refuses micro-batch groups whose last one is smaller than p (its own check in
+    forward_backward_pipelining_with_interleaving); the export sets a group size that passes it."""
+    ctx, strategy = hethub
+    pipeline = strategy.pipelines[0]
+    stages = len(pipeline.stages)
+    replicas = ctx.training.global_batch_size // (pipeline.micro_batch_size * microbatches)
+    relaid = replace(pipeline, replicas=replicas, num_microbatches=microbatches, total_microbatches=0)
+    used: dict[str, int] = {}
+    placed = []
+    for stage in relaid.stages:
+        placed.append(replace(stage, device_offset=used.get(stage.group, 0)))
+        used[stage.group] = used.get(stage.group, 0) + stage.tp * replicas
+    interleaved = replace(strategy, pipelines=(replace(relaid, stages=tuple(placed)),), virtual_stages=2)
+    args = export_plan(ctx, interleaved, "megatron").files["megatron_args.txt"]
+    flag = "--microbatch-group-size-per-virtual-pipeline-stage"
+    if microbatches % stages == 0:
+        assert flag not in args
+    else:
+        size = int(args.split(flag)[1].split()[0])
+        assert stages <= size <= microbatches
+        assert microbatches % size == 0 or microbatches % size >= stages
+
+
 def test_megatron_drops_per_stage_tp_and_uneven_batches_and_says_so_flagscale_keeps_tp(mixed):
     ctx, strategy = mixed
     megatron = export_plan(ctx, strategy, "megatron")
