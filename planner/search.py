@@ -525,10 +525,12 @@ def outer_configs(
             continue  # no order of this row can beat the incumbent: skip the per-order bounds
         possible = family.possible_orders()
         orders = _orders(family.subset)
+        if possible is not None:  # per-order bounds only for the orders whose layer capacity may hold the model
+            orders = [order for order in orders if possible[row, _PERMUTATION_INDEX[len(order)][order]]]
+            if not orders:
+                continue
         increase = _order_bound_increase_s(family, row, orders, virtual) if possible is not None else None
         for number, order in enumerate(orders):
-            if possible is not None and not possible[row, _PERMUTATION_INDEX[len(order)][order]]:
-                continue
             yield OuterConfig(
                 groups=tuple(family.subset[i] for i in order),
                 tps=tuple(int(family.tps[row, i]) for i in order),
