@@ -53,8 +53,9 @@ PER_STAGE_CANDIDATES = 2  # the best distinct candidates re-solved with per-stag
 UNEVEN_MAX_STAGES_PER_GROUP = 8
 # With `uneven_batch: refine`, the best this many even candidates are tried again at nearby uneven replica counts.
 UNEVEN_CANDIDATES = 8
-BISECTION_STEPS = 30  # bisected bounds keep the side known infeasible: valid after any number of steps
-ORDER_BOUND_STEPS = 20  # the per-order bounds need less precision than they cost: 2^-20 of the bracket
+# the per-order bounds are bisected, keeping the side known infeasible (valid after any number of steps); they need
+# less precision than they cost: 2^-20 of the bracket
+ORDER_BOUND_STEPS = 20
 
 
 @dataclass(frozen=True)
@@ -92,18 +93,11 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def config_microbatches(ctx: CostContext, config: OuterConfig) -> tuple[int, int]:
-    """(most micro-batches per replica, total micro-batches) of a candidate."""
+def config_microbatches(ctx: CostContext, config: OuterConfig | _Family) -> tuple[int, int]:
+    """(most micro-batches per replica, total micro-batches) of a candidate (or of a row family's candidates)."""
     split = split_batch(ctx.training.global_batch_size, config.replicas, config.micro_batch_size)
     assert split is not None, "candidates are generated with a valid batch split"
     return split
-
-
-def config_microbatches_of(ctx: CostContext, replicas: int, micro_batch_size: int) -> int:
-    """The most micro-batches a replica runs."""
-    split = split_batch(ctx.training.global_batch_size, replicas, micro_batch_size)
-    assert split is not None, "candidates are generated with a valid batch split"
-    return split[0]
 
 
 def replica_counts(global_batch: int, subset: Sequence[DeviceGroup], tp_rows: np.ndarray, max_stages: int) -> list[int]:
@@ -518,7 +512,7 @@ def outer_configs(
             return
         family, row = families[family_of[index]], row_of[index]
         virtual = int(flat_virtual[index])
-        microbatches = config_microbatches_of(ctx, family.replicas, family.micro_batch_size)
+        microbatches = config_microbatches(ctx, family)[0]
         whole = _WholeLayerBound(family, row, bound, microbatches, virtual, ctx.model.num_layers)
         if pruning is not None and bound < pruning.limit_s and whole() >= pruning.limit_s:
             pruning.least_skipped_s = min(pruning.least_skipped_s, whole())

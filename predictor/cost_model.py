@@ -201,9 +201,8 @@ def in_flight_microbatches(stage_index: int, pipeline_stages: int, num_microbatc
     one, at most all m*v, N = interleaved_group_size. On the first stage with N = p that is p + (p-1)/v, Korthikanti
     et al.'s factor 1 + (p-1)/(p*v) on p; later stages hold more than that factor on p - i says."""
     p, m, v = pipeline_stages, num_microbatches, virtual_stages
-    if v > 1 and p > 1:
-        chunks = min(2 * (p - stage_index - 1) + (v - 1) * interleaved_group_size(m, p) + 1, m * v)
-        return chunks / v
+    if v > 1 and p > 1:  # the scalar form of in_flight_table (the cost model's hot path; a test keeps them equal)
+        return min(2 * (p - stage_index - 1) + (v - 1) * interleaved_group_size(m, p) + 1, m * v) / v
     return float(min(p - stage_index, m))
 
 
@@ -211,13 +210,13 @@ def in_flight_table(depths: np.ndarray, num_microbatches: int, stages: np.ndarra
     """in_flight_microbatches for pipelines of `stages` (rows) at depths from the end (1 = last stage): (rows,
     depths); vectorised for the planner's bounds."""
     m, v = num_microbatches, virtual_stages
+    one_f_one_b = np.minimum(depths, m)[None, :].astype(float)
     if v == 1:
-        return np.broadcast_to(np.minimum(depths, m)[None, :], (len(stages), len(depths))).astype(float)
+        return np.broadcast_to(one_f_one_b, (len(stages), len(depths)))
     sizes = {int(p): interleaved_group_size(m, int(p)) for p in np.unique(stages)}
     group = np.array([sizes[int(p)] for p in stages])
     chunks = np.minimum(2 * (depths[None, :] - 1) + (v - 1) * group[:, None] + 1, m * v)
-    single = (stages <= 1)[:, None]
-    return np.where(single, np.minimum(depths, m)[None, :], chunks / v).astype(float)
+    return np.where((stages <= 1)[:, None], one_f_one_b, chunks / v)
 
 
 @dataclass(frozen=True)

@@ -133,3 +133,21 @@ def test_an_emulated_cpu_group_is_predicted_slower_by_its_speed_and_only_cpu_gro
     assert slowed.backward_time_s == pytest.approx(4 * plain.backward_time_s)
     with pytest.raises(SpecError, match="emulate_speed"):
         cluster("a100-80gb", 0.5)
+
+
+def test_the_planners_in_flight_table_is_the_cost_models_in_flight_count():
+    """The search's memory bounds and the cost model must agree on what a stage holds (1F1B and interleaved, m both
+    a multiple of p and not, m smaller than p)."""
+    import numpy as np
+
+    from predictor.cost_model import in_flight_microbatches, in_flight_table
+
+    stages = np.array([1, 2, 3, 6, 7])
+    depths = np.arange(1, 8)
+    for microbatches in (1, 3, 6, 16, 31, 64):
+        for virtual in (1, 2, 4):
+            table = in_flight_table(depths, microbatches, stages, virtual)
+            for row, p in enumerate(stages):
+                for depth in range(1, p + 1):
+                    expected = in_flight_microbatches(p - depth, p, microbatches, virtual)
+                    assert table[row, depth - 1] == expected, (p, depth, microbatches, virtual)
