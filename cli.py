@@ -216,8 +216,8 @@ def plan(
     families: Annotated[
         Optional[str],
         typer.Option(
-            help="Pipeline families of different device mixes, each with its share of the batch: off (default) "
-            "or search (longer).",
+            help="Pipeline families of different device mixes, each with its share of the batch: auto (default: "
+            "on clusters of two groups), search (any cluster; longer) or off.",
         ),
     ] = None,
     profiles: Annotated[Optional[Path], typer.Option(help="Directory of profile JSON files (by device).")] = None,
@@ -844,9 +844,10 @@ def run(
     table.add_column("compute s", justify="right")
     table.add_column("emulation s", justify="right")
     table.add_column("wait s", justify="right")
+    families = len({stage.get("family", 0) for stage in details["stages"]})
     for stage in details["stages"]:
         table.add_row(
-            str(stage["stage"]),
+            f"{stage.get('family', 0)}.{stage['stage']}" if families > 1 else str(stage["stage"]),
             stage["group"],
             f"{stage['layers'][0]}-{stage['layers'][1] - 1}",
             f"{stage['emulate_speed']:g}",

@@ -1,6 +1,6 @@
 """Plan every bundled example and print search time and plan quality (table + bench/results/plan_examples.json).
 
-Run: python bench/plan_examples.py [--families search]   (make bench runs the default, one pipeline family)
+Run: python bench/plan_examples.py [--families off|auto|search]   (make bench runs the default, auto)
 """
 
 from __future__ import annotations
@@ -32,7 +32,9 @@ CASES = [
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--families", choices=("off", "search"), default="off", help="see TrainingSpec.families")
+    parser.add_argument(
+        "--families", choices=("off", "auto", "search"), default="auto", help="see TrainingSpec.families"
+    )
     args = parser.parse_args()
     rows = []
     for cluster_file, model_key, options in CASES:
@@ -85,9 +87,8 @@ def main() -> None:
                 else ""
             )
         )
-    out = (
-        ROOT / "bench" / "results" / ("plan_examples.json" if args.families == "off" else "plan_examples_families.json")
-    )
+    name = {"auto": "plan_examples", "search": "plan_examples_families", "off": "plan_examples_one_family"}
+    out = ROOT / "bench" / "results" / f"{name[args.families]}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     machine = {"python": platform.python_version(), "machine": platform.machine(), "processor": platform.processor()}
     out.write_text(json.dumps({"machine": machine, "rows": rows}, indent=2) + "\n", encoding="utf-8")

@@ -6,7 +6,7 @@ homogeneous tokens/s) and of the compute bound (every device busy at its profile
 vs the smallest lower bound over the whole search space, the root of the branch and bound); then each baseline's
 throughput relative to the plan. Table + bench/results/search_scaling.json.
 
-Run: python bench/search_scaling.py [--quick]
+Run: python bench/search_scaling.py [--quick] [--families off|auto|search]
 """
 
 from __future__ import annotations
@@ -93,14 +93,14 @@ def main() -> None:
     )
     parser.add_argument(
         "--families",
-        choices=("off", "search"),
-        default="off",
+        choices=("off", "auto", "search"),
+        default="auto",
         help="pipeline families of different device mixes (see TrainingSpec.families)",
     )
     args = parser.parse_args()
     name = "search_scaling" + ("_quick" if args.quick else "")
     name += "" if args.uneven_batch == "off" else f"_uneven_{args.uneven_batch}"
-    name += "" if args.families == "off" else "_families"
+    name += {"auto": "", "search": "_families", "off": "_one_family"}[args.families]
     out = ROOT / "bench" / "results" / f"{name}.json"
     machine = {"python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count()}
     rows = []

@@ -1,27 +1,33 @@
 """The process groups a plan needs, in the one order every rank creates them.
 
 Ranks are numbered across the cluster as the planner numbers devices: groups in cluster order, node-major inside a
-group; a stage's rank for (replica r, TP rank k) is group offset + stage offset + r * tp + k. Groups, in order:
-TP groups (per stage and replica), pipeline neighbour pairs (per boundary, replica and TP rank they share), DP groups
-(per stage and TP rank, over the replicas, with each replica's gradient weight = its share of the global batch).
+group; a stage's rank for (replica r, TP rank k) is group offset + stage offset + r * tp + k. Groups, in order, for
+each pipeline family: TP groups (per stage and replica), pipeline neighbour pairs (per boundary, replica and TP rank
+they share), DP groups (per stage and TP rank, over the replicas, with each replica's gradient weight = its share of
+the global batch). With several families, then one cross-family group per model segment: the pieces of the model
+(0: embedding, 1..L: layers, L+1: LM head) cut at every family's stage boundaries, each segment's group holding every
+rank of every family whose stage covers it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import pairwise
 
 from comm.vendors import CATALOG_VENDORS
-from predictor.strategy import StageStrategy, Strategy, one_family
+from predictor.strategy import PipelineStrategy, StageStrategy, Strategy
 from specs.cluster import ClusterSpec
 from specs.errors import SpecError
 
 
 @dataclass(frozen=True)
 class PlannedGroup:
-    kind: str  # "tp", "pp" or "dp"
-    stage: int
+    kind: str  # "tp", "pp", "dp" or "xf" (across families)
+    stage: int  # xf: the segment's index
     ranks: tuple[int, ...]
     weights: tuple[float, ...] = ()  # dp: gradient weight of each member's replica (sums to 1 over replicas)
+    family: int = 0  # xf: -1
+    pieces: tuple[int, int] = (0, 0)  # xf: the segment's model pieces [first, end)
 
 
 def rank_islands(cluster: ClusterSpec) -> list[str]:
@@ -51,9 +57,47 @@ def stage_rank(offsets: dict[str, int], stage: StageStrategy, replica: int, tp_r
     return offsets[stage.group] + stage.device_offset + replica * stage.tp + tp_rank
 
 
+def stage_pieces(stage: StageStrategy, first: bool, last: bool, num_layers: int) -> tuple[int, int]:
+    """The model pieces [first, end) a stage holds: 0 the embedding, 1..L its layers, L + 1 the LM head."""
+    return (0 if first else stage.layer_start + 1, num_layers + 2 if last else stage.layer_end + 1)
+
+
+def family_segments(strategy: Strategy) -> list[tuple[int, int]]:
+    """The model pieces cut at every family's stage boundaries: the units gradients are summed in across families."""
+    num_layers = strategy.pipelines[0].stages[-1].layer_end
+    cuts = {0, num_layers + 2}
+    for pipeline in strategy.pipelines:
+        for index, stage in enumerate(pipeline.stages):
+            cuts.update(stage_pieces(stage, index == 0, index == len(pipeline.stages) - 1, num_layers))
+    ordered = sorted(cuts)
+    return list(pairwise(ordered))
+
+
 def plan_groups(cluster: ClusterSpec, strategy: Strategy, global_batch: int) -> list[PlannedGroup]:
     offsets = group_offsets(cluster)
-    pipeline = one_family(strategy, "plan", "the runtime")
+    groups: list[PlannedGroup] = []
+    for family, pipeline in enumerate(strategy.pipelines):
+        groups += _family_groups(offsets, pipeline, family, global_batch)
+    if len(strategy.pipelines) > 1:
+        num_layers = strategy.pipelines[0].stages[-1].layer_end
+        for segment, (lo, hi) in enumerate(family_segments(strategy)):
+            members = []
+            for pipeline in strategy.pipelines:
+                for index, stage in enumerate(pipeline.stages):
+                    held = stage_pieces(stage, index == 0, index == len(pipeline.stages) - 1, num_layers)
+                    if held[0] <= lo and hi <= held[1]:
+                        members += [
+                            stage_rank(offsets, stage, replica, k)
+                            for replica in range(pipeline.replicas)
+                            for k in range(stage.tp)
+                        ]
+            groups.append(PlannedGroup("xf", segment, tuple(sorted(members)), family=-1, pieces=(lo, hi)))
+    return groups
+
+
+def _family_groups(
+    offsets: dict[str, int], pipeline: PipelineStrategy, family: int, global_batch: int
+) -> list[PlannedGroup]:
     stages = pipeline.stages
 
     def rank(stage_index: int, replica: int, tp_rank: int) -> int:
@@ -62,15 +106,17 @@ def plan_groups(cluster: ClusterSpec, strategy: Strategy, global_batch: int) -> 
     groups: list[PlannedGroup] = []
     for index, stage in enumerate(stages):
         for replica in range(pipeline.replicas):
-            groups.append(PlannedGroup("tp", index, tuple(rank(index, replica, k) for k in range(stage.tp))))
+            members = tuple(rank(index, replica, k) for k in range(stage.tp))
+            groups.append(PlannedGroup("tp", index, members, (), family))
     for index in range(len(stages) - 1):
         for replica in range(pipeline.replicas):
             for k in range(min(stages[index].tp, stages[index + 1].tp)):
-                groups.append(PlannedGroup("pp", index, (rank(index, replica, k), rank(index + 1, replica, k))))
+                pair = (rank(index, replica, k), rank(index + 1, replica, k))
+                groups.append(PlannedGroup("pp", index, pair, (), family))
     samples = [m * pipeline.micro_batch_size for m in pipeline.replica_microbatches()]
     weights = tuple(s / global_batch for s in samples)
     for index, stage in enumerate(stages):
         for k in range(stage.tp):
             members = tuple(rank(index, replica, k) for replica in range(pipeline.replicas))
-            groups.append(PlannedGroup("dp", index, members, weights))
+            groups.append(PlannedGroup("dp", index, members, weights, family))
     return groups

@@ -10,7 +10,7 @@ The ZeRO stage is not branched on: under the cost model stage 1 weakly dominates
 the DP degree; DP traffic of a reduce-scatter of 4-byte gradients plus an all-gather of 16-bit weights, 6 bytes per
 parameter against the all-reduce's 8, equal for fp32 weights; the optimizer step on 1/dp of the parameters), so the
 training's stage (1 unless pinned) is the best choice for every candidate. Several pipeline families of different
-device mixes: planner.families (`families: search`).
+device mixes: planner.families (`families: search`, or `auto` on two groups).
 """
 
 from __future__ import annotations
@@ -707,6 +707,12 @@ def _candidate_strategy(
     return strategy, False, mixed.objective_s
 
 
+def searches_families(ctx: CostContext) -> bool:
+    """Whether the search also plans several pipeline families (TrainingSpec.families)."""
+    groups = len(ctx.cluster.groups)
+    return groups > 1 and (ctx.training.families == "search" or (ctx.training.families == "auto" and groups == 2))
+
+
 def search(
     ctx: CostContext,
     top_k: int = 1,
@@ -810,7 +816,7 @@ def search(
             if evaluation.fits:
                 _keep(best, top_k, evaluation, order)
     partitions_tried = 0
-    if splitter is None and ctx.training.families == "search" and len(ctx.cluster.groups) > 1:
+    if splitter is None and searches_families(ctx):
         from planner.bounds import compute_bound_tokens_per_s
         from planner.families import family_search
 

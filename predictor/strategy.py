@@ -66,18 +66,6 @@ class PipelineStrategy:
         return [self.num_microbatches if r < full else self.num_microbatches - 1 for r in range(self.replicas)]
 
 
-def one_family(strategy: Strategy, source: str, what: str) -> PipelineStrategy:
-    """The strategy's only pipeline family; a one-line error naming `what` cannot take several."""
-    if len(strategy.pipelines) != 1:
-        raise SpecError(
-            source,
-            "pipelines",
-            f"{what} handles plans of one pipeline family, this one has {len(strategy.pipelines)}; "
-            "plan with --families off for one",
-        )
-    return strategy.pipelines[0]
-
-
 def split_batch(global_batch: int, replicas: int, micro_batch_size: int) -> tuple[int, int] | None:
     """(most micro-batches per replica, total micro-batches) of the most even split of the batch over the
     replicas in whole micro-batches, or None when the batch is not whole micro-batches or too small."""

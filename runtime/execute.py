@@ -7,8 +7,13 @@ rank k takes its input from sending rank k mod tp_sender (and gradients flow bac
 
 The schedule is 1F1B (what the cost model times) written out here rather than taken from torch.distributed.pipelining,
 because stages of one pipeline may have different TP widths (a PipelineStage has one rank per stage) and because the
-run record needs each stage's compute and wait time. Each micro-batch's loss is scaled by 1 / (micro-batches in the
-global batch) and DP gradients are summed, so replicas with uneven batch shares give exactly the full-batch gradient.
+run record needs each stage's compute and wait time. Each micro-batch's loss is scaled by its share of the global
+batch (micro-batch size / global batch) and DP gradients are summed, so replicas with uneven batch shares give exactly
+the full-batch gradient. A plan of several pipeline families runs each family as above on its own devices and share
+of the batch; then each model segment's gradient (the pieces between any family's stage boundaries) is summed across
+the families: replica 0 of each family puts its family's sum in the segment's whole-model positions (a TP shard's
+elements where the shard cut them from, a replicated parameter once), the segment's cross-family group all-reduces
+that, and every rank takes its own elements back.
 
 Speed emulation (`emulate_speed` s < 1 on a CPU group): after each forward and backward, the rank keeps repeating its
 stage's layer math (no gradients, no collectives) until the pass has taken 1/s of its real time; no sleeping.
@@ -30,9 +35,9 @@ import torch
 import torch.distributed as dist
 
 from comm.communicator import CommGroup, Communicator
-from comm.plan_groups import group_offsets, plan_groups, rank_islands, stage_rank
-from predictor.strategy import StageStrategy, Strategy
-from runtime.model import StageModule, seeded_pieces
+from comm.plan_groups import PlannedGroup, group_offsets, plan_groups, rank_islands, stage_rank
+from predictor.strategy import PipelineStrategy, StageStrategy, Strategy
+from runtime.model import StageModule, piece_offsets, seeded_pieces, shard_positions
 from runtime.tensor_parallel import TensorParallel
 from specs.cluster import ClusterSpec
 from specs.errors import SpecError
@@ -67,6 +72,8 @@ class RunJob:
 
 @dataclass(frozen=True)
 class Role:
+    family: int
+    pipeline: PipelineStrategy
     stage_index: int
     replica: int
     tp_rank: int
@@ -74,19 +81,30 @@ class Role:
     microbatches: int
     sample_start: int  # this replica's first sample in the global batch
 
+    @property
+    def first(self) -> bool:
+        return self.stage_index == 0
+
+    @property
+    def last(self) -> bool:
+        return self.stage_index == len(self.pipeline.stages) - 1
+
 
 def rank_roles(cluster: ClusterSpec, strategy: Strategy) -> dict[int, Role]:
+    """Every active rank's role; the global batch is laid out family by family, replica by replica."""
     offsets = group_offsets(cluster)
-    pipeline = strategy.pipelines[0]
-    counts = pipeline.replica_microbatches()
-    starts = [sum(counts[:r]) * pipeline.micro_batch_size for r in range(pipeline.replicas)]
     roles = {}
-    for index, stage in enumerate(pipeline.stages):
-        for replica in range(pipeline.replicas):
-            for k in range(stage.tp):
-                roles[stage_rank(offsets, stage, replica, k)] = Role(
-                    index, replica, k, stage, counts[replica], starts[replica]
-                )
+    family_start = 0
+    for family, pipeline in enumerate(strategy.pipelines):
+        counts = pipeline.replica_microbatches()
+        starts = [family_start + sum(counts[:r]) * pipeline.micro_batch_size for r in range(pipeline.replicas)]
+        for index, stage in enumerate(pipeline.stages):
+            for replica in range(pipeline.replicas):
+                for k in range(stage.tp):
+                    roles[stage_rank(offsets, stage, replica, k)] = Role(
+                        family, pipeline, index, replica, k, stage, counts[replica], starts[replica]
+                    )
+        family_start += pipeline.microbatch_total * pipeline.micro_batch_size
     return roles
 
 
@@ -191,6 +209,45 @@ class Emulator:
         return time.perf_counter() - started
 
 
+class CrossFamilySync:
+    """Sums this rank's gradients with the other families' for every model segment it holds (see the module text)."""
+
+    def __init__(
+        self,
+        model: ModelSpec,
+        role: Role,
+        recompute: str,
+        segments: list[tuple[PlannedGroup, CommGroup]],
+        comm: Communicator,
+    ) -> None:
+        stage, tp = role.stage, role.stage.tp
+        positions = [
+            shard_positions(
+                model, stage.layer_start, stage.layer_end, role.first, role.last, TensorParallel(None, tp, k), recompute
+            )
+            for k in range(role.tp_rank + 1)
+        ]
+        self.positions = positions[-1]
+        owned = (
+            ~torch.isin(self.positions, torch.cat(positions[:-1]))
+            if role.tp_rank
+            else torch.ones_like(self.positions, dtype=torch.bool)
+        )
+        self.contributes = owned & (role.replica == 0)  # replica 0 holds its family's DP sum
+        offsets = piece_offsets(model)
+        self.segments = [(group, offsets[planned.pieces[0]], offsets[planned.pieces[1]]) for planned, group in segments]
+        self.comm = comm
+
+    def sync(self, grads: torch.Tensor) -> None:
+        for group, lo, hi in self.segments:
+            inside = (self.positions >= lo) & (self.positions < hi)
+            give = inside & self.contributes
+            whole = torch.zeros(hi - lo, dtype=grads.dtype)
+            whole[self.positions[give] - lo] = grads[give]
+            self.comm.all_reduce(whole, group)
+            grads[inside] = whole[self.positions[inside] - lo]
+
+
 def _targets(rank_from: int, tp_from: int, tp_to: int) -> list[int]:
     """TP ranks of the next stage that take their input from TP rank `rank_from` (receiver k <- sender k % tp)."""
     return [k for k in range(tp_to) if k % tp_from == rank_from]
@@ -213,13 +270,13 @@ def run_rank(rank: int, job: RunJob) -> None:
         result["idle"] = True
         _finish(rank, result, out_dir)
         return
-    pipeline = strategy.pipelines[0]
-    stages = pipeline.stages
+    pipeline = role.pipeline
     index, stage = role.stage_index, role.stage
     tp_group = next(g for p, g in zip(planned, made, strict=True) if p.kind == "tp" and rank in p.ranks)
     dp_group = next(g for p, g in zip(planned, made, strict=True) if p.kind == "dp" and rank in p.ranks)
+    segments = [(p, g) for p, g in zip(planned, made, strict=True) if p.kind == "xf" and rank in p.ranks]
     tp = TensorParallel(tp_group.process_group, stage.tp, role.tp_rank)
-    first, last = index == 0, index == len(stages) - 1
+    first, last = role.first, role.last
     pieces = seeded_pieces(model, stage.layer_start, stage.layer_end, first, last, settings.seed)
     module = StageModule(model, pieces, tp, strategy.stage_recompute(stage))
     dtype = TORCH_DTYPES[settings.dtype]
@@ -229,7 +286,8 @@ def run_rank(rank: int, job: RunJob) -> None:
     shard = (dp_group, dp_group.ranks.index(rank), dp_size) if strategy.zero_stage >= 1 and dp_size > 1 else None
     optimizer = FlatAdam(params, settings, shard, comm)
     speed = cluster.group(stage.group).emulate_speed
-    mbs, total_mb = pipeline.micro_batch_size, pipeline.microbatch_total
+    mbs = pipeline.micro_batch_size
+    across = CrossFamilySync(model, role, strategy.stage_recompute(stage), segments, comm) if segments else None
     emulator = Emulator(speed, module, tp, torch.randn(mbs, seq_length, model.hidden_size, dtype=dtype))
 
     runner = _StageRunner(job, role, module, comm, emulator, dtype)
@@ -244,6 +302,8 @@ def run_rank(rank: int, job: RunJob) -> None:
         t0 = time.perf_counter()
         grads = optimizer.flat([p.grad if p.grad is not None else torch.zeros_like(p) for p in params])
         comm.all_reduce(grads, dp_group)
+        if across is not None:
+            across.sync(grads)
         times.sync_s += time.perf_counter() - t0
         if settings.capture_gradients and step == 0:
             torch.save(_unflatten(module, params, grads), Path(out_dir, f"grads-{rank}.pt"))
@@ -261,9 +321,10 @@ def run_rank(rank: int, job: RunJob) -> None:
                 "wait_s": times.wait_s - before[2],
             }
         )
-        losses.append(loss_sum / total_mb if last and role.tp_rank == 0 else 0.0)
+        losses.append(loss_sum * mbs / global_batch if last and role.tp_rank == 0 else 0.0)
 
     result.update(
+        family=role.family,
         stage=index,
         replica=role.replica,
         tp_rank=role.tp_rank,
@@ -294,12 +355,13 @@ class _StageRunner:
         emulator: Emulator,
         dtype: torch.dtype,
     ) -> None:
-        pipeline = job.strategy.pipelines[0]
+        pipeline = role.pipeline
         self.stages = pipeline.stages
         self.role, self.module, self.comm, self.emulator, self.dtype = role, module, comm, emulator, dtype
         self.index = role.stage_index
         self.first, self.last = self.index == 0, self.index == len(self.stages) - 1
-        self.mbs, self.total_mb = pipeline.micro_batch_size, pipeline.microbatch_total
+        self.mbs = pipeline.micro_batch_size
+        self.loss_scale = self.mbs / job.global_batch  # this micro-batch's share of the global batch
         self.shape = (self.mbs, job.seq_length, job.model.hidden_size)
         self.offsets = group_offsets(job.cluster)
         self.times = StageTimes()
@@ -344,7 +406,7 @@ class _StageRunner:
             grad = self.receive(self.peer(index + 1, tp_rank % self.stages[index + 1].tp))
         t0 = time.perf_counter()
         if self.last:
-            (out / self.total_mb).backward()
+            (out * self.loss_scale).backward()
         else:
             out.backward(grad)
         real = time.perf_counter() - t0

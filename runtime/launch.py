@@ -20,7 +20,6 @@ import torch
 from planner.plan import LoadedPlan, evaluation_dict
 from predictor.cost_model import CostContext, check_strategy, evaluate
 from predictor.runs import RUN_SCHEMA
-from predictor.strategy import one_family
 from profiler.comm_bench import free_port, run_processes
 from runtime.execute import TORCH_DTYPES, RunJob, RunSettings, spawned_rank, synthetic_batch
 from runtime.model import ReferenceModel, check_tp
@@ -42,10 +41,9 @@ def run_plan(
 ) -> list[dict[str, Any]]:
     """Spawn one local process per cluster device and train; returns every rank's result."""
     strategy = plan.strategy
-    one_family(strategy, plan.source, "the runtime")
     if strategy.virtual_stages != 1:
         raise SpecError(plan.source, "virtual_stages", "the runtime runs 1F1B; interleaved plans are not run yet")
-    for stage in strategy.pipelines[0].stages:
+    for stage in (s for pipeline in strategy.pipelines for s in pipeline.stages):
         check_tp(plan.model, stage.tp, plan.source)
     world = cluster.num_devices
     if world > MAX_LOCAL_RANKS:
@@ -79,10 +77,10 @@ def summarize(results: list[dict[str, Any]], steps: int) -> dict[str, Any]:
     step_times = [max(r["steps"][s]["time_s"] for r in active) for s in range(steps)]
     measured_steps = step_times[1:] if steps > 1 else step_times
     losses = [sum(r["loss_contributions"][s] for r in active if r["last_stage"]) for s in range(steps)]
-    stages: dict[int, dict[str, Any]] = {}
+    stages: dict[tuple[int, int], dict[str, Any]] = {}
     for r in active:
         entry = stages.setdefault(
-            r["stage"],
+            (r["family"], r["stage"]),
             {"group": r["group"], "layers": r["layers"], "emulate_speed": r["emulate_speed"], "ranks": []},
         )
         entry["ranks"].append(r["rank"])
@@ -90,10 +88,11 @@ def summarize(results: list[dict[str, Any]], steps: int) -> dict[str, Any]:
         for key in ("compute_s", "emulation_s", "wait_s"):
             entry.setdefault(key + "_per_rank", []).append(statistics.median(s[key] for s in kept))
     per_stage = []
-    for index in sorted(stages):
-        entry = stages[index]
+    for family, index in sorted(stages):
+        entry = stages[family, index]
         per_stage.append(
             {
+                "family": family,
                 "stage": index,
                 "group": entry["group"],
                 "layers": entry["layers"],

@@ -136,6 +136,50 @@ def seeded_pieces(model: ModelSpec, start: int, end: int, first: bool, last: boo
     )
 
 
+def piece_offsets(model: ModelSpec) -> list[int]:
+    """Where each piece (0: embedding, 1..L: layers, L + 1: final norm and head) starts in the whole model's flat
+    parameter vector, and its end: L + 3 numbers."""
+    h, vocab = model.hidden_size, model.vocab_size
+    embedding = vocab * h + (model.seq_length * h if model.mlp == "gelu" else 0)
+    layer = sum(p.numel() for p in DecoderLayer(model, 1).parameters())
+    norm = h if model.mlp == "swiglu" else 2 * h
+    sizes = [embedding] + [layer] * model.num_layers + [norm + vocab * h]
+    offsets = [0]
+    for size in sizes:
+        offsets.append(offsets[-1] + size)
+    return offsets
+
+
+def shard_positions(
+    model: ModelSpec, start: int, end: int, first: bool, last: bool, tp: TensorParallel, recompute: Recompute
+) -> torch.Tensor:
+    """For every element of a stage shard's trainable parameters (in `parameters()` order), its position in the whole
+    model's flat parameter vector: the shard is cut from pieces whose values are their own positions."""
+    offsets = piece_offsets(model)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)  # positions stay exact integers while the shard is cut
+    try:
+        pieces = seeded_pieces(model, start, end, first, last, 0)
+        numbered: list[torch.Tensor] = []
+        if pieces.embedding is not None:
+            numbered += [t for t in pieces.embedding if t is not None]
+        for layer in pieces.layers:
+            numbered += [p.data for p in layer.parameters()]
+        if pieces.head is not None:
+            numbered += [p.data for p in pieces.head[0].parameters()] + [pieces.head[1]]
+        position = offsets[0 if first else start + 1]
+        for tensor in numbered:
+            tensor.copy_(torch.arange(position, position + tensor.numel(), dtype=torch.float64).view_as(tensor))
+            position += tensor.numel()
+        if position != offsets[end + 2 if last else end + 1]:
+            raise RuntimeError(f"the pieces of layers {start}-{end} do not add up to the model's parameter count")
+        shard = StageModule(model, pieces, tp, recompute)
+    finally:
+        torch.set_default_dtype(default)
+    trainable = [p.detach().reshape(-1) for p in shard.parameters() if p.requires_grad]
+    return torch.cat(trainable).long() if trainable else torch.zeros(0, dtype=torch.long)
+
+
 def gradient_pieces(reference: ReferenceModel, start: int, end: int, first: bool, last: bool) -> Pieces:
     """The reference model's gradients laid out as pieces, so sharding them gives each rank's expected gradients."""
 

@@ -36,10 +36,12 @@ class TrainingSpec(BaseModel):
         "of each other; gradients weighted by share). off: even splits only (the default: fastest search); refine: "
         "around the best even candidates; exhaustive: wherever a group fits one more stage (exact, a longer search)",
     )
-    families: Literal["off", "search"] = Field(
-        default="off",
+    families: Literal["off", "auto", "search"] = Field(
+        default="auto",
         description="off: one pipeline family (every replica the same device mix); search: also split the groups "
-        "into families, each with its own pipelines and a share of the batch (CP-SAT), gradients weighted by share",
+        "into families, each with its own pipelines and a share of the batch, gradients weighted by share (every "
+        "partition of the groups: seconds for 3-4 groups); auto: search when the cluster has two groups (one "
+        "partition), off otherwise",
     )
     attention: Literal["flash", "materialized"] = Field(
         default="flash",

@@ -21,9 +21,11 @@ from tests.test_cli import hetplan
 
 @pytest.fixture(scope="module")
 def hethub():
-    """The 768-device example's plan (amd + ascend, uneven stages, interleaved) and its context."""
+    """The 768-device example's one-family plan (amd + ascend, uneven stages, interleaved) and its context (what an
+    export of its two-family plan starts from)."""
     cluster = load_cluster(EXAMPLES / "hethub-768.yaml")
-    model, training = load_model("llama-140b"), load_training(EXAMPLES / "training" / "hethub-140b.yaml")
+    model = load_model("llama-140b")
+    training = load_training(EXAMPLES / "training" / "hethub-140b.yaml", {"families": "off"})
     ctx = default_predictor().context(cluster, model, training)
     return ctx, plan(cluster, model, training).strategy
 

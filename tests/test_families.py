@@ -6,6 +6,7 @@ import dataclasses
 import itertools
 import json
 import random
+from itertools import pairwise
 
 import pytest
 import yaml
@@ -244,11 +245,23 @@ def test_traffic_of_families_is_each_familys_own_plus_the_gradient_shards_across
     assert together["dp"]["cross_group"] > 0 and all(together[d]["cross_group"] == 0 for d in ("tp", "pp"))
 
 
-def test_the_runtime_says_it_runs_one_family(family_plan):
+def test_cross_family_groups_tile_the_model_and_hold_every_family(family_plan):
     from comm.plan_groups import plan_groups
 
-    with pytest.raises(SpecError, match="the runtime handles plans of one pipeline family"):
-        plan_groups(family_plan.context.cluster, family_plan.strategy, BATCH)
+    strategy = family_plan.strategy
+    planned = plan_groups(family_plan.context.cluster, strategy, BATCH)
+    segments = [g for g in planned if g.kind == "xf"]
+    num_layers = family_plan.context.model.num_layers
+    assert segments[0].pieces[0] == 0 and segments[-1].pieces[1] == num_layers + 2
+    assert all(a.pieces[1] == b.pieces[0] for a, b in pairwise(segments))
+    family_ranks = [
+        {r for g in planned if g.kind == "tp" and g.family == family for r in g.ranks}
+        for family in range(len(strategy.pipelines))
+    ]
+    for segment in segments:  # every family holds every piece: each segment meets all families
+        assert all(set(segment.ranks) & ranks for ranks in family_ranks), segment
+    # every rank of every family takes part in the sums of the segments it holds
+    assert {r for g in segments for r in g.ranks} == set().union(*family_ranks)
 
 
 def test_export_falls_back_to_one_family(family_plan):

@@ -26,9 +26,9 @@ def test_hethub_plan_fits_uses_everything_and_gives_faster_devices_more_layers(h
     assert body["fits"] is True
     assert body["devices_used"] == 768
     ctx = hethub_plan.context
-    pipeline = hethub_plan.strategy.pipelines[0]
+    placed = [(p, s) for p in hethub_plan.strategy.pipelines for s in p.stages]  # every family's stages
     speed = {}  # layers per second per device, from the profiles the plan used
-    for stage in pipeline.stages:
+    for pipeline, stage in placed:
         group = ctx.cluster.group(stage.group)
         seconds = decoder_layer_time_s(ctx, group, pipeline.micro_batch_size, stage.tp, hethub_plan.strategy.recompute)
         speed[stage.group] = 1 / (seconds * stage.tp)
@@ -36,12 +36,12 @@ def test_hethub_plan_fits_uses_everything_and_gives_faster_devices_more_layers(h
     slower = min(speed, key=speed.get)
     assert faster != slower
 
-    def layers_per_device(name):
-        stages = [s for s in pipeline.stages if s.group == name]
+    def layers_per_stage_device(name):  # a replica's share of the model per device of the group
+        stages = [s for _, s in placed if s.group == name]
         return sum(s.num_layers for s in stages) / sum(s.tp for s in stages)
 
-    assert layers_per_device(faster) > 1.5 * layers_per_device(slower)
-    for stage in body["pipelines"][0]["stages"]:
+    assert layers_per_stage_device(faster) > 1.5 * layers_per_stage_device(slower)
+    for stage in (s for p in body["pipelines"] for s in p["stages"]):
         assert stage["memory_bytes"] <= stage["memory_usable_bytes"] < stage["memory_capacity_bytes"]
 
 

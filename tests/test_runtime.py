@@ -12,7 +12,7 @@ from planner.plan import LoadedPlan  # noqa: E402
 from predictor.strategy import PipelineStrategy, StageStrategy, Strategy  # noqa: E402
 from runtime.execute import RunSettings, synthetic_batch  # noqa: E402
 from runtime.launch import run_plan, summarize  # noqa: E402
-from runtime.model import ReferenceModel, StageModule, gradient_pieces  # noqa: E402
+from runtime.model import ReferenceModel, StageModule, gradient_pieces, piece_offsets, seeded_pieces, shard_positions  # noqa: E402
 from runtime.tensor_parallel import TensorParallel  # noqa: E402
 from specs.cluster import ClusterFile, resolve_cluster  # noqa: E402
 from specs.model import load_model  # noqa: E402
@@ -88,11 +88,11 @@ def _check(strategy: Strategy, tmp_path) -> None:
     reference, losses = _reference()
     # step 1's loss also checks the optimizer (and ZeRO-1's sharded update and all-gather)
     assert summary["losses"] == pytest.approx(losses, rel=1e-9)
-    stages = strategy.pipelines[0].stages
     checked = 0
     for result in results:
         if result.get("idle"):
             continue
+        stages = strategy.pipelines[result["family"]].stages
         stage = stages[result["stage"]]
         first, last = result["stage"] == 0, result["stage"] == len(stages) - 1
         pieces = gradient_pieces(reference, stage.layer_start, stage.layer_end, first, last)
@@ -104,7 +104,29 @@ def _check(strategy: Strategy, tmp_path) -> None:
             scale = expected_grads[name].abs().max().item() + 1e-12
             assert (grad - expected_grads[name]).abs().max().item() / scale < 1e-7, (result["rank"], name)
         checked += 1
-    assert checked == sum(s.tp for s in stages) * strategy.pipelines[0].replicas
+    assert checked == sum(sum(s.tp for s in p.stages) * p.replicas for p in strategy.pipelines)
+
+
+def test_shard_positions_say_where_each_shard_element_sits_in_the_whole_model():
+    # the reference model's parameters in piece order (embedding, layers, final norm, head) are the whole model
+    reference = ReferenceModel(MODEL, SEED)
+    ordered = [reference.tokens, *reference.layers.parameters(), *reference.norm.parameters(), reference.output]
+    whole = torch.cat([p.detach().reshape(-1) for p in ordered])
+    assert whole.numel() == piece_offsets(MODEL)[-1]
+    seen = []
+    for start, end in ((0, 2), (2, MODEL.num_layers)):
+        first, last = start == 0, end == MODEL.num_layers
+        for k in range(2):
+            tp = TensorParallel(None, 2, k)
+            shard = StageModule(MODEL, seeded_pieces(MODEL, start, end, first, last, SEED), tp, "none")
+            values = torch.cat([p.detach().reshape(-1) for p in shard.parameters() if p.requires_grad])
+            positions = shard_positions(MODEL, start, end, first, last, tp, "none")
+            assert torch.equal(whole[positions], values)
+            seen.append(positions)
+    # every element lands somewhere: TP shards once, the replicated norms on both TP ranks
+    counts = torch.bincount(torch.cat(seen), minlength=whole.numel())
+    norms = 2 * MODEL.num_layers * MODEL.hidden_size + MODEL.hidden_size
+    assert counts.min() == 1 and int((counts == 2).sum()) == norms and counts.max() == 2
 
 
 def test_uneven_stages_and_uneven_batches_with_zero1_match_one_process(tmp_path):
@@ -125,6 +147,23 @@ def test_every_dimension_at_once_matches_one_process(tmp_path):
     # TP 2 -> TP 2 with an uneven layer split and the LM head's vocabulary-parallel loss at TP 2
     stages = (StageStrategy("fast", 0, 1, 2, 0), StageStrategy("slow", 1, 5, 2, 0))
     _check(Strategy((PipelineStrategy(1, 1, 6, stages),), "none", 0), tmp_path)
+
+
+def test_two_families_with_different_tp_and_stage_boundaries_match_one_process(tmp_path):
+    # family 0 on `fast`: the whole model at TP 2, 4 samples; family 1 on `slow`: layers 0-1 -> 2-4 at TP 1, 2 samples.
+    # Gradients meet across families per segment (embedding + layers 0-1, layers 2-4 + head): TP shards and the
+    # replicated norms each counted once
+    fast = PipelineStrategy(1, 2, 2, (StageStrategy("fast", 0, 5, 2, 0),))
+    slow = PipelineStrategy(1, 1, 2, (StageStrategy("slow", 0, 2, 1, 0), StageStrategy("slow", 2, 5, 1, 1)))
+    _check(Strategy((fast, slow), "none", 0), tmp_path)
+
+
+def test_families_with_uneven_replicas_zero1_and_recompute_match_one_process(tmp_path):
+    # family 0: layers 0-2 -> 3-4 over both `fast` devices, 3 samples; family 1: two replicas of the whole model on
+    # `slow` sharing 3 samples as 2 + 1, ZeRO-1 inside each family, selective recompute
+    fast = PipelineStrategy(1, 1, 3, (StageStrategy("fast", 0, 3, 1, 0), StageStrategy("fast", 3, 5, 1, 1)))
+    slow = PipelineStrategy(2, 1, 2, (StageStrategy("slow", 0, 5, 1, 0),), total_microbatches=3)
+    _check(Strategy((fast, slow), "selective", 1), tmp_path)
 
 
 def test_hetplan_run_plans_trains_records_and_feeds_fit(tmp_path):
