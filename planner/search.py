@@ -21,7 +21,7 @@ import heapq
 import itertools
 import math
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -33,10 +33,12 @@ from predictor.cost_model import (
     Evaluation,
     StageCache,
     decoder_layer_time_s,
+    dp_sync_time_s,
     edge_time_s,
     evaluate,
     in_flight_microbatches,
     in_flight_table,
+    optimizer_time_s,
     stage_memory,
     state_bytes_per_param,
     usable_memory_bytes,
@@ -69,11 +71,10 @@ class OuterConfig:
     micro_batch_size: int
     recompute: str  # a Recompute mode, or PER_STAGE (set only by the refinement step of `search`)
     virtual_stages: int
-    lower_bound_s: float  # of every order of these groups (candidates come in this bound's order)
-    order_bound_s: float = 0.0  # of this order: memory caps at each stage's pipeline depth (>= lower_bound_s)
-    # lower_bound_s tightened by whole layers (no memory limit), computed on demand: valid for every order and for
-    # per-stage recompute (the candidate row of the cheapest mode bounds those); for the reported root bound
-    whole_layer_bound: Callable[[], float] | None = field(default=None, compare=False, repr=False)
+    lower_bound_s: float  # of every order of these groups
+    # of this order: whole layers, memory caps at each stage's pipeline depth (>= lower_bound_s; candidates come in
+    # this bound's order)
+    order_bound_s: float = 0.0
 
 
 @dataclass
@@ -148,6 +149,30 @@ def _orders(groups: tuple[DeviceGroup, ...]) -> list[tuple[int, ...]]:
 
 
 @dataclass(frozen=True)
+class MixedTail:
+    """The tail bound of a family's rows, and what the root bound needs for per-stage recompute plans.
+
+    The stage with the most layers holds at least ceil(L / p); after the pipeline it waits its tail (exposed DP
+    sync + optimizer step). A row's own bound adds the least such tail over its groups in its mode. A per-stage
+    recompute plan may put that stage in another mode, hiding more DP sync behind a longer backward, but then
+    that stage's time also bounds the pipeline's bottleneck: for those plans the bound is the fastest mode's row
+    (recompute never makes a layer faster) with min over group g and mode r of (m - 1/v) * max(M, T_gr) + tail_gr
+    in place of (m - 1/v) * M + its own tail, T_gr the time of ceil(L / p) layers of group g in mode r."""
+
+    tail_s: np.ndarray  # (rows,) the row's own tail bound (fixed overhead apart)
+    fullest_time_s: np.ndarray  # (rows, groups x modes): T_gr per micro-batch
+    fullest_tail_s: np.ndarray  # (rows, groups x modes): tail_gr
+
+    def root_s(self, rows: Any, bound_s: Any, least_bottleneck_s: Any, bottleneck_s: Any, weight: float) -> Any:
+        """The bound over uniform and per-stage recompute plans of these rows (an index or a slice), given their own
+        bound (computed with `least_bottleneck_s`) and a bottleneck `bottleneck_s` >= that which all their plans
+        reach; `weight` is m - 1/v."""
+        bottleneck = np.asarray(bottleneck_s, dtype=float)[..., None]
+        coupled = weight * np.maximum(bottleneck, self.fullest_time_s[rows]) + self.fullest_tail_s[rows]
+        return bound_s - self.tail_s[rows] - weight * least_bottleneck_s + coupled.min(axis=-1)
+
+
+@dataclass(frozen=True)
 class _Family:
     """Candidates sharing a group subset, replica count, micro-batch and recompute mode; rows are TP choices."""
 
@@ -157,23 +182,32 @@ class _Family:
     recompute: Recompute
     tps: np.ndarray  # (rows, groups)
     counts: np.ndarray  # (rows, groups) stages per group
-    memory_bound_args: tuple[Any, ...] | None  # inputs of _layer_capacity; None: no memory bound
+    memory_bound_inputs: Callable[[], tuple[Any, ...]] | None  # of _layer_capacity (built once asked); None: no bound
     per_layer_s: np.ndarray  # (rows, groups), for the per-order bound
     edge_s: tuple[np.ndarray, np.ndarray]  # (rows, groups) embedding and LM-head time
     least_bottleneck_s: np.ndarray  # (rows,) the bottleneck the row's bound assumed
+    tail: MixedTail
     _possible: np.ndarray | None = None
+
+    @property
+    def memory_bound_args(self) -> tuple[Any, ...] | None:
+        return None if self.memory_bound_inputs is None else self.memory_bound_inputs()
 
     def possible_orders(self) -> np.ndarray | None:
         """(rows, permutations of the subset): orders that may fit memory, computed when first needed."""
-        if self.memory_bound_args is not None and self._possible is None:
-            object.__setattr__(self, "_possible", _layer_capacity(*self.memory_bound_args))
+        args = self.memory_bound_args
+        if args is not None and self._possible is None:
+            object.__setattr__(self, "_possible", _layer_capacity(*args))
         return self._possible
 
 
 def _families(
-    ctx: CostContext, memory_bounds: bool = True, subsets: Sequence[tuple[DeviceGroup, ...]] | None = None
-) -> tuple[list[_Family], list[np.ndarray], list[np.ndarray], list[int]]:
-    """Structurally valid candidates that pass the memory lower bound, with their time lower bounds.
+    ctx: CostContext,
+    memory_bounds: bool = True,
+    subsets: Sequence[tuple[DeviceGroup, ...]] | None = None,
+) -> tuple[list[_Family], list[np.ndarray], list[np.ndarray], list[np.ndarray], list[int]]:
+    """Structurally valid candidates that pass the memory lower bound, with their time lower bounds and root
+    bounds (MixedTail), and the virtual stages of each row.
 
     Bound: pipeline time is at least (m - 1/v)*M + S/v with M >= the fractional water-filling bottleneck
     (L + sum_i e_i/a_i) / sum_i(1/a_i) and S >= L * min_i a_i + e_embedding + e_head, where a_i is a stage's
@@ -183,6 +217,7 @@ def _families(
     training, model = ctx.training, ctx.model
     global_batch, num_layers = training.global_batch_size, model.num_layers
     groups = ctx.cluster.groups
+    modes = list(training.recompute)
     shapes = [(g, t, b) for g in groups for t in tp_options(ctx, g) for b in training.micro_batch_sizes]
     per_layer = {
         (g.name, b, t, rc): decoder_layer_time_s(ctx, g, b, t, rc) for g, t, b in shapes for rc in training.recompute
@@ -212,6 +247,46 @@ def _families(
 
     by_name = {g.name: g for g in groups}
 
+    def edge_rows(
+        subset: tuple[DeviceGroup, ...],
+        tp_lists: tuple[tuple[int, ...], ...],
+        positions: np.ndarray,
+        b: int,
+        rc: Recompute,
+        d: int,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """First / last stage bytes besides the layers, (rows, groups) for the rows' TP positions."""
+        width = max(len(t) for t in tp_lists)
+        first, last = np.full((len(subset), width), np.nan), np.full((len(subset), width), np.nan)
+        for j, (group, options) in enumerate(zip(subset, tp_lists)):
+            first[j, : len(options)] = [first_fixed(group.name, b, t, rc, d) for t in options]
+            last[j, : len(options)] = [last_fixed(group.name, b, t, d) for t in options]
+        columns = np.arange(len(subset))[None, :]
+        return first[columns, positions], last[columns, positions]
+
+    def memory_inputs(
+        state_per_layer: np.ndarray,
+        activation: np.ndarray,
+        edge_bytes_rows: Callable[[], tuple[np.ndarray, np.ndarray]],
+        counts: np.ndarray,
+        microbatches: int,
+        virtual: int,
+        usable_rows: np.ndarray,
+    ) -> tuple[Any, ...]:
+        """The inputs of _layer_capacity (the edge bytes cost stage_memory calls: built for the rows that come up)."""
+        first_bytes, last_bytes = edge_bytes_rows()
+        return (
+            usable_rows,
+            state_per_layer,
+            activation,
+            first_bytes,
+            last_bytes,
+            counts,
+            microbatches,
+            num_layers,
+            virtual,
+        )
+
     @functools.cache
     def first_fixed(name: str, b: int, t: int, rc: Recompute, d: int) -> float:
         return edge_bytes(by_name[name], b, t, rc, d, first=True)
@@ -221,8 +296,29 @@ def _families(
         return edge_bytes(by_name[name], b, t, "none", d, first=False)
 
     head = {(g.name, b, t): edge_time_s(ctx, g, b, t, False, True) for g, t, b in shapes}
+
+    @functools.cache
+    def dp_and_optimizer_per_layer(name: str, t: int, d: int) -> tuple[float, float]:
+        """DP sync per layer at its least (DP time is concave in the bytes with no time at zero, so per layer it is
+        least with all L layers on the stage) and the optimizer step per layer (linear)."""
+        group = by_name[name]
+        params = model.layer_params() / t
+        dp_s = dp_sync_time_s(ctx, group, num_layers * params, t, d) / num_layers
+        return dp_s, optimizer_time_s(ctx, group, params, d)
+
+    @functools.cache
+    def tail_per_layer(name: str, b: int, t: int, rc: Recompute, d: int) -> float:
+        """A lower bound on the iteration tail (exposed DP sync + optimizer step) per layer of the stage holding
+        them: the hidden part (the stage's backward) is linear in the layers too; embedding / LM-head parameters
+        only add."""
+        dp_s, optimizer_s = dp_and_optimizer_per_layer(name, t, d)
+        backward_s = ctx.source(name).layer_cost("decoder", b, t, rc).backward_time_s
+        exposed_s = max(0.0, dp_s - ctx.terms.dp_overlap * backward_s) if training.overlap_grad_reduce else dp_s
+        return exposed_s + optimizer_s
+
     families: list[_Family] = []
     bounds: list[np.ndarray] = []
+    roots: list[np.ndarray] = []  # bounds that hold for per-stage recompute plans too (MixedTail), for the root
     virtuals: list[np.ndarray] = []
     if subsets is None:
         subsets = [s for size in range(1, len(groups) + 1) for s in itertools.combinations(groups, size)]
@@ -250,6 +346,13 @@ def _families(
                 padded(lambda group, tp: embedding[(group.name, b, tp)]),
                 padded(lambda group, tp: head[(group.name, b, tp)]),
             )
+
+        @functools.cache
+        def tail_tables(b: int, rc: Recompute, d: int) -> tuple[np.ndarray, np.ndarray]:
+            """Per-layer time and tail per layer as (rows, groups) for the rows at this replica count."""
+            time = tables(b, rc)[0][columns, positions]  # noqa: B023
+            rate = padded(lambda group, tp: tail_per_layer(group.name, b, tp, rc, d))[columns, positions]  # noqa: B023
+            return time, rate
 
         devices = np.array([g.num_devices for g in subset], dtype=np.int64)
         usable = np.array([usable_memory_bytes(ctx, g) for g in subset])
@@ -287,23 +390,22 @@ def _families(
                 for recompute in training.recompute:
                     a, act, e_first, e_last = (t[columns, positions] for t in tables(micro_batch_size, recompute))
                     b, rc, d = micro_batch_size, recompute, replicas
-                    first_bytes = padded(lambda g, t: first_fixed(g.name, b, t, rc, d))[columns, positions]  # noqa: B023
-                    last_bytes = padded(lambda g, t: last_fixed(g.name, b, t, d))[columns, positions]  # noqa: B023
+
+                    edge_bytes_rows = functools.cache(
+                        functools.partial(edge_rows, subset, tuple(map(tuple, tp_lists)), positions, b, rc, d)
+                    )
+                    # the stage with the most layers holds >= ceil(L / p) and waits its tail after the pipeline
+                    fullest = (-(-num_layers // stages))[:, None, None]
+                    # (rows, groups, modes): that stage's layer time and tail in every recompute mode, for the root
+                    # bound over per-stage recompute plans (MixedTail)
+                    fullest_time = fullest * np.stack([tail_tables(b, r, d)[0] for r in modes], axis=-1)
+                    fullest_tail = fullest * np.stack([tail_tables(b, r, d)[1] for r in modes], axis=-1)
+                    tail_no_overhead = fullest_tail[:, :, modes.index(rc)].min(axis=1)
+                    tail = tail_no_overhead + ctx.terms.iteration_overhead_s
                     fixed_ratio = (e_first / a).min(axis=1) + (e_last / a).min(axis=1)
                     bottleneck = (num_layers + fixed_ratio) / (stage_counts / a).sum(axis=1)
                     cheapest_sum = num_layers * a.min(axis=1) + e_first.min(axis=1) + e_last.min(axis=1)
                     for virtual in training.virtual_stages:
-                        memory = (
-                            usable_rows,
-                            state_per_layer,
-                            act,
-                            first_bytes,
-                            last_bytes,
-                            stage_counts,
-                            microbatches,
-                            num_layers,
-                            virtual,
-                        )
                         allowed = (stages * virtual <= num_layers) & ((virtual == 1) | (stages > 1))
                         if not allowed.any():
                             continue
@@ -314,9 +416,22 @@ def _families(
                         # whole layers and memory caps tighten this per pipeline order when a candidate comes up
                         # (_order_bound_increase_s): cheaper there than for every row here
                         least_bottleneck = np.maximum(bottleneck, virtual * a.max(axis=1))
-                        bound = (microbatches - 1 / virtual) * least_bottleneck + (
-                            np.maximum(cheapest_sum, least_sum + e_first.min(axis=1) + e_last.min(axis=1))
-                        ) / virtual
+                        bound = (
+                            (microbatches - 1 / virtual) * least_bottleneck
+                            + (np.maximum(cheapest_sum, least_sum + e_first.min(axis=1) + e_last.min(axis=1))) / virtual
+                            + tail
+                        )
+                        bound = np.where(allowed, bound, np.inf)
+                        memory = functools.partial(
+                            memory_inputs,
+                            state_per_layer,
+                            act,
+                            edge_bytes_rows,
+                            stage_counts,
+                            microbatches,
+                            virtual,
+                            usable_rows,
+                        )
                         families.append(
                             _Family(
                                 subset,
@@ -325,15 +440,23 @@ def _families(
                                 recompute,
                                 tps,
                                 stage_counts,
-                                memory if memory_bounds else None,
+                                functools.cache(memory) if memory_bounds else None,
                                 a,
                                 (e_first, e_last),
                                 least_bottleneck,
+                                MixedTail(
+                                    tail_no_overhead,
+                                    fullest_time.reshape(len(tps), -1),
+                                    fullest_tail.reshape(len(tps), -1),
+                                ),
                             )
                         )
-                        bounds.append(np.where(allowed, bound, np.inf))
+                        bounds.append(bound)
+                        weight = microbatches - 1 / virtual
+                        tail_bounds = families[-1].tail
+                        roots.append(tail_bounds.root_s(slice(None), bound, least_bottleneck, least_bottleneck, weight))
                         virtuals.append(np.full(len(tps), virtual))
-    return families, bounds, virtuals, [len(b) for b in bounds]
+    return families, bounds, roots, virtuals, [len(b) for b in bounds]
 
 
 def _whole_layer_bottleneck(per_layer_s: Sequence[float], counts: Sequence[int], num_layers: int) -> float:
@@ -363,13 +486,22 @@ class _WholeLayerBound:
     num_layers: int
     _value: float | None = None
 
+    _bottleneck_s: float = 0.0
+
     def __call__(self) -> float:
         if self._value is None:
             a, counts = self.family.per_layer_s[self.row].tolist(), self.family.counts[self.row].tolist()
-            whole = _whole_layer_bottleneck(a, counts, self.num_layers)
-            rise = max(0.0, whole - float(self.family.least_bottleneck_s[self.row]))
-            self._value = self.bound_s + rise * (self.microbatches - 1 / self.virtual)
+            least = float(self.family.least_bottleneck_s[self.row])
+            self._bottleneck_s = max(least, _whole_layer_bottleneck(a, counts, self.num_layers))
+            self._value = self.bound_s + (self._bottleneck_s - least) * (self.microbatches - 1 / self.virtual)
         return self._value
+
+    def root_s(self) -> float:
+        """The same for per-stage recompute plans too (MixedTail)."""
+        self()
+        least = self.family.least_bottleneck_s[self.row]
+        weight = self.microbatches - 1 / self.virtual
+        return float(self.family.tail.root_s(self.row, self.bound_s, least, self._bottleneck_s, weight))
 
 
 def _work_bound_s(ctx: CostContext, subset: Sequence[DeviceGroup]) -> float:
@@ -415,28 +547,25 @@ def _layer_capacity(
     per_layer = state_per_layer[..., None] + activation[..., None] * in_flight
     room = np.floor(usable[..., None] / per_layer)
     cumulative = np.concatenate([np.zeros((*room.shape[:-1], 1)), np.cumsum(room, axis=-1)], axis=-1)
-    rows = np.arange(len(counts))
-    deepest = np.minimum(stages, depth[-1]) - 1
-    possible = []
-    for order in itertools.permutations(range(counts.shape[1])):
-        behind = np.zeros(len(counts), dtype=np.int64)  # stages after this group: its depth offset
-        total = np.zeros(len(counts))
-        fewest = np.full(len(counts), np.inf)  # room of the tightest stage (rooms shrink with depth)
-        for column in reversed(order):
-            table = cumulative[:, column, :]
-            end = behind + counts[:, column]
-            total += table[rows, end] - table[rows, behind]
-            fewest = np.minimum(fewest, room[rows, column, np.minimum(end, depth[-1]) - 1])
-            behind = end
-        head, tail = order[0], order[-1]
-        first_room = usable[:, head] - first_bytes[:, head] - np.where(stages == 1, last_bytes[:, head], 0.0)
-        first_layers = np.floor(first_room / per_layer[rows, head, deepest])
-        total += first_layers - room[rows, head, deepest]
-        last_layers = np.floor((usable[:, tail] - last_bytes[:, tail]) / per_layer[rows, tail, 0])
-        total += np.where(stages > 1, last_layers - room[rows, tail, 0], 0.0)
-        fewest = np.minimum(np.minimum(fewest, first_layers), np.where(stages > 1, last_layers, np.inf))
-        possible.append((total >= num_layers) & (fewest >= least_layers))
-    return np.stack(possible, axis=1)
+    rows = np.arange(len(counts))[:, None]
+    deepest = (np.minimum(stages, depth[-1]) - 1)[:, None]
+    orders = np.array(list(itertools.permutations(range(counts.shape[1]))))  # (orders, groups)
+    # per row, order and position along the order: the stages behind that group (its depth offset) and its end
+    ordered_counts = counts[:, orders]  # (rows, orders, groups)
+    end = np.cumsum(ordered_counts[..., ::-1], axis=-1)[..., ::-1]
+    behind = end - ordered_counts
+    r, o = rows[..., None], orders[None, ...]
+    total = (cumulative[r, o, end] - cumulative[r, o, behind]).sum(axis=-1)  # (rows, orders)
+    fewest = room[r, o, np.minimum(end, depth[-1]) - 1].min(axis=-1)  # rooms shrink with depth
+    head, tail = orders[None, :, 0], orders[None, :, -1]
+    single = (stages == 1)[:, None]
+    first_room = usable[rows, head] - first_bytes[rows, head] - np.where(single, last_bytes[rows, head], 0.0)
+    first_layers = np.floor(first_room / per_layer[rows, head, deepest])
+    total += first_layers - room[rows, head, deepest]
+    last_layers = np.floor((usable[rows, tail] - last_bytes[rows, tail]) / per_layer[rows, tail, 0])
+    total += np.where(single, 0.0, last_layers - room[rows, tail, 0])
+    fewest = np.minimum(np.minimum(fewest, first_layers), np.where(single, np.inf, last_layers))
+    return (total >= num_layers) & (fewest >= least_layers)
 
 
 def _order_bound_increase_s(family: _Family, row: int, orders: list[tuple[int, ...]], virtual: int) -> np.ndarray:
@@ -451,7 +580,10 @@ def _order_bound_increase_s(family: _Family, row: int, orders: list[tuple[int, .
         family.memory_bound_args
     )
     a_row, counts_row = family.per_layer_s[row], counts[row]
-    stage_group = np.array([[g for g in order for _ in range(int(counts_row[g]))] for order in orders])
+    order_array = np.array(orders)  # (orders, groups)
+    ends = np.cumsum(counts_row[order_array], axis=1)
+    position = (np.arange(int(ends[0, -1]))[None, :, None] >= ends[:, None, :]).sum(axis=2)
+    stage_group = np.take_along_axis(order_array, position, axis=1)  # (orders, stages): each stage's group
     stages = stage_group.shape[1]
     depth = stages - np.arange(stages)  # 1 at the last stage
     in_flight = in_flight_table(depth, microbatches, np.array([stages]), virtual)[0]
@@ -480,11 +612,13 @@ def _order_bound_increase_s(family: _Family, row: int, orders: list[tuple[int, .
 
 @dataclass
 class Pruning:
-    """Shared with the search while candidates are generated: rows whose whole-layer bound reaches `limit_s` (the
-    incumbent) are not expanded into pipeline orders; the least such bound is kept for the root bound."""
+    """Shared by the search and the candidate generator: candidates whose bound reaches `limit_s` (the incumbent)
+    are not generated. For the root bound the generator keeps `least_root_s`, the least bound over all candidates
+    once it has run to its end (bounds that hold for per-stage recompute plans too: memory-free, the tail of any
+    recompute mode)."""
 
     limit_s: float = math.inf
-    least_skipped_s: float = math.inf
+    least_root_s: float = math.inf
 
 
 def outer_configs(
@@ -494,38 +628,58 @@ def outer_configs(
     subsets: Sequence[tuple[DeviceGroup, ...]] | None = None,
     pruning: Pruning | None = None,
 ) -> Iterator[OuterConfig]:
-    """Every candidate (all pipeline orders that may fit) on the given group subsets (default: all), best lower
-    bound first; ties keep enumeration order. `counter`, when given, receives the number of candidates before
-    orders are expanded."""
-    families, bounds, virtuals, sizes = _families(ctx, memory_bounds, subsets)
+    """Every candidate (all pipeline orders that may fit) on the given group subsets (default: all), best bound
+    first: rows (TP choices of a family) come up in the order of their bound; each row's orders get their own
+    bounds (whole layers, memory caps at each depth) and wait in a queue until no row left can go below them.
+    Ties keep enumeration order. `counter`, when given, receives the number of candidates before orders are
+    expanded."""
+    pruning = pruning if pruning is not None else Pruning()
+    families, bounds, roots, virtuals, sizes = _families(ctx, memory_bounds, subsets)
     if counter is not None:
         counter.append(int(sum(np.isfinite(b).sum() for b in bounds)))
     if not families:
         return
     flat_bounds = np.concatenate(bounds)
     flat_virtual = np.concatenate(virtuals)
+    flat_roots = np.concatenate(roots)
     family_of = np.repeat(np.arange(len(families)), sizes)
     row_of = np.concatenate([np.arange(n) for n in sizes])
-    for index in np.argsort(flat_bounds, kind="stable"):
-        bound = float(flat_bounds[index])
-        if not math.isfinite(bound):
-            return
+    ranked = np.argsort(flat_bounds, kind="stable")
+    # (bound, arrival, a candidate or a row to expand into its orders): a row waits with its whole-layer bound
+    # (its orders' bounds are at least that), so rows that cannot beat the final incumbent are never expanded
+    queue: list[tuple[float, int, OuterConfig | int]] = []
+    arrival = itertools.count()
+
+    def whole_layer_bound(index: int) -> _WholeLayerBound:
         family, row = families[family_of[index]], row_of[index]
-        virtual = int(flat_virtual[index])
         microbatches = config_microbatches(ctx, family)[0]
-        whole = _WholeLayerBound(family, row, bound, microbatches, virtual, ctx.model.num_layers)
-        if pruning is not None and bound < pruning.limit_s and whole() >= pruning.limit_s:
-            pruning.least_skipped_s = min(pruning.least_skipped_s, whole())
-            continue  # no order of this row can beat the incumbent: skip the per-order bounds
+        bound = float(flat_bounds[index])
+        return _WholeLayerBound(family, row, bound, microbatches, int(flat_virtual[index]), ctx.model.num_layers)
+
+    def root_of_unreached(unreached: np.ndarray) -> None:
+        """The root bound over rows never queued: least first, each tightened by whole layers, until the next
+        cannot go below the least found."""
+        for index in unreached[np.argsort(flat_roots[unreached], kind="stable")]:
+            if not flat_roots[index] < pruning.least_root_s:
+                return
+            pruning.least_root_s = min(pruning.least_root_s, whole_layer_bound(index).root_s())
+
+    def expand(index: int, whole_s: float) -> None:
+        """Queue a row's pipeline orders that may fit memory, each with its own bound."""
+        family, row = families[family_of[index]], row_of[index]
+        bound, virtual = float(flat_bounds[index]), int(flat_virtual[index])
         possible = family.possible_orders()
         orders = _orders(family.subset)
         if possible is not None:  # per-order bounds only for the orders whose layer capacity may hold the model
             orders = [order for order in orders if possible[row, _PERMUTATION_INDEX[len(order)][order]]]
             if not orders:
-                continue
+                return
         increase = _order_bound_increase_s(family, row, orders, virtual) if possible is not None else None
         for number, order in enumerate(orders):
-            yield OuterConfig(
+            order_bound_s = max(bound + float(increase[number]), whole_s) if increase is not None else bound
+            if order_bound_s >= pruning.limit_s:
+                continue
+            config = OuterConfig(
                 groups=tuple(family.subset[i] for i in order),
                 tps=tuple(int(family.tps[row, i]) for i in order),
                 stage_counts=tuple(int(family.counts[row, i]) for i in order),
@@ -534,9 +688,34 @@ def outer_configs(
                 recompute=family.recompute,
                 virtual_stages=virtual,
                 lower_bound_s=bound,
-                order_bound_s=bound + float(increase[number]) if increase is not None else bound,
-                whole_layer_bound=whole,
+                order_bound_s=order_bound_s,
             )
+            heapq.heappush(queue, (order_bound_s, next(arrival), config))
+
+    def ready(below_s: float) -> Iterator[OuterConfig]:
+        """The queued candidates whose bound is below `below_s`, best first, while they can beat the incumbent."""
+        while queue and queue[0][0] <= below_s:
+            key_s, _, item = heapq.heappop(queue)
+            if key_s >= pruning.limit_s:
+                queue.clear()  # the rest are no better
+                return
+            if isinstance(item, OuterConfig):
+                yield item
+            else:
+                expand(item, key_s)
+
+    for position, index in enumerate(ranked):
+        bound = float(flat_bounds[index])
+        yield from ready(bound)
+        if not math.isfinite(bound) or bound >= pruning.limit_s:
+            root_of_unreached(ranked[position:])
+            return  # every later row, and every queued item, is bounded by this
+        whole = whole_layer_bound(index)
+        pruning.least_root_s = min(pruning.least_root_s, whole.root_s())
+        if whole() < pruning.limit_s:
+            # memory-free candidates (the misfit search) go in the order of their plain bound
+            heapq.heappush(queue, (whole() if memory_bounds else bound, next(arrival), int(index)))
+    yield from ready(math.inf)
 
 
 class _StageTerms:
@@ -745,23 +924,14 @@ def search(
     scanned = 0
 
     def scan(subsets: list[tuple[DeviceGroup, ...]]) -> None:
-        """Branch and bound over the candidates on these group subsets."""
+        """Branch and bound over the candidates on these group subsets (best bound first; the generator stops
+        once no candidate left can beat the incumbent)."""
         nonlocal root_bound_s, evaluated, infeasible, scanned
         for index, config in enumerate(outer_configs(ctx, candidates, subsets=subsets, pruning=pruning), scanned):
             scanned = index + 1
             if progress is not None and index % 64 == 0:
                 progress(index, index + 64)
             incumbent_s = -best[0][0] * (1 - gap) if len(best) == top_k else math.inf
-            if config.lower_bound_s >= incumbent_s:
-                root_bound_s = min(root_bound_s, config.lower_bound_s)  # every later candidate is bounded by this
-                return
-            # the root bound: the least bound over the space, candidates tightened by whole layers as they come
-            # up (in bound order, so once a bound reaches the least tightened one, nothing later can go below it)
-            if config.lower_bound_s < root_bound_s:
-                assert config.whole_layer_bound is not None
-                root_bound_s = min(root_bound_s, config.whole_layer_bound())
-            if config.order_bound_s >= incumbent_s:
-                continue
             evaluated += 1
             strategy, memory_bound, objective_s = _candidate_strategy(ctx, terms, config, incumbent_s, splitter)
             if strategy is None:
@@ -786,7 +956,7 @@ def search(
         bounds = {s: _work_bound_s(ctx, s) for s in smaller}
         scan([s for s in smaller if bounds[s] < incumbent_s])
         root_bound_s = min([root_bound_s, *(b for b in bounds.values() if b >= incumbent_s)])
-    root_bound_s = min(root_bound_s, pruning.least_skipped_s)
+    root_bound_s = min(root_bound_s, pruning.least_root_s)
     index = scanned - 1
     if progress is not None:
         progress(index + 1, index + 1)
@@ -808,7 +978,9 @@ def search(
             seen.add(key)
             if len(seen) > per_stage_candidates:
                 break
-            strategy, _, _ = _candidate_strategy(ctx, terms, key, uniform_objective[key], None)
+            # worth solving only where it could beat both the candidate's best single mode and the k-th best plan
+            kth_best_s = -best[0][0] if len(best) == top_k else math.inf
+            strategy, _, _ = _candidate_strategy(ctx, terms, key, min(uniform_objective[key], kth_best_s), None)
             if strategy is None:
                 continue
             refined += 1
