@@ -59,6 +59,7 @@ UNEVEN_CANDIDATES = 8
 # the per-order bounds are bisected, keeping the side known infeasible (valid after any number of steps); they need
 # less precision than they cost: 2^-20 of the bracket
 ORDER_BOUND_STEPS = 20
+ROOT_BOUND_STEPS = 10  # the root bound's memory bisection: to 2^-10 of the bottleneck (it only reports)
 
 
 @dataclass(frozen=True)
@@ -86,7 +87,8 @@ class SearchResult:
     memory_infeasible: int
     smallest_shortfall_bytes: float
     smallest_shortfall_where: str
-    lower_bound_s: float = math.inf  # smallest lower bound over the whole search space (the root relaxation)
+    # smallest lower bound over the whole search space (the root relaxation; only when asked: search(root_bound=True))
+    lower_bound_s: float | None = None
     per_stage_recompute_solved: int = 0  # candidates re-solved with a recompute mode per stage
     family_partitions: int = 0  # partitions of the groups into pipeline families tried (`families: search`)
 
@@ -188,6 +190,9 @@ class _Family:
     edge_s: tuple[np.ndarray, np.ndarray]  # (rows, groups) embedding and LM-head time
     least_bottleneck_s: np.ndarray  # (rows,) the bottleneck the row's bound assumed
     tail: MixedTail
+    # (per-layer time, activation bytes per layer) as (rows, groups, modes), and first-stage bytes besides the layers
+    # in the mode that needs least (rows, groups): a per-stage recompute plan's memory (built once asked)
+    mode_tables: Callable[[], tuple[np.ndarray, np.ndarray, np.ndarray]] | None
     _possible: np.ndarray | None = None
 
     @property
@@ -264,6 +269,25 @@ def _families(
             last[j, : len(options)] = [last_fixed(group.name, b, t, d) for t in options]
         columns = np.arange(len(subset))[None, :]
         return first[columns, positions], last[columns, positions]
+
+    def least_first_rows(
+        subset: tuple[DeviceGroup, ...],
+        tp_lists: tuple[tuple[int, ...], ...],
+        positions: np.ndarray,
+        b: int,
+        d: int,
+    ) -> np.ndarray:
+        """First-stage bytes besides the layers in the recompute mode that needs least, (rows, groups)."""
+        width = max(len(t) for t in tp_lists)
+        first = np.full((len(subset), width), np.nan)
+        for j, (group, options) in enumerate(zip(subset, tp_lists)):
+            first[j, : len(options)] = [min(first_fixed(group.name, b, t, rc, d) for rc in modes) for t in options]
+        return first[np.arange(len(subset))[None, :], positions]
+
+    def with_first_bytes(
+        time: np.ndarray, activation: np.ndarray, first: Callable[[], np.ndarray]
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return time, activation, first()
 
     def memory_inputs(
         state_per_layer: np.ndarray,
@@ -388,6 +412,15 @@ def _families(
                 if split is None:
                     continue
                 microbatches = split[0]
+                # every mode's per-layer time and activation, for the root bound of per-stage recompute plans
+                mode_time = np.stack([tables(micro_batch_size, r)[0][columns, positions] for r in modes], axis=-1)
+                mode_activation = np.stack([tables(micro_batch_size, r)[1][columns, positions] for r in modes], axis=-1)
+                first_rows = functools.partial(
+                    least_first_rows, subset, tuple(map(tuple, tp_lists)), positions, micro_batch_size, replicas
+                )
+                mode_tables = functools.cache(
+                    functools.partial(with_first_bytes, mode_time, mode_activation, functools.cache(first_rows))
+                )
                 for recompute in training.recompute:
                     a, act, e_first, e_last = (t[columns, positions] for t in tables(micro_batch_size, recompute))
                     b, rc, d = micro_batch_size, recompute, replicas
@@ -395,6 +428,7 @@ def _families(
                     edge_bytes_rows = functools.cache(
                         functools.partial(edge_rows, subset, tuple(map(tuple, tp_lists)), positions, b, rc, d)
                     )
+
                     # the stage with the most layers holds >= ceil(L / p) and waits its tail after the pipeline
                     fullest = (-(-num_layers // stages))[:, None, None]
                     # (rows, groups, modes): that stage's layer time and tail in every recompute mode, for the root
@@ -450,6 +484,7 @@ def _families(
                                     fullest_time.reshape(len(tps), -1),
                                     fullest_tail.reshape(len(tps), -1),
                                 ),
+                                mode_tables if memory_bounds else None,
                             )
                         )
                         bounds.append(bound)
@@ -497,12 +532,18 @@ class _WholeLayerBound:
             self._value = self.bound_s + (self._bottleneck_s - least) * (self.microbatches - 1 / self.virtual)
         return self._value
 
-    def root_s(self) -> float:
-        """The same for per-stage recompute plans too (MixedTail)."""
+    def root_s(self, memory: bool = False) -> float:
+        """The same for per-stage recompute plans too (MixedTail); with `memory`, also the bottleneck memory allows
+        when every stage may recompute (_per_stage_recompute_bottleneck_s)."""
         self()
         least = self.family.least_bottleneck_s[self.row]
         weight = self.microbatches - 1 / self.virtual
-        return float(self.family.tail.root_s(self.row, self.bound_s, least, self._bottleneck_s, weight))
+        bottleneck = self._bottleneck_s
+        if memory and self.family.mode_tables is not None:
+            bottleneck = _per_stage_recompute_bottleneck_s(self.family, self.row, self.virtual, bottleneck)
+            if math.isinf(bottleneck):
+                return math.inf
+        return float(self.family.tail.root_s(self.row, self.bound_s, least, bottleneck, weight))
 
 
 def _work_bound_s(ctx: CostContext, subset: Sequence[DeviceGroup]) -> float:
@@ -611,14 +652,64 @@ def _order_bound_increase_s(family: _Family, row: int, orders: list[tuple[int, .
     return np.where(feasible, extra, np.inf)
 
 
+def _per_stage_recompute_bottleneck_s(family: _Family, row: int, virtual: int, known_s: float) -> float:
+    """The least bottleneck any plan of a row's shape reaches with a recompute mode per stage (inf: none fits):
+    over the pipeline orders, the smallest M with sum over stages of max over modes r of
+    min(cap_sr, floor((M - e_s) / a_sr)) >= L, cap_sr the layers stage s holds in mode r at its depth (as
+    _order_bound_increase_s for one mode; the first stage's fixed bytes in the mode that needs least). `known_s`: a
+    bottleneck known to be reached (the answer is at least that); the bisection starts from it and keeps the side
+    known too small, to 1/2^ROOT_BOUND_STEPS of it."""
+    assert family.memory_bound_args is not None and family.mode_tables is not None
+    usable, state_per_layer, _, _, last_bytes, counts, microbatches, num_layers, _ = family.memory_bound_args
+    mode_time, mode_activation, least_first = family.mode_tables()
+    order_array = np.array(_orders(family.subset))
+    ends = np.cumsum(counts[row][order_array], axis=1)
+    position = (np.arange(int(ends[0, -1]))[None, :, None] >= ends[:, None, :]).sum(axis=2)
+    stage_group = np.take_along_axis(order_array, position, axis=1)  # (orders, stages)
+    stages = stage_group.shape[1]
+    in_flight = in_flight_table(stages - np.arange(stages), microbatches, np.array([stages]), virtual)[0]
+    fixed_bytes = np.zeros(stage_group.shape)
+    fixed_bytes[:, 0] += least_first[row][stage_group[:, 0]]
+    fixed_bytes[:, -1] += last_bytes[row][stage_group[:, -1]]
+    per_layer_bytes = (
+        state_per_layer[row][stage_group][..., None] + mode_activation[row][stage_group] * in_flight[None, :, None]
+    )
+    caps = np.floor((usable[row][stage_group] - fixed_bytes)[..., None] / per_layer_bytes)  # (orders, stages, modes)
+    a = mode_time[row][stage_group]
+    edge = np.zeros(stage_group.shape)
+    edge[:, 0] += family.edge_s[0][row][stage_group[:, 0]]
+    edge[:, -1] += family.edge_s[1][row][stage_group[:, -1]]
+    most = caps.max(axis=2)
+    feasible = (most >= virtual).all(axis=1) & (most.sum(axis=1) >= num_layers)
+    if not feasible.any():
+        return math.inf
+    caps, a, edge = caps[feasible], a[feasible], edge[feasible]
+
+    def enough(bottleneck_s: np.ndarray) -> np.ndarray:
+        layers = np.minimum(caps, np.floor((bottleneck_s[:, None, None] - edge[..., None]) / a)).max(axis=2)
+        return layers.sum(axis=1) >= num_layers
+
+    low = np.maximum(known_s, (a.min(axis=2) * virtual + edge).max(axis=1))  # orders that fit there keep it
+    high = low + a.max(axis=(1, 2)) * num_layers  # every layer on the slowest stage: enough where caps allow
+    width = low.max() * 2.0**-ROOT_BOUND_STEPS
+    while (high - low).max() > width:
+        middle = (low + high) / 2
+        fits = enough(middle)
+        high = np.where(fits, middle, high)
+        low = np.where(fits, low, middle)
+    return float(low.min())
+
+
 @dataclass
 class Pruning:
     """Shared by the search and the candidate generator: candidates whose bound reaches `limit_s` (the incumbent)
-    are not generated. For the root bound the generator keeps `least_root_s`, the least bound over all candidates
-    once it has run to its end (bounds that hold for per-stage recompute plans too: memory-free, the tail of any
-    recompute mode)."""
+    are not generated. With `root_bound`, once the generator has run to its end `least_root_s` holds the least bound
+    over all its candidates (bounds that hold for per-stage recompute plans too: see MixedTail and
+    _per_stage_recompute_bottleneck_s); it costs about as much as the search on large clusters, so it is computed
+    only when asked for."""
 
     limit_s: float = math.inf
+    root_bound: bool = False
     least_root_s: float = math.inf
 
 
@@ -657,13 +748,25 @@ def outer_configs(
         bound = float(flat_bounds[index])
         return _WholeLayerBound(family, row, bound, microbatches, int(flat_virtual[index]), ctx.model.num_layers)
 
-    def root_of_unreached(unreached: np.ndarray) -> None:
-        """The root bound over rows never queued: least first, each tightened by whole layers, until the next
-        cannot go below the least found."""
-        for index in unreached[np.argsort(flat_roots[unreached], kind="stable")]:
-            if not flat_roots[index] < pruning.least_root_s:
+    popped_roots: dict[int, float] = {}  # rows that came up: their root bound with whole layers
+
+    def settle_root() -> None:
+        """The least root bound over every row: least first, each tightened by whole layers and then by the memory
+        a per-stage recompute plan needs, until the least is one that cannot rise further."""
+        values = flat_roots.copy()
+        for index, value in popped_roots.items():
+            values[index] = value
+        finite = np.flatnonzero(np.isfinite(values))
+        heap = [(float(values[i]), int(i), 1 if int(i) in popped_roots else 0) for i in finite]
+        heapq.heapify(heap)
+        while heap:
+            value, index, tightened = heapq.heappop(heap)
+            if tightened == 2:
+                pruning.least_root_s = min(pruning.least_root_s, value)
                 return
-            pruning.least_root_s = min(pruning.least_root_s, whole_layer_bound(index).root_s())
+            raised = whole_layer_bound(index).root_s(memory=tightened == 1)
+            if math.isfinite(raised):
+                heapq.heappush(heap, (max(value, raised), index, tightened + 1))
 
     def expand(index: int, whole_s: float) -> None:
         """Queue a row's pipeline orders that may fit memory, each with its own bound."""
@@ -705,18 +808,21 @@ def outer_configs(
             else:
                 expand(item, key_s)
 
-    for position, index in enumerate(ranked):
+    for index in ranked:
         bound = float(flat_bounds[index])
         yield from ready(bound)
         if not math.isfinite(bound) or bound >= pruning.limit_s:
-            root_of_unreached(ranked[position:])
-            return  # every later row, and every queued item, is bounded by this
+            break  # every later row, and every queued item, is bounded by this
         whole = whole_layer_bound(index)
-        pruning.least_root_s = min(pruning.least_root_s, whole.root_s())
+        if pruning.root_bound:
+            popped_roots[int(index)] = whole.root_s()
         if whole() < pruning.limit_s:
             # memory-free candidates (the misfit search) go in the order of their plain bound
             heapq.heappush(queue, (whole() if memory_bounds else bound, next(arrival), int(index)))
-    yield from ready(math.inf)
+    else:
+        yield from ready(math.inf)
+    if pruning.root_bound:
+        settle_root()
 
 
 class _StageTerms:
@@ -902,12 +1008,14 @@ def search(
     warm_start: Sequence[Evaluation] = (),
     per_stage_candidates: int = PER_STAGE_CANDIDATES,
     every_group: bool = False,
+    root_bound: bool = False,
 ) -> SearchResult:
     """The k fastest strategies that fit memory (fewer if fewer fit). `splitter` replaces the exact layer split
     by another rule (planner.baselines); the candidates' bounds hold for any split, so the search stays exact
     for the rule it is given. `warm_start`: feasible evaluations (e.g. the previous plan adapted to a changed
     cluster) that seed the incumbent, so the bounds prune from the first candidate on. `per_stage_candidates`:
     how many of the best candidates are re-solved with a recompute mode per stage (0: none).
+    `root_bound`: also compute SearchResult.lower_bound_s, the least bound over the whole space (for the gap).
     `every_group`: only pipelines that use every group (the family search's blocks: a block that leaves a group
     idle is another partition's business)."""
     best: list[tuple[float, int, Evaluation]] = []  # max-heap on iteration time via negation
@@ -921,7 +1029,7 @@ def search(
     root_bound_s = math.inf
     candidates: list[int] = []
     tried: list[tuple[float, int, OuterConfig, float]] = []
-    pruning = Pruning(-best[0][0] * (1 - gap) if len(best) == top_k else math.inf)
+    pruning = Pruning(-best[0][0] * (1 - gap) if len(best) == top_k else math.inf, root_bound)
     scanned = 0
 
     def scan(subsets: list[tuple[DeviceGroup, ...]]) -> None:
@@ -1013,7 +1121,7 @@ def search(
         infeasible,
         shortfall,
         shortfall_where,
-        root_bound_s,
+        root_bound_s if root_bound else None,
         refined,
         partitions_tried,
     )

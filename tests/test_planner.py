@@ -239,7 +239,7 @@ def test_root_bound_is_below_every_plan_including_per_stage_recompute():
         },
     )
     ctx = build_context(cluster, model, training)
-    result = search(ctx)
+    result = search(ctx, root_bound=True)
     layers, groups = model.num_layers, cluster.groups
     best_uniform = best_any = np.inf
     for order in [(0,), (1,), (0, 1), (1, 0)]:
