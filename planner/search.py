@@ -278,11 +278,7 @@ def _families(
         d: int,
     ) -> np.ndarray:
         """First-stage bytes besides the layers in the recompute mode that needs least, (rows, groups)."""
-        width = max(len(t) for t in tp_lists)
-        first = np.full((len(subset), width), np.nan)
-        for j, (group, options) in enumerate(zip(subset, tp_lists)):
-            first[j, : len(options)] = [min(first_fixed(group.name, b, t, rc, d) for rc in modes) for t in options]
-        return first[np.arange(len(subset))[None, :], positions]
+        return np.minimum.reduce([edge_rows(subset, tp_lists, positions, b, rc, d)[0] for rc in modes])
 
     def with_first_bytes(
         time: np.ndarray, activation: np.ndarray, first: Callable[[], np.ndarray]
