@@ -223,6 +223,13 @@ def plan(
     profiles: Annotated[Optional[Path], typer.Option(help="Directory of profile JSON files (by device).")] = None,
     top_k: Annotated[int, typer.Option(min=1, help="Also list the next best alternatives.")] = 1,
     predictor: PredictorOpt = None,
+    lower_bound: Annotated[
+        bool,
+        typer.Option(
+            "--lower-bound",
+            help="Also bound how fast any plan of the search space could be (the gap; about a second search).",
+        ),
+    ] = False,
     out: Annotated[Optional[Path], typer.Option(help="Write the plan JSON here.")] = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -246,23 +253,17 @@ def plan(
         families=families,
     )
     loaded = _load_profiles(profiles, model_spec)
-    chosen_predictor = _predictor(predictor)
+    inputs = (cluster_spec, model_spec, training_spec, loaded)
+    options = {"top_k": top_k, "predictor": _predictor(predictor), "lower_bound": lower_bound}
     if as_json or not sys.stderr.isatty():
-        result = make_plan(cluster_spec, model_spec, training_spec, loaded, top_k=top_k, predictor=chosen_predictor)
+        result = make_plan(*inputs, **options)
     else:
         from rich.progress import Progress
 
         with Progress(transient=True) as bar:
             task = bar.add_task("searching", total=None)
-            result = make_plan(
-                cluster_spec,
-                model_spec,
-                training_spec,
-                loaded,
-                top_k=top_k,
-                progress=lambda done, total: bar.update(task, completed=done, total=total),
-                predictor=chosen_predictor,
-            )
+            progress = lambda done, total: bar.update(task, completed=done, total=total)  # noqa: E731
+            result = make_plan(*inputs, progress=progress, **options)
     if out is not None:
         result.save(out)
     body = result.to_dict()
@@ -284,6 +285,17 @@ def plan(
                 "compute bound",
                 f"{body['compute_bound_tokens_per_s']:,.0f} tokens/s (no bubble, no comm): "
                 f"{body['fraction_of_compute_bound']:.1%} of it",
+            ),
+            *(
+                [
+                    (
+                        "lower bound",
+                        f"{body['iteration_time_lower_bound_s']:.3f} s per iteration for any plan searched: "
+                        f"this one is within {body['gap_to_lower_bound']:.1%}",
+                    )
+                ]
+                if "iteration_time_lower_bound_s" in body
+                else []
             ),
             (
                 "search",

@@ -41,6 +41,7 @@ class Plan:
     search_stats: dict[str, Any]
     alternatives: tuple[Evaluation, ...] = ()
     interval: Interval | None = None
+    lower_bound_s: float | None = None  # least iteration time of any plan in the search space (when asked)
 
     @property
     def strategy(self) -> Strategy:
@@ -52,6 +53,9 @@ class Plan:
         )
         if self.interval is not None:
             body["iteration_time_interval_s"] = interval_dict(self.interval)
+        if self.lower_bound_s is not None:
+            body["iteration_time_lower_bound_s"] = _round(self.lower_bound_s)
+            body["gap_to_lower_bound"] = _round(1 - self.lower_bound_s / self.evaluation.iteration_time_s)
         return body
 
     def to_json(self) -> str:

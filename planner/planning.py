@@ -46,14 +46,17 @@ def plan(
     top_k: int = 1,
     progress: ProgressCallback | None = None,
     predictor: Predictor | None = None,
+    lower_bound: bool = False,
 ) -> Plan:
     """The fastest strategy that fits memory, with its metrics, yardsticks and a 90% interval on its iteration
-    time; raises DoesNotFitError. `predictor` defaults to the shipped one (`default_predictor()`)."""
+    time; raises DoesNotFitError. `predictor` defaults to the shipped one (`default_predictor()`). `lower_bound`:
+    also the least iteration time any plan of the search space could reach (planner.search's root bound; about a
+    second search's time on large clusters)."""
     predictor = predictor or default_predictor()
     base = predictor.base_context(cluster, model, training, profiles)
     ctx = predictor.context(cluster, model, training, profiles)
     started = time.perf_counter()
-    result = search(ctx, top_k=max(1, top_k), progress=progress)
+    result = search(ctx, top_k=max(1, top_k), progress=progress, root_bound=lower_bound)
     search_time_s = time.perf_counter() - started
     if not result.evaluations:
         if result.smallest_shortfall_where:
@@ -88,7 +91,8 @@ def plan(
     }
     best = result.evaluations[0]
     interval = predictor.interval(base, best.strategy)
-    return Plan(ctx, best, compute_bounds(ctx), search_time_s, stats, tuple(result.evaluations[1:]), interval)
+    alternatives = tuple(result.evaluations[1:])
+    return Plan(ctx, best, compute_bounds(ctx), search_time_s, stats, alternatives, interval, result.lower_bound_s)
 
 
 def predict(ctx: CostContext, strategy: Strategy, source: str = "strategy") -> Evaluation:

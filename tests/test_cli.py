@@ -179,3 +179,16 @@ def test_simulate_profile_writes_a_loadable_profile(tmp_path):
 
     profile = load_profile(out)
     assert profile.source == "simulated" and len(profile.entries) == 2 * 2 * 5
+
+
+def test_plan_lower_bound_reports_how_far_any_plan_could_be():
+    """`--lower-bound` adds the least iteration time of any plan in the search space and the plan's gap to it."""
+    args = ["--cluster", str(EXAMPLES / "a100-v100-32.yaml"), "--model", "gpt3-1.7b", "--dtype", "fp16"]
+    made = hetplan("plan", *args, "--global-batch", "128", "--families", "off", "--lower-bound", "--json")
+    assert made.returncode == 0, made.stderr
+    body = json.loads(made.stdout)
+    bound, iteration = body["iteration_time_lower_bound_s"], body["iteration_time_s"]
+    assert 0.8 * iteration < bound <= iteration
+    assert body["gap_to_lower_bound"] == pytest.approx(1 - bound / iteration, rel=1e-4)
+    plain = hetplan("plan", *args, "--global-batch", "128", "--families", "off", "--json")
+    assert "iteration_time_lower_bound_s" not in json.loads(plain.stdout)  # only when asked: it costs a search
