@@ -828,7 +828,22 @@ class _StageTerms:
         self.ctx = ctx
         self._time: dict[tuple[object, ...], tuple[float, float]] = {}
         self._memory: dict[tuple[object, ...], tuple[float, float, float]] = {}
+        self._tail: dict[tuple[object, ...], float] = {}
         self.evaluations: StageCache = {}  # stage evaluations (cost_model.evaluate's cache)
+
+    def tail_per_layer_s(self, group: DeviceGroup, config: OuterConfig, tp: int) -> float:
+        """A lower bound on a stage's tail (exposed DP sync + optimizer step) per layer it holds: DP time is concave
+        in the bytes with no time at zero, so per layer it is least with all L layers; the backward hiding it and
+        the optimizer step are linear in the layers; embedding / LM-head parameters only add."""
+        key = (group.name, config.micro_batch_size, tp, config.recompute, config.replicas)
+        if key not in self._tail:
+            ctx, num_layers = self.ctx, self.ctx.model.num_layers
+            params = ctx.model.layer_params() / tp
+            dp_s = dp_sync_time_s(ctx, group, num_layers * params, tp, config.replicas) / num_layers
+            backward_s = ctx.source(group.name).layer_cost("decoder", config.micro_batch_size, tp, config.recompute)
+            hidden_s = ctx.terms.dp_overlap * backward_s.backward_time_s if ctx.training.overlap_grad_reduce else 0.0
+            self._tail[key] = max(0.0, dp_s - hidden_s) + optimizer_time_s(ctx, group, params, config.replicas)
+        return self._tail[key]
 
     def time_s(
         self, group: DeviceGroup, config: OuterConfig, tp: int, mode: Recompute, first: bool, last: bool
@@ -967,7 +982,10 @@ def _candidate_strategy(
             split = splitter(stages, num_layers, per_layer, fixed, caps, microbatches, v)
         if split is None:
             return None, True, math.inf
-        if split.objective_s >= incumbent_s:
+        # the iteration is at least the pipeline objective plus the fullest tail (checked before evaluating)
+        tail_rates = np.array([terms.tail_per_layer_s(group, config, tp) for group, tp in stages])
+        tail_s = float((np.array(split.layers) * tail_rates).max()) + ctx.terms.iteration_overhead_s
+        if split.objective_s + tail_s >= incumbent_s:
             return None, False, split.objective_s
         return build_strategy(ctx, config, split.layers), False, split.objective_s
     modes = ctx.training.recompute
