@@ -1,10 +1,12 @@
 """Search the three-level tree: pipeline order and stages per group, DP replicas, TP per group, micro-batch,
 recompute; the exact layer split inside (planner.layer_split).
 
-Branch and bound: every outer configuration gets a lower bound on its iteration time (vectorised over TP choices;
-see `_families`); configurations are evaluated best bound first, pipeline orders expanded only then, and the
-search stops once the next bound cannot beat the k-th best plan found. Groups
-with identical devices and node shapes are interchangeable, so orders that only swap them are skipped.
+Best-first branch and bound: every outer configuration gets a lower bound on its iteration time (vectorised over
+TP choices; see `_families`), tightened by whole layers and then, per pipeline order, by memory as it comes up
+(`outer_configs`); configurations are evaluated best bound first, and the search stops once the next bound cannot
+beat the k-th best plan found. Groups with identical devices and node shapes are interchangeable, so orders that
+only swap them are skipped. On request it also proves a lower bound over the whole space (the root bound, valid
+for per-stage recompute plans too: MixedTail, _per_stage_recompute_bottleneck_s).
 
 The ZeRO stage is not branched on: under the cost model stage 1 weakly dominates stage 0 (optimizer state divided by
 the DP degree; DP traffic of a reduce-scatter of 4-byte gradients plus an all-gather of 16-bit weights, 6 bytes per
