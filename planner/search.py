@@ -30,6 +30,7 @@ import numpy as np
 
 from planner.layer_split import LayerSplitter, per_stage_mode_lower_bound_s, split_layers
 from planner.mixed_recompute import split_layers_and_modes
+from predictor.comm_model import Link
 from predictor.cost_model import (
     CostContext,
     Evaluation,
@@ -41,6 +42,7 @@ from predictor.cost_model import (
     in_flight_microbatches,
     in_flight_table,
     optimizer_time_s,
+    p2p_time_s,
     stage_memory,
     state_bytes_per_param,
     usable_memory_bytes,
@@ -377,6 +379,14 @@ def _families(
             rate = padded(lambda group, tp: tail_per_layer(group.name, b, tp, rc, d))[columns, positions]  # noqa: B023
             return time, rate
 
+        # point-to-point links a pipeline over these groups may cross: inside a group (in-node or rail), and between
+        # two groups; each crossing sends (micro-batch activations) / (the smaller TP of its two stages) bytes
+        inside = [link for g in subset for link in (ctx.in_node_link(g), ctx.rail_link(g))]
+        across = [ctx.cross_group_link(g, h) for g, h in itertools.permutations(subset, 2)]
+
+        def fastest_p2p_s(links: list[Link], size_bytes: np.ndarray) -> np.ndarray:
+            return np.min([link.p2p_time_s(size_bytes) for link in links], axis=0) * ctx.terms.network_scale
+
         devices = np.array([g.num_devices for g in subset], dtype=np.int64)
         usable = np.array([usable_memory_bytes(ctx, g) for g in subset])
         replica_options = (
@@ -410,6 +420,12 @@ def _families(
                 if split is None:
                     continue
                 microbatches = split[0]
+                # every pipeline over the k groups crosses k - 1 group boundaries and p - k inside groups
+                crossing_bytes = micro_batch_size * ctx.seq_length * model.hidden_size * training.dtype_bytes
+                crossing_bytes = crossing_bytes / tps.max(axis=1)
+                boundaries_s = (stages - len(subset)) * fastest_p2p_s(inside, crossing_bytes)
+                if len(subset) > 1:
+                    boundaries_s += (len(subset) - 1) * fastest_p2p_s(across, crossing_bytes)
                 # every mode's per-layer time and activation, for the root bound of per-stage recompute plans
                 mode_time = np.stack([tables(micro_batch_size, r)[0][columns, positions] for r in modes], axis=-1)
                 mode_activation = np.stack([tables(micro_batch_size, r)[1][columns, positions] for r in modes], axis=-1)
@@ -453,6 +469,7 @@ def _families(
                             (microbatches - 1 / virtual) * least_bottleneck
                             + (np.maximum(cheapest_sum, least_sum + e_first.min(axis=1) + e_last.min(axis=1))) / virtual
                             + tail
+                            + 2 * virtual * boundaries_s  # fill and drain cross every boundary once per chunk each way
                         )
                         bound = np.where(allowed, bound, np.inf)
                         memory = functools.partial(
@@ -833,6 +850,13 @@ class _StageTerms:
         self._tail: dict[tuple[object, ...], float] = {}
         self.evaluations: StageCache = {}  # stage evaluations (cost_model.evaluate's cache)
 
+    def fill_and_drain_s(self, strategy: Strategy) -> float:
+        """The point-to-point time of a one-family strategy's fill and drain (as cost_model.evaluate counts it)."""
+        pipeline = strategy.pipelines[0]
+        stages, b = pipeline.stages, pipeline.micro_batch_size
+        one_way = sum(p2p_time_s(self.ctx, stages[i], stages[i + 1], b) for i in range(len(stages) - 1))
+        return 2 * strategy.virtual_stages * one_way
+
     def tail_per_layer_s(self, group: DeviceGroup, config: OuterConfig, tp: int) -> float:
         """A lower bound on a stage's tail (exposed DP sync + optimizer step) per layer it holds: DP time is concave
         in the bytes with no time at zero, so per layer it is least with all L layers; the backward hiding it and
@@ -984,12 +1008,16 @@ def _candidate_strategy(
             split = splitter(stages, num_layers, per_layer, fixed, caps, microbatches, v)
         if split is None:
             return None, True, math.inf
-        # the iteration is at least the pipeline objective plus the fullest tail (checked before evaluating)
+        # the iteration is at least the pipeline objective plus the fullest tail and the fill / drain point-to-point
+        # (checked before evaluating)
         tail_rates = np.array([terms.tail_per_layer_s(group, config, tp) for group, tp in stages])
         tail_s = float((np.array(split.layers) * tail_rates).max()) + ctx.terms.iteration_overhead_s
         if split.objective_s + tail_s >= incumbent_s:
             return None, False, split.objective_s
-        return build_strategy(ctx, config, split.layers), False, split.objective_s
+        strategy = build_strategy(ctx, config, split.layers)
+        if split.objective_s + tail_s + terms.fill_and_drain_s(strategy) >= incumbent_s:
+            return None, False, split.objective_s
+        return strategy, False, split.objective_s
     modes = ctx.training.recompute
     per_mode = [terms.arrays(config, mode) for mode in modes]
     per_layer = np.stack([arrays[1] for arrays in per_mode], axis=1)
