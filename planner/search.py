@@ -81,6 +81,7 @@ class OuterConfig:
     # of this order: whole layers, memory caps at each stage's pipeline depth (>= lower_bound_s; candidates come in
     # this bound's order)
     order_bound_s: float = 0.0
+    fill_and_drain_bound_s: float = 0.0  # the point-to-point part of those bounds (the exact one replaces it)
 
 
 @dataclass
@@ -197,6 +198,7 @@ class _Family:
     # (per-layer time, activation bytes per layer) as (rows, groups, modes), and first-stage bytes besides the layers
     # in the mode that needs least (rows, groups): a per-stage recompute plan's memory (built once asked)
     mode_tables: Callable[[], tuple[np.ndarray, np.ndarray, np.ndarray]] | None
+    fill_and_drain_s: np.ndarray  # (rows,) the point-to-point part of the rows' bounds
     _possible: np.ndarray | None = None
 
     @property
@@ -500,6 +502,7 @@ def _families(
                                     fullest_tail.reshape(len(tps), -1),
                                 ),
                                 mode_tables if memory_bounds else None,
+                                2 * virtual * boundaries_s,
                             )
                         )
                         bounds.append(bound)
@@ -808,6 +811,7 @@ def outer_configs(
                 virtual_stages=virtual,
                 lower_bound_s=bound,
                 order_bound_s=order_bound_s,
+                fill_and_drain_bound_s=float(family.fill_and_drain_s[row]),
             )
             heapq.heappush(queue, (order_bound_s, next(arrival), config))
 
@@ -1001,6 +1005,13 @@ def _candidate_strategy(
     microbatches = config_microbatches(ctx, config)[0]
     v = config.virtual_stages
     if config.recompute != PER_STAGE:
+        # the pipeline's fill and drain point-to-point does not depend on the layer split: the exact one first
+        p = sum(config.stage_counts)
+        fill_and_drain_s = terms.fill_and_drain_s(
+            build_strategy(ctx, config, (v,) * (p - 1) + (num_layers - v * (p - 1),))
+        )
+        if config.order_bound_s - config.fill_and_drain_bound_s + fill_and_drain_s >= incumbent_s:
+            return None, False, math.inf
         stages, per_layer, fixed, caps, _, _ = terms.arrays(config)
         if splitter is None:
             split = split_layers(num_layers, per_layer, fixed, caps, microbatches, v)
@@ -1014,10 +1025,9 @@ def _candidate_strategy(
         tail_s = float((np.array(split.layers) * tail_rates).max()) + ctx.terms.iteration_overhead_s
         if split.objective_s + tail_s >= incumbent_s:
             return None, False, split.objective_s
-        strategy = build_strategy(ctx, config, split.layers)
-        if split.objective_s + tail_s + terms.fill_and_drain_s(strategy) >= incumbent_s:
+        if split.objective_s + tail_s + fill_and_drain_s >= incumbent_s:
             return None, False, split.objective_s
-        return strategy, False, split.objective_s
+        return build_strategy(ctx, config, split.layers), False, split.objective_s
     modes = ctx.training.recompute
     per_mode = [terms.arrays(config, mode) for mode in modes]
     per_layer = np.stack([arrays[1] for arrays in per_mode], axis=1)
