@@ -741,12 +741,12 @@ def outer_configs(
     """Every candidate (all pipeline orders that may fit) on the given group subsets (default: all), best bound
     first: rows (TP choices of a family) come up in the order of their bound; each row's orders get their own
     bounds (whole layers, memory caps at each depth) and wait in a queue until no row left can go below them.
-    Ties keep enumeration order. `counter`, when given, receives the number of candidates before orders are
-    expanded."""
+    Ties keep enumeration order. `counter`, when given, receives the number of candidates (rows that pass the memory
+    lower bound, times their pipeline orders)."""
     pruning = pruning if pruning is not None else Pruning()
     families, bounds, roots, virtuals, sizes = _families(ctx, memory_bounds, subsets)
     if counter is not None:
-        counter.append(int(sum(np.isfinite(b).sum() for b in bounds)))
+        counter.append(int(sum(np.isfinite(b).sum() * len(_orders(f.subset)) for f, b in zip(families, bounds))))
     if not families:
         return
     flat_bounds = np.concatenate(bounds)
@@ -1170,7 +1170,7 @@ def search(
     ranked = [e for _, _, e in sorted(best, key=lambda item: (-item[0], -item[1]))]
     return SearchResult(
         ranked,
-        candidates[0] if candidates else 0,
+        sum(candidates),
         evaluated,
         infeasible,
         shortfall,
