@@ -188,7 +188,7 @@ def _render_evaluation(ctx: CostContext, evaluation: Evaluation, title: str, ext
             str(stage.num_layers),
             str(stage.tp),
             strategy.stage_recompute(stage),
-            str(stage.tp * pipeline.replicas),
+            str(pipeline.stage_devices(stage)),
             f"{stage_eval.compute_time_s * 1e3:.1f}",
             memory if stage_eval.fits else f"[red]{memory}[/red]",
         )
@@ -344,9 +344,9 @@ def predict(
     from planner import load_plan
     from planner import predict as run_predict
     from planner.plan import evaluation_dict, header_dict, interval_dict
-    from predictor.strategy import megatron_strategy
     from specs.cluster import load_cluster
     from specs.errors import SpecError
+    from specs.layout import megatron_strategy
     from specs.model import load_model
 
     cluster_spec = load_cluster(cluster)

@@ -24,12 +24,12 @@ from planner.plan import LoadedPlan, describe_strategy  # noqa: E402
 from planner.search import search  # noqa: E402
 from predictor.cost_model import CostContext  # noqa: E402
 from predictor.predictor import default_predictor  # noqa: E402
-from predictor.strategy import PipelineStrategy, Strategy  # noqa: E402
 from profiler.profile import load_profile  # noqa: E402
 from runtime.execute import RunSettings  # noqa: E402
 from runtime.launch import cpu_share, execute  # noqa: E402
 from specs import load_cluster, load_model, load_training  # noqa: E402
 from specs.cluster import ClusterSpec  # noqa: E402
+from specs.layout import PipelineStrategy, Strategy  # noqa: E402
 from specs.training import TrainingSpec  # noqa: E402
 
 CLUSTER = ROOT / "examples" / "cpu-hetero.yaml"

@@ -15,14 +15,14 @@ from dataclasses import dataclass
 from itertools import pairwise
 
 from comm.vendors import CATALOG_VENDORS
-from predictor.strategy import PipelineStrategy, StageStrategy, Strategy
 from specs.cluster import ClusterSpec
 from specs.errors import SpecError
+from specs.layout import Axis, PipelineStrategy, StageStrategy, Strategy, group_offsets, stage_rank, stage_ranks
 
 
 @dataclass(frozen=True)
 class PlannedGroup:
-    kind: str  # "tp", "pp", "dp" or "xf" (across families)
+    kind: Axis
     stage: int  # xf: the segment's index
     ranks: tuple[int, ...]
     weights: tuple[float, ...] = ()  # dp: gradient weight of each member's replica (sums to 1 over replicas)
@@ -41,20 +41,6 @@ def rank_islands(cluster: ClusterSpec) -> list[str]:
             )
         islands += [vendor] * group.num_devices
     return islands
-
-
-def group_offsets(cluster: ClusterSpec) -> dict[str, int]:
-    """The global rank of each group's first device."""
-    offsets, start = {}, 0
-    for group in cluster.groups:
-        offsets[group.name] = start
-        start += group.num_devices
-    return offsets
-
-
-def stage_rank(offsets: dict[str, int], stage: StageStrategy, replica: int, tp_rank: int) -> int:
-    """The global rank of (replica, TP rank) of a stage: group offset + stage offset + replica * tp + tp rank."""
-    return offsets[stage.group] + stage.device_offset + replica * stage.tp + tp_rank
 
 
 def stage_pieces(stage: StageStrategy, first: bool, last: bool, num_layers: int) -> tuple[int, int]:
@@ -86,12 +72,8 @@ def plan_groups(cluster: ClusterSpec, strategy: Strategy, global_batch: int) -> 
                 for index, stage in enumerate(pipeline.stages):
                     held = stage_pieces(stage, index == 0, index == len(pipeline.stages) - 1, num_layers)
                     if held[0] <= lo and hi <= held[1]:
-                        members += [
-                            stage_rank(offsets, stage, replica, k)
-                            for replica in range(pipeline.replicas)
-                            for k in range(stage.tp)
-                        ]
-            groups.append(PlannedGroup("xf", segment, tuple(sorted(members)), family=-1, pieces=(lo, hi)))
+                        members += stage_ranks(offsets, pipeline, stage)
+            groups.append(PlannedGroup(Axis.CROSS_FAMILY, segment, tuple(sorted(members)), family=-1, pieces=(lo, hi)))
     return groups
 
 
@@ -107,16 +89,16 @@ def _family_groups(
     for index, stage in enumerate(stages):
         for replica in range(pipeline.replicas):
             members = tuple(rank(index, replica, k) for k in range(stage.tp))
-            groups.append(PlannedGroup("tp", index, members, (), family))
+            groups.append(PlannedGroup(Axis.TP, index, members, (), family))
     for index in range(len(stages) - 1):
         for replica in range(pipeline.replicas):
             for k in range(min(stages[index].tp, stages[index + 1].tp)):
                 pair = (rank(index, replica, k), rank(index + 1, replica, k))
-                groups.append(PlannedGroup("pp", index, pair, (), family))
+                groups.append(PlannedGroup(Axis.PP, index, pair, (), family))
     samples = [m * pipeline.micro_batch_size for m in pipeline.replica_microbatches()]
     weights = tuple(s / global_batch for s in samples)
     for index, stage in enumerate(stages):
         for k in range(stage.tp):
             members = tuple(rank(index, replica, k) for replica in range(pipeline.replicas))
-            groups.append(PlannedGroup("dp", index, members, weights, family))
+            groups.append(PlannedGroup(Axis.DP, index, members, weights, family))
     return groups

@@ -17,9 +17,9 @@ import shlex
 from dataclasses import dataclass, field, replace
 
 from planner.search import search
-from predictor.cost_model import CostContext, check_strategy, evaluate, interleaved_group_size
-from predictor.strategy import PipelineStrategy, StageStrategy, Strategy, split_batch
+from predictor.cost_model import CostContext, evaluate, interleaved_group_size
 from specs.errors import SpecError
+from specs.layout import PipelineStrategy, Strategy, pack_stages, split_batch
 from specs.model import RECOMPUTE_MODES
 
 FORMATS = ("megatron", "flagscale", "deepspeed", "torchtitan", "torchrun")
@@ -66,14 +66,9 @@ class Export:
 
 
 # ---- the closest plan an engine can run -----------------------------------------------------------------------
-def _relaid(pipeline: PipelineStrategy, stages: tuple[StageStrategy, ...]) -> PipelineStrategy:
-    """Stages packed from the start of each group in pipeline order (device offsets recomputed)."""
-    used: dict[str, int] = {}
-    placed = []
-    for stage in stages:
-        placed.append(replace(stage, device_offset=used.get(stage.group, 0)))
-        used[stage.group] = used.get(stage.group, 0) + stage.tp * pipeline.replicas
-    return replace(pipeline, stages=tuple(placed))
+def _with_tp(pipeline: PipelineStrategy, tp: int) -> PipelineStrategy:
+    """Every stage at one TP degree, packed from the start of each group."""
+    return replace(pipeline, stages=pack_stages((replace(s, tp=tp) for s in pipeline.stages), pipeline.replicas))
 
 
 def _one_recompute(strategy: Strategy, mode: str) -> Strategy:
@@ -89,7 +84,7 @@ def _even_batch(strategy: Strategy, global_batch: int) -> Strategy | None:
         split = split_batch(global_batch, replicas, pipeline.micro_batch_size)
         if split and split[0] * replicas == split[1]:
             even = replace(pipeline, replicas=replicas, num_microbatches=split[0], total_microbatches=0)
-            return replace(strategy, pipelines=(_relaid(even, pipeline.stages),))
+            return replace(strategy, pipelines=(replace(even, stages=pack_stages(pipeline.stages, even.replicas)),))
     return None
 
 
@@ -97,7 +92,7 @@ def _fastest_fitting(ctx: CostContext, candidates: list[Strategy]) -> Strategy |
     best, best_time = None, float("inf")
     for candidate in candidates:
         try:
-            check_strategy(ctx, candidate, "export")
+            ctx.check_strategy(candidate, "export")
         except SpecError:
             continue
         evaluation = evaluate(ctx, candidate)
@@ -140,11 +135,7 @@ def closest(
     widths = sorted({s.tp for s in pipeline.stages})
     if one_tp and len(widths) > 1:
         lost.append(f"per-stage TP ({', '.join(str(s.tp) for s in pipeline.stages)}) -> one TP degree")
-        candidates = [
-            replace(c, pipelines=(_relaid(c.pipelines[0], tuple(replace(s, tp=t) for s in c.pipelines[0].stages)),))
-            for c in candidates
-            for t in widths
-        ]
+        candidates = [replace(c, pipelines=(_with_tp(c.pipelines[0], t),)) for c in candidates for t in widths]
     if even_batch and pipeline.uneven:
         lost.append(
             f"uneven batch shares ({pipeline.microbatch_total} micro-batches over {pipeline.replicas} replicas) "
@@ -165,7 +156,7 @@ def node_launches(ctx: CostContext, strategy: Strategy, entry: str) -> list[Node
     pipeline = strategy.pipelines[0]
     order: list[tuple[str, int]] = []  # (group, device index in the group), in global rank order
     for stage in pipeline.stages:
-        order += [(stage.group, stage.device_offset + i) for i in range(stage.tp * pipeline.replicas)]
+        order += [(stage.group, stage.device_offset + i) for i in range(pipeline.stage_devices(stage))]
     nodes: list[tuple[str, int, list[int]]] = []
     for index, (group_name, device) in enumerate(order):
         per_node = ctx.cluster.group(group_name).devices_per_node
@@ -398,7 +389,7 @@ def export_plan(ctx: CostContext, strategy: Strategy, fmt: str) -> Export:
     """The plan in an engine's terms (or the closest plan the engine can run), with per-node torchrun commands."""
     if fmt not in ENGINES:
         raise SpecError("--format", "", f"expected one of {', '.join(FORMATS)}, got {fmt!r}")
-    check_strategy(ctx, strategy, "plan")
+    ctx.check_strategy(strategy, "plan")
     writer, one_tp, even_batch, one_recompute, interleaving, entry = ENGINES[fmt]
     exported, lost = closest(
         ctx, strategy, one_tp=one_tp, even_batch=even_batch, one_recompute=one_recompute, interleaving=interleaving

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from predictor.cost_model import CostContext, Evaluation, evaluate
-from predictor.strategy import PipelineStrategy, Strategy
 from specs.cluster import DeviceGroup
+from specs.layout import Strategy, split_pipeline
 from specs.model import Recompute
 
 PLANS_PER_BLOCK = 3  # the best plans of each block offered to the batch split
@@ -218,15 +218,7 @@ def combine(ctx: CostContext, plans: Sequence[_BlockPlan], microbatches: Sequenc
         most = -(-total // pipeline.replicas)
         stages = tuple(dataclasses.replace(s, recompute=strategy.stage_recompute(s)) for s in pipeline.stages)
         modes += [s.recompute for s in stages]  # type: ignore[misc]
-        pipelines.append(
-            PipelineStrategy(
-                pipeline.replicas,
-                pipeline.micro_batch_size,
-                most,
-                stages,
-                total if total != most * pipeline.replicas else 0,
-            )
-        )
+        pipelines.append(split_pipeline(pipeline.replicas, pipeline.micro_batch_size, stages, most, total))
     default: Recompute = max(modes, key=modes.count)
     pipelines = [
         dataclasses.replace(

@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from predictor.calibration import Interval
 from predictor.cost_model import CostContext, Evaluation
-from predictor.strategy import PipelineFile, PipelineStrategy, Strategy, pipelines_from_files
+from specs.layout import PipelineFile, PipelineStrategy, Strategy, pipelines_from_files
 from specs.loading import read_mapping, validate
 from specs.model import ModelSpec, Recompute
 from specs.training import TrainingSpec
@@ -81,7 +81,7 @@ def evaluation_dict(ctx: CostContext, evaluation: Evaluation) -> dict[str, Any]:
                     "layers": [stage.layer_start, stage.layer_end],
                     "tp": stage.tp,
                     "recompute": strategy.stage_recompute(stage),
-                    "devices": stage.tp * pipeline.replicas,
+                    "devices": pipeline.stage_devices(stage),
                     "device_offset": stage.device_offset,
                     "compute_time_s": _round(stage_eval.compute_time_s),
                     "p2p_time_s": _round(stage_eval.p2p_time_s),
@@ -105,7 +105,7 @@ def evaluation_dict(ctx: CostContext, evaluation: Evaluation) -> dict[str, Any]:
                 "num_microbatches": pipeline.num_microbatches,
                 "samples_per_replica": pipeline.samples_per_replica,
                 "batch_weight": _round(pipeline.samples_per_replica / ctx.training.global_batch_size),
-                "family_samples": pipeline.micro_batch_size * pipeline.microbatch_total,
+                "family_samples": pipeline.samples,
                 "total_microbatches": pipeline.microbatch_total,
                 "replica_batches": _replica_batches(ctx, pipeline),
                 "stages": stages,

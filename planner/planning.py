@@ -12,16 +12,15 @@ from predictor.cost_model import (
     CostContext,
     Evaluation,
     build_context,
-    check_strategy,
     evaluate,
     state_bytes_per_param,
     usable_memory_bytes,
 )
 from predictor.predictor import Predictor, default_predictor
-from predictor.strategy import Strategy
 from profiler.profile import DeviceProfile
 from specs.cluster import ClusterSpec
 from specs.errors import DoesNotFitError
+from specs.layout import Strategy
 from specs.model import ModelSpec
 from specs.training import TrainingSpec
 from specs.units import GIB
@@ -97,7 +96,7 @@ def plan(
 
 def predict(ctx: CostContext, strategy: Strategy, source: str = "strategy") -> Evaluation:
     """Evaluate a given strategy without searching (what-if)."""
-    check_strategy(ctx, strategy, source)
+    ctx.check_strategy(strategy, source)
     return evaluate(ctx, strategy)
 
 

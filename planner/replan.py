@@ -16,11 +16,11 @@ from dataclasses import dataclass
 from planner.plan import Plan
 from planner.planning import compute_bounds
 from planner.search import search
-from predictor.cost_model import CostContext, Evaluation, check_strategy, evaluate
+from predictor.cost_model import CostContext, Evaluation, evaluate
 from predictor.predictor import Predictor, default_predictor
-from predictor.strategy import PipelineStrategy, Strategy, split_batch
 from specs.cluster import ClusterSpec
 from specs.errors import DoesNotFitError, HetplanError, SpecError
+from specs.layout import Strategy, devices_per_group, pack_stages, split_batch, split_pipeline
 from specs.model import ModelSpec
 from specs.training import TrainingSpec
 
@@ -66,27 +66,14 @@ def adapt_strategy(ctx: CostContext, strategy: Strategy) -> Evaluation | None:
         if split is None:
             continue
         microbatches, total = split
-        used: dict[str, int] = {}
-        stages = []
-        for stage in pipeline.stages:
-            stages.append(dataclasses.replace(stage, device_offset=used.get(stage.group, 0)))
-            used[stage.group] = used.get(stage.group, 0) + stage.tp * replicas
-        if any(count > ctx.cluster.group(name).num_devices for name, count in used.items()):
-            continue
+        stages = pack_stages(pipeline.stages, replicas)
         adapted = dataclasses.replace(
-            strategy,
-            pipelines=(
-                PipelineStrategy(
-                    replicas,
-                    pipeline.micro_batch_size,
-                    microbatches,
-                    tuple(stages),
-                    total if total != replicas * microbatches else 0,
-                ),
-            ),
+            strategy, pipelines=(split_pipeline(replicas, pipeline.micro_batch_size, stages, microbatches, total),)
         )
+        if any(end > ctx.cluster.group(name).num_devices for name, end in devices_per_group(adapted).items()):
+            continue
         try:
-            check_strategy(ctx, adapted)
+            ctx.check_strategy(adapted)
         except HetplanError:
             continue
         evaluation = evaluate(ctx, adapted)

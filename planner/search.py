@@ -47,8 +47,8 @@ from predictor.cost_model import (
     state_bytes_per_param,
     usable_memory_bytes,
 )
-from predictor.strategy import PipelineStrategy, StageStrategy, Strategy, split_batch
 from specs.cluster import DeviceGroup
+from specs.layout import StageStrategy, Strategy, pack_stages, split_batch, split_pipeline
 from specs.model import Recompute
 
 ProgressCallback = Callable[[int, int], None]
@@ -957,16 +957,13 @@ def build_strategy(
     """The strategy of a candidate and its layer split; `modes` gives each stage its own recompute mode."""
     stages = []
     start = 0
-    offsets: dict[str, int] = {}
     stage_groups = [(g, t) for g, t, c in zip(config.groups, config.tps, config.stage_counts) for _ in range(c)]
     for index, ((group, tp), count) in enumerate(zip(stage_groups, layers)):
-        offset = offsets.get(group.name, 0)
-        stages.append(StageStrategy(group.name, start, start + count, tp, offset, modes[index] if modes else None))
-        offsets[group.name] = offset + tp * config.replicas
+        stages.append(StageStrategy(group.name, start, start + count, tp, 0, modes[index] if modes else None))
         start += count
     microbatches, total = config_microbatches(ctx, config)
-    uneven_total = total if total != config.replicas * microbatches else 0
-    pipeline = PipelineStrategy(config.replicas, config.micro_batch_size, microbatches, tuple(stages), uneven_total)
+    placed = pack_stages(stages, config.replicas)
+    pipeline = split_pipeline(config.replicas, config.micro_batch_size, placed, microbatches, total)
     default: Recompute = max(modes, key=modes.count) if modes else config.recompute  # type: ignore[assignment]
     return Strategy(
         (pipeline,), default, ctx.training.zero_stage, config.virtual_stages, ctx.training.sequence_parallel

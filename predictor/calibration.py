@@ -25,9 +25,9 @@ from typing import Any
 import numpy as np
 
 from predictor.cost_model import CostContext, EndToEndTerms, evaluate
-from predictor.strategy import Strategy
 from profiler.profile import DeviceProfile, LayerCostSource, ScaledLayerCosts
 from profiler.simulated import SimulatedDevice
+from specs.layout import Strategy
 
 DEFAULT_RUN_NOISE = 0.03
 MIN_RUN_NOISE = 0.01

@@ -10,7 +10,6 @@ DP degree under ZeRO-1), activations of in-flight micro-batches under 1F1B (min(
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
@@ -25,11 +24,11 @@ from predictor.comm_model import (
     in_node_link,
     rail_link,
 )
-from predictor.strategy import PipelineStrategy, StageStrategy, Strategy
 from profiler.profile import DeviceProfile, LayerCostSource, ScaledLayerCosts
 from profiler.simulated import SimulatedDevice
 from specs.cluster import ClusterSpec, DeviceGroup
 from specs.errors import SpecError
+from specs.layout import PipelineStrategy, StageStrategy, Strategy, check_strategy, dp_layout, same_node
 from specs.model import ModelSpec, Recompute
 from specs.training import TrainingSpec
 
@@ -80,6 +79,10 @@ class CostContext:
         names = sorted({source.identity for source in self.sources.values()})
         base = "analytic cost model over " + "; ".join(names)
         return f"{self.identity}: {base}" if self.identity else base
+
+    def check_strategy(self, strategy: Strategy, source: str = "strategy") -> None:
+        """The layout's structural checks against this context's cluster, model and global batch."""
+        check_strategy(strategy, self.cluster, self.model, self.training.global_batch_size, source)
 
     def in_node_link(self, group: DeviceGroup) -> Link:
         return self.links.get(f"{group.device.key}/in_node") or in_node_link(group)
@@ -276,12 +279,6 @@ def usable_memory_bytes(ctx: CostContext, group: DeviceGroup) -> float:
     return group.device.memory_bytes * (1 - ctx.training.memory_reserve_fraction)
 
 
-def dp_layout(group: DeviceGroup, tp: int, replicas: int) -> tuple[int, int]:
-    """(ranks per node, nodes) of one DP group: TP innermost, replicas next, node-major numbering."""
-    per_node = max(1, min(replicas, group.devices_per_node // tp))
-    return per_node, math.ceil(replicas / per_node)
-
-
 def dp_sync_time_s(ctx: CostContext, group: DeviceGroup, params_per_device: float, tp: int, replicas: int) -> float:
     """Gradient all-reduce (ZeRO-0) or reduce-scatter of grads + all-gather of 16-bit weights (ZeRO-1)."""
     if replicas <= 1:
@@ -309,7 +306,7 @@ def p2p_link(ctx: CostContext, a: StageStrategy, b: StageStrategy) -> Link:
     group_a, group_b = ctx.cluster.group(a.group), ctx.cluster.group(b.group)
     if a.group != b.group:
         return ctx.cross_group_link(group_a, group_b)
-    if a.device_offset // group_a.devices_per_node == b.device_offset // group_a.devices_per_node:
+    if same_node(group_a, a, b):
         return ctx.in_node_link(group_a)
     return ctx.rail_link(group_a)
 
@@ -366,96 +363,6 @@ class Evaluation:
         return max((stage.shortfall_bytes for stage in self.stages), default=0.0)
 
 
-def check_strategy(ctx: CostContext, strategy: Strategy, source: str = "strategy") -> None:
-    """Structural checks: every family covers the layers once, TP inside a node and dividing heads, devices used by
-    at most one stage of one family, the families' samples add up to the global batch."""
-    if not strategy.pipelines:
-        raise SpecError(source, "pipelines", "expected at least one pipeline family")
-    used: dict[str, list[tuple[int, int]]] = {}
-    for family, pipeline in enumerate(strategy.pipelines):
-        _check_pipeline(ctx, strategy, pipeline, f"pipelines[{family}]", source, used)
-    for name, blocks in used.items():
-        group = ctx.cluster.group(name)
-        blocks.sort()
-        end = 0
-        for offset, size in blocks:
-            if offset < end:
-                raise SpecError(source, "pipelines", f"stages overlap on devices of group {name!r}")
-            end = offset + size
-        if end > group.num_devices:
-            raise SpecError(
-                source, "pipelines", f"group {name!r} has {group.num_devices} devices, the plan uses up to {end}"
-            )
-    samples = sum(p.micro_batch_size * p.microbatch_total for p in strategy.pipelines)
-    if samples != ctx.training.global_batch_size:
-        field = "pipelines[0]" if len(strategy.pipelines) == 1 else "pipelines"
-        raise SpecError(
-            source,
-            field,
-            f"micro-batch x micro-batches over all replicas{' of all families' if field == 'pipelines' else ''} "
-            f"= {samples}, expected the global batch {ctx.training.global_batch_size}",
-        )
-
-
-def _check_pipeline(
-    ctx: CostContext,
-    strategy: Strategy,
-    pipeline: PipelineStrategy,
-    where_pipeline: str,
-    source: str,
-    used: dict[str, list[tuple[int, int]]],
-) -> None:
-    model = ctx.model
-    if not pipeline.stages:
-        raise SpecError(source, f"{where_pipeline}.stages", "expected at least one stage")
-    expected_start = 0
-    for index, stage in enumerate(pipeline.stages):
-        where = f"{where_pipeline}.stages[{index}]"
-        group = ctx.cluster.group(stage.group)
-        if stage.layer_start != expected_start or stage.layer_end <= stage.layer_start:
-            raise SpecError(
-                source,
-                f"{where}.layers",
-                f"expected [{expected_start}, end > {expected_start}) "
-                f"(contiguous, non-empty), got [{stage.layer_start}, {stage.layer_end})",
-            )
-        expected_start = stage.layer_end
-        if group.devices_per_node % stage.tp or stage.tp < 1:
-            raise SpecError(
-                source,
-                f"{where}.tp",
-                f"expected a divisor of {group.devices_per_node} devices per node "
-                f"(TP stays inside a node), got {stage.tp}",
-            )
-        if model.num_kv_heads % stage.tp:
-            raise SpecError(
-                source,
-                f"{where}.tp",
-                f"expected a divisor of the model's {model.num_kv_heads} kv heads, got {stage.tp}",
-            )
-        used.setdefault(stage.group, []).append((stage.device_offset, stage.tp * pipeline.replicas))
-    if strategy.virtual_stages > 1 and any(s.num_layers < strategy.virtual_stages for s in pipeline.stages):
-        raise SpecError(
-            source,
-            "virtual_stages",
-            f"every stage needs at least {strategy.virtual_stages} layers (one per interleaved chunk)",
-        )
-    if expected_start != model.num_layers:
-        raise SpecError(
-            source,
-            f"{where_pipeline}.stages",
-            f"layers cover [0, {expected_start}), expected [0, {model.num_layers})",
-        )
-    balanced = pipeline.replicas * (pipeline.num_microbatches - 1) < pipeline.microbatch_total
-    if not balanced or pipeline.microbatch_total > pipeline.replicas * pipeline.num_microbatches:
-        raise SpecError(
-            source,
-            f"{where_pipeline}.total_microbatches",
-            f"expected {pipeline.replicas} replicas to run {pipeline.num_microbatches} or "
-            f"{pipeline.num_microbatches - 1} micro-batches each, got {pipeline.microbatch_total} in all",
-        )
-
-
 def cross_family_sync_time_s(
     ctx: CostContext, strategy: Strategy, family: int, stage: StageStrategy, params_per_device: float
 ) -> float:
@@ -499,9 +406,7 @@ def _stage_key(
     after: tuple[object, ...] = ()
     if index + 1 < len(stages):
         following = stages[index + 1]
-        per_node = ctx.cluster.group(stage.group).devices_per_node
-        same_node = stage.device_offset // per_node == following.device_offset // per_node
-        after = (following.group, following.tp, same_node)
+        after = (following.group, following.tp, same_node(ctx.cluster.group(stage.group), stage, following))
     return (
         stage.group,
         stage.num_layers,
@@ -602,7 +507,7 @@ def evaluate(ctx: CostContext, strategy: Strategy, cache: StageCache | None = No
     tail = max(stage.dp_exposed_time_s + stage.optimizer_time_s for stage in evaluated) + ctx.terms.iteration_overhead_s
     iteration = pipeline_time + tail
     samples = ctx.training.global_batch_size
-    devices = [(ctx.cluster.group(s.group), s.tp * p.replicas) for p in strategy.pipelines for s in p.stages]
+    devices = [(ctx.cluster.group(s.group), p.stage_devices(s)) for p in strategy.pipelines for s in p.stages]
     peak = sum(group.device.peak_flops_for_dtype(ctx.training.dtype) * count for group, count in devices)
     model_flops = ctx.model.model_flops_per_sequence(ctx.seq_length) * samples
     return Evaluation(

@@ -22,12 +22,12 @@ from typing import TYPE_CHECKING, Any
 
 from predictor.calibration import Calibration, Interval, apply, fit_calibration, prediction_interval
 from predictor.comm_model import Link
-from predictor.cost_model import CostContext, build_context, check_strategy, emulated
+from predictor.cost_model import CostContext, build_context, emulated
 from predictor.runs import Run, fingerprint, load_runs
-from predictor.strategy import Strategy
 from profiler.profile import DeviceProfile, load_profile
 from specs.cluster import ClusterSpec
 from specs.errors import SpecError
+from specs.layout import Strategy
 from specs.model import ModelSpec
 from specs.training import TrainingSpec
 
@@ -149,7 +149,7 @@ def _calibration_cases(predictor: Predictor, runs: Sequence[Run]) -> list[tuple[
     cases = []
     for run in runs:
         base = predictor.base_context(run.cluster, run.model, run.training)
-        check_strategy(base, run.strategy, f"{run.path}: run {run.name!r}")
+        base.check_strategy(run.strategy, f"{run.path}: run {run.name!r}")
         cases.append((run.name, base, run.strategy, run.measured_iteration_time_s))
     return cases
 

@@ -16,9 +16,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from predictor.strategy import PipelineFile, Strategy, megatron_strategy, pipelines_from_files
 from specs.cluster import ClusterFile, ClusterSpec, load_cluster, resolve_cluster
 from specs.errors import SpecError
+from specs.layout import PipelineFile, Strategy, megatron_strategy, pipelines_from_files
 from specs.loading import read_mapping, validate
 from specs.model import ModelSpec, Recompute, load_model
 from specs.training import TrainingSpec

@@ -27,10 +27,10 @@ from predictor.comm_model import (
     all_reduce_time_s,
     reduce_scatter_time_s,
 )
-from predictor.cost_model import GRAD_BYTES_PER_PARAM, CostContext, dp_layout, stage_params
-from predictor.strategy import PipelineStrategy, StageStrategy, Strategy
+from predictor.cost_model import GRAD_BYTES_PER_PARAM, CostContext, stage_params
+from specs.layout import Axis, PipelineStrategy, Strategy, dp_layout, group_offsets, stage_rank
 
-DIMENSIONS = ("tp", "pp", "dp")
+DIMENSIONS = (Axis.TP, Axis.PP, Axis.DP)
 LINK_CLASSES = ("in_node", "rail", "spine", "cross_group")
 
 
@@ -79,35 +79,30 @@ class Traffic:
         }
 
 
-def _device_tables(ctx: CostContext) -> tuple[dict[str, int], list[str], list[str], list[int], list[str]]:
-    offsets: dict[str, int] = {}
+def _device_tables(ctx: CostContext) -> tuple[list[str], list[str], list[int], list[str]]:
+    """Name, node, local rank and group of every device, in global rank order."""
     names: list[str] = []
     nodes: list[str] = []
     local: list[int] = []
     groups: list[str] = []
     for group in ctx.cluster.groups:
-        offsets[group.name] = len(names)
         for index in range(group.num_devices):
             names.append(f"{group.name}:{index}")
             nodes.append(f"{group.name}/node{index // group.devices_per_node}")
             local.append(index % group.devices_per_node)
             groups.append(group.name)
-    return offsets, names, nodes, local, groups
+    return names, nodes, local, groups
 
 
 def strategy_traffic(ctx: CostContext, strategy: Strategy) -> Traffic:
     """Per-pair bytes of one iteration of `strategy`: each family's own TP, PP and DP traffic, and with several
     families the all-reduce of each device's gradient shard across the families."""
-    offsets, names, nodes, local, groups = _device_tables(ctx)
-    traffic = Traffic(names, nodes, local, groups)
+    offsets = group_offsets(ctx.cluster)
+    traffic = Traffic(*_device_tables(ctx))
     for pipeline in strategy.pipelines:
         _family_traffic(ctx, strategy, pipeline, offsets, traffic)
     _cross_family_traffic(ctx, strategy, offsets, traffic)
     return traffic
-
-
-def _device(offsets: dict[str, int], stage: StageStrategy, replica: int, tp_rank: int) -> int:
-    return offsets[stage.group] + stage.device_offset + replica * stage.tp + tp_rank
 
 
 def _cross_family_traffic(ctx: CostContext, strategy: Strategy, offsets: dict[str, int], traffic: Traffic) -> None:
@@ -127,9 +122,9 @@ def _cross_family_traffic(ctx: CostContext, strategy: Strategy, offsets: dict[st
             partner = next(p for p in following.stages if p.layer_start <= stage.layer_start < p.layer_end)
             for replica in range(pipeline.replicas):
                 for tp_rank in range(stage.tp):
-                    src = _device(offsets, stage, replica, tp_rank)
-                    dst = _device(offsets, partner, replica % following.replicas, tp_rank % partner.tp)
-                    traffic.pairs["dp"][(src, dst)] += 2 * (families - 1) / families * shard
+                    src = stage_rank(offsets, stage, replica, tp_rank)
+                    dst = stage_rank(offsets, partner, replica % following.replicas, tp_rank % partner.tp)
+                    traffic.pairs[Axis.DP][(src, dst)] += 2 * (families - 1) / families * shard
 
 
 def _family_traffic(
@@ -142,7 +137,7 @@ def _family_traffic(
     activation = b * ctx.seq_length * ctx.model.hidden_size * ctx.training.dtype_bytes
 
     def device(stage_index: int, replica: int, tp_rank: int) -> int:
-        return _device(offsets, stages[stage_index], replica, tp_rank)
+        return stage_rank(offsets, stages[stage_index], replica, tp_rank)
 
     for index, stage in enumerate(stages):
         first, last = index == 0, index == len(stages) - 1
@@ -152,7 +147,7 @@ def _family_traffic(
         for replica in range(replicas):
             ranks = [device(index, replica, k) for k in range(stage.tp)]
             count = collectives * replica_microbatches[replica]
-            traffic.add_ring("tp", ranks, count * 2 * (stage.tp - 1) / stage.tp * activation)
+            traffic.add_ring(Axis.TP, ranks, count * 2 * (stage.tp - 1) / stage.tp * activation)
         # DP over the replicas, per TP rank
         params = stage_params(ctx.model, stage.num_layers, first, last, len(stages)) / stage.tp
         if replicas > 1:
@@ -176,13 +171,13 @@ def _family_traffic(
                     if node_count <= 1 or two_level_time <= flat_time:
                         for start in range(0, replicas, per_node):
                             inside = ranks[start : start + per_node]
-                            traffic.add_ring("dp", inside, factor * (len(inside) - 1) / len(inside) * size)
+                            traffic.add_ring(Axis.DP, inside, factor * (len(inside) - 1) / len(inside) * size)
                         for slot in range(per_node):
                             rail = ranks[slot::per_node]
                             share = size / per_node
-                            traffic.add_ring("dp", rail, factor * (len(rail) - 1) / len(rail) * share)
+                            traffic.add_ring(Axis.DP, rail, factor * (len(rail) - 1) / len(rail) * share)
                     else:
-                        traffic.add_ring("dp", ranks, factor * (len(ranks) - 1) / len(ranks) * size)
+                        traffic.add_ring(Axis.DP, ranks, factor * (len(ranks) - 1) / len(ranks) * size)
     # PP: boundaries, forward activations and backward gradients, v times each; wrap-around for interleaving
     boundaries = [(i, i + 1, v) for i in range(len(stages) - 1)]
     if v > 1 and len(stages) > 1:
@@ -193,8 +188,8 @@ def _family_traffic(
             for k in range(width):
                 src, dst = device(a, replica, k), device(c, replica, k)
                 m = replica_microbatches[replica]
-                traffic.pairs["pp"][(src, dst)] += m * crossings * activation / width
-                traffic.pairs["pp"][(dst, src)] += m * crossings * activation / width
+                traffic.pairs[Axis.PP][(src, dst)] += m * crossings * activation / width
+                traffic.pairs[Axis.PP][(dst, src)] += m * crossings * activation / width
 
 
 def textbook_traffic_per_rank(

@@ -35,12 +35,12 @@ import torch
 import torch.distributed as dist
 
 from comm.communicator import CommGroup, Communicator
-from comm.plan_groups import PlannedGroup, group_offsets, plan_groups, rank_islands, stage_rank
-from predictor.strategy import PipelineStrategy, StageStrategy, Strategy
+from comm.plan_groups import PlannedGroup, plan_groups, rank_islands
 from runtime.model import StageModule, piece_offsets, seeded_pieces, shard_positions
 from runtime.tensor_parallel import TensorParallel
 from specs.cluster import ClusterSpec
 from specs.errors import SpecError
+from specs.layout import Axis, PipelineStrategy, StageStrategy, Strategy, group_offsets, stage_rank
 from specs.model import ModelSpec
 
 TORCH_DTYPES = {"fp32": torch.float32, "fp64": torch.float64, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -272,9 +272,9 @@ def run_rank(rank: int, job: RunJob) -> None:
         return
     pipeline = role.pipeline
     index, stage = role.stage_index, role.stage
-    tp_group = next(g for p, g in zip(planned, made, strict=True) if p.kind == "tp" and rank in p.ranks)
-    dp_group = next(g for p, g in zip(planned, made, strict=True) if p.kind == "dp" and rank in p.ranks)
-    segments = [(p, g) for p, g in zip(planned, made, strict=True) if p.kind == "xf" and rank in p.ranks]
+    tp_group = next(g for p, g in zip(planned, made, strict=True) if p.kind is Axis.TP and rank in p.ranks)
+    dp_group = next(g for p, g in zip(planned, made, strict=True) if p.kind is Axis.DP and rank in p.ranks)
+    segments = [(p, g) for p, g in zip(planned, made, strict=True) if p.kind is Axis.CROSS_FAMILY and rank in p.ranks]
     tp = TensorParallel(tp_group.process_group, stage.tp, role.tp_rank)
     first, last = role.first, role.last
     pieces = seeded_pieces(model, stage.layer_start, stage.layer_end, first, last, settings.seed)

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from planner.plan import LoadedPlan, evaluation_dict
-from predictor.cost_model import CostContext, check_strategy, evaluate
+from predictor.cost_model import CostContext, evaluate
 from predictor.runs import RUN_SCHEMA
 from profiler.comm_bench import free_port, run_processes
 from runtime.execute import TORCH_DTYPES, RunJob, RunSettings, spawned_rank, synthetic_batch
@@ -205,7 +205,7 @@ def execute(
     for the cluster as the local ranks see it (sharing the cores)."""
     share = cpu_share(cluster)
     ctx = context(cluster.sharing_cores(share))
-    check_strategy(ctx, plan.strategy, plan.source)
+    ctx.check_strategy(plan.strategy, plan.source)
     progress(f"running {plan.source} on {cluster.num_devices} local processes for {settings.steps} steps ...")
     results = run_plan(plan, cluster, settings)
     summary = summarize(results, settings.steps)

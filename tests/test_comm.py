@@ -156,8 +156,8 @@ def _plan_groups_worker(rank: int, port: int, out: str, islands: list[str], grou
 
 def test_a_plans_groups_are_created_everywhere_and_work_across_islands(tmp_path):
     from comm.plan_groups import plan_groups, rank_islands
-    from predictor.strategy import PipelineStrategy, StageStrategy, Strategy
     from specs import load_cluster
+    from specs.layout import Axis, PipelineStrategy, StageStrategy, Strategy
 
     path = tmp_path / "cluster.yaml"
     path.write_text(
@@ -173,9 +173,9 @@ def test_a_plans_groups_are_created_everywhere_and_work_across_islands(tmp_path)
     planned = plan_groups(cluster, strategy, global_batch=5)
     islands = rank_islands(cluster)
     assert islands == ["nvidia", "nvidia", "amd", "amd"]
-    dp = [g for g in planned if g.kind == "dp"]
+    dp = [g for g in planned if g.kind is Axis.DP]
     assert [g.ranks for g in dp] == [(0, 1), (2, 3)] and all(g.weights == (0.6, 0.4) for g in dp)
-    assert [g.ranks for g in planned if g.kind == "pp"] == [(0, 2), (1, 3)]
+    assert [g.ranks for g in planned if g.kind is Axis.PP] == [(0, 2), (1, 3)]
     rank_lists = [list(g.ranks) for g in planned]
     out = tmp_path / "out"
     out.mkdir()

@@ -11,10 +11,10 @@ from predictor.comm_model import (
     hierarchical_all_reduce_time_s,
     in_node_link,
 )
-from predictor.cost_model import CostContext, check_strategy, evaluate
-from predictor.strategy import PipelineStrategy, StageStrategy, Strategy
+from predictor.cost_model import CostContext, evaluate
 from specs import SpecError, get_device, load_model, load_training
 from specs.cluster import ClusterSpec, DeviceGroup
+from specs.layout import PipelineStrategy, StageStrategy, Strategy
 from tests.conftest import EXAMPLES, FixedCosts
 
 
@@ -50,7 +50,7 @@ def test_1f1b_time_by_hand():
     ctx = fixed_context(costs, global_batch_size=4, zero_stage=0)
     stages = (StageStrategy("g", 0, 5, 1, 0), StageStrategy("g", 5, 8, 1, 1))
     strategy = Strategy((PipelineStrategy(1, 1, 4, stages),), "none", 0)
-    check_strategy(ctx, strategy)
+    ctx.check_strategy(strategy)
     result = evaluate(ctx, strategy)
     t0, t1 = 5 * 1.0 + 0.5, 3 * 1.0 + 2.0  # per micro-batch, TP 1 has no collectives
     model = ctx.model
@@ -109,7 +109,7 @@ def test_tp_adds_four_collectives_per_layer():
 def test_invalid_strategies_are_named(stages, message):
     ctx = fixed_context(FixedCosts(), global_batch_size=1)
     with pytest.raises(SpecError, match=message):
-        check_strategy(ctx, Strategy((PipelineStrategy(1, 1, 1, stages),), "none", 1))
+        ctx.check_strategy(Strategy((PipelineStrategy(1, 1, 1, stages),), "none", 1))
 
 
 def test_an_emulated_cpu_group_is_predicted_slower_by_its_speed_and_only_cpu_groups_may_emulate():

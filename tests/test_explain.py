@@ -11,8 +11,8 @@ import pytest
 
 from predictor.cost_model import build_context, evaluate
 from predictor.schedule import bottleneck_words, pipeline_timeline
-from predictor.strategy import megatron_strategy
 from specs import load_cluster, load_model, load_training
+from specs.layout import megatron_strategy
 from tests.conftest import EXAMPLES
 
 CLUSTER = EXAMPLES / "a100-v100-32.yaml"

@@ -12,9 +12,9 @@ import tomllib
 from planner import plan
 from planner.export import export_plan, megatron_layout
 from predictor.predictor import default_predictor
-from predictor.strategy import PipelineStrategy, StageStrategy, Strategy
 from specs import load_cluster, load_model, load_training
 from specs.errors import SpecError
+from specs.layout import PipelineStrategy, StageStrategy, Strategy
 from tests.conftest import EXAMPLES
 from tests.test_cli import hetplan
 

@@ -15,13 +15,13 @@ from planner import build_context, load_plan, plan, predict
 from planner.export import export_plan
 from planner.families import _block_context, _block_plans, _BlockPlan, combine, partitions, split_batch_across
 from planner.search import search
-from predictor.cost_model import GRAD_BYTES_PER_PARAM, check_strategy, evaluate, stage_params
+from predictor.cost_model import GRAD_BYTES_PER_PARAM, evaluate, stage_params
 from predictor.schedule import bottleneck_words, pipeline_timeline, stage_label
-from predictor.strategy import PipelineStrategy, StageStrategy, Strategy
 from predictor.traffic import strategy_traffic
 from specs import load_model, load_training
 from specs.cluster import ClusterFile, ClusterSpec, resolve_cluster
 from specs.errors import SpecError
+from specs.layout import Axis, PipelineStrategy, StageStrategy, Strategy
 from tests.test_cli import hetplan
 
 BATCH = 64
@@ -163,7 +163,7 @@ def test_the_cost_model_waits_for_the_slowest_family_then_syncs_across_families(
     fast = build_context(_a100_and_v100(), model, _training("off"))
     slow = build_context(_a100_and_v100(inter_group_gbps=10), model, _training("off"))
     strategy = _two_families(fast, 48)
-    check_strategy(fast, strategy)
+    fast.check_strategy(strategy)
     evaluation = evaluate(fast, strategy)
     families = [
         evaluate(fast, dataclasses.replace(strategy, pipelines=(p,))).pipeline_time_s for p in strategy.pipelines
@@ -199,7 +199,7 @@ def test_family_errors_name_the_family_and_field(change, field, words):
     strategy = _two_families(ctx, 48)
     broken = dataclasses.replace(strategy, pipelines=change(strategy.pipelines))
     with pytest.raises(SpecError) as error:
-        check_strategy(ctx, broken, "plan.json")
+        ctx.check_strategy(broken, "plan.json")
     assert f"plan.json: {field}:" in str(error.value) and words in str(error.value)
 
 
@@ -250,12 +250,12 @@ def test_cross_family_groups_tile_the_model_and_hold_every_family(family_plan):
 
     strategy = family_plan.strategy
     planned = plan_groups(family_plan.context.cluster, strategy, BATCH)
-    segments = [g for g in planned if g.kind == "xf"]
+    segments = [g for g in planned if g.kind is Axis.CROSS_FAMILY]
     num_layers = family_plan.context.model.num_layers
     assert segments[0].pieces[0] == 0 and segments[-1].pieces[1] == num_layers + 2
     assert all(a.pieces[1] == b.pieces[0] for a, b in pairwise(segments))
     family_ranks = [
-        {r for g in planned if g.kind == "tp" and g.family == family for r in g.ranks}
+        {r for g in planned if g.kind is Axis.TP and g.family == family for r in g.ranks}
         for family in range(len(strategy.pipelines))
     ]
     for segment in segments:  # every family holds every piece: each segment meets all families

@@ -71,7 +71,7 @@ def test_same_inputs_give_the_same_json_bytes():
 def test_plan_equals_exhaustive_search_on_a_small_homogeneous_cluster():
     """Every (tp, pp, dp, micro-batch, recompute, v) with Megatron-style even layers is no better than the plan."""
     from planner import predict
-    from predictor.strategy import PipelineStrategy, StageStrategy, Strategy
+    from specs.layout import PipelineStrategy, StageStrategy, Strategy
 
     cluster = load_cluster(EXAMPLES / "a100-v100-32.yaml")
     cluster = cluster.only(cluster.group("a100"))
@@ -145,7 +145,7 @@ def test_plan_equals_exhaustive_search_on_a_small_heterogeneous_cluster():
 
     from planner import predict
     from predictor.cost_model import decoder_layer_time_s, edge_time_s
-    from predictor.strategy import PipelineStrategy, StageStrategy, Strategy
+    from specs.layout import PipelineStrategy, StageStrategy, Strategy
 
     cluster = load_cluster(EXAMPLES / "a100-v100-32.yaml")
     small = tuple(dataclasses.replace(g, nodes=1, devices_per_node=4) for g in cluster.groups)
@@ -217,7 +217,7 @@ def test_root_bound_is_below_every_plan_including_per_stage_recompute():
 
     from planner import build_context, predict
     from planner.search import search
-    from predictor.strategy import PipelineStrategy, StageStrategy, Strategy
+    from specs.layout import PipelineStrategy, StageStrategy, Strategy
 
     cluster = load_cluster(EXAMPLES / "a100-v100-32.yaml")
     tight = {"memory_GB": 10}  # so that the early stages cannot hold their activations without recompute

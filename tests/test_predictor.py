@@ -24,13 +24,13 @@ from predictor.predictor import (
     save_predictor,
 )
 from predictor.runs import load_runs
-from predictor.strategy import megatron_strategy
 from profiler.collectives import bus_factor, latency_steps
 from profiler.profile import load_profile
 from profiler.simulated import SimulatedDevice
 from specs import load_cluster, load_model, load_training
 from specs.device import get_device
 from specs.errors import SpecError
+from specs.layout import megatron_strategy
 from tests.conftest import EXAMPLES, ROOT
 
 CPU_PROFILE = ROOT / "bench" / "results" / "profile-cpu-tiny-llama.json"

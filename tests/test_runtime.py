@@ -9,12 +9,12 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from planner.plan import LoadedPlan  # noqa: E402
-from predictor.strategy import PipelineStrategy, StageStrategy, Strategy  # noqa: E402
 from runtime.execute import RunSettings, synthetic_batch  # noqa: E402
 from runtime.launch import run_plan, summarize  # noqa: E402
 from runtime.model import ReferenceModel, StageModule, gradient_pieces, piece_offsets, seeded_pieces, shard_positions  # noqa: E402
 from runtime.tensor_parallel import TensorParallel  # noqa: E402
 from specs.cluster import ClusterFile, resolve_cluster  # noqa: E402
+from specs.layout import PipelineStrategy, StageStrategy, Strategy  # noqa: E402
 from specs.model import load_model  # noqa: E402
 from specs.training import TrainingSpec  # noqa: E402
 

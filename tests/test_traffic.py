@@ -16,9 +16,9 @@ from predictor.cost_model import (
     stage_params,
     tp_collective_time_s,
 )
-from predictor.strategy import PipelineStrategy, StageStrategy, Strategy, megatron_strategy
 from predictor.traffic import strategy_traffic, textbook_traffic_per_rank
 from specs import load_cluster, load_model, load_training
+from specs.layout import PipelineStrategy, StageStrategy, Strategy, megatron_strategy
 from tests.conftest import EXAMPLES
 
 CLUSTER = EXAMPLES / "a100-v100-32.yaml"

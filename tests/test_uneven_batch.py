@@ -9,9 +9,9 @@ import json
 import pytest
 
 from planner import load_plan, plan, predict
-from predictor.strategy import PipelineStrategy, StageStrategy, Strategy, split_batch
 from specs import load_cluster, load_model, load_training
 from specs.errors import SpecError
+from specs.layout import PipelineStrategy, StageStrategy, Strategy, split_batch
 from tests.conftest import EXAMPLES
 
 

@@ -1,0 +1,385 @@
+"""The parallel layout: what a plan is made of (pipeline families, stages, replicas, TP) and which devices and global
+ranks each part occupies. Torch-free and predictor-free: the cost model, the planner, the communicator, the runtime
+and the exports all read layouts from here, and a new parallel dimension starts here as one axis and one field.
+
+Device numbering: groups in cluster order, node-major inside a group. A stage occupies `tp * replicas` devices of its
+group from `device_offset` on, TP ranks innermost, then replicas: (replica r, TP rank k) is device
+`device_offset + r * tp + k` of the group.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, replace
+from enum import Enum
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from specs.cluster import ClusterSpec, DeviceGroup
+from specs.errors import SpecError
+from specs.model import RECOMPUTE_MODES, ModelSpec, Recompute
+from specs.training import TrainingSpec
+
+
+class Axis(str, Enum):
+    """The parallel dimensions a plan lays devices out along (context and expert parallelism come next as cp, ep)."""
+
+    TP = "tp"  # tensor parallel, inside a node
+    PP = "pp"  # pipeline stages
+    DP = "dp"  # data-parallel replicas of one pipeline family
+    CROSS_FAMILY = "xf"  # gradient sync between pipeline families
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class StageStrategy:
+    """One pipeline stage: a contiguous layer range on a homogeneous device block of one group.
+
+    `recompute`, when set, overrides the strategy's mode for this stage (per-stage recompute). The devices it
+    occupies: see the module docstring (`PipelineStrategy.stage_devices`, `stage_device`).
+    """
+
+    group: str
+    layer_start: int
+    layer_end: int
+    tp: int
+    device_offset: int = 0
+    recompute: Recompute | None = None  # this stage's own mode; None: the strategy's
+
+    @property
+    def num_layers(self) -> int:
+        return self.layer_end - self.layer_start
+
+
+@dataclass(frozen=True)
+class PipelineStrategy:
+    """Pipeline replicas sharing one stage layout. The global batch is split as evenly as whole micro-batches allow:
+    `num_microbatches` is the most any replica runs; with `total_microbatches` set (uneven split), the first
+    total - replicas*(num_microbatches-1) replicas run num_microbatches and the rest one fewer, and each replica's
+    gradients are weighted by its share of the samples so the update equals the even-batch one."""
+
+    replicas: int
+    micro_batch_size: int
+    num_microbatches: int
+    stages: tuple[StageStrategy, ...]
+    total_microbatches: int = 0  # 0: every replica runs num_microbatches
+
+    @property
+    def samples_per_replica(self) -> int:
+        """The most samples any replica processes."""
+        return self.micro_batch_size * self.num_microbatches
+
+    @property
+    def microbatch_total(self) -> int:
+        return self.total_microbatches or self.replicas * self.num_microbatches
+
+    @property
+    def samples(self) -> int:
+        """The family's share of the global batch."""
+        return self.micro_batch_size * self.microbatch_total
+
+    @property
+    def uneven(self) -> bool:
+        return self.microbatch_total != self.replicas * self.num_microbatches
+
+    def replica_microbatches(self) -> list[int]:
+        """Micro-batches of each replica, in replica order."""
+        full = self.microbatch_total - self.replicas * (self.num_microbatches - 1)
+        return [self.num_microbatches if r < full else self.num_microbatches - 1 for r in range(self.replicas)]
+
+    def stage_devices(self, stage: StageStrategy) -> int:
+        """Devices one stage occupies over all replicas of the family."""
+        return stage.tp * self.replicas
+
+    @property
+    def devices(self) -> int:
+        return sum(self.stage_devices(stage) for stage in self.stages)
+
+
+@dataclass(frozen=True)
+class Strategy:
+    pipelines: tuple[PipelineStrategy, ...]
+    recompute: Recompute  # for stages that do not set their own
+    zero_stage: int
+    virtual_stages: int = 1
+    sequence_parallel: bool = True
+
+    def stage_recompute(self, stage: StageStrategy) -> Recompute:
+        return stage.recompute or self.recompute
+
+    @property
+    def devices(self) -> int:
+        """Devices the strategy occupies."""
+        return sum(pipeline.devices for pipeline in self.pipelines)
+
+    @property
+    def recompute_summary(self) -> str:
+        """The mode, or 'per-stage (none x3, selective x2)' when stages differ."""
+        modes = [self.stage_recompute(s) for p in self.pipelines for s in p.stages]
+        distinct = sorted(set(modes), key=modes.index)
+        if len(distinct) == 1:
+            return distinct[0]
+        return "per-stage (" + ", ".join(f"{m} x{modes.count(m)}" for m in distinct) + ")"
+
+
+def split_batch(global_batch: int, replicas: int, micro_batch_size: int) -> tuple[int, int] | None:
+    """(most micro-batches per replica, total micro-batches) of the most even split of the batch over the
+    replicas in whole micro-batches, or None when the batch is not whole micro-batches or too small."""
+    if global_batch % micro_batch_size:
+        return None
+    total = global_batch // micro_batch_size
+    if total < replicas:
+        return None
+    return -(-total // replicas), total
+
+
+def split_pipeline(
+    replicas: int, micro_batch_size: int, stages: tuple[StageStrategy, ...], most: int, total: int
+) -> PipelineStrategy:
+    """A pipeline family running `total` micro-batches over its replicas, at most `most` each (uneven when they
+    do not divide)."""
+    return PipelineStrategy(replicas, micro_batch_size, most, stages, total if total != replicas * most else 0)
+
+
+# ---- devices and ranks ------------------------------------------------------------------------------------------
+def stage_device(stage: StageStrategy, replica: int, tp_rank: int) -> int:
+    """The device index inside the stage's group of (replica, TP rank)."""
+    return stage.device_offset + replica * stage.tp + tp_rank
+
+
+def group_offsets(cluster: ClusterSpec) -> dict[str, int]:
+    """The global rank of each group's first device."""
+    offsets, start = {}, 0
+    for group in cluster.groups:
+        offsets[group.name] = start
+        start += group.num_devices
+    return offsets
+
+
+def stage_rank(offsets: dict[str, int], stage: StageStrategy, replica: int, tp_rank: int) -> int:
+    """The global rank of (replica, TP rank) of a stage: group offset + stage offset + replica * tp + tp rank."""
+    return offsets[stage.group] + stage_device(stage, replica, tp_rank)
+
+
+def stage_ranks(offsets: dict[str, int], pipeline: PipelineStrategy, stage: StageStrategy) -> Iterator[int]:
+    """Every global rank of a stage, replica-major."""
+    for replica in range(pipeline.replicas):
+        for tp_rank in range(stage.tp):
+            yield stage_rank(offsets, stage, replica, tp_rank)
+
+
+def pack_stages(stages: Iterable[StageStrategy], replicas: int) -> tuple[StageStrategy, ...]:
+    """Stages placed from the start of each group in pipeline order (device offsets recomputed)."""
+    used: dict[str, int] = {}
+    placed = []
+    for stage in stages:
+        placed.append(replace(stage, device_offset=used.get(stage.group, 0)))
+        used[stage.group] = used.get(stage.group, 0) + stage.tp * replicas
+    return tuple(placed)
+
+
+def devices_per_group(strategy: Strategy) -> dict[str, int]:
+    """The highest device index + 1 the strategy uses in each group."""
+    end: dict[str, int] = {}
+    for pipeline in strategy.pipelines:
+        for stage in pipeline.stages:
+            end[stage.group] = max(end.get(stage.group, 0), stage.device_offset + pipeline.stage_devices(stage))
+    return end
+
+
+def same_node(group: DeviceGroup, a: StageStrategy, b: StageStrategy) -> bool:
+    """Whether two stages of one group start on the same node."""
+    return a.device_offset // group.devices_per_node == b.device_offset // group.devices_per_node
+
+
+def dp_layout(group: DeviceGroup, tp: int, replicas: int) -> tuple[int, int]:
+    """(ranks per node, nodes) of one DP group: TP innermost, replicas next, node-major numbering."""
+    per_node = max(1, min(replicas, group.devices_per_node // tp))
+    return per_node, math.ceil(replicas / per_node)
+
+
+# ---- building and checking layouts --------------------------------------------------------------------------------
+def megatron_strategy(
+    cluster: ClusterSpec,
+    model: ModelSpec,
+    training: TrainingSpec,
+    *,
+    group: str | None,
+    tp: int,
+    pp: int,
+    dp: int,
+    micro_batch_size: int,
+    recompute: str,
+    virtual_stages: int = 1,
+    source: str = "flags",
+) -> Strategy:
+    """A Megatron-style strategy on one group: even layer split over `pp` stages, `dp` identical replicas."""
+    if group is None and len(cluster.groups) > 1:
+        names = ", ".join(g.name for g in cluster.groups)
+        raise SpecError(source, "group", f"the cluster has several groups ({names}); name one")
+    target = cluster.group(group) if group else cluster.groups[0]
+    if model.num_layers % pp:
+        raise SpecError(
+            source,
+            "pp",
+            f"{model.num_layers} layers do not split evenly into {pp} stages (Megatron's default); "
+            "use a plan with uneven stages",
+        )
+    if tp * pp * dp > target.num_devices:
+        raise SpecError(
+            source, "tp x pp x dp", f"{tp * pp * dp} exceeds the {target.num_devices} devices of group {target.name!r}"
+        )
+    global_batch = training.global_batch_size
+    if global_batch % (dp * micro_batch_size):
+        raise SpecError(
+            source, "global batch", f"{global_batch} is not a multiple of dp x micro-batch = {dp * micro_batch_size}"
+        )
+    if recompute not in RECOMPUTE_MODES:
+        raise SpecError(source, "recompute", f"expected none, selective or full, got {recompute!r}")
+    per_stage = model.num_layers // pp
+    stages = tuple(StageStrategy(target.name, i * per_stage, (i + 1) * per_stage, tp, i * tp * dp) for i in range(pp))
+    return Strategy(
+        (PipelineStrategy(dp, micro_batch_size, global_batch // (dp * micro_batch_size), stages),),
+        recompute,  # type: ignore[arg-type]
+        training.zero_stage,
+        virtual_stages,
+        training.sequence_parallel,
+    )
+
+
+def check_strategy(
+    strategy: Strategy, cluster: ClusterSpec, model: ModelSpec, global_batch: int, source: str = "strategy"
+) -> None:
+    """Structural checks: every family covers the layers once, TP inside a node and dividing heads, devices used by
+    at most one stage of one family, the families' samples add up to the global batch."""
+    if not strategy.pipelines:
+        raise SpecError(source, "pipelines", "expected at least one pipeline family")
+    used: dict[str, list[tuple[int, int]]] = {}
+    for family, pipeline in enumerate(strategy.pipelines):
+        _check_pipeline(cluster, model, strategy, pipeline, f"pipelines[{family}]", source, used)
+    for name, blocks in used.items():
+        group = cluster.group(name)
+        blocks.sort()
+        end = 0
+        for offset, size in blocks:
+            if offset < end:
+                raise SpecError(source, "pipelines", f"stages overlap on devices of group {name!r}")
+            end = offset + size
+        if end > group.num_devices:
+            raise SpecError(
+                source, "pipelines", f"group {name!r} has {group.num_devices} devices, the plan uses up to {end}"
+            )
+    samples = sum(p.samples for p in strategy.pipelines)
+    if samples != global_batch:
+        field = "pipelines[0]" if len(strategy.pipelines) == 1 else "pipelines"
+        raise SpecError(
+            source,
+            field,
+            f"micro-batch x micro-batches over all replicas{' of all families' if field == 'pipelines' else ''} "
+            f"= {samples}, expected the global batch {global_batch}",
+        )
+
+
+def _check_pipeline(
+    cluster: ClusterSpec,
+    model: ModelSpec,
+    strategy: Strategy,
+    pipeline: PipelineStrategy,
+    where_pipeline: str,
+    source: str,
+    used: dict[str, list[tuple[int, int]]],
+) -> None:
+    if not pipeline.stages:
+        raise SpecError(source, f"{where_pipeline}.stages", "expected at least one stage")
+    expected_start = 0
+    for index, stage in enumerate(pipeline.stages):
+        where = f"{where_pipeline}.stages[{index}]"
+        group = cluster.group(stage.group)
+        if stage.layer_start != expected_start or stage.layer_end <= stage.layer_start:
+            raise SpecError(
+                source,
+                f"{where}.layers",
+                f"expected [{expected_start}, end > {expected_start}) "
+                f"(contiguous, non-empty), got [{stage.layer_start}, {stage.layer_end})",
+            )
+        expected_start = stage.layer_end
+        if group.devices_per_node % stage.tp or stage.tp < 1:
+            raise SpecError(
+                source,
+                f"{where}.tp",
+                f"expected a divisor of {group.devices_per_node} devices per node "
+                f"(TP stays inside a node), got {stage.tp}",
+            )
+        if model.num_kv_heads % stage.tp:
+            raise SpecError(
+                source,
+                f"{where}.tp",
+                f"expected a divisor of the model's {model.num_kv_heads} kv heads, got {stage.tp}",
+            )
+        used.setdefault(stage.group, []).append((stage.device_offset, pipeline.stage_devices(stage)))
+    if strategy.virtual_stages > 1 and any(s.num_layers < strategy.virtual_stages for s in pipeline.stages):
+        raise SpecError(
+            source,
+            "virtual_stages",
+            f"every stage needs at least {strategy.virtual_stages} layers (one per interleaved chunk)",
+        )
+    if expected_start != model.num_layers:
+        raise SpecError(
+            source,
+            f"{where_pipeline}.stages",
+            f"layers cover [0, {expected_start}), expected [0, {model.num_layers})",
+        )
+    balanced = pipeline.replicas * (pipeline.num_microbatches - 1) < pipeline.microbatch_total
+    if not balanced or pipeline.microbatch_total > pipeline.replicas * pipeline.num_microbatches:
+        raise SpecError(
+            source,
+            f"{where_pipeline}.total_microbatches",
+            f"expected {pipeline.replicas} replicas to run {pipeline.num_microbatches} or "
+            f"{pipeline.num_microbatches - 1} micro-batches each, got {pipeline.microbatch_total} in all",
+        )
+
+
+# ---- the strategy part of plan files (and of run records that carry a whole plan's layout) --------------------
+class StageFile(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    group: str
+    layers: tuple[int, int]
+    tp: int = Field(ge=1)
+    device_offset: int = Field(default=0, ge=0)
+    recompute: Recompute | None = None
+
+
+class PipelineFile(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    replicas: int = Field(ge=1)
+    micro_batch_size: int = Field(ge=1)
+    num_microbatches: int = Field(ge=1)
+    total_microbatches: int = Field(default=0, ge=0)
+    stages: list[StageFile] = Field(min_length=1)
+
+
+def pipelines_from_files(pipelines: Sequence[PipelineFile], recompute: Recompute) -> tuple[PipelineStrategy, ...]:
+    """Pipelines as a plan file writes them; a stage's recompute equal to the plan's is kept as None (the plan's)."""
+    return tuple(
+        split_pipeline(
+            p.replicas,
+            p.micro_batch_size,
+            tuple(
+                StageStrategy(
+                    s.group,
+                    s.layers[0],
+                    s.layers[1],
+                    s.tp,
+                    s.device_offset,
+                    s.recompute if s.recompute != recompute else None,
+                )
+                for s in p.stages
+            ),
+            p.num_microbatches,
+            p.total_microbatches or p.replicas * p.num_microbatches,
+        )
+        for p in pipelines
+    )
