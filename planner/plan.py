@@ -14,6 +14,7 @@ from predictor.cost_model import CostContext, Evaluation
 from specs.layout import PipelineFile, PipelineStrategy, Strategy, pipelines_from_files
 from specs.loading import read_mapping, validate
 from specs.model import ModelSpec, Recompute
+from specs.outputs import write_text_atomic
 from specs.training import TrainingSpec
 
 PLAN_SCHEMA = "hetplan.plan/1"
@@ -62,7 +63,7 @@ class Plan:
         return json.dumps(self.to_dict(), indent=2) + "\n"
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(self.to_json(), encoding="utf-8")
+        write_text_atomic(path, self.to_json())
 
 
 def evaluation_dict(ctx: CostContext, evaluation: Evaluation) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from specs.errors import SpecError
 from specs.loading import read_mapping, validate
 from specs.model import Recompute
+from specs.outputs import write_text_atomic
 
 PROFILE_SCHEMA = "hetplan.profile/1"
 LayerKind = Literal["decoder", "embedding", "lm_head"]
@@ -145,7 +146,7 @@ class DeviceProfile:
         return json.dumps(body, indent=2, sort_keys=True) + "\n"
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(self.to_json(), encoding="utf-8")
+        write_text_atomic(path, self.to_json())
 
     def layer_cost(self, layer: LayerKind, micro_batch_size: int, tp: int, recompute: Recompute) -> LayerCost:
         """Exact entry, or linear interpolation/extrapolation in micro-batch size between profiled points."""

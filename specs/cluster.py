@@ -10,27 +10,35 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from specs.device import DeviceSpec, get_device
 from specs.errors import SpecError
-from specs.loading import read_mapping, validate
+from specs.loading import StrictFloat, StrictInt, read_mapping, validate
 from specs.units import gbps_to_bytes_per_s
 
 Topology = Literal["rail-optimized", "rail-only", "clos"]
 
+# Physical sanity limits of cluster files (well past any machine built or announced).
+MAX_NODES = 1_000_000
+MAX_DEVICES_PER_NODE = 4096
+MAX_LINK_GBPS = 1e6  # 1 Pb/s
+MAX_MEMORY_GB = 1e5
+MAX_PEAK_TFLOPS = 1e6
+
 
 class GroupSpec(BaseModel):
-    """A set of identical nodes; overrides replace the catalog's figures for this group only."""
+    """A set of identical nodes; overrides replace the catalog's figures for this group only. Bounds are physical
+    sanity (a typo such as 1e12 devices per node is refused, not planned for minutes)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    name: str = Field(min_length=1)
+    name: str = Field(min_length=1, max_length=200)
     device: str
-    nodes: int = Field(ge=1)
-    devices_per_node: int = Field(ge=1)
-    nics_per_node: int = Field(ge=1)
-    nic_gbps: float = Field(gt=0, description="line rate of one NIC, Gb/s")
-    intra_node_GBps: float | None = Field(default=None, gt=0)
-    memory_GB: float | None = Field(default=None, gt=0)
-    peak_tflops: float | None = Field(default=None, gt=0)
-    emulate_speed: float | None = Field(
+    nodes: StrictInt = Field(ge=1, le=MAX_NODES)
+    devices_per_node: StrictInt = Field(ge=1, le=MAX_DEVICES_PER_NODE)
+    nics_per_node: StrictInt = Field(ge=1, le=MAX_DEVICES_PER_NODE)
+    nic_gbps: StrictFloat = Field(gt=0, le=MAX_LINK_GBPS, description="line rate of one NIC, Gb/s")
+    intra_node_GBps: StrictFloat | None = Field(default=None, gt=0, le=MAX_LINK_GBPS / 8)
+    memory_GB: StrictFloat | None = Field(default=None, gt=0, le=MAX_MEMORY_GB)
+    peak_tflops: StrictFloat | None = Field(default=None, gt=0, le=MAX_PEAK_TFLOPS)
+    emulate_speed: StrictFloat | None = Field(
         default=None,
         gt=0,
         le=1,
@@ -44,7 +52,7 @@ class NetworkSpec(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     topology: Topology = "rail-optimized"
-    inter_group_gbps: float = Field(gt=0)
+    inter_group_gbps: StrictFloat = Field(gt=0, le=MAX_LINK_GBPS)
 
 
 class ClusterFile(BaseModel):

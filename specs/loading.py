@@ -1,29 +1,173 @@
-"""Read YAML/JSON spec files and turn pydantic validation errors into one-line SpecErrors."""
+"""The one boundary for input files: read YAML/JSON safely and turn every problem into a one-line SpecError.
+
+Every file a user gives hetplan (cluster, model, training, plan, profile, run record, link profile) is read here:
+UTF-8 only, at most MAX_FILE_BYTES, nested at most MAX_DEPTH levels, YAML aliases expanding to at most MAX_NODES
+values, no duplicate keys, no non-finite numbers. Messages quote at most QUOTE_CHARS characters of input.
+"""
 
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import yaml
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, Field, Strict, ValidationError
 
 from specs.errors import SpecError
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
 
+MAX_FILE_BYTES = 64 * 2**20
+MAX_DEPTH = 50
+MAX_NODES = 1_000_000
+QUOTE_CHARS = 200
+
+# Numbers in files: integers must be integers (not `true`, "3" or 3.0) and floats finite numbers (not strings).
+StrictInt = Annotated[int, Strict()]
+PositiveInt = Annotated[int, Strict(), Field(ge=1)]
+StrictFloat = Annotated[float, Strict(), Field(allow_inf_nan=False)]
+
+
+def quote(value: Any) -> str:
+    """repr of a value, cut to QUOTE_CHARS characters (error messages never echo a whole input)."""
+    text = repr(value)
+    return text if len(text) <= QUOTE_CHARS else text[: QUOTE_CHARS - 3] + "..."
+
+
+class _InputError(Exception):
+    """A problem found while reading, with where (a line or a field) it is."""
+
+    def __init__(self, where: str, message: str) -> None:
+        super().__init__(message)
+        self.where = where
+        self.message = message
+
+
+class _StrictYamlLoader(yaml.SafeLoader):
+    """SafeLoader that refuses duplicate keys in a mapping (the last would silently win)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                duplicate = key in seen
+            except TypeError:  # an unhashable key: the base constructor names it
+                break
+            if duplicate:
+                line = key_node.start_mark.line + 1
+                raise _InputError(f"line {line}", f"duplicate key {quote(key)}")
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _check_node_graph(root: yaml.Node) -> None:
+    """Refuse YAML whose aliases expand past MAX_NODES values or MAX_DEPTH levels, or refer to themselves."""
+    expanded: dict[int, tuple[int, int]] = {}  # id(node) -> (values when expanded, depth)
+    visiting: set[int] = set()
+
+    def children(node: yaml.Node) -> Iterator[yaml.Node]:
+        if isinstance(node, yaml.MappingNode):
+            for key, value in node.value:
+                yield key
+                yield value
+        elif isinstance(node, yaml.SequenceNode):
+            yield from node.value
+
+    def measure(node: yaml.Node, level: int) -> tuple[int, int]:
+        if id(node) in expanded:
+            return expanded[id(node)]
+        if id(node) in visiting:
+            raise _InputError(f"line {node.start_mark.line + 1}", "an alias refers to itself (a recursive structure)")
+        if level > MAX_DEPTH:
+            raise _InputError(f"line {node.start_mark.line + 1}", f"nested deeper than {MAX_DEPTH} levels")
+        visiting.add(id(node))
+        count, depth = 1, 0
+        for child in children(node):
+            child_count, child_depth = measure(child, level + 1)
+            count += child_count
+            depth = max(depth, child_depth + 1)
+            if count > MAX_NODES:
+                raise _InputError("", f"aliases expand to more than {MAX_NODES:,} values")
+        visiting.discard(id(node))
+        expanded[id(node)] = (count, depth)
+        return count, depth
+
+    measure(root, 0)
+
+
+def _load_yaml(text: str) -> Any:
+    loader = _StrictYamlLoader(text)
+    try:
+        root = loader.get_single_node()
+        if root is None:
+            return None
+        _check_node_graph(root)
+        return loader.construct_document(root)
+    finally:
+        loader.dispose()
+
+
+def _load_json(text: str) -> Any:
+    def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in out:
+                raise _InputError("", f"duplicate key {quote(key)}")
+            out[key] = value
+        return out
+
+    def no_constant(name: str) -> Any:
+        raise _InputError("", f"{name} is not a number a spec can use (expected a finite number)")
+
+    return json.loads(text, object_pairs_hook=no_duplicates, parse_constant=no_constant)
+
+
+def _check_values(data: Any) -> None:
+    """Refuse non-finite numbers and nesting past MAX_DEPTH anywhere in loaded data (names the field)."""
+    stack: list[tuple[Any, str, int]] = [(data, "", 0)]
+    while stack:
+        value, where, level = stack.pop()
+        if level > MAX_DEPTH:
+            raise _InputError(where, f"nested deeper than {MAX_DEPTH} levels")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise _InputError(where, f"expected a finite number, got {value}")
+        if isinstance(value, dict):
+            stack += [(v, f"{where}.{k}" if where else str(k), level + 1) for k, v in value.items()]
+        elif isinstance(value, list):
+            stack += [(v, f"{where}[{i}]", level + 1) for i, v in enumerate(value)]
+
 
 def read_mapping(path: Path) -> dict[str, Any]:
-    """Load a YAML or JSON file whose top level is a mapping."""
+    """Load a YAML or JSON file whose top level is a mapping (JSON by the .json suffix)."""
     source = str(path)
     if not path.exists():
         raise SpecError(source, "", "file not found")
     if path.is_dir():
         raise SpecError(source, "", "expected a file, got a directory")
-    text = path.read_text(encoding="utf-8")
     try:
-        data = json.loads(text) if path.suffix.lower() == ".json" else yaml.safe_load(text)
+        size = path.stat().st_size
+        if size > MAX_FILE_BYTES:
+            raise SpecError(source, "", f"{size:,} bytes: larger than any spec ({MAX_FILE_BYTES:,} bytes at most)")
+        raw = path.read_bytes()
+    except OSError as err:
+        raise SpecError(source, "", f"cannot read: {err.strerror or err}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise SpecError(source, "", f"not UTF-8 text (byte 0x{raw[err.start]:02x} at offset {err.start})") from None
+    try:
+        data = _load_json(text) if path.suffix.lower() == ".json" else _load_yaml(text)
+        _check_values(data)
+    except _InputError as err:
+        raise SpecError(source, err.where, err.message) from None
+    except RecursionError:
+        raise SpecError(source, "", f"nested deeper than {MAX_DEPTH} levels") from None
     except json.JSONDecodeError as err:
         raise SpecError(source, f"line {err.lineno}", f"invalid JSON: {err.msg}") from None
     except yaml.YAMLError as err:
@@ -53,7 +197,11 @@ def validate(model: type[ModelT], data: dict[str, Any], source: str, prefix: str
         return model.model_validate(data)
     except ValidationError as err:
         first = err.errors()[0]
-        loc = tuple(p for p in first["loc"] if not (isinstance(p, str) and p.startswith("function-")))
+        loc = tuple(
+            p
+            for p in first["loc"]
+            if not (isinstance(p, str) and (p.startswith("function-") or p in ("constrained-int", "constrained-float")))
+        )
         field = field_path(loc)
         if prefix:
             field = f"{prefix}.{field}" if field else prefix
@@ -63,7 +211,7 @@ def validate(model: type[ModelT], data: dict[str, Any], source: str, prefix: str
         elif first["type"] == "missing":
             message = "required field is missing"
         elif "input" in first and first["type"] != "value_error":
-            message = f"{message}, got {first['input']!r}"
+            message = f"{message}, got {quote(first['input'])}"
         message = message.removeprefix("Value error, ")
         more = len(err.errors()) - 1
         if more:

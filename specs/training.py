@@ -7,12 +7,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from specs.loading import read_mapping, validate
+from specs.loading import StrictFloat, StrictInt, read_mapping, validate
 from specs.model import RECOMPUTE_MODES, Recompute
 
 Dtype = Literal["bf16", "fp16", "fp32"]
 DTYPE_BYTES: dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4}
 DEFAULT_GLOBAL_BATCH_SIZE = 1024
+MAX_GLOBAL_BATCH = 2**20  # sequences: far past any published run (Llama 3: 2,048 of 8K tokens)
+MAX_SEQ_LENGTH = 2**24  # tokens
 
 
 class TrainingSpec(BaseModel):
@@ -20,13 +22,15 @@ class TrainingSpec(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    global_batch_size: int = Field(default=DEFAULT_GLOBAL_BATCH_SIZE, ge=1, description="sequences per iteration")
-    seq_length: int | None = Field(default=None, ge=1, description="default: the model's")
+    global_batch_size: StrictInt = Field(
+        default=DEFAULT_GLOBAL_BATCH_SIZE, ge=1, le=MAX_GLOBAL_BATCH, description="sequences per iteration"
+    )
+    seq_length: StrictInt | None = Field(default=None, ge=1, le=MAX_SEQ_LENGTH, description="default: the model's")
     dtype: Dtype = "bf16"
     recompute: tuple[Recompute, ...] = RECOMPUTE_MODES
     zero_stage: Literal[0, 1] = 1
-    micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16)
-    virtual_stages: tuple[int, ...] = Field(
+    micro_batch_sizes: tuple[StrictInt, ...] = (1, 2, 4, 8, 16)
+    virtual_stages: tuple[StrictInt, ...] = Field(
         default=(1, 2, 4), description="interleaved 1F1B chunks per device the planner may use (1: plain 1F1B)"
     )
     sequence_parallel: bool = True
@@ -49,7 +53,7 @@ class TrainingSpec(BaseModel):
         "pre-2023 Megatron, the b*a*s^2 scores are written, soft-maxed and dropped out in memory",
     )
     overlap_grad_reduce: bool = True
-    memory_reserve_fraction: float = Field(
+    memory_reserve_fraction: StrictFloat = Field(
         default=0.08, ge=0, lt=1, description="device memory kept free for allocator fragmentation and workspaces"
     )
 
@@ -58,6 +62,13 @@ class TrainingSpec(BaseModel):
     def _uneven_from_bool(cls, value: Any) -> Any:
         if isinstance(value, bool):
             return "exhaustive" if value else "off"
+        return value
+
+    @field_validator("zero_stage", mode="before")
+    @classmethod
+    def _stage_not_bool(cls, value: Any) -> Any:
+        if isinstance(value, bool):
+            raise ValueError(f"expected 0 or 1, got {value}")
         return value
 
     @field_validator("recompute", mode="before")
@@ -75,8 +86,8 @@ class TrainingSpec(BaseModel):
     @field_validator("micro_batch_sizes", "virtual_stages")
     @classmethod
     def _positive_sizes(cls, value: tuple[int, ...]) -> tuple[int, ...]:
-        if not value or any(size < 1 for size in value):
-            raise ValueError("expected a non-empty list of integers >= 1")
+        if not value or any(size < 1 or size > MAX_GLOBAL_BATCH for size in value):
+            raise ValueError(f"expected a non-empty list of integers from 1 to {MAX_GLOBAL_BATCH:,}")
         return tuple(sorted(set(value)))
 
     @property

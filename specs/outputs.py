@@ -1,0 +1,69 @@
+"""The one boundary for output files: checked before the work starts, written whole or not at all."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from specs.errors import SpecError
+
+
+def check_writable(path: str | Path, flag: str = "--out") -> Path:
+    """Fail now, not after minutes of work, when `path` cannot be written: its directory is created if missing and
+    must accept a new file; an existing directory or unwritable file at `path` is refused."""
+    path = Path(path)
+    if path.is_dir():
+        raise SpecError(flag, str(path), "is a directory; expected a file name")
+    directory = path.parent
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise SpecError(flag, str(path), f"cannot create its directory: {err.strerror or err}") from None
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise SpecError(flag, str(path), f"directory {directory} is not writable")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise SpecError(flag, str(path), "exists and is not writable")
+    return path
+
+
+def write_text_atomic(path: str | Path, text: str) -> None:
+    """Write UTF-8 text through a temporary file in the same directory and a rename, so readers never see a torn
+    file and a failure (e.g. a full disk) leaves the previous file in place. Character devices such as /dev/null
+    or /dev/stdout are written directly."""
+    path = Path(path)
+    if path.exists() and not path.is_file():
+        _write_direct(path, text)
+        return
+    directory = path.parent if str(path.parent) else Path(".")
+    handle, temporary = None, None
+    try:
+        handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
+        with os.fdopen(handle, "w", encoding="utf-8") as out:
+            handle = None
+            out.write(text)
+            out.flush()
+            os.fsync(out.fileno())
+        if path.exists():
+            os.chmod(temporary, path.stat().st_mode & 0o777)
+        else:
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(temporary, 0o666 & ~umask)
+        os.replace(temporary, path)
+        temporary = None
+    except OSError as err:
+        raise SpecError(str(path), "", f"cannot write: {err.strerror or err}") from None
+    finally:
+        if handle is not None:
+            os.close(handle)
+        if temporary is not None and os.path.exists(temporary):
+            os.unlink(temporary)
+
+
+def _write_direct(path: Path, text: str) -> None:
+    try:
+        with open(path, "w", encoding="utf-8") as out:
+            out.write(text)
+    except OSError as err:
+        raise SpecError(str(path), "", f"cannot write: {err.strerror or err}") from None
