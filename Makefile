@@ -1,27 +1,38 @@
 # `make demo` and `make test` set everything up on a fresh machine (a local .venv) and run.
+# demo needs only the planner (no torch, no engines); test installs the rest.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.hetplan-installed
+PLANNER_STAMP := $(VENV)/.hetplan-planner
+FULL_STAMP := $(VENV)/.hetplan-full
 
 .PHONY: demo test lint bench clean
 
-$(STAMP): pyproject.toml
+$(PLANNER_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e .
+	touch $(PLANNER_STAMP)
+
+$(FULL_STAMP): $(PLANNER_STAMP)
 	# the CPU build of torch first: a bare `torch` requirement would pull the multi-GB CUDA build
 	$(BIN)/python -m pip install --quiet torch==2.13.0
 	DS_BUILD_OPS=0 $(BIN)/python -m pip install --quiet -e '.[torch,dev,engines]'
-	touch $(STAMP)
+	touch $(FULL_STAMP)
 
-demo: $(STAMP)
+demo: $(PLANNER_STAMP)
 	$(BIN)/hetplan plan --cluster examples/hethub-768.yaml --model llama-140b --top-k 3 --out hethub-768.plan.json
 
-test: $(STAMP)
+test: $(FULL_STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest
 
-bench: $(STAMP)
+lint: $(FULL_STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+bench: $(FULL_STAMP)
 	$(BIN)/python bench/plan_examples.py
 	$(BIN)/python bench/search_scaling.py
 	$(BIN)/python bench/profile_repeatability.py
