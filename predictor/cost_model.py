@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from typing import TypeVar
 
 import numpy as np
 
@@ -302,6 +303,42 @@ def optimizer_time_s(ctx: CostContext, group: DeviceGroup, params_per_device: fl
     return local * ADAM_BYTES_MOVED_PER_PARAM / bw * ctx.terms.optimizer_scale
 
 
+def exposed_dp_sync_time_s(ctx: CostContext, dp_sync_s: float, backward_s: float) -> float:
+    """The DP sync that sticks out past the last micro-batch's backward (`dp_overlap` of it hides there when the
+    engine overlaps grad reduce; none otherwise): it and the optimizer step follow the pipeline flush."""
+    hidden_s = ctx.terms.dp_overlap * backward_s if ctx.training.overlap_grad_reduce else 0.0
+    return max(0.0, dp_sync_s - hidden_s)
+
+
+def least_sync_and_step_per_layer_s(
+    ctx: CostContext, group: DeviceGroup, tp: int, replicas: int
+) -> tuple[float, float]:
+    """(DP sync, optimizer step) per decoder layer of a stage at their least, for the planner's bounds: DP time is
+    concave in the bytes with no time at zero, so per layer it is least with all L layers on the stage; the optimizer
+    step is linear in the layers."""
+    num_layers = ctx.model.num_layers
+    params = ctx.model.layer_params() / tp
+    dp_s = dp_sync_time_s(ctx, group, num_layers * params, tp, replicas) / num_layers
+    return dp_s, optimizer_time_s(ctx, group, params, replicas)
+
+
+def tail_per_layer_lower_bound_s(ctx: CostContext, backward_s: float, sync_and_step_s: tuple[float, float]) -> float:
+    """A lower bound on a stage's tail (exposed DP sync + optimizer step, as `evaluate` charges it) per decoder layer
+    it holds, from one layer's backward time and least_sync_and_step_per_layer_s: the backward hiding the sync is
+    linear in the layers too; embedding / LM-head parameters and the sync across families only add."""
+    dp_s, optimizer_s = sync_and_step_s
+    return exposed_dp_sync_time_s(ctx, dp_s, backward_s) + optimizer_s
+
+
+Seconds = TypeVar("Seconds", float, np.ndarray)
+
+
+def fill_and_drain_time_s(virtual_stages: int, one_way_p2p_s: Seconds) -> Seconds:
+    """Point-to-point time of a pipeline's fill and drain, given one direction across every boundary (a float, or an
+    array of them): every boundary is crossed once per chunk, each way."""
+    return 2 * virtual_stages * one_way_p2p_s
+
+
 def p2p_link(ctx: CostContext, a: StageStrategy, b: StageStrategy) -> Link:
     group_a, group_b = ctx.cluster.group(a.group), ctx.cluster.group(b.group)
     if a.group != b.group:
@@ -339,6 +376,11 @@ class StageEvaluation:
     @property
     def shortfall_bytes(self) -> float:
         return max(0.0, self.memory.total_bytes - self.memory_usable_bytes)
+
+    @property
+    def tail_time_s(self) -> float:
+        """What the stage waits after the pipeline flush: its exposed DP sync, then its optimizer step."""
+        return self.dp_exposed_time_s + self.optimizer_time_s
 
 
 @dataclass(frozen=True)
@@ -450,8 +492,6 @@ def _evaluate_stages(
         dp_time = dp_sync_time_s(ctx, group, params_per_device, stage.tp, replicas)
         dp_time += cross_family_sync_time_s(ctx, strategy, family, stage, params_per_device)
         backward = stage.num_layers * layer_cost.backward_time_s
-        hidden = ctx.terms.dp_overlap * backward if ctx.training.overlap_grad_reduce else 0.0
-        exposed = max(0.0, dp_time - hidden)
         memory = stage_memory(
             ctx,
             group,
@@ -472,7 +512,7 @@ def _evaluate_stages(
                 backward_time_s=backward,
                 p2p_time_s=p2p_time_s(ctx, stage, stages[index + 1], b) if index + 1 < p else 0.0,
                 dp_sync_time_s=dp_time,
-                dp_exposed_time_s=exposed,
+                dp_exposed_time_s=exposed_dp_sync_time_s(ctx, dp_time, backward),
                 optimizer_time_s=optimizer_time_s(ctx, group, params_per_device, replicas),
                 memory=memory,
                 memory_capacity_bytes=group.device.memory_bytes,
@@ -485,8 +525,7 @@ def _evaluate_stages(
     times = [stage.compute_time_s for stage in evaluated]
     slowest = max(times)
     bubble = (sum(times) - slowest) / strategy.virtual_stages
-    # Fill and drain cross every boundary once per chunk, each way.
-    p2p = 2 * strategy.virtual_stages * sum(stage.p2p_time_s for stage in evaluated)
+    p2p = fill_and_drain_time_s(strategy.virtual_stages, sum(stage.p2p_time_s for stage in evaluated))
     return evaluated, m * slowest + bubble + p2p, bubble
 
 
@@ -504,7 +543,7 @@ def evaluate(ctx: CostContext, strategy: Strategy, cache: StageCache | None = No
         evaluated.extend(stages)
         if family_time > pipeline_time:
             pipeline_time, bubble = family_time, family_bubble
-    tail = max(stage.dp_exposed_time_s + stage.optimizer_time_s for stage in evaluated) + ctx.terms.iteration_overhead_s
+    tail = max(stage.tail_time_s for stage in evaluated) + ctx.terms.iteration_overhead_s
     iteration = pipeline_time + tail
     samples = ctx.training.global_batch_size
     devices = [(ctx.cluster.group(s.group), p.stage_devices(s)) for p in strategy.pipelines for s in p.stages]
