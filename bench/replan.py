@@ -53,7 +53,7 @@ def main() -> None:
             result = replan(changed, model, training, old.strategy, predictor)
             warm.append(result.replan_time_s)
             started = time.perf_counter()
-            search(predictor.context(changed, model, uneven), top_k=1)  # the same space, no warm start
+            search(predictor.context(changed, model, uneven))  # the same space, no warm start
             cold.append(time.perf_counter() - started)
         new = result.plan.evaluation
         row = {

@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 from planner import build_context, compute_bounds  # noqa: E402
 from planner.baselines import SPLITTERS  # noqa: E402
-from planner.search import search  # noqa: E402
+from planner.search import SearchOptions, search  # noqa: E402
 from predictor.cost_model import CostContext  # noqa: E402
 from specs import load_model, load_training  # noqa: E402
 from specs.cluster import ClusterSpec, DeviceGroup  # noqa: E402
@@ -124,7 +124,7 @@ def main() -> None:
         search_s = time.perf_counter() - started
         best = result.evaluations[0]
         started = time.perf_counter()  # the gap's root bound: the search again, keeping the least bound of every row
-        rooted = search(ctx, root_bound=True)
+        rooted = search(ctx, SearchOptions(root_bound=True))
         root_s = time.perf_counter() - started
         assert rooted.lower_bound_s is not None and rooted.evaluations[0].strategy == best.strategy
         started = time.perf_counter()

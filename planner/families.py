@@ -27,15 +27,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from planner.options import DEFAULT_OPTIONS, ProgressCallback, SearchOptions
 from predictor.cost_model import CostContext, Evaluation, evaluate
 from specs.cluster import DeviceGroup
 from specs.layout import Strategy, split_pipeline
 from specs.model import Recompute
 
-PLANS_PER_BLOCK = 3  # the best plans of each block offered to the batch split
-REFINED_PARTITIONS = 2  # the best partitions whose blocks are searched again near the shares the split chose
-REFINED_PER_STAGE_CANDIDATES = 2  # ... with per-stage recompute for this many of each block's best candidates
-BISECTION_STEPS = 50  # on the slowest family's time: 2^-50 of the first bracket
+# the best plans of a block alone: (the block's context, the search options) -> evaluations, best first
+BlockSearch = Callable[[CostContext, SearchOptions], Sequence[Evaluation]]
 
 
 @dataclass(frozen=True)
@@ -71,12 +70,14 @@ def partitions(items: Sequence[DeviceGroup]) -> Iterator[list[list[DeviceGroup]]
 
 
 def _block_context(ctx: CostContext, block: Sequence[DeviceGroup], samples: int) -> CostContext:
+    """The context of a block alone with `samples` of the batch (one family)."""
     cluster = dataclasses.replace(ctx.cluster, groups=tuple(block))
     training = ctx.training.model_copy(update={"global_batch_size": samples, "families": "off"})
     return dataclasses.replace(ctx, cluster=cluster, training=training)
 
 
 def _block_plans(evaluations: Sequence[Evaluation]) -> list[_BlockPlan]:
+    """A block's plans as affine functions of their micro-batches per replica."""
     plans = []
     for evaluation in evaluations:
         pipeline = evaluation.strategy.pipelines[0]
@@ -97,7 +98,11 @@ def _block_plans(evaluations: Sequence[Evaluation]) -> list[_BlockPlan]:
     return plans
 
 
-def split_batch_across(global_batch: int, blocks: Sequence[Sequence[_BlockPlan]]) -> tuple[list[int], list[int]] | None:
+def split_batch_across(
+    global_batch: int,
+    blocks: Sequence[Sequence[_BlockPlan]],
+    bisection_steps: int = DEFAULT_OPTIONS.share_bisection_steps,
+) -> tuple[list[int], list[int]] | None:
     """One plan per block and its total micro-batches, samples adding up to the global batch exactly, every replica
     running q or q - 1 (>= 1) micro-batches, minimising the slowest family's time; plans of several stages share one
     interleaving depth. Returns (plan index per block, micro-batches per block), or None when no split exists.
@@ -105,14 +110,14 @@ def split_batch_across(global_batch: int, blocks: Sequence[Sequence[_BlockPlan]]
     Exact: within a time T, plan p of a block can take any n in [replicas, replicas * q_max(T)] micro-batches of
     its size b, so the sample totals reachable by the blocks together are a sum of sets (a subset-sum table over
     0..global batch); reaching the global batch is monotone in T, so bisection finds the least T, and walking the
-    tables back gives the split."""
+    tables back gives the split (`bisection_steps` halvings of the first bracket)."""
     best: tuple[float, list[int], list[int]] | None = None
     depths = sorted({p.virtual_stages for plans in blocks for p in plans if p.virtual_stages}) or [0]
     for depth in depths:
         allowed = [[i for i, p in enumerate(plans) if p.virtual_stages in (0, depth)] for plans in blocks]
         if any(not indices for indices in allowed):
             continue
-        found = _least_time_split(global_batch, blocks, allowed)
+        found = _least_time_split(global_batch, blocks, allowed, bisection_steps)
         if found is not None and (best is None or found[0] < best[0]):
             best = found
     return None if best is None else (best[1], best[2])
@@ -160,14 +165,16 @@ def _tables(
 
 
 def _least_time_split(
-    global_batch: int, blocks: Sequence[Sequence[_BlockPlan]], allowed: Sequence[Sequence[int]]
+    global_batch: int, blocks: Sequence[Sequence[_BlockPlan]], allowed: Sequence[Sequence[int]], steps: int
 ) -> tuple[float, list[int], list[int]] | None:
+    """split_batch_across for one interleaving depth (`allowed`: the plans of each block with it): (the slowest
+    family's time, plan index per block, micro-batches per block)."""
     plans = [blocks[f][i] for f, indices in enumerate(allowed) for i in indices]
     high = max(p.per_microbatch_s * (global_batch // p.micro_batch_size) + p.fixed_s for p in plans)
     if _tables(global_batch, blocks, allowed, high) is None:
         return None
     low = 0.0
-    for _ in range(BISECTION_STEPS):
+    for _ in range(steps):
         middle = (low + high) / 2
         if _tables(global_batch, blocks, allowed, middle) is None:
             low = middle
@@ -234,33 +241,53 @@ def combine(ctx: CostContext, plans: Sequence[_BlockPlan], microbatches: Sequenc
 
 def family_search(
     ctx: CostContext,
-    top_k: int,
+    options: SearchOptions,
     block_rate: dict[str, float],
-    progress: Callable[[int, int], None] | None = None,
+    block_search: BlockSearch,
+    progress: ProgressCallback | None = None,
 ) -> FamilySearchResult:
-    """The fastest plans of two or more families over every partition of the groups. `block_rate`: an estimate
-    of each group's throughput (any unit), for the first shares. `progress(done, total)` counts partitions.
+    """The fastest plans (options.top_k) of two or more families over every partition of the groups. `block_rate`: an
+    estimate of each group's throughput (any unit), for the first shares. `block_search`: the best plans of a block
+    alone (the ordinary search, planner.search; given by the caller, which is that search). `progress(done, total)`
+    counts partitions.
 
     Every partition: each block's best plans at its share of the batch by `block_rate` (single-mode recompute: the
     per-stage CP-SAT refinement would cost most of the time), then the exact batch split. The best
-    REFINED_PARTITIONS partitions: blocks searched again near the shares the split chose, now with per-stage
+    options.refined_partitions partitions: blocks searched again near the shares the split chose, now with per-stage
     recompute, and the split solved over both rounds' plans."""
-    from planner.search import search  # families search blocks with the ordinary search
+    return _FamilySearch(ctx, options, block_search).run(block_rate, progress)
 
-    global_batch = ctx.training.global_batch_size
-    memo: dict[tuple[tuple[str, ...], int, bool], list[_BlockPlan]] = {}
 
-    def block_plans(block: Sequence[DeviceGroup], samples: int, refine: bool) -> list[_BlockPlan]:
+# a partition's first-round result: (iteration time, position, the partition, each block's plans, each block's share)
+_FirstRound = tuple[float, int, list[list[DeviceGroup]], list[list[_BlockPlan]], list[int]]
+
+
+class _FamilySearch:
+    """The block searches of one family search (memoised by block, share and round) and the batch split."""
+
+    def __init__(self, ctx: CostContext, options: SearchOptions, block_search: BlockSearch) -> None:
+        self.ctx, self.options, self.block_search = ctx, options, block_search
+        self.memo: dict[tuple[tuple[str, ...], int, bool], list[_BlockPlan]] = {}
+
+    def block_plans(self, block: Sequence[DeviceGroup], samples: int, refine: bool) -> list[_BlockPlan]:
+        """The best plans of a block alone with `samples` of the batch (`refine`: with per-stage recompute)."""
         key = (tuple(g.name for g in block), samples, refine)
-        if key not in memo:
-            block_ctx = _block_context(ctx, block, samples)
-            per_stage = REFINED_PER_STAGE_CANDIDATES if refine else 0
-            result = search(block_ctx, top_k=PLANS_PER_BLOCK, per_stage_candidates=per_stage, every_group=True)
-            memo[key] = _block_plans(result.evaluations)
-        return memo[key]
+        if key not in self.memo:
+            options = dataclasses.replace(
+                self.options,
+                top_k=self.options.plans_per_block,
+                per_stage_candidates=self.options.refined_per_stage_candidates if refine else 0,
+                every_group=True,
+                root_bound=False,
+            )
+            self.memo[key] = _block_plans(self.block_search(_block_context(self.ctx, block, samples), options))
+        return self.memo[key]
 
-    def solve(pools: list[list[_BlockPlan]]) -> tuple[Evaluation, list[int]] | None:
-        split = split_batch_across(global_batch, pools)
+    def solve(self, pools: list[list[_BlockPlan]]) -> tuple[Evaluation, list[int]] | None:
+        """The best split of the batch over one plan per block, evaluated: (its evaluation, each block's samples),
+        or None where no split exists or it does not fit."""
+        ctx = self.ctx
+        split = split_batch_across(ctx.training.global_batch_size, pools, self.options.share_bisection_steps)
         if split is None:
             return None
         picked, microbatches = split
@@ -269,42 +296,45 @@ def family_search(
         shares = [p.micro_batch_size * n for p, n in zip(chosen, microbatches, strict=True)]
         return (evaluation, shares) if evaluation.fits else None
 
-    total_rate = sum(block_rate.values())
-    found: list[Evaluation] = []
-    first_round: list[tuple[float, int, list[list[DeviceGroup]], list[list[_BlockPlan]], list[int]]] = []
-    count = 0
-    several = [p for p in partitions(list(ctx.cluster.groups)) if len(p) >= 2]
-    steps = len(several) + min(REFINED_PARTITIONS, len(several))
-    for partition in several:
-        if progress is not None:
-            progress(count, steps)
-        count += 1
-        # a block's first share depends on the block only (its part of the whole cluster's rate), so every block
-        # is searched once whatever partition it is in; the split then moves samples freely
-        shares = [
-            _probe_share(global_batch * sum(block_rate[g.name] for g in block) / total_rate) for block in partition
-        ]
-        pools = [block_plans(block, share, False) for block, share in zip(partition, shares, strict=True)]
-        if any(not pool for pool in pools):
-            continue  # a block cannot hold the model (memory barely depends on the share)
-        solved = solve(pools)
-        if solved is not None:
-            found.append(solved[0])
-            first_round.append((solved[0].iteration_time_s, count, partition, pools, solved[1]))
-    for step, (_, _, partition, pools, shares) in enumerate(
-        sorted(first_round, key=lambda item: item[:2])[:REFINED_PARTITIONS], len(several)
-    ):
-        if progress is not None:
-            progress(step, steps)
-        fresh = [block_plans(block, _probe_share(share), True) for block, share in zip(partition, shares, strict=True)]
-        merged = [pool + [p for p in more if p not in pool] for pool, more in zip(pools, fresh, strict=True)]
-        solved = solve(merged)
-        if solved is not None:
-            found.append(solved[0])
-    unique: dict[str, Evaluation] = {}
-    for evaluation in sorted(found, key=lambda e: e.iteration_time_s):
-        unique.setdefault(repr(evaluation.strategy), evaluation)
-    return FamilySearchResult(list(unique.values())[:top_k], count, len(memo))
+    def run(self, block_rate: dict[str, float], progress: ProgressCallback | None) -> FamilySearchResult:
+        """Every partition at first shares by `block_rate`, then the best partitions again near the split's shares."""
+        global_batch = self.ctx.training.global_batch_size
+        total_rate = sum(block_rate.values())
+        found: list[Evaluation] = []
+        first_round: list[_FirstRound] = []
+        count = 0
+        several = [p for p in partitions(list(self.ctx.cluster.groups)) if len(p) >= 2]
+        refined = min(self.options.refined_partitions, len(several))
+        steps = len(several) + refined
+        for partition in several:
+            if progress is not None:
+                progress(count, steps)
+            count += 1
+            # a block's first share depends on the block only (its part of the whole cluster's rate), so every block
+            # is searched once whatever partition it is in; the split then moves samples freely
+            rates = [sum(block_rate[g.name] for g in block) for block in partition]
+            shares = [_probe_share(global_batch * rate / total_rate) for rate in rates]
+            pools = [self.block_plans(block, share, False) for block, share in zip(partition, shares, strict=True)]
+            if any(not pool for pool in pools):
+                continue  # a block cannot hold the model (memory barely depends on the share)
+            solved = self.solve(pools)
+            if solved is not None:
+                found.append(solved[0])
+                first_round.append((solved[0].iteration_time_s, count, partition, pools, solved[1]))
+        best_partitions = sorted(first_round, key=lambda item: item[:2])[: self.options.refined_partitions]
+        for step, (_, _, partition, pools, shares) in enumerate(best_partitions, len(several)):
+            if progress is not None:
+                progress(step, steps)
+            blocks = zip(partition, shares, strict=True)
+            fresh = [self.block_plans(block, _probe_share(share), True) for block, share in blocks]
+            merged = [pool + [p for p in more if p not in pool] for pool, more in zip(pools, fresh, strict=True)]
+            solved = self.solve(merged)
+            if solved is not None:
+                found.append(solved[0])
+        unique: dict[str, Evaluation] = {}
+        for evaluation in sorted(found, key=lambda e: e.iteration_time_s):
+            unique.setdefault(repr(evaluation.strategy), evaluation)
+        return FamilySearchResult(list(unique.values())[: self.options.top_k], count, len(self.memo))
 
 
 def _probe_share(samples: float) -> int:

@@ -5,9 +5,10 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 
-from planner.bounds import compute_bound_tokens_per_s, group_alone_tokens_per_s
+from planner.options import ProgressCallback, SearchOptions
 from planner.plan import Bounds, Plan
-from planner.search import ProgressCallback, search
+from planner.search import fastest, search
+from planner.yardsticks import compute_bound_tokens_per_s, group_alone_tokens_per_s
 from predictor.cost_model import (
     CostContext,
     Evaluation,
@@ -27,10 +28,12 @@ from specs.units import GIB
 
 
 def compute_bounds(ctx: CostContext) -> Bounds:
+    """The yardsticks of a plan in this context: HETHUB's upper bound (each group's best plan alone) and the compute
+    bound."""
     per_group: dict[str, float] = {}
     scaled: list[str] = []
     for group in ctx.cluster.groups:
-        tokens_per_s, was_scaled = group_alone_tokens_per_s(ctx, group)
+        tokens_per_s, was_scaled = group_alone_tokens_per_s(ctx, group, fastest)
         per_group[group.name] = tokens_per_s
         if was_scaled:
             scaled.append(group.name)
@@ -55,7 +58,7 @@ def plan(
     base = predictor.base_context(cluster, model, training, profiles)
     ctx = predictor.context(cluster, model, training, profiles)
     started = time.perf_counter()
-    result = search(ctx, top_k=max(1, top_k), progress=progress, root_bound=lower_bound)
+    result = search(ctx, SearchOptions(top_k=max(1, top_k), root_bound=lower_bound), progress)
     search_time_s = time.perf_counter() - started
     if not result.evaluations:
         if result.smallest_shortfall_where:

@@ -103,7 +103,7 @@ def replan(
     started = time.perf_counter()
     ctx = predictor.context(cluster, model, training)
     adapted = adapt_strategy(ctx, old)
-    result = search(ctx, top_k=1, warm_start=(adapted,) if adapted else ())
+    result = search(ctx, warm_start=(adapted,) if adapted else ())
     elapsed = time.perf_counter() - started
     if not result.evaluations:
         raise DoesNotFitError(

@@ -79,7 +79,7 @@ def test_uneven_plan_is_no_worse_than_any_megatron_layout_with_any_replica_count
     )
     best = plan(cluster, model, training)
     ctx = best.context
-    checked = 0
+    checked = compared = 0
     for tp in (1, 2, 4, 8):
         for pp in (p for p in (1, 2, 3, 4, 6, 8, 12, 24) if p * tp <= 24):
             for dp in range(1, 24 // (tp * pp) + 1):
@@ -95,5 +95,6 @@ def test_uneven_plan_is_no_worse_than_any_megatron_layout_with_any_replica_count
                         evaluation = predict(ctx, Strategy((pipeline,), recompute, 1))
                         checked += 1
                         if evaluation.fits:
+                            compared += 1
                             assert best.evaluation.iteration_time_s <= evaluation.iteration_time_s * (1 + 1e-9)
-    assert checked > 500
+    assert checked > 500 and compared > 0

@@ -9,15 +9,17 @@ recompute), no bubble, no communication, no memory limit.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
-from predictor.cost_model import CostContext
+from predictor.cost_model import CostContext, Evaluation
 from specs.cluster import DeviceGroup
 
 MAX_SCALE_DOUBLINGS = 8
 
 
 def compute_bound_tokens_per_s(ctx: CostContext) -> float:
+    """Tokens/s with every device busy at its profiled layer speed (TP 1, best micro-batch, no recompute)."""
     model, seq = ctx.model, ctx.seq_length
     total = 0.0
     for group in ctx.cluster.groups:
@@ -34,16 +36,17 @@ def compute_bound_tokens_per_s(ctx: CostContext) -> float:
     return total
 
 
-def group_alone_tokens_per_s(ctx: CostContext, group: DeviceGroup) -> tuple[float, bool]:
-    """(tokens/s of the group's best homogeneous plan, whether it had to be scaled up to fit the model)."""
-    from planner.search import search  # the bound uses the same search as the plan
-
+def group_alone_tokens_per_s(
+    ctx: CostContext, group: DeviceGroup, fastest: Callable[[CostContext], Evaluation | None]
+) -> tuple[float, bool]:
+    """(tokens/s of the group's best homogeneous plan, whether it had to be scaled up to fit the model). `fastest`:
+    the fastest plan that fits a context, or None (planner.search.fastest: the bound uses the same search as the
+    plan)."""
     for doubling in range(MAX_SCALE_DOUBLINGS + 1):
         scaled = group.with_nodes(group.nodes * 2**doubling)
         alone = replace(ctx, cluster=ctx.cluster.only(scaled), sources={scaled.name: ctx.source(group.name)})
-        result = search(alone, top_k=1)
-        if result.evaluations:
-            best = result.evaluations[0]
+        best = fastest(alone)
+        if best is not None:
             if doubling == 0:
                 return best.tokens_per_s, False
             return best.tokens_per_s * group.num_devices / best.devices_used, True

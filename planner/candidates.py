@@ -1,0 +1,117 @@
+"""What a candidate of the search is (OuterConfig: everything but the layer split) and the structural choices it is
+built from: TP degrees per group, replica counts, pipeline orders of the groups."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from predictor.cost_model import CostContext
+from specs.cluster import DeviceGroup
+from specs.layout import split_batch
+
+PER_STAGE = "per-stage"  # pseudo recompute mode of candidates whose stages each pick their own mode
+
+
+@dataclass(frozen=True)
+class OuterConfig:
+    """Everything but the layer split: groups along the pipe (in order), their TP degrees and stage counts."""
+
+    groups: tuple[DeviceGroup, ...]
+    tps: tuple[int, ...]
+    stage_counts: tuple[int, ...]
+    replicas: int
+    micro_batch_size: int
+    recompute: str  # a Recompute mode, or PER_STAGE (set only by the refinement step of the search)
+    virtual_stages: int
+    lower_bound_s: float  # of every order of these groups
+    # of this order: whole layers, memory caps at each stage's pipeline depth (>= lower_bound_s; candidates come in
+    # this bound's order)
+    order_bound_s: float = 0.0
+    fill_and_drain_bound_s: float = 0.0  # the point-to-point part of those bounds (the exact one replaces it)
+
+    def stage_groups(self) -> list[tuple[DeviceGroup, int]]:
+        """(group, TP) of every stage along the pipe."""
+        return [(g, t) for g, t, c in zip(self.groups, self.tps, self.stage_counts) for _ in range(c)]
+
+    def describe(self) -> str:
+        """One line for messages, e.g. 'a100(tp2x3)+v100(tp1x1), dp 4, micro-batch 1, ...'."""
+        names = "+".join(f"{g.name}(tp{t}x{c})" for g, t, c in zip(self.groups, self.tps, self.stage_counts))
+        return (
+            f"{names}, dp {self.replicas}, micro-batch {self.micro_batch_size}, "
+            f"recompute {self.recompute}, virtual stages {self.virtual_stages}"
+        )
+
+
+def divisors(n: int) -> list[int]:
+    """The divisors of n, ascending."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def config_microbatches(ctx: CostContext, config: OuterConfig) -> tuple[int, int]:
+    """(most micro-batches per replica, total micro-batches) of a candidate."""
+    split = split_batch(ctx.training.global_batch_size, config.replicas, config.micro_batch_size)
+    assert split is not None, "candidates are generated with a valid batch split"
+    return split
+
+
+def replica_counts(global_batch: int, subset: Sequence[DeviceGroup], tp_rows: np.ndarray, max_stages: int) -> list[int]:
+    """Replica counts worth trying for a set of groups: the divisors of the batch (even splits), and the counts at
+    which some group fits one more stage (floor(devices / (replicas * tp)) steps up), where an uneven split of the
+    batch keeps devices busy that an even split would leave idle. Between two such counts fewer replicas only
+    lengthen every replica's share."""
+    counts = set(divisors(global_batch))
+    for column, group in enumerate(subset):
+        for tp in sorted(set(int(t) for t in tp_rows[:, column])):
+            for stages in range(1, max_stages + 1):
+                replicas = group.num_devices // (stages * tp)
+                if replicas < 1:
+                    break
+                counts.add(replicas)
+    return sorted(c for c in counts if c <= global_batch)
+
+
+def tp_options(ctx: CostContext, group: DeviceGroup) -> list[int]:
+    """TP degrees inside one node that divide the kv heads (and that the group's profile covers)."""
+    options = [t for t in divisors(group.devices_per_node) if ctx.model.num_kv_heads % t == 0]
+    source = ctx.source(group.name)
+    profiled = getattr(source, "tp_degrees", None)
+    if callable(profiled):
+        options = [t for t in options if t in profiled()]
+    return options
+
+
+def group_subsets(groups: Sequence[DeviceGroup], sizes: range) -> list[tuple[DeviceGroup, ...]]:
+    """The subsets of the groups with these many groups, smaller first, each in the cluster's order."""
+    return [s for size in sizes for s in itertools.combinations(groups, size)]
+
+
+_PERMUTATION_INDEX = {k: {order: i for i, order in enumerate(itertools.permutations(range(k)))} for k in range(1, 9)}
+
+
+def permutation_index(order: tuple[int, ...]) -> int:
+    """The position of an order of k groups among itertools.permutations(range(k))."""
+    return _PERMUTATION_INDEX[len(order)][order]
+
+
+def _signature(group: DeviceGroup) -> tuple[object, ...]:
+    """What makes two groups interchangeable along a pipe."""
+    return (group.device, group.nodes, group.devices_per_node, group.nics_per_node, group.nic_bw_bytes_per_s)
+
+
+@functools.cache
+def group_orders(groups: tuple[DeviceGroup, ...]) -> list[tuple[int, ...]]:
+    """Permutations of group indices, skipping those that only swap interchangeable groups (identical devices and
+    node shapes). Memoised: callers must not modify the list."""
+    seen: set[tuple[object, ...]] = set()
+    orders = []
+    for order in itertools.permutations(range(len(groups))):
+        key = tuple(_signature(groups[i]) for i in order)
+        if key not in seen:
+            seen.add(key)
+            orders.append(order)
+    return orders

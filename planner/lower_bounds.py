@@ -1,0 +1,235 @@
+"""Lower bounds on the iteration time the search prunes with, as array math over candidates (planner.tp_rows feeds
+them the cost model's numbers).
+
+Pipeline (1F1B over m micro-batches, v interleaved chunks): (m - 1/v) * M + S / v for bottleneck stage time M and
+stage-time sum S (planner.layer_split), then the fill and drain point-to-point and the tail of the fullest stage
+(exposed DP sync + optimizer step: cost_model.tail_per_layer_lower_bound_s). The bounds, each at least the one
+before: a row's (water-filling, no memory; PipelineBound), with whole layers (whole_layer_bottleneck_s), per pipeline
+order with memory caps at each stage's depth (memory_bottleneck_s); the root bound also covers plans with a recompute
+mode per stage (MixedTail, per_stage_memory_bottleneck_s); the work bound covers every plan of a group subset.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from planner.candidates import tp_options
+from predictor.cost_model import CostContext, decoder_layer_time_s, in_flight_table
+from specs.cluster import DeviceGroup
+
+
+@dataclass(frozen=True)
+class PipelineBound:
+    """The pipeline part of a batch of rows' bounds (arrays: (rows, groups), one recompute mode).
+
+    (m - 1/v) * M + S / v with M >= the fractional water-filling bottleneck (L + sum_i e_i / a_i) / sum_i(1 / a_i) and
+    S >= L * min_i a_i + e_embedding + e_head, where a_i is a stage's per-layer time and e_i its embedding / LM-head
+    time (bounded below by the cheapest group of the row)."""
+
+    num_layers: int
+    per_layer_s: np.ndarray
+    first_edge_s: np.ndarray  # embedding time, if the group's stage comes first
+    last_edge_s: np.ndarray  # LM head time, if it comes last
+    counts: np.ndarray  # stages per group
+    water_level_s: np.ndarray  # (rows,)
+    cheapest_sum_s: np.ndarray  # (rows,)
+
+    @classmethod
+    def of(
+        cls, num_layers: int, per_layer_s: np.ndarray, first_edge_s: np.ndarray, last_edge_s: np.ndarray, counts: Any
+    ) -> PipelineBound:
+        """The bound's parts that do not depend on the interleaving depth."""
+        a = per_layer_s
+        fixed_ratio = (first_edge_s / a).min(axis=1) + (last_edge_s / a).min(axis=1)
+        level = (num_layers + fixed_ratio) / (counts / a).sum(axis=1)
+        cheapest = num_layers * a.min(axis=1) + first_edge_s.min(axis=1) + last_edge_s.min(axis=1)
+        return cls(num_layers, per_layer_s, first_edge_s, last_edge_s, counts, level, cheapest)
+
+    def bound_s(
+        self, microbatches: int, virtual: int, tail_s: np.ndarray, fill_and_drain_s: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray] | None:
+        """(each row's bound on the iteration time, inf where v chunks do not fit; the bottleneck it assumed), given the
+        rows' tail and fill / drain bounds; None when no row allows v chunks."""
+        num_layers, a, counts = self.num_layers, self.per_layer_s, self.counts
+        stages = counts.sum(axis=1)
+        allowed = (stages * virtual <= num_layers) & ((virtual == 1) | (stages > 1))
+        if not allowed.any():
+            return None
+        # every stage holds >= v layers, and layers are whole
+        least_sum = virtual * (counts * a).sum(axis=1) + (num_layers - virtual * stages) * a.min(axis=1)
+        # whole layers and memory caps tighten this per pipeline order when a candidate comes up
+        # (memory_bottleneck_s): cheaper there than for every row here
+        least_bottleneck = np.maximum(self.water_level_s, virtual * a.max(axis=1))
+        least_sum = least_sum + self.first_edge_s.min(axis=1) + self.last_edge_s.min(axis=1)
+        bound = (
+            (microbatches - 1 / virtual) * least_bottleneck
+            + (np.maximum(self.cheapest_sum_s, least_sum)) / virtual
+            + tail_s
+            + fill_and_drain_s
+        )
+        return np.where(allowed, bound, np.inf), least_bottleneck
+
+
+@dataclass(frozen=True)
+class MixedTail:
+    """The tail bound of a batch's rows, and what the root bound needs for per-stage recompute plans.
+
+    The stage with the most layers holds at least ceil(L / p); after the pipeline it waits its tail (exposed DP
+    sync + optimizer step). A row's own bound adds the least such tail over its groups in its mode. A per-stage
+    recompute plan may put that stage in another mode, hiding more DP sync behind a longer backward, but then
+    that stage's time also bounds the pipeline's bottleneck: for those plans the bound is the fastest mode's row
+    (recompute never makes a layer faster) with min over group g and mode r of (m - 1/v) * max(M, T_gr) + tail_gr
+    in place of (m - 1/v) * M + its own tail, T_gr the time of ceil(L / p) layers of group g in mode r."""
+
+    tail_s: np.ndarray  # (rows,) the row's own tail bound (fixed overhead apart)
+    fullest_time_s: np.ndarray  # (rows, groups x modes): T_gr per micro-batch
+    fullest_tail_s: np.ndarray  # (rows, groups x modes): tail_gr
+
+    def root_s(self, rows: Any, bound_s: Any, least_bottleneck_s: Any, bottleneck_s: Any, weight: float) -> Any:
+        """The bound over uniform and per-stage recompute plans of these rows (an index or a slice), given their own
+        bound (computed with `least_bottleneck_s`) and a bottleneck `bottleneck_s` >= that which all their plans
+        reach; `weight` is m - 1/v."""
+        bottleneck = np.asarray(bottleneck_s, dtype=float)[..., None]
+        coupled = weight * np.maximum(bottleneck, self.fullest_time_s[rows]) + self.fullest_tail_s[rows]
+        return bound_s - self.tail_s[rows] - weight * least_bottleneck_s + coupled.min(axis=-1)
+
+
+def whole_layer_bottleneck_s(per_layer_s: Sequence[float], counts: Sequence[int], num_layers: int) -> float:
+    """The smallest M with sum_g counts_g * floor(M / a_g) >= L: the bottleneck whole layers allow (no fixed costs,
+    no memory limit). Exact: from the fractional level, step through the multiples of the a_g in order (each step
+    adds counts_g layers, so at most sum(counts) steps); rounded down slightly to stay a bound."""
+    level = num_layers / sum(c / a for a, c in zip(per_layer_s, counts, strict=True))
+    layers = sum(c * math.floor(level / a) for a, c in zip(per_layer_s, counts, strict=True))
+    steps = [((math.floor(level / a) + 1) * a, a, c) for a, c in zip(per_layer_s, counts, strict=True)]
+    heapq.heapify(steps)
+    while layers < num_layers:
+        level, a, c = heapq.heappop(steps)
+        layers += c
+        heapq.heappush(steps, (level + a, a, c))
+    return level * (1 - 1e-9)
+
+
+def orders_within_memory(
+    usable: np.ndarray,
+    state_per_layer: np.ndarray,
+    activation: np.ndarray,
+    first_bytes: np.ndarray,
+    last_bytes: np.ndarray,
+    counts: np.ndarray,
+    microbatches: int,
+    num_layers: int,
+    virtual: int,
+) -> np.ndarray:
+    """Which pipeline orders of each candidate could hold the model: (rows, permutations of the groups).
+
+    Under 1F1B the stage at depth d from the end of the pipe keeps min(d, m) micro-batches in flight (interleaved:
+    cost_model.in_flight_table). For each order of the groups (each a contiguous block), sum the layers every stage
+    could hold at its depth, the first stage also holding the embedding and the last the LM head, and require the total
+    to reach L and every stage to hold `virtual` layers. An order that fails cannot fit; one that passes may.
+    Arrays are (rows, groups).
+    """
+    least_layers = virtual
+    stages = counts.sum(axis=1)
+    depth = np.arange(1, int(stages.max()) + 1)
+    in_flight = in_flight_table(depth, microbatches, stages, virtual)[:, None, :]
+    per_layer = state_per_layer[..., None] + activation[..., None] * in_flight
+    room = np.floor(usable[..., None] / per_layer)
+    cumulative = np.concatenate([np.zeros((*room.shape[:-1], 1)), np.cumsum(room, axis=-1)], axis=-1)
+    rows = np.arange(len(counts))[:, None]
+    deepest = (np.minimum(stages, depth[-1]) - 1)[:, None]
+    orders = np.array(list(itertools.permutations(range(counts.shape[1]))))  # (orders, groups)
+    # per row, order and position along the order: the stages behind that group (its depth offset) and its end
+    ordered_counts = counts[:, orders]  # (rows, orders, groups)
+    end = np.cumsum(ordered_counts[..., ::-1], axis=-1)[..., ::-1]
+    behind = end - ordered_counts
+    r, o = rows[..., None], orders[None, ...]
+    total = (cumulative[r, o, end] - cumulative[r, o, behind]).sum(axis=-1)  # (rows, orders)
+    fewest = room[r, o, np.minimum(end, depth[-1]) - 1].min(axis=-1)  # rooms shrink with depth
+    head, tail = orders[None, :, 0], orders[None, :, -1]
+    single = (stages == 1)[:, None]
+    first_room = usable[rows, head] - first_bytes[rows, head] - np.where(single, last_bytes[rows, head], 0.0)
+    first_layers = np.floor(first_room / per_layer[rows, head, deepest])
+    total += first_layers - room[rows, head, deepest]
+    last_layers = np.floor((usable[rows, tail] - last_bytes[rows, tail]) / per_layer[rows, tail, 0])
+    total += np.where(single, 0.0, last_layers - room[rows, tail, 0])
+    fewest = np.minimum(np.minimum(fewest, first_layers), np.where(single, np.inf, last_layers))
+    return (total >= num_layers) & (fewest >= least_layers)
+
+
+def memory_bottleneck_s(
+    per_layer_s: np.ndarray, fixed_s: np.ndarray, caps: np.ndarray, num_layers: int, least_layers: int, steps: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per pipeline order (rows of the (orders, stages) arrays): the smallest bottleneck M with sum over stages of
+    min(cap_s, floor((M - e_s) / a_s)) >= L, bisected `steps` times keeping the side known too small (so a bound after
+    any number of steps), and whether the caps can hold the model at all."""
+    a, edge = per_layer_s, fixed_s
+    feasible = (caps >= least_layers).all(axis=1) & (caps.sum(axis=1) >= num_layers)
+    low = (a * least_layers + edge).max(axis=1)
+    high = low + a.max(axis=1) * num_layers
+    for _ in range(steps):
+        middle = (low + high) / 2
+        layers = np.minimum(caps, np.floor((middle[:, None] - edge) / a))
+        enough = layers.sum(axis=1) >= num_layers
+        high = np.where(enough, middle, high)
+        low = np.where(enough, low, middle)
+    return low * (1 - 1e-9), feasible
+
+
+def per_stage_memory_bottleneck_s(
+    per_layer_s: np.ndarray,
+    fixed_s: np.ndarray,
+    caps: np.ndarray,
+    num_layers: int,
+    least_layers: int,
+    known_s: float,
+    steps: int,
+) -> float:
+    """The least bottleneck over pipeline orders when every stage picks its recompute mode: the smallest M with sum
+    over stages of max over modes r of min(cap_sr, floor((M - e_s) / a_sr)) >= L ((orders, stages, modes) arrays but
+    `fixed_s`, (orders, stages)); inf where no order can hold the model. `known_s`: a bottleneck known to be reached
+    (the answer is at least that); the bisection starts from it and keeps the side known too small, to
+    1/2^steps of it."""
+    most = caps.max(axis=2)
+    feasible = (most >= least_layers).all(axis=1) & (most.sum(axis=1) >= num_layers)
+    if not feasible.any():
+        return math.inf
+    caps, a, edge = caps[feasible], per_layer_s[feasible], fixed_s[feasible]
+
+    def enough(bottleneck_s: np.ndarray) -> np.ndarray:
+        """Per order: whether the stages, each in its best mode, hold L layers within the bottleneck."""
+        layers = np.minimum(caps, np.floor((bottleneck_s[:, None, None] - edge[..., None]) / a)).max(axis=2)
+        return layers.sum(axis=1) >= num_layers
+
+    low = np.maximum(known_s, (a.min(axis=2) * least_layers + edge).max(axis=1))  # orders that fit there keep it
+    high = low + a.max(axis=(1, 2)) * num_layers  # every layer on the slowest stage: enough where caps allow
+    width = low.max() * 2.0**-steps
+    while (high - low).max() > width:
+        middle = (low + high) / 2
+        fits = enough(middle)
+        high = np.where(fits, middle, high)
+        low = np.where(fits, low, middle)
+    return float(low.min())
+
+
+def work_bound_s(ctx: CostContext, subset: Sequence[DeviceGroup]) -> float:
+    """A lower bound on any plan over these groups: B samples x L layers of work, each layer of one sample costing a
+    device of group g at least c_g = min over TP t, micro-batch b and recompute of t * (layer time) / b
+    device-seconds, and every device busy at most the whole iteration: T >= B * L / sum_g(devices_g / c_g)."""
+    training = ctx.training
+    rate = 0.0
+    for group in subset:
+        least = min(
+            decoder_layer_time_s(ctx, group, b, t, rc) * t / b
+            for t in tp_options(ctx, group)
+            for b in training.micro_batch_sizes
+            for rc in training.recompute
+        )
+        rate += group.num_devices / least
+    return training.global_batch_size * ctx.model.num_layers / rate if rate > 0 else math.inf

@@ -1,0 +1,44 @@
+"""The search's settings in one place: how wide and how hard it looks, apart from the problem (CostContext)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+ProgressCallback = Callable[[int, int], None]  # (done, total)
+
+
+@dataclass(frozen=True)
+class SearchOptions:
+    """Solver settings of planner.search.search (the defaults are the shipped planner's).
+
+    The result: `top_k` plans; `gap`: a candidate must beat the k-th best by this fraction to be solved (0: exact);
+    `root_bound`: also prove the least iteration time of the whole space (SearchResult.lower_bound_s; about a second
+    search's time on large clusters); `every_group`: only pipelines over every group (the family search's blocks: a
+    block that leaves a group idle is another partition's business).
+    """
+
+    top_k: int = 1
+    gap: float = 0.0
+    root_bound: bool = False
+    every_group: bool = False
+    # the best distinct candidates re-solved with a recompute mode per stage (0: none; more: same plans on every bench
+    # case, up to 0.7 s more each)
+    per_stage_candidates: int = 1
+    # `uneven_batch: exhaustive`: replica counts that do not divide the batch are tried where a group fits one more of
+    # up to this many stages (deeper pipelines have long per-replica shares, where whole micro-batches round off little)
+    uneven_max_stages_per_group: int = 8
+    uneven_candidates: int = 8  # `uneven_batch: refine`: the best even candidates tried at nearby uneven replica counts
+    # the per-order memory bounds are bisected keeping the side known infeasible (valid after any number of steps);
+    # they need less precision than they cost: 2^-20 of the bracket
+    order_bound_steps: int = 20
+    root_bound_steps: int = 10  # the root bound's memory bisection: to 2^-10 of the bottleneck (it only reports)
+    misfit_candidates: int = 20_000  # when nothing fits: candidates (best time bound first) searched for the closest
+    # pipeline families (planner.families)
+    plans_per_block: int = 3  # the best plans of each block offered to the batch split
+    refined_partitions: int = 2  # the best partitions whose blocks are searched again near the shares the split chose
+    refined_per_stage_candidates: int = 2  # ... with per-stage recompute for this many of each block's best candidates
+    share_bisection_steps: int = 50  # on the slowest family's time: 2^-50 of the first bracket
+
+
+DEFAULT_OPTIONS = SearchOptions()

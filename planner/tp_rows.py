@@ -1,0 +1,469 @@
+"""Candidates in batches, with their bounds as arrays: for one group subset, replica count, micro-batch, recompute mode
+and interleaving depth, every TP choice of the groups is a row (TpRowBatch).
+
+Rows that fail the structural checks or the memory lower bound (the devices' usable memory must hold the model's
+state) are dropped; the rest get a lower bound on their iteration time and on any per-stage recompute plan of their
+shape (planner.lower_bounds). When a row comes up in the search, its pipeline orders that may fit memory and their own
+bounds are worked out (TpRowBatch.possible_orders, order_bound_increase_s), and its bound tightened by whole layers
+(RowBound).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+
+from planner.candidates import OuterConfig, divisors, group_orders, group_subsets, replica_counts, tp_options
+from planner.lower_bounds import (
+    MixedTail,
+    PipelineBound,
+    memory_bottleneck_s,
+    orders_within_memory,
+    per_stage_memory_bottleneck_s,
+    whole_layer_bottleneck_s,
+)
+from planner.options import DEFAULT_OPTIONS, SearchOptions
+from predictor.comm_model import Link
+from predictor.cost_model import (
+    CostContext,
+    decoder_layer_time_s,
+    edge_time_s,
+    fill_and_drain_time_s,
+    in_flight_table,
+    least_sync_and_step_per_layer_s,
+    stage_memory,
+    state_bytes_per_param,
+    tail_per_layer_lower_bound_s,
+    usable_memory_bytes,
+)
+from specs.cluster import DeviceGroup
+from specs.layout import split_batch
+from specs.model import Recompute
+
+
+class TailPerLayer:
+    """cost_model.tail_per_layer_lower_bound_s of a stage shape, memoised (many candidates share stage shapes)."""
+
+    def __init__(self, ctx: CostContext) -> None:
+        self.ctx = ctx
+        self._sync_and_step: dict[tuple[str, int, int], tuple[float, float]] = {}
+        self._tail: dict[tuple[str, int, int, Recompute, int], float] = {}
+
+    def __call__(
+        self, group: DeviceGroup, micro_batch_size: int, tp: int, recompute: Recompute, replicas: int
+    ) -> float:
+        key = (group.name, micro_batch_size, tp, recompute, replicas)
+        if key not in self._tail:
+            shape = (group.name, tp, replicas)
+            if shape not in self._sync_and_step:
+                self._sync_and_step[shape] = least_sync_and_step_per_layer_s(self.ctx, group, tp, replicas)
+            layer = self.ctx.source(group.name).layer_cost("decoder", micro_batch_size, tp, recompute)
+            self._tail[key] = tail_per_layer_lower_bound_s(self.ctx, layer.backward_time_s, self._sync_and_step[shape])
+        return self._tail[key]
+
+
+class _GroupCosts:
+    """Cost-model numbers per group, TP, micro-batch, recompute and replica count that every subset's rows share."""
+
+    def __init__(self, ctx: CostContext) -> None:
+        self.ctx = ctx
+        training, groups = ctx.training, ctx.cluster.groups
+        shapes = [(g, t, b) for g in groups for t in tp_options(ctx, g) for b in training.micro_batch_sizes]
+        self.per_layer_s = {
+            (g.name, b, t, rc): decoder_layer_time_s(ctx, g, b, t, rc)
+            for g, t, b in shapes
+            for rc in training.recompute
+        }
+        self.activation_bytes = {
+            (g.name, b, t, rc): ctx.source(g.name).layer_cost("decoder", b, t, rc).activation_bytes
+            for g, t, b in shapes
+            for rc in training.recompute
+        }
+        self.embedding_s = {(g.name, b, t): edge_time_s(ctx, g, b, t, True, False) for g, t, b in shapes}
+        self.head_s = {(g.name, b, t): edge_time_s(ctx, g, b, t, False, True) for g, t, b in shapes}
+        self.tail_per_layer_s = TailPerLayer(ctx)
+        self._edge_bytes: dict[tuple[object, ...], float] = {}
+
+    def edge_bytes(self, group: DeviceGroup, b: int, t: int, rc: Recompute, d: int, first: bool) -> float:
+        """Bytes the first (or last) stage holds besides its layers; a lower bound: one micro-batch in flight. The last
+        stage's do not depend on the recompute mode."""
+        key = (group.name, b, t, rc if first else "none", d, first)
+        if key not in self._edge_bytes:
+            memory = stage_memory(
+                self.ctx,
+                group,
+                num_layers=0,
+                micro_batch_size=b,
+                tp=t,
+                recompute=rc if first else "none",
+                dp=d,
+                in_flight=1,
+                first=first,
+                last=not first,
+                pipeline_stages=2,
+            )
+            self._edge_bytes[key] = memory.total_bytes
+        return self._edge_bytes[key]
+
+
+@dataclass(frozen=True, eq=False)
+class RowMemory:
+    """What the memory bounds of a batch's rows need ((rows, groups) arrays unless said otherwise). The first and last
+    stages' fixed bytes cost stage_memory calls, so they are built only for the batches whose rows come up."""
+
+    usable_bytes: np.ndarray
+    state_per_layer_bytes: np.ndarray
+    activation_bytes: np.ndarray  # per layer and micro-batch in flight, in the batch's mode
+    mode_time_s: np.ndarray  # (rows, groups, modes): per-layer time in every recompute mode
+    mode_activation_bytes: np.ndarray  # (rows, groups, modes)
+    source: _SubsetRows
+    positions: np.ndarray  # the rows' TP positions in the subset's options
+    shape: tuple[int, Recompute, int]  # (micro-batch, mode, replicas)
+
+    @cached_property
+    def edge_bytes(self) -> tuple[np.ndarray, np.ndarray]:
+        """Fixed bytes of each group's stage if first, if last (a lower bound: one micro-batch in flight)."""
+        return self.source.edge_bytes(self.positions, *self.shape)
+
+    @cached_property
+    def least_first_bytes(self) -> np.ndarray:
+        """The first stage's fixed bytes in the recompute mode that needs least (for per-stage recompute plans)."""
+        b, _, d = self.shape
+        modes = self.source.costs.ctx.training.recompute
+        return np.minimum.reduce([self.source.edge_bytes(self.positions, b, rc, d)[0] for rc in modes])
+
+
+@dataclass(frozen=True, eq=False)
+class TpRowBatch:
+    """Candidates sharing a group subset, replica count, micro-batch, recompute mode and interleaving depth; one row
+    per TP choice of the groups. Arrays are (rows, groups) unless said otherwise."""
+
+    subset: tuple[DeviceGroup, ...]
+    replicas: int
+    micro_batch_size: int
+    recompute: Recompute
+    virtual_stages: int
+    microbatches: int  # the most micro-batches a replica runs
+    num_layers: int
+    tps: np.ndarray
+    counts: np.ndarray  # stages per group
+    per_layer_s: np.ndarray
+    first_edge_s: np.ndarray  # embedding time, if the group's stage comes first
+    last_edge_s: np.ndarray  # LM head time, if it comes last
+    bound_s: np.ndarray  # (rows,) of every pipeline order; inf where the row cannot interleave this deep
+    least_bottleneck_s: np.ndarray  # (rows,) the bottleneck bound_s assumed
+    fill_and_drain_s: np.ndarray  # (rows,) the point-to-point part of bound_s
+    tail: MixedTail
+    root_s: np.ndarray  # (rows,) bound_s made valid for per-stage recompute plans too
+    memory: RowMemory | None  # None: memory bounds off (the search for the closest misfit)
+
+    @cached_property
+    def possible_orders(self) -> np.ndarray | None:
+        """(rows, permutations of the subset): the orders that may fit memory (None: memory bounds off)."""
+        if self.memory is None:
+            return None
+        first_bytes, last_bytes = self.memory.edge_bytes
+        return orders_within_memory(
+            self.memory.usable_bytes,
+            self.memory.state_per_layer_bytes,
+            self.memory.activation_bytes,
+            first_bytes,
+            last_bytes,
+            self.counts,
+            self.microbatches,
+            self.num_layers,
+            self.virtual_stages,
+        )
+
+    def candidate(self, row: int, order: tuple[int, ...], order_bound_s: float) -> OuterConfig:
+        """The candidate of a row with its groups in this order."""
+        return OuterConfig(
+            groups=tuple(self.subset[i] for i in order),
+            tps=tuple(int(self.tps[row, i]) for i in order),
+            stage_counts=tuple(int(self.counts[row, i]) for i in order),
+            replicas=self.replicas,
+            micro_batch_size=self.micro_batch_size,
+            recompute=self.recompute,
+            virtual_stages=self.virtual_stages,
+            lower_bound_s=float(self.bound_s[row]),
+            order_bound_s=order_bound_s,
+            fill_and_drain_bound_s=float(self.fill_and_drain_s[row]),
+        )
+
+    def _stages(self, row: int, orders: Sequence[tuple[int, ...]], first_bytes: np.ndarray) -> tuple[np.ndarray, ...]:
+        """Per order (rows) and stage along the pipe (columns): the stage's group, its in-flight micro-batches
+        (columns only), its fixed time and its fixed bytes (embedding on the first stage, LM head on the last)."""
+        assert self.memory is not None
+        order_array = np.array(orders)  # (orders, groups)
+        ends = np.cumsum(self.counts[row][order_array], axis=1)
+        position = (np.arange(int(ends[0, -1]))[None, :, None] >= ends[:, None, :]).sum(axis=2)
+        stage_group = np.take_along_axis(order_array, position, axis=1)  # (orders, stages)
+        stages = stage_group.shape[1]
+        depth = stages - np.arange(stages)  # 1 at the last stage
+        in_flight = in_flight_table(depth, self.microbatches, np.array([stages]), self.virtual_stages)[0]
+        fixed_bytes = np.zeros(stage_group.shape)
+        fixed_bytes[:, 0] += first_bytes[row][stage_group[:, 0]]
+        fixed_bytes[:, -1] += self.memory.edge_bytes[1][row][stage_group[:, -1]]
+        edge = np.zeros(stage_group.shape)
+        edge[:, 0] += self.first_edge_s[row][stage_group[:, 0]]
+        edge[:, -1] += self.last_edge_s[row][stage_group[:, -1]]
+        return stage_group, in_flight, edge, fixed_bytes
+
+    def order_bound_increase_s(self, row: int, orders: Sequence[tuple[int, ...]], steps: int) -> np.ndarray:
+        """Per order of the row's groups, how much its bound rises when memory is seen (inf: cannot fit): the
+        bottleneck becomes the least whole layers allow with each stage's cap taken at its depth in the pipe (1F1B
+        keeps min(depth, m) micro-batches in flight), first and last stages also holding the embedding / LM head;
+        where it exceeds the bottleneck the row's bound assumed, the bound rises by (m - 1/v) times the difference."""
+        assert self.memory is not None
+        memory, v = self.memory, self.virtual_stages
+        stage_group, in_flight, edge, fixed_bytes = self._stages(row, orders, memory.edge_bytes[0])
+        per_layer_bytes = (
+            memory.state_per_layer_bytes[row][stage_group] + memory.activation_bytes[row][stage_group] * in_flight
+        )
+        caps = np.floor((memory.usable_bytes[row][stage_group] - fixed_bytes) / per_layer_bytes)
+        a = self.per_layer_s[row][stage_group]
+        bottleneck, feasible = memory_bottleneck_s(a, edge, caps, self.num_layers, v, steps)
+        extra = np.maximum(0.0, bottleneck - self.least_bottleneck_s[row]) * (self.microbatches - 1 / v)
+        return np.where(feasible, extra, np.inf)
+
+    def per_stage_recompute_bottleneck_s(self, row: int, known_s: float, steps: int) -> float:
+        """The least bottleneck any plan of the row's shape reaches with a recompute mode per stage, over the pipeline
+        orders (inf: none fits); as order_bound_increase_s with every stage taking the mode that holds most layers
+        within the bottleneck, the first stage's fixed bytes in the mode that needs least. `known_s`: a bottleneck
+        known to be reached (lower_bounds.per_stage_memory_bottleneck_s)."""
+        assert self.memory is not None
+        memory = self.memory
+        orders = group_orders(self.subset)
+        stage_group, in_flight, edge, fixed_bytes = self._stages(row, orders, memory.least_first_bytes)
+        per_layer_bytes = (
+            memory.state_per_layer_bytes[row][stage_group][..., None]
+            + memory.mode_activation_bytes[row][stage_group] * in_flight[None, :, None]
+        )
+        caps = np.floor((memory.usable_bytes[row][stage_group] - fixed_bytes)[..., None] / per_layer_bytes)
+        a = memory.mode_time_s[row][stage_group]  # (orders, stages, modes)
+        return per_stage_memory_bottleneck_s(a, edge, caps, self.num_layers, self.virtual_stages, known_s, steps)
+
+
+@dataclass
+class RowBound:
+    """A row's bound tightened by whole layers (computed once, when first asked for), and its root bound."""
+
+    batch: TpRowBatch
+    row: int
+    _value: float | None = None
+    _bottleneck_s: float = 0.0
+
+    def __call__(self) -> float:
+        if self._value is None:
+            batch, row = self.batch, self.row
+            a, counts = batch.per_layer_s[row].tolist(), batch.counts[row].tolist()
+            least = float(batch.least_bottleneck_s[row])
+            self._bottleneck_s = max(least, whole_layer_bottleneck_s(a, counts, batch.num_layers))
+            weight = batch.microbatches - 1 / batch.virtual_stages
+            self._value = float(batch.bound_s[row]) + (self._bottleneck_s - least) * weight
+        return self._value
+
+    def root_s(self, memory: bool = False, steps: int = DEFAULT_OPTIONS.root_bound_steps) -> float:
+        """The same for per-stage recompute plans too (MixedTail); with `memory`, also the bottleneck memory allows
+        when every stage may recompute (TpRowBatch.per_stage_recompute_bottleneck_s, bisected `steps` times)."""
+        self()
+        batch, row = self.batch, self.row
+        weight = batch.microbatches - 1 / batch.virtual_stages
+        bottleneck = self._bottleneck_s
+        if memory and batch.memory is not None:
+            bottleneck = batch.per_stage_recompute_bottleneck_s(row, bottleneck, steps)
+            if math.isinf(bottleneck):
+                return math.inf
+        bound = float(batch.bound_s[row])
+        return float(batch.tail.root_s(row, bound, batch.least_bottleneck_s[row], bottleneck, weight))
+
+
+@dataclass(frozen=True)
+class _ReplicaRows:
+    """The rows of a subset that are valid at one replica count."""
+
+    replicas: int
+    tps: np.ndarray
+    counts: np.ndarray
+    positions: np.ndarray
+
+
+class _SubsetRows:
+    """The TP rows of one group subset (every TP choice of each group) and their cost tables, memoised."""
+
+    def __init__(self, costs: _GroupCosts, subset: tuple[DeviceGroup, ...]) -> None:
+        ctx = costs.ctx
+        self.costs, self.subset = costs, subset
+        self.tp_lists = [tp_options(ctx, g) for g in subset]
+        self.tp_rows = np.array(list(itertools.product(*self.tp_lists)), dtype=np.int64)
+        ranges = [range(len(t)) for t in self.tp_lists]
+        self.tp_positions = np.array(list(itertools.product(*ranges)), dtype=np.int64)
+        self.columns = np.arange(len(subset))[None, :]
+        self.devices = np.array([g.num_devices for g in subset], dtype=np.int64)
+        self.usable = np.array([usable_memory_bytes(ctx, g) for g in subset])
+        # point-to-point links a pipeline over these groups may cross: inside a group (in-node or rail), and between
+        # two groups; each crossing sends (micro-batch activations) / (the smaller TP of its two stages) bytes
+        self.inside = [link for g in subset for link in (ctx.in_node_link(g), ctx.rail_link(g))]
+        self.across = [ctx.cross_group_link(g, h) for g, h in itertools.permutations(subset, 2)]
+        self._tables: dict[tuple[int, Recompute], tuple[np.ndarray, ...]] = {}
+        self._edge_bytes: dict[tuple[int, Recompute, int], tuple[np.ndarray, np.ndarray]] = {}
+
+    def padded(self, value: Callable[[DeviceGroup, int], float]) -> np.ndarray:
+        """(groups, TP options) of a per-group, per-TP value (NaN past a group's options)."""
+        table = np.full((len(self.subset), max(len(t) for t in self.tp_lists)), np.nan)
+        for j, (group, options) in enumerate(zip(self.subset, self.tp_lists)):
+            table[j, : len(options)] = [value(group, t) for t in options]
+        return table
+
+    def tables(self, b: int, rc: Recompute) -> tuple[np.ndarray, ...]:
+        """Per-layer time, activation bytes, embedding and LM-head time as (groups, TP options)."""
+        if (b, rc) not in self._tables:
+            costs = self.costs
+            self._tables[b, rc] = (
+                self.padded(lambda group, tp: costs.per_layer_s[(group.name, b, tp, rc)]),
+                self.padded(lambda group, tp: costs.activation_bytes[(group.name, b, tp, rc)]),
+                self.padded(lambda group, tp: costs.embedding_s[(group.name, b, tp)]),
+                self.padded(lambda group, tp: costs.head_s[(group.name, b, tp)]),
+            )
+        return self._tables[b, rc]
+
+    def edge_bytes(self, positions: np.ndarray, b: int, rc: Recompute, d: int) -> tuple[np.ndarray, np.ndarray]:
+        """First / last stage bytes besides the layers, (rows, groups) for the rows' TP positions (those valid at d
+        replicas)."""
+        if (b, rc, d) not in self._edge_bytes:
+            edge = self.costs.edge_bytes
+            first = self.padded(lambda group, tp: edge(group, b, tp, rc, d, True))
+            last = self.padded(lambda group, tp: edge(group, b, tp, rc, d, False))
+            self._edge_bytes[b, rc, d] = first[self.columns, positions], last[self.columns, positions]
+        return self._edge_bytes[b, rc, d]
+
+    def tail_rates(self, b: int, rc: Recompute, d: int) -> np.ndarray:
+        """The tail bound per layer (cost_model.tail_per_layer_lower_bound_s) as (groups, TP options)."""
+        tail = self.costs.tail_per_layer_s
+        return self.padded(lambda group, tp: tail(group, b, tp, rc, d))
+
+    def _fastest_p2p_s(self, links: list[Link], size_bytes: np.ndarray) -> np.ndarray:
+        """Per row: one point-to-point transfer of its crossing bytes over the fastest of these links."""
+        return np.min([link.p2p_time_s(size_bytes) for link in links], axis=0) * self.costs.ctx.terms.network_scale
+
+    def replica_rows(self, options: SearchOptions, memory_bounds: bool) -> Iterator[_ReplicaRows]:
+        """The replica counts worth trying and the rows valid at each: every group holds a stage, stages do not
+        outnumber layers, the devices' memory holds the model's state (with memory bounds), and an uneven batch split
+        only where one more replica would cost some group a stage."""
+        ctx = self.costs.ctx
+        training, model = ctx.training, ctx.model
+        global_batch = training.global_batch_size
+        if training.uneven_batch == "exhaustive":
+            replica_options = replica_counts(
+                global_batch, self.subset, self.tp_rows, options.uneven_max_stages_per_group
+            )
+        else:
+            replica_options = divisors(global_batch)
+        for replicas in replica_options:
+            if self.devices.min() < replicas:
+                break
+            counts = self.devices[None, :] // (replicas * self.tp_rows)
+            total_state = model.total_params() * state_bytes_per_param(ctx, replicas)
+            even = global_batch % replicas == 0
+            worth = even or ((self.devices[None, :] // ((replicas + 1) * self.tp_rows)) < counts).any(axis=1)
+            valid = (
+                worth
+                & (counts.min(axis=1) >= 1)
+                & (counts.sum(axis=1) <= model.num_layers)
+                & (((counts * self.tp_rows * self.usable[None, :]).sum(axis=1) >= total_state) | (not memory_bounds))
+            )
+            if valid.any():
+                yield _ReplicaRows(replicas, self.tp_rows[valid], counts[valid], self.tp_positions[valid])
+
+    def batches(self, rows: _ReplicaRows, b: int, microbatches: int, memory_bounds: bool) -> Iterator[TpRowBatch]:
+        """The batches of these rows at micro-batch b, one per recompute mode and interleaving depth."""
+        ctx = self.costs.ctx
+        training, model, num_layers = ctx.training, ctx.model, ctx.model.num_layers
+        modes = list(training.recompute)
+        columns, positions, tps, d = self.columns, rows.positions, rows.tps, rows.replicas
+        stages = rows.counts.sum(axis=1)
+        # every pipeline over the k groups crosses k - 1 group boundaries and p - k inside groups
+        crossing_bytes = b * ctx.seq_length * model.hidden_size * training.dtype_bytes
+        crossing_bytes = crossing_bytes / tps.max(axis=1)
+        boundaries_s = (stages - len(self.subset)) * self._fastest_p2p_s(self.inside, crossing_bytes)
+        if len(self.subset) > 1:
+            boundaries_s += (len(self.subset) - 1) * self._fastest_p2p_s(self.across, crossing_bytes)
+        # every mode's per-layer time and activation, for the root bound of per-stage recompute plans
+        mode_time = np.stack([self.tables(b, r)[0][columns, positions] for r in modes], axis=-1)
+        mode_activation = np.stack([self.tables(b, r)[1][columns, positions] for r in modes], axis=-1)
+        # the stage with the most layers holds >= ceil(L / p) and waits its tail after the pipeline: (rows, groups,
+        # modes) its layer time and tail in every recompute mode (MixedTail)
+        fullest = (-(-num_layers // stages))[:, None, None]
+        fullest_time = fullest * mode_time
+        fullest_tail = fullest * np.stack([self.tail_rates(b, r, d)[columns, positions] for r in modes], axis=-1)
+        state_per_layer = model.layer_params() * state_bytes_per_param(ctx, d) / tps
+        usable_rows = np.broadcast_to(self.usable[None, :], tps.shape)
+        for rc in training.recompute:
+            a, activation, e_first, e_last = (t[columns, positions] for t in self.tables(b, rc))
+            tail_no_overhead = fullest_tail[:, :, modes.index(rc)].min(axis=1)
+            tail_s = tail_no_overhead + ctx.terms.iteration_overhead_s
+            tail = MixedTail(tail_no_overhead, fullest_time.reshape(len(tps), -1), fullest_tail.reshape(len(tps), -1))
+            memory = None
+            if memory_bounds:
+                memory = RowMemory(
+                    usable_rows, state_per_layer, activation, mode_time, mode_activation, self, positions, (b, rc, d)
+                )
+            pipeline = PipelineBound.of(num_layers, a, e_first, e_last, rows.counts)
+            for virtual in training.virtual_stages:
+                fill_and_drain = fill_and_drain_time_s(virtual, boundaries_s)
+                found = pipeline.bound_s(microbatches, virtual, tail_s, fill_and_drain)
+                if found is None:
+                    continue
+                bound, least_bottleneck = found
+                weight = microbatches - 1 / virtual
+                yield TpRowBatch(
+                    subset=self.subset,
+                    replicas=d,
+                    micro_batch_size=b,
+                    recompute=rc,
+                    virtual_stages=virtual,
+                    microbatches=microbatches,
+                    num_layers=num_layers,
+                    tps=tps,
+                    counts=rows.counts,
+                    per_layer_s=a,
+                    first_edge_s=e_first,
+                    last_edge_s=e_last,
+                    bound_s=bound,
+                    least_bottleneck_s=least_bottleneck,
+                    fill_and_drain_s=fill_and_drain,
+                    tail=tail,
+                    root_s=tail.root_s(slice(None), bound, least_bottleneck, least_bottleneck, weight),
+                    memory=memory,
+                )
+
+
+def tp_row_batches(
+    ctx: CostContext,
+    options: SearchOptions,
+    memory_bounds: bool = True,
+    subsets: Sequence[tuple[DeviceGroup, ...]] | None = None,
+) -> list[TpRowBatch]:
+    """The structurally valid candidates on the given group subsets (default: every subset) that pass the memory
+    lower bound (unless `memory_bounds` is off), in batches with their bounds."""
+    costs = _GroupCosts(ctx)
+    training = ctx.training
+    groups = ctx.cluster.groups
+    if subsets is None:
+        subsets = group_subsets(groups, range(1, len(groups) + 1))
+    batches: list[TpRowBatch] = []
+    for subset in subsets:
+        source = _SubsetRows(costs, subset)
+        if source.tp_rows.size == 0:
+            continue
+        for rows in source.replica_rows(options, memory_bounds):
+            for micro_batch_size in training.micro_batch_sizes:
+                split = split_batch(training.global_batch_size, rows.replicas, micro_batch_size)
+                if split is not None:
+                    batches.extend(source.batches(rows, micro_batch_size, split[0], memory_bounds))
+    return batches
