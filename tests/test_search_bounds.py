@@ -1,0 +1,207 @@
+"""Every bound the search prunes with is a lower bound: on small random instances, every plan of the search space
+(every pipeline order, TP per group, replica count, micro-batch, interleaving, layer split and recompute mode per
+stage), enumerated by brute force and evaluated by the cost model, takes at least as long as each bound that covers
+it: the row bound, the whole-layer bound, the per-order memory bound (and a fitting plan's order passes the memory
+screen), the candidate's bound with the exact fill and drain, the root bound and the work bound. Instances vary
+devices, memory, model depth, batch, sequence, uneven batch splits, DP overlap and the end-to-end terms."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import random
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from planner.best_first import outer_configs
+from planner.candidates import PER_STAGE, OuterConfig, group_orders, permutation_index
+from planner.lower_bounds import work_bound_s
+from planner.options import SearchOptions
+from planner.search import search
+from planner.solve import StageTerms, build_strategy, candidate_strategy
+from planner.tp_rows import RowBound, TpRowBatch, tp_row_batches
+from predictor.cost_model import CostContext, EndToEndTerms, StageCache, build_context, evaluate
+from specs import load_model, load_training
+from specs.cluster import ClusterSpec, DeviceGroup
+from specs.device import get_device
+from specs.layout import split_batch
+from tests.conftest import EXAMPLES
+
+SEEDS = (0, 1, 2, 3, 5, 6, 7, 8, 10, 11)  # instances with plans that fit and plans that do not; 2, 5, 8 split unevenly
+SLACK = 1 + 1e-9  # bounds and evaluations round differently in the last bits
+DEVICES = ["v100", "a100-40gb", "h100", "mi250x", "mi300x", "ascend-910b", "gaudi2", "l40s"]
+
+# (subset names in cluster order, TPs in that order, replicas, micro-batch, recompute, virtual stages)
+RowKey = tuple[tuple[str, ...], tuple[int, ...], int, int, str, int]
+Shape = tuple[tuple[str, ...], tuple[int, ...], int, int]  # a row key without recompute and interleaving
+# (its shape, the group order, the candidate, layers per stage, recompute mode per stage)
+SpacePlan = tuple[Shape, tuple[int, ...], OuterConfig, tuple[int, ...], tuple[str, ...]]
+
+
+def _instance(seed: int) -> CostContext:
+    """Two one-node groups of different devices with little memory (so that some plans fit and some do not), a
+    Llama-shaped model of a few layers."""
+    rng = random.Random(seed)
+    model = load_model(str(EXAMPLES / "models" / "small-llama.yaml"))
+    model = model.model_copy(update={"num_layers": rng.randint(4, 6)})
+    sizes = [rng.choice([2, 3, 4]) for _ in range(2)]
+    state_gb = model.total_params() * 18 / sum(sizes) / 2**30  # weights, grads and Adam state spread evenly
+    groups = tuple(
+        DeviceGroup(
+            name=f"g{index}",
+            device=get_device(key).model_copy(update={"memory_GB": state_gb * rng.uniform(1.3, 3.5)}),
+            nodes=1,
+            devices_per_node=size,
+            nics_per_node=1,
+            nic_bw_bytes_per_s=rng.choice([12.5e9, 50e9]),
+        )
+        for index, (key, size) in enumerate(zip(rng.sample(DEVICES, 2), sizes))
+    )
+    cluster = ClusterSpec(f"random-{seed}", groups, "clos", rng.choice([6.25e9, 25e9]))
+    training = load_training(
+        None,
+        {
+            "dtype": "fp16",
+            "global_batch_size": rng.choice([4, 5, 6, 8]),
+            "seq_length": rng.choice([256, 1024]),
+            "micro_batch_sizes": [1, 2],
+            "recompute": ["none", "full"],
+            "virtual_stages": [1, 2],
+            "uneven_batch": rng.choice(["off", "exhaustive"]),
+            "overlap_grad_reduce": rng.random() < 0.7,
+            "families": "off",
+        },
+    )
+    terms = EndToEndTerms(
+        tp_comm_scale=rng.uniform(0.5, 2.0),
+        network_scale=rng.uniform(0.5, 2.0),
+        optimizer_scale=rng.uniform(0.5, 2.0),
+        dp_overlap=rng.uniform(0.0, 1.0),
+        iteration_overhead_s=rng.uniform(0.0, 0.01),
+    )
+    return dataclasses.replace(build_context(cluster, model, training), terms=terms)
+
+
+def _rows(batches: list[TpRowBatch]) -> dict[RowKey, tuple[TpRowBatch, int]]:
+    rows = {}
+    for batch in batches:
+        for row in np.flatnonzero(np.isfinite(batch.bound_s)):
+            tps = tuple(int(t) for t in batch.tps[row])
+            key = (tuple(g.name for g in batch.subset), tps, batch.replicas, batch.micro_batch_size)
+            rows[(*key, batch.recompute, batch.virtual_stages)] = (batch, int(row))
+    return rows
+
+
+def _plans(ctx: CostContext, structural: dict[RowKey, tuple[TpRowBatch, int]]) -> Iterator[SpacePlan]:
+    """Every plan of the search space (stages per group: as many as the devices hold, as the search builds them)."""
+    groups, training, num_layers = ctx.cluster.groups, ctx.training, ctx.model.num_layers
+    batch_size = training.global_batch_size
+    for size in (1, 2):
+        for subset in itertools.combinations(groups, size):
+            names = tuple(g.name for g in subset)
+            for order, tps, replicas, b, v in itertools.product(
+                itertools.permutations(range(size)),
+                itertools.product(*[[1, 2, 4]] * size),
+                range(1, batch_size + 1),
+                training.micro_batch_sizes,
+                training.virtual_stages,
+            ):
+                shape = (names, tps, replicas, b)
+                if (*shape, training.recompute[0], v) not in structural or split_batch(batch_size, replicas, b) is None:
+                    continue
+                counts = [g.num_devices // (replicas * t) for g, t in zip(subset, tps)]
+                config = OuterConfig(
+                    groups=tuple(subset[i] for i in order),
+                    tps=tuple(tps[i] for i in order),
+                    stage_counts=tuple(counts[i] for i in order),
+                    replicas=replicas,
+                    micro_batch_size=b,
+                    recompute=PER_STAGE,
+                    virtual_stages=v,
+                    lower_bound_s=0.0,
+                )
+                p = sum(counts)
+                for cuts in itertools.combinations(range(1, num_layers), p - 1):
+                    layers = tuple(int(n) for n in np.diff((0, *cuts, num_layers)))
+                    if min(layers) < v:
+                        continue
+                    for modes in itertools.product(training.recompute, repeat=p):
+                        yield shape, order, config, layers, modes
+
+
+def _check_candidates(ctx: CostContext) -> int:
+    """The candidate's own bound (its split's pipeline objective, the tail bound of its layers and the exact fill and
+    drain) holds for the plan the search evaluates; returns how many plans were checked."""
+    terms, checked = StageTerms(ctx), 0
+    for config in outer_configs(ctx):
+        strategy, _, objective_s = candidate_strategy(ctx, terms, config, math.inf, None)
+        if strategy is None:
+            continue
+        evaluation = evaluate(ctx, strategy, terms.evaluations)
+        if not evaluation.fits:
+            continue
+        stages = [(s, ctx.cluster.group(s.group)) for s in strategy.pipelines[0].stages]
+        rates = [
+            terms.tail_per_layer_s(g, config.micro_batch_size, s.tp, config.recompute, config.replicas)
+            for s, g in stages
+        ]
+        tail_s = max(s.num_layers * rate for (s, _), rate in zip(stages, rates)) + ctx.terms.iteration_overhead_s
+        fill_and_drain_s = terms.fill_and_drain_s(strategy)
+        time_s = evaluation.iteration_time_s
+        assert objective_s + tail_s + fill_and_drain_s <= time_s * SLACK
+        assert config.order_bound_s - config.fill_and_drain_bound_s + fill_and_drain_s <= time_s * SLACK
+        checked += 1
+    return checked
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_every_search_bound_is_below_every_plan_it_covers(seed: int) -> None:
+    ctx = _instance(seed)
+    options = SearchOptions()
+    modes = ctx.training.recompute
+    rows = _rows(tp_row_batches(ctx, options))
+    structural = _rows(tp_row_batches(ctx, options, memory_bounds=False))
+    cache: StageCache = {}
+    root_s: dict[RowKey, float] = {}
+    fitting = mixed_fitting = 0
+    best_s = np.inf
+    for shape, order, config, layers, stage_modes in _plans(ctx, structural):
+        uniform = len(set(stage_modes)) == 1
+        if uniform:
+            strategy = build_strategy(ctx, dataclasses.replace(config, recompute=stage_modes[0]), layers)
+        else:
+            strategy = build_strategy(ctx, config, layers, stage_modes)
+        evaluation = evaluate(ctx, strategy, cache)
+        if not evaluation.fits:
+            continue
+        time_s = evaluation.iteration_time_s
+        best_s = min(best_s, time_s)
+        fitting += 1
+        mixed_fitting += not uniform
+        v = config.virtual_stages
+        assert work_bound_s(ctx, [ctx.cluster.group(name) for name in shape[0]]) <= time_s * SLACK
+        # the root bound: the least over the shape's rows in every mode holds for per-stage recompute plans too
+        for mode in modes:
+            key = (*shape, mode, v)
+            assert key in rows, "the memory lower bound dropped a row with a plan that fits"
+            if key not in root_s:
+                batch, row = rows[key]
+                whole = RowBound(batch, row)
+                root_s[key] = max(float(batch.root_s[row]), whole.root_s(), whole.root_s(memory=True))
+        assert min(root_s[(*shape, mode, v)] for mode in modes) <= time_s * SLACK
+        if not uniform:
+            continue
+        batch, row = rows[(*shape, stage_modes[0], v)]
+        whole_s = RowBound(batch, row)()
+        assert batch.bound_s[row] <= whole_s <= time_s * SLACK
+        if order in group_orders(batch.subset):
+            assert batch.possible_orders[row, permutation_index(order)], "the memory screen dropped an order that fits"
+            increase = batch.order_bound_increase_s(row, [order], options.order_bound_steps)[0]
+            assert max(float(batch.bound_s[row]) + increase, whole_s) <= time_s * SLACK
+    assert fitting > mixed_fitting > 0
+    assert _check_candidates(ctx) > 0
+    lower_bound_s = search(ctx, SearchOptions(root_bound=True)).lower_bound_s
+    assert lower_bound_s is not None and lower_bound_s <= best_s * SLACK
