@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-from functools import cache
-from pathlib import Path
 from typing import Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
+from specs.catalog import Catalog, load_catalog
 from specs.errors import SpecError
-from specs.loading import validate
 from specs.units import GIB, GIGA, TERA
-
-CATALOG_DIR = Path(__file__).parent / "catalog"
 
 CollectiveLibrary = Literal["nccl", "rccl", "hccl", "habana-hccl", "xccl", "gloo"]
 
@@ -65,20 +60,15 @@ class DeviceSpec(BaseModel):
         return self.peak_flops_per_s
 
 
-@cache
+def _devices() -> Catalog[DeviceSpec]:
+    return load_catalog("devices.yaml", DeviceSpec, "device")
+
+
 def device_catalog() -> dict[str, DeviceSpec]:
     """All catalog devices by key."""
-    path = CATALOG_DIR / "devices.yaml"
-    entries = yaml.safe_load(path.read_text(encoding="utf-8"))
-    devices = [validate(DeviceSpec, entry, str(path), prefix=f"[{i}]") for i, entry in enumerate(entries)]
-    return {device.key: device for device in devices}
+    return _devices().entries
 
 
 def get_device(name: str, source: str = "device", field: str = "device") -> DeviceSpec:
     """Look a device up by key or alias (case-insensitive)."""
-    wanted = name.strip().lower()
-    for device in device_catalog().values():
-        if wanted == device.key or wanted in device.aliases:
-            return device
-    known = ", ".join(device_catalog())
-    raise SpecError(source, field, f"unknown device {name!r}; expected one of: {known}")
+    return _devices().get(name, source, field)

@@ -9,14 +9,12 @@ causal flash kernels execute half of it). Backward is 2x forward. For GPT (f=4h,
 
 from __future__ import annotations
 
-from functools import cache
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from specs.device import CATALOG_DIR
+from specs.catalog import Catalog, load_catalog
 from specs.errors import SpecError
 from specs.loading import read_mapping, validate
 
@@ -196,21 +194,20 @@ def _model_from_hf_config(data: dict[str, Any], source: str, stem: str) -> Model
     return validate(ModelSpec, fields, source)
 
 
-@cache
+def _models() -> Catalog[ModelSpec]:
+    return load_catalog("models.yaml", ModelSpec, "model")
+
+
 def model_catalog() -> dict[str, ModelSpec]:
     """All catalog models by key."""
-    path = CATALOG_DIR / "models.yaml"
-    entries = yaml.safe_load(path.read_text(encoding="utf-8"))
-    models = [validate(ModelSpec, entry, str(path), prefix=f"[{i}]") for i, entry in enumerate(entries)]
-    return {model.key: model for model in models}
+    return _models().entries
 
 
 def load_model(name_or_path: str) -> ModelSpec:
     """A catalog key or alias, a model YAML/JSON file, or a Hugging Face config.json."""
-    wanted = name_or_path.strip().lower()
-    for model in model_catalog().values():
-        if wanted == model.key or wanted in model.aliases:
-            return model
+    found = _models().find(name_or_path)
+    if found is not None:
+        return found
     path = Path(name_or_path)
     if not path.exists() and path.suffix.lower() not in (".yaml", ".yml", ".json"):
         known = ", ".join(model_catalog())

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from specs import device_catalog, get_device, load_model, model_catalog
+from specs import ModelSpec, SpecError, device_catalog, get_device, load_model, model_catalog
+from specs.catalog import load_catalog, read_catalog
 from specs.units import GIB
 
 DEVICE_KEYS = [
@@ -93,3 +96,58 @@ def test_activation_elements_follow_korthikanti_without_dropout():
     assert 2 * (replicated + sharded) == 32 * model.hidden_size
     full_replicated, full_sharded = model.layer_activation_elements_per_token("full")
     assert (full_replicated, full_sharded) == (model.hidden_size, 0.0)
+
+
+# ---- the one catalog loader (specs/catalog.py) ------------------------------------------------------------------
+def _catalog_file(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "models.yaml"
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+TINY = "  num_layers: 2\n  hidden_size: 64\n  ffn_hidden_size: 256\n  num_attention_heads: 4\n  num_kv_heads: 4\n"
+TINY += "  vocab_size: 100\n  seq_length: 32\n  mlp: gelu\n"
+
+
+def test_a_catalog_is_read_once_and_answers_to_keys_and_aliases():
+    models = load_catalog("models.yaml", ModelSpec, "model")
+    assert load_catalog("models.yaml", ModelSpec, "model") is models
+    assert models.entries is model_catalog()
+    assert models.find(" Hethub-140B") is load_model("llama-140b") is models.entries["llama-140b"]
+    assert models.find("llama-141b") is None
+
+
+@pytest.mark.parametrize(
+    ("text", "field", "expected"),
+    [
+        ("tiny:\n" + TINY.replace("hidden_size: 64", "hidden_size: wide"), "tiny.hidden_size", "valid integer"),
+        ("tiny:\n" + TINY.replace("  mlp: gelu\n", ""), "tiny.mlp", "required field is missing"),
+        ("tiny:\n" + TINY + "  heads: 4\n", "tiny.heads", "unknown field"),
+        ("tiny:\n  key: tiny\n" + TINY, "tiny.key", "remove this field"),
+        ("tiny: [1, 2]\n", "tiny", "expected the model's fields (a mapping), got list"),
+        ("Tiny:\n" + TINY, "Tiny", "lower case"),
+        ("tiny:\n  aliases: [small]\n" + TINY + "small:\n" + TINY, "small", "'small' already names 'tiny'"),
+        ("tiny:\n" + TINY + "other:\n  aliases: [tiny]\n" + TINY, "other.aliases[0]", "exactly one model"),
+    ],
+)
+def test_a_bad_catalog_entry_names_the_file_and_the_field(tmp_path, text, field, expected):
+    path = _catalog_file(tmp_path, text)
+    with pytest.raises(SpecError) as err:
+        read_catalog(path, ModelSpec, "model")
+    message = str(err.value)
+    assert message.startswith(f"{path}: {field}: ") and expected in message and "\n" not in message
+
+
+def test_a_good_catalog_file_loads_in_file_order(tmp_path):
+    path = _catalog_file(tmp_path, "b:\n  aliases: [bee]\n" + TINY + "a:\n" + TINY)
+    catalog = read_catalog(path, ModelSpec, "model")
+    assert list(catalog.entries) == ["b", "a"] and catalog.get("BEE", "x", "y").key == "b"
+    with pytest.raises(SpecError, match=r"^x: y: unknown model 'c'; expected one of: b, a$"):
+        catalog.get("c", "x", "y")
+
+
+def test_an_unknown_device_lists_the_catalog():
+    with pytest.raises(
+        SpecError, match=r"^c\.yaml: groups\[0\]\.device: unknown device 'v1000'; expected one of: v100, "
+    ):
+        get_device("v1000", "c.yaml", "groups[0].device")
