@@ -14,10 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import pairwise
 
-from comm.vendors import CATALOG_VENDORS
 from specs.cluster import ClusterSpec
-from specs.errors import SpecError
 from specs.layout import Axis, PipelineStrategy, StageStrategy, Strategy, group_offsets, stage_rank, stage_ranks
+from specs.vendors import get_vendor
 
 
 @dataclass(frozen=True)
@@ -31,15 +30,11 @@ class PlannedGroup:
 
 
 def rank_islands(cluster: ClusterSpec) -> list[str]:
-    """The island (vendor) of every global rank."""
+    """The island (vendor registry key, e.g. "ascend" for the catalog's "huawei") of every global rank."""
     islands = []
     for group in cluster.groups:
-        vendor = CATALOG_VENDORS.get(group.device.vendor)
-        if vendor is None:
-            raise SpecError(
-                cluster.source or "cluster", f"group {group.name}", f"no communicator for {group.device.vendor}"
-            )
-        islands += [vendor] * group.num_devices
+        vendor = get_vendor(group.device.vendor, cluster.source or "cluster", f"group {group.name}")
+        islands += [vendor.key] * group.num_devices
     return islands
 
 

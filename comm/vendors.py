@@ -1,8 +1,8 @@
-"""Accelerator vendors and their native collective libraries; a new vendor is one `Vendor` entry.
+"""Accelerator vendors at run time: the vendor registry (specs/catalog/vendors.yaml) plus how to detect each here.
 
-Detection follows shared/reference/torch-distributed.md: a CUDA build of torch means NCCL, a ROCm build
-(torch.version.hip) RCCL under the same backend name `nccl`, `torch_npu` registers `hccl` for `npu`, Intel XPU uses
-`xccl`, and the CPU Gloo.
+A new vendor is an entry in the registry and, to be detected locally, a check in _DETECT. Detection follows
+shared/reference/torch-distributed.md: a CUDA build of torch means NCCL, a ROCm build (torch.version.hip) RCCL under
+the same backend name `nccl`, `torch_npu` registers `hccl` for `npu`, Intel XPU uses `xccl`, and the CPU Gloo.
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from specs.vendors import VendorInfo, vendor_catalog
 
 
 @dataclass(frozen=True)
@@ -23,6 +25,11 @@ class Vendor:
     backend: str  # torch.distributed backend name of the native library
     library: str  # what users call it
     available: Callable[[], bool]
+
+    @classmethod
+    def from_info(cls, info: VendorInfo, available: Callable[[], bool]) -> Vendor:
+        """The registry's entry with a local availability check."""
+        return cls(info.key, info.device_type, info.backend, info.library_name, available)
 
 
 def _cuda_flavour(hip: bool) -> Callable[[], bool]:
@@ -52,6 +59,20 @@ def _xpu() -> bool:
     return bool(getattr(torch, "xpu", None) and torch.xpu.is_available())
 
 
+def _never() -> bool:
+    return False
+
+
+# Registry key -> "is this process's accelerator of that vendor"; a vendor without a check is never detected here.
+_DETECT: dict[str, Callable[[], bool]] = {
+    "nvidia": _cuda_flavour(hip=False),
+    "amd": _cuda_flavour(hip=True),
+    "ascend": _npu,
+    "habana": _hpu,
+    "intel": _xpu,
+    "cpu": lambda: True,
+}
+
 VENDORS: dict[str, Vendor] = {}
 
 
@@ -60,18 +81,8 @@ def register_vendor(vendor: Vendor) -> None:
     VENDORS[vendor.name] = vendor
 
 
-for _vendor in (
-    Vendor("nvidia", "cuda", "nccl", "NCCL", _cuda_flavour(hip=False)),
-    Vendor("amd", "cuda", "nccl", "RCCL", _cuda_flavour(hip=True)),
-    Vendor("ascend", "npu", "hccl", "HCCL", _npu),
-    Vendor("habana", "hpu", "hccl", "Habana HCCL", _hpu),
-    Vendor("intel", "xpu", "xccl", "XCCL (oneCCL)", _xpu),
-    Vendor("cpu", "cpu", "gloo", "Gloo", lambda: True),
-):
-    register_vendor(_vendor)
-
-# Catalog vendor (specs/catalog/devices.yaml) -> island vendor.
-CATALOG_VENDORS = {"nvidia": "nvidia", "amd": "amd", "huawei": "ascend", "intel-habana": "habana", "cpu": "cpu"}
+for _info in vendor_catalog().values():
+    register_vendor(Vendor.from_info(_info, _DETECT.get(_info.key, _never)))
 
 # Cross-vendor libraries used for bridged groups when importable (behind the same API); else host-staged Gloo.
 CROSS_VENDOR_BACKENDS = {"flagcx": "flagcx"}

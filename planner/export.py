@@ -2,7 +2,8 @@
 
 Each exporter writes ready-to-run argument files or configs plus one torchrun command per node. When the engine
 cannot express the plan (per-stage TP, uneven replica batches, per-stage recompute, interleaving), the export says
-exactly what is lost and describes the closest plan the engine can run, with that plan's predicted time.
+exactly what is lost and describes the closest plan the engine can run, with that plan's predicted time. Launch
+commands take each vendor's visible-devices variable from the vendor registry (specs/vendors.py).
 
 Rank order: Megatron-style engines number ranks tp-cp-ep-dp-pp (pipeline stage outermost). torchrun numbers ranks by
 node rank, then local rank; so the nodes are listed stage by stage, and each node's visible devices are ordered as
@@ -21,14 +22,9 @@ from predictor.cost_model import CostContext, evaluate, interleaved_group_size
 from specs.errors import SpecError
 from specs.layout import PipelineStrategy, Strategy, pack_stages, split_batch
 from specs.model import RECOMPUTE_MODES
+from specs.vendors import get_vendor
 
 FORMATS = ("megatron", "flagscale", "deepspeed", "torchtitan", "torchrun")
-VISIBLE_DEVICES_ENV = {
-    "nvidia": "CUDA_VISIBLE_DEVICES",
-    "amd": "HIP_VISIBLE_DEVICES",
-    "huawei": "ASCEND_RT_VISIBLE_DEVICES",
-    "intel-habana": "HABANA_VISIBLE_MODULES",
-}
 MASTER_PORT = 29500
 
 
@@ -175,7 +171,7 @@ def node_launches(ctx: CostContext, strategy: Strategy, entry: str) -> list[Node
     launches = []
     for node_rank, (group_name, node, devices) in enumerate(nodes):
         group = ctx.cluster.group(group_name)
-        env = VISIBLE_DEVICES_ENV.get(group.device.vendor)
+        env = get_vendor(group.device.vendor).visible_devices_env
         prefix = f"{env}={','.join(str(d) for d in devices)} " if env else ""
         command = (
             f"{prefix}torchrun --nnodes {len(nodes)} --node-rank {node_rank} --nproc-per-node {len(devices)} "

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from specs.catalog import Catalog, load_catalog
 from specs.errors import SpecError
 from specs.units import GIB, GIGA, TERA
-
-CollectiveLibrary = Literal["nccl", "rccl", "hccl", "habana-hccl", "xccl", "gloo"]
+from specs.vendors import find_vendor, vendor_catalog
 
 
 class DeviceSpec(BaseModel):
@@ -28,9 +27,34 @@ class DeviceSpec(BaseModel):
     memory_GB: float = Field(gt=0)
     hbm_TBps: float = Field(gt=0)
     intra_node_GBps: float = Field(gt=0)
-    collective_library: CollectiveLibrary
+    collective_library: str  # the vendor's (specs/catalog/vendors.yaml); filled in when not given
     gemm_efficiency: float = Field(gt=0, le=1)
     intra_node_efficiency: float = Field(gt=0, le=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _vendor_library(cls, data: Any) -> Any:
+        """A device speaks its vendor's collective library: the catalog says it once, in vendors.yaml."""
+        if isinstance(data, dict) and "collective_library" not in data and isinstance(data.get("vendor"), str):
+            vendor = find_vendor(data["vendor"])
+            if vendor is not None:
+                data = {**data, "collective_library": vendor.collective_library}
+        return data
+
+    @field_validator("vendor")
+    @classmethod
+    def _known_vendor(cls, vendor: str) -> str:
+        if find_vendor(vendor) is None:
+            raise ValueError(f"unknown vendor {vendor!r}; expected one of: {', '.join(vendor_catalog())}")
+        return vendor
+
+    @field_validator("collective_library")
+    @classmethod
+    def _library_of_vendor(cls, library: str, info: ValidationInfo) -> str:
+        vendor = find_vendor(info.data.get("vendor", ""))
+        if vendor is not None and library != vendor.collective_library:
+            raise ValueError(f"{vendor.key} devices use {vendor.collective_library!r} (vendors.yaml), got {library!r}")
+        return library
 
     @property
     def peak_flops_per_s(self) -> float:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -137,6 +138,32 @@ def test_local_vendor_detection_and_registry():
     assert detect_local_vendor().name in VENDORS
     assert VENDORS["amd"].backend == "nccl" and VENDORS["amd"].library == "RCCL"
     assert VENDORS["ascend"].backend == "hccl" and VENDORS["cpu"].backend == "gloo"
+
+
+def test_the_communicators_vendors_are_the_registrys():
+    from specs.vendors import vendor_catalog
+
+    registry = vendor_catalog()
+    assert list(VENDORS) == list(registry)
+    for name, vendor in VENDORS.items():
+        info = registry[name]
+        assert (vendor.device_type, vendor.backend) == (info.device_type, info.backend)
+        assert vendor.library == info.library_name
+    assert VENDORS["cpu"].available() and VENDORS["intel"].backend == "xccl"
+
+
+def test_rank_islands_name_the_registry_vendor_of_every_rank_and_refuse_an_unknown_one():
+    from comm.plan_groups import rank_islands
+    from specs import SpecError, load_cluster
+
+    cluster = load_cluster(Path(__file__).parent.parent / "examples" / "four-vendor-256.yaml")
+    islands = rank_islands(cluster)
+    assert len(islands) == cluster.num_devices
+    assert sorted(set(islands)) == ["amd", "ascend", "habana", "nvidia"]  # the catalog says huawei, intel-habana
+    group = cluster.groups[0]
+    odd = replace(cluster, groups=(replace(group, device=group.device.model_copy(update={"vendor": "acme"})),))
+    with pytest.raises(SpecError, match=r"group .*: unknown vendor 'acme'; expected one of: nvidia, amd, ascend"):
+        rank_islands(odd)
 
 
 def _plan_groups_worker(rank: int, port: int, out: str, islands: list[str], groups: list[list[int]]) -> None:

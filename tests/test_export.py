@@ -160,6 +160,7 @@ def test_launch_script_lists_every_used_device_once_in_stage_order(hethub, tmp_p
     script.write_text(exported.files["launch.sh"])
     assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
     assert "HIP_VISIBLE_DEVICES=" in exported.files["launch.sh"]  # the amd nodes
+    assert "ASCEND_RT_VISIBLE_DEVICES=" in exported.files["launch.sh"]  # the catalog's "huawei" ones
     assert any("vendors" in note for note in export_plan(ctx, strategy, "megatron").notes)
 
 
