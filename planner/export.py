@@ -1,9 +1,10 @@
 """Exports: a plan as the files the engines people already run read (see shared/reference/engines.md).
 
 Each exporter writes ready-to-run argument files or configs plus one torchrun command per node. When the engine
-cannot express the plan (per-stage TP, uneven replica batches, per-stage recompute, interleaving), the export says
-exactly what is lost and describes the closest plan the engine can run, with that plan's predicted time. Launch
-commands take each vendor's visible-devices variable from the vendor registry (specs/vendors.py).
+cannot express the plan (per-stage TP, uneven replica batches, per-stage recompute, interleaving: its flags in the
+engine registry, specs/engines.py), the export says exactly what is lost and describes the closest plan the engine
+can run, with that plan's predicted time. Launch commands take each vendor's visible-devices variable from the
+vendor registry (specs/vendors.py).
 
 Rank order: Megatron-style engines number ranks tp-cp-ep-dp-pp (pipeline stage outermost). torchrun numbers ranks by
 node rank, then local rank; so the nodes are listed stage by stage, and each node's visible devices are ordered as
@@ -15,16 +16,17 @@ from __future__ import annotations
 
 import json
 import shlex
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from planner.search import search
 from predictor.cost_model import CostContext, evaluate, interleaved_group_size
+from specs.engines import Engine, get_engine
 from specs.errors import SpecError
 from specs.layout import PipelineStrategy, Strategy, pack_stages, split_batch
 from specs.model import RECOMPUTE_MODES
 from specs.vendors import get_vendor
 
-FORMATS = ("megatron", "flagscale", "deepspeed", "torchtitan", "torchrun")
 MASTER_PORT = 29500
 
 
@@ -97,19 +99,11 @@ def _fastest_fitting(ctx: CostContext, candidates: list[Strategy]) -> Strategy |
     return best
 
 
-def closest(
-    ctx: CostContext,
-    strategy: Strategy,
-    *,
-    one_tp: bool,
-    even_batch: bool,
-    one_recompute: bool,
-    interleaving: bool,
-) -> tuple[Strategy, list[str]]:
-    """The fastest fitting plan within the engine's limits, near the given one, and what had to change. No engine
-    runs several pipeline families: such a plan is replaced by the best plan of one family first."""
+def closest(ctx: CostContext, strategy: Strategy, engine: Engine) -> tuple[Strategy, list[str]]:
+    """The fastest fitting plan within the engine's limits, near the given one, and what had to change. A plan of
+    several pipeline families is replaced by the best plan of one family first."""
     lost: list[str] = []
-    if len(strategy.pipelines) > 1:
+    if len(strategy.pipelines) > 1 and not engine.pipeline_families:
         single = ctx.training.model_copy(update={"families": "off"})
         found = search(replace(ctx, training=single))
         if not found.evaluations:
@@ -121,18 +115,18 @@ def closest(
         strategy = found.evaluations[0].strategy
     pipeline = strategy.pipelines[0]
     candidates = [strategy]
-    if not interleaving and strategy.virtual_stages > 1:
+    if not engine.interleaving and strategy.virtual_stages > 1:
         lost.append(f"interleaved 1F1B with {strategy.virtual_stages} virtual stages -> plain 1F1B")
         candidates = [replace(c, virtual_stages=1) for c in candidates]
     modes = {strategy.stage_recompute(s) for s in pipeline.stages}
-    if one_recompute and len(modes) > 1:
+    if not engine.per_stage_recompute and len(modes) > 1:
         lost.append(f"per-stage recompute ({strategy.recompute_summary}) -> one mode for all stages")
         candidates = [_one_recompute(c, mode) for c in candidates for mode in RECOMPUTE_MODES]
     widths = sorted({s.tp for s in pipeline.stages})
-    if one_tp and len(widths) > 1:
+    if not engine.per_stage_tp and len(widths) > 1:
         lost.append(f"per-stage TP ({', '.join(str(s.tp) for s in pipeline.stages)}) -> one TP degree")
         candidates = [replace(c, pipelines=(_with_tp(c.pipelines[0], t),)) for c in candidates for t in widths]
-    if even_batch and pipeline.uneven:
+    if not engine.uneven_batch and pipeline.uneven:
         lost.append(
             f"uneven batch shares ({pipeline.microbatch_total} micro-batches over {pipeline.replicas} replicas) "
             "-> the same number of micro-batches on every replica"
@@ -370,42 +364,45 @@ def _torchtitan(ctx: CostContext, strategy: Strategy) -> dict[str, str]:
     return {"torchtitan.toml": toml}
 
 
-ENGINES = {
-    # format: (writer, one TP, even batch, one recompute mode, interleaving, entry point for torchrun)
-    "megatron": (_megatron, True, True, True, True, "pretrain_gpt.py $(cat megatron_args.txt)"),
-    "flagscale": (_flagscale, False, True, True, False, "pretrain_gpt.py $(cat flagscale_args.txt)"),
-    "deepspeed": (_deepspeed, True, True, True, False, "train.py --deepspeed --deepspeed_config ds_config.json"),
-    "torchtitan": (_torchtitan, True, True, True, True, "-m torchtitan.train --job.config_file torchtitan.toml"),
-    "torchrun": (None, False, False, False, True, "$TRAIN_SCRIPT"),
-}
-CROSS_VENDOR_ENGINES = ("flagscale", "torchrun")  # FlagScale's hetero mode; torchrun runs what the user gives it
+def _launch_only(ctx: CostContext, strategy: Strategy) -> dict[str, str]:
+    """torchrun starts the user's own script: the launch commands are the whole export."""
+    return {}
+
+
+Writer = Callable[[CostContext, Strategy], dict[str, str]]
+WRITERS: dict[str, Writer] = {
+    "megatron": _megatron,
+    "flagscale": _flagscale,
+    "deepspeed": _deepspeed,
+    "torchtitan": _torchtitan,
+    "torchrun": _launch_only,
+}  # one per engine of specs/catalog/engines.yaml, which says what each can express
 
 
 def export_plan(ctx: CostContext, strategy: Strategy, fmt: str) -> Export:
     """The plan in an engine's terms (or the closest plan the engine can run), with per-node torchrun commands."""
-    if fmt not in ENGINES:
-        raise SpecError("--format", "", f"expected one of {', '.join(FORMATS)}, got {fmt!r}")
+    engine = get_engine(fmt, "--format")
+    writer = WRITERS.get(engine.key)
+    if writer is None:
+        raise SpecError("--format", "", f"{engine.key} is in the engine registry but has no exporter yet")
     ctx.check_strategy(strategy, "plan")
-    writer, one_tp, even_batch, one_recompute, interleaving, entry = ENGINES[fmt]
-    exported, lost = closest(
-        ctx, strategy, one_tp=one_tp, even_batch=even_batch, one_recompute=one_recompute, interleaving=interleaving
-    )
-    files = writer(ctx, exported) if writer is not None else {}
-    launches = node_launches(ctx, exported, entry)
-    files["launch.sh"] = _launch_script(launches, f"hetplan export --format {fmt}: one torchrun per node")
+    exported, lost = closest(ctx, strategy, engine)
+    files = writer(ctx, exported)
+    launches = node_launches(ctx, exported, engine.entry)
+    files["launch.sh"] = _launch_script(launches, f"hetplan export --format {engine.key}: one torchrun per node")
     notes = []
     vendors = sorted({ctx.cluster.group(s.group).device.vendor for s in exported.pipelines[0].stages})
-    if len(vendors) > 1 and fmt not in CROSS_VENDOR_ENGINES:
+    if len(vendors) > 1 and not engine.mixed_vendors:
         notes.append(
-            f"the plan spans vendors {', '.join(vendors)}: {fmt} runs one collective library for the whole job; "
-            "launch it over the hetplan backend's bridge (comm/) or use FlagScale's hetero mode"
+            f"the plan spans vendors {', '.join(vendors)}: {engine.key} runs one collective library for the whole "
+            "job; launch it over the hetplan backend's bridge (comm/) or use FlagScale's hetero mode"
         )
-    if strategy.virtual_stages > 1 and interleaving:
+    if strategy.virtual_stages > 1 and engine.interleaving:
         notes.append(
             "interleaving keeps each rank's layer count, not its layer ids (the engine deals chunks round-robin)"
         )
     return Export(
-        fmt,
+        engine.key,
         exported,
         evaluate(ctx, exported).iteration_time_s,
         evaluate(ctx, strategy).iteration_time_s,

@@ -1,7 +1,8 @@
-"""The shared vocabulary: cluster, model and training specs, the device/model catalogs and the vendor registry."""
+"""The shared vocabulary: cluster, model and training specs, the device/model catalogs, vendor and engine registries."""
 
 from specs.cluster import ClusterSpec, DeviceGroup, load_cluster
 from specs.device import DeviceSpec, device_catalog, get_device
+from specs.engines import Engine, engine_catalog, get_engine
 from specs.errors import DoesNotFitError, HetplanError, SpecError, TorchMissingError
 from specs.model import RECOMPUTE_MODES, ModelSpec, Recompute, load_model, model_catalog
 from specs.training import TrainingSpec, load_training
@@ -13,6 +14,7 @@ __all__ = [
     "DeviceGroup",
     "DeviceSpec",
     "DoesNotFitError",
+    "Engine",
     "HetplanError",
     "ModelSpec",
     "Recompute",
@@ -21,7 +23,9 @@ __all__ = [
     "TrainingSpec",
     "VendorInfo",
     "device_catalog",
+    "engine_catalog",
     "get_device",
+    "get_engine",
     "get_vendor",
     "load_cluster",
     "load_model",

@@ -10,9 +10,9 @@ import pytest
 import tomllib
 
 from planner import plan
-from planner.export import export_plan, megatron_layout
+from planner.export import WRITERS, closest, export_plan, megatron_layout
 from predictor.predictor import default_predictor
-from specs import load_cluster, load_model, load_training
+from specs import engine_catalog, get_engine, load_cluster, load_model, load_training
 from specs.errors import SpecError
 from specs.layout import PipelineStrategy, StageStrategy, Strategy
 from tests.conftest import EXAMPLES
@@ -97,6 +97,47 @@ def test_megatron_drops_per_stage_tp_and_uneven_batches_and_says_so_flagscale_ke
     assert (
         "--hetero-process-meshes 2 1 1" in args and " 4 1 1 " in args and "--hetero-pipeline-layer-split 14 10" in args
     )
+
+
+def test_every_engine_in_the_registry_has_an_exporter():
+    assert list(WRITERS) == list(engine_catalog())
+
+
+@pytest.mark.parametrize("key", list(engine_catalog()))
+def test_an_engines_capability_flags_decide_what_its_export_loses(mixed, key):
+    """The mixed plan has per-stage TP and an uneven batch; with the a100 stage fully recomputed (the v100 one
+    selectively) also per-stage recompute: an engine loses exactly what its flags say it cannot express."""
+    ctx, strategy = mixed
+    engine = get_engine(key)
+    pipeline = strategy.pipelines[0]
+    stages = (replace(pipeline.stages[0], recompute="full"), pipeline.stages[1])
+    varied = replace(strategy, pipelines=(replace(pipeline, stages=stages),))
+    exported, lost = closest(ctx, varied, engine)
+    assert any("per-stage TP" in item for item in lost) is not engine.per_stage_tp
+    assert any("uneven batch" in item for item in lost) is not engine.uneven_batch
+    assert any("per-stage recompute" in item for item in lost) is not engine.per_stage_recompute
+    assert (exported == varied) is not lost
+
+
+def test_a_flag_set_on_an_engine_keeps_that_part_of_the_plan(mixed):
+    ctx, strategy = mixed
+    megatron = get_engine("megatron")
+    assert closest(ctx, strategy, megatron)[0] != strategy
+    assert closest(ctx, strategy, megatron.model_copy(update={"per_stage_tp": True, "uneven_batch": True})) == (
+        strategy,
+        [],
+    )
+
+
+@pytest.mark.parametrize("key", list(engine_catalog()))
+def test_interleaving_and_the_mixed_vendor_note_follow_the_flags(hethub, key):
+    ctx, strategy = hethub
+    engine = get_engine(key)
+    assert strategy.virtual_stages > 1
+    exported = export_plan(ctx, strategy, key)
+    assert any("interleaved 1F1B" in item for item in exported.lost) is not engine.interleaving
+    assert (exported.strategy.virtual_stages > 1) is engine.interleaving
+    assert any("spans vendors amd, huawei" in note for note in exported.notes) is not engine.mixed_vendors
 
 
 def test_deepspeed_config_passes_deepspeeds_own_checks(mixed, tmp_path):
