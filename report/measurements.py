@@ -1,0 +1,126 @@
+"""Measurements for the terminal: collective timings and their alpha-beta fits (`profile-comm`), a fitted predictor
+(`fit`), a run record (`run`) and the cross-vendor all-reduce bench (`comm-bench`). Each function returns what the
+CLI prints, rich tables or lines, from the JSON body the command also writes."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from rich.table import Table
+
+from report.tables import titled_table
+
+Renderable = Table | str
+
+
+def link_profile_tables(profile: Mapping[str, Any], link_class: str) -> list[Table]:
+    """Every timed point (nccl-tests convention: algbw and busbw), then the alpha-beta fit per collective and size."""
+    columns = ("collective", "ranks", "size", "time us", "algbw GB/s", "busbw GB/s", "ok")
+    table = titled_table("Collectives (nccl-tests convention; sizes are whole buffers)", columns, left=("collective",))
+    for p in profile["points"]:
+        table.add_row(
+            p["collective"],
+            str(p["ranks"]),
+            f"{p['size_bytes'] / 2**10:,.0f} KiB",
+            f"{p['time_s'] * 1e6:,.0f}",
+            f"{p['algbw_bytes_per_s'] / 1e9:.2f}",
+            f"{p['busbw_bytes_per_s'] / 1e9:.2f}",
+            "yes" if p["correct"] else "NO",
+        )
+    columns = ("collective", "ranks", "alpha us", "busbw GB/s", "median err", "max err")
+    fits = titled_table(f"Alpha-beta fits ({link_class})", columns, left=("collective",))
+    for f in profile["links"]:
+        fits.add_row(
+            f["collective"],
+            str(f["ranks"]),
+            f"{f['alpha_s'] * 1e6:.1f}",
+            f"{f['busbw_bytes_per_s'] / 1e9:.2f}",
+            f"{f['fit_median_rel_error']:.1%}",
+            f"{f['fit_max_rel_error']:.1%}",
+        )
+    return [table, fits]
+
+
+def fit_renderables(body: Mapping[str, Any]) -> list[Renderable]:
+    """A fitted predictor (`Predictor.describe()`): layer models and their cross-validated error, links, and how
+    calibration moved each run's prediction toward its measurement."""
+    out: list[Renderable] = []
+    if body["layer_models"]:
+        table = titled_table("Layer models (cross-validated)", ("device", "profiles", "rms error of log time"))
+        for key, info in body["layer_models"].items():
+            table.add_row(key, str(len(info["trained_on"])), f"{info['cv_log_error_rms']:.1%}")
+        out.append(table)
+    for key, info in body["links"].items():
+        out.append(
+            f"link {key}: busbw {info['busbw_bytes_per_s'] / 1e9:.2f} GB/s, alpha {info['alpha_s'] * 1e6:.1f} us, "
+            f"+{info['slowdown_per_doubling']:.1%} per doubling of ranks (median fit error "
+            f"{info['fit_median_rel_error']:.1%})"
+        )
+    table = titled_table("Calibration runs", ("run", "measured s", "uncalibrated s", "calibrated s"))
+    for run in body["calibration"]["runs"]:
+        table.add_row(
+            run["name"],
+            f"{run['measured_iteration_time_s']:.3f}",
+            f"{run['uncalibrated_iteration_time_s']:.3f}",
+            f"{run['calibrated_iteration_time_s']:.3f}",
+        )
+    out.append(table)
+    terms = ", ".join(f"{k} {v['value']:+.3f} (sd {v['sd']:.3f})" for k, v in body["calibration"]["parameters"].items())
+    out.append(f"fitted terms: {terms or 'none (no runs)'}")
+    return out
+
+
+def run_table(record: Mapping[str, Any]) -> Table:
+    """Per stage of a run record: the layers, the emulated speed, and where the time went."""
+    details = record["measurements"]
+    columns = ("stage", "group", "layers", "speed", "compute s", "emulation s", "wait s")
+    table = titled_table(f"hetplan run: {record['name']}", columns, left=("stage", "group", "layers"))
+    families = len({stage.get("family", 0) for stage in details["stages"]})
+    for stage in details["stages"]:
+        table.add_row(
+            f"{stage.get('family', 0)}.{stage['stage']}" if families > 1 else str(stage["stage"]),
+            stage["group"],
+            f"{stage['layers'][0]}-{stage['layers'][1] - 1}",
+            f"{stage['emulate_speed']:g}",
+            f"{stage['compute_s']:.3f}",
+            f"{stage['emulation_s']:.3f}",
+            f"{stage['wait_s']:.3f}",
+        )
+    return table
+
+
+def run_lines(record: Mapping[str, Any], steps: int) -> list[str]:
+    """A run record's verdict: measured against predicted, the losses, the check against one process, emulation."""
+    details = record["measurements"]
+    reference = record["reference_match"]
+    lines = [
+        f"iteration: measured {record['measured_iteration_time_s']:.3f} s (median of steps 2-{steps}), predicted "
+        f"{record['predicted_iteration_time_s']:.3f} s ({details['prediction_error']:+.1%})",
+        f"prediction from: {details['prediction_from']}",
+        "loss per step: " + ", ".join(f"{loss:.4f}" for loss in record["losses"]),
+    ]
+    if reference.get("checked"):
+        verdict = "matches" if reference["match"] else "DOES NOT MATCH"
+        lines.append(
+            f"step 1 loss {verdict} one process: {reference['run_loss']:.6f} vs {reference['reference_loss']:.6f}"
+        )
+    if details["emulation"]:
+        lines.append(f"emulated: {details['emulated_groups']}: {details['emulation']}")
+    return lines
+
+
+def comm_bench_table(result: Mapping[str, Any], islands: Sequence[str]) -> Table:
+    """All-reduce time and bandwidth per message size and path (direct, bridged, hierarchical), checked."""
+    title = f"all-reduce over {len(islands)} ranks, islands {', '.join(islands)} (simulated on CPU, Gloo)"
+    table = titled_table(title, ("size", "path", "time ms", "algbw GB/s", "busbw GB/s", "correct"), left=())
+    for row in result["rows"]:
+        table.add_row(
+            f"{row['size_bytes']:,}",
+            row["path"],
+            f"{row['time_s'] * 1e3:.2f}",
+            f"{row['algbw_bytes_per_s'] / 1e9:.3f}",
+            f"{row['busbw_bytes_per_s'] / 1e9:.3f}",
+            "yes" if row["correct"] else "[red]NO[/red]",
+        )
+    return table

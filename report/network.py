@@ -1,0 +1,143 @@
+"""`traffic` and `traffic_calc`: what a plan sends over the network, by parallel dimension and link class, and
+whether a rail-only fabric can carry it. predictor/traffic.py counts the bytes; this summarises and draws them."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from predictor.cost_model import build_context
+from predictor.traffic import DIMENSIONS, Traffic, strategy_traffic, textbook_traffic_per_rank
+from report.figures import traffic_heatmap
+
+if TYPE_CHECKING:
+    from planner.plan import LoadedPlan
+    from specs.cluster import ClusterSpec
+    from specs.model import ModelSpec
+
+
+@dataclass(frozen=True)
+class RailOnly:
+    """Whether every cross-node byte stays on one rail (same local rank), and what breaks it when not."""
+
+    spine_bytes: dict[str, float]  # by dimension, per iteration
+    groups_breaking_it: list[str]
+    relay_bytes_worst_device: float  # what one device relays over its in-node link on a rail-only fabric
+
+    @property
+    def ok(self) -> bool:
+        return not any(self.spine_bytes.values())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok,
+            "spine_bytes_per_iteration": {d: round(v) for d, v in self.spine_bytes.items()},
+            "groups_breaking_it": self.groups_breaking_it,
+            "relay_bytes_per_iteration_worst_device": round(self.relay_bytes_worst_device),
+        }
+
+    def sentence(self) -> str:
+        """The verdict in one sentence for the terminal."""
+        if self.ok:
+            return "rail-only: ok, every cross-node byte stays on one rail (same local rank)"
+        return (
+            f"rail-only: NO, {sum(self.spine_bytes.values()) / 1e9:,.1f} GB per iteration cross nodes off-rail "
+            f"(groups {', '.join(self.groups_breaking_it)}); on a rail-only fabric they are relayed through the node "
+            f"(worst device relays {self.relay_bytes_worst_device / 1e9:,.2f} GB per iteration over its in-node link)"
+        )
+
+
+def rail_only(traffic: Traffic) -> RailOnly:
+    """Check a plan's traffic against a rail-only fabric: the off-rail (spine) bytes by dimension, the groups whose
+    devices send them, and the most one device sends off-rail in one dimension (it would relay that in-node)."""
+    breaking: set[str] = set()
+    sent: dict[tuple[int, str], float] = defaultdict(float)
+    for d in DIMENSIONS:
+        for (src, dst), size in traffic.pairs[d].items():
+            if traffic.link_class(src, dst) == "spine":
+                breaking.add(traffic.group_of[src])
+                sent[src, d] += size
+    return RailOnly(traffic.spine_pairs(), sorted(breaking), max(sent.values(), default=0.0))
+
+
+@dataclass(frozen=True)
+class TrafficReport:
+    """A plan's bytes per iteration by dimension and link class, over a training run when its tokens are given."""
+
+    plan: str
+    traffic: Traffic
+    iterations: float | None
+    rail: RailOnly
+    png: Path | None = None
+
+    @property
+    def by_dimension_and_link(self) -> dict[str, dict[str, float]]:
+        return self.traffic.by_dimension_and_link()
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON body of `hetplan traffic --json`."""
+        table = self.by_dimension_and_link
+        iterations = self.iterations
+        body: dict[str, Any] = {
+            "plan": self.plan,
+            "bytes_per_iteration": {d: {k: round(v) for k, v in table[d].items()} for d in DIMENSIONS},
+            "total_bytes_per_iteration": round(self.traffic.total_bytes()),
+            "iterations": iterations,
+            "bytes_total": (
+                {d: {k: round(v * iterations) for k, v in table[d].items()} for d in DIMENSIONS} if iterations else None
+            ),
+            "rail_only": self.rail.to_dict(),
+        }
+        if self.png is not None:
+            body["png"] = str(self.png)
+        return body
+
+
+def traffic(
+    plan: LoadedPlan,
+    cluster: ClusterSpec,
+    tokens: float | None = None,
+    epochs: float = 1.0,
+    png: Path | None = None,
+) -> TrafficReport:
+    """Count one iteration of `plan` on `cluster` (iterations over `epochs` of `tokens` when given), check it
+    against a rail-only fabric and draw the per-pair heatmap to `png` when given."""
+    ctx = build_context(cluster, plan.model, plan.training)
+    counted = strategy_traffic(ctx, plan.strategy)
+    tokens_per_iteration = ctx.training.global_batch_size * ctx.seq_length
+    iterations = epochs * tokens / tokens_per_iteration if tokens else None
+    if png is not None:
+        traffic_heatmap(counted, f"{plan.model.key} on {cluster.name}: bytes per iteration", png)
+    return TrafficReport(plan.source, counted, iterations, rail_only(counted), png)
+
+
+def traffic_calc(
+    model: ModelSpec,
+    tokens: float,
+    global_batch: int,
+    gpus: int,
+    seq_length: int | None = None,
+    grad_bytes: int = 2,
+) -> dict[str, Any]:
+    """Textbook per-rank bytes of DP, FSDP, TP and PP over `tokens` of training with one parallel dimension of
+    `gpus` ranks (standard ring volumes): the JSON body of `hetplan traffic-calc --json`."""
+    seq = seq_length or model.seq_length
+    per_rank = textbook_traffic_per_rank(
+        params=model.total_params(),
+        layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        tokens=tokens,
+        global_batch_tokens=global_batch * seq,
+        ranks=gpus,
+        grad_bytes=grad_bytes,
+    )
+    return {
+        "model": model.key,
+        "params": model.total_params(),
+        "tokens": tokens,
+        "steps": tokens / (global_batch * seq),
+        "ranks": gpus,
+        "bytes_per_rank": per_rank,
+    }

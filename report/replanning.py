@@ -1,0 +1,63 @@
+"""What a re-plan changed: the old plan before, the old plan shrunk to the changed cluster (when it still runs) and
+the new plan, with the throughput change. planner/replan.py does the planning; this says what came of it."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from rich.markup import escape
+
+from planner.plan import describe_strategy
+
+if TYPE_CHECKING:
+    from planner.replan import Replan
+    from predictor.cost_model import Evaluation
+    from specs.cluster import ClusterSpec
+
+
+def _side(evaluation: Evaluation) -> dict[str, Any]:
+    return {
+        "summary": describe_strategy(evaluation.strategy),
+        "iteration_time_s": evaluation.iteration_time_s,
+        "tokens_per_s": evaluation.tokens_per_s,
+    }
+
+
+def replan_summary(before: ClusterSpec, after: ClusterSpec, old: Evaluation, result: Replan) -> dict[str, Any]:
+    """The JSON body of `hetplan replan --json`: `old` is the old plan evaluated on the cluster `before` the change."""
+    new = result.plan.evaluation
+    return {
+        "cluster_devices": {"before": before.num_devices, "after": after.num_devices},
+        "old": _side(old),
+        "old_adapted": _side(result.adapted) if result.adapted else None,
+        "new": _side(new),
+        "throughput_change": new.tokens_per_s / old.tokens_per_s - 1,
+        "replan_time_s": round(result.replan_time_s, 3),
+        "warm_started": result.adapted is not None,
+    }
+
+
+def replan_lines(body: Mapping[str, Any], replan_time_s: float) -> list[str]:
+    """The summary for the terminal (rich markup: plan summaries are escaped); the time unrounded."""
+    old, adapted, new = body["old"], body["old_adapted"], body["new"]
+    devices = body["cluster_devices"]
+    lines = [
+        f"cluster: {devices['before']} -> {devices['after']} devices",
+        f"before:  {old['iteration_time_s']:.3f} s, {old['tokens_per_s']:,.0f} tokens/s",
+        f"         {escape(old['summary'])}",
+    ]
+    if adapted is not None:
+        lines.append(
+            f"old plan shrunk to fit: {adapted['iteration_time_s']:.3f} s, {adapted['tokens_per_s']:,.0f} "
+            f"tokens/s  {escape(adapted['summary'])}"
+        )
+    else:
+        lines.append("old plan shrunk to fit: cannot run on the changed cluster")
+    lines += [
+        f"after:   {new['iteration_time_s']:.3f} s, {new['tokens_per_s']:,.0f} tokens/s",
+        f"         {escape(new['summary'])}",
+        f"throughput {body['throughput_change']:+.1%}; re-planned in {replan_time_s:.2f} s"
+        f"{' (warm-started from the old plan)' if body['warm_started'] else ''}",
+    ]
+    return lines

@@ -1,0 +1,248 @@
+"""A plan for the terminal: rich tables of an evaluation (summary and stages), of the catalogs and of a plan's
+traffic. The CLI prints what these return; units are converted here, at the edge (GiB, GB, tokens/s)."""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rich.markup import escape
+from rich.table import Table
+
+if TYPE_CHECKING:
+    from planner.export import Export
+    from predictor.calibration import Interval
+    from predictor.cost_model import CostContext, Evaluation
+    from report.network import TrafficReport
+    from specs.device import DeviceSpec
+    from specs.model import ModelSpec
+
+Row = tuple[str, str]
+STAGE_COLUMNS = ("stage", "group", "device", "layers", "n", "tp", "recompute", "devices", "fwd+bwd/mb ms", "memory GiB")
+
+
+def titled_table(title: str, columns: Iterable[str], left: Collection[str] | None = None) -> Table:
+    """A table with these columns, all left-aligned, or only those in `left` with the rest (numbers) right-aligned."""
+    table = Table(title=title)
+    for column in columns:
+        table.add_column(column, justify="left" if left is None or column in left else "right")
+    return table
+
+
+def gib(value: float) -> str:
+    return f"{value / 2**30:.1f}"
+
+
+def count(number: int, noun: str) -> str:
+    """'1 stage', '3 stages'."""
+    return f"{number} {noun}{'' if number == 1 else 's'}"
+
+
+def interval_row(interval: Interval) -> Row:
+    return ("90% interval", f"{interval.low_s:.3f} - {interval.high_s:.3f} s (from {interval.basis})")
+
+
+def strategy_summary(evaluation: Evaluation) -> str:
+    """Families, micro-batching, recompute, ZeRO and schedule of the evaluated strategy in one line."""
+    strategy = evaluation.strategy
+    families = strategy.pipelines
+    return (
+        " + ".join(
+            f"{p.replicas} replicas x {count(len(p.stages), 'stage')}, micro-batch {p.micro_batch_size} x "
+            f"{p.num_microbatches}"
+            + (f" ({p.micro_batch_size * p.microbatch_total} samples)" if len(families) > 1 else "")
+            for p in families
+        )
+        + f", recompute {strategy.recompute_summary}, "
+        f"ZeRO-{strategy.zero_stage}, {'1F1B' if strategy.virtual_stages == 1 else 'interleaved 1F1B'}"
+        f"{'' if strategy.virtual_stages == 1 else f' (v={strategy.virtual_stages})'}"
+    )
+
+
+def summary_rows(ctx: CostContext, evaluation: Evaluation, extra_rows: list[Row]) -> list[Row]:
+    """The summary of an evaluation, with the command's own rows (interval, bounds, search) before the predictor."""
+    return [
+        ("cluster", f"{ctx.cluster.name} ({ctx.cluster.num_devices} devices, {evaluation.devices_used} used)"),
+        ("model", f"{ctx.model.key} ({ctx.model.total_params() / 1e9:.1f}B params, {ctx.model.num_layers} layers)"),
+        ("batch", f"{ctx.training.global_batch_size} x {ctx.seq_length} tokens, {ctx.training.dtype}"),
+        ("strategy", strategy_summary(evaluation)),
+        (
+            "iteration",
+            f"{evaluation.iteration_time_s:.3f} s (pipeline {evaluation.pipeline_time_s:.3f}, bubble "
+            f"{evaluation.bubble_time_s:.3f}, DP sync + optimizer {evaluation.tail_time_s:.3f})",
+        ),
+        (
+            "throughput",
+            f"{evaluation.tokens_per_s:,.0f} tokens/s, {evaluation.samples_per_s:.2f} samples/s, "
+            f"MFU {evaluation.mfu:.1%}",
+        ),
+        *extra_rows,
+        ("predictor", escape(ctx.predictor_identity)),
+        ("fits", "yes" if evaluation.fits else f"NO: short by {gib(evaluation.shortfall_bytes)} GiB per device"),
+    ]
+
+
+def stage_table(ctx: CostContext, evaluation: Evaluation) -> Table:
+    """One row per stage of each family (stages numbered family.stage when there are several); memory in red
+    where it does not fit."""
+    strategy = evaluation.strategy
+    families = strategy.pipelines
+    table = titled_table("Stages (per replica)", STAGE_COLUMNS, left=("group", "device", "recompute"))
+    stage_numbers: dict[int, int] = {}
+    for stage_eval in evaluation.stages:
+        stage = stage_eval.stage
+        pipeline = families[stage_eval.family]
+        index = stage_numbers[stage_eval.family] = stage_numbers.get(stage_eval.family, -1) + 1
+        memory = f"{gib(stage_eval.memory.total_bytes)} / {gib(stage_eval.memory_capacity_bytes)}"
+        table.add_row(
+            f"{stage_eval.family}.{index}" if len(families) > 1 else str(index),
+            stage.group,
+            ctx.cluster.group(stage.group).device.key,
+            f"{stage.layer_start}-{stage.layer_end - 1}",
+            str(stage.num_layers),
+            str(stage.tp),
+            strategy.stage_recompute(stage),
+            str(pipeline.stage_devices(stage)),
+            f"{stage_eval.compute_time_s * 1e3:.1f}",
+            memory if stage_eval.fits else f"[red]{memory}[/red]",
+        )
+    return table
+
+
+def evaluation_tables(ctx: CostContext, evaluation: Evaluation, title: str, extra_rows: list[Row]) -> list[Table]:
+    """The summary of an evaluation (titled like the command) and its stage table, for `plan` and `predict`."""
+    summary = Table(title=title, show_header=False, box=None, pad_edge=False)
+    summary.add_column(style="bold")
+    summary.add_column()
+    for name, value in summary_rows(ctx, evaluation, extra_rows):
+        summary.add_row(name, value)
+    return [summary, stage_table(ctx, evaluation)]
+
+
+def plan_rows(body: Mapping[str, Any], interval: Interval | None) -> list[Row]:
+    """What `plan` adds to the summary: the prediction's interval, the bounds, the gap and the search's effort."""
+    rows = [interval_row(interval)] if interval else []
+    rows.append(
+        (
+            "upper bound",
+            f"{body['upper_bound_tokens_per_s']:,.0f} tokens/s (sum of groups alone): "
+            f"{body['fraction_of_upper_bound']:.1%} of it",
+        )
+    )
+    rows.append(
+        (
+            "compute bound",
+            f"{body['compute_bound_tokens_per_s']:,.0f} tokens/s (no bubble, no comm): "
+            f"{body['fraction_of_compute_bound']:.1%} of it",
+        )
+    )
+    if "iteration_time_lower_bound_s" in body:
+        rows.append(
+            (
+                "lower bound",
+                f"{body['iteration_time_lower_bound_s']:.3f} s per iteration for any plan searched: "
+                f"this one is within {body['gap_to_lower_bound']:.1%}",
+            )
+        )
+    search = body["search"]
+    rows.append(
+        (
+            "search",
+            f"{body['search_time_s']:.2f} s, {search['evaluated']} of {search['configurations']} configurations "
+            "evaluated",
+        )
+    )
+    return rows
+
+
+def alternatives_lines(body: Mapping[str, Any]) -> list[str]:
+    """The next best plans of `plan --top-k`, one line each (empty when there are none)."""
+    if not body["alternatives"]:
+        return []
+    lines = [f"  {alt['iteration_time_s']:.3f} s  {escape(alt['summary'])}" for alt in body["alternatives"]]
+    return ["[bold]Alternatives[/bold]", *lines]
+
+
+def devices_table(catalog: Mapping[str, DeviceSpec]) -> Table:
+    columns = ("key", "name", "vendor", "TFLOP/s", "memory GB", "HBM TB/s", "in-node GB/s", "library", "aliases")
+    table = titled_table("Accelerators (dense 16-bit peak; override per group in the cluster file)", columns)
+    for d in catalog.values():
+        table.add_row(
+            d.key,
+            d.name,
+            d.vendor,
+            f"{d.peak_tflops:g}",
+            f"{d.memory_GB:g}",
+            f"{d.hbm_TBps:g}",
+            f"{d.intra_node_GBps:g}",
+            d.collective_library,
+            ", ".join(d.aliases),
+        )
+    return table
+
+
+def models_table(catalog: Mapping[str, ModelSpec]) -> Table:
+    table = titled_table("Models", ("key", "params", "layers", "hidden", "ffn", "heads", "kv", "vocab", "seq", "mlp"))
+    for m in catalog.values():
+        table.add_row(
+            m.key,
+            f"{m.total_params() / 1e9:.1f}B",
+            str(m.num_layers),
+            str(m.hidden_size),
+            str(m.ffn_hidden_size),
+            str(m.num_attention_heads),
+            str(m.num_kv_heads),
+            str(m.vocab_size),
+            str(m.seq_length),
+            m.mlp,
+        )
+    return table
+
+
+def traffic_table(report: TrafficReport) -> Table:
+    """GB per iteration by dimension (rows) and link class (columns), with TB over the run when it is known."""
+    from predictor.traffic import DIMENSIONS, LINK_CLASSES
+
+    table = report.by_dimension_and_link
+    iterations = report.iterations
+    title = "Traffic per iteration, GB" + (f" (and over {iterations:,.0f} iterations, TB)" if iterations else "")
+    out = titled_table(title, ("dimension", *LINK_CLASSES), left=("dimension",))
+    for d in DIMENSIONS:
+        cells = []
+        for link in LINK_CLASSES:
+            cell = f"{table[d][link] / 1e9:,.1f}"
+            if iterations:
+                cell += f" ({table[d][link] * iterations / 1e12:,.1f})"
+            cells.append(cell)
+        out.add_row(d, *cells)
+    return out
+
+
+def traffic_calc_lines(body: Mapping[str, Any], global_batch: int, seq_length: int) -> list[str]:
+    """`traffic-calc` for the terminal: the run in a line, then PB sent per rank and in all per parallel style."""
+    gpus = body["ranks"]
+    lines = [
+        f"{body['model']}: {body['params'] / 1e9:.1f}B params, {body['tokens']:,.0f} tokens = {body['steps']:,.0f} "
+        f"steps of {global_batch} x {seq_length} tokens, {gpus} ranks"
+    ]
+    for name, value in body["bytes_per_rank"].items():
+        lines.append(f"  {name:<5} {value / 1e15:,.2f} PB sent per rank ({value * gpus / 1e15:,.2f} PB in all)")
+    return lines
+
+
+def export_lines(format: str, exported: Export, summary: Mapping[str, Any], out: Path) -> list[str]:
+    """What `export` wrote, what the engine could not express (and the closest plan it runs instead), notes, the
+    predicted cost of the difference and how to launch."""
+    lines = [f"{format}: {', '.join(sorted(exported.files))} and export.json written to {out}/"]
+    if exported.lost:
+        lines.append(f"{format} cannot express all of the plan; the files describe the closest plan it can run:")
+        lines += [f"  lost: {escape(item)}" for item in exported.lost]
+        lines.append(f"  exported: {escape(summary['exported_strategy'])}")
+    lines += [f"note: {escape(note)}" for note in exported.notes]
+    lines.append(
+        f"predicted iteration: plan {exported.plan_iteration_time_s:.3f} s, exported "
+        f"{exported.predicted_iteration_time_s:.3f} s ({summary['slowdown']:+.1%})"
+    )
+    lines.append(f"{len(exported.nodes)} nodes: run launch.sh on each with NODE_RANK and MASTER_ADDR set")
+    return lines

@@ -1,0 +1,249 @@
+"""report/ called as a library (no CLI): explain names the slowest stage and writes a real picture and report, the
+traffic heatmap is drawn and sums what was counted, the rail-only check flags rings that leave their rail, and a
+directory of profiles is checked against the model. Also the tables the CLI prints from these results."""
+
+from __future__ import annotations
+
+import base64
+from pathlib import Path
+
+import pytest
+
+from planner.plan import LoadedPlan
+from predictor.traffic import Traffic
+from profiler.profiles import load_profiles, profile_files
+from profiler.simulated import SimulatedDevice
+from report import explain, rail_only, traffic, traffic_calc
+from report.figures import HEATMAP_MAX_DEVICES, traffic_matrix
+from report.replanning import replan_lines
+from report.tables import plan_rows, stage_table
+from specs import load_cluster, load_model, load_training
+from specs.cluster import ClusterSpec
+from specs.device import get_device
+from specs.errors import SpecError
+from specs.layout import PipelineStrategy, StageStrategy, Strategy, megatron_strategy
+from tests.conftest import EXAMPLES
+
+CLUSTER = EXAMPLES / "a100-v100-32.yaml"
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def _a100() -> ClusterSpec:
+    """The 16 A100s (two nodes of 8) of the example cluster."""
+    cluster = load_cluster(CLUSTER)
+    return cluster.only(cluster.group("a100"))
+
+
+def _plan(strategy: Strategy | None = None, batch: int = 32, **megatron: int) -> LoadedPlan:
+    """gpt3-1.7b (24 layers) on the A100s: a given strategy, or a Megatron-style one (micro-batch 1)."""
+    model = load_model("gpt3-1.7b")
+    training = load_training(None, {"global_batch_size": batch, "zero_stage": 1})
+    if strategy is None:
+        strategy = megatron_strategy(
+            _a100(), model, training, group="a100", micro_batch_size=1, recompute="none", **megatron
+        )
+    return LoadedPlan(strategy, model, training, "test-plan.json", "a100-v100-32")
+
+
+def _two_stages(first_layers: int) -> Strategy:
+    """Four replicas of two TP-2 stages, `first_layers` of the 24 layers on stage 0 and the rest on stage 1."""
+    stages = (StageStrategy("a100", 0, first_layers, 2, 0), StageStrategy("a100", first_layers, 24, 2, 8))
+    return Strategy((PipelineStrategy(4, 1, 8, stages),), "none", 1)
+
+
+@pytest.mark.parametrize(("first_layers", "slowest"), [(18, 0), (6, 1)])
+def test_explain_names_the_slowest_stage(first_layers, slowest):
+    result = explain(_plan(_two_stages(first_layers)), _a100())
+    times = [s.compute_time_s for s in result.evaluation.stages]
+    assert times.index(max(times)) == slowest
+    layers = first_layers if slowest == 0 else 24 - first_layers
+    assert result.bottleneck[0].startswith(f"Stage {slowest} (a100, {layers} layers, TP 2) is the slowest")
+    body = result.to_dict()
+    assert body["bottleneck"] == result.bottleneck
+    assert 0 < body["flush_s"] < body["iteration_time_s"] == result.evaluation.iteration_time_s
+    assert body["png"] is None and body["html"] is None
+
+
+def test_explain_says_how_far_the_drawn_interleaved_schedule_is_from_the_closed_form():
+    plain = explain(_plan(tp=2, pp=2, dp=4), _a100())
+    interleaved = explain(_plan(tp=2, pp=2, dp=4, virtual_stages=2), _a100())
+    assert not any(line.startswith("Interleaved 1F1B") for line in plain.bottleneck)
+    assert interleaved.bottleneck[-1].startswith("Interleaved 1F1B (v=2, Megatron's order) is drawn chunk by chunk")
+
+
+def test_explain_writes_the_picture_and_embeds_it_in_the_report(tmp_path):
+    png, html = tmp_path / "explain.png", tmp_path / "explain.html"
+    result = explain(_plan(tp=2, pp=4, dp=2), _a100(), png=png, html=html)
+    assert png.read_bytes()[:8] == PNG_SIGNATURE and png.stat().st_size > 10_000
+    report = html.read_text(encoding="utf-8")
+    assert result.title in report and all(line in report for line in result.bottleneck)
+    assert report.count("<tr><td>") == 4  # one row per stage
+    encoded = report.split("data:image/png;base64,")[1].split("'")[0]
+    assert base64.b64decode(encoded) == png.read_bytes()  # the same picture, not a second drawing
+    assert result.to_dict()["png"] == str(png) and result.to_dict()["html"] == str(html)
+
+
+def test_explain_report_alone_draws_its_picture_into_the_report_only(tmp_path):
+    html = tmp_path / "explain.html"
+    result = explain(_plan(tp=2, pp=2, dp=4), _a100(), html=html)
+    encoded = html.read_text(encoding="utf-8").split("data:image/png;base64,")[1].split("'")[0]
+    assert base64.b64decode(encoded)[:8] == PNG_SIGNATURE
+    assert result.to_dict()["png"] is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["explain.html"]
+
+
+def test_traffic_heatmap_is_written_and_sums_the_counted_bytes(tmp_path):
+    png = tmp_path / "traffic.png"
+    result = traffic(_plan(tp=2, pp=2, dp=4), _a100(), tokens=1e9, epochs=2, png=png)
+    assert png.read_bytes()[:8] == PNG_SIGNATURE and png.stat().st_size > 10_000
+    labels, matrix = traffic_matrix(result.traffic)
+    assert len(labels) == 16
+    assert matrix.sum() == pytest.approx(result.traffic.total_bytes(), rel=1e-12)
+    body = result.to_dict()
+    assert body["png"] == str(png) and body["plan"] == "test-plan.json"
+    assert body["iterations"] == pytest.approx(2 * 1e9 / (32 * 2048))
+    for d, links in body["bytes_total"].items():
+        for link, total in links.items():
+            assert total == round(result.by_dimension_and_link[d][link] * body["iterations"])
+
+
+def _toy_traffic(devices: int, per_node: int) -> Traffic:
+    """`devices` devices of one group, `per_node` to a node, no bytes yet."""
+    return Traffic(
+        [f"g:{i}" for i in range(devices)],
+        [f"g/node{i // per_node}" for i in range(devices)],
+        [i % per_node for i in range(devices)],
+        ["g"] * devices,
+    )
+
+
+def test_heatmap_sums_device_pairs_into_node_pairs_on_large_clusters():
+    toy = _toy_traffic(HEATMAP_MAX_DEVICES + 8, 8)
+    toy.add_ring("tp", list(range(8)), 10.0)  # inside node 0
+    toy.add_ring("dp", [0, 8, 16], 5.0)  # nodes 0 -> 1 -> 2 -> 0
+    labels, matrix = traffic_matrix(toy)
+    assert len(labels) == (HEATMAP_MAX_DEVICES + 8) // 8 and labels[0] == "g/node0"
+    assert matrix[0, 0] == 80.0 and matrix[0, 1] == matrix[1, 2] == matrix[2, 0] == 5.0
+    assert matrix.sum() == toy.total_bytes()
+
+
+def test_rail_only_counts_off_rail_bytes_and_the_worst_relay():
+    toy = _toy_traffic(4, 2)  # two nodes of two devices
+    toy.add_ring("dp", [0, 3], 100.0)  # local rank 0 <-> 1 across nodes: off-rail both ways
+    toy.add_ring("dp", [1, 3], 50.0)  # local rank 1 on both nodes: on the rail
+    toy.add_ring("pp", [0, 2], 30.0)  # on the rail
+    rail = rail_only(toy)
+    assert not rail.ok
+    assert rail.spine_bytes == {"tp": 0, "pp": 0, "dp": 200.0}
+    assert rail.groups_breaking_it == ["g"] and rail.relay_bytes_worst_device == 100.0
+    assert rail.sentence().startswith("rail-only: NO, 0.0 GB per iteration cross nodes off-rail (groups g)")
+    clean = _toy_traffic(4, 2)
+    clean.add_ring("dp", [1, 3], 50.0)
+    assert rail_only(clean).ok and rail_only(clean).relay_bytes_worst_device == 0.0
+
+
+def test_rail_only_flags_a_plan_whose_dp_ring_crosses_rails():
+    """Three TP-2 replicas fill 6 of 8 devices a node: stage 1 starts at local rank 6 on node 0 and wraps to local
+    rank 0 on node 1, so its DP rings go off-rail. Four replicas (stage 1 at device 8) stay on their rails."""
+    shifted = traffic(_plan(batch=24, tp=2, pp=2, dp=3), _a100())
+    rail = shifted.rail
+    assert not rail.ok and rail.groups_breaking_it == ["a100"]
+    assert rail.spine_bytes["dp"] > 0 and rail.spine_bytes["tp"] == 0
+    pairs = shifted.traffic.pairs
+    worst = max(
+        sum(
+            size
+            for (src, dst), size in pairs[d].items()
+            if src == device and shifted.traffic.link_class(src, dst) == "spine"
+        )
+        for device in range(16)
+        for d in pairs
+    )
+    assert rail.relay_bytes_worst_device == worst > 0
+    body = shifted.to_dict()["rail_only"]
+    assert body["ok"] is False and body["spine_bytes_per_iteration"]["dp"] == round(rail.spine_bytes["dp"])
+    aligned = traffic(_plan(tp=2, pp=2, dp=4), _a100())
+    assert aligned.rail.ok and aligned.to_dict()["rail_only"]["groups_breaking_it"] == []
+
+
+def test_traffic_calc_is_the_textbook_volume_over_the_run():
+    model = load_model("llama3-70b")
+    body = traffic_calc(model, 156e9, 2048, 8)
+    assert body["steps"] == pytest.approx(156e9 / (2048 * model.seq_length))
+    assert body["bytes_per_rank"]["dp"] == pytest.approx(body["steps"] * 2 * 7 / 8 * model.total_params() * 2)
+    assert traffic_calc(model, 156e9, 2048, 8, seq_length=model.seq_length // 2)["steps"] == pytest.approx(
+        2 * body["steps"]
+    )
+
+
+def _save_profile(path: Path, device: str, model: str) -> None:
+    SimulatedDevice(get_device(device), load_model(model), 1024, "bf16").to_profile((1,), (1,)).save(path)
+
+
+def test_profiles_directory_is_checked_against_the_model(tmp_path):
+    model = load_model("gpt3-1.7b")
+    _save_profile(tmp_path / "a.json", "a100-80gb", "gpt3-1.7b")
+    _save_profile(tmp_path / "b.json", "v100", "gpt3-1.7b")
+    assert sorted(load_profiles(tmp_path, model)) == ["a100-80gb", "v100"]
+    assert load_profiles(None, model) == {}
+    assert [p.name for p in profile_files(tmp_path)] == ["a.json", "b.json"]
+    _save_profile(tmp_path / "c.json", "a100-80gb", "gpt3-1.7b")
+    with pytest.raises(SpecError, match="a second profile for device 'a100-80gb'"):
+        load_profiles(tmp_path, model)
+    (tmp_path / "c.json").unlink()
+    _save_profile(tmp_path / "c.json", "h100", "gpt3-6.7b")
+    with pytest.raises(SpecError, match=r"c\.json: model\.hidden_size: profiled 4096, the model to plan has 2304"):
+        load_profiles(tmp_path, model)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert load_profiles(empty, model) == {}
+    with pytest.raises(SpecError, match="no \\*.json profiles"):
+        profile_files(empty)
+    with pytest.raises(SpecError, match="expected a directory of profile JSON files"):
+        load_profiles(tmp_path / "a.json", model)
+
+
+def test_stage_table_marks_stages_that_do_not_fit_in_red():
+    from rich.console import Console
+
+    result = explain(_plan(tp=1, pp=1, dp=16), _a100())
+    table = stage_table(result.context, result.evaluation)
+    assert table.row_count == 1
+    memory_cell = next(iter(table.columns[-1].cells))
+    assert memory_cell.startswith("[red]") == (not result.evaluation.stages[0].fits)
+    console = Console(width=200, record=True)
+    console.print(table)
+    assert "a100-80gb" in console.export_text()
+
+
+def test_plan_rows_show_the_lower_bound_only_when_it_was_computed():
+    body = {
+        "upper_bound_tokens_per_s": 1000.0,
+        "fraction_of_upper_bound": 0.5,
+        "compute_bound_tokens_per_s": 2000.0,
+        "fraction_of_compute_bound": 0.25,
+        "search_time_s": 1.234,
+        "search": {"evaluated": 3, "configurations": 10},
+    }
+    assert [name for name, _ in plan_rows(body, None)] == ["upper bound", "compute bound", "search"]
+    rows = dict(plan_rows({**body, "iteration_time_lower_bound_s": 2.0, "gap_to_lower_bound": 0.05}, None))
+    assert rows["lower bound"] == "2.000 s per iteration for any plan searched: this one is within 5.0%"
+    assert rows["search"] == "1.23 s, 3 of 10 configurations evaluated"
+
+
+def test_replan_lines_say_when_the_old_plan_cannot_run_any_more():
+    side = {"summary": "[a] 2 stages", "iteration_time_s": 2.0, "tokens_per_s": 1000.0}
+    body = {
+        "cluster_devices": {"before": 16, "after": 8},
+        "old": side,
+        "old_adapted": None,
+        "new": {**side, "iteration_time_s": 4.0, "tokens_per_s": 500.0},
+        "throughput_change": -0.5,
+        "replan_time_s": 0.1,
+        "warm_started": False,
+    }
+    lines = replan_lines(body, 0.123)
+    assert lines[0] == "cluster: 16 -> 8 devices"
+    assert "old plan shrunk to fit: cannot run on the changed cluster" in lines
+    assert lines[2].strip() == "\\[a] 2 stages"  # escaped for rich markup
+    assert lines[-1] == "throughput -50.0%; re-planned in 0.12 s"
