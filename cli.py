@@ -48,6 +48,7 @@ MicroBatchesOpt = Annotated[str, typer.Option(help="Micro-batch sizes.")]
 
 # ---- parsing and loading ----------------------------------------------------------------------------------------
 def _int_list(text: str | None, flag: str) -> list[int] | None:
+    """'1,2,4' -> [1, 2, 4]; None stays None (the flag was not given)."""
     from specs.errors import SpecError
 
     if text is None:
@@ -64,6 +65,7 @@ def _names(text: str) -> list[str]:
 
 
 def _size_bytes(text: str, flag: str) -> int:
+    """'4KiB' -> 4096, '1MB' -> 1000000: binary and decimal units, case-insensitive."""
     from specs.errors import SpecError
 
     units = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
@@ -76,18 +78,21 @@ def _size_bytes(text: str, flag: str) -> int:
 
 
 def _training(path: Path | None, **overrides: Any) -> TrainingSpec:
+    """The training file (or defaults) with the flags that were given on top."""
     from specs.training import load_training
 
     return load_training(path, overrides)
 
 
 def _predictor(path: Path | None) -> Predictor:
+    """The predictor from `hetplan fit`, or the shipped one."""
     from predictor.predictor import default_predictor, load_predictor
 
     return load_predictor(path) if path is not None else default_predictor()
 
 
 def _load_profiles(directory: Path | None, model: ModelSpec) -> dict[str, DeviceProfile]:
+    """--profiles: the directory's profiles by device, checked against the model (none without the flag)."""
     from profiler.profiles import load_profiles
 
     return load_profiles(directory, model)
@@ -109,6 +114,7 @@ def _plan_and_cluster(plan_file: Path, cluster: Path) -> tuple[LoadedPlan, Clust
 
 
 def _require_torch(command: str) -> None:
+    """Commands that measure need torch: say so in one line when it is missing."""
     from specs.errors import TorchMissingError
 
     try:
@@ -119,6 +125,7 @@ def _require_torch(command: str) -> None:
 
 # ---- printing ---------------------------------------------------------------------------------------------------
 def _console() -> Any:
+    """A rich console at least 100 columns wide (tables stay readable when piped)."""
     from rich.console import Console
 
     return Console(width=max(100, Console().width))
@@ -132,6 +139,7 @@ def _print(*renderables: Any) -> None:
 
 
 def _print_json(body: Any) -> None:
+    """The command's body as indented JSON on stdout (nothing else goes there with --json)."""
     sys.stdout.write(json.dumps(body, indent=2) + "\n")
 
 

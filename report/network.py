@@ -28,9 +28,11 @@ class RailOnly:
 
     @property
     def ok(self) -> bool:
+        """No byte needs the spine."""
         return not any(self.spine_bytes.values())
 
     def to_dict(self) -> dict[str, Any]:
+        """The `rail_only` part of the `traffic --json` body (bytes rounded to whole bytes)."""
         return {
             "ok": self.ok,
             "spine_bytes_per_iteration": {d: round(v) for d, v in self.spine_bytes.items()},
@@ -68,13 +70,10 @@ class TrafficReport:
 
     plan: str
     traffic: Traffic
+    by_dimension_and_link: dict[str, dict[str, float]]  # bytes per iteration
     iterations: float | None
     rail: RailOnly
     png: Path | None = None
-
-    @property
-    def by_dimension_and_link(self) -> dict[str, dict[str, float]]:
-        return self.traffic.by_dimension_and_link()
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON body of `hetplan traffic --json`."""
@@ -110,7 +109,8 @@ def traffic(
     iterations = epochs * tokens / tokens_per_iteration if tokens else None
     if png is not None:
         traffic_heatmap(counted, f"{plan.model.key} on {cluster.name}: bytes per iteration", png)
-    return TrafficReport(plan.source, counted, iterations, rail_only(counted), png)
+    table = counted.by_dimension_and_link()
+    return TrafficReport(plan.source, counted, table, iterations, rail_only(counted), png)
 
 
 def traffic_calc(

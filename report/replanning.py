@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 
 
 def _side(evaluation: Evaluation) -> dict[str, Any]:
+    """One plan of the comparison: its strategy in a line, its time and throughput."""
     return {
         "summary": describe_strategy(evaluation.strategy),
         "iteration_time_s": evaluation.iteration_time_s,

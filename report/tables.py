@@ -31,6 +31,7 @@ def titled_table(title: str, columns: Iterable[str], left: Collection[str] | Non
 
 
 def gib(value: float) -> str:
+    """Bytes as GiB with one decimal."""
     return f"{value / 2**30:.1f}"
 
 
@@ -40,6 +41,7 @@ def count(number: int, noun: str) -> str:
 
 
 def interval_row(interval: Interval) -> Row:
+    """The prediction's 90% interval and what it was estimated from."""
     return ("90% interval", f"{interval.low_s:.3f} - {interval.high_s:.3f} s (from {interval.basis})")
 
 
@@ -165,6 +167,7 @@ def alternatives_lines(body: Mapping[str, Any]) -> list[str]:
 
 
 def devices_table(catalog: Mapping[str, DeviceSpec]) -> Table:
+    """The accelerator catalog, one device a row, in the units of datasheets."""
     columns = ("key", "name", "vendor", "TFLOP/s", "memory GB", "HBM TB/s", "in-node GB/s", "library", "aliases")
     table = titled_table("Accelerators (dense 16-bit peak; override per group in the cluster file)", columns)
     for d in catalog.values():
@@ -183,6 +186,7 @@ def devices_table(catalog: Mapping[str, DeviceSpec]) -> Table:
 
 
 def models_table(catalog: Mapping[str, ModelSpec]) -> Table:
+    """The model catalog, one model a row: size and shape."""
     table = titled_table("Models", ("key", "params", "layers", "hidden", "ffn", "heads", "kv", "vocab", "seq", "mlp"))
     for m in catalog.values():
         table.add_row(
