@@ -1,7 +1,10 @@
-"""Shared fixtures: example files and a fake layer-cost source with hand-checkable numbers."""
+"""Shared test helpers: example files, the CLI in a fresh interpreter, and a fake layer-cost source with
+hand-checkable numbers."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +21,34 @@ groups:
   - {name: t4, device: t4, nodes: 1, devices_per_node: 4, nics_per_node: 1, nic_gbps: 25}
 network: {topology: clos, inter_group_gbps: 25}
 """
+
+NO_TORCH = (
+    "import sys\n"
+    "class NoTorch:  # any `import torch` now raises ImportError, as on a machine without it\n"
+    "    def find_spec(self, name, path=None, target=None):\n"
+    "        if name == 'torch' or name.startswith('torch.'):\n"
+    "            raise ImportError('No module named torch')\n"
+    "sys.meta_path.insert(0, NoTorch())\n"
+    "import cli\n"
+    "sys.argv = ['hetplan', *sys.argv[1:]]\n"
+    "try:\n"
+    "    cli.main()\n"
+    "finally:\n"
+    "    assert 'torch' not in sys.modules, 'torch was imported'\n"
+)
+
+
+def write_plan(out, cluster, model: str, global_batch: int) -> None:
+    """`hetplan plan ... --out out` (fp16: the example clusters include V100s)."""
+    args = ["--cluster", str(cluster), "--model", model, "--dtype", "fp16", "--global-batch", str(global_batch)]
+    made = hetplan("plan", *args, "--out", str(out), "--json")
+    assert made.returncode == 0, made.stderr
+
+
+def hetplan(*args: str, torch_allowed: bool = False) -> subprocess.CompletedProcess[str]:
+    """Run the CLI in a fresh interpreter; unless allowed, torch cannot be imported there."""
+    command = ["-m", "cli"] if torch_allowed else ["-c", NO_TORCH]
+    return subprocess.run([sys.executable, *command, *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
 @dataclass(frozen=True)

@@ -3,40 +3,10 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
-from tests.conftest import EXAMPLES, ONE_T4_NODE, ROOT
-
-NO_TORCH = (
-    "import sys\n"
-    "class NoTorch:  # any `import torch` now raises ImportError, as on a machine without it\n"
-    "    def find_spec(self, name, path=None, target=None):\n"
-    "        if name == 'torch' or name.startswith('torch.'):\n"
-    "            raise ImportError('No module named torch')\n"
-    "sys.meta_path.insert(0, NoTorch())\n"
-    "import cli\n"
-    "sys.argv = ['hetplan', *sys.argv[1:]]\n"
-    "try:\n"
-    "    cli.main()\n"
-    "finally:\n"
-    "    assert 'torch' not in sys.modules, 'torch was imported'\n"
-)
-
-
-def write_plan(out, cluster, model: str, global_batch: int) -> None:
-    """`hetplan plan ... --out out` (fp16: the example clusters include V100s)."""
-    args = ["--cluster", str(cluster), "--model", model, "--dtype", "fp16", "--global-batch", str(global_batch)]
-    made = hetplan("plan", *args, "--out", str(out), "--json")
-    assert made.returncode == 0, made.stderr
-
-
-def hetplan(*args: str, torch_allowed: bool = False) -> subprocess.CompletedProcess[str]:
-    """Run the CLI in a fresh interpreter; unless allowed, torch cannot be imported there."""
-    command = ["-m", "cli"] if torch_allowed else ["-c", NO_TORCH]
-    return subprocess.run([sys.executable, *command, *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+from tests.conftest import EXAMPLES, ONE_T4_NODE, hetplan
 
 
 @pytest.fixture(scope="module")
@@ -94,6 +64,7 @@ def test_predict_strategy_reproduces_the_plan(small_plan):
     assert predicted["pipelines"] == body["pipelines"]
 
 
+@pytest.mark.slow
 def test_predict_megatron_flags_on_homogeneous_a100(write):
     cluster = write(
         "a100.yaml",
@@ -141,6 +112,7 @@ def test_user_errors_print_one_line_and_exit_2(args, expected):
     assert lines[0].startswith("hetplan: error: ") and expected in lines[0]
 
 
+@pytest.mark.slow
 def test_does_not_fit_exits_2_with_the_shortfall(write):
     cluster = write(
         "t4.yaml",
@@ -181,6 +153,7 @@ def test_simulate_profile_writes_a_loadable_profile(tmp_path):
     assert profile.source == "simulated" and len(profile.entries) == 2 * 2 * 5
 
 
+@pytest.mark.slow
 def test_plan_lower_bound_reports_how_far_any_plan_could_be():
     """`--lower-bound` adds the least iteration time of any plan in the search space and the plan's gap to it."""
     args = ["--cluster", str(EXAMPLES / "a100-v100-32.yaml"), "--model", "gpt3-1.7b", "--dtype", "fp16"]

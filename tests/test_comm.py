@@ -117,6 +117,7 @@ def _spawn(worker, ranks: int, tmp_path: Path, deadline_s: float) -> dict[int, d
     return {r: json.loads(path.read_text()) for r, path in files.items() if path.exists()}
 
 
+@pytest.mark.slow
 def test_every_collective_is_correct_across_simulated_islands(tmp_path):
     results = _spawn(_collectives_worker, 4, tmp_path, 120)
     assert sorted(results) == [0, 1, 2, 3]
@@ -126,6 +127,7 @@ def test_every_collective_is_correct_across_simulated_islands(tmp_path):
     assert "partial all_reduce (unequal islands)" in results[2]
 
 
+@pytest.mark.slow
 def test_a_dead_peer_makes_the_others_fail_cleanly_within_the_timeout(tmp_path):
     results = _spawn(_dying_worker, 3, tmp_path, 60)
     assert sorted(results) == [0, 1]
@@ -181,6 +183,7 @@ def _plan_groups_worker(rank: int, port: int, out: str, islands: list[str], grou
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_a_plans_groups_are_created_everywhere_and_work_across_islands(tmp_path):
     from comm.plan_groups import plan_groups, rank_islands
     from specs import load_cluster
@@ -222,9 +225,10 @@ def test_a_plans_groups_are_created_everywhere_and_work_across_islands(tmp_path)
     assert any(len(set(islands[r] for r in ranks)) == 2 for ranks, _ in json.loads(Path(out, "0.json").read_text()))
 
 
+@pytest.mark.slow
 def test_comm_bench_checks_every_path_and_writes_a_link_profile_the_predictor_reads(tmp_path):
     from predictor.link_model import fit_link, load_link_points
-    from tests.test_cli import hetplan
+    from tests.conftest import hetplan
 
     links = tmp_path / "cross.json"
     result = hetplan(
@@ -317,6 +321,7 @@ def _registered_backend_worker(rank: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_the_registered_backend_carries_ddp_and_uneven_pipelining_across_islands(tmp_path):
     results = _spawn(_registered_backend_worker, 4, tmp_path, 120)
     assert sorted(results) == [0, 1, 2, 3]

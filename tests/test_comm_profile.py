@@ -10,7 +10,9 @@ pytest.importorskip("torch")
 
 from profiler.collectives import bus_factor
 from profiler.comm_bench import CommPoint, fit_link, link_profile, run_local
-from tests.test_cli import hetplan
+from tests.conftest import hetplan
+
+pytestmark = pytest.mark.slow  # every test here runs several processes
 
 
 def test_fit_recovers_a_known_alpha_beta():

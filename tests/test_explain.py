@@ -61,10 +61,11 @@ def test_bottleneck_names_the_slowest_stage():
     assert any("Memory is tightest" in line for line in words)
 
 
+@pytest.mark.slow
 def test_explain_command_writes_a_picture_and_a_self_contained_report(tmp_path):
     import matplotlib.image
 
-    from tests.test_cli import hetplan, write_plan
+    from tests.conftest import hetplan, write_plan
 
     plan_path = tmp_path / "plan.json"
     write_plan(plan_path, CLUSTER, "gpt3-6.7b", 128)

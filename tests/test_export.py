@@ -15,8 +15,7 @@ from predictor.predictor import default_predictor
 from specs import engine_catalog, get_engine, load_cluster, load_model, load_training
 from specs.errors import SpecError
 from specs.layout import PipelineStrategy, StageStrategy, Strategy
-from tests.conftest import EXAMPLES
-from tests.test_cli import hetplan
+from tests.conftest import EXAMPLES, hetplan
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +41,7 @@ def mixed():
     return ctx, strategy
 
 
+@pytest.mark.slow
 def test_megatron_layout_is_accepted_by_megatron_core_and_keeps_every_ranks_layer_count(hethub):
     layout_module = pytest.importorskip("megatron.core.transformer.pipeline_parallel_layer_layout")
     ctx, strategy = hethub
@@ -220,6 +220,7 @@ def test_a_node_split_between_distant_stages_is_refused(mixed):
         export_plan(ctx, odd, "torchrun")
 
 
+@pytest.mark.slow
 def test_cli_export_writes_files_and_refuses_an_unknown_format(tmp_path):
     plan_file = tmp_path / "plan.json"
     made = hetplan("plan", "--cluster", str(EXAMPLES / "a100-v100-32.yaml"), "--model", "gpt3-1.7b", "--dtype", "fp16",

@@ -22,7 +22,7 @@ from specs import load_model, load_training
 from specs.cluster import ClusterFile, ClusterSpec, resolve_cluster
 from specs.errors import SpecError
 from specs.layout import Axis, PipelineStrategy, StageStrategy, Strategy
-from tests.test_cli import hetplan
+from tests.conftest import hetplan
 
 BATCH = 64
 
@@ -274,6 +274,7 @@ def test_export_falls_back_to_one_family(family_plan):
     assert exported.predicted_iteration_time_s > exported.plan_iteration_time_s
 
 
+@pytest.mark.slow
 def test_cli_plans_families_and_explains_and_counts_their_traffic(tmp_path):
     cluster = tmp_path / "cluster.yaml"
     cluster.write_text(CLUSTER_YAML.format(inter_group_gbps=200))

@@ -213,8 +213,9 @@ def test_predictor_without_layer_models_leaves_profiles_and_simulation_alone():
     assert base.source("cpu") is profile
 
 
+@pytest.mark.slow
 def test_fit_then_predict_with_the_fitted_predictor_on_the_command_line(tmp_path):
-    from tests.test_cli import hetplan
+    from tests.conftest import hetplan
 
     profiles = tmp_path / "profiles"
     profiles.mkdir()

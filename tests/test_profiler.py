@@ -15,8 +15,7 @@ from profiler.layers import DecoderLayer  # noqa: E402
 from profiler.measure import build_layer, profile_layer, profile_model, saved_activation_bytes  # noqa: E402
 from specs import load_cluster, load_model, load_training  # noqa: E402
 from specs.model import ModelSpec, Recompute  # noqa: E402
-from tests.conftest import EXAMPLES  # noqa: E402
-from tests.test_cli import hetplan  # noqa: E402
+from tests.conftest import EXAMPLES, hetplan  # noqa: E402
 
 TINY_LLAMA = load_model(str(EXAMPLES / "models" / "tiny-llama.yaml"))
 TINY_GPT = load_model(str(EXAMPLES / "models" / "tiny-gpt.yaml"))
@@ -131,6 +130,7 @@ def test_ctrl_c_keeps_what_was_measured(monkeypatch):
     assert len(profile.entries) == 2
 
 
+@pytest.mark.slow
 def test_cli_profile_then_plan_uses_the_measurements(tmp_path):
     profiles = tmp_path / "profiles"
     profiles.mkdir()

@@ -66,8 +66,9 @@ def test_adapted_plan_keeps_the_stages_with_fewer_replicas():
     assert adapted.fits
 
 
+@pytest.mark.slow
 def test_replan_command(tmp_path):
-    from tests.test_cli import hetplan, write_plan
+    from tests.conftest import hetplan, write_plan
 
     plan_path = tmp_path / "plan.json"
     write_plan(plan_path, CLUSTER, "gpt3-1.7b", 64)

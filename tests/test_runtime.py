@@ -56,6 +56,8 @@ CLUSTER = resolve_cluster(
     ),
     "test",
 )
+
+pytestmark = pytest.mark.slow  # every test here runs several processes
 SEED, BATCH, STEPS = 3, 6, 2
 ROOT_EXAMPLES = Path(__file__).parent.parent / "examples"
 
@@ -171,7 +173,7 @@ def test_hetplan_run_plans_trains_records_and_feeds_fit(tmp_path):
     import json
     import os
 
-    from tests.test_cli import hetplan
+    from tests.conftest import hetplan
 
     (tmp_path / "model.yaml").write_text(
         "num_layers: 2\nhidden_size: 64\nffn_hidden_size: 128\nnum_attention_heads: 4\nnum_kv_heads: 2\n"

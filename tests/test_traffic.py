@@ -134,10 +134,11 @@ def test_textbook_example_llama3_70b_on_c4():
     )
 
 
+@pytest.mark.slow
 def test_traffic_command_writes_a_readable_heatmap(tmp_path):
     import matplotlib.image
 
-    from tests.test_cli import hetplan, write_plan
+    from tests.conftest import hetplan, write_plan
 
     plan_path = tmp_path / "plan.json"
     write_plan(plan_path, CLUSTER, "gpt3-1.7b", 64)
