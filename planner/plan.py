@@ -30,7 +30,7 @@ class Bounds:
     upper_bound_tokens_per_s: float
     compute_bound_tokens_per_s: float
     per_group_upper_bound_tokens_per_s: dict[str, float] = field(default_factory=dict)
-    scaled_groups: tuple[str, ...] = ()  # groups too small to hold the model alone (see planner.bounds)
+    scaled_groups: tuple[str, ...] = ()  # groups too small to hold the model alone (see planner.yardsticks)
 
 
 @dataclass(frozen=True)
