@@ -81,7 +81,7 @@ def _block_plans(evaluations: Sequence[Evaluation]) -> list[_BlockPlan]:
     plans = []
     for evaluation in evaluations:
         pipeline = evaluation.strategy.pipelines[0]
-        bottleneck = max(stage.compute_time_s for stage in evaluation.stages)
+        bottleneck = max(stage.step_time_s for stage in evaluation.stages)
         q = pipeline.num_microbatches
         stages = len(pipeline.stages)
         plans.append(

@@ -16,11 +16,16 @@ from specs.cluster import ClusterSpec, DeviceGroup
 
 LinkClass = Literal["in_node", "rail", "cross_group"]
 
-# nccl-tests: HDR 200 Gb/s NICs reach ~24 GB/s busbw of 25 GB/s, NDR 400 Gb/s 46-48 of 50 (collectives.md).
+# nccl-tests: HDR 200 Gb/s NICs reach ~24 GB/s busbw of 25 GB/s, NDR 400 Gb/s 46-48 of 50 (collectives.md): RDMA.
 NIC_EFFICIENCY = 0.92
 IN_NODE_ALPHA_S = 5e-6
 RAIL_ALPHA_S = 10e-6
 CROSS_GROUP_ALPHA_S = 30e-6
+# Collectives over TCP sockets (NCCL's socket transport, Gloo; clouds without RDMA): kernel copies and one stream per
+# peer leave ~60% of the line rate, and every step pays a system-call round trip. Priors: calibration fits the scale
+# (`transport:tcp`) where runs over TCP inform it.
+TCP_NIC_EFFICIENCY = 0.6
+TCP_ALPHA_S = 60e-6
 
 
 @dataclass(frozen=True)
@@ -54,12 +59,19 @@ def in_node_link(group: DeviceGroup) -> Link:
 
 
 def rail_link(group: DeviceGroup) -> Link:
+    """A device's share of its node's NICs (every device of the node sends at once: 8 ranks on one NIC get 1/8 each),
+    at the efficiency and latency of the group's transport."""
+    if group.transport == "tcp":
+        return Link("rail", group.nic_bw_per_device_bytes_per_s * TCP_NIC_EFFICIENCY, TCP_ALPHA_S)
     return Link("rail", group.nic_bw_per_device_bytes_per_s * NIC_EFFICIENCY, RAIL_ALPHA_S)
 
 
 def cross_group_link(cluster: ClusterSpec, a: DeviceGroup, b: DeviceGroup) -> Link:
-    """The path between two groups: the configured inter-group rate, capped by either side's NIC share."""
+    """The path between two groups: the configured inter-group rate, capped by either side's NIC share; TCP when
+    either side's NICs run TCP."""
     bw = min(cluster.inter_group_bw_bytes_per_s, a.nic_bw_per_device_bytes_per_s, b.nic_bw_per_device_bytes_per_s)
+    if "tcp" in (a.transport, b.transport):
+        return Link("cross_group", bw * TCP_NIC_EFFICIENCY, max(CROSS_GROUP_ALPHA_S, TCP_ALPHA_S))
     return Link("cross_group", bw * NIC_EFFICIENCY, CROSS_GROUP_ALPHA_S)
 
 

@@ -10,138 +10,50 @@ DP degree under ZeRO-1), activations of in-flight micro-batches under 1F1B (min(
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import TypeVar
 
 import numpy as np
 
-from predictor.comm_model import (
-    Link,
-    all_reduce_time_s,
-    cross_group_link,
-    hierarchical_all_reduce_time_s,
-    hierarchical_reduce_scatter_time_s,
-    in_node_link,
-    rail_link,
+from predictor.comm_model import Link, all_reduce_time_s
+from predictor.context import CostContext, EndToEndTerms, build_context, emulated
+from predictor.sharding import (
+    GRAD_BYTES_PER_PARAM,
+    DpSync,
+    dp_sync_time_s,
+    exposed_dp_sync_time_s,
+    gathered_weights_bytes,
+    optimizer_time_s,
+    sharded_exposed_time_s,
+    state_bytes,
+    state_bytes_per_param,
 )
-from profiler.profile import DeviceProfile, LayerCostSource, ScaledLayerCosts
-from profiler.simulated import SimulatedDevice
-from specs.cluster import ClusterSpec, DeviceGroup
-from specs.errors import SpecError
-from specs.layout import PipelineStrategy, StageStrategy, Strategy, check_strategy, dp_layout, same_node
+from specs.cluster import DeviceGroup
+from specs.layout import PipelineStrategy, StageStrategy, Strategy, same_node
 from specs.model import ModelSpec, Recompute
-from specs.training import TrainingSpec
 
-GRAD_BYTES_PER_PARAM = 4  # fp32 main gradients (Megatron's default for bf16 training)
-OPTIMIZER_BYTES_PER_PARAM_MIXED = 12  # fp32 master weights + Adam m + v
-OPTIMIZER_BYTES_PER_PARAM_FP32 = 8  # Adam m + v when the weights already are fp32
-ADAM_BYTES_MOVED_PER_PARAM = 30  # read grad, master, m, v (16) + write master, m, v (12) + write 16-bit weight (2)
-OPTIMIZER_BW_EFFICIENCY = 0.7
+# Re-exported: the cost model's inputs and the sharding rules the planner's bounds share.
+__all__ = [
+    "GRAD_BYTES_PER_PARAM",
+    "CostContext",
+    "DpSync",
+    "EndToEndTerms",
+    "Evaluation",
+    "StageEvaluation",
+    "build_context",
+    "decoder_layer_time_s",
+    "dp_sync_time_s",
+    "edge_time_s",
+    "emulated",
+    "evaluate",
+    "exposed_dp_sync_time_s",
+    "optimizer_time_s",
+    "state_bytes_per_param",
+]
 
-
-@dataclass(frozen=True)
-class EndToEndTerms:
-    """Whole-iteration effects per-layer profiles cannot see; `hetplan fit --runs` learns them from measured runs.
-
-    The scales multiply the modelled times of TP collectives, network transfers (p2p and DP sync) and the optimizer
-    step; `dp_overlap` is the fraction of the last backward that DP sync hides behind (1: all of it, as Megatron's
-    overlapped grad reduce aims for); `iteration_overhead_s` is a fixed cost per iteration (launch, data, logging).
-    """
-
-    tp_comm_scale: float = 1.0
-    network_scale: float = 1.0
-    optimizer_scale: float = 1.0
-    dp_overlap: float = 1.0
-    iteration_overhead_s: float = 0.0
-
-
-@dataclass(frozen=True)
-class CostContext:
-    """Everything the cost model needs besides the strategy."""
-
-    cluster: ClusterSpec
-    model: ModelSpec
-    training: TrainingSpec
-    sources: Mapping[str, LayerCostSource]  # by group name
-    terms: EndToEndTerms = EndToEndTerms()
-    links: Mapping[str, Link] = field(default_factory=dict)  # fitted, by "device key/link class"; else datasheet
-    identity: str = ""  # the predictor's, when one made this context
-
-    @property
-    def seq_length(self) -> int:
-        return self.training.seq_length or self.model.seq_length
-
-    def source(self, group: str) -> LayerCostSource:
-        return self.sources[group]
-
-    @property
-    def predictor_identity(self) -> str:
-        names = sorted({source.identity for source in self.sources.values()})
-        base = "analytic cost model over " + "; ".join(names)
-        return f"{self.identity}: {base}" if self.identity else base
-
-    def check_strategy(self, strategy: Strategy, source: str = "strategy") -> None:
-        """The layout's structural checks against this context's cluster, model and global batch."""
-        check_strategy(strategy, self.cluster, self.model, self.training.global_batch_size, source)
-
-    def in_node_link(self, group: DeviceGroup) -> Link:
-        return self.links.get(f"{group.device.key}/in_node") or in_node_link(group)
-
-    def rail_link(self, group: DeviceGroup) -> Link:
-        return self.links.get(f"{group.device.key}/rail") or rail_link(group)
-
-    def cross_group_link(self, a: DeviceGroup, b: DeviceGroup) -> Link:
-        fitted = self.links.get(f"{a.device.key}/cross_group") or self.links.get(f"{b.device.key}/cross_group")
-        return fitted or cross_group_link(self.cluster, a, b)
-
-
-def emulated(group: DeviceGroup, source: LayerCostSource) -> LayerCostSource:
-    """A CPU group emulating a slower device (`emulate_speed` < 1) computes 1/speed times as long."""
-    return ScaledLayerCosts(source, 1.0 / group.emulate_speed) if group.emulate_speed != 1.0 else source
-
-
-def build_context(
-    cluster: ClusterSpec,
-    model: ModelSpec,
-    training: TrainingSpec,
-    profiles: Mapping[str, DeviceProfile] | None = None,
-    noise: float = 0.0,
-    seed: int = 0,
-) -> CostContext:
-    """Use a measured profile for each device type that has one (by device key), simulated ones elsewhere."""
-    seq_length = training.seq_length or model.seq_length
-    for group in cluster.groups:
-        if training.dtype == "bf16" and not group.device.supports_bf16:
-            raise SpecError(
-                cluster.source or "cluster",
-                f"group {group.name}",
-                f"{group.device.key} has no bf16: train in fp16 (--dtype fp16)",
-            )
-    sources: dict[str, LayerCostSource] = {}
-    for group in cluster.groups:
-        profile = (profiles or {}).get(group.device.key)
-        if profile is not None:
-            if profile.seq_length != seq_length:
-                raise SpecError(
-                    profile.path, "seq_length", f"profiled at {profile.seq_length}, training uses {seq_length}"
-                )
-            if profile.dtype != training.dtype:
-                raise SpecError(profile.path, "dtype", f"profiled in {profile.dtype}, training uses {training.dtype}")
-            sources[group.name] = emulated(group, profile)
-        else:
-            simulated = SimulatedDevice(
-                group.device,
-                model,
-                seq_length,
-                training.dtype,
-                noise=noise,
-                seed=seed,
-                sequence_parallel=training.sequence_parallel,
-                flash_attention=training.attention == "flash",
-            )
-            sources[group.name] = emulated(group, simulated)
-    return CostContext(cluster, model, training, sources)
+# With Transformer Engine's TP communication overlap (`tp_comm_overlap`), a layer's TP collectives run under its
+# GEMMs in chunks: hidden up to this share of the layer's compute (the GEMMs' share of a decoder layer's time).
+TP_OVERLAP_SHARE = 0.8
 
 
 # ---- per-stage pieces (also used by the planner's inner solvers) ---------------------------------------------
@@ -155,10 +67,12 @@ def decoder_layer_time_s(
     ctx: CostContext, group: DeviceGroup, micro_batch_size: int, tp: int, recompute: Recompute
 ) -> float:
     """Forward + backward of one decoder layer shard for one micro-batch, with its 4 TP collectives
-    (2 forward, 2 backward; full recompute repeats the 2 forward ones)."""
+    (2 forward, 2 backward; full recompute repeats the 2 forward ones), less what TP overlap hides under the GEMMs."""
     cost = ctx.source(group.name).layer_cost("decoder", micro_batch_size, tp, recompute)
-    collectives = 6 if recompute == "full" else 4
-    return cost.time_s + collectives * tp_collective_time_s(ctx, group, micro_batch_size, tp)
+    collectives_s = (6 if recompute == "full" else 4) * tp_collective_time_s(ctx, group, micro_batch_size, tp)
+    if ctx.training.tp_comm_overlap:
+        collectives_s = max(0.0, collectives_s - TP_OVERLAP_SHARE * cost.time_s)
+    return cost.time_s + collectives_s
 
 
 def edge_time_s(ctx: CostContext, group: DeviceGroup, micro_batch_size: int, tp: int, first: bool, last: bool) -> float:
@@ -235,15 +149,6 @@ class StageMemory:
         return self.weights_bytes + self.grads_bytes + self.optimizer_bytes + self.activation_bytes
 
 
-def state_bytes_per_param(ctx: CostContext, dp: int) -> float:
-    """Weights + grads + optimizer bytes per parameter on one device."""
-    training = ctx.training
-    optimizer = OPTIMIZER_BYTES_PER_PARAM_FP32 if training.dtype == "fp32" else OPTIMIZER_BYTES_PER_PARAM_MIXED
-    if training.zero_stage >= 1:
-        optimizer /= dp
-    return training.dtype_bytes + GRAD_BYTES_PER_PARAM + optimizer
-
-
 def stage_memory(
     ctx: CostContext,
     group: DeviceGroup,
@@ -258,9 +163,10 @@ def stage_memory(
     last: bool,
     pipeline_stages: int,
 ) -> StageMemory:
-    training = ctx.training
+    """Peak bytes of one device of a stage: its (sharded) state, ZeRO 3's gathered layers, in-flight activations."""
     params = stage_params(ctx.model, num_layers, first, last, pipeline_stages) / tp
-    optimizer_per_param = state_bytes_per_param(ctx, dp) - training.dtype_bytes - GRAD_BYTES_PER_PARAM
+    weights, grads, optimizer = state_bytes(ctx, params, dp)
+    weights += gathered_weights_bytes(ctx, ctx.model.layer_params() / tp, num_layers, dp)
     source = ctx.source(group.name)
     per_microbatch = num_layers * source.layer_cost("decoder", micro_batch_size, tp, recompute).activation_bytes
     if first:
@@ -269,10 +175,7 @@ def stage_memory(
     if last:  # logits live for one micro-batch: 1F1B runs its backward right after its forward
         activations += source.layer_cost("lm_head", micro_batch_size, tp, "none").activation_bytes
     return StageMemory(
-        weights_bytes=params * training.dtype_bytes,
-        grads_bytes=params * GRAD_BYTES_PER_PARAM,
-        optimizer_bytes=params * optimizer_per_param,
-        activation_bytes=activations,
+        weights_bytes=weights, grads_bytes=grads, optimizer_bytes=optimizer, activation_bytes=activations
     )
 
 
@@ -280,54 +183,25 @@ def usable_memory_bytes(ctx: CostContext, group: DeviceGroup) -> float:
     return group.device.memory_bytes * (1 - ctx.training.memory_reserve_fraction)
 
 
-def dp_sync_time_s(ctx: CostContext, group: DeviceGroup, params_per_device: float, tp: int, replicas: int) -> float:
-    """Gradient all-reduce (ZeRO-0) or reduce-scatter of grads + all-gather of 16-bit weights (ZeRO-1)."""
-    if replicas <= 1:
-        return 0.0
-    per_node, nodes = dp_layout(group, tp, replicas)
-    inner, outer = ctx.in_node_link(group), ctx.rail_link(group)
-    grads = params_per_device * GRAD_BYTES_PER_PARAM
-    if ctx.training.zero_stage >= 1:
-        weights = params_per_device * ctx.training.dtype_bytes
-        time_s = hierarchical_reduce_scatter_time_s(grads, per_node, nodes, inner, outer) + (
-            hierarchical_reduce_scatter_time_s(weights, per_node, nodes, inner, outer)
-        )
-    else:
-        time_s = hierarchical_all_reduce_time_s(grads, per_node, nodes, inner, outer)
-    return time_s * ctx.terms.network_scale
-
-
-def optimizer_time_s(ctx: CostContext, group: DeviceGroup, params_per_device: float, replicas: int) -> float:
-    local = params_per_device / replicas if ctx.training.zero_stage >= 1 else params_per_device
-    bw = group.device.hbm_bw_bytes_per_s * OPTIMIZER_BW_EFFICIENCY
-    return local * ADAM_BYTES_MOVED_PER_PARAM / bw * ctx.terms.optimizer_scale
-
-
-def exposed_dp_sync_time_s(ctx: CostContext, dp_sync_s: float, backward_s: float) -> float:
-    """The DP sync that sticks out past the last micro-batch's backward (`dp_overlap` of it hides there when the
-    engine overlaps grad reduce; none otherwise): it and the optimizer step follow the pipeline flush."""
-    hidden_s = ctx.terms.dp_overlap * backward_s if ctx.training.overlap_grad_reduce else 0.0
-    return max(0.0, dp_sync_s - hidden_s)
-
-
 def least_sync_and_step_per_layer_s(
     ctx: CostContext, group: DeviceGroup, tp: int, replicas: int
-) -> tuple[float, float]:
+) -> tuple[DpSync, float]:
     """(DP sync, optimizer step) per decoder layer of a stage at their least, for the planner's bounds: DP time is
     concave in the bytes with no time at zero, so per layer it is least with all L layers on the stage; the optimizer
     step is linear in the layers."""
     num_layers = ctx.model.num_layers
     params = ctx.model.layer_params() / tp
-    dp_s = dp_sync_time_s(ctx, group, num_layers * params, tp, replicas) / num_layers
-    return dp_s, optimizer_time_s(ctx, group, params, replicas)
+    sync = dp_sync_time_s(ctx, group, num_layers * params, tp, replicas).scaled(1 / num_layers)
+    return sync, optimizer_time_s(ctx, group, params, replicas)
 
 
-def tail_per_layer_lower_bound_s(ctx: CostContext, backward_s: float, sync_and_step_s: tuple[float, float]) -> float:
+def tail_per_layer_lower_bound_s(ctx: CostContext, backward_s: float, sync_and_step_s: tuple[DpSync, float]) -> float:
     """A lower bound on a stage's tail (exposed DP sync + optimizer step, as `evaluate` charges it) per decoder layer
-    it holds, from one layer's backward time and least_sync_and_step_per_layer_s: the backward hiding the sync is
-    linear in the layers too; embedding / LM-head parameters and the sync across families only add."""
-    dp_s, optimizer_s = sync_and_step_s
-    return exposed_dp_sync_time_s(ctx, dp_s, backward_s) + optimizer_s
+    it holds, from one layer's backward time and least_sync_and_step_per_layer_s: the windows hiding the sync are
+    linear in the layers too (the forward, which hides weight gathers, is at most the backward); embedding / LM-head
+    parameters and the sync across families only add."""
+    sync, optimizer_s = sync_and_step_s
+    return exposed_dp_sync_time_s(ctx, sync, backward_s, backward_s) + optimizer_s
 
 
 Seconds = TypeVar("Seconds", float, np.ndarray)
@@ -358,16 +232,24 @@ def p2p_time_s(ctx: CostContext, a: StageStrategy, b: StageStrategy, micro_batch
 @dataclass(frozen=True)
 class StageEvaluation:
     stage: StageStrategy
-    compute_time_s: float  # per micro-batch, forward + backward incl. TP collectives
-    backward_time_s: float  # per micro-batch, the window DP sync can hide behind
+    compute_time_s: float  # per micro-batch: forward + backward, exposed TP collectives and ZeRO 2/3 traffic
+    backward_time_s: float  # per micro-batch, the window gradient reduction can hide behind
     p2p_time_s: float  # to the next stage, one direction, per micro-batch
-    dp_sync_time_s: float
-    dp_exposed_time_s: float
+    dp_sync_time_s: float  # one reduction + one gather over the DP group (and across families)
+    dp_exposed_time_s: float  # of that, what follows the pipeline flush
     optimizer_time_s: float
     memory: StageMemory
     memory_capacity_bytes: float
     memory_usable_bytes: float
     family: int = 0  # index of the stage's pipeline family in the strategy
+    tp_comm_time_s: float = 0.0  # per micro-batch, the exposed TP collectives inside compute_time_s
+    sharded_exposed_time_s: float = 0.0  # per micro-batch, ZeRO 2/3 traffic inside compute_time_s
+    p2p_exposed_time_s: float = 0.0  # per micro-batch, waiting for its sends and receives (plain 1F1B)
+
+    @property
+    def step_time_s(self) -> float:
+        """The stage's time per micro-batch in the pipeline: compute and the point-to-point it waits for."""
+        return self.compute_time_s + self.p2p_exposed_time_s
 
     @property
     def fits(self) -> bool:
@@ -395,6 +277,7 @@ class Evaluation:
     samples_per_s: float
     mfu: float
     devices_used: int
+    family_pipeline_s: tuple[float, ...] = ()  # each family's pipeline time (the iteration waits for the slowest)
 
     @property
     def fits(self) -> bool:
@@ -465,68 +348,106 @@ def _stage_key(
     )
 
 
+def p2p_exposed(strategy: Strategy, one_way_s: list[float], index: int, overlap_p2p_comm: bool) -> float:
+    """Per micro-batch, what a stage waits for its point-to-point: in plain 1F1B (Megatron's non-interleaved
+    schedule) every forward is followed by a blocking send/receive with the next stage and every backward by one with
+    the previous stage, so each boundary's transfer sits on the critical path once per micro-batch and chunk. The
+    interleaved schedule hides them when the engine overlaps p2p (`overlap_p2p_comm`, Megatron's default)."""
+    v = strategy.virtual_stages
+    if v > 1 and overlap_p2p_comm:
+        return 0.0
+    before = one_way_s[index - 1] if index > 0 else 0.0
+    return v * (before + one_way_s[index])
+
+
+def _evaluate_stage(
+    ctx: CostContext, strategy: Strategy, family: int, index: int, recompute: Recompute
+) -> StageEvaluation:
+    """One stage of one family, without its p2p exposure (which needs its neighbours)."""
+    pipeline = strategy.pipelines[family]
+    stages, stage = pipeline.stages, pipeline.stages[index]
+    p, b, replicas = len(stages), pipeline.micro_batch_size, pipeline.replicas
+    group = ctx.cluster.group(stage.group)
+    first, last = index == 0, index == p - 1
+    layer_cost = ctx.source(group.name).layer_cost("decoder", b, stage.tp, recompute)
+    layer_time_s = decoder_layer_time_s(ctx, group, b, stage.tp, recompute)
+    compute = stage.num_layers * layer_time_s + edge_time_s(ctx, group, b, stage.tp, first, last)
+    params_per_device = stage_params(ctx.model, stage.num_layers, first, last, p) / stage.tp
+    sync = dp_sync_time_s(ctx, group, params_per_device, stage.tp, replicas)
+    backward, forward = stage.num_layers * layer_cost.backward_time_s, stage.num_layers * layer_cost.forward_time_s
+    sharded = sharded_exposed_time_s(ctx, sync, backward, forward)
+    across = cross_family_sync_time_s(ctx, strategy, family, stage, params_per_device)
+    if ctx.training.zero_stage <= 1:  # the shards cross families after the family's own reduction, overlapped alike
+        exposed = exposed_dp_sync_time_s(ctx, sync + DpSync(across, 0.0), backward, forward)
+    else:  # ZeRO 2/3 reduce per micro-batch: the shards cross families once, after the last
+        exposed = exposed_dp_sync_time_s(ctx, sync, backward, forward) + across
+    memory = stage_memory(
+        ctx,
+        group,
+        num_layers=stage.num_layers,
+        micro_batch_size=b,
+        tp=stage.tp,
+        recompute=recompute,
+        dp=replicas,
+        in_flight=in_flight_microbatches(index, p, pipeline.num_microbatches, strategy.virtual_stages),
+        first=first,
+        last=last,
+        pipeline_stages=p,
+    )
+    return StageEvaluation(
+        stage=stage,
+        compute_time_s=compute + sharded,
+        backward_time_s=backward,
+        p2p_time_s=p2p_time_s(ctx, stage, stages[index + 1], b) if index + 1 < p else 0.0,
+        dp_sync_time_s=sync.total_s + across,
+        dp_exposed_time_s=exposed,
+        optimizer_time_s=optimizer_time_s(ctx, group, params_per_device, replicas),
+        memory=memory,
+        memory_capacity_bytes=group.device.memory_bytes,
+        memory_usable_bytes=usable_memory_bytes(ctx, group),
+        family=family,
+        tp_comm_time_s=stage.num_layers * (layer_time_s - layer_cost.time_s),
+        sharded_exposed_time_s=sharded,
+    )
+
+
 def _evaluate_stages(
     ctx: CostContext, strategy: Strategy, family: int, cache: StageCache | None = None
 ) -> tuple[list[StageEvaluation], float, float]:
     """The stages of one family, its pipeline time and its bubble. `cache`: stage evaluations of earlier strategies
-    in the same context (one family only: across families the sync depends on the other families' layers)."""
+    in the same context (one family only: across families the sync depends on the other families' layers).
+
+    Stage i's time per micro-batch is T_i = compute + exposed p2p; over m micro-batches and v chunks the pipeline
+    takes m * max T + (sum T - max T) / v, plus the fill and drain point-to-point when no stage waits for its
+    transfers in the steady state (interleaving with overlapped p2p) or when chunks multiply them (v > 1 without
+    overlap: counted both ways, an upper estimate). In plain 1F1B the exposed transfers already carry the fill and
+    drain: sum T = sum(compute) + 2 * sum(one-way p2p)."""
     pipeline = strategy.pipelines[family]
     stages = pipeline.stages
-    p = len(stages)
-    b, m, replicas = pipeline.micro_batch_size, pipeline.num_microbatches, pipeline.replicas
-    evaluated = []
     if len(strategy.pipelines) > 1:
         cache = None
+    evaluated = []
     for index, stage in enumerate(stages):
         recompute = strategy.stage_recompute(stage)
         key = _stage_key(ctx, strategy, pipeline, index, recompute) if cache is not None else ()
         if cache is not None and key in cache:
             evaluated.append(replace(cache[key], stage=stage))
             continue
-        group = ctx.cluster.group(stage.group)
-        first, last = index == 0, index == p - 1
-        layer_cost = ctx.source(group.name).layer_cost("decoder", b, stage.tp, recompute)
-        compute = stage.num_layers * decoder_layer_time_s(ctx, group, b, stage.tp, recompute)
-        compute += edge_time_s(ctx, group, b, stage.tp, first, last)
-        params_per_device = stage_params(ctx.model, stage.num_layers, first, last, p) / stage.tp
-        dp_time = dp_sync_time_s(ctx, group, params_per_device, stage.tp, replicas)
-        dp_time += cross_family_sync_time_s(ctx, strategy, family, stage, params_per_device)
-        backward = stage.num_layers * layer_cost.backward_time_s
-        memory = stage_memory(
-            ctx,
-            group,
-            num_layers=stage.num_layers,
-            micro_batch_size=b,
-            tp=stage.tp,
-            recompute=recompute,
-            dp=replicas,
-            in_flight=in_flight_microbatches(index, p, m, strategy.virtual_stages),
-            first=first,
-            last=last,
-            pipeline_stages=p,
-        )
-        evaluated.append(
-            StageEvaluation(
-                stage=stage,
-                compute_time_s=compute,
-                backward_time_s=backward,
-                p2p_time_s=p2p_time_s(ctx, stage, stages[index + 1], b) if index + 1 < p else 0.0,
-                dp_sync_time_s=dp_time,
-                dp_exposed_time_s=exposed_dp_sync_time_s(ctx, dp_time, backward),
-                optimizer_time_s=optimizer_time_s(ctx, group, params_per_device, replicas),
-                memory=memory,
-                memory_capacity_bytes=group.device.memory_bytes,
-                memory_usable_bytes=usable_memory_bytes(ctx, group),
-                family=family,
-            )
-        )
+        evaluated.append(_evaluate_stage(ctx, strategy, family, index, recompute))
         if cache is not None:
             cache[key] = evaluated[-1]
-    times = [stage.compute_time_s for stage in evaluated]
+    one_way = [stage.p2p_time_s for stage in evaluated]
+    overlap = ctx.training.overlap_p2p_comm
+    evaluated = [
+        replace(stage, p2p_exposed_time_s=p2p_exposed(strategy, one_way, index, overlap))
+        for index, stage in enumerate(evaluated)
+    ]
+    v = strategy.virtual_stages
+    times = [stage.step_time_s for stage in evaluated]
     slowest = max(times)
-    bubble = (sum(times) - slowest) / strategy.virtual_stages
-    p2p = fill_and_drain_time_s(strategy.virtual_stages, sum(stage.p2p_time_s for stage in evaluated))
-    return evaluated, m * slowest + bubble + p2p, bubble
+    bubble = (sum(times) - slowest) / v
+    fill_and_drain = fill_and_drain_time_s(v, sum(one_way)) if v > 1 else 0.0
+    return evaluated, pipeline.num_microbatches * slowest + bubble + fill_and_drain, bubble
 
 
 def evaluate(ctx: CostContext, strategy: Strategy, cache: StageCache | None = None) -> Evaluation:
@@ -538,16 +459,21 @@ def evaluate(ctx: CostContext, strategy: Strategy, cache: StageCache | None = No
         ctx = replace(ctx, training=ctx.training.model_copy(update={"zero_stage": strategy.zero_stage}))
     evaluated: list[StageEvaluation] = []
     pipeline_time = bubble = -1.0
+    family_times = []
     for family in range(len(strategy.pipelines)):
         stages, family_time, family_bubble = _evaluate_stages(ctx, strategy, family, cache)
         evaluated.extend(stages)
+        family_times.append(family_time)
         if family_time > pipeline_time:
             pipeline_time, bubble = family_time, family_bubble
     tail = max(stage.tail_time_s for stage in evaluated) + ctx.terms.iteration_overhead_s
     iteration = pipeline_time + tail
     samples = ctx.training.global_batch_size
     devices = [(ctx.cluster.group(s.group), p.stage_devices(s)) for p in strategy.pipelines for s in p.stages]
-    peak = sum(group.device.peak_flops_for_dtype(ctx.training.dtype) * count for group, count in devices)
+    peak = sum(
+        group.device.peak_flops_for_dtype(ctx.training.dtype, ctx.training.fp32_matmul) * count
+        for group, count in devices
+    )
     model_flops = ctx.model.model_flops_per_sequence(ctx.seq_length) * samples
     return Evaluation(
         strategy=strategy,
@@ -560,4 +486,5 @@ def evaluate(ctx: CostContext, strategy: Strategy, cache: StageCache | None = No
         samples_per_s=samples / iteration,
         mfu=model_flops / iteration / peak,
         devices_used=sum(count for _, count in devices),
+        family_pipeline_s=tuple(family_times),
     )

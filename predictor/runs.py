@@ -19,12 +19,13 @@ from pydantic import BaseModel, ConfigDict, Field
 from specs.cluster import ClusterFile, ClusterSpec, load_cluster, resolve_cluster
 from specs.errors import SpecError
 from specs.layout import PipelineFile, Strategy, megatron_strategy, pipelines_from_files
-from specs.loading import read_mapping, validate
+from specs.loading import quote, read_mapping, validate
 from specs.model import ModelSpec, Recompute, load_model
 from specs.training import TrainingSpec
 
 RUN_SCHEMA = "hetplan.run/1"
 RUNS_SCHEMA = "hetplan.runs/1"
+CALIBRATION_SCHEMA = "calibration-runs/1"  # shared/reference/calibration-runs.json: one device type per row
 
 
 class MegatronLayout(BaseModel):
@@ -61,6 +62,8 @@ class RunRecord(BaseModel):
     schema_: Literal["hetplan.run/1"] = Field(default="hetplan.run/1", alias="schema")
     name: str
     source: str = Field(description="where the number comes from: a citation, or the machine it was measured on")
+    derivation: str = Field(default="", description="how the iteration time was derived from the published figure")
+    notes: str = ""
     cluster: str | dict[str, Any]
     model: str | dict[str, Any]
     training: dict[str, Any] = {}
@@ -131,7 +134,14 @@ def load_runs(path: str | Path) -> list[Run]:
     """Read one run record, or a `hetplan.runs/1` list of them."""
     path = Path(path)
     data = read_mapping(path)
-    if data.get("schema") == RUNS_SCHEMA:
+    if data.get("schema") == CALIBRATION_SCHEMA:
+        rows = data.get("runs")
+        if not isinstance(rows, list) or not rows:
+            raise SpecError(str(path), "runs", "expected a non-empty list of calibration rows")
+        items = [
+            (f"runs[{i}]", record_from_calibration_row(row, str(path), f"runs[{i}]")) for i, row in enumerate(rows)
+        ]
+    elif data.get("schema") == RUNS_SCHEMA:
         records = data.get("runs")
         if not isinstance(records, list) or not records:
             raise SpecError(str(path), "runs", "expected a non-empty list of run records")
@@ -139,7 +149,8 @@ def load_runs(path: str | Path) -> list[Run]:
     elif data.get("schema") == RUN_SCHEMA:
         items = [("run", data)]
     else:
-        raise SpecError(str(path), "schema", f"expected {RUN_SCHEMA!r} or {RUNS_SCHEMA!r}, got {data.get('schema')!r}")
+        expected = f"{RUN_SCHEMA!r}, {RUNS_SCHEMA!r} or {CALIBRATION_SCHEMA!r}"
+        raise SpecError(str(path), "schema", f"expected {expected}, got {quote(data.get('schema'))}")
     runs = []
     for where, item in items:
         if not isinstance(item, dict):
@@ -147,6 +158,90 @@ def load_runs(path: str | Path) -> list[Run]:
         record = validate(RunRecord, item, str(path), prefix=where if where != "run" else "")
         runs.append(_resolve(record, path, where))
     return runs
+
+
+class CalibrationRow(BaseModel):
+    """A row of the calibration-runs/1 shape: a Megatron-style run on `gpus` devices of one type."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    id: str
+    source: str
+    measured: str = ""
+    notes: str = ""
+    model: dict[str, Any]
+    device: str
+    gpus: int = Field(ge=1)
+    devices_per_node: int = Field(ge=1)
+    nics_per_node: int = Field(ge=1)
+    nic_gbps: float = Field(gt=0)
+    device_overrides: dict[str, Any] = {}
+    transport: str | None = None
+    tp: int = Field(ge=1)
+    pp: int = Field(ge=1)
+    dp: int = Field(ge=1)
+    global_batch: int = Field(ge=1)
+    micro_batch: int = Field(ge=1)
+    virtual_stages: int = Field(default=1, ge=1)
+    recompute: Recompute = "none"
+    sequence_parallel: bool = False
+    zero_stage: int = Field(default=0, ge=0, le=3)
+    dtype: str = "bf16"
+    seq_length: int = Field(ge=1)
+    attention: str = "flash"
+    training: dict[str, Any] = Field(default={}, description="further training fields (engine flags)")
+    iteration_time_s: float = Field(gt=0)
+
+
+def record_from_calibration_row(row: Any, source: str, where: str) -> dict[str, Any]:
+    """A calibration-runs/1 row as a run record (one group of `gpus / devices_per_node` nodes)."""
+    if not isinstance(row, dict):
+        raise SpecError(source, where, "expected a calibration row (a mapping)")
+    parsed = validate(CalibrationRow, row, source, prefix=where)
+    if parsed.gpus % parsed.devices_per_node:
+        raise SpecError(source, f"{where}.gpus", f"expected a multiple of devices_per_node ({parsed.devices_per_node})")
+    group = {
+        "name": parsed.device,
+        "device": parsed.device,
+        "nodes": parsed.gpus // parsed.devices_per_node,
+        "devices_per_node": parsed.devices_per_node,
+        "nics_per_node": parsed.nics_per_node,
+        "nic_gbps": parsed.nic_gbps,
+        **parsed.device_overrides,
+        **({"transport": parsed.transport} if parsed.transport else {}),
+    }
+    training = {
+        "global_batch_size": parsed.global_batch,
+        "seq_length": parsed.seq_length,
+        "dtype": parsed.dtype,
+        "zero_stage": parsed.zero_stage,
+        "sequence_parallel": parsed.sequence_parallel,
+        "attention": parsed.attention,
+        **parsed.training,
+    }
+    return {
+        "schema": RUN_SCHEMA,
+        "name": parsed.id,
+        "source": parsed.source,
+        "derivation": parsed.measured,
+        "notes": parsed.notes,
+        "cluster": {
+            "name": parsed.id,
+            "groups": [group],
+            "network": {"topology": "clos", "inter_group_gbps": parsed.nic_gbps},
+        },
+        "model": {"key": parsed.id, **parsed.model},
+        "training": training,
+        "strategy": {
+            "tp": parsed.tp,
+            "pp": parsed.pp,
+            "dp": parsed.dp,
+            "micro_batch_size": parsed.micro_batch,
+            "recompute": parsed.recompute,
+            "virtual_stages": parsed.virtual_stages,
+        },
+        "measured_iteration_time_s": parsed.iteration_time_s,
+    }
 
 
 def fingerprint(paths: list[str]) -> str:

@@ -2,7 +2,9 @@
 
 List scheduling of 1F1B: stage i runs min(p - i - 1, m) warm-up forwards, then alternates one forward and one
 backward, then drains its backwards; a forward waits for the previous stage's forward of the same micro-batch plus
-the boundary p2p, a backward for the next stage's backward. Interleaved 1F1B follows Megatron's order chunk by chunk
+the boundary p2p, a backward for the next stage's backward. Where the stages wait for their transfers (plain 1F1B:
+blocking sends, `StageEvaluation.p2p_exposed_time_s`), a forward block includes its send to the next stage and a
+backward block its send to the previous one. Interleaved 1F1B follows Megatron's order chunk by chunk
 (`_stage_order`). After the flush every stage syncs its gradients (what the backward did not hide) and steps its
 optimizer. Several pipeline families are drawn side by side, one replica each.
 """
@@ -97,6 +99,11 @@ def _family_timeline(ctx: CostContext, evaluation: Evaluation, indices: list[int
     forward = [s.compute_time_s * forward_share(ctx, evaluation, i) / v for i, s in zip(indices, stages, strict=True)]
     backward = [s.compute_time_s / v - f for s, f in zip(stages, forward, strict=True)]
     p2p = [s.p2p_time_s for s in stages]  # to the next stage
+    if any(s.p2p_exposed_time_s > 0 for s in stages):  # blocking sends: each block carries its own
+        forward = [f + p2p[i] for i, f in enumerate(forward)]
+        backward = [b + (p2p[i - 1] if i > 0 else 0.0) for i, b in enumerate(backward)]
+        if v == 1:  # the receiver's wait is the sender's block (the cost model's T_i + exposed p2p)
+            p2p = [0.0] * p
     last_chunk = p * v - 1
     orders = [_stage_order(p, m, v, i) for i in range(p)]
     done: dict[tuple[int, Kind, int, int], float] = {}
@@ -140,23 +147,13 @@ def _family_timeline(ctx: CostContext, evaluation: Evaluation, indices: list[int
     return blocks
 
 
-def _family_pipeline_s(evaluation: Evaluation, family: int) -> float:
-    """The cost model's pipeline time of one family (its stages' 1F1B with its own micro-batches)."""
-    stages = [s for s in evaluation.stages if s.family == family]
-    pipeline = evaluation.strategy.pipelines[family]
-    v = evaluation.strategy.virtual_stages
-    times = [s.compute_time_s for s in stages]
-    p2p = 2 * v * sum(s.p2p_time_s for s in stages)
-    return pipeline.num_microbatches * max(times) + (sum(times) - max(times)) / v + p2p
-
-
 def bottleneck_words(ctx: CostContext, evaluation: Evaluation) -> list[str]:
     """What limits the plan, in sentences."""
     stages = evaluation.stages
     families = evaluation.strategy.pipelines
-    slowest_family = max(range(len(families)), key=lambda f: _family_pipeline_s(evaluation, f))
+    slowest_family = max(range(len(families)), key=lambda f: evaluation.family_pipeline_s[f])
     members = [i for i, s in enumerate(stages) if s.family == slowest_family]
-    slowest = max(members, key=lambda i: stages[i].compute_time_s)
+    slowest = max(members, key=lambda i: stages[i].step_time_s)
     stage = stages[slowest].stage
     iteration = evaluation.iteration_time_s
     pace = "it sets the steady-state pace"
@@ -164,7 +161,7 @@ def bottleneck_words(ctx: CostContext, evaluation: Evaluation) -> list[str]:
         pace += f" of family {slowest_family}, the slowest family"
     lines = [
         f"Stage {stage_label(evaluation, slowest)} ({stage.group}, {stage.num_layers} layers, TP {stage.tp}) is the "
-        f"slowest at {stages[slowest].compute_time_s * 1e3:.1f} ms per micro-batch: {pace}.",
+        f"slowest at {stages[slowest].step_time_s * 1e3:.1f} ms per micro-batch: {pace}.",
         f"Pipeline bubble {evaluation.bubble_time_s:.3f} s ({evaluation.bubble_time_s / iteration:.1%} of the "
         f"iteration); DP sync and optimizer after the flush {evaluation.tail_time_s:.3f} s "
         f"({evaluation.tail_time_s / iteration:.1%}).",
@@ -178,7 +175,7 @@ def bottleneck_words(ctx: CostContext, evaluation: Evaluation) -> list[str]:
     if len(families) > 1:
         shares = "; ".join(
             f"family {f}: {p.replicas} replicas x {len(p.stages)} stage{'s' if len(p.stages) != 1 else ''}, "
-            f"{p.micro_batch_size * p.microbatch_total} samples, pipeline {_family_pipeline_s(evaluation, f):.3f} s"
+            f"{p.micro_batch_size * p.microbatch_total} samples, pipeline {evaluation.family_pipeline_s[f]:.3f} s"
             for f, p in enumerate(families)
         )
         lines.append(
@@ -186,7 +183,7 @@ def bottleneck_words(ctx: CostContext, evaluation: Evaluation) -> list[str]:
             "then gradients are reduced within and across the families."
         )
         return lines
-    spread = min(s.compute_time_s for s in stages) / stages[slowest].compute_time_s
+    spread = min(s.step_time_s for s in stages) / stages[slowest].step_time_s
     if spread < 0.9:
         lines.append(f"Stage times are uneven: the fastest stage idles {1 - spread:.0%} of each steady-state slot.")
     return lines

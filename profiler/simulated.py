@@ -1,10 +1,13 @@
 """Simulated device profiles: a roofline of each layer's kernels with a realistic efficiency curve.
 
 A kernel takes max(FLOPs / achieved FLOP/s, bytes / HBM bandwidth) plus a launch overhead. Achieved FLOP/s of a
-GEMM rises with its size, F / (F + F_half) of the device's large-GEMM efficiency, where F_half is the work of
-`HALF_EFFICIENCY_S` at peak: small or thin GEMMs (large TP, small micro-batches) run below peak, as measured
-GEMM curves do. Attention runs a causal flash kernel (half of the 4*b*s^2*h model FLOPs) at a lower efficiency.
-These numbers only stand in until a device is profiled; the planner reads them through the same interface.
+GEMM is the device's large-GEMM efficiency times two fall-offs, each per device (specs/catalog/devices.yaml): with
+its work, F / (F + peak * gemm_ramp_us) (small GEMMs are launch- and wave-bound), and with its thinnest dimension,
+d / (d + gemm_tile) (thin GEMMs, e.g. at large TP, waste the matrix units' tiles; the tiles are larger on AMD, Ascend
+and Gaudi than on NVIDIA). The peak is the training dtype's: 16-bit tensor peak, or for fp32 the TF32/XF32 peak when
+the training allows it (`fp32_matmul: tf32`), else IEEE fp32. Every non-matmul op runs at HBM bandwidth. Attention
+runs a causal flash kernel (half of the 4*b*s^2*h model FLOPs) at a lower efficiency. These numbers only stand in
+until a device is profiled; the planner reads them through the same interface.
 """
 
 from __future__ import annotations
@@ -19,7 +22,6 @@ from specs.device import DeviceSpec
 from specs.model import RECOMPUTE_MODES, ModelSpec, Recompute
 from specs.training import DTYPE_BYTES
 
-HALF_EFFICIENCY_S = 4e-6
 ATTENTION_EFFICIENCY = 0.7  # flash attention vs large GEMMs on the same device
 # Materialized attention (Korthikanti et al. 2022): per score element the forward writes the scores (2 B), reads and
 # writes the softmax (4 B) and writes the dropout mask and output (3 B); it keeps 5 B per element for backward.
@@ -77,6 +79,7 @@ class SimulatedDevice:
     seed: int = 0
     sequence_parallel: bool = True
     flash_attention: bool = True
+    fp32_matmul: str = "ieee"
     _costs: dict[tuple[str, int, int, str], LayerCost] = field(
         default_factory=dict, init=False, repr=False, compare=False, hash=False
     )
@@ -84,17 +87,23 @@ class SimulatedDevice:
     @property
     def identity(self) -> str:
         kernel = "" if self.flash_attention else ", materialized attention"
-        return f"simulated {self.device.key} (roofline{kernel}, noise {self.noise:g}, seed {self.seed})"
+        tf32 = ", tf32 matmuls" if self.dtype == "fp32" and self.fp32_matmul == "tf32" else ""
+        return f"simulated {self.device.key} (roofline{kernel}{tf32}, noise {self.noise:g}, seed {self.seed})"
 
     # ---- kernels --------------------------------------------------------------------------------------------
     @property
     def _peak(self) -> float:
-        return self.device.peak_flops_for_dtype(self.dtype)
+        return self.device.peak_flops_for_dtype(self.dtype, self.fp32_matmul)
+
+    def _size_efficiency(self, flops: float) -> float:
+        """The fall-off of small kernels: F / (F + peak * ramp)."""
+        return flops / (flops + self._peak * self.device.gemm_ramp_us * 1e-6)
 
     def _gemm_time_s(self, m: float, n: float, k: float) -> float:
         flops = 2.0 * m * n * k
-        peak = self._peak
-        achieved = peak * self.device.gemm_efficiency * flops / (flops + peak * HALF_EFFICIENCY_S)
+        thinnest = min(m, n, k)
+        thin = thinnest / (thinnest + self.device.gemm_tile)
+        achieved = self._peak * self.device.gemm_efficiency * self._size_efficiency(flops) * thin
         moved = DTYPE_BYTES[self.dtype] * (m * k + k * n + m * n)
         return max(flops / achieved, moved / self.device.hbm_bw_bytes_per_s)
 
@@ -105,7 +114,7 @@ class SimulatedDevice:
             bw = self.device.hbm_bw_bytes_per_s * ELEMENTWISE_BW_EFFICIENCY
             return flops / (self._peak * self.device.gemm_efficiency) + SCORE_BYTES_FORWARD * scores / bw
         peak = self._peak * self.device.gemm_efficiency * ATTENTION_EFFICIENCY
-        return flops / (peak * flops / (flops + self._peak * HALF_EFFICIENCY_S))
+        return flops / (peak * self._size_efficiency(flops))
 
     def _elementwise_s(self, elements: float) -> float:
         """Memory-bound ops reading and writing `elements` values once each."""

@@ -14,6 +14,7 @@ from specs.loading import StrictFloat, StrictInt, read_mapping, validate
 from specs.units import gbps_to_bytes_per_s
 
 Topology = Literal["rail-optimized", "rail-only", "clos"]
+Transport = Literal["rdma", "tcp"]
 
 # Physical sanity limits of cluster files (well past any machine built or announced).
 MAX_NODES = 1_000_000
@@ -38,6 +39,17 @@ class GroupSpec(BaseModel):
     intra_node_GBps: StrictFloat | None = Field(default=None, gt=0, le=MAX_LINK_GBPS / 8)
     memory_GB: StrictFloat | None = Field(default=None, gt=0, le=MAX_MEMORY_GB)
     peak_tflops: StrictFloat | None = Field(default=None, gt=0, le=MAX_PEAK_TFLOPS)
+    transport: Transport = Field(
+        default="rdma",
+        description="how the NICs carry collectives: rdma (InfiniBand, RoCE, Slingshot, EFA) or tcp (sockets over "
+        "Ethernet, e.g. cloud instances without RDMA); each has its own efficiency and latency",
+    )
+    clock_fraction: StrictFloat = Field(
+        default=1.0,
+        gt=0,
+        le=1,
+        description="sustained clock / datasheet clock (power-capped or thermally limited devices): scales the peaks",
+    )
     emulate_speed: StrictFloat | None = Field(
         default=None,
         gt=0,
@@ -84,6 +96,7 @@ class DeviceGroup:
     nics_per_node: int
     nic_bw_bytes_per_s: float
     emulate_speed: float = 1.0  # < 1: a CPU group emulating a slower device type (compute really repeated)
+    transport: Transport = "rdma"
 
     @property
     def num_devices(self) -> int:
@@ -95,15 +108,7 @@ class DeviceGroup:
         return self.nics_per_node * self.nic_bw_bytes_per_s / self.devices_per_node
 
     def with_nodes(self, nodes: int) -> DeviceGroup:
-        return DeviceGroup(
-            self.name,
-            self.device,
-            nodes,
-            self.devices_per_node,
-            self.nics_per_node,
-            self.nic_bw_bytes_per_s,
-            self.emulate_speed,
-        )
+        return replace(self, nodes=nodes)
 
 
 @dataclass(frozen=True)
@@ -150,6 +155,7 @@ def resolve_cluster(spec: ClusterFile, source: str) -> ClusterSpec:
         }
         if overrides:
             device = device.model_copy(update=overrides)
+        device = device.at_clock(group.clock_fraction)
         if group.emulate_speed is not None and device.key != "cpu":
             raise SpecError(
                 source,
@@ -165,6 +171,7 @@ def resolve_cluster(spec: ClusterFile, source: str) -> ClusterSpec:
                 nics_per_node=group.nics_per_node,
                 nic_bw_bytes_per_s=gbps_to_bytes_per_s(group.nic_gbps),
                 emulate_speed=group.emulate_speed or 1.0,
+                transport=group.transport,
             )
         )
     return ClusterSpec(

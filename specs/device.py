@@ -21,14 +21,19 @@ class DeviceSpec(BaseModel):
     aliases: tuple[str, ...] = ()
     name: str
     vendor: str
+    generation: str = Field(min_length=1)
     peak_tflops: float = Field(gt=0)
     peak_fp32_tflops: float | None = Field(default=None, gt=0)
+    peak_tf32_tflops: float | None = Field(default=None, gt=0)
+    peak_fp8_tflops: float | None = Field(default=None, gt=0)
     supports_bf16: bool = True
     memory_GB: float = Field(gt=0)
     hbm_TBps: float = Field(gt=0)
     intra_node_GBps: float = Field(gt=0)
     collective_library: str  # the vendor's (specs/catalog/vendors.yaml); filled in when not given
     gemm_efficiency: float = Field(gt=0, le=1)
+    gemm_ramp_us: float = Field(gt=0)
+    gemm_tile: float = Field(gt=0)
     intra_node_efficiency: float = Field(gt=0, le=1)
 
     @model_validator(mode="before")
@@ -73,15 +78,30 @@ class DeviceSpec(BaseModel):
     def intra_node_bw_bytes_per_s(self) -> float:
         return self.intra_node_GBps * GIGA
 
-    def peak_flops_for_dtype(self, dtype: str) -> float:
-        """Peak FLOP/s for the training dtype; fp32 needs a published fp32 figure."""
+    def peak_flops_for_dtype(self, dtype: str, fp32_matmul: str = "ieee") -> float:
+        """Peak matmul FLOP/s for the training dtype. fp32: the TF32/XF32 peak when the training allows it
+        (`fp32_matmul: tf32`) and the device has one, else the IEEE fp32 peak, which must be published."""
         if dtype == "fp32":
+            if fp32_matmul == "tf32" and self.peak_tf32_tflops is not None:
+                return self.peak_tf32_tflops * TERA
             if self.peak_fp32_tflops is None:
                 raise SpecError(
                     "device catalog", f"{self.key}.peak_fp32_tflops", "no fp32 peak is known: train in bf16/fp16"
                 )
             return self.peak_fp32_tflops * TERA
         return self.peak_flops_per_s
+
+    def at_clock(self, fraction: float) -> DeviceSpec:
+        """The device running at `fraction` of its datasheet clock (power caps, thermal limits): every peak scales,
+        memory bandwidth does not."""
+        if fraction == 1.0:
+            return self
+        scaled = {
+            name: getattr(self, name) * fraction
+            for name in ("peak_tflops", "peak_fp32_tflops", "peak_tf32_tflops", "peak_fp8_tflops")
+            if getattr(self, name) is not None
+        }
+        return self.model_copy(update=scaled)
 
 
 def _devices() -> Catalog[DeviceSpec]:

@@ -28,7 +28,12 @@ class TrainingSpec(BaseModel):
     seq_length: StrictInt | None = Field(default=None, ge=1, le=MAX_SEQ_LENGTH, description="default: the model's")
     dtype: Dtype = "bf16"
     recompute: tuple[Recompute, ...] = RECOMPUTE_MODES
-    zero_stage: Literal[0, 1] = 1
+    zero_stage: Literal[0, 1, 2, 3] = Field(
+        default=1,
+        description="0: replicated optimizer; 1: optimizer state sharded over DP (Megatron's distributed optimizer); "
+        "2: gradients too (reduce-scattered every micro-batch, DeepSpeed); 3: parameters too (all-gathered per layer "
+        "in forward and backward, FSDP)",
+    )
     micro_batch_sizes: tuple[StrictInt, ...] = (1, 2, 4, 8, 16)
     virtual_stages: tuple[StrictInt, ...] = Field(
         default=(1, 2, 4), description="interleaved 1F1B chunks per device the planner may use (1: plain 1F1B)"
@@ -52,7 +57,28 @@ class TrainingSpec(BaseModel):
         description="flash: fused kernels (causal half of 4*b*s^2*h FLOPs, no score matrix); materialized: "
         "pre-2023 Megatron, the b*a*s^2 scores are written, soft-maxed and dropped out in memory",
     )
-    overlap_grad_reduce: bool = True
+    # What the engine overlaps with compute. Defaults: what hetplan's exports switch on (Megatron itself defaults the
+    # first two to off; say so here when the engine will run without them).
+    overlap_grad_reduce: bool = Field(
+        default=True, description="DP gradient reduction overlaps the backward it follows (bucketed)"
+    )
+    overlap_param_gather: bool = Field(
+        default=True,
+        description="ZeRO weight all-gathers overlap a forward: the next iteration's first (Megatron's distributed "
+        "optimizer, ZeRO 1/2) or the layer's own, prefetched (ZeRO 3 / FSDP)",
+    )
+    tp_comm_overlap: bool = Field(
+        default=False, description="TP collectives overlap the GEMMs (Transformer Engine userbuffers; off in Megatron)"
+    )
+    overlap_p2p_comm: bool = Field(
+        default=True,
+        description="interleaved schedules overlap pipeline sends with compute (Megatron's default; plain 1F1B "
+        "always waits for them)",
+    )
+    fp32_matmul: Literal["ieee", "tf32"] = Field(
+        default="ieee",
+        description="fp32 training: matmuls in IEEE fp32 (PyTorch's default) or TF32/XF32 on devices that have it",
+    )
     memory_reserve_fraction: StrictFloat = Field(
         default=0.08, ge=0, lt=1, description="device memory kept free for allocator fragmentation and workspaces"
     )
@@ -68,7 +94,7 @@ class TrainingSpec(BaseModel):
     @classmethod
     def _stage_not_bool(cls, value: Any) -> Any:
         if isinstance(value, bool):
-            raise ValueError(f"expected 0 or 1, got {value}")
+            raise ValueError(f"expected 0, 1, 2 or 3, got {value}")
         return value
 
     @field_validator("recompute", mode="before")

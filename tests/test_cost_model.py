@@ -80,8 +80,14 @@ def test_zero1_divides_optimizer_state_by_dp_and_interleaving_divides_bubble():
     assert zero1 == pytest.approx(zero0 / 2)
     v1 = evaluate(ctx0, plain)
     v2 = evaluate(ctx0, Strategy(plain.pipelines, "none", 0, virtual_stages=2))
-    assert v1.bubble_time_s == pytest.approx(4.0)
+    # plain 1F1B waits for its sends (one boundary: each stage's per micro-batch time carries it once); interleaving
+    # overlaps them (Megatron's default) and divides the bubble by 2
+    boundary_s = v1.stages[0].p2p_time_s
+    assert boundary_s > 0
+    assert v1.stages[0].p2p_exposed_time_s == v1.stages[1].p2p_exposed_time_s == pytest.approx(boundary_s)
+    assert v1.bubble_time_s == pytest.approx(4.0 + boundary_s)
     assert v2.bubble_time_s == pytest.approx(2.0)
+    assert v1.pipeline_time_s == pytest.approx(4 * (4.0 + boundary_s) + 4.0 + boundary_s)
 
 
 def test_tp_adds_four_collectives_per_layer():

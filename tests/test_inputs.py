@@ -84,7 +84,8 @@ def test_training_values_are_strict_and_bounded(tmp_path):
         ('{"global_batch_size": NaN}', "NaN is not a number a spec can use"),
         ('{"global_batch_size": 9223372036854775808}', "less than or equal to 1048576"),
         ('{"global_batch_size": 1024.0}', "valid integer, got 1024.0"),
-        ('{"zero_stage": true}', "zero_stage: expected 0 or 1, got True"),
+        ('{"zero_stage": true}', "zero_stage: expected 0, 1, 2 or 3, got True"),
+        ('{"zero_stage": 4}', "zero_stage: Input should be 0, 1, 2 or 3, got 4"),
         ('{"micro_batch_sizes": [1, true]}', "micro_batch_sizes[1]: Input should be a valid integer, got True"),
     ]:
         path = tmp_path / "t.json"

@@ -193,6 +193,6 @@ def test_training_flags_override_file(write):
     assert training.recompute == ("full",)
     assert training.zero_stage == 0
     with pytest.raises(SpecError, match=r"t\.yaml: zero_stage: "):
-        load_training(write("t.yaml", "zero_stage: 3\n"))
+        load_training(write("t.yaml", "zero_stage: 4\n"))
     with pytest.raises(SpecError, match=r"training flags.*: dtype: "):
         load_training(None, {"dtype": "int4"})

@@ -11,14 +11,13 @@ import pytest
 from predictor.cost_model import (
     GRAD_BYTES_PER_PARAM,
     build_context,
-    dp_layout,
     dp_sync_time_s,
     stage_params,
     tp_collective_time_s,
 )
 from predictor.traffic import strategy_traffic, textbook_traffic_per_rank
 from specs import load_cluster, load_model, load_training
-from specs.layout import PipelineStrategy, StageStrategy, Strategy, megatron_strategy
+from specs.layout import PipelineStrategy, StageStrategy, Strategy, dp_layout, megatron_strategy
 from tests.conftest import EXAMPLES
 
 CLUSTER = EXAMPLES / "a100-v100-32.yaml"
@@ -53,7 +52,7 @@ def test_dp_bytes_per_rank_reproduce_the_cost_models_sync_time(zero_stage):
     time_s = sent["in_node"] / inner.bw_bytes_per_s + sent["rail"] / outer.bw_bytes_per_s
     time_s += collectives * (steps_inner * inner.alpha_s + steps_outer * outer.alpha_s)
     params = stage_params(ctx.model, ctx.model.num_layers, True, True, 1)
-    assert time_s == pytest.approx(dp_sync_time_s(ctx, group, params, 1, 16), rel=1e-9)
+    assert time_s == pytest.approx(dp_sync_time_s(ctx, group, params, 1, 16).total_s, rel=1e-9)
     assert traffic.total_bytes("tp") == 0 and traffic.total_bytes("pp") == 0
     grads = params * GRAD_BYTES_PER_PARAM
     if zero_stage == 0:  # every rank's in-node share of the two-level all-reduce: 2(r-1)/r of the gradients

@@ -1,0 +1,138 @@
+"""The cost model's inputs: the specs, the layer-cost source of every group, fitted links and the end-to-end terms
+calibration learns. Links carry the transport's efficiency and the calibrated network scales."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+
+from predictor.comm_model import Link, cross_group_link, in_node_link, rail_link
+from profiler.profile import DeviceProfile, LayerCostSource, ScaledLayerCosts
+from profiler.simulated import SimulatedDevice
+from specs.cluster import ClusterSpec, DeviceGroup
+from specs.errors import SpecError
+from specs.layout import Strategy, check_strategy
+from specs.model import ModelSpec
+from specs.training import TrainingSpec
+
+
+@dataclass(frozen=True)
+class EndToEndTerms:
+    """Whole-iteration effects per-layer profiles cannot see; `hetplan fit --runs` learns them from measured runs.
+
+    The scales multiply the modelled times of TP collectives, network transfers (p2p and DP sync; `tcp_scale` again
+    on links whose NICs run TCP rather than RDMA) and the optimizer step; `dp_overlap` is the fraction of a
+    micro-batch's backward (forward, for weight gathers) that the overlapped DP traffic hides behind (1: all of it, as
+    the engines' bucketed overlap aims for); `iteration_overhead_s` is a fixed cost per iteration (launch, data,
+    logging).
+    """
+
+    tp_comm_scale: float = 1.0
+    network_scale: float = 1.0
+    tcp_scale: float = 1.0
+    optimizer_scale: float = 1.0
+    dp_overlap: float = 1.0
+    iteration_overhead_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class CostContext:
+    """Everything the cost model needs besides the strategy."""
+
+    cluster: ClusterSpec
+    model: ModelSpec
+    training: TrainingSpec
+    sources: Mapping[str, LayerCostSource]  # by group name
+    terms: EndToEndTerms = EndToEndTerms()
+    links: Mapping[str, Link] = field(default_factory=dict)  # fitted, by "device key/link class"; else datasheet
+    identity: str = ""  # the predictor's, when one made this context
+
+    @property
+    def seq_length(self) -> int:
+        return self.training.seq_length or self.model.seq_length
+
+    def source(self, group: str) -> LayerCostSource:
+        return self.sources[group]
+
+    @property
+    def predictor_identity(self) -> str:
+        names = sorted({source.identity for source in self.sources.values()})
+        base = "analytic cost model over " + "; ".join(names)
+        return f"{self.identity}: {base}" if self.identity else base
+
+    def check_strategy(self, strategy: Strategy, source: str = "strategy") -> None:
+        """The layout's structural checks against this context's cluster, model and global batch."""
+        check_strategy(strategy, self.cluster, self.model, self.training.global_batch_size, source)
+
+    def in_node_link(self, group: DeviceGroup) -> Link:
+        return self.links.get(f"{group.device.key}/in_node") or in_node_link(group)
+
+    def rail_link(self, group: DeviceGroup) -> Link:
+        link = self.links.get(f"{group.device.key}/rail") or rail_link(group)
+        return self._over_nics(link, group.transport == "tcp")
+
+    def cross_group_link(self, a: DeviceGroup, b: DeviceGroup) -> Link:
+        fitted = self.links.get(f"{a.device.key}/cross_group") or self.links.get(f"{b.device.key}/cross_group")
+        link = fitted or cross_group_link(self.cluster, a, b)
+        return self._over_nics(link, "tcp" in (a.transport, b.transport))
+
+    def _over_nics(self, link: Link, tcp: bool) -> Link:
+        """A link through the NICs with the calibrated TCP scale applied to its bandwidth when it runs over TCP."""
+        if not tcp or self.terms.tcp_scale == 1.0:
+            return link
+        return replace(
+            link,
+            bw_bytes_per_s=link.bw_bytes_per_s / self.terms.tcp_scale,
+            p2p_bw_bytes_per_s=None
+            if link.p2p_bw_bytes_per_s is None
+            else link.p2p_bw_bytes_per_s / self.terms.tcp_scale,
+        )
+
+
+def emulated(group: DeviceGroup, source: LayerCostSource) -> LayerCostSource:
+    """A CPU group emulating a slower device (`emulate_speed` < 1) computes 1/speed times as long."""
+    return ScaledLayerCosts(source, 1.0 / group.emulate_speed) if group.emulate_speed != 1.0 else source
+
+
+def build_context(
+    cluster: ClusterSpec,
+    model: ModelSpec,
+    training: TrainingSpec,
+    profiles: Mapping[str, DeviceProfile] | None = None,
+    noise: float = 0.0,
+    seed: int = 0,
+) -> CostContext:
+    """Use a measured profile for each device type that has one (by device key), simulated ones elsewhere."""
+    seq_length = training.seq_length or model.seq_length
+    for group in cluster.groups:
+        if training.dtype == "bf16" and not group.device.supports_bf16:
+            raise SpecError(
+                cluster.source or "cluster",
+                f"group {group.name}",
+                f"{group.device.key} has no bf16: train in fp16 (--dtype fp16)",
+            )
+    sources: dict[str, LayerCostSource] = {}
+    for group in cluster.groups:
+        profile = (profiles or {}).get(group.device.key)
+        if profile is not None:
+            if profile.seq_length != seq_length:
+                raise SpecError(
+                    profile.path, "seq_length", f"profiled at {profile.seq_length}, training uses {seq_length}"
+                )
+            if profile.dtype != training.dtype:
+                raise SpecError(profile.path, "dtype", f"profiled in {profile.dtype}, training uses {training.dtype}")
+            sources[group.name] = emulated(group, profile)
+        else:
+            simulated = SimulatedDevice(
+                group.device,
+                model,
+                seq_length,
+                training.dtype,
+                noise=noise,
+                seed=seed,
+                sequence_parallel=training.sequence_parallel,
+                flash_attention=training.attention == "flash",
+                fp32_matmul=training.fp32_matmul,
+            )
+            sources[group.name] = emulated(group, simulated)
+    return CostContext(cluster, model, training, sources)
