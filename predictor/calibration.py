@@ -2,11 +2,20 @@
 
 Parameters (log-scales unless said otherwise), each with a Gaussian prior centred on "the analytic model is right":
   compute:<kind>            layer times from one kind of source (simulated / measured / learned), all devices (sd 0.3)
-  compute:<kind>:<device>   the same for one device type, on top of the kind's (sd 0.15): a device nobody ran
-                            inherits what the runs taught about its kind, with wider uncertainty
-  tp_comm, network          TP collectives; p2p and DP sync over the network (sd 0.3)
+  compute:<kind>:vendor:<v>, :generation:<g>, :device:<d>
+                            the same for one vendor, architecture generation and device type on top of each other
+                            (sd 0.2, 0.12, 0.08): a device no run covers (MI300X when only MI250X ran) inherits what the
+                            runs taught about its vendor and generation, and its interval widens by the priors of the
+                            levels nobody informed. Each is a physical efficiency (achieved / modelled kernel speed).
+  engine:<e>                layer times under another framework's kernels than Megatron's fused ones (FSDP models,
+                            DeepSpeed), on top of the device's (sd 0.15)
+  in_node:<d>               every transfer over device type d's in-node fabric (NVLink cube mesh, NVSwitch, xGMI,
+                            HCCS; TP collectives above all) (sd 0.25): fabrics differ within a vendor
+  network                   p2p and DP sync over the network (sd 0.3)
+  transport:tcp             NIC transfers over TCP sockets rather than RDMA, on top of `network` (sd 0.4)
   optimizer                 the optimizer step (sd 0.5)
-  dp_overlap                fraction of the last backward that hides DP sync, in [0, 1] (prior 1, sd 0.3)
+  dp_overlap                fraction of the backward / forward that overlapped DP traffic hides behind, in [0, 1]
+                            (prior 1, sd 0.3)
   iteration_overhead_s      fixed seconds per iteration, >= 0 (prior 0, sd 0.05 s)
 The fit is the maximum a-posteriori estimate (scipy least squares on log-time residuals / run noise and prior
 residuals); only parameters some run is sensitive to move. Its Gauss-Newton covariance, with the priors of
@@ -27,12 +36,15 @@ import numpy as np
 from predictor.cost_model import CostContext, EndToEndTerms, evaluate
 from profiler.profile import DeviceProfile, LayerCostSource, ScaledLayerCosts
 from profiler.simulated import SimulatedDevice
+from specs.cluster import DeviceGroup
 from specs.layout import Strategy
+from specs.vendors import find_vendor
 
 DEFAULT_RUN_NOISE = 0.03
 MIN_RUN_NOISE = 0.01
 Z_90 = 1.6448536269514722  # two-sided 90% interval of a normal
 FINITE_STEP = 1e-4
+MAX_RESTARTS = 3
 
 
 @dataclass(frozen=True)
@@ -54,18 +66,61 @@ def source_kind(source: LayerCostSource) -> str:
     return "learned"
 
 
+COMPUTE_LEVELS = (("vendor", 0.2), ("generation", 0.12), ("device", 0.08))  # prior sd of each level's log-scale
+
+
+ENGINE_PRIOR_SD = 0.15
+IN_NODE_PRIOR_SD = 0.25
+REFERENCE_ENGINE = "megatron"  # the engine whose kernels the layer models describe (no term of its own)
+
+
+def compute_parameter_names(ctx: CostContext, group_name: str) -> list[str]:
+    """The compute scales that apply to a group's layer times, outermost first (the engine's last)."""
+    group = ctx.cluster.group(group_name)
+    kind = source_kind(ctx.source(group_name))
+    engine = ctx.training.engine
+    engines = [] if engine == REFERENCE_ENGINE else [f"engine:{engine}"]
+    if kind != "simulated":  # measured or learned costs: one scale per device type on top of the kind's
+        return [f"compute:{kind}", f"compute:{kind}:{group.device.key}", *engines]
+    labels = {
+        "vendor": vendor_key(group),
+        "generation": group.device.generation,
+        "device": group.device.key,
+    }
+    levels = [f"compute:{kind}:{level}:{labels[level]}" for level, _ in COMPUTE_LEVELS]
+    return [f"compute:{kind}", *levels, *engines]
+
+
+def _compute_prior_sd(name: str) -> float:
+    if name.startswith("engine:"):
+        return ENGINE_PRIOR_SD
+    parts = name.split(":")
+    if len(parts) == 2:
+        return 0.3
+    if len(parts) == 3:  # measured / learned per device
+        return 0.15
+    return dict(COMPUTE_LEVELS)[parts[2]]
+
+
+def vendor_key(group: DeviceGroup) -> str:
+    vendor = find_vendor(group.device.vendor)
+    return vendor.key if vendor is not None else group.device.vendor
+
+
 def parameters_for(ctx: CostContext) -> list[Parameter]:
     """The calibration parameters a context's predictions depend on."""
     names: dict[str, Parameter] = {}
     for group in ctx.cluster.groups:
-        kind = source_kind(ctx.source(group.name))
-        names.setdefault(f"compute:{kind}", Parameter(f"compute:{kind}", 0.0, 0.3))
-        device = f"compute:{kind}:{group.device.key}"
-        names.setdefault(device, Parameter(device, 0.0, 0.15))
+        for name in compute_parameter_names(ctx, group.name):
+            names.setdefault(name, Parameter(name, 0.0, _compute_prior_sd(name)))
+    for group in ctx.cluster.groups:
+        name = f"in_node:{group.device.key}"
+        names.setdefault(name, Parameter(name, 0.0, IN_NODE_PRIOR_SD))
+    transports = [Parameter("transport:tcp", 0.0, 0.4)] if any(g.transport == "tcp" for g in ctx.cluster.groups) else []
     return [
         *names.values(),
-        Parameter("tp_comm", 0.0, 0.3),
         Parameter("network", 0.0, 0.3),
+        *transports,
         Parameter("optimizer", 0.0, 0.5),
         Parameter("dp_overlap", 1.0, 0.3, 0.0, 1.0),
         Parameter("iteration_overhead_s", 0.0, 0.05, 0.0),
@@ -81,12 +136,13 @@ def apply(ctx: CostContext, values: Mapping[str, float]) -> CostContext:
     sources: dict[str, LayerCostSource] = {}
     for group in ctx.cluster.groups:
         source = ctx.source(group.name)
-        kind = source_kind(source)
-        log_factor = value(f"compute:{kind}") + value(f"compute:{kind}:{group.device.key}")
+        log_factor = sum(value(name) for name in compute_parameter_names(ctx, group.name))
         sources[group.name] = ScaledLayerCosts(source, math.exp(log_factor)) if log_factor else source
+    devices = sorted({group.device.key for group in ctx.cluster.groups})
     terms = EndToEndTerms(
-        tp_comm_scale=math.exp(value("tp_comm")),
+        in_node_scale={d: math.exp(value(f"in_node:{d}")) for d in devices if value(f"in_node:{d}")},
         network_scale=math.exp(value("network")),
+        tcp_scale=math.exp(value("transport:tcp")),
         optimizer_scale=math.exp(value("optimizer")),
         dp_overlap=value("dp_overlap", 1.0),
         iteration_overhead_s=value("iteration_overhead_s"),
@@ -189,13 +245,25 @@ def fit_calibration(cases: Sequence[tuple[str, CostContext, Strategy, float]]) -
     start = np.array([p.prior_mean for p in active])
     bounds = ([p.lower for p in active], [p.upper for p in active])
     run_noise = DEFAULT_RUN_NOISE
-    tolerances = {"ftol": 1e-12, "xtol": 1e-12, "gtol": 1e-12}
-    result = least_squares(residuals, start, bounds=bounds, args=(run_noise,), x_scale="jac", **tolerances)
+
+    def solve(x0: np.ndarray, noise: float) -> Any:
+        """Least squares from x0, restarted from its answer while that still lowers the cost: the trust region can
+        stop after a rejected first step (ftol) far from the optimum. All parameters are log-scales or fractions of
+        similar size, so no rescaling."""
+        result = least_squares(residuals, x0, bounds=bounds, args=(noise,), ftol=1e-10, xtol=1e-10, gtol=1e-10)
+        for _ in range(MAX_RESTARTS):
+            again = least_squares(residuals, result.x, bounds=bounds, args=(noise,), ftol=1e-10, xtol=1e-10, gtol=1e-10)
+            if again.cost >= result.cost * (1 - 1e-9):
+                break
+            result = again
+        return result
+
+    result = solve(start, run_noise)
     degrees_of_freedom = len(cases) - len(active)
     if degrees_of_freedom >= 3:
         run_errors = result.fun[: len(cases)] * run_noise
         run_noise = max(MIN_RUN_NOISE, float(np.sqrt(np.sum(run_errors**2) / degrees_of_freedom)))
-        result = least_squares(residuals, result.x, bounds=bounds, args=(run_noise,), x_scale="jac", **tolerances)
+        result = solve(result.x, run_noise)
     jacobian = result.jac
     covariance = np.linalg.pinv(jacobian.T @ jacobian)
     values = values_of(result.x)

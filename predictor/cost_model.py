@@ -287,6 +287,29 @@ class Evaluation:
     def shortfall_bytes(self) -> float:
         return max((stage.shortfall_bytes for stage in self.stages), default=0.0)
 
+    def breakdown(self) -> dict[str, float]:
+        """The iteration time split into the cost model's terms, seconds (they add up to the iteration): the
+        steady state of the slowest family's slowest stage (compute, exposed TP collectives, exposed ZeRO 2/3 traffic,
+        waiting for point-to-point), the bubble, the fill and drain, the exposed DP sync, the optimizer step and the
+        fixed overhead after the flush."""
+        family = max(range(len(self.family_pipeline_s)), key=self.family_pipeline_s.__getitem__)
+        members = [s for s in self.stages if s.family == family]
+        slowest = max(members, key=lambda s: s.step_time_s)
+        m = self.strategy.pipelines[family].num_microbatches
+        tail = max(self.stages, key=lambda s: s.tail_time_s)
+        terms = {
+            "compute": m * (slowest.compute_time_s - slowest.tp_comm_time_s - slowest.sharded_exposed_time_s),
+            "tp_comm": m * slowest.tp_comm_time_s,
+            "zero_comm": m * slowest.sharded_exposed_time_s,
+            "p2p_wait": m * slowest.p2p_exposed_time_s,
+            "bubble": self.bubble_time_s,
+            "dp_sync": tail.dp_exposed_time_s,
+            "optimizer": tail.optimizer_time_s,
+        }
+        terms["fill_and_drain"] = self.pipeline_time_s - m * slowest.step_time_s - self.bubble_time_s
+        terms["overhead"] = self.iteration_time_s - self.pipeline_time_s - tail.tail_time_s
+        return terms
+
 
 def cross_family_sync_time_s(
     ctx: CostContext, strategy: Strategy, family: int, stage: StageStrategy, params_per_device: float

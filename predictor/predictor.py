@@ -35,7 +35,7 @@ if TYPE_CHECKING:  # scikit-learn costs a second to import: only fitting and lea
     from predictor.layer_model import LayerCostModel
 
 PREDICTOR_SCHEMA = "hetplan.predictor/1"
-PUBLISHED_RUNS = Path(__file__).parent / "data" / "korthikanti-2022-a100.json"
+PUBLISHED_RUNS = Path(__file__).parent / "data" / "published-runs.json"
 
 
 def library_versions() -> dict[str, str]:

@@ -75,6 +75,12 @@ class TrainingSpec(BaseModel):
         description="interleaved schedules overlap pipeline sends with compute (Megatron's default; plain 1F1B "
         "always waits for them)",
     )
+    engine: Literal["megatron", "deepspeed", "fsdp", "torchtitan", "other"] = Field(
+        default="megatron",
+        description="the training framework whose kernels run the layers: calibration learns each framework's kernel "
+        "efficiency relative to Megatron's fused kernels (megatron: Megatron-LM and its forks, e.g. ModelLink, "
+        "FlagScale; deepspeed: DeepSpeed's pipeline engine; fsdp: PyTorch FSDP models such as llm-foundry's)",
+    )
     fp32_matmul: Literal["ieee", "tf32"] = Field(
         default="ieee",
         description="fp32 training: matmuls in IEEE fp32 (PyTorch's default) or TF32/XF32 on devices that have it",
