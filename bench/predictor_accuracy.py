@@ -8,17 +8,21 @@
    Profiles from different hosts are refused: VMs of one kind here differed 2-3x in GEMM speed.
 3. Small-to-large in simulation: fit on noisy simulated A100 profiles of a 1.7B and a 6.7B GPT at micro-batch
    <= 2 and TP <= 2, predict a 175B GPT at micro-batch 1-8 and TP 1-8 against the simulator itself.
-4. Calibration: the bundled published runs, leave-one-out (fit on one, predict the other).
+4. Calibration on the published small runs (predictor/data/published-runs.json): every run predicted by the shipped
+   predictor, then leave-one-source-out (each source's runs predicted by a calibration fitted on the other sources),
+   MAPE per device family; and an ablation: the same with each model change undone in turn.
 
 Run: python bench/predictor_accuracy.py
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import statistics
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -26,13 +30,15 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from predictor.calibration import fit_calibration, prediction_interval  # noqa: E402
+from predictor import calibration, cost_model  # noqa: E402
 from predictor.features import LayerPoint  # noqa: E402
 from predictor.layer_model import fit_time_model, predict_total_s, profile_model_spec  # noqa: E402
-from predictor.predictor import PUBLISHED_RUNS, Predictor, _calibration_cases  # noqa: E402
-from predictor.runs import load_runs  # noqa: E402
+from predictor.predictor import PUBLISHED_RUNS, Predictor, _calibration_cases, default_predictor  # noqa: E402
+from predictor.runs import Run, load_runs  # noqa: E402
+from predictor.validation import check_runs, family_errors, leave_one_source_out  # noqa: E402
 from profiler.profile import DeviceProfile, ProfileEntry, load_profile  # noqa: E402
 from profiler.simulated import SimulatedDevice  # noqa: E402
+from specs.cluster import DeviceGroup  # noqa: E402
 from specs.device import get_device  # noqa: E402
 from specs.model import load_model  # noqa: E402
 
@@ -159,30 +165,137 @@ def small_to_large_simulated() -> list[dict[str, object]]:
     return rows
 
 
-def calibration_leave_one_out() -> list[dict[str, object]]:
+@contextlib.contextmanager
+def _patched(module: object, **names: object) -> Iterator[None]:
+    """Temporarily replace module attributes (the ablation undoes one model change at a time)."""
+    saved = {name: getattr(module, name) for name in names}
+    for name, value in names.items():
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(module, name, value)
+
+
+def _with_training(runs: list[Run], **fields: object) -> list[Run]:
+    return [dataclasses.replace(run, training=run.training.model_copy(update=fields)) for run in runs]
+
+
+def _with_devices(runs: list[Run], **fields: object) -> list[Run]:
+    def group(g: DeviceGroup) -> DeviceGroup:
+        return dataclasses.replace(g, device=g.device.model_copy(update=fields))
+
+    return [
+        dataclasses.replace(run, cluster=dataclasses.replace(run.cluster, groups=tuple(map(group, run.cluster.groups))))
+        for run in runs
+    ]
+
+
+def _rdma_only(runs: list[Run]) -> list[Run]:
+    return [
+        dataclasses.replace(
+            run,
+            cluster=dataclasses.replace(
+                run.cluster, groups=tuple(dataclasses.replace(g, transport="rdma") for g in run.cluster.groups)
+            ),
+        )
+        for run in runs
+    ]
+
+
+def _zero3_as_zero1(runs: list[Run]) -> list[Run]:
+    out = []
+    for run in runs:
+        if run.training.zero_stage == 3:
+            training = run.training.model_copy(update={"zero_stage": 1})
+            run = dataclasses.replace(run, training=training, strategy=dataclasses.replace(run.strategy, zero_stage=1))
+        out.append(run)
+    return out
+
+
+ABLATIONS: list[tuple[str, Callable[[list[Run]], list[Run]], Callable[[], contextlib.AbstractContextManager[None]]]] = [
+    ("full model", lambda runs: runs, contextlib.nullcontext),
+    (
+        "- vendor/generation levels",
+        lambda runs: runs,
+        lambda: _patched(calibration, COMPUTE_LEVELS=(("vendor", 1e-4), ("generation", 1e-4), ("device", 0.15))),
+    ),
+    ("- engine kernels term", lambda runs: runs, lambda: _patched(calibration, ENGINE_PRIOR_SD=1e-4)),
+    ("- in-node fabric per device", lambda runs: runs, lambda: _patched(calibration, IN_NODE_PRIOR_SD=1e-4)),
+    ("- TCP transport", _rdma_only, contextlib.nullcontext),
+    ("- ZeRO 3 (FSDP as ZeRO 1)", _zero3_as_zero1, contextlib.nullcontext),
+    (
+        "- engine overlap flags",
+        lambda runs: _with_training(runs, overlap_grad_reduce=True, overlap_param_gather=True, tp_comm_overlap=False),
+        contextlib.nullcontext,
+    ),
+    ("- 1F1B p2p wait", lambda runs: runs, lambda: _patched(cost_model, p2p_exposed=lambda *args: 0.0)),
+    (
+        "- GEMM shape fall-off per device",
+        lambda runs: _with_devices(runs, gemm_ramp_us=4.0, gemm_tile=1e-6),
+        contextlib.nullcontext,
+    ),
+]
+
+
+def calibration_by_family() -> dict[str, object]:
+    """The shipped predictor on every published run; leave-one-source-out; the ablation table."""
     runs = load_runs(PUBLISHED_RUNS)
-    cases = _calibration_cases(Predictor(), runs)
-    rows = []
-    for i, case in enumerate(cases):
-        others = [c for j, c in enumerate(cases) if j != i]
-        calibration = fit_calibration(others)
-        name, ctx, strategy, measured = case
-        interval = prediction_interval(ctx, strategy, calibration)
-        uncalibrated = fit_calibration([])
-        before = prediction_interval(ctx, strategy, uncalibrated).iteration_time_s
-        rows.append(
+    shipped = [check.to_dict() for check in check_runs(default_predictor(), runs)]
+    uncalibrated = [check.to_dict() for check in check_runs(Predictor(name="uncalibrated"), runs)]
+    ablation = []
+    loso: list[dict[str, object]] = []
+    for name, change_runs, patch in ABLATIONS:
+        with patch():
+            changed = change_runs(list(runs))
+            fitted = Predictor(name=name)
+            fitted.calibration = calibration.fit_calibration(_calibration_cases(fitted, changed))
+            in_sample = family_errors(check_runs(fitted, changed))
+            held_out_checks = leave_one_source_out(Predictor(name=name), changed)
+            held_out = family_errors(held_out_checks)
+        if name == "full model":
+            loso = [check.to_dict() for check in held_out_checks]
+        ablation.append(
             {
-                "run": name,
-                "measured_s": measured,
-                "uncalibrated_s": before,
-                "predicted_s": interval.iteration_time_s,
-                "low_s": interval.low_s,
-                "high_s": interval.high_s,
-                "error": interval.iteration_time_s / measured - 1,
-                "inside_interval": interval.low_s <= measured <= interval.high_s,
+                "variant": name,
+                "in_sample": {row.family: row.mape for row in in_sample},
+                "leave_one_source_out": {row.family: row.mape for row in held_out},
+                "sources": {row.family: row.sources for row in held_out},
             }
         )
-    return rows
+    return {"shipped": shipped, "uncalibrated": uncalibrated, "leave_one_source_out": loso, "ablation": ablation}
+
+
+def print_calibration(report: dict[str, object]) -> None:
+    print("\n4a. published runs: uncalibrated and shipped predictor (signed error; dominant term of the time)")
+    header = (
+        f"{'run':<40} {'family':<12} {'measured':>9} {'uncalib.':>9} {'shipped':>9} {'90% interval':>19} {'term':>9}"
+    )
+    print(header)
+    print("-" * len(header))
+    for before, after in zip(report["uncalibrated"], report["shipped"], strict=True):  # type: ignore[call-overload]
+        low, high = after["interval_s"]
+        print(
+            f"{after['name']:<40} {after['family']:<12} {after['measured_s']:>9.3f} {before['error']:>+9.1%} "
+            f"{after['error']:>+9.1%} {low:>9.3f}-{high:<9.3f} {after['dominant_term']:>9}"
+        )
+    print("\n4b. leave one source out (each source's runs from a calibration fitted on the others)")
+    for check in report["leave_one_source_out"]:  # type: ignore[attr-defined]
+        print(
+            f"{check['name']:<40} {check['family']:<12} {check['measured_s']:>9.3f} {check['predicted_s']:>9.3f} "
+            f"{check['error']:>+8.1%}"
+        )
+    families = list(report["ablation"][0]["in_sample"])  # type: ignore[index]
+    print("\n4c. ablation: MAPE in-sample / leave-one-source-out per family, each model change undone in turn")
+    header = f"{'variant':<34} " + " ".join(f"{f:>17}" for f in families)
+    print(header)
+    print("-" * len(header))
+    for row in report["ablation"]:  # type: ignore[attr-defined]
+        cells = " ".join(f"{row['in_sample'][f]:>7.1%} / {row['leave_one_source_out'][f]:>6.1%}" for f in families)
+        print(f"{row['variant']:<34} {cells}")
+    sources = report["ablation"][0]["sources"]  # type: ignore[index]
+    print("sources per family: " + ", ".join(f"{f} {sources[f]}" for f in families))
 
 
 def main() -> None:
@@ -205,16 +318,8 @@ def main() -> None:
         print(f"\n2. skipped: {smaller} or {larger} not found (profile both models first, see the README)")
     report["small_to_large_simulated"] = small_to_large_simulated()
     print_rows("3. small-to-large in simulation (A100, 3% noise in training data)", report["small_to_large_simulated"])  # type: ignore[arg-type]
-    report["calibration_leave_one_out"] = rows = calibration_leave_one_out()
-    print("\n4. calibration, leave one published run out")
-    header = f"{'run':<30} {'measured':>9} {'uncalib.':>9} {'predicted':>10} {'90% interval':>18} {'error':>7}"
-    print(header)
-    print("-" * len(header))
-    for row in rows:
-        print(
-            f"{row['run']:<30} {row['measured_s']:>9.3f} {row['uncalibrated_s']:>9.3f} {row['predicted_s']:>10.3f} "
-            f"{row['low_s']:>8.3f}-{row['high_s']:<9.3f} {row['error']:>7.1%}"
-        )
+    report["calibration"] = calibration_by_family()
+    print_calibration(report["calibration"])  # type: ignore[arg-type]
     report["median_error_held_out_cpu"] = statistics.median(
         r["median_abs_error"]
         for r in report["held_out_cpu"]

@@ -11,7 +11,9 @@ published small run bundled in predictor/data (shared/reference/calibration.md).
 from __future__ import annotations
 
 import functools
+import hashlib
 import math
+import os
 import pickle
 import platform
 from collections.abc import Mapping, Sequence
@@ -192,10 +194,55 @@ def fit_predictor(
     return predictor
 
 
+CACHE_DIR_ENV = "HETPLAN_CACHE_DIR"
+# What the shipped predictor is computed from: a change to any of these (or to a library version) is a new cache key.
+DEFAULT_INPUTS = ("predictor/*.py", "profiler/*.py", "specs/*.py", "specs/catalog/*.yaml")
+
+
+def cache_dir() -> Path:
+    """Where hetplan keeps what it can recompute (delete it at will): $HETPLAN_CACHE_DIR, else
+    $XDG_CACHE_HOME/hetplan, else ~/.cache/hetplan."""
+    explicit = os.environ.get(CACHE_DIR_ENV)
+    if explicit:
+        return Path(explicit)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hetplan"
+
+
+def default_predictor_key() -> str:
+    """SHA-256 over the code and data the shipped predictor is fitted from and the versions of the libraries that fit
+    it (read from package metadata, without importing them): equal keys give equal predictors."""
+    root = Path(__file__).resolve().parent.parent
+    digest = hashlib.sha256()
+    for path in sorted({*(p for pattern in DEFAULT_INPUTS for p in root.glob(pattern)), PUBLISHED_RUNS}):
+        label = path.relative_to(root) if path.is_relative_to(root) else path.name
+        digest.update(str(label).encode() + b"\0" + path.read_bytes() + b"\0")
+    for library in ("numpy", "scipy", "pydantic"):
+        digest.update(f"{library}={version(library)};".encode())
+    digest.update(platform.python_version().encode())
+    return digest.hexdigest()[:32]
+
+
 @functools.cache
 def default_predictor() -> Predictor:
-    """Datasheet simulation calibrated on the bundled published run (deterministic; fitted once per process)."""
-    return fit_predictor(name="default")
+    """Datasheet simulation calibrated on the bundled published runs (deterministic): fitted once, then read from the
+    cache (`cache_dir()`, keyed by default_predictor_key(), so never a stale answer); an unreadable or unwritable cache
+    only costs the fit."""
+    path = cache_dir() / f"default-predictor-{default_predictor_key()}.pickle"
+    try:
+        cached = pickle.loads(path.read_bytes())
+        if isinstance(cached, Predictor):
+            return cached
+    except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ImportError, IndexError, TypeError, ValueError):
+        pass
+    predictor = fit_predictor(name="default")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_suffix(f".{os.getpid()}.tmp")
+        temporary.write_bytes(pickle.dumps(predictor))
+        os.replace(temporary, path)
+    except OSError:
+        pass
+    return predictor
 
 
 def save_predictor(predictor: Predictor, path: str | Path) -> None:

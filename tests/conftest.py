@@ -3,8 +3,10 @@ hand-checkable numbers."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,6 +16,8 @@ from profiler.profile import LayerCost, LayerKind
 from specs.model import Recompute
 
 ROOT = Path(__file__).resolve().parent.parent
+# the shipped predictor's cache goes to a directory of this test session (inherited by the CLI subprocesses)
+os.environ.setdefault("HETPLAN_CACHE_DIR", tempfile.mkdtemp(prefix="hetplan-test-cache-"))
 EXAMPLES = ROOT / "examples"
 ONE_T4_NODE = """
 name: one-t4-node

@@ -250,3 +250,30 @@ def test_fit_then_predict_with_the_fitted_predictor_on_the_command_line(tmp_path
     missing = hetplan("predict", *args, "--predictor", str(tmp_path / "nope.joblib"))
     assert missing.returncode == 2 and "predictor file not found" in missing.stderr
     assert "Traceback" not in missing.stderr
+
+
+def test_the_default_predictor_is_cached_by_the_code_and_data_it_comes_from(tmp_path, monkeypatch):
+    import predictor.predictor as module
+
+    monkeypatch.setenv("HETPLAN_CACHE_DIR", str(tmp_path / "cache"))
+    fit, published = module.fit_predictor, module.PUBLISHED_RUNS
+    module.default_predictor.cache_clear()
+    first = module.default_predictor()
+    files = list((tmp_path / "cache").iterdir())
+    assert [f.name for f in files] == [f"default-predictor-{module.default_predictor_key()}.pickle"]
+    module.default_predictor.cache_clear()
+    monkeypatch.setattr(module, "fit_predictor", lambda **_: pytest.fail("refitted although cached"))
+    assert module.default_predictor().calibration == first.calibration
+    # other published runs: another key, so the cached file is not used for them
+    runs = tmp_path / "runs.json"
+    runs.write_text(published.read_text().replace('"iteration_time_s"', '"iteration_time_s" '))
+    key = module.default_predictor_key()
+    monkeypatch.setattr(module, "PUBLISHED_RUNS", runs)
+    assert module.default_predictor_key() != key
+    # a corrupt cache file is refitted, not trusted
+    monkeypatch.setattr(module, "PUBLISHED_RUNS", published)
+    monkeypatch.setattr(module, "fit_predictor", fit)
+    files[0].write_bytes(b"not a pickle")
+    module.default_predictor.cache_clear()
+    assert module.default_predictor().calibration == first.calibration
+    module.default_predictor.cache_clear()

@@ -6,6 +6,7 @@ import pytest
 
 from profiler import SimulatedDevice, load_profile
 from specs import get_device, load_model
+from tests.conftest import EXAMPLES
 
 
 @pytest.fixture
@@ -60,3 +61,28 @@ def test_profile_json_round_trip_and_interpolation(simulated, tmp_path):
     assert low < between < high
     with pytest.raises(Exception, match=r"no decoder entry for tp=2"):
         loaded.layer_cost("decoder", 1, 2, "none")
+
+
+@pytest.mark.parametrize(
+    ("a100_dtype", "v100_dtype", "fp32_matmul", "peak_ratio"),
+    [
+        ("bf16", "fp16", "ieee", 125 / 312),  # 16-bit tensor cores
+        ("fp32", "fp32", "ieee", 15.7 / 19.5),  # IEEE fp32 on both (PyTorch's default)
+        ("fp32", "fp32", "tf32", 15.7 / 156),  # TF32 tensor cores on the A100; the V100 has none
+    ],
+)
+def test_a100_over_v100_layer_time_follows_the_tensor_core_peaks(a100_dtype, v100_dtype, fp32_matmul, peak_ratio):
+    """The shipped predictor's A100 / V100 time of a GEMM-bound layer (13B GPT, 8 x 2048 tokens) is the ratio of
+    the peaks that apply, within what their efficiencies and calibrations differ by."""
+    from predictor.predictor import default_predictor
+    from specs import load_cluster, load_training
+
+    cluster = load_cluster(EXAMPLES / "a100-v100-32.yaml")
+    model = load_model("gpt3-13b")
+    times = {}
+    for name, dtype in (("a100", a100_dtype), ("v100", v100_dtype)):
+        training = load_training(None, {"dtype": dtype, "fp32_matmul": fp32_matmul, "global_batch_size": 8})
+        alone = cluster.only(cluster.group(name))
+        ctx = default_predictor().context(alone, model, training)
+        times[name] = ctx.source(name).layer_cost("decoder", 8, 1, "none").time_s
+    assert times["a100"] / times["v100"] == pytest.approx(peak_ratio, rel=0.25)
