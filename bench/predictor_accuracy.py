@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import statistics
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -38,9 +39,11 @@ from predictor.runs import Run, load_runs  # noqa: E402
 from predictor.validation import check_runs, family_errors, leave_one_source_out  # noqa: E402
 from profiler.profile import DeviceProfile, ProfileEntry, load_profile  # noqa: E402
 from profiler.simulated import SimulatedDevice  # noqa: E402
-from specs.cluster import DeviceGroup  # noqa: E402
-from specs.device import get_device  # noqa: E402
+from specs.cluster import ClusterFile, DeviceGroup, resolve_cluster  # noqa: E402
+from specs.device import device_catalog, get_device  # noqa: E402
+from specs.layout import megatron_strategy  # noqa: E402
 from specs.model import load_model  # noqa: E402
+from specs.training import load_training  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 VARIANTS: dict[str, dict[str, object]] = {
@@ -222,7 +225,7 @@ ABLATIONS: list[tuple[str, Callable[[list[Run]], list[Run]], Callable[[], contex
         lambda: _patched(calibration, COMPUTE_LEVELS=(("vendor", 1e-4), ("generation", 1e-4), ("device", 0.15))),
     ),
     ("- engine kernels term", lambda runs: runs, lambda: _patched(calibration, ENGINE_PRIOR_SD=1e-4)),
-    ("- in-node fabric per device", lambda runs: runs, lambda: _patched(calibration, IN_NODE_PRIOR_SD=1e-4)),
+    ("- in-node fabric per generation", lambda runs: runs, lambda: _patched(calibration, IN_NODE_PRIOR_SD=1e-4)),
     ("- TCP transport", _rdma_only, contextlib.nullcontext),
     ("- ZeRO 3 (FSDP as ZeRO 1)", _zero3_as_zero1, contextlib.nullcontext),
     (
@@ -264,7 +267,50 @@ def calibration_by_family() -> dict[str, object]:
                 "sources": {row.family: row.sources for row in held_out},
             }
         )
-    return {"shipped": shipped, "uncalibrated": uncalibrated, "leave_one_source_out": loso, "ablation": ablation}
+    return {
+        "shipped": shipped,
+        "uncalibrated": uncalibrated,
+        "leave_one_source_out": loso,
+        "ablation": ablation,
+        "interval_widths": interval_widths(),
+    }
+
+
+def interval_widths() -> list[dict[str, object]]:
+    """The shipped predictor's 90% interval on one node of every catalog device (GPT 1.7B, TP 1, 8 replicas,
+    micro-batch 1, 64 sequences of 2048): narrow where runs calibrated the device, wider where it borrows from its
+    generation or vendor, widest where nothing did."""
+    predictor = default_predictor()
+    fitted = set(predictor.calibration.names)
+    model = load_model("gpt3-1.7b")
+    rows = []
+    for key, device in device_catalog().items():
+        if key == "cpu":
+            continue
+        dtype = "bf16" if device.supports_bf16 else "fp16"
+        group = {"name": key, "device": key, "nodes": 1, "devices_per_node": 8, "nics_per_node": 8, "nic_gbps": 200}
+        cluster = resolve_cluster(
+            ClusterFile.model_validate(
+                {"name": key, "groups": [group], "network": {"topology": "clos", "inter_group_gbps": 200}}
+            ),
+            key,
+        )
+        training = load_training(None, {"dtype": dtype, "global_batch_size": 64, "seq_length": 2048})
+        strategy = megatron_strategy(
+            cluster, model, training, group=key, tp=1, pp=1, dp=8, micro_batch_size=1, recompute="none"
+        )
+        base = predictor.base_context(cluster, model, training)
+        interval = predictor.interval(base, strategy)
+        levels = calibration.compute_parameter_names(base, key)[1:]
+        rows.append(
+            {
+                "device": key,
+                "calibrated_levels": [name.split(":")[2] for name in levels if name in fitted],
+                "iteration_time_s": interval.iteration_time_s,
+                "half_width_90": math.exp(1.6448536269514722 * interval.log_sd) - 1,
+            }
+        )
+    return rows
 
 
 def print_calibration(report: dict[str, object]) -> None:
@@ -296,6 +342,10 @@ def print_calibration(report: dict[str, object]) -> None:
         print(f"{row['variant']:<34} {cells}")
     sources = report["ablation"][0]["sources"]  # type: ignore[index]
     print("sources per family: " + ", ".join(f"{f} {sources[f]}" for f in families))
+    print("\n4d. 90% interval of one node of each device (GPT 1.7B, 8 replicas): where calibration reached it")
+    for row in report["interval_widths"]:  # type: ignore[attr-defined]
+        levels = ", ".join(row["calibrated_levels"]) or "nothing (priors only)"
+        print(f"{row['device']:<12} +-{row['half_width_90']:>5.1%}   calibrated: {levels}")
 
 
 def main() -> None:

@@ -9,7 +9,7 @@ Parameters (log-scales unless said otherwise), each with a Gaussian prior centre
                             levels nobody informed. Each is a physical efficiency (achieved / modelled kernel speed).
   engine:<e>                layer times under another framework's kernels than Megatron's fused ones (FSDP models,
                             DeepSpeed), on top of the device's (sd 0.15)
-  in_node:<d>               every transfer over device type d's in-node fabric (NVLink cube mesh, NVSwitch, xGMI,
+  in_node:<g>               every transfer over generation g's in-node fabric (NVLink cube mesh, NVSwitch, xGMI,
                             HCCS; TP collectives above all) (sd 0.25): fabrics differ within a vendor
   network                   p2p and DP sync over the network (sd 0.3)
   transport:tcp             NIC transfers over TCP sockets rather than RDMA, on top of `network` (sd 0.4)
@@ -114,7 +114,7 @@ def parameters_for(ctx: CostContext) -> list[Parameter]:
         for name in compute_parameter_names(ctx, group.name):
             names.setdefault(name, Parameter(name, 0.0, _compute_prior_sd(name)))
     for group in ctx.cluster.groups:
-        name = f"in_node:{group.device.key}"
+        name = f"in_node:{group.device.generation}"
         names.setdefault(name, Parameter(name, 0.0, IN_NODE_PRIOR_SD))
     transports = [Parameter("transport:tcp", 0.0, 0.4)] if any(g.transport == "tcp" for g in ctx.cluster.groups) else []
     return [
@@ -138,9 +138,9 @@ def apply(ctx: CostContext, values: Mapping[str, float]) -> CostContext:
         source = ctx.source(group.name)
         log_factor = sum(value(name) for name in compute_parameter_names(ctx, group.name))
         sources[group.name] = ScaledLayerCosts(source, math.exp(log_factor)) if log_factor else source
-    devices = sorted({group.device.key for group in ctx.cluster.groups})
+    generations = sorted({group.device.generation for group in ctx.cluster.groups})
     terms = EndToEndTerms(
-        in_node_scale={d: math.exp(value(f"in_node:{d}")) for d in devices if value(f"in_node:{d}")},
+        in_node_scale={g: math.exp(value(f"in_node:{g}")) for g in generations if value(f"in_node:{g}")},
         network_scale=math.exp(value("network")),
         tcp_scale=math.exp(value("transport:tcp")),
         optimizer_scale=math.exp(value("optimizer")),

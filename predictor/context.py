@@ -20,7 +20,7 @@ from specs.training import TrainingSpec
 class EndToEndTerms:
     """Whole-iteration effects per-layer profiles cannot see; `hetplan fit --runs` learns them from measured runs.
 
-    The scales multiply the modelled times of TP collectives, transfers over a device type's in-node fabric (NVLink,
+    The scales multiply the modelled times of TP collectives, transfers over a device generation's in-node fabric (NVLink,
     xGMI, HCCS: `in_node_scale`, on top of `tp_comm_scale` for TP), network transfers (p2p and DP sync; `tcp_scale`
     again on links whose NICs run TCP rather than RDMA) and the optimizer step; `dp_overlap` is the fraction of a
     micro-batch's backward (forward, for weight gathers) that the overlapped DP traffic hides behind (1: all of it, as
@@ -29,7 +29,7 @@ class EndToEndTerms:
     """
 
     tp_comm_scale: float = 1.0
-    in_node_scale: Mapping[str, float] = field(default_factory=dict)  # by device key: its in-node fabric's time
+    in_node_scale: Mapping[str, float] = field(default_factory=dict)  # by generation: its in-node fabric's time
     network_scale: float = 1.0
     tcp_scale: float = 1.0
     optimizer_scale: float = 1.0
@@ -68,7 +68,7 @@ class CostContext:
 
     def in_node_link(self, group: DeviceGroup) -> Link:
         link = self.links.get(f"{group.device.key}/in_node") or in_node_link(group)
-        scale = self.terms.in_node_scale.get(group.device.key, 1.0)
+        scale = self.terms.in_node_scale.get(group.device.generation, 1.0)
         return link if scale == 1.0 else replace(link, bw_bytes_per_s=link.bw_bytes_per_s / scale)
 
     def rail_link(self, group: DeviceGroup) -> Link:
