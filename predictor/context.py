@@ -20,12 +20,12 @@ from specs.training import TrainingSpec
 class EndToEndTerms:
     """Whole-iteration effects per-layer profiles cannot see; `hetplan fit --runs` learns them from measured runs.
 
-    The scales multiply the modelled times of TP collectives, transfers over a device generation's in-node fabric (NVLink,
-    xGMI, HCCS: `in_node_scale`, on top of `tp_comm_scale` for TP), network transfers (p2p and DP sync; `tcp_scale`
-    again on links whose NICs run TCP rather than RDMA) and the optimizer step; `dp_overlap` is the fraction of a
-    micro-batch's backward (forward, for weight gathers) that the overlapped DP traffic hides behind (1: all of it, as
-    the engines' bucketed overlap aims for); `iteration_overhead_s` is a fixed cost per iteration (launch, data,
-    logging).
+    The scales multiply the modelled times of TP collectives, transfers over a device generation's in-node fabric
+    (NVLink, xGMI, HCCS: `in_node_scale`, on top of `tp_comm_scale` for TP), network transfers (p2p and DP sync;
+    `tcp_scale` again on links whose NICs run TCP rather than RDMA) and the optimizer step; `dp_overlap` is the
+    fraction of a micro-batch's backward (forward, for weight gathers) that the overlapped DP traffic hides behind
+    (1: all of it, as the engines' bucketed overlap aims for); `iteration_overhead_s` is a fixed cost per
+    iteration (launch, data, logging).
     """
 
     tp_comm_scale: float = 1.0
