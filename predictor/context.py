@@ -109,11 +109,11 @@ def build_context(
     """Use a measured profile for each device type that has one (by device key), simulated ones elsewhere."""
     seq_length = training.seq_length or model.seq_length
     for group in cluster.groups:
-        if training.dtype == "bf16" and not group.device.supports_bf16:
+        if group.device.runs_dtype(training.dtype) == "bf16" and not group.device.supports_bf16:
             raise SpecError(
                 cluster.source or "cluster",
                 f"group {group.name}",
-                f"{group.device.key} has no bf16: train in fp16 (--dtype fp16)",
+                f"{group.device.key} has no bf16 (nor fp8): train in fp16 (--dtype fp16)",
             )
     sources: dict[str, LayerCostSource] = {}
     for group in cluster.groups:
@@ -123,15 +123,16 @@ def build_context(
                 raise SpecError(
                     profile.path, "seq_length", f"profiled at {profile.seq_length}, training uses {seq_length}"
                 )
-            if profile.dtype != training.dtype:
-                raise SpecError(profile.path, "dtype", f"profiled in {profile.dtype}, training uses {training.dtype}")
+            runs = group.device.runs_dtype(training.dtype)
+            if profile.dtype != runs:
+                raise SpecError(profile.path, "dtype", f"profiled in {profile.dtype}, training runs {runs} there")
             sources[group.name] = emulated(group, profile)
         else:
             simulated = SimulatedDevice(
                 group.device,
                 model,
                 seq_length,
-                training.dtype,
+                group.device.runs_dtype(training.dtype),
                 noise=noise,
                 seed=seed,
                 sequence_parallel=training.sequence_parallel,

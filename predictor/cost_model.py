@@ -22,6 +22,7 @@ from predictor.sharding import (
     DpSync,
     dp_sync_time_s,
     exposed_dp_sync_time_s,
+    fp8_weight_copy_bytes,
     gathered_weights_bytes,
     optimizer_time_s,
     sharded_exposed_time_s,
@@ -167,6 +168,7 @@ def stage_memory(
     params = stage_params(ctx.model, num_layers, first, last, pipeline_stages) / tp
     weights, grads, optimizer = state_bytes(ctx, params, dp)
     weights += gathered_weights_bytes(ctx, ctx.model.layer_params() / tp, num_layers, dp)
+    weights += fp8_weight_copy_bytes(ctx, group, params)
     source = ctx.source(group.name)
     per_microbatch = num_layers * source.layer_cost("decoder", micro_batch_size, tp, recompute).activation_bytes
     if first:
@@ -493,9 +495,10 @@ def evaluate(ctx: CostContext, strategy: Strategy, cache: StageCache | None = No
     iteration = pipeline_time + tail
     samples = ctx.training.global_batch_size
     devices = [(ctx.cluster.group(s.group), p.stage_devices(s)) for p in strategy.pipelines for s in p.stages]
+    # MFU against the dense 16-bit peak for fp8 training too (the convention of published fp8 runs)
+    mfu_dtype = "bf16" if ctx.training.dtype == "fp8" else ctx.training.dtype
     peak = sum(
-        group.device.peak_flops_for_dtype(ctx.training.dtype, ctx.training.fp32_matmul) * count
-        for group, count in devices
+        group.device.peak_flops_for_dtype(mfu_dtype, ctx.training.fp32_matmul) * count for group, count in devices
     )
     model_flops = ctx.model.model_flops_per_sequence(ctx.seq_length) * samples
     return Evaluation(

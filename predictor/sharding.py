@@ -38,6 +38,7 @@ OPTIMIZER_BYTES_PER_PARAM_FP32 = 8  # Adam m + v when the weights already are fp
 ADAM_BYTES_MOVED_PER_PARAM = 30  # read grad, master, m, v (16) + write master, m, v (12) + write 16-bit weight (2)
 OPTIMIZER_BW_EFFICIENCY = 0.7
 GATHERED_LAYERS = 2  # ZeRO 3: the layer computing and the one being prefetched hold their full weights
+FP8_WEIGHT_COPY_BYTES = 1  # fp8 training keeps an fp8 cast of each weight for its GEMMs beside the bf16 one
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,14 @@ def state_bytes(ctx: CostContext, params_per_device: float, dp: int) -> tuple[fl
     """(weights, gradients, optimizer state) bytes of `params_per_device` parameters sharded over `dp` replicas."""
     weights, grads, optimizer = _state_bytes(ctx, dp)
     return params_per_device * weights, params_per_device * grads, params_per_device * optimizer
+
+
+def fp8_weight_copy_bytes(ctx: CostContext, group: DeviceGroup, params_per_device: float) -> float:
+    """fp8 training on a device with FP8: the fp8 copies of the stage's weights its GEMMs read (unsharded: ZeRO 3
+    gathers them per layer too, but Transformer Engine caches the cast for the weights it holds)."""
+    if group.device.runs_dtype(ctx.training.dtype) != "fp8":
+        return 0.0
+    return params_per_device * FP8_WEIGHT_COPY_BYTES
 
 
 def gathered_weights_bytes(ctx: CostContext, layer_params_per_device: float, num_layers: int, dp: int) -> float:

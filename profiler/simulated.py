@@ -4,7 +4,9 @@ A kernel takes max(FLOPs / achieved FLOP/s, bytes / HBM bandwidth) plus a launch
 GEMM is the device's large-GEMM efficiency times two fall-offs, each per device (specs/catalog/devices.yaml): with
 its work, F / (F + peak * gemm_ramp_us) (small GEMMs are launch- and wave-bound), and with its thinnest dimension,
 d / (d + gemm_tile) (thin GEMMs, e.g. at large TP, waste the matrix units' tiles; the tiles are larger on AMD, Ascend
-and Gaudi than on NVIDIA). The peak is the training dtype's: 16-bit tensor peak, or for fp32 the TF32/XF32 peak when
+and Gaudi than on NVIDIA). fp8 (Transformer Engine): GEMMs at the FP8 peak on 1-byte operands, each GEMM input cast
+(amax + scale: one more elementwise pass), attention and everything else in bf16. Otherwise the peak is the training
+dtype's: 16-bit tensor peak, or for fp32 the TF32/XF32 peak when
 the training allows it (`fp32_matmul: tf32`), else IEEE fp32. Every non-matmul op runs at HBM bandwidth. Attention
 runs a causal flash kernel (half of the 4*b*s^2*h model FLOPs) at a lower efficiency. These numbers only stand in
 until a device is profiled; the planner reads them through the same interface.
@@ -104,16 +106,25 @@ class SimulatedDevice:
         thinnest = min(m, n, k)
         thin = thinnest / (thinnest + self.device.gemm_tile)
         achieved = self._peak * self.device.gemm_efficiency * self._size_efficiency(flops) * thin
-        moved = DTYPE_BYTES[self.dtype] * (m * k + k * n + m * n)
-        return max(flops / achieved, moved / self.device.hbm_bw_bytes_per_s)
+        operand_bytes = 1 if self.dtype == "fp8" else DTYPE_BYTES[self.dtype]
+        moved = operand_bytes * (m * k + k * n) + DTYPE_BYTES[self.dtype] * m * n
+        time_s = max(flops / achieved, moved / self.device.hbm_bw_bytes_per_s)
+        if self.dtype == "fp8":  # the input cast to fp8 (read 16-bit, write 8-bit, amax reduction)
+            time_s += 3 * m * k / (self.device.hbm_bw_bytes_per_s * ELEMENTWISE_BW_EFFICIENCY)
+        return time_s
+
+    @property
+    def _attention_peak(self) -> float:
+        """Attention runs in bf16 also when the GEMMs run in fp8."""
+        return self.device.peak_flops_per_s if self.dtype == "fp8" else self._peak
 
     def _attention_forward_s(self, micro_batch_size: int, tp: int) -> float:
         flops = self.model.layer_attention_flops(micro_batch_size, self.seq_length, self.flash_attention) / tp
         if not self.flash_attention:  # two batched GEMMs over the whole score matrix, then memory-bound softmax
             scores = micro_batch_size * self.model.num_attention_heads / tp * self.seq_length**2
             bw = self.device.hbm_bw_bytes_per_s * ELEMENTWISE_BW_EFFICIENCY
-            return flops / (self._peak * self.device.gemm_efficiency) + SCORE_BYTES_FORWARD * scores / bw
-        peak = self._peak * self.device.gemm_efficiency * ATTENTION_EFFICIENCY
+            return flops / (self._attention_peak * self.device.gemm_efficiency) + SCORE_BYTES_FORWARD * scores / bw
+        peak = self._attention_peak * self.device.gemm_efficiency * ATTENTION_EFFICIENCY
         return flops / (peak * self._size_efficiency(flops))
 
     def _elementwise_s(self, elements: float) -> float:

@@ -78,9 +78,17 @@ class DeviceSpec(BaseModel):
     def intra_node_bw_bytes_per_s(self) -> float:
         return self.intra_node_GBps * GIGA
 
+    def runs_dtype(self, dtype: str) -> str:
+        """The precision this device's GEMMs run in for a training dtype: fp8 training runs bf16 on a device
+        without FP8 (an old family in a mixed plan)."""
+        return "bf16" if dtype == "fp8" and self.peak_fp8_tflops is None else dtype
+
     def peak_flops_for_dtype(self, dtype: str, fp32_matmul: str = "ieee") -> float:
         """Peak matmul FLOP/s for the training dtype. fp32: the TF32/XF32 peak when the training allows it
-        (`fp32_matmul: tf32`) and the device has one, else the IEEE fp32 peak, which must be published."""
+        (`fp32_matmul: tf32`) and the device has one, else the IEEE fp32 peak, which must be published. fp8: the FP8
+        peak where the device has one, else its 16-bit peak."""
+        if dtype == "fp8" and self.peak_fp8_tflops is not None:
+            return self.peak_fp8_tflops * TERA
         if dtype == "fp32":
             if fp32_matmul == "tf32" and self.peak_tf32_tflops is not None:
                 return self.peak_tf32_tflops * TERA

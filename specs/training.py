@@ -10,8 +10,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from specs.loading import StrictFloat, StrictInt, read_mapping, validate
 from specs.model import RECOMPUTE_MODES, Recompute
 
-Dtype = Literal["bf16", "fp16", "fp32"]
-DTYPE_BYTES: dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4}
+Dtype = Literal["bf16", "fp16", "fp32", "fp8"]
+# bytes of a stored weight, activation or transferred value; fp8 training (Transformer Engine) keeps them in bf16 and
+# runs the GEMMs on fp8 copies
+DTYPE_BYTES: dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 2}
 DEFAULT_GLOBAL_BATCH_SIZE = 1024
 MAX_GLOBAL_BATCH = 2**20  # sequences: far past any published run (Llama 3: 2,048 of 8K tokens)
 MAX_SEQ_LENGTH = 2**24  # tokens

@@ -157,3 +157,98 @@ def test_the_planners_in_flight_table_is_the_cost_models_in_flight_count():
                 for depth in range(1, p + 1):
                     expected = in_flight_microbatches(p - depth, p, microbatches, virtual)
                     assert table[row, depth - 1] == expected, (p, depth, microbatches, virtual)
+
+
+def _one_stage_dp(costs: FixedCosts, zero_stage: int, **training) -> tuple[CostContext, Strategy]:
+    """The tiny Llama on one stage, 8 replicas of the one node, 2 micro-batches each."""
+    ctx = fixed_context(costs, global_batch_size=16, zero_stage=zero_stage, **training)
+    strategy = Strategy((PipelineStrategy(8, 1, 2, (StageStrategy("g", 0, 8, 1, 0),)),), "none", zero_stage)
+    ctx.check_strategy(strategy)
+    return ctx, strategy
+
+
+@pytest.mark.parametrize("zero_stage", [0, 1, 2, 3])
+def test_zero_stages_shard_state_and_move_their_traffic_by_hand(zero_stage):
+    """Bytes per device and DP time of each ZeRO stage on 8 replicas in one node (a ring over NVSwitch), with every
+    overlap off so nothing hides: ZeRO 0 all-reduces fp32 gradients after the flush; 1 reduce-scatters them and
+    all-gathers bf16 weights; 2 reduce-scatters every micro-batch; 3 also all-gathers the weights before each forward
+    and backward, and holds two layers' full weights."""
+    costs = FixedCosts(decoder_s=1.0)
+    ctx, strategy = _one_stage_dp(
+        costs, zero_stage, overlap_grad_reduce=False, overlap_param_gather=False, tp_comm_overlap=False
+    )
+    result = evaluate(ctx, strategy)
+    stage = result.stages[0]
+    model = ctx.model
+    params = 8 * model.layer_params() + model.embedding_params() + model.lm_head_params()
+    link = in_node_link(ctx.cluster.groups[0])
+
+    def ring(size_bytes: float, factor: float) -> float:  # factor 2: all-reduce, 1: reduce-scatter / all-gather
+        return factor * 7 / 8 * size_bytes / link.bw_bytes_per_s + factor * 7 * link.alpha_s
+
+    weights = {3: 2 / 8}.get(zero_stage, 2)
+    grads = 4 / 8 if zero_stage >= 2 else 4
+    optimizer = 12 / 8 if zero_stage >= 1 else 12
+    gathered = 2 * model.layer_params() * 2 if zero_stage == 3 else 0.0
+    assert stage.memory.weights_bytes == pytest.approx(params * weights + gathered)
+    assert stage.memory.grads_bytes == pytest.approx(params * grads)
+    assert stage.memory.optimizer_bytes == pytest.approx(params * optimizer)
+    grads_s, weights_s = ring(params * 4, 2 if zero_stage == 0 else 1), ring(params * 2, 1)
+    per_microbatch = {0: 0.0, 1: 0.0, 2: grads_s, 3: grads_s + 2 * weights_s}[zero_stage]
+    tail = {0: grads_s, 1: grads_s + weights_s, 2: weights_s, 3: 0.0}[zero_stage]
+    assert stage.sharded_exposed_time_s == pytest.approx(per_microbatch)
+    assert stage.dp_exposed_time_s == pytest.approx(tail)
+    assert result.pipeline_time_s == pytest.approx(2 * (8.0 + per_microbatch))
+
+
+def test_zero3_traffic_hides_behind_compute_when_prefetched():
+    costs = FixedCosts(decoder_s=1.0)  # a second per layer: far longer than the tiny model's gathers
+    ctx, strategy = _one_stage_dp(costs, 3)
+    stage = evaluate(ctx, strategy).stages[0]
+    assert stage.sharded_exposed_time_s == 0.0 and stage.dp_exposed_time_s == 0.0
+
+
+def test_plain_1f1b_waits_for_a_slow_boundary_once_per_micro_batch():
+    """Two stages on two nodes joined by a slow TCP NIC: each micro-batch's time carries the boundary once on each
+    side, and the pipeline is m * max(T + c) + (sum - max) with no separate fill and drain."""
+    group = DeviceGroup("g", get_device("a100-80gb"), 2, 8, 1, 25e9 / 8, transport="tcp")
+    cluster = ClusterSpec("test", (group,), "rail-optimized", 25e9 / 8)
+    model = load_model(str(EXAMPLES / "models" / "tiny-llama.yaml"))
+    ctx = CostContext(cluster, model, load_training(None, {"global_batch_size": 4}), {"g": FixedCosts(1.0)})
+    stages = (StageStrategy("g", 0, 4, 1, 0), StageStrategy("g", 4, 8, 1, 8))
+    result = evaluate(ctx, Strategy((PipelineStrategy(1, 1, 4, stages),), "none", 1))
+    c = result.stages[0].p2p_time_s
+    rail = ctx.rail_link(group)
+    assert rail.bw_bytes_per_s == pytest.approx(25e9 / 8 / 8 * 0.6)  # a device's share of one TCP NIC
+    assert c == pytest.approx(rail.alpha_s + 256 * model.hidden_size * 2 / rail.bw_bytes_per_s)
+    assert [s.p2p_exposed_time_s for s in result.stages] == pytest.approx([c, c])
+    assert result.pipeline_time_s == pytest.approx(4 * (4.0 + c) + (4.0 + c))
+
+
+def test_fp8_runs_where_the_device_has_it_and_keeps_bf16_state():
+    """An H100 stage and an A100 stage trained in fp8: the H100's GEMMs run at its FP8 peak and it keeps an fp8
+    copy of its weights; the A100 (no FP8) runs bf16; MFU is against the 16-bit peaks."""
+    from predictor.cost_model import build_context
+
+    h100 = DeviceGroup("h", get_device("h100"), 1, 8, 8, 50e9)
+    a100 = DeviceGroup("a", get_device("a100-80gb"), 1, 8, 8, 25e9)
+    cluster = ClusterSpec("mixed", (h100, a100), "rail-optimized", 12.5e9)
+    model = load_model("llama2-7b")
+    fp8 = build_context(cluster, model, load_training(None, {"dtype": "fp8", "global_batch_size": 8}))
+    bf16 = build_context(cluster, model, load_training(None, {"dtype": "bf16", "global_batch_size": 8}))
+    assert fp8.source("h").dtype == "fp8" and fp8.source("a").dtype == "bf16"
+    assert fp8.source("a").layer_cost("decoder", 1, 1, "none") == bf16.source("a").layer_cost("decoder", 1, 1, "none")
+    gemm = fp8.source("h")._gemm_time_s(8192, 8192, 8192)  # compute-bound: 2 * 8192^3 FLOPs at the FP8 peak
+    device = get_device("h100")
+    efficiency = device.gemm_efficiency * fp8.source("h")._size_efficiency(2 * 8192**3) * 8192 / (8192 + 64)
+    cast = 3 * 8192 * 8192 / (device.hbm_bw_bytes_per_s * 0.8)
+    assert gemm == pytest.approx(2 * 8192**3 / (1979e12 * efficiency) + cast)
+    stages = (StageStrategy("h", 0, 16, 8, 0), StageStrategy("a", 16, 32, 8, 0))
+    strategy = Strategy((PipelineStrategy(1, 1, 8, stages),), "none", 1)
+    low, high = evaluate(fp8, strategy), evaluate(bf16, strategy)
+    params_h = (16 * model.layer_params() + model.embedding_params()) / 8
+    extra = low.stages[0].memory.weights_bytes - high.stages[0].memory.weights_bytes
+    assert extra == pytest.approx(params_h)  # one byte per parameter on the FP8 device only
+    assert low.stages[1].memory.total_bytes == pytest.approx(high.stages[1].memory.total_bytes)
+    assert low.iteration_time_s < high.iteration_time_s
+    assert low.mfu == pytest.approx(high.mfu * high.iteration_time_s / low.iteration_time_s)
