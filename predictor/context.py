@@ -113,7 +113,8 @@ def build_context(
             raise SpecError(
                 cluster.source or "cluster",
                 f"group {group.name}",
-                f"{group.device.key} has no bf16 (nor fp8): train in fp16 (--dtype fp16)",
+                f"{group.device.key} has no bf16{' (nor FP8)' if training.dtype == 'fp8' else ''}: train in fp16 "
+                "(--dtype fp16)",
             )
     sources: dict[str, LayerCostSource] = {}
     for group in cluster.groups:
