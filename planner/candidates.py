@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -90,12 +91,14 @@ def group_subsets(groups: Sequence[DeviceGroup], sizes: range) -> list[tuple[Dev
     return [s for size in sizes for s in itertools.combinations(groups, size)]
 
 
-_PERMUTATION_INDEX = {k: {order: i for i, order in enumerate(itertools.permutations(range(k)))} for k in range(1, 9)}
-
-
 def permutation_index(order: tuple[int, ...]) -> int:
-    """The position of an order of k groups among itertools.permutations(range(k))."""
-    return _PERMUTATION_INDEX[len(order)][order]
+    """The position of an order of k groups among itertools.permutations(range(k)) (its lexicographic rank)."""
+    rank, rest = 0, sorted(order)
+    for position, item in enumerate(order):
+        smaller = rest.index(item)
+        rank += smaller * math.factorial(len(order) - position - 1)
+        rest.pop(smaller)
+    return rank
 
 
 def _signature(group: DeviceGroup) -> tuple[object, ...]:
