@@ -28,7 +28,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from planner.options import DEFAULT_OPTIONS, ProgressCallback, SearchOptions
-from predictor.cost_model import CostContext, Evaluation, evaluate
+from predictor.cost_model import (
+    CostContext,
+    Evaluation,
+    evaluate,
+    interleaved_group_size,
+    stage_memory,
+    usable_memory_bytes,
+)
 from specs.cluster import DeviceGroup
 from specs.layout import Strategy, split_pipeline
 from specs.model import Recompute
@@ -48,6 +55,9 @@ class _BlockPlan:
     fixed_s: float  # fill, drain, p2p and the block's own tail
     max_microbatches: int  # memory: at most this many per replica (large where depth is reached)
     virtual_stages: int  # 0: a single stage, compatible with any interleaving
+    # interleaved plans: whether memory holds at q = 0, 1, ... micro-batches per replica (a stage holds activations
+    # for 2(p - i - 1) + (v - 1) N + 1 chunks, and Megatron's group size N is not monotone in q); None: any q
+    fits_microbatches: tuple[bool, ...] | None = None
 
 
 @dataclass
@@ -74,6 +84,44 @@ def _block_context(ctx: CostContext, block: Sequence[DeviceGroup], samples: int)
     cluster = dataclasses.replace(ctx.cluster, groups=tuple(block))
     training = ctx.training.model_copy(update={"global_batch_size": samples, "families": "off"})
     return dataclasses.replace(ctx, cluster=cluster, training=training)
+
+
+def _with_memory(ctx: CostContext, plan: _BlockPlan, global_batch: int) -> _BlockPlan:
+    """The plan with the micro-batch counts at which it fits memory, if it interleaves (1F1B plans fit at any count
+    up to max_microbatches)."""
+    pipeline = plan.evaluation.strategy.pipelines[0]
+    if plan.virtual_stages <= 1 or plan.fits_microbatches is not None:
+        return plan
+    most = global_batch // (pipeline.micro_batch_size * pipeline.replicas)
+    return dataclasses.replace(plan, fits_microbatches=_interleaved_fits(ctx, plan.evaluation, most))
+
+
+def _interleaved_fits(ctx: CostContext, evaluation: Evaluation, most: int) -> tuple[bool, ...]:
+    """Whether every stage of an interleaved one-family plan fits memory at q = 0..most micro-batches per replica
+    (a stage's memory is affine in the micro-batches it holds in flight)."""
+    strategy = evaluation.strategy
+    pipeline = strategy.pipelines[0]
+    p, v, b = len(pipeline.stages), strategy.virtual_stages, pipeline.micro_batch_size
+    sizes = np.array([interleaved_group_size(q, p) for q in range(1, most + 1)])
+    q = np.arange(1, most + 1)
+    fits = np.ones(most, dtype=bool)
+    for index, stage in enumerate(pipeline.stages):
+        group = ctx.cluster.group(stage.group)
+        shape = dict(
+            num_layers=stage.num_layers,
+            micro_batch_size=b,
+            tp=stage.tp,
+            recompute=strategy.stage_recompute(stage),
+            dp=pipeline.replicas,
+            first=index == 0,
+            last=index == p - 1,
+            pipeline_stages=p,
+        )
+        empty = stage_memory(ctx, group, in_flight=0, **shape).total_bytes  # type: ignore[arg-type]
+        per_microbatch = stage_memory(ctx, group, in_flight=1, **shape).total_bytes - empty  # type: ignore[arg-type]
+        in_flight = np.minimum(2 * (p - index - 1) + (v - 1) * sizes + 1, q * v) / v
+        fits &= empty + per_microbatch * in_flight <= usable_memory_bytes(ctx, group)
+    return (True, *(bool(x) for x in fits))
 
 
 def _block_plans(evaluations: Sequence[Evaluation]) -> list[_BlockPlan]:
@@ -123,14 +171,27 @@ def split_batch_across(
     return None if best is None else (best[1], best[2])
 
 
-def _ranges(global_batch: int, plan: _BlockPlan, time_s: float) -> tuple[int, int] | None:
-    """(fewest, most) micro-batches the plan's family can run within `time_s`, or None."""
+def _ranges(global_batch: int, plan: _BlockPlan, time_s: float) -> list[tuple[int, int]]:
+    """The runs (fewest, most), ascending, of the micro-batch totals the plan's family can run within `time_s` and
+    memory (every replica runs q or q - 1 of them, at least one)."""
     most_samples = global_batch // plan.micro_batch_size
     q = math.floor((time_s - plan.fixed_s) / plan.per_microbatch_s) if time_s >= plan.fixed_s else 0
     q = min(q, plan.max_microbatches, most_samples)
     if q < 1 or plan.replicas > most_samples:
-        return None
-    return plan.replicas, min(plan.replicas * q, most_samples)
+        return []
+    d, most = plan.replicas, min(plan.replicas * q, most_samples)
+    fits = plan.fits_microbatches
+    if fits is None or all(fits[1 : q + 1]):
+        return [(d, most)]
+    runs: list[tuple[int, int]] = []
+    for k in range(1, min(q, len(fits) - 1) + 1):  # totals in ((k - 1) d, k d] run k per replica at most
+        if fits[k]:
+            low, high = max(d, (k - 1) * d + 1), min(k * d, most)
+            if runs and runs[-1][1] + 1 == low:
+                runs[-1] = (runs[-1][0], high)
+            elif low <= high:
+                runs.append((low, high))
+    return runs
 
 
 def _add_range(reachable: np.ndarray, step: int, low: int, high: int) -> np.ndarray:
@@ -156,8 +217,7 @@ def _tables(
     for plans, indices in zip(blocks, allowed, strict=True):
         merged = np.zeros_like(reachable)
         for i in indices:
-            span = _ranges(global_batch, plans[i], time_s)
-            if span is not None:
+            for span in _ranges(global_batch, plans[i], time_s):
                 merged |= _add_range(reachable, plans[i].micro_batch_size, *span)
         reachable = merged
         tables.append(reachable)
@@ -190,10 +250,10 @@ def _least_time_split(
         choice = None
         for i in allowed[f]:
             plan = blocks[f][i]
-            span = _ranges(global_batch, plan, high)
-            if span is None:
-                continue
-            for n in range(span[1], span[0] - 1, -1):
+            totals = (
+                n for low, high_n in reversed(_ranges(global_batch, plan, high)) for n in range(high_n, low - 1, -1)
+            )
+            for n in totals:
                 rest = remaining - plan.micro_batch_size * n
                 if rest >= 0 and before[rest]:
                     choice = (i, n)
@@ -285,16 +345,22 @@ class _FamilySearch:
 
     def solve(self, pools: list[list[_BlockPlan]]) -> tuple[Evaluation, list[int]] | None:
         """The best split of the batch over one plan per block, evaluated: (its evaluation, each block's samples),
-        or None where no split exists or it does not fit."""
+        or None where no split exists or it does not fit. Where the split does not fit (an interleaved plan holds
+        more at its new micro-batch count), it is solved again with each interleaved plan's exact memory."""
         ctx = self.ctx
-        split = split_batch_across(ctx.training.global_batch_size, pools, self.options.share_bisection_steps)
-        if split is None:
-            return None
-        picked, microbatches = split
-        chosen = [pool[i] for pool, i in zip(pools, picked, strict=True)]
-        evaluation = evaluate(ctx, combine(ctx, chosen, microbatches))
-        shares = [p.micro_batch_size * n for p, n in zip(chosen, microbatches, strict=True)]
-        return (evaluation, shares) if evaluation.fits else None
+        global_batch = ctx.training.global_batch_size
+        for memory in (False, True):
+            if memory:
+                pools = [[_with_memory(ctx, plan, global_batch) for plan in pool] for pool in pools]
+            split = split_batch_across(global_batch, pools, self.options.share_bisection_steps)
+            if split is None:
+                return None
+            picked, microbatches = split
+            chosen = [pool[i] for pool, i in zip(pools, picked, strict=True)]
+            evaluation = evaluate(ctx, combine(ctx, chosen, microbatches))
+            if evaluation.fits:
+                return evaluation, [p.micro_batch_size * n for p, n in zip(chosen, microbatches, strict=True)]
+        return None
 
     def run(self, block_rate: dict[str, float], progress: ProgressCallback | None) -> FamilySearchResult:
         """Every partition at first shares by `block_rate`, then the best partitions again near the split's shares."""

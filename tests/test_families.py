@@ -290,3 +290,31 @@ def test_cli_plans_families_and_explains_and_counts_their_traffic(tmp_path):
     assert (tmp_path / "x.png").stat().st_size > 10_000
     traffic = hetplan("traffic", str(out), "--cluster", str(cluster), "--json")
     assert traffic.returncode == 0, traffic.stderr
+
+
+def test_interleaved_memory_is_checked_at_every_micro_batch_count():
+    """An interleaved plan's stages hold 2(p - i - 1) + (v - 1) N + 1 chunks and Megatron's group size N is not
+    monotone in the micro-batches, so a family that fits at its block's count may not fit at the split's (the
+    partition was dropped): the mask the split then uses equals the full cost model at every count."""
+    from planner.families import _interleaved_fits
+    from specs import load_cluster
+    from tests.conftest import EXAMPLES
+
+    cluster = load_cluster(EXAMPLES / "hethub-768.yaml")
+    training = load_training(EXAMPLES / "training" / "hethub-140b.yaml", {"uneven_batch": "exhaustive"})
+    ctx = build_context(cluster, load_model("llama-140b"), training)
+    amd = cluster.group("amd")
+    plans = _block_plans(search(_block_context(ctx, [amd], 96), SearchOptions(top_k=3, every_group=True)).evaluations)
+    interleaved = [p for p in plans if p.virtual_stages > 1]
+    assert interleaved
+    checked = set()
+    for block_plan in interleaved:
+        replicas, size = block_plan.replicas, block_plan.micro_batch_size
+        most = 60
+        fits = _interleaved_fits(ctx, block_plan.evaluation, most)
+        for q in range(1, most + 1):
+            alone = _block_context(ctx, [amd], q * replicas * size)
+            evaluation = evaluate(alone, combine(alone, [block_plan], [q * replicas]))
+            assert fits[q] == evaluation.fits, q
+            checked.add(fits[q])
+    assert checked == {True, False}
