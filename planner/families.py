@@ -11,10 +11,11 @@ For each partition of the groups into blocks: the best few plans of every block 
 (the ordinary search on the block alone, memoised), then an exact split picks one plan per block and the
 micro-batches of each family (integers, sum of samples = global batch) minimising the slowest family's pipeline +
 tail. A family's pipeline time is affine in its micro-batches per replica, q * bottleneck + fill/drain, so the split
-is exact for the offered plans (`split_batch_across`: a subset-sum table and bisection; a CP-SAT model of the same
-problem timed out at 2 s with worse splits); memory holds when q grows only where q already reaches the pipeline
-depth (1F1B keeps at most depth micro-batches in flight). The best partitions' blocks are searched again near the
-shares the split chose, and the split solved again over both rounds' plans. Every result is re-evaluated by the full
+is exact for the offered plans (`split_batch_across`: a subset-sum table and a search over the times; a CP-SAT model
+of the same problem timed out at 2 s with worse splits); memory holds when q grows only where q already reaches the
+pipeline depth (1F1B keeps at most depth micro-batches in flight; interleaved plans are checked per count where the
+split breaks memory). The best partitions' blocks are searched again near the shares the split chose, and the split
+solved again over both rounds' plans. Every result is re-evaluated by the full
 cost model, cross-family sync included.
 """
 
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from planner.options import DEFAULT_OPTIONS, ProgressCallback, SearchOptions
+from planner.options import ProgressCallback, SearchOptions
 from predictor.cost_model import (
     CostContext,
     Evaluation,
@@ -149,7 +150,6 @@ def _block_plans(evaluations: Sequence[Evaluation]) -> list[_BlockPlan]:
 def split_batch_across(
     global_batch: int,
     blocks: Sequence[Sequence[_BlockPlan]],
-    bisection_steps: int = DEFAULT_OPTIONS.share_bisection_steps,
 ) -> tuple[list[int], list[int]] | None:
     """One plan per block and its total micro-batches, samples adding up to the global batch exactly, every replica
     running q or q - 1 (>= 1) micro-batches, minimising the slowest family's time; plans of several stages share one
@@ -157,15 +157,16 @@ def split_batch_across(
 
     Exact: within a time T, plan p of a block can take any n in [replicas, replicas * q_max(T)] micro-batches of
     its size b, so the sample totals reachable by the blocks together are a sum of sets (a subset-sum table over
-    0..global batch); reaching the global batch is monotone in T, so bisection finds the least T, and walking the
-    tables back gives the split (`bisection_steps` halvings of the first bracket)."""
+    0..global batch); reaching the global batch is monotone in T and changes only where some plan runs one more
+    micro-batch per replica, so a binary search over those times finds the least T, and walking the tables back
+    gives the split."""
     best: tuple[float, list[int], list[int]] | None = None
     depths = sorted({p.virtual_stages for plans in blocks for p in plans if p.virtual_stages}) or [0]
     for depth in depths:
         allowed = [[i for i, p in enumerate(plans) if p.virtual_stages in (0, depth)] for plans in blocks]
         if any(not indices for indices in allowed):
             continue
-        found = _least_time_split(global_batch, blocks, allowed, bisection_steps)
+        found = _least_time_split(global_batch, blocks, allowed)
         if found is not None and (best is None or found[0] < best[0]):
             best = found
     return None if best is None else (best[1], best[2])
@@ -225,21 +226,32 @@ def _tables(
 
 
 def _least_time_split(
-    global_batch: int, blocks: Sequence[Sequence[_BlockPlan]], allowed: Sequence[Sequence[int]], steps: int
+    global_batch: int, blocks: Sequence[Sequence[_BlockPlan]], allowed: Sequence[Sequence[int]]
 ) -> tuple[float, list[int], list[int]] | None:
     """split_batch_across for one interleaving depth (`allowed`: the plans of each block with it): (the slowest
     family's time, plan index per block, micro-batches per block)."""
     plans = [blocks[f][i] for f, indices in enumerate(allowed) for i in indices]
-    high = max(p.per_microbatch_s * (global_batch // p.micro_batch_size) + p.fixed_s for p in plans)
-    if _tables(global_batch, blocks, allowed, high) is None:
+    # the family times T at which some plan runs one more micro-batch per replica: the least feasible T is one
+    events = np.unique(
+        np.concatenate(
+            [
+                p.per_microbatch_s * np.arange(1, min(p.max_microbatches, global_batch // p.micro_batch_size) + 1)
+                + p.fixed_s
+                for p in plans
+            ]
+        )
+    )
+    events = events + np.abs(events) * 1e-12  # just past each event: its micro-batch counts
+    if len(events) == 0 or _tables(global_batch, blocks, allowed, float(events[-1])) is None:
         return None
-    low = 0.0
-    for _ in range(steps):
-        middle = (low + high) / 2
-        if _tables(global_batch, blocks, allowed, middle) is None:
+    low, high_index = -1, len(events) - 1  # events[low] infeasible (-1: none), events[high_index] feasible
+    while high_index - low > 1:
+        middle = (low + high_index) // 2
+        if _tables(global_batch, blocks, allowed, float(events[middle])) is None:
             low = middle
         else:
-            high = middle
+            high_index = middle
+    high = float(events[high_index])
     tables = _tables(global_batch, blocks, allowed, high)
     assert tables is not None
     picked: list[int] = []
@@ -352,7 +364,7 @@ class _FamilySearch:
         for memory in (False, True):
             if memory:
                 pools = [[_with_memory(ctx, plan, global_batch) for plan in pool] for pool in pools]
-            split = split_batch_across(global_batch, pools, self.options.share_bisection_steps)
+            split = split_batch_across(global_batch, pools)
             if split is None:
                 return None
             picked, microbatches = split

@@ -38,7 +38,6 @@ class SearchOptions:
     plans_per_block: int = 3  # the best plans of each block offered to the batch split
     refined_partitions: int = 2  # the best partitions whose blocks are searched again near the shares the split chose
     refined_per_stage_candidates: int = 2  # ... with per-stage recompute for this many of each block's best candidates
-    share_bisection_steps: int = 50  # on the slowest family's time: 2^-50 of the first bracket
 
 
 DEFAULT_OPTIONS = SearchOptions()

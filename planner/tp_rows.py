@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -68,26 +69,36 @@ class TailPerLayer:
 
 
 class _GroupCosts:
-    """Cost-model numbers per group, TP, micro-batch, recompute and replica count that every subset's rows share."""
+    """Cost-model numbers per group, TP, micro-batch, recompute and replica count that every subset's rows share
+    (filled a group at a time, as subsets come up)."""
 
     def __init__(self, ctx: CostContext) -> None:
         self.ctx = ctx
-        training, groups = ctx.training, ctx.cluster.groups
-        shapes = [(g, t, b) for g in groups for t in tp_options(ctx, g) for b in training.micro_batch_sizes]
-        self.per_layer_s = {
-            (g.name, b, t, rc): decoder_layer_time_s(ctx, g, b, t, rc)
-            for g, t, b in shapes
-            for rc in training.recompute
-        }
-        self.activation_bytes = {
-            (g.name, b, t, rc): ctx.source(g.name).layer_cost("decoder", b, t, rc).activation_bytes
-            for g, t, b in shapes
-            for rc in training.recompute
-        }
-        self.embedding_s = {(g.name, b, t): edge_time_s(ctx, g, b, t, True, False) for g, t, b in shapes}
-        self.head_s = {(g.name, b, t): edge_time_s(ctx, g, b, t, False, True) for g, t, b in shapes}
+        self.per_layer_s: dict[tuple[str, int, int, Recompute], float] = {}
+        self.activation_bytes: dict[tuple[str, int, int, Recompute], float] = {}
+        self.embedding_s: dict[tuple[str, int, int], float] = {}
+        self.head_s: dict[tuple[str, int, int], float] = {}
         self.tail_per_layer_s = TailPerLayer(ctx)
         self._edge_bytes: dict[tuple[object, ...], float] = {}
+        self._groups: dict[str, DeviceGroup] = {}
+
+    def add(self, group: DeviceGroup) -> bool:
+        """Fill the group's numbers (once); False when another group of the same name is known (not shareable)."""
+        known = self._groups.get(group.name)
+        if known is not None:
+            return known is group or known == group
+        ctx, training, g = self.ctx, self.ctx.training, group
+        for t in tp_options(ctx, g):
+            for b in training.micro_batch_sizes:
+                for rc in training.recompute:
+                    self.per_layer_s[g.name, b, t, rc] = decoder_layer_time_s(ctx, g, b, t, rc)
+                    self.activation_bytes[g.name, b, t, rc] = (
+                        ctx.source(g.name).layer_cost("decoder", b, t, rc).activation_bytes
+                    )
+                self.embedding_s[g.name, b, t] = edge_time_s(ctx, g, b, t, True, False)
+                self.head_s[g.name, b, t] = edge_time_s(ctx, g, b, t, False, True)
+        self._groups[g.name] = g
+        return True
 
     def edge_bytes(self, group: DeviceGroup, b: int, t: int, rc: Recompute, d: int, first: bool) -> float:
         """Bytes the first (or last) stage holds besides its layers; a lower bound: one micro-batch in flight. The last
@@ -159,8 +170,14 @@ class TpRowBatch:
     least_bottleneck_s: np.ndarray  # (rows,) the bottleneck bound_s assumed
     fill_and_drain_s: np.ndarray  # (rows,) the point-to-point part of bound_s
     tail: MixedTail
-    root_s: np.ndarray  # (rows,) bound_s made valid for per-stage recompute plans too
     memory: RowMemory | None  # None: memory bounds off (the search for the closest misfit)
+
+    @cached_property
+    def root_s(self) -> np.ndarray:
+        """(rows,) bound_s made valid for per-stage recompute plans too (for the root bound only)."""
+        weight = self.microbatches - 1 / self.virtual_stages
+        least = self.least_bottleneck_s
+        return self.tail.root_s(slice(None), self.bound_s, least, least, weight)
 
     @cached_property
     def possible_orders(self) -> np.ndarray | None:
@@ -299,6 +316,7 @@ class _SubsetRows:
     def __init__(self, costs: _GroupCosts, subset: tuple[DeviceGroup, ...]) -> None:
         ctx = costs.ctx
         self.costs, self.subset = costs, subset
+        self.shared = all([costs.add(group) for group in subset])  # False: a group of another cluster's name
         self.tp_lists = [tp_options(ctx, g) for g in subset]
         self.tp_rows = np.array(list(itertools.product(*self.tp_lists)), dtype=np.int64)
         ranges = [range(len(t)) for t in self.tp_lists]
@@ -312,6 +330,7 @@ class _SubsetRows:
         self.across = [ctx.cross_group_link(g, h) for g, h in itertools.permutations(subset, 2)]
         self._tables: dict[tuple[int, Recompute], tuple[np.ndarray, ...]] = {}
         self._edge_bytes: dict[tuple[int, Recompute, int], tuple[np.ndarray, np.ndarray]] = {}
+        self._tail_rates: dict[tuple[int, Recompute, int], np.ndarray] = {}
 
     def padded(self, value: Callable[[DeviceGroup, int], float]) -> np.ndarray:
         """(groups, TP options) of a per-group, per-TP value (NaN past a group's options)."""
@@ -344,18 +363,19 @@ class _SubsetRows:
 
     def tail_rates(self, b: int, rc: Recompute, d: int) -> np.ndarray:
         """The tail bound per layer (cost_model.tail_per_layer_lower_bound_s) as (groups, TP options)."""
-        tail = self.costs.tail_per_layer_s
-        return self.padded(lambda group, tp: tail(group, b, tp, rc, d))
+        if (b, rc, d) not in self._tail_rates:
+            tail = self.costs.tail_per_layer_s
+            self._tail_rates[b, rc, d] = self.padded(lambda group, tp: tail(group, b, tp, rc, d))
+        return self._tail_rates[b, rc, d]
 
     def _fastest_p2p_s(self, links: list[Link], size_bytes: np.ndarray) -> np.ndarray:
         """Per row: one point-to-point transfer of its crossing bytes over the fastest of these links."""
         return np.min([link.p2p_time_s(size_bytes) for link in links], axis=0) * self.costs.ctx.terms.network_scale
 
-    def replica_rows(self, options: SearchOptions, memory_bounds: bool) -> Iterator[_ReplicaRows]:
-        """The replica counts worth trying and the rows valid at each: every group holds a stage, stages do not
-        outnumber layers, the devices' memory holds the model's state (with memory bounds), and an uneven batch split
-        only where one more replica would cost some group a stage."""
-        ctx = self.costs.ctx
+    def replica_rows(self, ctx: CostContext, options: SearchOptions, memory_bounds: bool) -> Iterator[_ReplicaRows]:
+        """The replica counts worth trying and the rows valid at each in `ctx` (its global batch): every group holds a
+        stage, stages do not outnumber layers, the devices' memory holds the model's state (with memory bounds), and
+        an uneven batch split only where one more replica would cost some group a stage."""
         training, model = ctx.training, ctx.model
         global_batch = training.global_batch_size
         if training.uneven_batch == "exhaustive":
@@ -380,6 +400,46 @@ class _SubsetRows:
             if valid.any():
                 yield _ReplicaRows(replicas, self.tp_rows[valid], counts[valid], self.tp_positions[valid])
 
+    def _boundaries_s(self, b: int, tps: np.ndarray, stages: np.ndarray) -> np.ndarray:
+        """Per row: one direction of the fill and drain point-to-point at its least (every pipeline over the k
+        groups crosses k - 1 group boundaries and p - k inside groups)."""
+        ctx = self.costs.ctx
+        crossing_bytes = b * ctx.seq_length * ctx.model.hidden_size * ctx.training.dtype_bytes
+        crossing_bytes = crossing_bytes / tps.max(axis=1)
+        boundaries_s = (stages - len(self.subset)) * self._fastest_p2p_s(self.inside, crossing_bytes)
+        if len(self.subset) > 1:
+            boundaries_s += (len(self.subset) - 1) * self._fastest_p2p_s(self.across, crossing_bytes)
+        return boundaries_s
+
+    def least_bounds_s(self, replica_rows: Sequence[_ReplicaRows], b: int, microbatches: Sequence[int]) -> np.ndarray:
+        """Per replica count: the least bound of its rows at micro-batch b over recompute modes and interleaving
+        depths (inf: none), as `batches` computes them but vectorised over the replica counts, so the search can
+        build a count's batches only when its rows come up."""
+        ctx = self.costs.ctx
+        modes, num_layers, columns = list(ctx.training.recompute), ctx.model.num_layers, self.columns
+        sizes = [len(rows.tps) for rows in replica_rows]
+        tps = np.concatenate([rows.tps for rows in replica_rows])
+        counts = np.concatenate([rows.counts for rows in replica_rows])
+        positions = np.concatenate([rows.positions for rows in replica_rows])
+        owner = np.repeat(np.arange(len(replica_rows)), sizes)
+        m = np.repeat(np.asarray(microbatches, dtype=float), sizes)
+        stages = counts.sum(axis=1)
+        boundaries_s = self._boundaries_s(b, tps, stages)
+        fullest = (-(-num_layers // stages))[:, None]
+        least = np.full(len(replica_rows), np.inf)
+        for rc in modes:
+            a, _, e_first, e_last = (t[columns, positions] for t in self.tables(b, rc))
+            rates = np.concatenate(
+                [self.tail_rates(b, rc, rows.replicas)[columns, rows.positions] for rows in replica_rows]
+            )
+            tail_s = (fullest * rates).min(axis=1) + ctx.terms.iteration_overhead_s
+            pipeline = PipelineBound.of(num_layers, a, e_first, e_last, counts)
+            for virtual in ctx.training.virtual_stages:
+                found = pipeline.bound_s(m, virtual, tail_s, fill_and_drain_time_s(virtual, boundaries_s))  # type: ignore[arg-type]
+                if found is not None:
+                    np.minimum.at(least, owner, found[0])
+        return least
+
     def batches(self, rows: _ReplicaRows, b: int, microbatches: int, memory_bounds: bool) -> Iterator[TpRowBatch]:
         """The batches of these rows at micro-batch b, one per recompute mode and interleaving depth."""
         ctx = self.costs.ctx
@@ -387,12 +447,7 @@ class _SubsetRows:
         modes = list(training.recompute)
         columns, positions, tps, d = self.columns, rows.positions, rows.tps, rows.replicas
         stages = rows.counts.sum(axis=1)
-        # every pipeline over the k groups crosses k - 1 group boundaries and p - k inside groups
-        crossing_bytes = b * ctx.seq_length * model.hidden_size * training.dtype_bytes
-        crossing_bytes = crossing_bytes / tps.max(axis=1)
-        boundaries_s = (stages - len(self.subset)) * self._fastest_p2p_s(self.inside, crossing_bytes)
-        if len(self.subset) > 1:
-            boundaries_s += (len(self.subset) - 1) * self._fastest_p2p_s(self.across, crossing_bytes)
+        boundaries_s = self._boundaries_s(b, tps, stages)
         # every mode's per-layer time and activation, for the root bound of per-stage recompute plans
         mode_time = np.stack([self.tables(b, r)[0][columns, positions] for r in modes], axis=-1)
         mode_activation = np.stack([self.tables(b, r)[1][columns, positions] for r in modes], axis=-1)
@@ -420,7 +475,6 @@ class _SubsetRows:
                 if found is None:
                     continue
                 bound, least_bottleneck = found
-                weight = microbatches - 1 / virtual
                 yield TpRowBatch(
                     subset=self.subset,
                     replicas=d,
@@ -438,9 +492,117 @@ class _SubsetRows:
                     least_bottleneck_s=least_bottleneck,
                     fill_and_drain_s=fill_and_drain,
                     tail=tail,
-                    root_s=tail.root_s(slice(None), bound, least_bottleneck, least_bottleneck, weight),
                     memory=memory,
                 )
+
+
+class RowTables:
+    """The TP rows of every group subset a context's searches have met, with their cost tables: what does not depend
+    on the global batch, so the family search's blocks (the same groups at other shares of the batch), the yardsticks
+    and the outer search share them."""
+
+    def __init__(self, ctx: CostContext) -> None:
+        self.ctx = ctx  # kept alive: the reuse key holds ids of its parts
+        self.costs = _GroupCosts(ctx)
+        self.subsets: dict[tuple[DeviceGroup, ...], _SubsetRows] = {}
+
+    def subset_rows(self, subset: tuple[DeviceGroup, ...]) -> _SubsetRows:
+        """The rows of a subset (memoised; a subset whose group names clash with known groups gets its own)."""
+        if subset not in self.subsets:
+            rows = _SubsetRows(self.costs, subset)
+            if not rows.shared:
+                return _SubsetRows(_GroupCosts(self.ctx), subset)
+            self.subsets[subset] = rows
+        return self.subsets[subset]
+
+
+_REUSE: OrderedDict[tuple[object, ...], RowTables] = OrderedDict()
+_REUSE_SIZE = 2  # contexts whose tables are kept (a plan's search with its families and yardsticks uses one)
+
+
+def _reuse_key(ctx: CostContext) -> tuple[object, ...]:
+    """What a context's row tables depend on besides its groups: the same cost sources, model, settings (all but the
+    global batch, the families and the uneven-batch rule) and network."""
+    training = ctx.training.model_dump_json(exclude={"global_batch_size", "families", "uneven_batch"})
+    cluster = (ctx.cluster.topology, ctx.cluster.inter_group_bw_bytes_per_s)
+    return (id(ctx.sources), id(ctx.model), id(ctx.links), ctx.terms, cluster, training)
+
+
+def row_tables(ctx: CostContext) -> RowTables:
+    """The row tables shared by the searches of contexts like this one (a small LRU kept per process)."""
+    key = _reuse_key(ctx)
+    if key in _REUSE:
+        _REUSE.move_to_end(key)
+        return _REUSE[key]
+    _REUSE[key] = RowTables(ctx)
+    while len(_REUSE) > _REUSE_SIZE:
+        _REUSE.popitem(last=False)
+    return _REUSE[key]
+
+
+@dataclass(frozen=True, eq=False)
+class BatchSource:
+    """The batches of one group subset, replica count and micro-batch (every recompute mode and interleaving depth),
+    not built until the search reaches `least_s`: a bound on every row's bound (row and root) in them, so the
+    search builds only the batches that can hold a candidate beating its incumbent."""
+
+    rows: _SubsetRows
+    replica_rows: _ReplicaRows
+    micro_batch_size: int
+    microbatches: int
+    least_s: float
+    candidates: int  # rows times their pipeline orders, over the batches (SearchResult.configurations)
+
+    def build(self, memory_bounds: bool) -> list[TpRowBatch]:
+        """The batches, one per recompute mode and interleaving depth that some row allows."""
+        return list(self.rows.batches(self.replica_rows, self.micro_batch_size, self.microbatches, memory_bounds))
+
+
+def _candidate_count(ctx: CostContext, replica_rows: _ReplicaRows, orders: int) -> int:
+    """Candidates of these rows over recompute modes and interleaving depths (rows whose stages can hold v chunks)."""
+    stages = replica_rows.counts.sum(axis=1)
+    layers = ctx.model.num_layers
+    allowed = sum(int(((stages * v <= layers) & ((v == 1) | (stages > 1))).sum()) for v in ctx.training.virtual_stages)
+    return allowed * len(ctx.training.recompute) * orders
+
+
+def tp_row_sources(
+    ctx: CostContext,
+    options: SearchOptions,
+    memory_bounds: bool = True,
+    subsets: Sequence[tuple[DeviceGroup, ...]] | None = None,
+) -> list[BatchSource]:
+    """The structurally valid candidates on the given group subsets (default: every subset) that pass the memory
+    lower bound (unless `memory_bounds` is off), as batch sources in enumeration order."""
+    tables = row_tables(ctx)
+    training = ctx.training
+    groups = ctx.cluster.groups
+    if subsets is None:
+        subsets = group_subsets(groups, range(1, len(groups) + 1))
+    sources: list[BatchSource] = []
+    for subset in subsets:
+        source = tables.subset_rows(subset)
+        if source.tp_rows.size == 0:
+            continue
+        orders = len(group_orders(subset))
+        replica_rows = list(source.replica_rows(ctx, options, memory_bounds))
+        found: list[tuple[int, int, int, int]] = []  # (replica rows, micro-batch, micro-batches, position)
+        least: dict[int, np.ndarray] = {}
+        for b in training.micro_batch_sizes:
+            splits = [
+                (i, split_batch(training.global_batch_size, rows.replicas, b)) for i, rows in enumerate(replica_rows)
+            ]
+            valid = [(i, split[0]) for i, split in splits if split is not None]
+            if valid:
+                least[b] = source.least_bounds_s([replica_rows[i] for i, _ in valid], b, [q for _, q in valid])
+                found += [(i, b, q, position) for position, (i, q) in enumerate(valid)]
+        found.sort(key=lambda item: (item[0], training.micro_batch_sizes.index(item[1])))  # enumeration order
+        for i, b, q, position in found:
+            rows = replica_rows[i]
+            # a hair below: the vectorised bound may round above the batch's own
+            least_s = float(least[b][position]) * (1 - 1e-9)
+            sources.append(BatchSource(source, rows, b, q, least_s, _candidate_count(ctx, rows, orders)))
+    return sources
 
 
 def tp_row_batches(
@@ -449,21 +611,9 @@ def tp_row_batches(
     memory_bounds: bool = True,
     subsets: Sequence[tuple[DeviceGroup, ...]] | None = None,
 ) -> list[TpRowBatch]:
-    """The structurally valid candidates on the given group subsets (default: every subset) that pass the memory
-    lower bound (unless `memory_bounds` is off), in batches with their bounds."""
-    costs = _GroupCosts(ctx)
-    training = ctx.training
-    groups = ctx.cluster.groups
-    if subsets is None:
-        subsets = group_subsets(groups, range(1, len(groups) + 1))
-    batches: list[TpRowBatch] = []
-    for subset in subsets:
-        source = _SubsetRows(costs, subset)
-        if source.tp_rows.size == 0:
-            continue
-        for rows in source.replica_rows(options, memory_bounds):
-            for micro_batch_size in training.micro_batch_sizes:
-                split = split_batch(training.global_batch_size, rows.replicas, micro_batch_size)
-                if split is not None:
-                    batches.extend(source.batches(rows, micro_batch_size, split[0], memory_bounds))
-    return batches
+    """Every batch of tp_row_sources, built."""
+    return [
+        batch
+        for source in tp_row_sources(ctx, options, memory_bounds, subsets)
+        for batch in source.build(memory_bounds)
+    ]
