@@ -12,11 +12,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from planner.candidates import OuterConfig, group_orders, permutation_index
+from planner.candidates import OuterConfig, group_orders, group_subsets, permutation_index
 from planner.options import DEFAULT_OPTIONS, SearchOptions
-from planner.tp_rows import BatchSource, RowBound, TpRowBatch, tp_row_sources
+from planner.tp_rows import ReplicaRows, RowBound, SubsetRows, TpRowBatch, row_tables
 from predictor.cost_model import CostContext
 from specs.cluster import DeviceGroup
+from specs.layout import split_batch
 
 
 @dataclass
@@ -173,6 +174,85 @@ class _Queue:
             raised = self.row_bound((index, row)).root_s(memory=tightened == 1, steps=self.options.root_bound_steps)
             if math.isfinite(raised):
                 heapq.heappush(heap, (max(value, raised), index, row, tightened + 1))
+
+
+@dataclass(frozen=True, eq=False)
+class BatchSource:
+    """The batches of one group subset, replica count and micro-batch (every recompute mode and interleaving depth),
+    not built until the search reaches `least_s`: a bound on every row's bound (row and root) in them, so the
+    search builds only the batches that can hold a candidate beating its incumbent."""
+
+    rows: SubsetRows
+    replica_rows: ReplicaRows
+    micro_batch_size: int
+    microbatches: int
+    least_s: float
+    candidates: int  # rows times their pipeline orders, over the batches (SearchResult.configurations)
+
+    def build(self, memory_bounds: bool) -> list[TpRowBatch]:
+        """The batches, one per recompute mode and interleaving depth that some row allows."""
+        return list(self.rows.batches(self.replica_rows, self.micro_batch_size, self.microbatches, memory_bounds))
+
+
+def _candidate_count(ctx: CostContext, replica_rows: ReplicaRows, orders: int) -> int:
+    """Candidates of these rows over recompute modes and interleaving depths (rows whose stages can hold v chunks)."""
+    stages = replica_rows.counts.sum(axis=1)
+    layers = ctx.model.num_layers
+    allowed = sum(int(((stages * v <= layers) & ((v == 1) | (stages > 1))).sum()) for v in ctx.training.virtual_stages)
+    return allowed * len(ctx.training.recompute) * orders
+
+
+def tp_row_sources(
+    ctx: CostContext,
+    options: SearchOptions,
+    memory_bounds: bool = True,
+    subsets: Sequence[tuple[DeviceGroup, ...]] | None = None,
+) -> list[BatchSource]:
+    """The structurally valid candidates on the given group subsets (default: every subset) that pass the memory
+    lower bound (unless `memory_bounds` is off), as batch sources in enumeration order."""
+    tables = row_tables(ctx)
+    training = ctx.training
+    groups = ctx.cluster.groups
+    if subsets is None:
+        subsets = group_subsets(groups, range(1, len(groups) + 1))
+    sources: list[BatchSource] = []
+    for subset in subsets:
+        source = tables.subset_rows(subset)
+        if source.tp_rows.size == 0:
+            continue
+        orders = len(group_orders(subset))
+        replica_rows = list(source.replica_rows(ctx, options, memory_bounds))
+        found: list[tuple[int, int, int, int]] = []  # (replica rows, micro-batch, micro-batches, position)
+        least: dict[int, np.ndarray] = {}
+        for b in training.micro_batch_sizes:
+            splits = [
+                (i, split_batch(training.global_batch_size, rows.replicas, b)) for i, rows in enumerate(replica_rows)
+            ]
+            valid = [(i, split[0]) for i, split in splits if split is not None]
+            if valid:
+                least[b] = source.least_bounds_s([replica_rows[i] for i, _ in valid], b, [q for _, q in valid])
+                found += [(i, b, q, position) for position, (i, q) in enumerate(valid)]
+        found.sort(key=lambda item: (item[0], training.micro_batch_sizes.index(item[1])))  # enumeration order
+        for i, b, q, position in found:
+            rows = replica_rows[i]
+            # a hair below: the vectorised bound may round above the batch's own
+            least_s = float(least[b][position]) * (1 - 1e-9)
+            sources.append(BatchSource(source, rows, b, q, least_s, _candidate_count(ctx, rows, orders)))
+    return sources
+
+
+def tp_row_batches(
+    ctx: CostContext,
+    options: SearchOptions,
+    memory_bounds: bool = True,
+    subsets: Sequence[tuple[DeviceGroup, ...]] | None = None,
+) -> list[TpRowBatch]:
+    """Every batch of tp_row_sources, built."""
+    return [
+        batch
+        for source in tp_row_sources(ctx, options, memory_bounds, subsets)
+        for batch in source.build(memory_bounds)
+    ]
 
 
 def outer_configs(

@@ -422,3 +422,163 @@ def _probe_share(samples: float) -> int:
         return max(1, round(samples))
     step = 1 << int(math.log2(samples / 4))
     return max(step, round(samples / step) * step)
+
+
+# ---- a bound on every plan of several families --------------------------------------------------------------------
+@dataclass(frozen=True)
+class _BlockCurve:
+    """A bound on the time of any family on a block as a function of its share s of the batch: the least over its
+    row shapes (TP per group, any replica count d, micro-batch b, interleaving v) of (m - 1/v) * M(m) + C with
+    m = ceil(s / (d b)) micro-batches per replica; arrays over the shapes. M(m) is `early_s` below `saturated` micro
+    -batches (memory seen with one in flight) and `bottleneck_s` from there (with as many in flight as 1F1B keeps)."""
+
+    bottleneck_s: np.ndarray
+    early_s: np.ndarray
+    saturated: np.ndarray  # the pipeline depth of one-group rows (1: the memory bound holds at any m)
+    fixed_s: np.ndarray  # C: stage-time sum / v, fill and drain, the fullest stage's optimizer step, overhead
+    virtual: np.ndarray
+    unit: np.ndarray  # d * b: samples per micro-batch across the replicas
+
+    def most_samples(self, time_s: float, global_batch: int) -> int:
+        """The largest share whose bound is within `time_s` (0: none)."""
+        late = np.floor((time_s - self.fixed_s) / self.bottleneck_s + 1 / self.virtual)
+        early = np.minimum(self.saturated - 1, np.floor((time_s - self.fixed_s) / self.early_s + 1 / self.virtual))
+        m = np.where(late >= self.saturated, late, early)
+        fits = m >= 1
+        if not fits.any():
+            return 0
+        return int(min(global_batch, (self.unit[fits] * m[fits]).max()))
+
+
+def _least_bottleneck_s(
+    per_layer_s: np.ndarray, caps: np.ndarray, counts: np.ndarray, low_s: np.ndarray, layers: int
+) -> np.ndarray:
+    """Per row: a bound on the smallest M with sum over stages of max over modes of min(cap, floor(M / a)) >= L
+    (whole layers, memory caps, a mode per stage); (rows, stages or groups, modes) arrays, `counts` stages per column.
+    Bisected from `low_s` (known too small) keeping the side known too small; inf where the caps cannot hold L."""
+    most = (counts * caps.max(axis=2)).sum(axis=1)
+    high = low_s + per_layer_s.max(axis=(1, 2)) * layers
+    low = low_s.copy()
+    for _ in range(24):  # to 2^-24 of L layers of the slowest mode
+        middle = (low + high) / 2
+        held = np.minimum(caps, np.floor(middle[:, None, None] / per_layer_s)).max(axis=2)
+        enough = (counts * held).sum(axis=1) >= layers
+        high, low = np.where(enough, middle, high), np.where(enough, low, middle)
+    return np.where(most >= layers, low, np.inf)
+
+
+def block_curve(ctx: CostContext, block: tuple[DeviceGroup, ...], options: SearchOptions) -> _BlockCurve | None:
+    """The bound of any family on `block` (every group of it, as the family search's blocks), at any share: every
+    replica count the devices allow, each stage in any recompute mode (per-stage recompute plans are covered), its
+    memory cap with one micro-batch in flight (one-group blocks: from the pipeline depth on, with as many as 1F1B
+    keeps at each stage), its tail at least the fullest stage's optimizer step."""
+    from planner.lower_bounds import PipelineBound
+    from planner.tp_rows import row_tables
+    from predictor.cost_model import fill_and_drain_time_s, optimizer_time_s, state_bytes_per_param
+
+    rows = row_tables(ctx).subset_rows(block)
+    found = list(rows.replica_rows(ctx, options, True, every_count=True))
+    if not found:
+        return None
+    layers, modes, model = ctx.model.num_layers, ctx.training.recompute, ctx.model
+    tps = np.concatenate([r.tps for r in found])
+    counts = np.concatenate([r.counts for r in found])
+    positions = np.concatenate([r.positions for r in found])
+    replicas = np.repeat([r.replicas for r in found], [len(r.tps) for r in found])
+    stages = counts.sum(axis=1)
+    step_per_layer = np.stack(
+        [optimizer_time_s(ctx, g, model.layer_params() / tps[:, j], replicas) for j, g in enumerate(block)], axis=1
+    )
+    tail_s = -(-layers // stages) * step_per_layer.min(axis=1) + ctx.terms.iteration_overhead_s
+    state = model.layer_params() * np.array([state_bytes_per_param(ctx, int(d)) for d in replicas])[:, None] / tps
+    one_group = len(block) == 1
+    depth = np.arange(1, int(stages.max()) + 1)  # from the end of the pipe
+    parts: list[tuple[np.ndarray, ...]] = []
+    for b in ctx.training.micro_batch_sizes:
+        a_modes = np.stack([rows.tables(b, rc)[0][rows.columns, positions] for rc in modes], axis=-1)
+        activation = np.stack([rows.tables(b, rc)[1][rows.columns, positions] for rc in modes], axis=-1)
+        a = a_modes.min(axis=-1)
+        e_first, e_last = (rows.tables(b, modes[0])[k][rows.columns, positions] for k in (2, 3))
+        pipeline = PipelineBound.of(layers, a, e_first, e_last, counts)
+        level = layers / (counts / a).sum(axis=1)
+        caps = np.floor(rows.usable[None, :, None] / (state[..., None] + activation))  # one micro-batch in flight
+        early = _least_bottleneck_s(a_modes, caps, counts, level * (1 - 1e-9), layers)
+        boundaries_s = rows._boundaries_s(b, tps, stages)
+        for v in ctx.training.virtual_stages:
+            late = early
+            saturated = np.ones_like(stages)
+            if one_group:  # from m = p on, the stage at depth k holds 1F1B's warm-up: k; interleaved (group size
+                # N >= p) from m = p + (p - 1) / v on: (2 (k - 1) + (v - 1) p + 1) / v
+                in_flight = (2 * (depth[None, :] - 1) + (v - 1) * stages[:, None] + 1) / v
+                saturated = -(-(v * stages + stages - 1) // v)
+                if v == 1:
+                    in_flight, saturated = np.broadcast_to(depth[None, :].astype(float), in_flight.shape), stages
+                per_stage = state[:, 0, None, None] + activation[:, 0, None, :] * in_flight[..., None]
+                deep_caps = np.floor(rows.usable[0] / per_stage)  # (rows, depth, modes)
+                present = (depth[None, :] <= stages[:, None]).astype(float)
+                deep_a = np.broadcast_to(a_modes[:, :1, :], deep_caps.shape)
+                late = np.maximum(early, _least_bottleneck_s(deep_a, deep_caps, present, early.copy(), layers))
+            fill_s = fill_and_drain_time_s(v, boundaries_s)
+            bounded = pipeline.bound_s(1, v, tail_s * 0, fill_s * 0)
+            if bounded is None:
+                continue
+            # bound_s at m = 1 with no tail is (1 - 1/v) * its bottleneck + the stage-time sum / v
+            fixed = bounded[0] - (1 - 1 / v) * bounded[1] + fill_s + tail_s
+            allowed = np.isfinite(bounded[0]) & np.isfinite(early) & (caps.max(axis=2).min(axis=1) >= v)
+            columns = (
+                np.maximum(bounded[1], late),
+                np.maximum(bounded[1], early),
+                saturated,
+                fixed,
+                np.full(len(stages), v),
+                replicas * b,
+            )
+            parts.append(tuple(column[allowed] for column in columns))
+    if not parts:
+        return None
+    return _BlockCurve(*(np.concatenate(column) for column in zip(*parts)))
+
+
+def family_bound_s(ctx: CostContext, options: SearchOptions) -> float:
+    """A bound on the iteration time of every plan of two or more families the family search covers (every
+    partition of the groups): per partition, the least time at which the blocks' curves can take the whole batch
+    between them (each family waits its own pipeline and tail; the cross-family sync only adds), bisected keeping the
+    side known too small."""
+    global_batch = ctx.training.global_batch_size
+    curves: dict[tuple[DeviceGroup, ...], _BlockCurve | None] = {}
+    best = math.inf
+    for partition in partitions(list(ctx.cluster.groups)):
+        if len(partition) < 2:
+            continue
+        blocks = [tuple(block) for block in partition]
+        for block in blocks:
+            if block not in curves:
+                curves[block] = block_curve(ctx, block, options)
+        found = [curves[block] for block in blocks]
+        if any(curve is None for curve in found):
+            continue
+        best = min(best, _partition_bound_s([c for c in found if c is not None], global_batch, best))
+    return best
+
+
+def _partition_bound_s(curves: Sequence[_BlockCurve], global_batch: int, below_s: float) -> float:
+    """The least time at which every block takes at least one sample and together they take the batch (a bound:
+    the side known infeasible); `below_s`: stop early when it cannot be below that."""
+
+    def enough(time_s: float) -> bool:
+        shares = [curve.most_samples(time_s, global_batch) for curve in curves]
+        return min(shares) >= 1 and sum(shares) >= global_batch
+
+    high = max(float((c.bottleneck_s * (global_batch / c.unit + 1) + c.fixed_s).min()) for c in curves) + 1.0
+    if math.isfinite(below_s) and not enough(min(below_s, high)):
+        return below_s  # no better than what is known
+    if not enough(high):
+        return math.inf
+    low = 0.0
+    for _ in range(60):
+        middle = (low + high) / 2
+        if enough(middle):
+            high = middle
+        else:
+            low = middle
+    return low

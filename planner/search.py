@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from planner.best_first import Pruning, outer_configs
 from planner.candidates import PER_STAGE, OuterConfig, group_subsets
-from planner.families import family_search
+from planner.families import family_bound_s, family_search
 from planner.layer_split import LayerSplitter
 from planner.lower_bounds import work_bound_s
 from planner.options import DEFAULT_OPTIONS, ProgressCallback, SearchOptions
@@ -244,7 +244,7 @@ class _Search:
 
     def add_families(self) -> tuple[int, float]:
         """Plans of several pipeline families (planner.families) join the incumbents; returns the partitions tried
-        and a bound on every plan of any family structure: all devices busy at their best speed."""
+        and, with the root bound, a bound on every plan of two or more families (families.family_bound_s)."""
         ctx = self.ctx
         rates = {
             g.name: compute_bound_tokens_per_s(dataclasses.replace(ctx, cluster=ctx.cluster.only(g)))
@@ -253,7 +253,7 @@ class _Search:
         families = family_search(ctx, self.options, rates, _search_block, self.progress)
         for position, evaluation in enumerate(families.evaluations):
             self.best.keep(evaluation, self.scanned + position)
-        return families.partitions, ctx.training.global_batch_size * ctx.seq_length / sum(rates.values())
+        return families.partitions, family_bound_s(ctx, self.options) if self.options.root_bound else math.inf
 
 
 def _nearby_replica_counts(config: OuterConfig) -> list[int]:

@@ -19,7 +19,7 @@ from functools import cached_property
 
 import numpy as np
 
-from planner.candidates import OuterConfig, divisors, group_orders, group_subsets, replica_counts, tp_options
+from planner.candidates import OuterConfig, divisors, group_orders, replica_counts, tp_options
 from planner.lower_bounds import (
     MixedTail,
     PipelineBound,
@@ -43,7 +43,6 @@ from predictor.cost_model import (
     usable_memory_bytes,
 )
 from specs.cluster import DeviceGroup
-from specs.layout import split_batch
 from specs.model import Recompute
 
 
@@ -132,7 +131,7 @@ class RowMemory:
     activation_bytes: np.ndarray  # per layer and micro-batch in flight, in the batch's mode
     mode_time_s: np.ndarray  # (rows, groups, modes): per-layer time in every recompute mode
     mode_activation_bytes: np.ndarray  # (rows, groups, modes)
-    source: _SubsetRows
+    source: SubsetRows
     positions: np.ndarray  # the rows' TP positions in the subset's options
     shape: tuple[int, Recompute, int]  # (micro-batch, mode, replicas)
 
@@ -301,7 +300,7 @@ class RowBound:
 
 
 @dataclass(frozen=True)
-class _ReplicaRows:
+class ReplicaRows:
     """The rows of a subset that are valid at one replica count."""
 
     replicas: int
@@ -310,7 +309,7 @@ class _ReplicaRows:
     positions: np.ndarray
 
 
-class _SubsetRows:
+class SubsetRows:
     """The TP rows of one group subset (every TP choice of each group) and their cost tables, memoised."""
 
     def __init__(self, costs: _GroupCosts, subset: tuple[DeviceGroup, ...]) -> None:
@@ -372,13 +371,20 @@ class _SubsetRows:
         """Per row: one point-to-point transfer of its crossing bytes over the fastest of these links."""
         return np.min([link.p2p_time_s(size_bytes) for link in links], axis=0) * self.costs.ctx.terms.network_scale
 
-    def replica_rows(self, ctx: CostContext, options: SearchOptions, memory_bounds: bool) -> Iterator[_ReplicaRows]:
+    def replica_rows(
+        self, ctx: CostContext, options: SearchOptions, memory_bounds: bool, every_count: bool = False
+    ) -> Iterator[ReplicaRows]:
         """The replica counts worth trying and the rows valid at each in `ctx` (its global batch): every group holds a
         stage, stages do not outnumber layers, the devices' memory holds the model's state (with memory bounds), and
-        an uneven batch split only where one more replica would cost some group a stage."""
+        an uneven batch split only where one more replica would cost some group a stage. `every_count`: every such count
+        the devices allow, whatever the batch (the family bound: a family's share is not known; a row at a count one
+        more replica would not cost a stage is slower than that one's in every way: same stages, more micro-batches
+        per replica, less optimizer sharding)."""
         training, model = ctx.training, ctx.model
         global_batch = training.global_batch_size
-        if training.uneven_batch == "exhaustive":
+        if every_count:
+            replica_options = list(range(1, int(self.devices.min()) + 1))
+        elif training.uneven_batch == "exhaustive":
             replica_options = replica_counts(
                 global_batch, self.subset, self.tp_rows, options.uneven_max_stages_per_group
             )
@@ -389,7 +395,7 @@ class _SubsetRows:
                 break
             counts = self.devices[None, :] // (replicas * self.tp_rows)
             total_state = model.total_params() * state_bytes_per_param(ctx, replicas)
-            even = global_batch % replicas == 0
+            even = not every_count and global_batch % replicas == 0
             worth = even or ((self.devices[None, :] // ((replicas + 1) * self.tp_rows)) < counts).any(axis=1)
             valid = (
                 worth
@@ -398,7 +404,7 @@ class _SubsetRows:
                 & (((counts * self.tp_rows * self.usable[None, :]).sum(axis=1) >= total_state) | (not memory_bounds))
             )
             if valid.any():
-                yield _ReplicaRows(replicas, self.tp_rows[valid], counts[valid], self.tp_positions[valid])
+                yield ReplicaRows(replicas, self.tp_rows[valid], counts[valid], self.tp_positions[valid])
 
     def _boundaries_s(self, b: int, tps: np.ndarray, stages: np.ndarray) -> np.ndarray:
         """Per row: one direction of the fill and drain point-to-point at its least (every pipeline over the k
@@ -411,7 +417,7 @@ class _SubsetRows:
             boundaries_s += (len(self.subset) - 1) * self._fastest_p2p_s(self.across, crossing_bytes)
         return boundaries_s
 
-    def least_bounds_s(self, replica_rows: Sequence[_ReplicaRows], b: int, microbatches: Sequence[int]) -> np.ndarray:
+    def least_bounds_s(self, replica_rows: Sequence[ReplicaRows], b: int, microbatches: Sequence[int]) -> np.ndarray:
         """Per replica count: the least bound of its rows at micro-batch b over recompute modes and interleaving
         depths (inf: none), as `batches` computes them but vectorised over the replica counts, so the search can
         build a count's batches only when its rows come up."""
@@ -440,7 +446,7 @@ class _SubsetRows:
                     np.minimum.at(least, owner, found[0])
         return least
 
-    def batches(self, rows: _ReplicaRows, b: int, microbatches: int, memory_bounds: bool) -> Iterator[TpRowBatch]:
+    def batches(self, rows: ReplicaRows, b: int, microbatches: int, memory_bounds: bool) -> Iterator[TpRowBatch]:
         """The batches of these rows at micro-batch b, one per recompute mode and interleaving depth."""
         ctx = self.costs.ctx
         training, model, num_layers = ctx.training, ctx.model, ctx.model.num_layers
@@ -504,14 +510,14 @@ class RowTables:
     def __init__(self, ctx: CostContext) -> None:
         self.ctx = ctx  # kept alive: the reuse key holds ids of its parts
         self.costs = _GroupCosts(ctx)
-        self.subsets: dict[tuple[DeviceGroup, ...], _SubsetRows] = {}
+        self.subsets: dict[tuple[DeviceGroup, ...], SubsetRows] = {}
 
-    def subset_rows(self, subset: tuple[DeviceGroup, ...]) -> _SubsetRows:
+    def subset_rows(self, subset: tuple[DeviceGroup, ...]) -> SubsetRows:
         """The rows of a subset (memoised; a subset whose group names clash with known groups gets its own)."""
         if subset not in self.subsets:
-            rows = _SubsetRows(self.costs, subset)
+            rows = SubsetRows(self.costs, subset)
             if not rows.shared:
-                return _SubsetRows(_GroupCosts(self.ctx), subset)
+                return SubsetRows(_GroupCosts(self.ctx), subset)
             self.subsets[subset] = rows
         return self.subsets[subset]
 
@@ -538,82 +544,3 @@ def row_tables(ctx: CostContext) -> RowTables:
     while len(_REUSE) > _REUSE_SIZE:
         _REUSE.popitem(last=False)
     return _REUSE[key]
-
-
-@dataclass(frozen=True, eq=False)
-class BatchSource:
-    """The batches of one group subset, replica count and micro-batch (every recompute mode and interleaving depth),
-    not built until the search reaches `least_s`: a bound on every row's bound (row and root) in them, so the
-    search builds only the batches that can hold a candidate beating its incumbent."""
-
-    rows: _SubsetRows
-    replica_rows: _ReplicaRows
-    micro_batch_size: int
-    microbatches: int
-    least_s: float
-    candidates: int  # rows times their pipeline orders, over the batches (SearchResult.configurations)
-
-    def build(self, memory_bounds: bool) -> list[TpRowBatch]:
-        """The batches, one per recompute mode and interleaving depth that some row allows."""
-        return list(self.rows.batches(self.replica_rows, self.micro_batch_size, self.microbatches, memory_bounds))
-
-
-def _candidate_count(ctx: CostContext, replica_rows: _ReplicaRows, orders: int) -> int:
-    """Candidates of these rows over recompute modes and interleaving depths (rows whose stages can hold v chunks)."""
-    stages = replica_rows.counts.sum(axis=1)
-    layers = ctx.model.num_layers
-    allowed = sum(int(((stages * v <= layers) & ((v == 1) | (stages > 1))).sum()) for v in ctx.training.virtual_stages)
-    return allowed * len(ctx.training.recompute) * orders
-
-
-def tp_row_sources(
-    ctx: CostContext,
-    options: SearchOptions,
-    memory_bounds: bool = True,
-    subsets: Sequence[tuple[DeviceGroup, ...]] | None = None,
-) -> list[BatchSource]:
-    """The structurally valid candidates on the given group subsets (default: every subset) that pass the memory
-    lower bound (unless `memory_bounds` is off), as batch sources in enumeration order."""
-    tables = row_tables(ctx)
-    training = ctx.training
-    groups = ctx.cluster.groups
-    if subsets is None:
-        subsets = group_subsets(groups, range(1, len(groups) + 1))
-    sources: list[BatchSource] = []
-    for subset in subsets:
-        source = tables.subset_rows(subset)
-        if source.tp_rows.size == 0:
-            continue
-        orders = len(group_orders(subset))
-        replica_rows = list(source.replica_rows(ctx, options, memory_bounds))
-        found: list[tuple[int, int, int, int]] = []  # (replica rows, micro-batch, micro-batches, position)
-        least: dict[int, np.ndarray] = {}
-        for b in training.micro_batch_sizes:
-            splits = [
-                (i, split_batch(training.global_batch_size, rows.replicas, b)) for i, rows in enumerate(replica_rows)
-            ]
-            valid = [(i, split[0]) for i, split in splits if split is not None]
-            if valid:
-                least[b] = source.least_bounds_s([replica_rows[i] for i, _ in valid], b, [q for _, q in valid])
-                found += [(i, b, q, position) for position, (i, q) in enumerate(valid)]
-        found.sort(key=lambda item: (item[0], training.micro_batch_sizes.index(item[1])))  # enumeration order
-        for i, b, q, position in found:
-            rows = replica_rows[i]
-            # a hair below: the vectorised bound may round above the batch's own
-            least_s = float(least[b][position]) * (1 - 1e-9)
-            sources.append(BatchSource(source, rows, b, q, least_s, _candidate_count(ctx, rows, orders)))
-    return sources
-
-
-def tp_row_batches(
-    ctx: CostContext,
-    options: SearchOptions,
-    memory_bounds: bool = True,
-    subsets: Sequence[tuple[DeviceGroup, ...]] | None = None,
-) -> list[TpRowBatch]:
-    """Every batch of tp_row_sources, built."""
-    return [
-        batch
-        for source in tp_row_sources(ctx, options, memory_bounds, subsets)
-        for batch in source.build(memory_bounds)
-    ]
