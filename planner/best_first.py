@@ -5,14 +5,13 @@ below them. The search stops the generator once the next bound cannot beat its i
 from __future__ import annotations
 
 import heapq
-import itertools
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from planner.candidates import OuterConfig, group_orders, group_subsets, permutation_index
+from planner.candidates import OuterConfig, group_orders, group_subsets
 from planner.options import DEFAULT_OPTIONS, SearchOptions
 from planner.tp_rows import ReplicaRows, RowBound, SubsetRows, TpRowBatch, row_tables
 from predictor.cost_model import CostContext
@@ -37,6 +36,19 @@ class Pruning:
 _Row = tuple[int, int]
 
 
+@dataclass(frozen=True, eq=False)
+class _Orders:
+    """A row's pipeline orders that may fit, in the order they come up: by bound, then by enumeration."""
+
+    batch: TpRowBatch
+    row: int
+    orders: Sequence[tuple[int, ...]]
+    numbers: np.ndarray  # the orders that may fit (their places in `orders`)
+    keys: np.ndarray  # their bounds
+    sequence: np.ndarray  # positions in numbers / keys, best first
+    base: int  # the row's first place in the queue's tie order
+
+
 class _Queue:
     """The best-first order over the rows of some batch sources and the pipeline orders of the rows that came up.
     A source's batches are built when the next row's bound reaches the source's own bound (rows come up in the order
@@ -55,8 +67,8 @@ class _Queue:
         self.row_orders: list[np.ndarray] = []
         # (bound, arrival, a candidate or a row to expand into its orders): a row waits with its whole-layer bound
         # (its orders' bounds are at least that), so rows that cannot beat the final incumbent are never expanded
-        self.queue: list[tuple[float, int, OuterConfig | _Row]] = []
-        self.arrival = itertools.count()
+        self.queue: list[tuple[float, int, tuple[_Orders, int] | _Row]] = []
+        self.arrival = 0  # the tie order of queued items (each row reserves one place per order)
         self.popped_roots: dict[_Row, float] = {}  # rows that came up: their root bound with whole layers
         if pruning.root_bound:  # the root bound needs every row
             self.unbuilt.clear()
@@ -116,7 +128,8 @@ class _Queue:
             if whole() < pruning.limit_s:
                 # memory-free candidates (the misfit search) go in the order of their plain bound
                 key = whole() if self.memory_bounds else bound
-                heapq.heappush(self.queue, (key, next(self.arrival), (index, row)))
+                heapq.heappush(self.queue, (key, self.arrival, (index, row)))
+                self.arrival += 1
         else:
             yield from self.ready(math.inf)
         if pruning.root_bound:
@@ -129,28 +142,42 @@ class _Queue:
             if key_s >= self.pruning.limit_s:
                 self.queue.clear()  # the rest are no better
                 return
-            if isinstance(item, OuterConfig):
-                yield item
+            if isinstance(item[0], _Orders):
+                line, position = item
+                at = int(line.sequence[position])
+                self.push_next(line, position + 1)
+                yield line.batch.candidate(line.row, line.orders[int(line.numbers[at])], key_s)
             else:
-                self.expand(item, key_s)
+                self.expand(item, key_s)  # type: ignore[arg-type]
 
     def expand(self, item: _Row, whole_s: float) -> None:
-        """Queue a row's pipeline orders that may fit memory, each with its own bound."""
+        """Queue a row's pipeline orders that may fit memory, each with its own bound: the best first, each next one
+        when the one before comes up (the queue never holds a row's k! orders at once)."""
         batch, row = self.batches[item[0]], item[1]
         bound = float(batch.bound_s[row])
-        possible = batch.possible_orders
         orders = group_orders(batch.subset)
-        increase = None
-        if possible is not None:  # per-order bounds only for the orders whose layer capacity may hold the model
-            orders = [order for order in orders if possible[row, permutation_index(order)]]
-            if not orders:
+        base = self.arrival
+        self.arrival += len(orders)  # the orders' places in the tie order, as if all were queued now
+        if batch.memory is None:
+            keys = np.full(len(orders), bound)
+            numbers = np.arange(len(orders))
+        else:  # per-order bounds only for the orders whose layer capacity may hold the model
+            numbers = np.flatnonzero(batch.possible_orders_of(row, orders))
+            if not len(numbers):
                 return
-            increase = batch.order_bound_increase_s(row, orders, self.options.order_bound_steps)
-        for number, order in enumerate(orders):
-            order_bound_s = max(bound + float(increase[number]), whole_s) if increase is not None else bound
-            if order_bound_s < self.pruning.limit_s:
-                config = batch.candidate(row, order, order_bound_s)
-                heapq.heappush(self.queue, (order_bound_s, next(self.arrival), config))
+            possible = [orders[n] for n in numbers]
+            increase = batch.order_bound_increase_s(row, possible, self.options.order_bound_steps)
+            keys = np.maximum(bound + increase, whole_s)
+        line = _Orders(batch, row, orders, numbers, keys, np.lexsort((numbers, keys)), base)
+        self.push_next(line, 0)
+
+    def push_next(self, line: _Orders, position: int) -> None:
+        """Queue the order at this position of a row's line (none past the incumbent)."""
+        if position < len(line.sequence):
+            at = int(line.sequence[position])
+            key_s = float(line.keys[at])
+            if key_s < self.pruning.limit_s:
+                heapq.heappush(self.queue, (key_s, line.base + int(line.numbers[at]), (line, position)))
 
     def settle_root(self) -> None:
         """The least root bound over every row: least first, each tightened by whole layers and then by the memory

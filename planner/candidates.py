@@ -91,8 +91,16 @@ def group_subsets(groups: Sequence[DeviceGroup], sizes: range) -> list[tuple[Dev
     return [s for size in sizes for s in itertools.combinations(groups, size)]
 
 
+@functools.cache
+def _permutation_ranks(k: int) -> dict[tuple[int, ...], int]:
+    """The position of every order of k groups among itertools.permutations(range(k)) (built when first asked)."""
+    return {order: i for i, order in enumerate(itertools.permutations(range(k)))}
+
+
 def permutation_index(order: tuple[int, ...]) -> int:
     """The position of an order of k groups among itertools.permutations(range(k)) (its lexicographic rank)."""
+    if len(order) <= 8:
+        return _permutation_ranks(len(order))[order]
     rank, rest = 0, sorted(order)
     for position, item in enumerate(order):
         smaller = rest.index(item)

@@ -139,8 +139,10 @@ def orders_within_memory(
     microbatches: int,
     num_layers: int,
     virtual: int,
+    orders: np.ndarray | None = None,
 ) -> np.ndarray:
-    """Which pipeline orders of each candidate could hold the model: (rows, permutations of the groups).
+    """Which pipeline orders of each candidate could hold the model: (rows, orders), `orders` (orders, groups)
+    defaulting to every permutation of the groups.
 
     Under 1F1B the stage at depth d from the end of the pipe keeps min(d, m) micro-batches in flight (interleaved:
     cost_model.in_flight_table). For each order of the groups (each a contiguous block), sum the layers every stage
@@ -157,7 +159,8 @@ def orders_within_memory(
     cumulative = np.concatenate([np.zeros((*room.shape[:-1], 1)), np.cumsum(room, axis=-1)], axis=-1)
     rows = np.arange(len(counts))[:, None]
     deepest = (np.minimum(stages, depth[-1]) - 1)[:, None]
-    orders = np.array(list(itertools.permutations(range(counts.shape[1]))))  # (orders, groups)
+    if orders is None:
+        orders = np.array(list(itertools.permutations(range(counts.shape[1]))))  # (orders, groups)
     # per row, order and position along the order: the stages behind that group (its depth offset) and its end
     ordered_counts = counts[:, orders]  # (rows, orders, groups)
     end = np.cumsum(ordered_counts[..., ::-1], axis=-1)[..., ::-1]

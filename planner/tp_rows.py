@@ -196,6 +196,25 @@ class TpRowBatch:
             self.virtual_stages,
         )
 
+    def possible_orders_of(self, row: int, orders: Sequence[tuple[int, ...]]) -> np.ndarray:
+        """possible_orders of one row for these orders (the search asks row by row: every permutation of every row
+        at once grows as k!)."""
+        assert self.memory is not None
+        first_bytes, last_bytes = self.memory.edge_bytes
+        one = slice(row, row + 1)
+        return orders_within_memory(
+            self.memory.usable_bytes[one],
+            self.memory.state_per_layer_bytes[one],
+            self.memory.activation_bytes[one],
+            first_bytes[one],
+            last_bytes[one],
+            self.counts[one],
+            self.microbatches,
+            self.num_layers,
+            self.virtual_stages,
+            np.array(orders),
+        )[0]
+
     def candidate(self, row: int, order: tuple[int, ...], order_bound_s: float) -> OuterConfig:
         """The candidate of a row with its groups in this order."""
         return OuterConfig(
