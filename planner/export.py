@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import shlex
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -506,6 +506,24 @@ def launch_script(launches: list[NodeLaunch], title: str, script: str, args: Arg
         "",
     ]
     return "\n".join(lines)
+
+
+def launch_commands(
+    plan_path: str,
+    cluster: ClusterSpec,
+    cluster_path: str,
+    out: str = "run.json",
+    master_addr: str = "$MASTER_ADDR",
+    port: int = MASTER_PORT,
+    extra: Sequence[str] = (),
+) -> list[str]:
+    """One torchrun command per node of the cluster that runs `hetplan run` on it as one rank per device: nodes in
+    the runtime's rank order (groups in cluster order, node-major; static rendezvous, so node ranks are as listed),
+    each node's visible devices from its vendor."""
+    ranks = [(group.name, device) for group in cluster.groups for device in range(group.num_devices)]
+    launches = node_launches(cluster, ranks)
+    entry = ["--no-python", "hetplan", "run", plan_path, "--cluster", cluster_path, "--out", out, *extra]
+    return [torchrun_command(launch, len(launches), entry, master_addr, port) for launch in launches]
 
 
 def export_plan(ctx: CostContext, strategy: Strategy, fmt: str) -> Export:

@@ -11,7 +11,7 @@ import os
 import platform
 import statistics
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from planner.export import MASTER_PORT, node_launches, torchrun_command
+from planner.export import launch_commands
 from planner.plan import LoadedPlan, evaluation_dict
 from predictor.cost_model import CostContext, evaluate
 from predictor.runs import RUN_SCHEMA
@@ -30,6 +30,7 @@ from specs.cluster import ClusterSpec
 from specs.errors import SpecError
 from specs.loading import read_mapping
 
+__all__ = ["execute", "execute_in_job", "launch_commands", "run_in_job", "run_plan"]
 MAX_LOCAL_RANKS = 16
 REFERENCE_MAX_PARAMS = 200_000_000
 # relative loss difference allowed between the run and one process (same weights and data, different sum orders)
@@ -100,24 +101,6 @@ def run_in_job(
         return gathered_results(dist.get_rank(), _job(plan, cluster, settings, out_dir))
     finally:
         dist.destroy_process_group()
-
-
-def launch_commands(
-    plan_path: str,
-    cluster: ClusterSpec,
-    cluster_path: str,
-    out: str = "run.json",
-    master_addr: str = "$MASTER_ADDR",
-    port: int = MASTER_PORT,
-    extra: Sequence[str] = (),
-) -> list[str]:
-    """One torchrun command per node of the cluster that runs `hetplan run` on it as one rank per device: nodes in
-    the runtime's rank order (groups in cluster order, node-major; static rendezvous, so node ranks are as listed),
-    each node's visible devices from its vendor."""
-    ranks = [(group.name, device) for group in cluster.groups for device in range(group.num_devices)]
-    launches = node_launches(cluster, ranks)
-    entry = ["--no-python", "hetplan", "run", plan_path, "--cluster", cluster_path, "--out", out, *extra]
-    return [torchrun_command(launch, len(launches), entry, master_addr, port) for launch in launches]
 
 
 def summarize(results: list[dict[str, Any]], steps: int) -> dict[str, Any]:
