@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from planner.candidates import OuterConfig, group_orders, group_subsets
+from planner.candidates import OuterConfig, group_order_array, group_orders, group_subsets
 from planner.options import DEFAULT_OPTIONS, SearchOptions
 from planner.tp_rows import ReplicaRows, RowBound, SubsetRows, TpRowBatch, row_tables
 from predictor.cost_model import CostContext
@@ -162,11 +162,11 @@ class _Queue:
             keys = np.full(len(orders), bound)
             numbers = np.arange(len(orders))
         else:  # per-order bounds only for the orders whose layer capacity may hold the model
-            numbers = np.flatnonzero(batch.possible_orders_of(row, orders))
+            order_array = group_order_array(batch.subset)
+            numbers = np.flatnonzero(batch.possible_orders_of(row, order_array))
             if not len(numbers):
                 return
-            possible = [orders[n] for n in numbers]
-            increase = batch.order_bound_increase_s(row, possible, self.options.order_bound_steps)
+            increase = batch.order_bound_increase_s(row, order_array[numbers], self.options.order_bound_steps)
             keys = np.maximum(bound + increase, whole_s)
         line = _Orders(batch, row, orders, numbers, keys, np.lexsort((numbers, keys)), base)
         self.push_next(line, 0)

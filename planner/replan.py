@@ -197,6 +197,8 @@ def replan(
         "pruned_by_bound": result.configurations - result.evaluated,
         "warm_started": adapted is not None,
     }
+    if result.note:
+        stats["note"] = result.note
     base = predictor.base_context(cluster, model, training)
     interval = predictor.interval(base, best.strategy)
     plan = Plan(ctx, best, compute_bounds(ctx), elapsed, stats, (), interval)

@@ -19,7 +19,15 @@ from functools import cached_property
 
 import numpy as np
 
-from planner.candidates import OuterConfig, divisors, group_orders, replica_counts, tp_options
+from planner.candidates import (
+    OuterConfig,
+    divisors,
+    group_orders,
+    group_parts,
+    part_devices,
+    replica_counts,
+    tp_options,
+)
 from planner.lower_bounds import (
     MixedTail,
     PipelineBound,
@@ -196,7 +204,7 @@ class TpRowBatch:
             self.virtual_stages,
         )
 
-    def possible_orders_of(self, row: int, orders: Sequence[tuple[int, ...]]) -> np.ndarray:
+    def possible_orders_of(self, row: int, orders: np.ndarray) -> np.ndarray:
         """possible_orders of one row for these orders (the search asks row by row: every permutation of every row
         at once grows as k!)."""
         assert self.memory is not None
@@ -212,7 +220,7 @@ class TpRowBatch:
             self.microbatches,
             self.num_layers,
             self.virtual_stages,
-            np.array(orders),
+            orders,
         )[0]
 
     def candidate(self, row: int, order: tuple[int, ...], order_bound_s: float) -> OuterConfig:
@@ -230,11 +238,13 @@ class TpRowBatch:
             fill_and_drain_bound_s=float(self.fill_and_drain_s[row]),
         )
 
-    def _stages(self, row: int, orders: Sequence[tuple[int, ...]], first_bytes: np.ndarray) -> tuple[np.ndarray, ...]:
+    def _stages(
+        self, row: int, orders: Sequence[tuple[int, ...]] | np.ndarray, first_bytes: np.ndarray
+    ) -> tuple[np.ndarray, ...]:
         """Per order (rows) and stage along the pipe (columns): the stage's group, its in-flight micro-batches
         (columns only), its fixed time and its fixed bytes (embedding on the first stage, LM head on the last)."""
         assert self.memory is not None
-        order_array = np.array(orders)  # (orders, groups)
+        order_array = np.asarray(orders)  # (orders, groups)
         ends = np.cumsum(self.counts[row][order_array], axis=1)
         position = (np.arange(int(ends[0, -1]))[None, :, None] >= ends[:, None, :]).sum(axis=2)
         stage_group = np.take_along_axis(order_array, position, axis=1)  # (orders, stages)
@@ -249,7 +259,9 @@ class TpRowBatch:
         edge[:, -1] += self.last_edge_s[row][stage_group[:, -1]]
         return stage_group, in_flight, edge, fixed_bytes
 
-    def order_bound_increase_s(self, row: int, orders: Sequence[tuple[int, ...]], steps: int) -> np.ndarray:
+    def order_bound_increase_s(
+        self, row: int, orders: Sequence[tuple[int, ...]] | np.ndarray, steps: int
+    ) -> np.ndarray:
         """Per order of the row's groups, how much its bound rises when memory is seen (inf: cannot fit): the
         bottleneck becomes the least whole layers allow with each stage's cap taken at its depth in the pipe (1F1B
         keeps min(depth, m) micro-batches in flight), first and last stages also holding the embedding / LM head;
@@ -340,7 +352,8 @@ class SubsetRows:
         ranges = [range(len(t)) for t in self.tp_lists]
         self.tp_positions = np.array(list(itertools.product(*ranges)), dtype=np.int64)
         self.columns = np.arange(len(subset))[None, :]
-        self.devices = np.array([g.num_devices for g in subset], dtype=np.int64)
+        self.devices = np.array([part_devices(g) for g in subset], dtype=np.int64)  # of one part (merged groups)
+        self.parts = np.array([group_parts(g) for g in subset], dtype=np.int64)
         self.usable = np.array([usable_memory_bytes(ctx, g) for g in subset])
         # point-to-point links a pipeline over these groups may cross: inside a group (in-node or rail), and between
         # two groups; each crossing sends (micro-batch activations) / (the smaller TP of its two stages) bytes
@@ -412,10 +425,11 @@ class SubsetRows:
         for replicas in replica_options:
             if self.devices.min() < replicas:
                 break
-            counts = self.devices[None, :] // (replicas * self.tp_rows)
+            counts = self.parts[None, :] * (self.devices[None, :] // (replicas * self.tp_rows))
             total_state = model.total_params() * state_bytes_per_param(ctx, replicas)
             even = not every_count and global_batch % replicas == 0
-            worth = even or ((self.devices[None, :] // ((replicas + 1) * self.tp_rows)) < counts).any(axis=1)
+            fewer = self.parts[None, :] * (self.devices[None, :] // ((replicas + 1) * self.tp_rows))
+            worth = even or (fewer < counts).any(axis=1)
             valid = (
                 worth
                 & (counts.min(axis=1) >= 1)
