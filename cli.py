@@ -72,6 +72,7 @@ FAMILIES = "Pipeline families of different device mixes: auto (default: clusters
 FamiliesOpt = Annotated[Optional[str], _opt("--families", help=FAMILIES)]
 LOWER = "Also bound how fast any plan of the search space could be (the gap; about a second search)."
 LowerBoundOpt = Annotated[bool, _opt("--lower-bound", help=LOWER)]
+SequenceParallelOpt = Annotated[bool, _opt("--sequence-parallel/--no-sequence-parallel", help="Megatron's SP.")]
 MEGATRON_FLAGS = ("group", "tp", "pp", "dp", "micro_batch_size", "recompute", "virtual_stages", "sequence_parallel")
 
 
@@ -161,8 +162,7 @@ def plan(
     options = {"top_k": top_k, "predictor": _predictor(predictor), "lower_bound": lower_bound}
     try:
         with _progress("plan", quiet, unit="candidates") as progress:
-            searched = lambda done, total: progress.update(max(done, progress.done), None, "searched")  # noqa: E731
-            result = make_plan(*inputs, progress=searched, **options)
+            result = make_plan(*inputs, progress=progress.counter("searched"), **options)
     except DoesNotFitError as err:
         raise DoesNotFitError(fit_advice(str(err), training_spec), err.shortfall_bytes) from None
     if out is not None:
@@ -184,9 +184,7 @@ def predict(
     dp: Annotated[int, _opt(min=1, help="Data-parallel replicas.")] = 1,
     micro_batch: Annotated[int, _opt(min=1, help="Micro-batch size.")] = 1,
     recompute: Annotated[str, _opt(help="none, selective or full.")] = "none",
-    sequence_parallel: Annotated[
-        bool, _opt("--sequence-parallel/--no-sequence-parallel", help="Megatron's SP.")
-    ] = True,
+    sequence_parallel: SequenceParallelOpt = True,
     virtual_stages: Annotated[int, _opt(min=1, help="Interleaving chunks per stage.")] = 1,
     training: TrainingOpt = None,
     global_batch: GlobalBatchOpt = None,

@@ -14,7 +14,7 @@ import typer
 DEBUG_HINT = "re-run with HETPLAN_DEBUG=1 for the traceback"
 
 
-def one_line(text: str, limit: int = 300) -> str:
+def one_line(text: str, limit: int = 500) -> str:
     """A message as one line of at most `limit` characters (whitespace runs, newlines included, become a space)."""
     flat = " ".join(str(text).split())
     return flat if len(flat) <= limit else flat[: limit - 3] + "..."

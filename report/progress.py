@@ -107,6 +107,11 @@ class Progress:
         else:
             self.tick()
 
+    def counter(self, what: str) -> Callable[[int, int], None]:
+        """A (done, total) callback for work of unknown size, such as the planner's branch and bound (its total is
+        only a lower bound): shows the largest count so far, then `what`, and no ETA."""
+        return lambda done, total: self.update(max(done, self.done), None, what)
+
     def say(self, what: str) -> None:
         """Name what is being done now (a line of the library's own progress, e.g. the runtime's)."""
         self.update(self.done, None, what.rstrip(" ."))
@@ -135,6 +140,8 @@ class Progress:
         done, total = self.done, self.total
         unit = f" {self.unit}" if self.unit else ""
         where = f"{done:,}/{total:,}{unit} ({done / total:.0%})" if total else f"{done:,}{unit}" if unit else ""
+        if not (total or done or self.what):  # nothing reported yet (loading inputs, the predictor)
+            where = "starting"
         doing = " ".join(part for part in (where, self.what) if part) or "working"
         text = f"hetplan {self.task}: {doing}, {duration(elapsed)} elapsed"
         if total and 0 < done < total:

@@ -294,8 +294,13 @@ def test_progress_of_steps_and_of_work_of_unknown_size():
         progress.line(10.0) == "hetplan explain: 1/3 steps (33%) laying out the schedule, 10 s elapsed, about 20 s left"
     )
     search = Progress("plan", unit="candidates", stream=io.StringIO(), clock=lambda: 0.0, terminal=False)
-    search.update(1280, None, "searched")
+    searched = search.counter("searched")
+    searched(1280, 1344)  # the planner's total is only a lower bound: no ETA from it
+    searched(3, 10)  # the family search counts its own steps: the count shown does not go back
     assert search.line(3725.0) == "hetplan plan: 1,280 candidates searched, 1 h 02 min elapsed"
+    assert Progress("fit", stream=io.StringIO(), clock=lambda: 0.0, terminal=False).line(3.0) == (
+        "hetplan fit: starting, 3 s elapsed"
+    )
     run = Progress("run", stream=io.StringIO(), clock=lambda: 0.0, terminal=False)
     run.say("running plan.json on 4 local processes for 5 steps ...")
     assert run.line(2.0) == "hetplan run: running plan.json on 4 local processes for 5 steps, 2 s elapsed"
