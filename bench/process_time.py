@@ -105,6 +105,7 @@ def measure(name: str, args: list[str], repeats: int, warm_cache: str) -> dict[s
 
 
 def main() -> None:
+    """Time plan and the two re-plans, print the table and write the JSON."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--tree", type=Path, default=ROOT, help="time the hetplan of this checkout (default: this one)")

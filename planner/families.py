@@ -208,6 +208,17 @@ def _add_range(reachable: np.ndarray, step: int, low: int, high: int) -> np.ndar
     return out
 
 
+def _add_runs(reachable: np.ndarray, step: int, runs: Sequence[tuple[int, int]]) -> np.ndarray:
+    """_add_range over several runs at once: the table convolved with the runs' sample totals (FFT; the counts are
+    whole numbers, so > 0.5 is exact)."""
+    shifts = np.zeros(len(reachable))
+    for low, high in runs:
+        shifts[step * low : step * high + 1 : step] = 1.0
+    size = 2 * len(reachable)
+    counts = np.fft.irfft(np.fft.rfft(reachable.astype(float), size) * np.fft.rfft(shifts, size), size)
+    return counts[: len(reachable)] > 0.5
+
+
 def _tables(
     global_batch: int, blocks: Sequence[Sequence[_BlockPlan]], allowed: Sequence[Sequence[int]], time_s: float
 ) -> list[np.ndarray] | None:
@@ -218,8 +229,11 @@ def _tables(
     for plans, indices in zip(blocks, allowed, strict=True):
         merged = np.zeros_like(reachable)
         for i in indices:
-            for span in _ranges(global_batch, plans[i], time_s):
-                merged |= _add_range(reachable, plans[i].micro_batch_size, *span)
+            spans = _ranges(global_batch, plans[i], time_s)
+            if len(spans) == 1:
+                merged |= _add_range(reachable, plans[i].micro_batch_size, *spans[0])
+            elif spans:
+                merged |= _add_runs(reachable, plans[i].micro_batch_size, spans)
         reachable = merged
         tables.append(reachable)
     return tables if reachable[global_batch] else None
@@ -566,6 +580,7 @@ def _partition_bound_s(curves: Sequence[_BlockCurve], global_batch: int, below_s
     the side known infeasible); `below_s`: stop early when it cannot be below that."""
 
     def enough(time_s: float) -> bool:
+        """Whether the blocks can take the batch between them within `time_s`."""
         shares = [curve.most_samples(time_s, global_batch) for curve in curves]
         return min(shares) >= 1 and sum(shares) >= global_batch
 

@@ -14,6 +14,11 @@ the DP degree; DP traffic of a reduce-scatter of 4-byte gradients plus an all-ga
 parameter against the all-reduce's 8, equal for fp32 weights; the optimizer step on 1/dp of the parameters), so the
 training's stage (1 unless pinned) is the best choice for every candidate. Several pipeline families of different
 device mixes: planner.families (`families: search`, or `auto` on two groups).
+
+Many groups: batches of rows are built only when the best-first order reaches their least bound, and a row's pipeline
+orders only when it comes up, one at a time; where identical groups make the space too large they plan as one group
+(_merged_search); more than MAX_KINDS kinds are refused in one line; the scan stops after options.max_candidates
+candidates and says how far the plan can be from the best (SearchResult.note).
 """
 
 from __future__ import annotations

@@ -318,3 +318,26 @@ def test_interleaved_memory_is_checked_at_every_micro_batch_count():
             assert fits[q] == evaluation.fits, q
             checked.add(fits[q])
     assert checked == {True, False}
+
+
+def test_several_runs_of_totals_add_as_the_union_of_their_ranges():
+    """The split's table step for a plan whose memory allows several runs of micro-batch totals (an FFT
+    convolution) equals adding each run's range."""
+    import numpy as np
+
+    from planner.families import _add_range, _add_runs
+
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        size, step = int(rng.integers(5, 300)), int(rng.integers(1, 5))
+        reachable = rng.random(size) < 0.1
+        reachable[0] = True
+        runs, start = [], 1
+        for _ in range(int(rng.integers(2, 6))):
+            low = start + int(rng.integers(0, 5))
+            runs.append((low, low + int(rng.integers(0, 5))))
+            start = runs[-1][1] + 2
+        expected = np.zeros(size, dtype=bool)
+        for low, high in runs:
+            expected |= _add_range(reachable, step, low, high)
+        assert (_add_runs(reachable, step, runs) == expected).all()
