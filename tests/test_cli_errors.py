@@ -312,3 +312,16 @@ def test_commands_that_need_torch_say_so_in_one_line(tmp_path, plans):
     assert "`hetplan run` needs PyTorch" in ran.stderr
     bench = hetplan("comm-bench", "--world", "2", "--islands", "nvidia,amd")
     assert bench.returncode == 2 and "`hetplan comm-bench` needs PyTorch" in bench.stderr
+
+
+@pytest.mark.slow
+def test_does_not_fit_advice_names_only_what_the_training_does_not_allow(capsys, write):
+    """The planner advised 'allow full recompute or ZeRO-1' when both were allowed (the defaults)."""
+    from tests.conftest import ONE_T4_NODE
+
+    cluster = str(write("t4.yaml", ONE_T4_NODE))
+    line = one_error(capsys, "plan", "--cluster", cluster, "--model", "llama2-7b", "--dtype", "fp16", "--quiet")
+    assert "GiB more per device; add devices or shorten the sequence (--seq-len)" in line
+    narrow = ("--recompute", "none", "--zero-stage", "0", "--quiet")
+    line = one_error(capsys, "plan", "--cluster", cluster, "--model", "llama2-7b", "--dtype", "fp16", *narrow)
+    assert "allow full recompute (--recompute none,selective,full), use ZeRO-1 (--zero-stage 1)" in line
