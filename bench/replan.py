@@ -1,5 +1,6 @@
 """Re-planning the 768-device example after losing (or gaining) capacity: time to the new plan, warm-started from
-the old one, against a cold search; table + bench/results/replan.json.
+the old one (its families shrunk), against a cold search; whether families are kept, and why the old plan could not
+be shrunk where it could not; table + bench/results/replan.json.
 
 Run: python bench/replan.py [--repeats 3]
 """
@@ -42,7 +43,7 @@ def main() -> None:
     uneven = training.model_copy(update={"uneven_batch": "exhaustive"})  # what replan searches
     rows = []
     header = f"{'change':<22} {'devices':>8} {'warm s':>8} {'cold s':>8} {'old shrunk tok/s':>17} "
-    header += f"{'new tok/s':>10} {'change':>8}"
+    header += f"{'new tok/s':>10} {'change':>8} {'fam':>4}"
     print(f"hethub-768 / llama-140b: {old.evaluation.tokens_per_s:,.0f} tokens/s before")
     print(header)
     print("-" * len(header))
@@ -62,15 +63,21 @@ def main() -> None:
             "warm_replan_s": statistics.median(warm),
             "cold_search_s": statistics.median(cold),
             "old_plan_shrunk_tokens_per_s": result.adapted.tokens_per_s if result.adapted else None,
+            "not_shrunk_because": result.not_adapted,
             "new_tokens_per_s": new.tokens_per_s,
             "throughput_change": new.tokens_per_s / old.evaluation.tokens_per_s - 1,
+            "families_before": len(old.strategy.pipelines),
+            "families_after": len(new.strategy.pipelines),
         }
         rows.append(row)
         shrunk = f"{row['old_plan_shrunk_tokens_per_s']:,.0f}" if result.adapted else "does not run"
         print(
             f"{row['change']:<22} {row['devices']:>8} {row['warm_replan_s']:>8.2f} {row['cold_search_s']:>8.2f} "
-            f"{shrunk:>17} {row['new_tokens_per_s']:>10,.0f} {row['throughput_change']:>+8.1%}"
+            f"{shrunk:>17} {row['new_tokens_per_s']:>10,.0f} {row['throughput_change']:>+8.1%} "
+            f"{row['families_after']:>4}"
         )
+        if result.not_adapted:
+            print(f"  old plan not shrunk: {result.not_adapted}")
     out = ROOT / "bench" / "results" / "replan.json"
     out.write_text(json.dumps({"before_tokens_per_s": old.evaluation.tokens_per_s, "rows": rows}, indent=2) + "\n")
     print(f"written to {out}")

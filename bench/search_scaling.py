@@ -7,7 +7,7 @@ vs the smallest lower bound over the whole search space, the root of the branch 
 compute it, the search again keeping every row's bound); then each baseline's throughput relative to the plan.
 Table + bench/results/search_scaling.json.
 
-Run: python bench/search_scaling.py [--quick] [--families off|auto|search]
+Run: python bench/search_scaling.py [--quick] [--families off|auto|search] [--many-groups]
 """
 
 from __future__ import annotations
@@ -76,6 +76,73 @@ def homogeneous_only_tokens_per_s(ctx: CostContext) -> tuple[float, str]:
     return best, which
 
 
+MANY_GROUPS = [
+    # (name, device types, groups per type, nodes per group, model, global batch)
+    ("16 groups: 4 types x 4 racks", DEVICE_MIX, 4, 8, "llama-140b", 2048),
+    (
+        "8 distinct types",
+        ["h100", "mi300x", "ascend-910b", "gaudi2", "a100-80gb", "mi250x", "l40s", "v100"],
+        1,
+        4,
+        "llama2-70b",
+        1024,
+    ),
+]
+
+# one case in a fresh process: its search time, peak memory and what the search says it did not cover
+MANY_PROBE = """
+import json, resource, sys, time
+sys.path.insert(0, sys.argv[1]); sys.path.insert(0, sys.argv[1] + "/bench")
+from search_scaling import many_groups_cluster
+from planner import build_context
+from planner.search import search
+from specs import load_model, load_training
+kinds, per_kind, nodes, model, batch = json.loads(sys.argv[2])
+cluster = many_groups_cluster(kinds, per_kind, nodes)
+dtype = "fp16" if "v100" in kinds or "l40s" in kinds else "bf16"
+ctx = build_context(cluster, load_model(model), load_training(None, {"global_batch_size": batch, "dtype": dtype}))
+started = time.perf_counter()
+result = search(ctx)
+elapsed = time.perf_counter() - started
+best = result.evaluations[0] if result.evaluations else None
+print(json.dumps({"groups": len(cluster.groups), "devices": cluster.num_devices, "search_time_s": elapsed,
+    "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    "iteration_time_s": best.iteration_time_s if best else None, "evaluated": result.evaluated, "note": result.note}))
+"""
+
+
+def many_groups_cluster(kinds: list[str], per_kind: int, nodes: int) -> ClusterSpec:
+    """`per_kind` groups (racks) of `nodes` nodes of each device type, 8 devices and NICs of 400 Gb/s per node."""
+    groups = tuple(
+        DeviceGroup(f"{kind}-{i}", get_device(kind), nodes, 8, 8, gbps_to_bytes_per_s(400))
+        for kind in kinds
+        for i in range(per_kind)
+    )
+    return ClusterSpec(f"racks-{len(groups)}", groups, "rail-optimized", gbps_to_bytes_per_s(200))
+
+
+def many_groups() -> None:
+    """Clusters of many groups, each in a fresh process (peak memory is per process)."""
+    import subprocess
+
+    rows = []
+    for name, kinds, per_kind, nodes, model, batch in MANY_GROUPS:
+        args = json.dumps([kinds, per_kind, nodes, model, batch])
+        done = subprocess.run(
+            [sys.executable, "-c", MANY_PROBE, str(ROOT), args], capture_output=True, text=True, check=True
+        )
+        row = {"case": name, "model": model, **json.loads(done.stdout)}
+        rows.append(row)
+        print(
+            f"{name:<30} {row['devices']:>6} devices {row['search_time_s']:>7.2f} s {row['peak_rss_mib']:>7.0f} MiB "
+            f"iter {row['iteration_time_s']:.2f} s  {row['note']}",
+            flush=True,
+        )
+    out = ROOT / "bench" / "results" / "search_scaling_many_groups.json"
+    out.write_text(json.dumps({"rows": rows}, indent=2) + "\n")
+    print(f"written {out.relative_to(ROOT)}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="only the cases up to 1,024 devices")
@@ -98,7 +165,13 @@ def main() -> None:
         default="auto",
         help="pipeline families of different device mixes (see TrainingSpec.families)",
     )
+    parser.add_argument(
+        "--many-groups", action="store_true", help="clusters of many groups instead (16 racks, 8 types)"
+    )
     args = parser.parse_args()
+    if args.many_groups:
+        many_groups()
+        return
     name = "search_scaling" + ("_quick" if args.quick else "")
     name += "" if args.uneven_batch == "off" else f"_uneven_{args.uneven_batch}"
     name += {"auto": "", "search": "_families", "off": "_one_family"}[args.families]

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import json
 import statistics
+import tempfile
+import threading
 import time
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -19,10 +22,23 @@ import torch
 import torch.distributed as dist
 
 from comm.communicator import Communicator
+from comm.vendors import VENDORS
 from profiler.collectives import bus_factor
 from profiler.comm_bench import free_port, run_processes
+from specs.errors import SpecError
 
 PATHS = ("direct", "bridged", "hierarchical")
+Progress = Callable[[int, int], None]  # (points done, points in all)
+
+
+def check_islands(islands: Sequence[str], world: int) -> list[str]:
+    """--islands: one known vendor per rank."""
+    if len(islands) != world:
+        raise SpecError("--islands", "", f"expected {world} islands (one per rank), got {len(islands)}")
+    unknown = sorted(set(islands) - set(VENDORS))
+    if unknown:
+        raise SpecError("--islands", "", f"unknown vendor(s) {unknown}; known: {', '.join(VENDORS)}")
+    return list(islands)
 
 
 def _worker(
@@ -61,6 +77,8 @@ def _worker(
                 rows.append(
                     {"path": path, "size_bytes": elements * 4, "time_s": float(local[0]), "correct": bool(ok[0])}
                 )
+                if rank == 0:
+                    Path(out).with_suffix(".done").write_text(str(len(rows)), encoding="utf-8")
         if rank == 0:
             Path(out).write_text(json.dumps(rows), encoding="utf-8")
     finally:
@@ -68,22 +86,39 @@ def _worker(
 
 
 def run_comm_bench(
-    islands: list[str], sizes: list[int], repeats: int, scratch: Path, timeout_s: float
+    islands: list[str], sizes: list[int], repeats: int, timeout_s: float, progress: Progress | None = None
 ) -> dict[str, Any]:
-    out = scratch / "comm-bench.json"
-    run_processes(
-        _worker,
-        (free_port(), islands, sizes, repeats, timeout_s, str(out)),
-        len(islands),
-        timeout_s * (len(sizes) * len(PATHS) + 2),
-        "comm-bench",
-    )
-    rows = json.loads(out.read_text(encoding="utf-8"))
+    """Time and check the three paths at every size on local processes (one per island entry); `progress` hears
+    (points done, points in all) about every half second."""
+    points = len(sizes) * len(PATHS)
+    with tempfile.TemporaryDirectory() as scratch:
+        out = Path(scratch) / "comm-bench.json"
+        stop = threading.Event()
+        follow = threading.Thread(target=_follow, args=(out.with_suffix(".done"), points, progress, stop), daemon=True)
+        if progress is not None:
+            follow.start()
+        try:
+            args = (free_port(), islands, sizes, repeats, timeout_s, str(out))
+            run_processes(_worker, args, len(islands), timeout_s * (points + 2), "comm-bench")
+        finally:
+            stop.set()
+            if follow.is_alive():
+                follow.join()
+        rows = json.loads(out.read_text(encoding="utf-8"))
     n = len(islands)
     for row in rows:
         row["algbw_bytes_per_s"] = row["size_bytes"] / row["time_s"]
         row["busbw_bytes_per_s"] = row["algbw_bytes_per_s"] * bus_factor("all_reduce", n)
     return {"schema": "hetplan.commbench/1", "islands": islands, "ranks": n, "rows": rows}
+
+
+def _follow(done_file: Path, points: int, progress: Progress | None, stop: threading.Event) -> None:
+    """Pass rank 0's count of finished points on to `progress` until `stop`."""
+    while progress is not None and not stop.wait(0.5):
+        try:
+            progress(int(done_file.read_text(encoding="utf-8")), points)
+        except (OSError, ValueError):  # not written yet, or caught mid-write
+            continue
 
 
 def links_from_bench(result: dict[str, Any], path: str = "bridged") -> dict[str, Any]:

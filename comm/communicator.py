@@ -161,21 +161,22 @@ class Communicator:
         self.irecv(tensor, src).wait()
         return tensor
 
-    def isend(self, tensor: torch.Tensor, dst: int) -> dist.Work:
-        """Start a send over the default group (staged through the host when `dst` is on another island)."""
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> dist.Work:
+        """Start a send over the default group (staged through the host when `dst` is on another island); messages
+        between two ranks match receives of the same tag in order."""
         payload = tensor.detach().contiguous() if self.islands[dst] == self.islands[self.rank] else self._staged(tensor)
         try:
-            return StagedWork(dist.isend(payload, dst=dst), self.timeout, [self.rank, dst])
+            return StagedWork(dist.isend(payload, dst=dst, tag=tag), self.timeout, [self.rank, dst])
         except _FAILURES as err:
             raise CommError(f"rank {self.rank}: send to {dst} failed: {str(err).splitlines()[0]}") from None
 
-    def irecv(self, tensor: torch.Tensor, src: int) -> dist.Work:
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> dist.Work:
         """Start a receive into `tensor` (through a host buffer across islands); `wait()`, bounded by the timeout,
         completes it."""
         same_island = self.islands[src] == self.islands[self.rank]
         buffer = tensor if same_island else torch.empty_like(tensor, device="cpu")
         try:
-            work = dist.irecv(buffer, src=src)
+            work = dist.irecv(buffer, src=src, tag=tag)
         except _FAILURES as err:
             raise CommError(f"rank {self.rank}: recv from {src} failed: {str(err).splitlines()[0]}") from None
         if same_island:

@@ -5,8 +5,9 @@ group; a stage's rank for (replica r, TP rank k) is group offset + stage offset 
 each pipeline family: TP groups (per stage and replica), pipeline neighbour pairs (per boundary, replica and TP rank
 they share), DP groups (per stage and TP rank, over the replicas, with each replica's gradient weight = its share of
 the global batch). With several families, then one cross-family group per model segment: the pieces of the model
-(0: embedding, 1..L: layers, L+1: LM head) cut at every family's stage boundaries, each segment's group holding every
-rank of every family whose stage covers it.
+(0: embedding, 1..L: layers, L+1: LM head) cut at every family's chunk boundaries, each segment's group holding every
+rank of every family whose stage covers it (traffic and checks; the runtime exchanges each device's gradient shard
+with the devices of the other families that hold the same elements, runtime/sync.py).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 from itertools import pairwise
 
 from specs.cluster import ClusterSpec
-from specs.layout import Axis, PipelineStrategy, StageStrategy, Strategy, group_offsets, stage_rank, stage_ranks
+from specs.layout import Axis, PipelineStrategy, Strategy, group_offsets, stage_rank, stage_ranks
 from specs.vendors import get_vendor
 
 
@@ -38,18 +39,40 @@ def rank_islands(cluster: ClusterSpec) -> list[str]:
     return islands
 
 
-def stage_pieces(stage: StageStrategy, first: bool, last: bool, num_layers: int) -> tuple[int, int]:
-    """The model pieces [first, end) a stage holds: 0 the embedding, 1..L its layers, L + 1 the LM head."""
-    return (0 if first else stage.layer_start + 1, num_layers + 2 if last else stage.layer_end + 1)
+@dataclass(frozen=True)
+class Chunk:
+    """Layers [layer_start, layer_end) of the model on one stage; `first` holds the embedding, `last` the LM head."""
+
+    layer_start: int
+    layer_end: int
+    first: bool
+    last: bool
+
+    def pieces(self, num_layers: int) -> tuple[int, int]:
+        """The model pieces [first, end) the chunk holds: 0 the embedding, 1..L its layers, L + 1 the LM head."""
+        return (0 if self.first else self.layer_start + 1, num_layers + 2 if self.last else self.layer_end + 1)
+
+
+def stage_chunks(pipeline: PipelineStrategy, index: int, virtual_stages: int) -> list[Chunk]:
+    """The model chunks stage `index` holds, in its chunk order. Interleaved (Megatron's order, as the exports
+    write it): model chunk c = k * p + i is stage i's chunk k, each stage's layers spread over its v chunks as evenly
+    as whole layers allow, so a stage keeps its layer count, not its layer ids. v = 1: the stage's own layers."""
+    stages, v = pipeline.stages, virtual_stages
+    p = len(stages)
+    counts = [s.num_layers // v + (1 if k < s.num_layers % v else 0) for k in range(v) for s in stages]
+    starts = [sum(counts[:c]) for c in range(p * v)]
+    chunks = (k * p + index for k in range(v))
+    return [Chunk(starts[c], starts[c] + counts[c], c == 0, c == p * v - 1) for c in chunks]
 
 
 def family_segments(strategy: Strategy) -> list[tuple[int, int]]:
-    """The model pieces cut at every family's stage boundaries: the units gradients are summed in across families."""
+    """The model pieces cut at every family's chunk boundaries: the units gradients meet in across families."""
     num_layers = strategy.pipelines[0].stages[-1].layer_end
     cuts = {0, num_layers + 2}
     for pipeline in strategy.pipelines:
-        for index, stage in enumerate(pipeline.stages):
-            cuts.update(stage_pieces(stage, index == 0, index == len(pipeline.stages) - 1, num_layers))
+        for index in range(len(pipeline.stages)):
+            for chunk in stage_chunks(pipeline, index, strategy.virtual_stages):
+                cuts.update(chunk.pieces(num_layers))
     ordered = sorted(cuts)
     return list(pairwise(ordered))
 
@@ -65,8 +88,8 @@ def plan_groups(cluster: ClusterSpec, strategy: Strategy, global_batch: int) -> 
             members = []
             for pipeline in strategy.pipelines:
                 for index, stage in enumerate(pipeline.stages):
-                    held = stage_pieces(stage, index == 0, index == len(pipeline.stages) - 1, num_layers)
-                    if held[0] <= lo and hi <= held[1]:
+                    chunks = stage_chunks(pipeline, index, strategy.virtual_stages)
+                    if any(c.pieces(num_layers)[0] <= lo and hi <= c.pieces(num_layers)[1] for c in chunks):
                         members += stage_ranks(offsets, pipeline, stage)
             groups.append(PlannedGroup(Axis.CROSS_FAMILY, segment, tuple(sorted(members)), family=-1, pieces=(lo, hi)))
     return groups

@@ -5,18 +5,18 @@ below them. The search stops the generator once the next bound cannot beat its i
 from __future__ import annotations
 
 import heapq
-import itertools
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from planner.candidates import OuterConfig, group_orders, permutation_index
+from planner.candidates import OuterConfig, group_order_array, group_orders, group_subsets
 from planner.options import DEFAULT_OPTIONS, SearchOptions
-from planner.tp_rows import RowBound, TpRowBatch, tp_row_batches
+from planner.tp_rows import ReplicaRows, RowBound, SubsetRows, TpRowBatch, row_tables
 from predictor.cost_model import CostContext
 from specs.cluster import DeviceGroup
+from specs.layout import split_batch
 
 
 @dataclass
@@ -32,42 +32,104 @@ class Pruning:
     least_root_s: float = math.inf
 
 
+# a row waiting in the queue: (its batch's position among the batches built, the row)
+_Row = tuple[int, int]
+
+
+@dataclass(frozen=True, eq=False)
+class _Orders:
+    """A row's pipeline orders that may fit, in the order they come up: by bound, then by enumeration."""
+
+    batch: TpRowBatch
+    row: int
+    orders: Sequence[tuple[int, ...]]
+    numbers: np.ndarray  # the orders that may fit (their places in `orders`)
+    keys: np.ndarray  # their bounds
+    sequence: np.ndarray  # positions in numbers / keys, best first
+    base: int  # the row's first place in the queue's tie order
+
+
 class _Queue:
-    """The best-first order over the rows of some batches and the pipeline orders of the rows that came up."""
+    """The best-first order over the rows of some batch sources and the pipeline orders of the rows that came up.
+    A source's batches are built when the next row's bound reaches the source's own bound (rows come up in the order
+    they would if every batch were built first; a source whose bound reaches the incumbent is never built)."""
 
     def __init__(
-        self, batches: list[TpRowBatch], options: SearchOptions, pruning: Pruning, memory_bounds: bool
+        self, sources: list[BatchSource], options: SearchOptions, pruning: Pruning, memory_bounds: bool
     ) -> None:
-        self.batches, self.options, self.pruning, self.memory_bounds = batches, options, pruning, memory_bounds
-        sizes = [len(batch.bound_s) for batch in batches]
-        self.bounds = np.concatenate([batch.bound_s for batch in batches])
-        self.roots = np.concatenate([batch.root_s for batch in batches])
-        self.batch_of = np.repeat(np.arange(len(batches)), sizes)
-        self.row_of = np.concatenate([np.arange(n) for n in sizes])
+        self.sources, self.options, self.pruning, self.memory_bounds = sources, options, pruning, memory_bounds
+        self.batches: list[TpRowBatch] = []
+        self.rank: list[tuple[int, int]] = []  # per batch built: (its source, its place there): today's tie order
+        self.unbuilt = [(source.least_s, index) for index, source in enumerate(sources)]
+        heapq.heapify(self.unbuilt)
+        # per batch built, its next row in bound order: (bound, rank, row, batch, position in the order)
+        self.cursors: list[tuple[float, tuple[int, int], int, int, int]] = []
+        self.row_orders: list[np.ndarray] = []
         # (bound, arrival, a candidate or a row to expand into its orders): a row waits with its whole-layer bound
         # (its orders' bounds are at least that), so rows that cannot beat the final incumbent are never expanded
-        self.queue: list[tuple[float, int, OuterConfig | int]] = []
-        self.arrival = itertools.count()
-        self.popped_roots: dict[int, float] = {}  # rows that came up: their root bound with whole layers
+        self.queue: list[tuple[float, int, tuple[_Orders, int] | _Row]] = []
+        self.arrival = 0  # the tie order of queued items (each row reserves one place per order)
+        self.popped_roots: dict[_Row, float] = {}  # rows that came up: their root bound with whole layers
+        if pruning.root_bound:  # the root bound needs every row
+            self.unbuilt.clear()
+            for index in range(len(sources)):
+                self.build(index)
 
-    def row_bound(self, index: int) -> RowBound:
-        """The whole-layer bound of a row, by its position in the flattened rows."""
-        return RowBound(self.batches[self.batch_of[index]], int(self.row_of[index]))
+    def build(self, source: int) -> None:
+        """Build a source's batches and put each batch's best row in line."""
+        for place, batch in enumerate(self.sources[source].build(self.memory_bounds)):
+            index = len(self.batches)
+            self.batches.append(batch)
+            self.rank.append((source, place))
+            order = np.argsort(batch.bound_s, kind="stable")
+            self.row_orders.append(order)
+            self.advance(index, 0)
+
+    def advance(self, index: int, position: int) -> None:
+        """Put the batch's row at this position of its bound order in line (none past its last finite bound)."""
+        order = self.row_orders[index]
+        if position < len(order):
+            row = int(order[position])
+            bound = float(self.batches[index].bound_s[row])
+            if math.isfinite(bound):
+                heapq.heappush(self.cursors, (bound, self.rank[index], row, index, position))
+
+    def next_row(self) -> tuple[float, int, int] | None:
+        """The next row in bound order (bound, batch, row), building the sources that may hold one before it."""
+        while self.unbuilt:
+            least_s = self.unbuilt[0][0]
+            if least_s >= self.pruning.limit_s:
+                self.unbuilt.clear()  # no row of these can beat the incumbent, now or later
+                break
+            if self.cursors and self.cursors[0][0] < least_s:
+                break
+            self.build(heapq.heappop(self.unbuilt)[1])
+        if not self.cursors:
+            return None
+        bound, _, row, index, position = heapq.heappop(self.cursors)
+        self.advance(index, position + 1)
+        return bound, index, row
+
+    def row_bound(self, item: _Row) -> RowBound:
+        """The whole-layer bound of a row."""
+        return RowBound(self.batches[item[0]], item[1])
 
     def run(self) -> Iterator[OuterConfig]:
         """Every candidate that can beat the incumbent, best bound first (ties keep enumeration order)."""
         pruning = self.pruning
-        for index in np.argsort(self.bounds, kind="stable"):
-            bound = float(self.bounds[index])
+        while (found := self.next_row()) is not None:
+            bound, index, row = found
             yield from self.ready(bound)
-            if not math.isfinite(bound) or bound >= pruning.limit_s:
+            if bound >= pruning.limit_s:
                 break  # every later row, and every queued item, is bounded by this
-            whole = self.row_bound(index)
+            whole = self.row_bound((index, row))
             if pruning.root_bound:
-                self.popped_roots[int(index)] = whole.root_s()
+                self.popped_roots[(index, row)] = whole.root_s()
             if whole() < pruning.limit_s:
                 # memory-free candidates (the misfit search) go in the order of their plain bound
-                heapq.heappush(self.queue, (whole() if self.memory_bounds else bound, next(self.arrival), int(index)))
+                key = whole() if self.memory_bounds else bound
+                heapq.heappush(self.queue, (key, self.arrival, (index, row)))
+                self.arrival += 1
         else:
             yield from self.ready(math.inf)
         if pruning.root_bound:
@@ -80,46 +142,144 @@ class _Queue:
             if key_s >= self.pruning.limit_s:
                 self.queue.clear()  # the rest are no better
                 return
-            if isinstance(item, OuterConfig):
-                yield item
+            if isinstance(item[0], _Orders):
+                line, position = item
+                at = int(line.sequence[position])
+                self.push_next(line, position + 1)
+                yield line.batch.candidate(line.row, line.orders[int(line.numbers[at])], key_s)
             else:
-                self.expand(item, key_s)
+                self.expand(item, key_s)  # type: ignore[arg-type]
 
-    def expand(self, index: int, whole_s: float) -> None:
-        """Queue a row's pipeline orders that may fit memory, each with its own bound."""
-        batch, row = self.batches[self.batch_of[index]], int(self.row_of[index])
-        bound = float(self.bounds[index])
-        possible = batch.possible_orders
+    def expand(self, item: _Row, whole_s: float) -> None:
+        """Queue a row's pipeline orders that may fit memory, each with its own bound: the best first, each next one
+        when the one before comes up (the queue never holds a row's k! orders at once)."""
+        batch, row = self.batches[item[0]], item[1]
+        bound = float(batch.bound_s[row])
         orders = group_orders(batch.subset)
-        increase = None
-        if possible is not None:  # per-order bounds only for the orders whose layer capacity may hold the model
-            orders = [order for order in orders if possible[row, permutation_index(order)]]
-            if not orders:
+        base = self.arrival
+        self.arrival += len(orders)  # the orders' places in the tie order, as if all were queued now
+        if batch.memory is None:
+            keys = np.full(len(orders), bound)
+            numbers = np.arange(len(orders))
+        else:  # per-order bounds only for the orders whose layer capacity may hold the model
+            order_array = group_order_array(batch.subset)
+            numbers = np.flatnonzero(batch.possible_orders_of(row, order_array))
+            if not len(numbers):
                 return
-            increase = batch.order_bound_increase_s(row, orders, self.options.order_bound_steps)
-        for number, order in enumerate(orders):
-            order_bound_s = max(bound + float(increase[number]), whole_s) if increase is not None else bound
-            if order_bound_s < self.pruning.limit_s:
-                config = batch.candidate(row, order, order_bound_s)
-                heapq.heappush(self.queue, (order_bound_s, next(self.arrival), config))
+            increase = batch.order_bound_increase_s(row, order_array[numbers], self.options.order_bound_steps)
+            keys = np.maximum(bound + increase, whole_s)
+        line = _Orders(batch, row, orders, numbers, keys, np.lexsort((numbers, keys)), base)
+        self.push_next(line, 0)
+
+    def push_next(self, line: _Orders, position: int) -> None:
+        """Queue the order at this position of a row's line (none past the incumbent)."""
+        if position < len(line.sequence):
+            at = int(line.sequence[position])
+            key_s = float(line.keys[at])
+            if key_s < self.pruning.limit_s:
+                heapq.heappush(self.queue, (key_s, line.base + int(line.numbers[at]), (line, position)))
 
     def settle_root(self) -> None:
         """The least root bound over every row: least first, each tightened by whole layers and then by the memory
         a per-stage recompute plan needs, until the least is one that cannot rise further."""
-        values = self.roots.copy()
-        for index, value in self.popped_roots.items():
-            values[index] = value
-        finite = np.flatnonzero(np.isfinite(values))
-        heap = [(float(values[i]), int(i), 1 if int(i) in self.popped_roots else 0) for i in finite]
+        heap = [
+            (
+                self.popped_roots.get((index, row), float(batch.root_s[row])),
+                index,
+                row,
+                int((index, row) in self.popped_roots),
+            )
+            for index, batch in enumerate(self.batches)
+            for row in np.flatnonzero(np.isfinite(batch.root_s)).tolist()
+        ]
         heapq.heapify(heap)
         while heap:
-            value, index, tightened = heapq.heappop(heap)
+            value, index, row, tightened = heapq.heappop(heap)
             if tightened == 2:
                 self.pruning.least_root_s = min(self.pruning.least_root_s, value)
                 return
-            raised = self.row_bound(index).root_s(memory=tightened == 1, steps=self.options.root_bound_steps)
+            raised = self.row_bound((index, row)).root_s(memory=tightened == 1, steps=self.options.root_bound_steps)
             if math.isfinite(raised):
-                heapq.heappush(heap, (max(value, raised), index, tightened + 1))
+                heapq.heappush(heap, (max(value, raised), index, row, tightened + 1))
+
+
+@dataclass(frozen=True, eq=False)
+class BatchSource:
+    """The batches of one group subset, replica count and micro-batch (every recompute mode and interleaving depth),
+    not built until the search reaches `least_s`: a bound on every row's bound (row and root) in them, so the
+    search builds only the batches that can hold a candidate beating its incumbent."""
+
+    rows: SubsetRows
+    replica_rows: ReplicaRows
+    micro_batch_size: int
+    microbatches: int
+    least_s: float
+    candidates: int  # rows times their pipeline orders, over the batches (SearchResult.configurations)
+
+    def build(self, memory_bounds: bool) -> list[TpRowBatch]:
+        """The batches, one per recompute mode and interleaving depth that some row allows."""
+        return list(self.rows.batches(self.replica_rows, self.micro_batch_size, self.microbatches, memory_bounds))
+
+
+def _candidate_count(ctx: CostContext, replica_rows: ReplicaRows, orders: int) -> int:
+    """Candidates of these rows over recompute modes and interleaving depths (rows whose stages can hold v chunks)."""
+    stages = replica_rows.counts.sum(axis=1)
+    layers = ctx.model.num_layers
+    allowed = sum(int(((stages * v <= layers) & ((v == 1) | (stages > 1))).sum()) for v in ctx.training.virtual_stages)
+    return allowed * len(ctx.training.recompute) * orders
+
+
+def tp_row_sources(
+    ctx: CostContext,
+    options: SearchOptions,
+    memory_bounds: bool = True,
+    subsets: Sequence[tuple[DeviceGroup, ...]] | None = None,
+) -> list[BatchSource]:
+    """The structurally valid candidates on the given group subsets (default: every subset) that pass the memory
+    lower bound (unless `memory_bounds` is off), as batch sources in enumeration order."""
+    tables = row_tables(ctx)
+    training = ctx.training
+    groups = ctx.cluster.groups
+    if subsets is None:
+        subsets = group_subsets(groups, range(1, len(groups) + 1))
+    sources: list[BatchSource] = []
+    for subset in subsets:
+        source = tables.subset_rows(subset)
+        if source.tp_rows.size == 0:
+            continue
+        orders = len(group_orders(subset))
+        replica_rows = list(source.replica_rows(ctx, options, memory_bounds))
+        found: list[tuple[int, int, int, int]] = []  # (replica rows, micro-batch, micro-batches, position)
+        least: dict[int, np.ndarray] = {}
+        for b in training.micro_batch_sizes:
+            splits = [
+                (i, split_batch(training.global_batch_size, rows.replicas, b)) for i, rows in enumerate(replica_rows)
+            ]
+            valid = [(i, split[0]) for i, split in splits if split is not None]
+            if valid:
+                least[b] = source.least_bounds_s([replica_rows[i] for i, _ in valid], b, [q for _, q in valid])
+                found += [(i, b, q, position) for position, (i, q) in enumerate(valid)]
+        found.sort(key=lambda item: (item[0], training.micro_batch_sizes.index(item[1])))  # enumeration order
+        for i, b, q, position in found:
+            rows = replica_rows[i]
+            # a hair below: the vectorised bound may round above the batch's own
+            least_s = float(least[b][position]) * (1 - 1e-9)
+            sources.append(BatchSource(source, rows, b, q, least_s, _candidate_count(ctx, rows, orders)))
+    return sources
+
+
+def tp_row_batches(
+    ctx: CostContext,
+    options: SearchOptions,
+    memory_bounds: bool = True,
+    subsets: Sequence[tuple[DeviceGroup, ...]] | None = None,
+) -> list[TpRowBatch]:
+    """Every batch of tp_row_sources, built."""
+    return [
+        batch
+        for source in tp_row_sources(ctx, options, memory_bounds, subsets)
+        for batch in source.build(memory_bounds)
+    ]
 
 
 def outer_configs(
@@ -133,8 +293,8 @@ def outer_configs(
     """Every candidate (all pipeline orders that may fit) on the given group subsets (default: all), best bound
     first. `counter`, when given, receives the number of candidates (rows that pass the memory lower bound, times
     their pipeline orders)."""
-    batches = tp_row_batches(ctx, options, memory_bounds, subsets)
+    sources = tp_row_sources(ctx, options, memory_bounds, subsets)
     if counter is not None:
-        counter.append(int(sum(np.isfinite(b.bound_s).sum() * len(group_orders(b.subset)) for b in batches)))
-    if batches:
-        yield from _Queue(batches, options, pruning if pruning is not None else Pruning(), memory_bounds).run()
+        counter.append(sum(source.candidates for source in sources))
+    if sources:
+        yield from _Queue(sources, options, pruning if pruning is not None else Pruning(), memory_bounds).run()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -68,7 +69,7 @@ def replica_counts(global_batch: int, subset: Sequence[DeviceGroup], tp_rows: np
     for column, group in enumerate(subset):
         for tp in sorted(set(int(t) for t in tp_rows[:, column])):
             for stages in range(1, max_stages + 1):
-                replicas = group.num_devices // (stages * tp)
+                replicas = part_devices(group) // (stages * tp)
                 if replicas < 1:
                     break
                 counts.add(replicas)
@@ -90,12 +91,22 @@ def group_subsets(groups: Sequence[DeviceGroup], sizes: range) -> list[tuple[Dev
     return [s for size in sizes for s in itertools.combinations(groups, size)]
 
 
-_PERMUTATION_INDEX = {k: {order: i for i, order in enumerate(itertools.permutations(range(k)))} for k in range(1, 9)}
+@functools.cache
+def _permutation_ranks(k: int) -> dict[tuple[int, ...], int]:
+    """The position of every order of k groups among itertools.permutations(range(k)) (built when first asked)."""
+    return {order: i for i, order in enumerate(itertools.permutations(range(k)))}
 
 
 def permutation_index(order: tuple[int, ...]) -> int:
-    """The position of an order of k groups among itertools.permutations(range(k))."""
-    return _PERMUTATION_INDEX[len(order)][order]
+    """The position of an order of k groups among itertools.permutations(range(k)) (its lexicographic rank)."""
+    if len(order) <= 8:
+        return _permutation_ranks(len(order))[order]
+    rank, rest = 0, sorted(order)
+    for position, item in enumerate(order):
+        smaller = rest.index(item)
+        rank += smaller * math.factorial(len(order) - position - 1)
+        rest.pop(smaller)
+    return rank
 
 
 def _signature(group: DeviceGroup) -> tuple[object, ...]:
@@ -107,11 +118,67 @@ def _signature(group: DeviceGroup) -> tuple[object, ...]:
 def group_orders(groups: tuple[DeviceGroup, ...]) -> list[tuple[int, ...]]:
     """Permutations of group indices, skipping those that only swap interchangeable groups (identical devices and
     node shapes). Memoised: callers must not modify the list."""
-    seen: set[tuple[object, ...]] = set()
+    kinds: dict[tuple[object, ...], int] = {}
+    kind = [kinds.setdefault(_signature(group), len(kinds)) for group in groups]
+    seen: set[tuple[int, ...]] = set()
     orders = []
     for order in itertools.permutations(range(len(groups))):
-        key = tuple(_signature(groups[i]) for i in order)
+        key = tuple(kind[i] for i in order)
         if key not in seen:
             seen.add(key)
             orders.append(order)
     return orders
+
+
+@functools.cache
+def group_order_array(groups: tuple[DeviceGroup, ...]) -> np.ndarray:
+    """group_orders as an (orders, groups) array (memoised; read only)."""
+    array = np.array(group_orders(groups), dtype=np.int64).reshape(-1, len(groups))
+    array.flags.writeable = False
+    return array
+
+
+def identical_classes(groups: Sequence[DeviceGroup]) -> list[tuple[DeviceGroup, ...]]:
+    """The groups gathered by what makes them interchangeable (device, node shape, NICs), in cluster order."""
+    classes: dict[tuple[object, ...], list[DeviceGroup]] = {}
+    for group in groups:
+        classes.setdefault((*_signature(group), group.emulate_speed), []).append(group)
+    return [tuple(members) for members in classes.values()]
+
+
+def search_size(ctx: CostContext, groups: Sequence[DeviceGroup]) -> int:
+    """Pipeline orders (interchangeable groups swapped once) times TP choices of a pipeline over every group: how
+    the search space of many groups grows."""
+    orders = math.factorial(len(groups))
+    for members in identical_classes(groups):
+        orders //= math.factorial(len(members))
+    return orders * math.prod(len(tp_options(ctx, g)) for g in groups)
+
+
+# merged groups (planner.search._merged_search): the group object -> how many equal groups it stands for
+_PARTS: dict[int, tuple[DeviceGroup, int]] = {}
+
+
+def merged_parts(group: DeviceGroup, parts: int) -> None:
+    """Say that `group` stands for `parts` equal groups: a stage (every replica of it) fits in one of them (0: forget
+    it, when its search is done)."""
+    if parts:
+        _PARTS[id(group)] = (group, parts)
+    else:
+        _PARTS.pop(id(group), None)
+
+
+def group_parts(group: DeviceGroup) -> int:
+    """How many equal groups a group stands for (1 but for merged ones)."""
+    found = _PARTS.get(id(group))
+    return found[1] if found is not None and found[0] is group else 1
+
+
+def part_devices(group: DeviceGroup) -> int:
+    """The devices of one of the equal groups a group stands for."""
+    return group.num_devices // group_parts(group)
+
+
+def stage_count(group: DeviceGroup, replicas: int, tp: int) -> int:
+    """Stages of TP `tp` the group holds with `replicas` replicas (in whole parts of a merged group)."""
+    return group_parts(group) * (part_devices(group) // (replicas * tp))

@@ -16,11 +16,17 @@ from __future__ import annotations
 
 import json
 import shlex
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
+from planner.baselines import SPLITTERS
+from planner.candidates import tp_options
+from planner.options import SearchOptions
 from planner.search import search
 from predictor.cost_model import CostContext, evaluate, interleaved_group_size
+from profiler.profile import LayerCostSource
+from specs.cluster import ClusterSpec
 from specs.engines import Engine, get_engine
 from specs.errors import SpecError
 from specs.layout import PipelineStrategy, Strategy, pack_stages, split_batch
@@ -32,11 +38,17 @@ MASTER_PORT = 29500
 
 @dataclass(frozen=True)
 class NodeLaunch:
+    """One node's torchrun: which node of which group, its node rank and the local devices its ranks use."""
+
     group: str
     node: int  # index within the group
     node_rank: int
     devices: tuple[int, ...]  # local device indices, in local-rank order
-    command: str
+    visible_devices_env: str  # the vendor's variable (CUDA_VISIBLE_DEVICES, ...); "" when it has none
+
+    @property
+    def visible(self) -> str:
+        return ",".join(str(d) for d in self.devices)
 
 
 @dataclass
@@ -64,6 +76,51 @@ class Export:
 
 
 # ---- the closest plan an engine can run -----------------------------------------------------------------------
+class _FixedTp:
+    """A layer-cost source that offers the search one TP degree (the planner reads `tp_degrees` as what a profile
+    covers), so the same search finds the best plan with every stage at that degree."""
+
+    def __init__(self, source: LayerCostSource, tp: int) -> None:
+        self._source, self._tp = source, tp
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._source, name)
+
+    def tp_degrees(self) -> tuple[int, ...]:
+        profiled = getattr(self._source, "tp_degrees", None)
+        return (self._tp,) if not callable(profiled) or self._tp in profiled() else ()
+
+
+def engine_lost(strategy: Strategy, engine: Engine) -> list[str]:
+    """What of the plan the engine cannot express, one line each (empty: it runs the plan as planned)."""
+    lost: list[str] = []
+    pipelines, stages = strategy.pipelines, [s for p in strategy.pipelines for s in p.stages]
+    if len(pipelines) > 1 and not engine.pipeline_families:
+        lost.append(f"{len(pipelines)} pipeline families with their own batch shares -> one family")
+    if not engine.interleaving and strategy.virtual_stages > 1:
+        lost.append(f"interleaved 1F1B with {strategy.virtual_stages} virtual stages -> plain 1F1B")
+    if not engine.uneven_layers and any(len({s.num_layers for s in p.stages}) > 1 for p in pipelines):
+        lost.append("uneven layer split -> the same number of layers on every stage")
+    if not engine.tensor_parallel and {s.tp for s in stages} != {1}:
+        widths = ", ".join(str(t) for t in sorted({s.tp for s in stages}))
+        lost.append(
+            f"tensor parallelism (TP {widths}) -> TP 1: {engine.key}'s pipeline engine has no tensor parallelism "
+            "(Megatron-DeepSpeed adds it through its own model-parallel unit)"
+        )
+    elif not engine.per_stage_tp and any(len({s.tp for s in p.stages}) > 1 for p in pipelines):
+        tps = next(p for p in pipelines if len({s.tp for s in p.stages}) > 1)
+        lost.append(f"per-stage TP ({', '.join(str(s.tp) for s in tps.stages)}) -> one TP degree")
+    if not engine.per_stage_recompute and len({strategy.stage_recompute(s) for s in stages}) > 1:
+        lost.append(f"per-stage recompute ({strategy.recompute_summary}) -> one mode for all stages")
+    uneven = next((p for p in pipelines if p.uneven), None)
+    if not engine.uneven_batch and uneven is not None:
+        lost.append(
+            f"uneven batch shares ({uneven.microbatch_total} micro-batches over {uneven.replicas} replicas) "
+            "-> the same number of micro-batches on every replica"
+        )
+    return lost
+
+
 def _with_tp(pipeline: PipelineStrategy, tp: int) -> PipelineStrategy:
     """Every stage at one TP degree, packed from the start of each group."""
     return replace(pipeline, stages=pack_stages((replace(s, tp=tp) for s in pipeline.stages), pipeline.replicas))
@@ -86,6 +143,51 @@ def _even_batch(strategy: Strategy, global_batch: int) -> Strategy | None:
     return None
 
 
+def near_plans(ctx: CostContext, strategy: Strategy, engine: Engine) -> list[Strategy]:
+    """The plan itself with each part the engine cannot express replaced (one-family plans; several families are
+    left to `engine_plans`)."""
+    if len(strategy.pipelines) > 1:
+        return []
+    pipeline = strategy.pipelines[0]
+    candidates = [strategy]
+    if not engine.interleaving and strategy.virtual_stages > 1:
+        candidates = [replace(c, virtual_stages=1) for c in candidates]
+    if not engine.per_stage_recompute and len({strategy.stage_recompute(s) for s in pipeline.stages}) > 1:
+        candidates = [_one_recompute(c, mode) for c in candidates for mode in RECOMPUTE_MODES]
+    widths = sorted({s.tp for s in pipeline.stages})
+    if not engine.tensor_parallel:
+        widths = [1]
+    if widths != sorted({s.tp for s in pipeline.stages}) or (not engine.per_stage_tp and len(widths) > 1):
+        candidates = [replace(c, pipelines=(_with_tp(c.pipelines[0], t),)) for c in candidates for t in widths]
+    if not engine.uneven_batch and pipeline.uneven:
+        candidates = [even for c in candidates if (even := _even_batch(c, ctx.training.global_batch_size))]
+    return [c for c in candidates if not engine_lost(c, engine)]
+
+
+def engine_plans(ctx: CostContext, engine: Engine) -> list[Strategy]:
+    """The planner's best plan within the engine's space: one family, even batches, one recompute mode, plain 1F1B,
+    even layers, as the engine's flags require; without per-stage TP one search per TP degree any group can use."""
+    update: dict[str, object] = {}
+    if not engine.pipeline_families:
+        update["families"] = "off"
+    if not engine.uneven_batch:
+        update["uneven_batch"] = "off"
+    if not engine.interleaving:
+        update["virtual_stages"] = (1,)
+    restricted = replace(ctx, training=ctx.training.model_copy(update=update))
+    options = SearchOptions(per_stage_candidates=1 if engine.per_stage_recompute else 0)
+    splitter = None if engine.uneven_layers else SPLITTERS["uniform"]
+    widths: list[int | None] = [None] if engine.per_stage_tp else [1]
+    if engine.tensor_parallel and not engine.per_stage_tp:
+        widths = sorted({t for group in ctx.cluster.groups for t in tp_options(restricted, group)})
+    plans = []
+    for tp in widths:
+        sources = restricted.sources if tp is None else {k: _FixedTp(v, tp) for k, v in restricted.sources.items()}
+        found = search(replace(restricted, sources=sources), options, splitter=splitter)
+        plans += [e.strategy for e in found.evaluations if not engine_lost(e.strategy, engine)]
+    return plans
+
+
 def _fastest_fitting(ctx: CostContext, candidates: list[Strategy]) -> Strategy | None:
     best, best_time = None, float("inf")
     for candidate in candidates:
@@ -100,98 +202,21 @@ def _fastest_fitting(ctx: CostContext, candidates: list[Strategy]) -> Strategy |
 
 
 def closest(ctx: CostContext, strategy: Strategy, engine: Engine) -> tuple[Strategy, list[str]]:
-    """The fastest fitting plan within the engine's limits, near the given one, and what had to change. A plan of
-    several pipeline families is replaced by the best plan of one family first."""
-    lost: list[str] = []
-    if len(strategy.pipelines) > 1 and not engine.pipeline_families:
-        single = ctx.training.model_copy(update={"families": "off"})
-        found = search(replace(ctx, training=single))
-        if not found.evaluations:
-            raise SpecError("export", "plan", "no plan of one pipeline family fits memory")
-        lost.append(
-            f"{len(strategy.pipelines)} pipeline families with their own batch shares -> one family "
-            "(the best plan of one family)"
-        )
-        strategy = found.evaluations[0].strategy
-    pipeline = strategy.pipelines[0]
-    candidates = [strategy]
-    if not engine.interleaving and strategy.virtual_stages > 1:
-        lost.append(f"interleaved 1F1B with {strategy.virtual_stages} virtual stages -> plain 1F1B")
-        candidates = [replace(c, virtual_stages=1) for c in candidates]
-    modes = {strategy.stage_recompute(s) for s in pipeline.stages}
-    if not engine.per_stage_recompute and len(modes) > 1:
-        lost.append(f"per-stage recompute ({strategy.recompute_summary}) -> one mode for all stages")
-        candidates = [_one_recompute(c, mode) for c in candidates for mode in RECOMPUTE_MODES]
-    widths = sorted({s.tp for s in pipeline.stages})
-    if not engine.per_stage_tp and len(widths) > 1:
-        lost.append(f"per-stage TP ({', '.join(str(s.tp) for s in pipeline.stages)}) -> one TP degree")
-        candidates = [replace(c, pipelines=(_with_tp(c.pipelines[0], t),)) for c in candidates for t in widths]
-    if not engine.uneven_batch and pipeline.uneven:
-        lost.append(
-            f"uneven batch shares ({pipeline.microbatch_total} micro-batches over {pipeline.replicas} replicas) "
-            "-> the same number of micro-batches on every replica"
-        )
-        candidates = [even for c in candidates if (even := _even_batch(c, ctx.training.global_batch_size))]
-    if not lost or candidates == [strategy]:
+    """The fastest fitting plan the engine can run, and what of the plan it could not express: the plan with those
+    parts replaced, or the planner's best plan within the engine's space, whichever is faster."""
+    lost = engine_lost(strategy, engine)
+    if not lost:
         return strategy, lost
-    chosen = _fastest_fitting(ctx, candidates)
+    chosen = _fastest_fitting(ctx, near_plans(ctx, strategy, engine) + engine_plans(ctx, engine))
     if chosen is None:
         raise SpecError("export", "plan", "no plan within the engine's limits fits memory: " + "; ".join(lost))
     return chosen, lost
 
 
-# ---- launching --------------------------------------------------------------------------------------------------
-def node_launches(ctx: CostContext, strategy: Strategy, entry: str) -> list[NodeLaunch]:
-    """torchrun commands, nodes in Megatron rank order (stage, then replica, then TP rank)."""
-    pipeline = strategy.pipelines[0]
-    order: list[tuple[str, int]] = []  # (group, device index in the group), in global rank order
-    for stage in pipeline.stages:
-        order += [(stage.group, stage.device_offset + i) for i in range(pipeline.stage_devices(stage))]
-    nodes: list[tuple[str, int, list[int]]] = []
-    for index, (group_name, device) in enumerate(order):
-        per_node = ctx.cluster.group(group_name).devices_per_node
-        node, local = divmod(device, per_node)
-        if nodes and nodes[-1][:2] == (group_name, node):
-            nodes[-1][2].append(local)
-        elif any(n[:2] == (group_name, node) for n in nodes):
-            why = (
-                f"rank {index} would reopen node {node} of {group_name}: its devices are not contiguous in the "
-                "engine's rank order (tp-dp-pp); reorder the stages or use whole nodes per stage"
-            )
-            raise SpecError("export", "stages", why)
-        else:
-            nodes.append((group_name, node, [local]))
-    world = len(order)
-    launches = []
-    for node_rank, (group_name, node, devices) in enumerate(nodes):
-        group = ctx.cluster.group(group_name)
-        env = get_vendor(group.device.vendor).visible_devices_env
-        prefix = f"{env}={','.join(str(d) for d in devices)} " if env else ""
-        command = (
-            f"{prefix}torchrun --nnodes {len(nodes)} --node-rank {node_rank} --nproc-per-node {len(devices)} "
-            f"--master-addr $MASTER_ADDR --master-port {MASTER_PORT} {entry}"
-        )
-        launches.append(NodeLaunch(group_name, node, node_rank, tuple(devices), command))
-    assert sum(len(n.devices) for n in launches) == world
-    return launches
-
-
-def _launch_script(launches: list[NodeLaunch], title: str) -> str:
-    lines = [
-        "#!/usr/bin/env bash",
-        f"# {title}",
-        f"# Run on every node with NODE_RANK set (0 .. {len(launches) - 1}); MASTER_ADDR is node rank 0's address.",
-        'set -euo pipefail\n: "${MASTER_ADDR:?set MASTER_ADDR}" "${NODE_RANK:?set NODE_RANK}"',
-        'case "$NODE_RANK" in',
-    ]
-    for launch in launches:
-        lines.append(f"  {launch.node_rank}) # {launch.group} node {launch.node}")
-        lines.append(f"    exec {launch.command} ;;")
-    lines += ['  *) echo "NODE_RANK must be 0..' + str(len(launches) - 1) + '" >&2; exit 2 ;;', "esac", ""]
-    return "\n".join(lines)
-
-
 # ---- engines ----------------------------------------------------------------------------------------------------
+Args = list[list[str]]  # an engine's command line: one flag and its values per line, literal words ("$here/x": a file)
+
+
 def chunk_layer_counts(strategy: Strategy) -> list[int]:
     """Decoder layers per model chunk in model order, as interleaving engines deal chunks: chunk c of stage s is
     model part c * stages + s, and each stage's layers are spread over its v chunks as evenly as whole layers allow
@@ -208,63 +233,62 @@ def megatron_layout(strategy: Strategy) -> str:
     return "|".join(parts)
 
 
-def _model_args(ctx: CostContext) -> list[str]:
+def _model_args(ctx: CostContext) -> Args:
     model = ctx.model
     args = [
-        f"--num-layers {model.num_layers}",
-        f"--hidden-size {model.hidden_size}",
-        f"--ffn-hidden-size {model.ffn_hidden_size}",
-        f"--num-attention-heads {model.num_attention_heads}",
-        f"--seq-length {ctx.seq_length}",
-        f"--max-position-embeddings {max(ctx.seq_length, model.seq_length)}",
-        f"--vocab-size {model.vocab_size}",
+        ["--num-layers", str(model.num_layers)],
+        ["--hidden-size", str(model.hidden_size)],
+        ["--ffn-hidden-size", str(model.ffn_hidden_size)],
+        ["--num-attention-heads", str(model.num_attention_heads)],
+        ["--seq-length", str(ctx.seq_length)],
+        ["--max-position-embeddings", str(max(ctx.seq_length, model.seq_length))],
+        ["--vocab-size", str(model.vocab_size)],
     ]
     if model.num_kv_heads != model.num_attention_heads:
-        args += ["--group-query-attention", f"--num-query-groups {model.num_kv_heads}"]
+        args += [["--group-query-attention"], ["--num-query-groups", str(model.num_kv_heads)]]
     if model.mlp == "swiglu":
-        args += ["--swiglu", "--normalization RMSNorm", "--position-embedding-type rope", "--disable-bias-linear"]
-        args += ["--untie-embeddings-and-output-weights"]
-    dtype = ctx.training.dtype
-    if dtype in ("bf16", "fp16"):
-        args.append(f"--{dtype}")
+        args += [["--swiglu"], ["--normalization", "RMSNorm"], ["--position-embedding-type", "rope"]]
+        args += [["--disable-bias-linear"], ["--untie-embeddings-and-output-weights"]]
+    if ctx.training.dtype in ("bf16", "fp16"):
+        args.append([f"--{ctx.training.dtype}"])
     return args
 
 
-def _recompute_args(mode: str) -> list[str]:
+def _recompute_args(mode: str) -> Args:
     if mode == "selective":
-        return ["--recompute-granularity selective"]
+        return [["--recompute-granularity", "selective"]]
     if mode == "full":
-        return ["--recompute-granularity full", "--recompute-method uniform", "--recompute-num-layers 1"]
+        return [["--recompute-granularity", "full"], ["--recompute-method", "uniform"], ["--recompute-num-layers", "1"]]
     return []
 
 
-def _megatron(ctx: CostContext, strategy: Strategy) -> dict[str, str]:
+def _megatron(ctx: CostContext, strategy: Strategy, plan: Strategy) -> tuple[dict[str, str], Args]:
     pipeline = strategy.pipelines[0]
     args = [
         *_model_args(ctx),
-        f"--tensor-model-parallel-size {pipeline.stages[0].tp}",
-        f"--pipeline-model-parallel-size {len(pipeline.stages)}",
-        f"--micro-batch-size {pipeline.micro_batch_size}",
-        f"--global-batch-size {ctx.training.global_batch_size}",
-        "--calculate-per-token-loss",
+        ["--tensor-model-parallel-size", str(pipeline.stages[0].tp)],
+        ["--pipeline-model-parallel-size", str(len(pipeline.stages))],
+        ["--micro-batch-size", str(pipeline.micro_batch_size)],
+        ["--global-batch-size", str(ctx.training.global_batch_size)],
+        ["--calculate-per-token-loss"],
     ]
     counts = {s.num_layers for s in pipeline.stages}
     if len(pipeline.stages) > 1 and (len(counts) > 1 or strategy.virtual_stages > 1):
-        args.append(f"--pipeline-model-parallel-layout {shlex.quote(megatron_layout(strategy))}")
+        args.append(["--pipeline-model-parallel-layout", megatron_layout(strategy)])
     stages, microbatches = len(pipeline.stages), pipeline.num_microbatches
     if strategy.virtual_stages > 1 and interleaved_group_size(microbatches, stages) != stages:
         # Megatron refuses an interleaved run whose micro-batches do not fall into groups of at least p
         size = interleaved_group_size(microbatches, stages)
-        args.append(f"--microbatch-group-size-per-virtual-pipeline-stage {size}")
+        args.append(["--microbatch-group-size-per-virtual-pipeline-stage", str(size)])
     args += _recompute_args(strategy.recompute)
     if strategy.zero_stage >= 1:
-        args.append("--use-distributed-optimizer")
+        args.append(["--use-distributed-optimizer"])
     if strategy.sequence_parallel and pipeline.stages[0].tp > 1:
-        args.append("--sequence-parallel")
-    return {"megatron_args.txt": " \\\n  ".join(args) + "\n"}
+        args.append(["--sequence-parallel"])
+    return {}, args
 
 
-def _flagscale(ctx: CostContext, strategy: Strategy) -> dict[str, str]:
+def _flagscale(ctx: CostContext, strategy: Strategy, plan: Strategy) -> tuple[dict[str, str], Args]:
     pipeline = strategy.pipelines[0]
     meshes: list[list[int]] = []  # tp cp ep dp pp per run of stages on one group with one TP
     device_types, splits = [], []
@@ -278,21 +302,21 @@ def _flagscale(ctx: CostContext, strategy: Strategy) -> dict[str, str]:
         splits.append(stage.num_layers)
     args = [
         *_model_args(ctx),
-        "--enable-hetero",
-        "--hetero-process-meshes " + " ".join(str(x) for mesh in meshes for x in mesh),
-        "--hetero-pipeline-layer-split " + " ".join(str(n) for n in splits),
-        "--hetero-device-types " + " ".join(device_types),
-        f"--pipeline-model-parallel-size {len(pipeline.stages)}",
-        f"--micro-batch-size {pipeline.micro_batch_size}",
-        f"--global-batch-size {ctx.training.global_batch_size}",
+        ["--enable-hetero"],
+        ["--hetero-process-meshes", *(str(x) for mesh in meshes for x in mesh)],
+        ["--hetero-pipeline-layer-split", *(str(n) for n in splits)],
+        ["--hetero-device-types", *device_types],
+        ["--pipeline-model-parallel-size", str(len(pipeline.stages))],
+        ["--micro-batch-size", str(pipeline.micro_batch_size)],
+        ["--global-batch-size", str(ctx.training.global_batch_size)],
     ]
     args += _recompute_args(strategy.recompute)
     if strategy.zero_stage >= 1:
-        args.append("--use-distributed-optimizer")
-    return {"flagscale_args.txt": " \\\n  ".join(args) + "\n"}
+        args.append(["--use-distributed-optimizer"])
+    return {}, args
 
 
-def _deepspeed(ctx: CostContext, strategy: Strategy) -> dict[str, str]:
+def _deepspeed(ctx: CostContext, strategy: Strategy, plan: Strategy) -> tuple[dict[str, str], Args]:
     pipeline = strategy.pipelines[0]
     config = {
         "train_batch_size": ctx.training.global_batch_size,
@@ -307,14 +331,20 @@ def _deepspeed(ctx: CostContext, strategy: Strategy) -> dict[str, str]:
         config["activation_checkpointing"] = {"partition_activations": False, "contiguous_memory_optimization": False}
     bounds = [pipeline.stages[0].layer_start] + [s.layer_end for s in pipeline.stages]
     parts = [0] + [b + 1 for b in bounds[1:-1]] + [bounds[-1] + 2]  # + embedding first, + head last
+    plan_tp = ", ".join(str(t) for t in sorted({s.tp for p in plan.pipelines for s in p.stages}))
     module = f'''"""PipelineModule with hetplan's stage boundaries (DeepSpeed's partition_method has no explicit list).
 
 Layers: [embedding, decoder 0 .. {ctx.model.num_layers - 1}, head]; stage i owns layers parts[i]:parts[i+1].
+Tensor parallelism: none (TP 1 on {len(pipeline.stages)} stages x {pipeline.replicas} replicas); the plan used
+TP {plan_tp}. DeepSpeed's pipeline engine has no tensor parallelism of its own, so the export is the fastest TP 1
+plan that fits (export.json: "lost"); Megatron-DeepSpeed adds TP through its model-parallel unit.
 """
 
 from deepspeed.pipe import PipelineModule
 
 PARTS = {parts}
+TENSOR_PARALLEL = 1
+PLAN_TENSOR_PARALLEL = "{plan_tp}"
 
 
 class HetplanPipelineModule(PipelineModule):
@@ -325,10 +355,11 @@ class HetplanPipelineModule(PipelineModule):
         stage = self.stage_id
         self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
 '''
-    return {"ds_config.json": json.dumps(config, indent=2) + "\n", "hetplan_pipeline.py": module}
+    files = {"ds_config.json": json.dumps(config, indent=2) + "\n", "hetplan_pipeline.py": module}
+    return files, [["--deepspeed"], ["--deepspeed_config", "$here/ds_config.json"]]
 
 
-def _torchtitan(ctx: CostContext, strategy: Strategy) -> dict[str, str]:
+def _torchtitan(ctx: CostContext, strategy: Strategy, plan: Strategy) -> tuple[dict[str, str], Args]:
     pipeline = strategy.pipelines[0]
     parts, start = [], 0
     for count in chunk_layer_counts(strategy):
@@ -361,22 +392,138 @@ def _torchtitan(ctx: CostContext, strategy: Strategy) -> dict[str, str]:
             "",
         ]
     )
-    return {"torchtitan.toml": toml}
+    return {"torchtitan.toml": toml}, [["--job.config_file", "$here/torchtitan.toml"]]
 
 
-def _launch_only(ctx: CostContext, strategy: Strategy) -> dict[str, str]:
+def _launch_only(ctx: CostContext, strategy: Strategy, plan: Strategy) -> tuple[dict[str, str], Args]:
     """torchrun starts the user's own script: the launch commands are the whole export."""
-    return {}
+    return {}, []
 
 
-Writer = Callable[[CostContext, Strategy], dict[str, str]]
+Writer = Callable[[CostContext, Strategy, Strategy], tuple[dict[str, str], Args]]
 WRITERS: dict[str, Writer] = {
     "megatron": _megatron,
     "flagscale": _flagscale,
     "deepspeed": _deepspeed,
     "torchtitan": _torchtitan,
     "torchrun": _launch_only,
-}  # one per engine of specs/catalog/engines.yaml, which says what each can express
+}  # one per engine of specs/catalog/engines.yaml, which says what each can express; (exported, plan) -> files, args
+
+
+# ---- launching --------------------------------------------------------------------------------------------------
+def node_launches(cluster: ClusterSpec, ranks: list[tuple[str, int]]) -> list[NodeLaunch]:
+    """One torchrun per node for global ranks given as (group, device index in the group) in rank order; a node's
+    devices must be contiguous in that order (torchrun numbers ranks node by node)."""
+    nodes: list[tuple[str, int, list[int]]] = []
+    for index, (group_name, device) in enumerate(ranks):
+        node, local = divmod(device, cluster.group(group_name).devices_per_node)
+        if nodes and nodes[-1][:2] == (group_name, node):
+            nodes[-1][2].append(local)
+        elif any(n[:2] == (group_name, node) for n in nodes):
+            why = (
+                f"rank {index} would reopen node {node} of {group_name}: its devices are not contiguous in the "
+                "engine's rank order (tp-dp-pp); reorder the stages or use whole nodes per stage"
+            )
+            raise SpecError("export", "stages", why)
+        else:
+            nodes.append((group_name, node, [local]))
+    launches = []
+    for node_rank, (group_name, node, devices) in enumerate(nodes):
+        env = get_vendor(cluster.group(group_name).device.vendor).visible_devices_env
+        launches.append(NodeLaunch(group_name, node, node_rank, tuple(devices), env))
+    return launches
+
+
+def megatron_order(strategy: Strategy) -> list[tuple[str, int]]:
+    """(group, device) of every global rank in Megatron's order: stage, then replica, then TP rank."""
+    pipeline = strategy.pipelines[0]
+    return [(s.group, s.device_offset + i) for s in pipeline.stages for i in range(pipeline.stage_devices(s))]
+
+
+def torchrun_command(launch: NodeLaunch, nodes: int, entry: list[str], master_addr: str, port: int) -> str:
+    """The node's command line: its visible devices, then torchrun with a static rendezvous at node rank 0."""
+    prefix = f"env {launch.visible_devices_env}={launch.visible} " if launch.visible_devices_env else ""
+    words = [
+        "torchrun", "--nnodes", str(nodes), "--node-rank", str(launch.node_rank), "--nproc-per-node",
+        str(len(launch.devices)), "--master-addr", master_addr, "--master-port", str(port), *entry,
+    ]  # fmt: skip
+    return prefix + " ".join(w if w.startswith('"$') else shlex.quote(w) for w in words)
+
+
+def _shell_word(word: str) -> str:
+    return f'"{word}"' if word.startswith("$here/") else shlex.quote(word)
+
+
+def launch_script(launches: list[NodeLaunch], title: str, script: str, args: Args, what: str) -> str:
+    """A bash script every node runs: node rank from its argument, $NODE_RANK or $SLURM_NODEID; the node's visible
+    devices exported; torchrun started with the engine's arguments as a bash array (real arguments, no re-parsing)."""
+    last = len(launches) - 1
+    entry = " ".join(shlex.quote(w) for w in shlex.split(script))
+    usage = [
+        f"usage: launch.sh [NODE_RANK] [EXTRA_ARGS...]   starts torchrun for {what} on this node",
+        f"  {what}: TRAIN_SCRIPT=path overrides{'' if script else ' (required)'}; it gets the plan's arguments, "
+        "then EXTRA_ARGS (data, tokenizer, checkpoints ...)",
+        f"  NODE_RANK (0..{last}): the argument, else $NODE_RANK, else $SLURM_NODEID; node rank k must be a node "
+        "of the group named on its line in this script",
+        "  MASTER_ADDR: node rank 0's address (under SLURM: the job's first host); MASTER_PORT: "
+        f"{MASTER_PORT} unless set",
+    ]
+    lines = ["#!/usr/bin/env bash", f"# {title}", "#", *(f"# {u}" for u in usage)]
+    lines += ["set -euo pipefail", "usage() {", "  cat >&2 <<'USAGE'", *usage, "USAGE", "}"]
+    lines += [
+        "if [[ ${1:-} == -h || ${1:-} == --help ]]; then usage; exit 0; fi",
+        "if [[ $# -gt 0 && $1 =~ ^[0-9]+$ ]]; then NODE_RANK=$1; shift; fi",
+        'NODE_RANK="${NODE_RANK:-${SLURM_NODEID:-}}"',
+        "if [[ -z $NODE_RANK ]]; then usage; exit 2; fi",
+        "if [[ -z ${MASTER_ADDR:-} && -n ${SLURM_JOB_NODELIST:-} ]]; then",
+        '  MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
+        "fi",
+        ': "${MASTER_ADDR:?set MASTER_ADDR to the address of node rank 0}"',
+        f'MASTER_PORT="${{MASTER_PORT:-{MASTER_PORT}}}"',
+        *(
+            ['here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"']
+            if any("$here/" in w for a in args for w in a)
+            else []
+        ),
+        f"entry=({entry})",
+        'if [[ -n ${TRAIN_SCRIPT:-} ]]; then entry=("$TRAIN_SCRIPT"); fi',
+        'if [[ ${#entry[@]} -eq 0 ]]; then echo "launch.sh: set TRAIN_SCRIPT to the training script" >&2; exit 2; fi',
+        "args=(",
+        *(f"  {' '.join(_shell_word(w) for w in line)}" for line in args),
+        ")",
+        'case "$NODE_RANK" in',
+    ]
+    for launch in launches:
+        lines.append(f"  {launch.node_rank})  # {launch.group} node {launch.node}")
+        if launch.visible_devices_env:
+            lines.append(f"    export {launch.visible_devices_env}={launch.visible}")
+        lines.append(f"    nproc={len(launch.devices)} ;;")
+    lines += [
+        f'  *) echo "launch.sh: NODE_RANK must be 0..{last}, got $NODE_RANK" >&2; exit 2 ;;',
+        "esac",
+        f'exec torchrun --nnodes {len(launches)} --node-rank "$NODE_RANK" --nproc-per-node "$nproc" \\',
+        '  --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" "${entry[@]}" "${args[@]}" "$@"',
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def launch_commands(
+    plan_path: str,
+    cluster: ClusterSpec,
+    cluster_path: str,
+    out: str = "run.json",
+    master_addr: str = "$MASTER_ADDR",
+    port: int = MASTER_PORT,
+    extra: Sequence[str] = (),
+) -> list[str]:
+    """One torchrun command per node of the cluster that runs `hetplan run` on it as one rank per device: nodes in
+    the runtime's rank order (groups in cluster order, node-major; static rendezvous, so node ranks are as listed),
+    each node's visible devices from its vendor."""
+    ranks = [(group.name, device) for group in cluster.groups for device in range(group.num_devices)]
+    launches = node_launches(cluster, ranks)
+    entry = ["--no-python", "hetplan", "run", plan_path, "--cluster", cluster_path, "--out", out, *extra]
+    return [torchrun_command(launch, len(launches), entry, master_addr, port) for launch in launches]
 
 
 def export_plan(ctx: CostContext, strategy: Strategy, fmt: str) -> Export:
@@ -387,9 +534,11 @@ def export_plan(ctx: CostContext, strategy: Strategy, fmt: str) -> Export:
         raise SpecError("--format", "", f"{engine.key} is in the engine registry but has no exporter yet")
     ctx.check_strategy(strategy, "plan")
     exported, lost = closest(ctx, strategy, engine)
-    files = writer(ctx, exported)
-    launches = node_launches(ctx, exported, engine.entry)
-    files["launch.sh"] = _launch_script(launches, f"hetplan export --format {engine.key}: one torchrun per node")
+    files, args = writer(ctx, exported, strategy)
+    launches = node_launches(ctx.cluster, megatron_order(exported))
+    what = shlex.split(engine.script)[-1] if engine.script else "your training script"
+    title = f"hetplan export --format {engine.key}: one torchrun per node ({len(launches)} nodes)"
+    files["launch.sh"] = launch_script(launches, title, engine.script, args, what)
     notes = []
     vendors = sorted({ctx.cluster.group(s.group).device.vendor for s in exported.pipelines[0].stages})
     if len(vendors) > 1 and not engine.mixed_vendors:
@@ -397,7 +546,7 @@ def export_plan(ctx: CostContext, strategy: Strategy, fmt: str) -> Export:
             f"the plan spans vendors {', '.join(vendors)}: {engine.key} runs one collective library for the whole "
             "job; launch it over the hetplan backend's bridge (comm/) or use FlagScale's hetero mode"
         )
-    if strategy.virtual_stages > 1 and engine.interleaving:
+    if exported.virtual_stages > 1 and engine.interleaving:
         notes.append(
             "interleaving keeps each rank's layer count, not its layer ids (the engine deals chunks round-robin)"
         )

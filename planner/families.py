@@ -11,10 +11,11 @@ For each partition of the groups into blocks: the best few plans of every block 
 (the ordinary search on the block alone, memoised), then an exact split picks one plan per block and the
 micro-batches of each family (integers, sum of samples = global batch) minimising the slowest family's pipeline +
 tail. A family's pipeline time is affine in its micro-batches per replica, q * bottleneck + fill/drain, so the split
-is exact for the offered plans (`split_batch_across`: a subset-sum table and bisection; a CP-SAT model of the same
-problem timed out at 2 s with worse splits); memory holds when q grows only where q already reaches the pipeline
-depth (1F1B keeps at most depth micro-batches in flight). The best partitions' blocks are searched again near the
-shares the split chose, and the split solved again over both rounds' plans. Every result is re-evaluated by the full
+is exact for the offered plans (`split_batch_across`: a subset-sum table and a search over the times; a CP-SAT model
+of the same problem timed out at 2 s with worse splits); memory holds when q grows only where q already reaches the
+pipeline depth (1F1B keeps at most depth micro-batches in flight; interleaved plans are checked per count where the
+split breaks memory). The best partitions' blocks are searched again near the shares the split chose, and the split
+solved again over both rounds' plans. Every result is re-evaluated by the full
 cost model, cross-family sync included.
 """
 
@@ -27,8 +28,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from planner.options import DEFAULT_OPTIONS, ProgressCallback, SearchOptions
-from predictor.cost_model import CostContext, Evaluation, evaluate
+from planner.options import ProgressCallback, SearchOptions
+from predictor.cost_model import (
+    CostContext,
+    Evaluation,
+    evaluate,
+    interleaved_group_size,
+    stage_memory,
+    usable_memory_bytes,
+)
 from specs.cluster import DeviceGroup
 from specs.layout import Strategy, split_pipeline
 from specs.model import Recompute
@@ -48,6 +56,9 @@ class _BlockPlan:
     fixed_s: float  # fill, drain, p2p and the block's own tail
     max_microbatches: int  # memory: at most this many per replica (large where depth is reached)
     virtual_stages: int  # 0: a single stage, compatible with any interleaving
+    # interleaved plans: whether memory holds at q = 0, 1, ... micro-batches per replica (a stage holds activations
+    # for 2(p - i - 1) + (v - 1) N + 1 chunks, and Megatron's group size N is not monotone in q); None: any q
+    fits_microbatches: tuple[bool, ...] | None = None
 
 
 @dataclass
@@ -76,6 +87,44 @@ def _block_context(ctx: CostContext, block: Sequence[DeviceGroup], samples: int)
     return dataclasses.replace(ctx, cluster=cluster, training=training)
 
 
+def _with_memory(ctx: CostContext, plan: _BlockPlan, global_batch: int) -> _BlockPlan:
+    """The plan with the micro-batch counts at which it fits memory, if it interleaves (1F1B plans fit at any count
+    up to max_microbatches)."""
+    pipeline = plan.evaluation.strategy.pipelines[0]
+    if plan.virtual_stages <= 1 or plan.fits_microbatches is not None:
+        return plan
+    most = global_batch // (pipeline.micro_batch_size * pipeline.replicas)
+    return dataclasses.replace(plan, fits_microbatches=_interleaved_fits(ctx, plan.evaluation, most))
+
+
+def _interleaved_fits(ctx: CostContext, evaluation: Evaluation, most: int) -> tuple[bool, ...]:
+    """Whether every stage of an interleaved one-family plan fits memory at q = 0..most micro-batches per replica
+    (a stage's memory is affine in the micro-batches it holds in flight)."""
+    strategy = evaluation.strategy
+    pipeline = strategy.pipelines[0]
+    p, v, b = len(pipeline.stages), strategy.virtual_stages, pipeline.micro_batch_size
+    sizes = np.array([interleaved_group_size(q, p) for q in range(1, most + 1)])
+    q = np.arange(1, most + 1)
+    fits = np.ones(most, dtype=bool)
+    for index, stage in enumerate(pipeline.stages):
+        group = ctx.cluster.group(stage.group)
+        shape = dict(
+            num_layers=stage.num_layers,
+            micro_batch_size=b,
+            tp=stage.tp,
+            recompute=strategy.stage_recompute(stage),
+            dp=pipeline.replicas,
+            first=index == 0,
+            last=index == p - 1,
+            pipeline_stages=p,
+        )
+        empty = stage_memory(ctx, group, in_flight=0, **shape).total_bytes  # type: ignore[arg-type]
+        per_microbatch = stage_memory(ctx, group, in_flight=1, **shape).total_bytes - empty  # type: ignore[arg-type]
+        in_flight = np.minimum(2 * (p - index - 1) + (v - 1) * sizes + 1, q * v) / v
+        fits &= empty + per_microbatch * in_flight <= usable_memory_bytes(ctx, group)
+    return (True, *(bool(x) for x in fits))
+
+
 def _block_plans(evaluations: Sequence[Evaluation]) -> list[_BlockPlan]:
     """A block's plans as affine functions of their micro-batches per replica."""
     plans = []
@@ -101,7 +150,6 @@ def _block_plans(evaluations: Sequence[Evaluation]) -> list[_BlockPlan]:
 def split_batch_across(
     global_batch: int,
     blocks: Sequence[Sequence[_BlockPlan]],
-    bisection_steps: int = DEFAULT_OPTIONS.share_bisection_steps,
 ) -> tuple[list[int], list[int]] | None:
     """One plan per block and its total micro-batches, samples adding up to the global batch exactly, every replica
     running q or q - 1 (>= 1) micro-batches, minimising the slowest family's time; plans of several stages share one
@@ -109,28 +157,42 @@ def split_batch_across(
 
     Exact: within a time T, plan p of a block can take any n in [replicas, replicas * q_max(T)] micro-batches of
     its size b, so the sample totals reachable by the blocks together are a sum of sets (a subset-sum table over
-    0..global batch); reaching the global batch is monotone in T, so bisection finds the least T, and walking the
-    tables back gives the split (`bisection_steps` halvings of the first bracket)."""
+    0..global batch); reaching the global batch is monotone in T and changes only where some plan runs one more
+    micro-batch per replica, so a binary search over those times finds the least T, and walking the tables back
+    gives the split."""
     best: tuple[float, list[int], list[int]] | None = None
     depths = sorted({p.virtual_stages for plans in blocks for p in plans if p.virtual_stages}) or [0]
     for depth in depths:
         allowed = [[i for i, p in enumerate(plans) if p.virtual_stages in (0, depth)] for plans in blocks]
         if any(not indices for indices in allowed):
             continue
-        found = _least_time_split(global_batch, blocks, allowed, bisection_steps)
+        found = _least_time_split(global_batch, blocks, allowed)
         if found is not None and (best is None or found[0] < best[0]):
             best = found
     return None if best is None else (best[1], best[2])
 
 
-def _ranges(global_batch: int, plan: _BlockPlan, time_s: float) -> tuple[int, int] | None:
-    """(fewest, most) micro-batches the plan's family can run within `time_s`, or None."""
+def _ranges(global_batch: int, plan: _BlockPlan, time_s: float) -> list[tuple[int, int]]:
+    """The runs (fewest, most), ascending, of the micro-batch totals the plan's family can run within `time_s` and
+    memory (every replica runs q or q - 1 of them, at least one)."""
     most_samples = global_batch // plan.micro_batch_size
     q = math.floor((time_s - plan.fixed_s) / plan.per_microbatch_s) if time_s >= plan.fixed_s else 0
     q = min(q, plan.max_microbatches, most_samples)
     if q < 1 or plan.replicas > most_samples:
-        return None
-    return plan.replicas, min(plan.replicas * q, most_samples)
+        return []
+    d, most = plan.replicas, min(plan.replicas * q, most_samples)
+    fits = plan.fits_microbatches
+    if fits is None or all(fits[1 : q + 1]):
+        return [(d, most)]
+    runs: list[tuple[int, int]] = []
+    for k in range(1, min(q, len(fits) - 1) + 1):  # totals in ((k - 1) d, k d] run k per replica at most
+        if fits[k]:
+            low, high = max(d, (k - 1) * d + 1), min(k * d, most)
+            if runs and runs[-1][1] + 1 == low:
+                runs[-1] = (runs[-1][0], high)
+            elif low <= high:
+                runs.append((low, high))
+    return runs
 
 
 def _add_range(reachable: np.ndarray, step: int, low: int, high: int) -> np.ndarray:
@@ -146,6 +208,17 @@ def _add_range(reachable: np.ndarray, step: int, low: int, high: int) -> np.ndar
     return out
 
 
+def _add_runs(reachable: np.ndarray, step: int, runs: Sequence[tuple[int, int]]) -> np.ndarray:
+    """_add_range over several runs at once: the table convolved with the runs' sample totals (FFT; the counts are
+    whole numbers, so > 0.5 is exact)."""
+    shifts = np.zeros(len(reachable))
+    for low, high in runs:
+        shifts[step * low : step * high + 1 : step] = 1.0
+    size = 2 * len(reachable)
+    counts = np.fft.irfft(np.fft.rfft(reachable.astype(float), size) * np.fft.rfft(shifts, size), size)
+    return counts[: len(reachable)] > 0.5
+
+
 def _tables(
     global_batch: int, blocks: Sequence[Sequence[_BlockPlan]], allowed: Sequence[Sequence[int]], time_s: float
 ) -> list[np.ndarray] | None:
@@ -156,30 +229,43 @@ def _tables(
     for plans, indices in zip(blocks, allowed, strict=True):
         merged = np.zeros_like(reachable)
         for i in indices:
-            span = _ranges(global_batch, plans[i], time_s)
-            if span is not None:
-                merged |= _add_range(reachable, plans[i].micro_batch_size, *span)
+            spans = _ranges(global_batch, plans[i], time_s)
+            if len(spans) == 1:
+                merged |= _add_range(reachable, plans[i].micro_batch_size, *spans[0])
+            elif spans:
+                merged |= _add_runs(reachable, plans[i].micro_batch_size, spans)
         reachable = merged
         tables.append(reachable)
     return tables if reachable[global_batch] else None
 
 
 def _least_time_split(
-    global_batch: int, blocks: Sequence[Sequence[_BlockPlan]], allowed: Sequence[Sequence[int]], steps: int
+    global_batch: int, blocks: Sequence[Sequence[_BlockPlan]], allowed: Sequence[Sequence[int]]
 ) -> tuple[float, list[int], list[int]] | None:
     """split_batch_across for one interleaving depth (`allowed`: the plans of each block with it): (the slowest
     family's time, plan index per block, micro-batches per block)."""
     plans = [blocks[f][i] for f, indices in enumerate(allowed) for i in indices]
-    high = max(p.per_microbatch_s * (global_batch // p.micro_batch_size) + p.fixed_s for p in plans)
-    if _tables(global_batch, blocks, allowed, high) is None:
+    # the family times T at which some plan runs one more micro-batch per replica: the least feasible T is one
+    events = np.unique(
+        np.concatenate(
+            [
+                p.per_microbatch_s * np.arange(1, min(p.max_microbatches, global_batch // p.micro_batch_size) + 1)
+                + p.fixed_s
+                for p in plans
+            ]
+        )
+    )
+    events = events + np.abs(events) * 1e-12  # just past each event: its micro-batch counts
+    if len(events) == 0 or _tables(global_batch, blocks, allowed, float(events[-1])) is None:
         return None
-    low = 0.0
-    for _ in range(steps):
-        middle = (low + high) / 2
-        if _tables(global_batch, blocks, allowed, middle) is None:
+    low, high_index = -1, len(events) - 1  # events[low] infeasible (-1: none), events[high_index] feasible
+    while high_index - low > 1:
+        middle = (low + high_index) // 2
+        if _tables(global_batch, blocks, allowed, float(events[middle])) is None:
             low = middle
         else:
-            high = middle
+            high_index = middle
+    high = float(events[high_index])
     tables = _tables(global_batch, blocks, allowed, high)
     assert tables is not None
     picked: list[int] = []
@@ -190,10 +276,10 @@ def _least_time_split(
         choice = None
         for i in allowed[f]:
             plan = blocks[f][i]
-            span = _ranges(global_batch, plan, high)
-            if span is None:
-                continue
-            for n in range(span[1], span[0] - 1, -1):
+            totals = (
+                n for low, high_n in reversed(_ranges(global_batch, plan, high)) for n in range(high_n, low - 1, -1)
+            )
+            for n in totals:
                 rest = remaining - plan.micro_batch_size * n
                 if rest >= 0 and before[rest]:
                     choice = (i, n)
@@ -285,16 +371,22 @@ class _FamilySearch:
 
     def solve(self, pools: list[list[_BlockPlan]]) -> tuple[Evaluation, list[int]] | None:
         """The best split of the batch over one plan per block, evaluated: (its evaluation, each block's samples),
-        or None where no split exists or it does not fit."""
+        or None where no split exists or it does not fit. Where the split does not fit (an interleaved plan holds
+        more at its new micro-batch count), it is solved again with each interleaved plan's exact memory."""
         ctx = self.ctx
-        split = split_batch_across(ctx.training.global_batch_size, pools, self.options.share_bisection_steps)
-        if split is None:
-            return None
-        picked, microbatches = split
-        chosen = [pool[i] for pool, i in zip(pools, picked, strict=True)]
-        evaluation = evaluate(ctx, combine(ctx, chosen, microbatches))
-        shares = [p.micro_batch_size * n for p, n in zip(chosen, microbatches, strict=True)]
-        return (evaluation, shares) if evaluation.fits else None
+        global_batch = ctx.training.global_batch_size
+        for memory in (False, True):
+            if memory:
+                pools = [[_with_memory(ctx, plan, global_batch) for plan in pool] for pool in pools]
+            split = split_batch_across(global_batch, pools)
+            if split is None:
+                return None
+            picked, microbatches = split
+            chosen = [pool[i] for pool, i in zip(pools, picked, strict=True)]
+            evaluation = evaluate(ctx, combine(ctx, chosen, microbatches))
+            if evaluation.fits:
+                return evaluation, [p.micro_batch_size * n for p, n in zip(chosen, microbatches, strict=True)]
+        return None
 
     def run(self, block_rate: dict[str, float], progress: ProgressCallback | None) -> FamilySearchResult:
         """Every partition at first shares by `block_rate`, then the best partitions again near the split's shares."""
@@ -344,3 +436,164 @@ def _probe_share(samples: float) -> int:
         return max(1, round(samples))
     step = 1 << int(math.log2(samples / 4))
     return max(step, round(samples / step) * step)
+
+
+# ---- a bound on every plan of several families --------------------------------------------------------------------
+@dataclass(frozen=True)
+class _BlockCurve:
+    """A bound on the time of any family on a block as a function of its share s of the batch: the least over its
+    row shapes (TP per group, any replica count d, micro-batch b, interleaving v) of (m - 1/v) * M(m) + C with
+    m = ceil(s / (d b)) micro-batches per replica; arrays over the shapes. M(m) is `early_s` below `saturated` micro
+    -batches (memory seen with one in flight) and `bottleneck_s` from there (with as many in flight as 1F1B keeps)."""
+
+    bottleneck_s: np.ndarray
+    early_s: np.ndarray
+    saturated: np.ndarray  # the pipeline depth of one-group rows (1: the memory bound holds at any m)
+    fixed_s: np.ndarray  # C: stage-time sum / v, fill and drain, the fullest stage's optimizer step, overhead
+    virtual: np.ndarray
+    unit: np.ndarray  # d * b: samples per micro-batch across the replicas
+
+    def most_samples(self, time_s: float, global_batch: int) -> int:
+        """The largest share whose bound is within `time_s` (0: none)."""
+        late = np.floor((time_s - self.fixed_s) / self.bottleneck_s + 1 / self.virtual)
+        early = np.minimum(self.saturated - 1, np.floor((time_s - self.fixed_s) / self.early_s + 1 / self.virtual))
+        m = np.where(late >= self.saturated, late, early)
+        fits = m >= 1
+        if not fits.any():
+            return 0
+        return int(min(global_batch, (self.unit[fits] * m[fits]).max()))
+
+
+def _least_bottleneck_s(
+    per_layer_s: np.ndarray, caps: np.ndarray, counts: np.ndarray, low_s: np.ndarray, layers: int
+) -> np.ndarray:
+    """Per row: a bound on the smallest M with sum over stages of max over modes of min(cap, floor(M / a)) >= L
+    (whole layers, memory caps, a mode per stage); (rows, stages or groups, modes) arrays, `counts` stages per column.
+    Bisected from `low_s` (known too small) keeping the side known too small; inf where the caps cannot hold L."""
+    most = (counts * caps.max(axis=2)).sum(axis=1)
+    high = low_s + per_layer_s.max(axis=(1, 2)) * layers
+    low = low_s.copy()
+    for _ in range(24):  # to 2^-24 of L layers of the slowest mode
+        middle = (low + high) / 2
+        held = np.minimum(caps, np.floor(middle[:, None, None] / per_layer_s)).max(axis=2)
+        enough = (counts * held).sum(axis=1) >= layers
+        high, low = np.where(enough, middle, high), np.where(enough, low, middle)
+    return np.where(most >= layers, low, np.inf)
+
+
+def block_curve(ctx: CostContext, block: tuple[DeviceGroup, ...], options: SearchOptions) -> _BlockCurve | None:
+    """The bound of any family on `block` (every group of it, as the family search's blocks), at any share: every
+    replica count the devices allow, each stage in any recompute mode (per-stage recompute plans are covered), its
+    memory cap with one micro-batch in flight (one-group blocks: from the pipeline depth on, with as many as 1F1B
+    keeps at each stage), its tail at least the fullest stage's optimizer step."""
+    from planner.lower_bounds import PipelineBound
+    from planner.tp_rows import row_tables
+    from predictor.cost_model import fill_and_drain_time_s, optimizer_time_s, state_bytes_per_param
+
+    rows = row_tables(ctx).subset_rows(block)
+    found = list(rows.replica_rows(ctx, options, True, every_count=True))
+    if not found:
+        return None
+    layers, modes, model = ctx.model.num_layers, ctx.training.recompute, ctx.model
+    tps = np.concatenate([r.tps for r in found])
+    counts = np.concatenate([r.counts for r in found])
+    positions = np.concatenate([r.positions for r in found])
+    replicas = np.repeat([r.replicas for r in found], [len(r.tps) for r in found])
+    stages = counts.sum(axis=1)
+    step_per_layer = np.stack(
+        [optimizer_time_s(ctx, g, model.layer_params() / tps[:, j], replicas) for j, g in enumerate(block)], axis=1
+    )
+    tail_s = -(-layers // stages) * step_per_layer.min(axis=1) + ctx.terms.iteration_overhead_s
+    state = model.layer_params() * np.array([state_bytes_per_param(ctx, int(d)) for d in replicas])[:, None] / tps
+    one_group = len(block) == 1
+    depth = np.arange(1, int(stages.max()) + 1)  # from the end of the pipe
+    parts: list[tuple[np.ndarray, ...]] = []
+    for b in ctx.training.micro_batch_sizes:
+        a_modes = np.stack([rows.tables(b, rc)[0][rows.columns, positions] for rc in modes], axis=-1)
+        activation = np.stack([rows.tables(b, rc)[1][rows.columns, positions] for rc in modes], axis=-1)
+        a = a_modes.min(axis=-1)
+        e_first, e_last = (rows.tables(b, modes[0])[k][rows.columns, positions] for k in (2, 3))
+        pipeline = PipelineBound.of(layers, a, e_first, e_last, counts)
+        level = layers / (counts / a).sum(axis=1)
+        caps = np.floor(rows.usable[None, :, None] / (state[..., None] + activation))  # one micro-batch in flight
+        early = _least_bottleneck_s(a_modes, caps, counts, level * (1 - 1e-9), layers)
+        boundaries_s = rows._boundaries_s(b, tps, stages)
+        for v in ctx.training.virtual_stages:
+            late = early
+            saturated = np.ones_like(stages)
+            if one_group:  # from m = p on, the stage at depth k holds 1F1B's warm-up: k; interleaved (group size
+                # N >= p) from m = p + (p - 1) / v on: (2 (k - 1) + (v - 1) p + 1) / v
+                in_flight = (2 * (depth[None, :] - 1) + (v - 1) * stages[:, None] + 1) / v
+                saturated = -(-(v * stages + stages - 1) // v)
+                if v == 1:
+                    in_flight, saturated = np.broadcast_to(depth[None, :].astype(float), in_flight.shape), stages
+                per_stage = state[:, 0, None, None] + activation[:, 0, None, :] * in_flight[..., None]
+                deep_caps = np.floor(rows.usable[0] / per_stage)  # (rows, depth, modes)
+                present = (depth[None, :] <= stages[:, None]).astype(float)
+                deep_a = np.broadcast_to(a_modes[:, :1, :], deep_caps.shape)
+                late = np.maximum(early, _least_bottleneck_s(deep_a, deep_caps, present, early.copy(), layers))
+            fill_s = fill_and_drain_time_s(v, boundaries_s)
+            bounded = pipeline.bound_s(1, v, tail_s * 0, fill_s * 0)
+            if bounded is None:
+                continue
+            # bound_s at m = 1 with no tail is (1 - 1/v) * its bottleneck + the stage-time sum / v
+            fixed = bounded[0] - (1 - 1 / v) * bounded[1] + fill_s + tail_s
+            allowed = np.isfinite(bounded[0]) & np.isfinite(early) & (caps.max(axis=2).min(axis=1) >= v)
+            columns = (
+                np.maximum(bounded[1], late),
+                np.maximum(bounded[1], early),
+                saturated,
+                fixed,
+                np.full(len(stages), v),
+                replicas * b,
+            )
+            parts.append(tuple(column[allowed] for column in columns))
+    if not parts:
+        return None
+    return _BlockCurve(*(np.concatenate(column) for column in zip(*parts)))
+
+
+def family_bound_s(ctx: CostContext, options: SearchOptions) -> float:
+    """A bound on the iteration time of every plan of two or more families the family search covers (every
+    partition of the groups): per partition, the least time at which the blocks' curves can take the whole batch
+    between them (each family waits its own pipeline and tail; the cross-family sync only adds), bisected keeping the
+    side known too small."""
+    global_batch = ctx.training.global_batch_size
+    curves: dict[tuple[DeviceGroup, ...], _BlockCurve | None] = {}
+    best = math.inf
+    for partition in partitions(list(ctx.cluster.groups)):
+        if len(partition) < 2:
+            continue
+        blocks = [tuple(block) for block in partition]
+        for block in blocks:
+            if block not in curves:
+                curves[block] = block_curve(ctx, block, options)
+        found = [curves[block] for block in blocks]
+        if any(curve is None for curve in found):
+            continue
+        best = min(best, _partition_bound_s([c for c in found if c is not None], global_batch, best))
+    return best
+
+
+def _partition_bound_s(curves: Sequence[_BlockCurve], global_batch: int, below_s: float) -> float:
+    """The least time at which every block takes at least one sample and together they take the batch (a bound:
+    the side known infeasible); `below_s`: stop early when it cannot be below that."""
+
+    def enough(time_s: float) -> bool:
+        """Whether the blocks can take the batch between them within `time_s`."""
+        shares = [curve.most_samples(time_s, global_batch) for curve in curves]
+        return min(shares) >= 1 and sum(shares) >= global_batch
+
+    high = max(float((c.bottleneck_s * (global_batch / c.unit + 1) + c.fixed_s).min()) for c in curves) + 1.0
+    if math.isfinite(below_s) and not enough(min(below_s, high)):
+        return below_s  # no better than what is known
+    if not enough(high):
+        return math.inf
+    low = 0.0
+    for _ in range(60):
+        middle = (low + high) / 2
+        if enough(middle):
+            high = middle
+        else:
+            low = middle
+    return low

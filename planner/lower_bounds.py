@@ -34,12 +34,14 @@ class PipelineBound:
     time (bounded below by the cheapest group of the row)."""
 
     num_layers: int
-    per_layer_s: np.ndarray
-    first_edge_s: np.ndarray  # embedding time, if the group's stage comes first
-    last_edge_s: np.ndarray  # LM head time, if it comes last
-    counts: np.ndarray  # stages per group
     water_level_s: np.ndarray  # (rows,)
     cheapest_sum_s: np.ndarray  # (rows,)
+    stages: np.ndarray  # (rows,) and the rest: row sums and extremes the depths share
+    stage_time_sum_s: np.ndarray  # sum over groups of counts * a
+    fastest_s: np.ndarray
+    slowest_s: np.ndarray
+    least_first_s: np.ndarray
+    least_last_s: np.ndarray
 
     @classmethod
     def of(
@@ -49,25 +51,36 @@ class PipelineBound:
         a = per_layer_s
         fixed_ratio = (first_edge_s / a).min(axis=1) + (last_edge_s / a).min(axis=1)
         level = (num_layers + fixed_ratio) / (counts / a).sum(axis=1)
-        cheapest = num_layers * a.min(axis=1) + first_edge_s.min(axis=1) + last_edge_s.min(axis=1)
-        return cls(num_layers, per_layer_s, first_edge_s, last_edge_s, counts, level, cheapest)
+        fastest, least_first, least_last = a.min(axis=1), first_edge_s.min(axis=1), last_edge_s.min(axis=1)
+        cheapest = num_layers * fastest + least_first + least_last
+        stage_time_sum = (counts * a).sum(axis=1)
+        return cls(
+            num_layers,
+            level,
+            cheapest,
+            counts.sum(axis=1),
+            stage_time_sum,
+            fastest,
+            a.max(axis=1),
+            least_first,
+            least_last,
+        )
 
     def bound_s(
         self, microbatches: int, virtual: int, tail_s: np.ndarray, fill_and_drain_s: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray] | None:
         """(each row's bound on the iteration time, inf where v chunks do not fit; the bottleneck it assumed), given the
         rows' tail and fill / drain bounds; None when no row allows v chunks."""
-        num_layers, a, counts = self.num_layers, self.per_layer_s, self.counts
-        stages = counts.sum(axis=1)
+        num_layers, stages = self.num_layers, self.stages
         allowed = (stages * virtual <= num_layers) & ((virtual == 1) | (stages > 1))
         if not allowed.any():
             return None
         # every stage holds >= v layers, and layers are whole
-        least_sum = virtual * (counts * a).sum(axis=1) + (num_layers - virtual * stages) * a.min(axis=1)
+        least_sum = virtual * self.stage_time_sum_s + (num_layers - virtual * stages) * self.fastest_s
         # whole layers and memory caps tighten this per pipeline order when a candidate comes up
         # (memory_bottleneck_s): cheaper there than for every row here
-        least_bottleneck = np.maximum(self.water_level_s, virtual * a.max(axis=1))
-        least_sum = least_sum + self.first_edge_s.min(axis=1) + self.last_edge_s.min(axis=1)
+        least_bottleneck = np.maximum(self.water_level_s, virtual * self.slowest_s)
+        least_sum = least_sum + self.least_first_s + self.least_last_s
         bound = (
             (microbatches - 1 / virtual) * least_bottleneck
             + (np.maximum(self.cheapest_sum_s, least_sum)) / virtual
@@ -126,8 +139,10 @@ def orders_within_memory(
     microbatches: int,
     num_layers: int,
     virtual: int,
+    orders: np.ndarray | None = None,
 ) -> np.ndarray:
-    """Which pipeline orders of each candidate could hold the model: (rows, permutations of the groups).
+    """Which pipeline orders of each candidate could hold the model: (rows, orders), `orders` (orders, groups)
+    defaulting to every permutation of the groups.
 
     Under 1F1B the stage at depth d from the end of the pipe keeps min(d, m) micro-batches in flight (interleaved:
     cost_model.in_flight_table). For each order of the groups (each a contiguous block), sum the layers every stage
@@ -144,7 +159,8 @@ def orders_within_memory(
     cumulative = np.concatenate([np.zeros((*room.shape[:-1], 1)), np.cumsum(room, axis=-1)], axis=-1)
     rows = np.arange(len(counts))[:, None]
     deepest = (np.minimum(stages, depth[-1]) - 1)[:, None]
-    orders = np.array(list(itertools.permutations(range(counts.shape[1]))))  # (orders, groups)
+    if orders is None:
+        orders = np.array(list(itertools.permutations(range(counts.shape[1]))))  # (orders, groups)
     # per row, order and position along the order: the stages behind that group (its depth offset) and its end
     ordered_counts = counts[:, orders]  # (rows, orders, groups)
     end = np.cumsum(ordered_counts[..., ::-1], axis=-1)[..., ::-1]

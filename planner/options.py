@@ -33,12 +33,14 @@ class SearchOptions:
     # they need less precision than they cost: 2^-20 of the bracket
     order_bound_steps: int = 20
     root_bound_steps: int = 10  # the root bound's memory bisection: to 2^-10 of the bottleneck (it only reports)
+    # candidates solved before the branch and bound stops and reports the least bound left (SearchResult.note): many
+    # distinct groups have orders by the k! with bounds too alike to prune (the bench examples solve at most 1,249)
+    max_candidates: int = 5_000
     misfit_candidates: int = 20_000  # when nothing fits: candidates (best time bound first) searched for the closest
     # pipeline families (planner.families)
     plans_per_block: int = 3  # the best plans of each block offered to the batch split
     refined_partitions: int = 2  # the best partitions whose blocks are searched again near the shares the split chose
     refined_per_stage_candidates: int = 2  # ... with per-stage recompute for this many of each block's best candidates
-    share_bisection_steps: int = 50  # on the slowest family's time: 2^-50 of the first bracket
 
 
 DEFAULT_OPTIONS = SearchOptions()

@@ -91,6 +91,8 @@ def plan(
         "pruned_by_bound": result.configurations - result.evaluated,
         "family_partitions": result.family_partitions,
     }
+    if result.note:  # what the search did not cover (merged groups, the candidate budget), in one line
+        stats["note"] = result.note
     best = result.evaluations[0]
     interval = predictor.interval(base, best.strategy)
     alternatives = tuple(result.evaluations[1:])

@@ -1,9 +1,11 @@
 """Re-planning after failures or additions: change the cluster, adapt the old plan, search warm-started from it.
 
-The old strategy is adapted to the new cluster by keeping its stages, TP degrees and layer split and lowering the
-replica count until every group has the devices (the batch split over the replicas in whole micro-batches); if that
-fits memory it seeds the search's incumbent, so the bounds prune from the first candidate and the result is still the
-exact optimum. The search tries every uneven batch split: after a failure the cluster rarely divides the batch.
+The old strategy is shrunk to the new cluster (`shrink`): every pipeline family keeps its stages, TP degrees and layer
+split and lowers its replica count until its groups have the devices (the batch split over the replicas in whole
+micro-batches); several families then split the batch again by their speeds. If that fits memory it seeds the
+search's incumbent, so the bounds prune from the first candidate and the result is never worse than the shrunk plan
+(and still the optimum of the search space); if not, Replan.not_adapted says why in one line. The search tries every
+uneven batch split (after a failure the cluster rarely divides the batch) and families where the cluster has them.
 """
 
 from __future__ import annotations
@@ -11,8 +13,10 @@ from __future__ import annotations
 import dataclasses
 import re
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
+from planner.families import _block_context, _block_plans, combine, split_batch_across
 from planner.plan import Plan
 from planner.planning import compute_bounds
 from planner.search import search
@@ -20,7 +24,7 @@ from predictor.cost_model import CostContext, Evaluation, evaluate
 from predictor.predictor import Predictor, default_predictor
 from specs.cluster import ClusterSpec
 from specs.errors import DoesNotFitError, HetplanError, SpecError
-from specs.layout import Strategy, devices_per_group, pack_stages, split_batch, split_pipeline
+from specs.layout import PipelineStrategy, Strategy, devices_per_group, pack_stages, split_batch, split_pipeline
 from specs.model import ModelSpec
 from specs.training import TrainingSpec
 
@@ -53,33 +57,104 @@ def changed_cluster(cluster: ClusterSpec, without: list[str], add: list[str]) ->
     return dataclasses.replace(cluster, groups=groups)
 
 
+@dataclass(frozen=True)
+class Shrunk:
+    """The old plan on the changed cluster: its evaluation if it can run there, else why not (one line)."""
+
+    evaluation: Evaluation | None
+    reason: str = ""
+
+
+def _shrunk_pipelines(
+    ctx: CostContext, strategy: Strategy, index: int, samples: int, reasons: list[str]
+) -> Iterator[PipelineStrategy]:
+    """Family `index` with its stages and fewer and fewer replicas (from the old count) that its groups hold, with
+    `samples` of the batch in whole micro-batches; why the others fail goes to `reasons`."""
+    pipeline = strategy.pipelines[index]
+    groups = {g.name: g for g in ctx.cluster.groups}
+    gone = sorted({s.group for s in pipeline.stages if s.group not in groups})
+    if gone:
+        reasons.append(f"group {gone[0]} has no nodes left and the old plan has stages there")
+        return
+    b = pipeline.micro_batch_size
+    for replicas in range(pipeline.replicas, 0, -1):
+        split = split_batch(samples, replicas, b)
+        if split is None:
+            reasons.append(f"{samples} samples do not split over {replicas} replicas of micro-batch {b}")
+            continue
+        shrunk = split_pipeline(replicas, b, pack_stages(pipeline.stages, replicas), *split)
+        used = devices_per_group(dataclasses.replace(strategy, pipelines=(shrunk,)))
+        short = [name for name, end in used.items() if end > groups[name].num_devices]
+        if short:
+            name = short[0]
+            reasons.append(
+                f"group {name} keeps {groups[name].num_devices} devices, fewer than the old stages need for "
+                f"{replicas} replica{'s' if replicas > 1 else ''} ({used[name]})"
+            )
+            continue
+        yield shrunk
+
+
+def _fits(ctx: CostContext, candidate: Strategy, reasons: list[str]) -> Evaluation | None:
+    """The candidate's evaluation if it is valid and fits memory (else why not goes to `reasons`)."""
+    try:
+        ctx.check_strategy(candidate)
+    except HetplanError as error:
+        reasons.append(f"the shrunk plan is not valid: {error}")
+        return None
+    evaluation = evaluate(ctx, candidate)
+    if evaluation.fits:
+        return evaluation
+    worst = max(evaluation.stages, key=lambda stage: stage.shortfall_bytes)
+    reasons.append(
+        f"with {worst.stage.group}'s replicas left, a stage there needs {worst.shortfall_bytes / 2**30:.1f} GiB more "
+        "per device (its optimizer state is sharded over fewer replicas)"
+    )
+    return None
+
+
+def _family_models(ctx: CostContext, strategy: Strategy) -> list[Evaluation]:
+    """Each family of a strategy evaluated alone on its groups with its samples (for the batch split)."""
+    alone = []
+    for pipeline in strategy.pipelines:
+        samples = pipeline.samples
+        block = [ctx.cluster.group(name) for name in dict.fromkeys(s.group for s in pipeline.stages)]
+        alone.append(
+            evaluate(_block_context(ctx, block, samples), dataclasses.replace(strategy, pipelines=(pipeline,)))
+        )
+    return alone
+
+
+def shrink(ctx: CostContext, strategy: Strategy) -> Shrunk:
+    """The old plan on the changed cluster: each family keeps its stages, TP degrees and layer split and runs as many
+    replicas as its groups keep (one family: the most that fit, memory included); several families then split the
+    batch again by their speeds with the replicas they keep (planner.families)."""
+    reasons: list[str] = []
+    batch = ctx.training.global_batch_size
+    if len(strategy.pipelines) == 1:
+        for pipeline in _shrunk_pipelines(ctx, strategy, 0, batch, reasons):
+            evaluation = _fits(ctx, dataclasses.replace(strategy, pipelines=(pipeline,)), reasons)
+            if evaluation is not None:
+                return Shrunk(evaluation)
+        return Shrunk(None, reasons[-1] if reasons else "the old plan has no replica left")
+    pipelines = []
+    for index, pipeline in enumerate(strategy.pipelines):
+        samples = pipeline.samples
+        shrunk = next(_shrunk_pipelines(ctx, strategy, index, samples, reasons), None)
+        if shrunk is None:
+            return Shrunk(None, f"family {index + 1}: {reasons[-1]}")
+        pipelines.append(shrunk)
+    plans = _block_plans(_family_models(ctx, dataclasses.replace(strategy, pipelines=tuple(pipelines))))
+    split = split_batch_across(batch, [[plan] for plan in plans])
+    if split is None:
+        return Shrunk(None, "the batch no longer splits across the families in whole micro-batches")
+    evaluation = _fits(ctx, combine(ctx, plans, split[1]), reasons)
+    return Shrunk(evaluation, "" if evaluation is not None else reasons[-1])
+
+
 def adapt_strategy(ctx: CostContext, strategy: Strategy) -> Evaluation | None:
     """The old stages with as many replicas as the new cluster holds (and the batch divides), if that fits."""
-    if len(strategy.pipelines) != 1:
-        return None  # several families: the search starts cold
-    pipeline = strategy.pipelines[0]
-    if any(stage.group not in {g.name for g in ctx.cluster.groups} for stage in pipeline.stages):
-        return None
-    batch = ctx.training.global_batch_size
-    for replicas in range(pipeline.replicas, 0, -1):
-        split = split_batch(batch, replicas, pipeline.micro_batch_size)
-        if split is None:
-            continue
-        microbatches, total = split
-        stages = pack_stages(pipeline.stages, replicas)
-        adapted = dataclasses.replace(
-            strategy, pipelines=(split_pipeline(replicas, pipeline.micro_batch_size, stages, microbatches, total),)
-        )
-        if any(end > ctx.cluster.group(name).num_devices for name, end in devices_per_group(adapted).items()):
-            continue
-        try:
-            ctx.check_strategy(adapted)
-        except HetplanError:
-            continue
-        evaluation = evaluate(ctx, adapted)
-        if evaluation.fits:
-            return evaluation
-    return None
+    return shrink(ctx, strategy).evaluation
 
 
 @dataclass(frozen=True)
@@ -87,6 +162,7 @@ class Replan:
     plan: Plan
     adapted: Evaluation | None  # the old plan on the new cluster, if it could run there
     replan_time_s: float
+    not_adapted: str = ""  # why the old plan cannot run on the new cluster (one line; empty when it can)
 
 
 def replan(
@@ -102,7 +178,8 @@ def replan(
     training = training.model_copy(update={"uneven_batch": "exhaustive"})
     started = time.perf_counter()
     ctx = predictor.context(cluster, model, training)
-    adapted = adapt_strategy(ctx, old)
+    shrunk = shrink(ctx, old)
+    adapted = shrunk.evaluation
     result = search(ctx, warm_start=(adapted,) if adapted else ())
     elapsed = time.perf_counter() - started
     if not result.evaluations:
@@ -120,7 +197,9 @@ def replan(
         "pruned_by_bound": result.configurations - result.evaluated,
         "warm_started": adapted is not None,
     }
+    if result.note:
+        stats["note"] = result.note
     base = predictor.base_context(cluster, model, training)
     interval = predictor.interval(base, best.strategy)
     plan = Plan(ctx, best, compute_bounds(ctx), elapsed, stats, (), interval)
-    return Replan(plan, adapted, elapsed)
+    return Replan(plan, adapted, elapsed, shrunk.reason)

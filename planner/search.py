@@ -14,6 +14,11 @@ the DP degree; DP traffic of a reduce-scatter of 4-byte gradients plus an all-ga
 parameter against the all-reduce's 8, equal for fp32 weights; the optimizer step on 1/dp of the parameters), so the
 training's stage (1 unless pinned) is the best choice for every candidate. Several pipeline families of different
 device mixes: planner.families (`families: search`, or `auto` on two groups).
+
+Many groups: batches of rows are built only when the best-first order reaches their least bound, and a row's pipeline
+orders only when it comes up, one at a time; where identical groups make the space too large they plan as one group
+(_merged_search); more than MAX_KINDS kinds are refused in one line; the scan stops after options.max_candidates
+candidates and says how far the plan can be from the best (SearchResult.note).
 """
 
 from __future__ import annotations
@@ -25,8 +30,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from planner.best_first import Pruning, outer_configs
-from planner.candidates import PER_STAGE, OuterConfig, group_subsets
-from planner.families import family_search
+from planner.candidates import (
+    PER_STAGE,
+    OuterConfig,
+    group_subsets,
+    identical_classes,
+    merged_parts,
+    part_devices,
+    search_size,
+    stage_count,
+)
+from planner.families import family_bound_s, family_search
 from planner.layer_split import LayerSplitter
 from planner.lower_bounds import work_bound_s
 from planner.options import DEFAULT_OPTIONS, ProgressCallback, SearchOptions
@@ -34,7 +48,8 @@ from planner.solve import StageTerms, candidate_strategy, closest_misfit
 from planner.yardsticks import compute_bound_tokens_per_s
 from predictor.cost_model import CostContext, Evaluation, evaluate
 from specs.cluster import DeviceGroup
-from specs.layout import split_batch
+from specs.errors import SpecError
+from specs.layout import Strategy, pack_stages, split_batch
 
 __all__ = ["ProgressCallback", "SearchOptions", "SearchResult", "fastest", "search", "searches_families"]
 
@@ -51,6 +66,7 @@ class SearchResult:
     lower_bound_s: float | None = None
     per_stage_recompute_solved: int = 0  # candidates re-solved with a recompute mode per stage
     family_partitions: int = 0  # partitions of the groups into pipeline families tried (`families: search`)
+    note: str = ""  # one line on what the search did not cover (merged groups, a candidate budget), if anything
 
 
 class _Best:
@@ -58,11 +74,13 @@ class _Best:
 
     def __init__(self, k: int) -> None:
         self.k = k
-        self._heap: list[tuple[float, int, Evaluation]] = []
+        self._heap: list[tuple[float, int, int, Evaluation]] = []
+        self._kept = 0  # entries so far: the last tie-break (a refined candidate shares its source's place)
 
     def keep(self, evaluation: Evaluation, order: int) -> None:
         """Keep an evaluation if it is among the k fastest; `order`: its place in the enumeration (for ties)."""
-        entry = (-evaluation.iteration_time_s, -order, evaluation)
+        self._kept += 1
+        entry = (-evaluation.iteration_time_s, -order, -self._kept, evaluation)
         if len(self._heap) < self.k:
             heapq.heappush(self._heap, entry)
         elif entry[0] > self._heap[0][0]:
@@ -77,7 +95,7 @@ class _Best:
 
     def ranked(self) -> list[Evaluation]:
         """The evaluations kept, fastest first."""
-        return [e for _, _, e in sorted(self._heap, key=lambda item: (-item[0], -item[1]))]
+        return [e for *_, e in sorted(self._heap, key=lambda item: (-item[0], -item[1], -item[2]))]
 
 
 # a fitting candidate: (iteration time, enumeration order, the candidate, its pipeline objective)
@@ -105,6 +123,7 @@ class _Search:
         self.tried: list[_Tried] = []
         self.candidates: list[int] = []  # per scan: candidates generated
         self.scanned = self.evaluated = self.infeasible = 0
+        self.stopped_s = math.inf  # the least bound left when options.max_candidates stopped the scan
 
     def run(self) -> SearchResult:
         """The scans, then the refinement steps and the family search, then the closest misfit if nothing fits."""
@@ -124,6 +143,15 @@ class _Search:
         shortfall, shortfall_where = math.inf, ""
         if not self.best:
             shortfall, shortfall_where = closest_misfit(ctx, options, self.terms)
+        note = ""
+        if math.isfinite(self.stopped_s):
+            ranked = self.best.ranked()
+            root_bound_s = min(root_bound_s, self.stopped_s, *(e.iteration_time_s for e in ranked[:1]))
+            below = f", {1 - self.stopped_s / ranked[0].iteration_time_s:.1%} below this plan" if ranked else ""
+            note = (
+                f"stopped after {options.max_candidates:,} candidates: no plan left is faster than "
+                f"{self.stopped_s:.3f} s{below}"
+            )
         return SearchResult(
             self.best.ranked(),
             sum(self.candidates),
@@ -131,9 +159,10 @@ class _Search:
             self.infeasible,
             shortfall,
             shortfall_where,
-            root_bound_s if options.root_bound else None,
+            root_bound_s if options.root_bound or note else None,
             refined,
             partitions,
+            note,
         )
 
     def scan_all(self) -> float:
@@ -147,6 +176,9 @@ class _Search:
             smaller = group_subsets(groups, range(1, len(groups)))
             incumbent_s = self.best.kth_s(self.options.gap)
             bounds = {s: work_bound_s(self.ctx, s) for s in smaller}
+            if math.isfinite(self.stopped_s):  # out of candidates: the subsets left are bounded by their work
+                self.stopped_s = min([self.stopped_s, *(b for b in bounds.values() if b < incumbent_s)])
+                return math.inf
             self.scan([s for s in smaller if bounds[s] < incumbent_s])
             root_bound_s = min([root_bound_s, *(b for b in bounds.values() if b >= incumbent_s)])
         return min(root_bound_s, self.pruning.least_root_s)
@@ -157,6 +189,9 @@ class _Search:
         ctx, gap = self.ctx, self.options.gap
         configs = outer_configs(ctx, self.options, self.candidates, subsets=subsets, pruning=self.pruning)
         for index, config in enumerate(configs, self.scanned):
+            if self.evaluated >= self.options.max_candidates:
+                self.stopped_s = min(self.stopped_s, config.order_bound_s)  # best first: no candidate left is below
+                break
             self.scanned = index + 1
             if self.progress is not None and index % 64 == 0:
                 self.progress(index, index + 64)
@@ -198,7 +233,7 @@ class _Search:
             for replicas in _nearby_replica_counts(config):
                 if global_batch % replicas == 0 or split_batch(global_batch, replicas, config.micro_batch_size) is None:
                     continue  # even splits were searched already
-                counts = tuple(g.num_devices // (replicas * t) for g, t in zip(config.groups, config.tps))
+                counts = tuple(stage_count(g, replicas, t) for g, t in zip(config.groups, config.tps))
                 stages = sum(counts)
                 v = config.virtual_stages if stages > 1 else 1  # a single stage cannot interleave
                 if min(counts) < 1 or stages * v > num_layers:
@@ -244,7 +279,7 @@ class _Search:
 
     def add_families(self) -> tuple[int, float]:
         """Plans of several pipeline families (planner.families) join the incumbents; returns the partitions tried
-        and a bound on every plan of any family structure: all devices busy at their best speed."""
+        and, with the root bound, a bound on every plan of two or more families (families.family_bound_s)."""
         ctx = self.ctx
         rates = {
             g.name: compute_bound_tokens_per_s(dataclasses.replace(ctx, cluster=ctx.cluster.only(g)))
@@ -253,7 +288,7 @@ class _Search:
         families = family_search(ctx, self.options, rates, _search_block, self.progress)
         for position, evaluation in enumerate(families.evaluations):
             self.best.keep(evaluation, self.scanned + position)
-        return families.partitions, ctx.training.global_batch_size * ctx.seq_length / sum(rates.values())
+        return families.partitions, family_bound_s(ctx, self.options) if self.options.root_bound else math.inf
 
 
 def _nearby_replica_counts(config: OuterConfig) -> list[int]:
@@ -262,7 +297,7 @@ def _nearby_replica_counts(config: OuterConfig) -> list[int]:
     counts = {config.replicas - 1}
     for group, tp, stages in zip(config.groups, config.tps, config.stage_counts):
         for k in range(1, stages + 3):
-            counts.add(group.num_devices // (k * tp))
+            counts.add(part_devices(group) // (k * tp))
     return sorted((c for c in counts if c >= 1), reverse=True)
 
 
@@ -277,6 +312,10 @@ def searches_families(ctx: CostContext) -> bool:
     return groups > 1 and (ctx.training.families == "search" or (ctx.training.families == "auto" and groups == 2))
 
 
+MAX_KINDS = 8  # groups of different devices or node shapes the search plans (pipeline orders grow as k!)
+MERGE_ABOVE = 1_000_000  # pipeline orders x TP choices over every group past which identical groups plan as one
+
+
 def search(
     ctx: CostContext,
     options: SearchOptions = DEFAULT_OPTIONS,
@@ -287,8 +326,74 @@ def search(
     """The k fastest strategies that fit memory (fewer if fewer fit; k = options.top_k). `splitter` replaces the
     exact layer split by another rule (planner.baselines); the candidates' bounds hold for any split, so the search
     stays exact for the rule it is given. `warm_start`: feasible evaluations (e.g. the previous plan adapted to a
-    changed cluster) that seed the incumbent, so the bounds prune from the first candidate on."""
+    changed cluster) that seed the incumbent, so the bounds prune from the first candidate on. Many groups: groups
+    of the same device and node shape plan as one (_merged_search) where the space is too large; more than
+    MAX_KINDS kinds are refused in one line."""
+    groups = ctx.cluster.groups
+    kinds = identical_classes(groups)
+    if len(kinds) < len(groups) and search_size(ctx, groups) > MERGE_ABOVE:
+        return _merged_search(ctx, options, progress, splitter, warm_start)
+    if len(kinds) > MAX_KINDS:
+        raise SpecError(
+            ctx.cluster.source or "cluster",
+            "groups",
+            f"at most {MAX_KINDS} kinds of group (device and node shape) can be planned: {len(kinds)} give "
+            f"{math.factorial(len(kinds)):,} pipeline orders per TP choice; give groups of one kind the same device "
+            "and node shape, or plan the kinds in parts",
+        )
     return _Search(ctx, options, progress, splitter, warm_start).run()
+
+
+def _merged_search(
+    ctx: CostContext,
+    options: SearchOptions,
+    progress: ProgressCallback | None,
+    splitter: LayerSplitter | None,
+    warm_start: Sequence[Evaluation],
+) -> SearchResult:
+    """The search with every kind of group (same device and node shape) merged into one group of all their nodes,
+    its plans' stages spread back over the real groups in pipeline order (a stage never spans two groups) and
+    evaluated on the real cluster. A narrower space than the groups apart: a kind's groups share one TP degree and
+    sit next to each other along the pipe."""
+    kinds = identical_classes(ctx.cluster.groups)
+    merged = tuple(members[0].with_nodes(sum(g.nodes for g in members)) for members in kinds)
+    for group, kind in zip(merged, kinds, strict=True):
+        merged_parts(group, len(kind))
+    members = {group.name: kind for group, kind in zip(merged, kinds, strict=True)}
+    cluster = dataclasses.replace(ctx.cluster, groups=merged)
+    merged_ctx = dataclasses.replace(ctx, cluster=cluster, sources={g.name: ctx.source(g.name) for g in merged})
+    wide = dataclasses.replace(options, top_k=max(options.top_k, 8), root_bound=False)
+    try:
+        result = search(merged_ctx, wide, progress, splitter)
+    finally:
+        for group in merged:
+            merged_parts(group, 0)
+    spread = [_spread(ctx, e.strategy, members) for e in result.evaluations]
+    evaluations = [evaluate(ctx, strategy) for strategy in spread if strategy is not None]
+    ranked = sorted([e for e in (*evaluations, *warm_start) if e.fits], key=lambda e: e.iteration_time_s)
+    note = (
+        f"{len(ctx.cluster.groups)} groups planned as {len(merged)} (groups of one device and node shape merged, "
+        "their stages spread back in pipeline order)" + (f"; {result.note}" if result.note else "")
+    )
+    return dataclasses.replace(result, evaluations=ranked[: options.top_k], lower_bound_s=None, note=note)
+
+
+def _spread(ctx: CostContext, strategy: Strategy, members: dict[str, tuple[DeviceGroup, ...]]) -> Strategy | None:
+    """A plan over merged groups with each stage moved to the first of the merged group's real groups with room for
+    it (every replica of it), or None where they have none."""
+    used: dict[str, int] = {}
+    pipelines = []
+    for pipeline in strategy.pipelines:
+        stages = []
+        for stage in pipeline.stages:
+            need = stage.tp * pipeline.replicas
+            room = [g for g in members[stage.group] if used.get(g.name, 0) + need <= g.num_devices]
+            if not room:
+                return None
+            used[room[0].name] = used.get(room[0].name, 0) + need
+            stages.append(dataclasses.replace(stage, group=room[0].name))
+        pipelines.append(dataclasses.replace(pipeline, stages=pack_stages(stages, pipeline.replicas)))
+    return dataclasses.replace(strategy, pipelines=tuple(pipelines))
 
 
 def fastest(ctx: CostContext) -> Evaluation | None:

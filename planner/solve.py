@@ -10,8 +10,8 @@ import numpy as np
 
 from planner.best_first import outer_configs
 from planner.candidates import PER_STAGE, OuterConfig, config_microbatches
-from planner.layer_split import LayerSplitter, per_stage_mode_lower_bound_s, split_layers
-from planner.mixed_recompute import split_layers_and_modes
+from planner.layer_split import LayerSplitter, split_layers
+from planner.mixed_recompute import least_per_stage_mode_objective, split_at_bottleneck
 from planner.options import SearchOptions
 from planner.tp_rows import TailPerLayer
 from predictor.cost_model import (
@@ -140,7 +140,7 @@ def candidate_strategy(
     """(the candidate's best strategy, or None; whether memory made it infeasible; its pipeline objective).
     None without infeasibility: the candidate cannot beat `incumbent_s`, a bound on the pipeline objective
     (the objective is a lower bound on the iteration time). Per-stage candidates (the refinement step, which runs
-    without a baseline `splitter`) are solved by CP-SAT."""
+    without a baseline `splitter`) are solved by planner.mixed_recompute."""
     if config.recompute == PER_STAGE:
         return _per_stage_strategy(ctx, terms, config, incumbent_s)
     num_layers = ctx.model.num_layers
@@ -171,8 +171,8 @@ def candidate_strategy(
 
 
 def _per_stage_strategy(ctx: CostContext, terms: StageTerms, config: OuterConfig, incumbent_s: float) -> Solved:
-    """candidate_strategy of a candidate whose stages each pick their recompute mode (CP-SAT), where the bound says
-    that can beat `incumbent_s`; None where one mode everywhere wins (that candidate is searched on its own)."""
+    """candidate_strategy of a candidate whose stages each pick their recompute mode (planner.mixed_recompute, exact),
+    where that can beat `incumbent_s`; None where one mode everywhere wins (that candidate is searched on its own)."""
     num_layers = ctx.model.num_layers
     microbatches = config_microbatches(ctx, config)[0]
     v = config.virtual_stages
@@ -181,12 +181,13 @@ def _per_stage_strategy(ctx: CostContext, terms: StageTerms, config: OuterConfig
     per_layer = np.stack([arrays[1] for arrays in per_mode], axis=1)
     caps = np.stack([arrays[3] for arrays in per_mode], axis=1)
     fixed = per_mode[0][2]
-    bound = per_stage_mode_lower_bound_s(num_layers, per_layer, fixed, caps, microbatches, v)
-    if bound is None:
+    found = least_per_stage_mode_objective(num_layers, per_layer, fixed, caps, microbatches, v, incumbent_s)
+    if found is None:
         return None, True, math.inf
-    if bound >= incumbent_s * (1 - 1e-9):
-        return None, False, bound
-    mixed = split_layers_and_modes(num_layers, per_layer, fixed, caps, microbatches, v)
+    least_s, bottleneck_s = found
+    if least_s >= incumbent_s * (1 - 1e-9):
+        return None, False, least_s
+    mixed = split_at_bottleneck(num_layers, per_layer, fixed, caps, microbatches, v, bottleneck_s)
     if mixed is None:
         return None, True, math.inf
     if len(set(mixed.modes)) == 1 or mixed.objective_s >= incumbent_s:

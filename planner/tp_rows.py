@@ -12,13 +12,22 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
 
-from planner.candidates import OuterConfig, divisors, group_orders, group_subsets, replica_counts, tp_options
+from planner.candidates import (
+    OuterConfig,
+    divisors,
+    group_orders,
+    group_parts,
+    part_devices,
+    replica_counts,
+    tp_options,
+)
 from planner.lower_bounds import (
     MixedTail,
     PipelineBound,
@@ -42,7 +51,6 @@ from predictor.cost_model import (
     usable_memory_bytes,
 )
 from specs.cluster import DeviceGroup
-from specs.layout import split_batch
 from specs.model import Recompute
 
 
@@ -68,26 +76,36 @@ class TailPerLayer:
 
 
 class _GroupCosts:
-    """Cost-model numbers per group, TP, micro-batch, recompute and replica count that every subset's rows share."""
+    """Cost-model numbers per group, TP, micro-batch, recompute and replica count that every subset's rows share
+    (filled a group at a time, as subsets come up)."""
 
     def __init__(self, ctx: CostContext) -> None:
         self.ctx = ctx
-        training, groups = ctx.training, ctx.cluster.groups
-        shapes = [(g, t, b) for g in groups for t in tp_options(ctx, g) for b in training.micro_batch_sizes]
-        self.per_layer_s = {
-            (g.name, b, t, rc): decoder_layer_time_s(ctx, g, b, t, rc)
-            for g, t, b in shapes
-            for rc in training.recompute
-        }
-        self.activation_bytes = {
-            (g.name, b, t, rc): ctx.source(g.name).layer_cost("decoder", b, t, rc).activation_bytes
-            for g, t, b in shapes
-            for rc in training.recompute
-        }
-        self.embedding_s = {(g.name, b, t): edge_time_s(ctx, g, b, t, True, False) for g, t, b in shapes}
-        self.head_s = {(g.name, b, t): edge_time_s(ctx, g, b, t, False, True) for g, t, b in shapes}
+        self.per_layer_s: dict[tuple[str, int, int, Recompute], float] = {}
+        self.activation_bytes: dict[tuple[str, int, int, Recompute], float] = {}
+        self.embedding_s: dict[tuple[str, int, int], float] = {}
+        self.head_s: dict[tuple[str, int, int], float] = {}
         self.tail_per_layer_s = TailPerLayer(ctx)
         self._edge_bytes: dict[tuple[object, ...], float] = {}
+        self._groups: dict[str, DeviceGroup] = {}
+
+    def add(self, group: DeviceGroup) -> bool:
+        """Fill the group's numbers (once); False when another group of the same name is known (not shareable)."""
+        known = self._groups.get(group.name)
+        if known is not None:
+            return known is group or known == group
+        ctx, training, g = self.ctx, self.ctx.training, group
+        for t in tp_options(ctx, g):
+            for b in training.micro_batch_sizes:
+                for rc in training.recompute:
+                    self.per_layer_s[g.name, b, t, rc] = decoder_layer_time_s(ctx, g, b, t, rc)
+                    self.activation_bytes[g.name, b, t, rc] = (
+                        ctx.source(g.name).layer_cost("decoder", b, t, rc).activation_bytes
+                    )
+                self.embedding_s[g.name, b, t] = edge_time_s(ctx, g, b, t, True, False)
+                self.head_s[g.name, b, t] = edge_time_s(ctx, g, b, t, False, True)
+        self._groups[g.name] = g
+        return True
 
     def edge_bytes(self, group: DeviceGroup, b: int, t: int, rc: Recompute, d: int, first: bool) -> float:
         """Bytes the first (or last) stage holds besides its layers; a lower bound: one micro-batch in flight. The last
@@ -121,7 +139,7 @@ class RowMemory:
     activation_bytes: np.ndarray  # per layer and micro-batch in flight, in the batch's mode
     mode_time_s: np.ndarray  # (rows, groups, modes): per-layer time in every recompute mode
     mode_activation_bytes: np.ndarray  # (rows, groups, modes)
-    source: _SubsetRows
+    source: SubsetRows
     positions: np.ndarray  # the rows' TP positions in the subset's options
     shape: tuple[int, Recompute, int]  # (micro-batch, mode, replicas)
 
@@ -159,8 +177,14 @@ class TpRowBatch:
     least_bottleneck_s: np.ndarray  # (rows,) the bottleneck bound_s assumed
     fill_and_drain_s: np.ndarray  # (rows,) the point-to-point part of bound_s
     tail: MixedTail
-    root_s: np.ndarray  # (rows,) bound_s made valid for per-stage recompute plans too
     memory: RowMemory | None  # None: memory bounds off (the search for the closest misfit)
+
+    @cached_property
+    def root_s(self) -> np.ndarray:
+        """(rows,) bound_s made valid for per-stage recompute plans too (for the root bound only)."""
+        weight = self.microbatches - 1 / self.virtual_stages
+        least = self.least_bottleneck_s
+        return self.tail.root_s(slice(None), self.bound_s, least, least, weight)
 
     @cached_property
     def possible_orders(self) -> np.ndarray | None:
@@ -180,6 +204,25 @@ class TpRowBatch:
             self.virtual_stages,
         )
 
+    def possible_orders_of(self, row: int, orders: np.ndarray) -> np.ndarray:
+        """possible_orders of one row for these orders (the search asks row by row: every permutation of every row
+        at once grows as k!)."""
+        assert self.memory is not None
+        first_bytes, last_bytes = self.memory.edge_bytes
+        one = slice(row, row + 1)
+        return orders_within_memory(
+            self.memory.usable_bytes[one],
+            self.memory.state_per_layer_bytes[one],
+            self.memory.activation_bytes[one],
+            first_bytes[one],
+            last_bytes[one],
+            self.counts[one],
+            self.microbatches,
+            self.num_layers,
+            self.virtual_stages,
+            orders,
+        )[0]
+
     def candidate(self, row: int, order: tuple[int, ...], order_bound_s: float) -> OuterConfig:
         """The candidate of a row with its groups in this order."""
         return OuterConfig(
@@ -195,11 +238,13 @@ class TpRowBatch:
             fill_and_drain_bound_s=float(self.fill_and_drain_s[row]),
         )
 
-    def _stages(self, row: int, orders: Sequence[tuple[int, ...]], first_bytes: np.ndarray) -> tuple[np.ndarray, ...]:
+    def _stages(
+        self, row: int, orders: Sequence[tuple[int, ...]] | np.ndarray, first_bytes: np.ndarray
+    ) -> tuple[np.ndarray, ...]:
         """Per order (rows) and stage along the pipe (columns): the stage's group, its in-flight micro-batches
         (columns only), its fixed time and its fixed bytes (embedding on the first stage, LM head on the last)."""
         assert self.memory is not None
-        order_array = np.array(orders)  # (orders, groups)
+        order_array = np.asarray(orders)  # (orders, groups)
         ends = np.cumsum(self.counts[row][order_array], axis=1)
         position = (np.arange(int(ends[0, -1]))[None, :, None] >= ends[:, None, :]).sum(axis=2)
         stage_group = np.take_along_axis(order_array, position, axis=1)  # (orders, stages)
@@ -214,7 +259,9 @@ class TpRowBatch:
         edge[:, -1] += self.last_edge_s[row][stage_group[:, -1]]
         return stage_group, in_flight, edge, fixed_bytes
 
-    def order_bound_increase_s(self, row: int, orders: Sequence[tuple[int, ...]], steps: int) -> np.ndarray:
+    def order_bound_increase_s(
+        self, row: int, orders: Sequence[tuple[int, ...]] | np.ndarray, steps: int
+    ) -> np.ndarray:
         """Per order of the row's groups, how much its bound rises when memory is seen (inf: cannot fit): the
         bottleneck becomes the least whole layers allow with each stage's cap taken at its depth in the pipe (1F1B
         keeps min(depth, m) micro-batches in flight), first and last stages also holding the embedding / LM head;
@@ -284,7 +331,7 @@ class RowBound:
 
 
 @dataclass(frozen=True)
-class _ReplicaRows:
+class ReplicaRows:
     """The rows of a subset that are valid at one replica count."""
 
     replicas: int
@@ -293,18 +340,20 @@ class _ReplicaRows:
     positions: np.ndarray
 
 
-class _SubsetRows:
+class SubsetRows:
     """The TP rows of one group subset (every TP choice of each group) and their cost tables, memoised."""
 
     def __init__(self, costs: _GroupCosts, subset: tuple[DeviceGroup, ...]) -> None:
         ctx = costs.ctx
         self.costs, self.subset = costs, subset
+        self.shared = all([costs.add(group) for group in subset])  # False: a group of another cluster's name
         self.tp_lists = [tp_options(ctx, g) for g in subset]
         self.tp_rows = np.array(list(itertools.product(*self.tp_lists)), dtype=np.int64)
         ranges = [range(len(t)) for t in self.tp_lists]
         self.tp_positions = np.array(list(itertools.product(*ranges)), dtype=np.int64)
         self.columns = np.arange(len(subset))[None, :]
-        self.devices = np.array([g.num_devices for g in subset], dtype=np.int64)
+        self.devices = np.array([part_devices(g) for g in subset], dtype=np.int64)  # of one part (merged groups)
+        self.parts = np.array([group_parts(g) for g in subset], dtype=np.int64)
         self.usable = np.array([usable_memory_bytes(ctx, g) for g in subset])
         # point-to-point links a pipeline over these groups may cross: inside a group (in-node or rail), and between
         # two groups; each crossing sends (micro-batch activations) / (the smaller TP of its two stages) bytes
@@ -312,6 +361,7 @@ class _SubsetRows:
         self.across = [ctx.cross_group_link(g, h) for g, h in itertools.permutations(subset, 2)]
         self._tables: dict[tuple[int, Recompute], tuple[np.ndarray, ...]] = {}
         self._edge_bytes: dict[tuple[int, Recompute, int], tuple[np.ndarray, np.ndarray]] = {}
+        self._tail_rates: dict[tuple[int, Recompute, int], np.ndarray] = {}
 
     def padded(self, value: Callable[[DeviceGroup, int], float]) -> np.ndarray:
         """(groups, TP options) of a per-group, per-TP value (NaN past a group's options)."""
@@ -344,21 +394,29 @@ class _SubsetRows:
 
     def tail_rates(self, b: int, rc: Recompute, d: int) -> np.ndarray:
         """The tail bound per layer (cost_model.tail_per_layer_lower_bound_s) as (groups, TP options)."""
-        tail = self.costs.tail_per_layer_s
-        return self.padded(lambda group, tp: tail(group, b, tp, rc, d))
+        if (b, rc, d) not in self._tail_rates:
+            tail = self.costs.tail_per_layer_s
+            self._tail_rates[b, rc, d] = self.padded(lambda group, tp: tail(group, b, tp, rc, d))
+        return self._tail_rates[b, rc, d]
 
     def _fastest_p2p_s(self, links: list[Link], size_bytes: np.ndarray) -> np.ndarray:
         """Per row: one point-to-point transfer of its crossing bytes over the fastest of these links."""
         return np.min([link.p2p_time_s(size_bytes) for link in links], axis=0) * self.costs.ctx.terms.network_scale
 
-    def replica_rows(self, options: SearchOptions, memory_bounds: bool) -> Iterator[_ReplicaRows]:
-        """The replica counts worth trying and the rows valid at each: every group holds a stage, stages do not
-        outnumber layers, the devices' memory holds the model's state (with memory bounds), and an uneven batch split
-        only where one more replica would cost some group a stage."""
-        ctx = self.costs.ctx
+    def replica_rows(
+        self, ctx: CostContext, options: SearchOptions, memory_bounds: bool, every_count: bool = False
+    ) -> Iterator[ReplicaRows]:
+        """The replica counts worth trying and the rows valid at each in `ctx` (its global batch): every group holds a
+        stage, stages do not outnumber layers, the devices' memory holds the model's state (with memory bounds), and
+        an uneven batch split only where one more replica would cost some group a stage. `every_count`: every such count
+        the devices allow, whatever the batch (the family bound: a family's share is not known; a row at a count one
+        more replica would not cost a stage is slower than that one's in every way: same stages, more micro-batches
+        per replica, less optimizer sharding)."""
         training, model = ctx.training, ctx.model
         global_batch = training.global_batch_size
-        if training.uneven_batch == "exhaustive":
+        if every_count:
+            replica_options = list(range(1, int(self.devices.min()) + 1))
+        elif training.uneven_batch == "exhaustive":
             replica_options = replica_counts(
                 global_batch, self.subset, self.tp_rows, options.uneven_max_stages_per_group
             )
@@ -367,10 +425,11 @@ class _SubsetRows:
         for replicas in replica_options:
             if self.devices.min() < replicas:
                 break
-            counts = self.devices[None, :] // (replicas * self.tp_rows)
+            counts = self.parts[None, :] * (self.devices[None, :] // (replicas * self.tp_rows))
             total_state = model.total_params() * state_bytes_per_param(ctx, replicas)
-            even = global_batch % replicas == 0
-            worth = even or ((self.devices[None, :] // ((replicas + 1) * self.tp_rows)) < counts).any(axis=1)
+            even = not every_count and global_batch % replicas == 0
+            fewer = self.parts[None, :] * (self.devices[None, :] // ((replicas + 1) * self.tp_rows))
+            worth = even or (fewer < counts).any(axis=1)
             valid = (
                 worth
                 & (counts.min(axis=1) >= 1)
@@ -378,21 +437,56 @@ class _SubsetRows:
                 & (((counts * self.tp_rows * self.usable[None, :]).sum(axis=1) >= total_state) | (not memory_bounds))
             )
             if valid.any():
-                yield _ReplicaRows(replicas, self.tp_rows[valid], counts[valid], self.tp_positions[valid])
+                yield ReplicaRows(replicas, self.tp_rows[valid], counts[valid], self.tp_positions[valid])
 
-    def batches(self, rows: _ReplicaRows, b: int, microbatches: int, memory_bounds: bool) -> Iterator[TpRowBatch]:
+    def _boundaries_s(self, b: int, tps: np.ndarray, stages: np.ndarray) -> np.ndarray:
+        """Per row: one direction of the fill and drain point-to-point at its least (every pipeline over the k
+        groups crosses k - 1 group boundaries and p - k inside groups)."""
+        ctx = self.costs.ctx
+        crossing_bytes = b * ctx.seq_length * ctx.model.hidden_size * ctx.training.dtype_bytes
+        crossing_bytes = crossing_bytes / tps.max(axis=1)
+        boundaries_s = (stages - len(self.subset)) * self._fastest_p2p_s(self.inside, crossing_bytes)
+        if len(self.subset) > 1:
+            boundaries_s += (len(self.subset) - 1) * self._fastest_p2p_s(self.across, crossing_bytes)
+        return boundaries_s
+
+    def least_bounds_s(self, replica_rows: Sequence[ReplicaRows], b: int, microbatches: Sequence[int]) -> np.ndarray:
+        """Per replica count: the least bound of its rows at micro-batch b over recompute modes and interleaving
+        depths (inf: none), as `batches` computes them but vectorised over the replica counts, so the search can
+        build a count's batches only when its rows come up."""
+        ctx = self.costs.ctx
+        modes, num_layers, columns = list(ctx.training.recompute), ctx.model.num_layers, self.columns
+        sizes = [len(rows.tps) for rows in replica_rows]
+        tps = np.concatenate([rows.tps for rows in replica_rows])
+        counts = np.concatenate([rows.counts for rows in replica_rows])
+        positions = np.concatenate([rows.positions for rows in replica_rows])
+        owner = np.repeat(np.arange(len(replica_rows)), sizes)
+        m = np.repeat(np.asarray(microbatches, dtype=float), sizes)
+        stages = counts.sum(axis=1)
+        boundaries_s = self._boundaries_s(b, tps, stages)
+        fullest = (-(-num_layers // stages))[:, None]
+        least = np.full(len(replica_rows), np.inf)
+        for rc in modes:
+            a, _, e_first, e_last = (t[columns, positions] for t in self.tables(b, rc))
+            rates = np.concatenate(
+                [self.tail_rates(b, rc, rows.replicas)[columns, rows.positions] for rows in replica_rows]
+            )
+            tail_s = (fullest * rates).min(axis=1) + ctx.terms.iteration_overhead_s
+            pipeline = PipelineBound.of(num_layers, a, e_first, e_last, counts)
+            for virtual in ctx.training.virtual_stages:
+                found = pipeline.bound_s(m, virtual, tail_s, fill_and_drain_time_s(virtual, boundaries_s))  # type: ignore[arg-type]
+                if found is not None:
+                    np.minimum.at(least, owner, found[0])
+        return least
+
+    def batches(self, rows: ReplicaRows, b: int, microbatches: int, memory_bounds: bool) -> Iterator[TpRowBatch]:
         """The batches of these rows at micro-batch b, one per recompute mode and interleaving depth."""
         ctx = self.costs.ctx
         training, model, num_layers = ctx.training, ctx.model, ctx.model.num_layers
         modes = list(training.recompute)
         columns, positions, tps, d = self.columns, rows.positions, rows.tps, rows.replicas
         stages = rows.counts.sum(axis=1)
-        # every pipeline over the k groups crosses k - 1 group boundaries and p - k inside groups
-        crossing_bytes = b * ctx.seq_length * model.hidden_size * training.dtype_bytes
-        crossing_bytes = crossing_bytes / tps.max(axis=1)
-        boundaries_s = (stages - len(self.subset)) * self._fastest_p2p_s(self.inside, crossing_bytes)
-        if len(self.subset) > 1:
-            boundaries_s += (len(self.subset) - 1) * self._fastest_p2p_s(self.across, crossing_bytes)
+        boundaries_s = self._boundaries_s(b, tps, stages)
         # every mode's per-layer time and activation, for the root bound of per-stage recompute plans
         mode_time = np.stack([self.tables(b, r)[0][columns, positions] for r in modes], axis=-1)
         mode_activation = np.stack([self.tables(b, r)[1][columns, positions] for r in modes], axis=-1)
@@ -420,7 +514,6 @@ class _SubsetRows:
                 if found is None:
                     continue
                 bound, least_bottleneck = found
-                weight = microbatches - 1 / virtual
                 yield TpRowBatch(
                     subset=self.subset,
                     replicas=d,
@@ -438,32 +531,49 @@ class _SubsetRows:
                     least_bottleneck_s=least_bottleneck,
                     fill_and_drain_s=fill_and_drain,
                     tail=tail,
-                    root_s=tail.root_s(slice(None), bound, least_bottleneck, least_bottleneck, weight),
                     memory=memory,
                 )
 
 
-def tp_row_batches(
-    ctx: CostContext,
-    options: SearchOptions,
-    memory_bounds: bool = True,
-    subsets: Sequence[tuple[DeviceGroup, ...]] | None = None,
-) -> list[TpRowBatch]:
-    """The structurally valid candidates on the given group subsets (default: every subset) that pass the memory
-    lower bound (unless `memory_bounds` is off), in batches with their bounds."""
-    costs = _GroupCosts(ctx)
-    training = ctx.training
-    groups = ctx.cluster.groups
-    if subsets is None:
-        subsets = group_subsets(groups, range(1, len(groups) + 1))
-    batches: list[TpRowBatch] = []
-    for subset in subsets:
-        source = _SubsetRows(costs, subset)
-        if source.tp_rows.size == 0:
-            continue
-        for rows in source.replica_rows(options, memory_bounds):
-            for micro_batch_size in training.micro_batch_sizes:
-                split = split_batch(training.global_batch_size, rows.replicas, micro_batch_size)
-                if split is not None:
-                    batches.extend(source.batches(rows, micro_batch_size, split[0], memory_bounds))
-    return batches
+class RowTables:
+    """The TP rows of every group subset a context's searches have met, with their cost tables: what does not depend
+    on the global batch, so the family search's blocks (the same groups at other shares of the batch), the yardsticks
+    and the outer search share them."""
+
+    def __init__(self, ctx: CostContext) -> None:
+        self.ctx = ctx  # kept alive: the reuse key holds ids of its parts
+        self.costs = _GroupCosts(ctx)
+        self.subsets: dict[tuple[DeviceGroup, ...], SubsetRows] = {}
+
+    def subset_rows(self, subset: tuple[DeviceGroup, ...]) -> SubsetRows:
+        """The rows of a subset (memoised; a subset whose group names clash with known groups gets its own)."""
+        if subset not in self.subsets:
+            rows = SubsetRows(self.costs, subset)
+            if not rows.shared:
+                return SubsetRows(_GroupCosts(self.ctx), subset)
+            self.subsets[subset] = rows
+        return self.subsets[subset]
+
+
+_REUSE: OrderedDict[tuple[object, ...], RowTables] = OrderedDict()
+_REUSE_SIZE = 2  # contexts whose tables are kept (a plan's search with its families and yardsticks uses one)
+
+
+def _reuse_key(ctx: CostContext) -> tuple[object, ...]:
+    """What a context's row tables depend on besides its groups: the same cost sources, model, settings (all but the
+    global batch, the families and the uneven-batch rule) and network."""
+    training = ctx.training.model_dump_json(exclude={"global_batch_size", "families", "uneven_batch"})
+    cluster = (ctx.cluster.topology, ctx.cluster.inter_group_bw_bytes_per_s)
+    return (id(ctx.sources), id(ctx.model), id(ctx.links), ctx.terms, cluster, training)
+
+
+def row_tables(ctx: CostContext) -> RowTables:
+    """The row tables shared by the searches of contexts like this one (a small LRU kept per process)."""
+    key = _reuse_key(ctx)
+    if key in _REUSE:
+        _REUSE.move_to_end(key)
+        return _REUSE[key]
+    _REUSE[key] = RowTables(ctx)
+    while len(_REUSE) > _REUSE_SIZE:
+        _REUSE.popitem(last=False)
+    return _REUSE[key]

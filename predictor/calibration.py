@@ -140,7 +140,7 @@ def apply(ctx: CostContext, values: Mapping[str, float]) -> CostContext:
         sources[group.name] = ScaledLayerCosts(source, math.exp(log_factor)) if log_factor else source
     generations = sorted({group.device.generation for group in ctx.cluster.groups})
     terms = EndToEndTerms(
-        in_node_scale={g: math.exp(value(f"in_node:{g}")) for g in generations if value(f"in_node:{g}")},
+        in_node_scale=tuple((g, math.exp(value(f"in_node:{g}"))) for g in generations if value(f"in_node:{g}")),
         network_scale=math.exp(value("network")),
         tcp_scale=math.exp(value("transport:tcp")),
         optimizer_scale=math.exp(value("optimizer")),

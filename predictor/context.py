@@ -29,7 +29,7 @@ class EndToEndTerms:
     """
 
     tp_comm_scale: float = 1.0
-    in_node_scale: Mapping[str, float] = field(default_factory=dict)  # by generation: its in-node fabric's time
+    in_node_scale: tuple[tuple[str, float], ...] = ()  # (generation, scale of its in-node fabric's time)
     network_scale: float = 1.0
     tcp_scale: float = 1.0
     optimizer_scale: float = 1.0
@@ -68,7 +68,7 @@ class CostContext:
 
     def in_node_link(self, group: DeviceGroup) -> Link:
         link = self.links.get(f"{group.device.key}/in_node") or in_node_link(group)
-        scale = self.terms.in_node_scale.get(group.device.generation, 1.0)
+        scale = dict(self.terms.in_node_scale).get(group.device.generation, 1.0)
         return link if scale == 1.0 else replace(link, bw_bytes_per_s=link.bw_bytes_per_s / scale)
 
     def rail_link(self, group: DeviceGroup) -> Link:

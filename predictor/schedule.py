@@ -5,7 +5,7 @@ backward, then drains its backwards; a forward waits for the previous stage's fo
 the boundary p2p, a backward for the next stage's backward. Where the stages wait for their transfers (plain 1F1B:
 blocking sends, `StageEvaluation.p2p_exposed_time_s`), a forward block includes its send to the next stage and a
 backward block its send to the previous one. Interleaved 1F1B follows Megatron's order chunk by chunk
-(`_stage_order`). After the flush every stage syncs its gradients (what the backward did not hide) and steps its
+(`stage_order`). After the flush every stage syncs its gradients (what the backward did not hide) and steps its
 optimizer. Several pipeline families are drawn side by side, one replica each.
 """
 
@@ -68,7 +68,7 @@ def pipeline_timeline(ctx: CostContext, evaluation: Evaluation) -> list[Block]:
     return blocks
 
 
-def _stage_order(p: int, m: int, v: int, i: int) -> list[tuple[Kind, int, int]]:
+def stage_order(p: int, m: int, v: int, i: int) -> list[tuple[Kind, int, int]]:
     """What stage i runs, in order: (kind, micro-batch, chunk). Megatron's (interleaved) 1F1B: micro-batches in
     groups of N (interleaved_group_size), each group through chunk 0, 1, ... forward and the reverse backward;
     warm-up forwards (p - i - 1) * 2 + (v - 1) * N (plain 1F1B: p - i - 1), then one forward and one backward,
@@ -105,7 +105,7 @@ def _family_timeline(ctx: CostContext, evaluation: Evaluation, indices: list[int
         if v == 1:  # the receiver's wait is the sender's block (the cost model's T_i + exposed p2p)
             p2p = [0.0] * p
     last_chunk = p * v - 1
-    orders = [_stage_order(p, m, v, i) for i in range(p)]
+    orders = [stage_order(p, m, v, i) for i in range(p)]
     done: dict[tuple[int, Kind, int, int], float] = {}
     position = [0] * p
     free = [0.0] * p
@@ -147,6 +147,31 @@ def _family_timeline(ctx: CostContext, evaluation: Evaluation, indices: list[int
     return blocks
 
 
+def pace_words(evaluation: Evaluation) -> str:
+    """The stage that sets the steady-state pace, in a sentence that agrees with the stage table: with several
+    families it is the slowest stage of the family that takes longest, and slower stages of other families (which
+    run fewer micro-batches) are named as such."""
+    stages, families = evaluation.stages, evaluation.strategy.pipelines
+    family = max(range(len(families)), key=lambda f: evaluation.family_pipeline_s[f])
+    slowest = max((i for i, s in enumerate(stages) if s.family == family), key=lambda i: stages[i].step_time_s)
+    stage, ms = stages[slowest].stage, stages[slowest].step_time_s * 1e3
+    what = f"Stage {stage_label(evaluation, slowest)} ({stage.group}, {stage.num_layers} layers, TP {stage.tp})"
+    if len(families) == 1:
+        return f"{what} is the slowest at {ms:.1f} ms per micro-batch: it sets the steady-state pace."
+    words = (
+        f"{what} sets the pace: at {ms:.1f} ms per micro-batch it is the slowest stage of family {family}, whose "
+        f"{families[family].num_microbatches} micro-batches per replica take longest."
+    )
+    for other in range(len(families)):
+        slower = [s.step_time_s for s in stages if s.family == other and s.step_time_s > ms / 1e3]
+        if other != family and slower:
+            words += (
+                f" Family {other}'s stages are slower per micro-batch (up to {max(slower) * 1e3:.1f} ms) but run "
+                f"{families[other].num_microbatches}."
+            )
+    return words
+
+
 def bottleneck_words(ctx: CostContext, evaluation: Evaluation) -> list[str]:
     """What limits the plan, in sentences."""
     stages = evaluation.stages
@@ -154,14 +179,9 @@ def bottleneck_words(ctx: CostContext, evaluation: Evaluation) -> list[str]:
     slowest_family = max(range(len(families)), key=lambda f: evaluation.family_pipeline_s[f])
     members = [i for i, s in enumerate(stages) if s.family == slowest_family]
     slowest = max(members, key=lambda i: stages[i].step_time_s)
-    stage = stages[slowest].stage
     iteration = evaluation.iteration_time_s
-    pace = "it sets the steady-state pace"
-    if len(families) > 1:
-        pace += f" of family {slowest_family}, the slowest family"
     lines = [
-        f"Stage {stage_label(evaluation, slowest)} ({stage.group}, {stage.num_layers} layers, TP {stage.tp}) is the "
-        f"slowest at {stages[slowest].step_time_s * 1e3:.1f} ms per micro-batch: {pace}.",
+        pace_words(evaluation),
         f"Pipeline bubble {evaluation.bubble_time_s:.3f} s ({evaluation.bubble_time_s / iteration:.1%} of the "
         f"iteration); DP sync and optimizer after the flush {evaluation.tail_time_s:.3f} s "
         f"({evaluation.tail_time_s / iteration:.1%}).",

@@ -11,10 +11,12 @@ error against the measured points is recorded with it.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import platform
 import socket
 import statistics
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -153,24 +155,64 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+GRACE_S = 2.0  # after a failure, how long peers get to exit before SIGTERM, then SIGKILL (torch waits 30 s)
+
+
+def _captured(rank: int, worker: Callable[..., None], log_dir: str, *args: Any) -> None:
+    """Run worker(rank, *args) with this process's stderr (Python warnings and torch's C++ log lines alike) in a
+    file, so a failure can be told in one line instead of every peer's multi-line warnings."""
+    log = os.open(Path(log_dir, f"rank-{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(log, 2)
+    os.close(log)
+    worker(rank, *args)
+
+
+def _last_words(log_dir: str, rank: int | None) -> str:
+    """The failing rank's last line of stderr (torch's error, not its warnings), cut to 200 characters."""
+    path = Path(log_dir, f"rank-{rank}.log")
+    if rank is None or not path.exists():
+        return ""
+    lines = [line.strip() for line in path.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()]
+    return f" (rank {rank}: {lines[-1][:200]})" if lines else ""
+
+
+def _stop(processes: Sequence[mp.Process]) -> None:
+    """SIGTERM the live processes, SIGKILL those still alive after GRACE_S (a rank stuck in C++ ignores SIGTERM)."""
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    end = time.monotonic() + GRACE_S
+    for process in processes:
+        process.join(max(0.0, end - time.monotonic()))
+        if process.is_alive():
+            process.kill()
+            process.join()
+
+
 def run_processes(
     worker: Callable[..., None], args: tuple[Any, ...], nprocs: int, deadline_s: float, what: str
 ) -> None:
-    """Spawn `nprocs` local processes running worker(rank, *args); a failure or the deadline is a one-line error."""
-    context = mp.start_processes(worker, args=args, nprocs=nprocs, join=False, start_method="spawn")
-    deadline = time.monotonic() + deadline_s
-    try:
-        while not context.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                raise HetplanError(f"{what} did not finish in time")
-    except mp.ProcessRaisedException as err:
-        raise HetplanError(f"{what} failed: {str(err).strip().splitlines()[-1]}") from None
-    except mp.ProcessExitedException as err:
-        raise HetplanError(f"{what} failed: {err}") from None
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.terminate()
+    """Spawn `nprocs` local processes running worker(rank, *args); a failure or the deadline is a one-line error,
+    peers stopped within seconds, their warnings kept out of the terminal."""
+    spawn_log = logging.getLogger("torch.multiprocessing.spawn")
+    level = spawn_log.level
+    spawn_log.setLevel(logging.ERROR)  # its "Terminating process ... via SIGTERM" lines
+    with tempfile.TemporaryDirectory(prefix="hetplan-logs-") as log_dir:
+        context = mp.start_processes(
+            _captured, args=(worker, log_dir, *args), nprocs=nprocs, join=False, start_method="spawn"
+        )
+        deadline = time.monotonic() + deadline_s
+        try:
+            while not context.join(timeout=1.0, grace_period=GRACE_S):
+                if time.monotonic() > deadline:
+                    raise HetplanError(f"{what} did not finish in {deadline_s:g} s")
+        except mp.ProcessRaisedException as err:
+            raise HetplanError(f"{what} failed: {str(err).strip().splitlines()[-1]}") from None
+        except mp.ProcessExitedException as err:
+            raise HetplanError(f"{what} failed: {err}{_last_words(log_dir, err.error_index)}") from None
+        finally:
+            _stop(context.processes)
+            spawn_log.setLevel(level)
 
 
 def run_local(

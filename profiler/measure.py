@@ -66,6 +66,22 @@ def resolve_device(name: str) -> torch.device:
     return torch.device("cpu")
 
 
+def profile_target(
+    device: str, dtype: str, as_device: str | None, threads: int | None = None
+) -> tuple[torch.device, str, str]:
+    """What `hetplan profile` measures: the torch device (`resolve_device`), the dtype ('auto': fp32 on the CPU,
+    which runs it well, bf16 on accelerators) and the catalog key the profile stands for (`as_device`, else cpu or
+    the device type); `threads` caps torch's CPU threads."""
+    from specs.device import get_device
+
+    torch_device = resolve_device(device)
+    if threads is not None:
+        torch.set_num_threads(threads)
+    chosen_dtype = ("fp32" if torch_device.type == "cpu" else "bf16") if dtype == "auto" else dtype
+    key = get_device(as_device, "--as-device", "").key if as_device else torch_device.type
+    return torch_device, chosen_dtype, key
+
+
 def synchronize(device: torch.device) -> None:
     if device.type != "cpu":
         getattr(torch, device.type).synchronize(device)

@@ -1,19 +1,62 @@
 """A directory of device profiles: the files in it, and the profiles checked against the model to plan.
 
 A profile times one layer shape; planning another model with it would silently mistime every layer, so loading
-refuses a profile whose shape differs and a second profile of the same device. Torch-free.
+refuses a profile whose shape differs, a second profile of the same device, two entries for one point and times
+no device could reach (they would make every plan look impossibly fast). Torch-free.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from profiler.profile import DeviceProfile, load_profile
+from pydantic import ValidationError
+
+from profiler.profile import DeviceProfile, ProfileEntry, load_profile
 from specs.errors import SpecError
 from specs.model import ModelSpec
 
 # the fields that decide a decoder layer's cost: a profile must have been measured with the same
 SHAPE_FIELDS = ("hidden_size", "ffn_hidden_size", "num_attention_heads", "num_kv_heads", "vocab_size", "mlp")
+# no device computes faster than this (the catalog's fastest: 1.3e15 dense 16-bit FLOP/s); a time that says so is
+# wrong (a unit slip, a clock that did not wait for the device)
+MAX_FLOPS_PER_S = 1e17
+
+
+def _forward_flops(model: ModelSpec, entry: ProfileEntry, seq_length: int) -> float:
+    """The FLOPs one TP rank computes in the entry's forward (0 for the embedding: a lookup)."""
+    tokens = entry.micro_batch_size * seq_length
+    if entry.layer == "decoder":
+        attention = model.layer_attention_flops(entry.micro_batch_size, seq_length, causal_kernel=True)
+        return (model.layer_gemm_flops(tokens) + attention) / entry.tp
+    return model.lm_head_flops(tokens) / entry.tp if entry.layer == "lm_head" else 0.0
+
+
+def check_profile(profile: DeviceProfile, model: ModelSpec | None = None) -> None:
+    """Refuse two entries for one (layer, micro-batch, TP, recompute) and a forward or backward time shorter than
+    its forward FLOPs at MAX_FLOPS_PER_S (`model`: the layer shape, else the profile's own when it is valid)."""
+    first: dict[tuple[str, int, int, str], int] = {}
+    for index, entry in enumerate(profile.entries):
+        point = (entry.layer, entry.micro_batch_size, entry.tp, entry.recompute)
+        if point in first:
+            where = f"{entry.layer} b={entry.micro_batch_size} tp={entry.tp} {entry.recompute}"
+            raise SpecError(profile.path, f"entries[{index}]", f"a second entry for {where} (entries[{first[point]}])")
+        first[point] = index
+    if model is None:
+        try:
+            model = ModelSpec.model_validate(profile.model)
+        except ValidationError:  # the fit reads the shape itself and says what is wrong with it
+            return
+    for index, entry in enumerate(profile.entries):
+        flops = _forward_flops(model, entry, profile.seq_length)
+        for field in ("forward_time_s", "backward_time_s"):
+            seconds = getattr(entry, field)
+            if seconds is not None and flops > seconds * MAX_FLOPS_PER_S:
+                raise SpecError(
+                    profile.path,
+                    f"entries[{index}].{field}",
+                    f"{seconds:g} s means {flops / seconds:.1e} FLOP/s; expected at least "
+                    f"{flops / MAX_FLOPS_PER_S:.2g} s (no device computes {MAX_FLOPS_PER_S:.0e} FLOP/s)",
+                )
 
 
 def _json_files(directory: Path) -> list[Path]:
@@ -31,6 +74,14 @@ def profile_files(directory: Path) -> list[Path]:
     return paths
 
 
+def checked_profile_files(directory: Path) -> list[Path]:
+    """`profile_files`, each loaded and checked (`check_profile`) before a fit learns from it."""
+    paths = profile_files(directory)
+    for path in paths:
+        check_profile(load_profile(path))
+    return paths
+
+
 def load_profiles(directory: Path | None, model: ModelSpec) -> dict[str, DeviceProfile]:
     """Measured (or saved simulated) profiles by device key; each must describe this model's layer shape."""
     if directory is None:
@@ -45,6 +96,7 @@ def load_profiles(directory: Path | None, model: ModelSpec) -> dict[str, DeviceP
                     f"model.{field}",
                     f"profiled {profile.model.get(field)!r}, the model to plan has {getattr(model, field)!r}",
                 )
+        check_profile(profile, model)
         key = str(profile.device.get("key", ""))
         if key in profiles:
             raise SpecError(str(path), "device.key", f"a second profile for device {key!r} in {directory}")

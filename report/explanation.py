@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import base64
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from predictor.schedule import Block, bottleneck_words, pipeline_timeline, stage_label
 from report.figures import explain_figure
+from specs.outputs import write_text_atomic
 
 if TYPE_CHECKING:
     from planner.plan import LoadedPlan
@@ -53,14 +55,20 @@ def explain(
     predictor: Predictor | None = None,
     png: Path | None = None,
     html: Path | None = None,
+    progress: Callable[[str, int], None] | None = None,
 ) -> Explanation:
     """Evaluate `plan` on `cluster` (the shipped predictor unless one is given), lay out its schedule and say what
-    bounds it; write the picture to `png` and the HTML report (picture embedded) to `html` when given."""
+    bounds it; write the picture to `png` and the HTML report (picture embedded) to `html` when given.
+    `progress(what, steps)` hears each step as it starts."""
     from planner import predict  # here, not above: the planner loads OR-Tools (a second), `traffic` needs none of it
     from predictor.predictor import default_predictor
 
+    steps = 2 + (png is not None) + (html is not None)
+    step = progress or (lambda what, total: None)
+    step("evaluating the plan", steps)
     ctx = (predictor or default_predictor()).context(cluster, plan.model, plan.training)
     evaluation = predict(ctx, plan.strategy, plan.source)
+    step("laying out the schedule", steps)
     blocks = pipeline_timeline(ctx, evaluation)
     words = bottleneck_words(ctx, evaluation)
     if evaluation.strategy.virtual_stages > 1:
@@ -68,8 +76,10 @@ def explain(
     title = f"{plan.model.key} on {cluster.name}: one iteration, {evaluation.iteration_time_s:.3f} s predicted"
     result = Explanation(ctx, evaluation, blocks, title, words, png, html)
     if png is not None:
+        step("drawing the picture", steps)
         explain_figure(evaluation, blocks, title, png)
     if html is not None:
+        step("writing the report", steps)
         write_html(result, html)
     return result
 
@@ -94,7 +104,7 @@ def write_html(explanation: Explanation, path: Path) -> None:
             drawn = Path(scratch) / "explain.png"
             explain_figure(explanation.evaluation, explanation.blocks, explanation.title, drawn)
             picture = drawn.read_bytes()
-    path.write_text(html_report(explanation, base64.b64encode(picture).decode()), encoding="utf-8")
+    write_text_atomic(path, html_report(explanation, base64.b64encode(picture).decode()))
 
 
 def html_report(explanation: Explanation, png_base64: str) -> str:

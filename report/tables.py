@@ -3,6 +3,7 @@ traffic. The CLI prints what these return; units are converted here, at the edge
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -17,22 +18,32 @@ if TYPE_CHECKING:
     from report.network import TrafficReport
     from specs.device import DeviceSpec
     from specs.model import ModelSpec
+    from specs.training import TrainingSpec
 
 Row = tuple[str, str]
 STAGE_COLUMNS = ("stage", "group", "device", "layers", "n", "tp", "recompute", "devices", "fwd+bwd/mb ms", "memory GiB")
 
 
 def titled_table(title: str, columns: Iterable[str], left: Collection[str] | None = None) -> Table:
-    """A table with these columns, all left-aligned, or only those in `left` with the rest (numbers) right-aligned."""
+    """A table with these columns, all left-aligned, or only those in `left` with the rest (numbers) right-aligned.
+    The first column names the row (a key, a stage) and is never wrapped or cut; the others give way."""
     table = Table(title=title)
-    for column in columns:
-        table.add_column(column, justify="left" if left is None or column in left else "right")
+    for index, column in enumerate(columns):
+        table.add_column(column, justify="left" if left is None or column in left else "right", no_wrap=index == 0)
     return table
 
 
 def gib(value: float) -> str:
     """Bytes as GiB with one decimal."""
     return f"{value / 2**30:.1f}"
+
+
+def params(number: float) -> str:
+    """A parameter count a reader can compare: '4.2M', '1.7B', '1.2T' (never '0.0B')."""
+    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if number >= scale:
+            return f"{number / scale:.1f}{suffix}"
+    return f"{number:.0f}"
 
 
 def count(number: int, noun: str) -> str:
@@ -51,7 +62,7 @@ def strategy_summary(evaluation: Evaluation) -> str:
     families = strategy.pipelines
     return (
         " + ".join(
-            f"{p.replicas} replicas x {count(len(p.stages), 'stage')}, micro-batch {p.micro_batch_size} x "
+            f"{count(p.replicas, 'replica')} x {count(len(p.stages), 'stage')}, micro-batch {p.micro_batch_size} x "
             f"{p.num_microbatches}"
             + (f" ({p.micro_batch_size * p.microbatch_total} samples)" if len(families) > 1 else "")
             for p in families
@@ -66,7 +77,7 @@ def summary_rows(ctx: CostContext, evaluation: Evaluation, extra_rows: list[Row]
     """The summary of an evaluation, with the command's own rows (interval, bounds, search) before the predictor."""
     return [
         ("cluster", f"{ctx.cluster.name} ({ctx.cluster.num_devices} devices, {evaluation.devices_used} used)"),
-        ("model", f"{ctx.model.key} ({ctx.model.total_params() / 1e9:.1f}B params, {ctx.model.num_layers} layers)"),
+        ("model", f"{ctx.model.key} ({params(ctx.model.total_params())} params, {ctx.model.num_layers} layers)"),
         ("batch", f"{ctx.training.global_batch_size} x {ctx.seq_length} tokens, {ctx.training.dtype}"),
         ("strategy", strategy_summary(evaluation)),
         (
@@ -86,11 +97,12 @@ def summary_rows(ctx: CostContext, evaluation: Evaluation, extra_rows: list[Row]
 
 
 def stage_table(ctx: CostContext, evaluation: Evaluation) -> Table:
-    """One row per stage of each family (stages numbered family.stage when there are several); memory in red
-    where it does not fit."""
+    """One row per stage of each family (stages numbered family.stage when there are several): its devices over all
+    replicas, its time and memory per device (in red where it does not fit)."""
     strategy = evaluation.strategy
     families = strategy.pipelines
-    table = titled_table("Stages (per replica)", STAGE_COLUMNS, left=("group", "device", "recompute"))
+    title = "Stages (devices: TP x replicas; time per micro-batch and memory per device)"
+    table = titled_table(title, STAGE_COLUMNS, left=("group", "device", "recompute"))
     stage_numbers: dict[int, int] = {}
     for stage_eval in evaluation.stages:
         stage = stage_eval.stage
@@ -127,9 +139,9 @@ def plan_rows(body: Mapping[str, Any], interval: Interval | None) -> list[Row]:
     rows = [interval_row(interval)] if interval else []
     rows.append(
         (
-            "upper bound",
-            f"{body['upper_bound_tokens_per_s']:,.0f} tokens/s (sum of groups alone): "
-            f"{body['fraction_of_upper_bound']:.1%} of it",
+            "groups alone",
+            f"{body['upper_bound_tokens_per_s']:,.0f} tokens/s (HETHUB's yardstick: the sum of each group's best "
+            f"plan alone, not a bound; mixing groups can beat it): {body['fraction_of_upper_bound']:.1%} of it",
         )
     )
     rows.append(
@@ -191,7 +203,7 @@ def models_table(catalog: Mapping[str, ModelSpec]) -> Table:
     for m in catalog.values():
         table.add_row(
             m.key,
-            f"{m.total_params() / 1e9:.1f}B",
+            params(m.total_params()),
             str(m.num_layers),
             str(m.hidden_size),
             str(m.ffn_hidden_size),
@@ -205,12 +217,14 @@ def models_table(catalog: Mapping[str, ModelSpec]) -> Table:
 
 
 def traffic_table(report: TrafficReport) -> Table:
-    """GB per iteration by dimension (rows) and link class (columns), with TB over the run when it is known."""
+    """GB per iteration by dimension (rows) and link class (columns), summed over every sending device, with TB
+    over the run when it is known."""
     from predictor.traffic import DIMENSIONS, LINK_CLASSES
 
     table = report.by_dimension_and_link
     iterations = report.iterations
-    title = "Traffic per iteration, GB" + (f" (and over {iterations:,.0f} iterations, TB)" if iterations else "")
+    over = f" (and over {iterations:,.0f} iterations, TB)" if iterations else ""
+    title = f"Traffic per iteration, GB sent, summed over all {len(report.traffic.device_names):,} devices{over}"
     out = titled_table(title, ("dimension", *LINK_CLASSES), left=("dimension",))
     for d in DIMENSIONS:
         cells = []
@@ -227,7 +241,7 @@ def traffic_calc_lines(body: Mapping[str, Any], global_batch: int, seq_length: i
     """`traffic-calc` for the terminal: the run in a line, then PB sent per rank and in all per parallel style."""
     gpus = body["ranks"]
     lines = [
-        f"{body['model']}: {body['params'] / 1e9:.1f}B params, {body['tokens']:,.0f} tokens = {body['steps']:,.0f} "
+        f"{body['model']}: {params(body['params'])} params, {body['tokens']:,.0f} tokens = {body['steps']:,.0f} "
         f"steps of {global_batch} x {seq_length} tokens, {gpus} ranks"
     ]
     for name, value in body["bytes_per_rank"].items():
@@ -250,3 +264,38 @@ def export_lines(format: str, exported: Export, summary: Mapping[str, Any], out:
     )
     lines.append(f"{len(exported.nodes)} nodes: run launch.sh on each with NODE_RANK and MASTER_ADDR set")
     return lines
+
+
+def hint_lines(ctx: CostContext, evaluation: Evaluation) -> list[str]:
+    """What the user could allow for a faster plan, when the plan shows it: a prime global batch (or idle devices)
+    under `--uneven-batch off`, where every replica count must divide the batch."""
+    training, cluster = ctx.training, ctx.cluster
+    if training.uneven_batch != "off":
+        return []
+    batch = training.global_batch_size
+    idle = cluster.num_devices - evaluation.devices_used
+    flag = "`--uneven-batch exhaustive` lets replicas take uneven shares (whole micro-batches; a longer search)"
+    prime = batch > 3 and all(batch % d for d in range(2, math.isqrt(batch) + 1))
+    if prime and max(p.replicas for p in evaluation.strategy.pipelines) == 1:
+        return [f"hint: the global batch {batch} is prime, so no replica count above 1 divides it; {flag}"]
+    if idle > 0:
+        return [f"hint: {idle:,} of {cluster.num_devices:,} devices are idle; {flag}, which may use them"]
+    return []
+
+
+# the remedies planner.plan names when nothing fits; `fit_advice` keeps those this training does not already use
+PLANNER_REMEDIES = "add devices, allow full recompute or ZeRO-1, or shorten the sequence"
+
+
+def fit_advice(message: str, training: TrainingSpec) -> str:
+    """A does-not-fit message whose advice names only what the training does not already allow (the planner's
+    advice to allow full recompute or ZeRO-1 misleads when both are allowed, as by default)."""
+    remedies = ["add devices"]
+    if "full" not in training.recompute:
+        remedies.append("allow full recompute (--recompute none,selective,full)")
+    if training.zero_stage == 0:
+        remedies.append("use ZeRO-1 (--zero-stage 1)")
+    if min(training.micro_batch_sizes) > 1:
+        remedies.append("allow micro-batch 1 (--micro-batch-sizes 1,...)")
+    remedies.append("shorten the sequence (--seq-len)")
+    return message.replace(PLANNER_REMEDIES, ", ".join(remedies[:-1]) + " or " + remedies[-1])

@@ -5,15 +5,15 @@ rank for (replica r, TP rank k) is group offset + stage offset + r * tp + k. Eve
 in one order. Activations are replicated over a stage's TP ranks, so between stages of different TP widths receiving
 rank k takes its input from sending rank k mod tp_sender (and gradients flow back the same way).
 
-The schedule is 1F1B (what the cost model times) written out here rather than taken from torch.distributed.pipelining,
-because stages of one pipeline may have different TP widths (a PipelineStage has one rank per stage) and because the
-run record needs each stage's compute and wait time. Each micro-batch's loss is scaled by its share of the global
-batch (micro-batch size / global batch) and DP gradients are summed, so replicas with uneven batch shares give exactly
-the full-batch gradient. A plan of several pipeline families runs each family as above on its own devices and share
-of the batch; then each model segment's gradient (the pieces between any family's stage boundaries) is summed across
-the families: replica 0 of each family puts its family's sum in the segment's whole-model positions (a TP shard's
-elements where the shard cut them from, a replicated parameter once), the segment's cross-family group all-reduces
-that, and every rank takes its own elements back.
+The schedule is Megatron's (interleaved) 1F1B, the order predictor/schedule.py draws and the cost model times, written
+out here rather than taken from torch.distributed.pipelining, because stages of one pipeline may have different TP
+widths (a PipelineStage has one rank per stage) and because the run record needs each stage's compute and wait time.
+With v virtual stages a rank holds v model chunks (comm.plan_groups.stage_chunks): chunk k of stage i is model chunk
+k * p + i, so activations wrap from the last stage to the first between chunks; activations and gradients travel
+under their own point-to-point tags, so two streams between one pair of ranks never cross. Each micro-batch's loss is
+scaled by its share of the global batch (micro-batch size / global batch) and DP gradients are summed, so replicas with
+uneven batch shares give exactly the full-batch gradient. A plan of several pipeline families runs each family as
+above on its own devices and share of the batch; then gradients meet across families as shards (runtime/sync.py).
 
 Speed emulation (`emulate_speed` s < 1 on a CPU group): after each forward and backward, the rank keeps repeating its
 stage's layer math (no gradients, no collectives) until the pass has taken 1/s of its real time; no sleeping.
@@ -25,6 +25,7 @@ import json
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from itertools import cycle
@@ -35,8 +36,10 @@ import torch
 import torch.distributed as dist
 
 from comm.communicator import CommGroup, Communicator
-from comm.plan_groups import PlannedGroup, plan_groups, rank_islands
-from runtime.model import StageModule, piece_offsets, seeded_pieces, shard_positions
+from comm.plan_groups import plan_groups, rank_islands, stage_chunks
+from predictor.schedule import stage_order
+from runtime.model import StageModule, seeded_pieces
+from runtime.sync import CrossFamilySync
 from runtime.tensor_parallel import TensorParallel
 from specs.cluster import ClusterSpec
 from specs.errors import SpecError
@@ -190,10 +193,10 @@ class StageTimes:
 class Emulator:
     """Makes a pass take 1/speed of its real time by repeating the stage's layer math."""
 
-    def __init__(self, speed: float, stage: StageModule, tp: TensorParallel, sample: torch.Tensor) -> None:
-        if speed < 1.0 and not len(stage.layers):
+    def __init__(self, speed: float, layers: list[torch.nn.Module], tp: TensorParallel, sample: torch.Tensor) -> None:
+        if speed < 1.0 and not layers:
             raise SpecError("cluster", "emulate_speed", "a stage without decoder layers has no layer math to repeat")
-        self.speed, self.stage, self.tp = speed, stage, tp
+        self.speed, self.layers, self.tp = speed, layers, tp
         self.sample = sample  # an activation of the stage's shape for the repeated layer math
 
     def extend(self, real_s: float) -> float:
@@ -202,50 +205,11 @@ class Emulator:
         started = time.perf_counter()
         deadline = started + real_s * (1.0 / self.speed - 1.0)
         with torch.no_grad(), self.tp.suppress():
-            for layer in cycle(self.stage.layers):
+            for layer in cycle(self.layers):
                 if time.perf_counter() >= deadline:
                     break
                 layer(self.sample)
         return time.perf_counter() - started
-
-
-class CrossFamilySync:
-    """Sums this rank's gradients with the other families' for every model segment it holds (see the module text)."""
-
-    def __init__(
-        self,
-        model: ModelSpec,
-        role: Role,
-        recompute: str,
-        segments: list[tuple[PlannedGroup, CommGroup]],
-        comm: Communicator,
-    ) -> None:
-        stage, tp = role.stage, role.stage.tp
-        positions = [
-            shard_positions(
-                model, stage.layer_start, stage.layer_end, role.first, role.last, TensorParallel(None, tp, k), recompute
-            )
-            for k in range(role.tp_rank + 1)
-        ]
-        self.positions = positions[-1]
-        owned = (
-            ~torch.isin(self.positions, torch.cat(positions[:-1]))
-            if role.tp_rank
-            else torch.ones_like(self.positions, dtype=torch.bool)
-        )
-        self.contributes = owned & (role.replica == 0)  # replica 0 holds its family's DP sum
-        offsets = piece_offsets(model)
-        self.segments = [(group, offsets[planned.pieces[0]], offsets[planned.pieces[1]]) for planned, group in segments]
-        self.comm = comm
-
-    def sync(self, grads: torch.Tensor) -> None:
-        for group, lo, hi in self.segments:
-            inside = (self.positions >= lo) & (self.positions < hi)
-            give = inside & self.contributes
-            whole = torch.zeros(hi - lo, dtype=grads.dtype)
-            whole[self.positions[give] - lo] = grads[give]
-            self.comm.all_reduce(whole, group)
-            grads[inside] = whole[self.positions[inside] - lo]
 
 
 def _targets(rank_from: int, tp_from: int, tp_to: int) -> list[int]:
@@ -253,189 +217,229 @@ def _targets(rank_from: int, tp_from: int, tp_to: int) -> list[int]:
     return [k for k in range(tp_to) if k % tp_from == rank_from]
 
 
-def run_rank(rank: int, job: RunJob) -> None:
-    """Train `settings.steps` steps as one rank (torch.distributed already initialised) and write rank-R.json."""
+@dataclass
+class RankState:
+    """What one rank trains with: its chunks' modules, their parameters, the optimizer and the gradient sync."""
+
+    modules: list[StageModule]
+    params: list[torch.nn.Parameter]
+    optimizer: FlatAdam
+    dp_group: CommGroup
+    across: CrossFamilySync | None
+    runner: _StageRunner
+
+
+def _build(rank: int, job: RunJob, role: Role, comm: Communicator) -> RankState:
+    """This rank's modules (one per model chunk), groups, optimizer and schedule runner."""
     cluster, model, strategy, settings = job.cluster, job.model, job.strategy, job.settings
-    global_batch, seq_length, out_dir = job.global_batch, job.seq_length, job.out_dir
-    torch.set_num_threads(1)
-    comm = Communicator(rank_islands(cluster), timeout_s=settings.timeout_s)
-    planned = plan_groups(cluster, strategy, global_batch)
+    planned = [g for g in plan_groups(cluster, strategy, job.global_batch) if g.kind is not Axis.CROSS_FAMILY]
     made = comm.create_groups([g.ranks for g in planned])
-    roles = rank_roles(cluster, strategy)
-    role = roles.get(rank)
-    result: dict[str, Any] = {"rank": rank}
-    if role is None:  # a device the plan leaves idle: it only keeps step with the others
-        for _ in range(settings.steps):
-            dist.barrier()
-        result["idle"] = True
-        _finish(rank, result, out_dir)
-        return
-    pipeline = role.pipeline
-    index, stage = role.stage_index, role.stage
     tp_group = next(g for p, g in zip(planned, made, strict=True) if p.kind is Axis.TP and rank in p.ranks)
     dp_group = next(g for p, g in zip(planned, made, strict=True) if p.kind is Axis.DP and rank in p.ranks)
-    segments = [(p, g) for p, g in zip(planned, made, strict=True) if p.kind is Axis.CROSS_FAMILY and rank in p.ranks]
+    stage = role.stage
     tp = TensorParallel(tp_group.process_group, stage.tp, role.tp_rank)
-    first, last = role.first, role.last
-    pieces = seeded_pieces(model, stage.layer_start, stage.layer_end, first, last, settings.seed)
-    module = StageModule(model, pieces, tp, strategy.stage_recompute(stage))
+    recompute = strategy.stage_recompute(stage)
     dtype = TORCH_DTYPES[settings.dtype]
-    module.to(dtype)
-    params = [p for p in module.parameters() if p.requires_grad]
+    modules = []
+    for chunk in stage_chunks(role.pipeline, role.stage_index, strategy.virtual_stages):
+        pieces = seeded_pieces(model, chunk.layer_start, chunk.layer_end, chunk.first, chunk.last, settings.seed)
+        modules.append(StageModule(model, pieces, tp, recompute).to(dtype))
+    params = [p for module in modules for p in module.parameters() if p.requires_grad]
     dp_size = len(dp_group.ranks)
-    shard = (dp_group, dp_group.ranks.index(rank), dp_size) if strategy.zero_stage >= 1 and dp_size > 1 else None
-    optimizer = FlatAdam(params, settings, shard, comm)
-    speed = cluster.group(stage.group).emulate_speed
-    mbs = pipeline.micro_batch_size
-    across = CrossFamilySync(model, role, strategy.stage_recompute(stage), segments, comm) if segments else None
-    emulator = Emulator(speed, module, tp, torch.randn(mbs, seq_length, model.hidden_size, dtype=dtype))
+    zero = strategy.zero_stage >= 1 and dp_size > 1
+    optimizer = FlatAdam(params, settings, (dp_group, dp_group.ranks.index(rank), dp_size) if zero else None, comm)
+    across = None
+    if len(strategy.pipelines) > 1:
+        across = CrossFamilySync(model, strategy, group_offsets(cluster), rank, dp_group, zero)
+    sample = torch.randn(role.pipeline.micro_batch_size, job.seq_length, model.hidden_size, dtype=dtype)
+    layers = [layer for module in modules for layer in module.layers]
+    emulator = Emulator(cluster.group(stage.group).emulate_speed, layers, tp, sample)
+    runner = _StageRunner(job, role, modules, comm, emulator, dtype)
+    return RankState(modules, params, optimizer, dp_group, across, runner)
 
-    runner = _StageRunner(job, role, module, comm, emulator, dtype)
-    times = runner.times
-    losses: list[float] = []
-    for step in range(settings.steps):
-        dist.barrier()
-        started = time.perf_counter()
-        before = (times.compute_s, times.emulation_s, times.wait_s)
-        tokens = synthetic_batch(model, global_batch, seq_length, settings.seed, step)
-        loss_sum = runner.one_f_one_b(tokens[role.sample_start : role.sample_start + role.microbatches * mbs])
-        t0 = time.perf_counter()
-        grads = optimizer.flat([p.grad if p.grad is not None else torch.zeros_like(p) for p in params])
-        comm.all_reduce(grads, dp_group)
-        if across is not None:
-            across.sync(grads)
-        times.sync_s += time.perf_counter() - t0
-        if settings.capture_gradients and step == 0:
-            torch.save(_unflatten(module, params, grads), Path(out_dir, f"grads-{rank}.pt"))
-        t0 = time.perf_counter()
-        optimizer.step(grads)
-        for p in params:
-            p.grad = None
-        times.optimizer_s += time.perf_counter() - t0
-        elapsed = time.perf_counter() - started
-        times.per_step.append(
-            {
-                "time_s": elapsed,
-                "compute_s": times.compute_s - before[0],
-                "emulation_s": times.emulation_s - before[1],
-                "wait_s": times.wait_s - before[2],
-            }
-        )
-        losses.append(loss_sum * mbs / global_batch if last and role.tp_rank == 0 else 0.0)
 
-    result.update(
-        family=role.family,
-        stage=index,
-        replica=role.replica,
-        tp_rank=role.tp_rank,
-        group=stage.group,
-        layers=[stage.layer_start, stage.layer_end],
-        microbatches=role.microbatches,
-        emulate_speed=speed,
-        loss_contributions=losses,
-        last_stage=last,
-        steps=times.per_step,
-        sync_s=times.sync_s,
-        optimizer_s=times.optimizer_s,
-        parameters=sum(p.numel() for p in params),
-        max_rss_bytes=_max_rss_bytes(),
+def run_rank(rank: int, job: RunJob) -> dict[str, Any]:
+    """Train `settings.steps` steps as one rank (torch.distributed already initialised); returns its result."""
+    torch.set_num_threads(1)
+    comm = Communicator(rank_islands(job.cluster), timeout_s=job.settings.timeout_s)
+    role = rank_roles(job.cluster, job.strategy).get(rank)
+    if role is None:  # a device the plan leaves idle: it creates the groups and keeps step with the others
+        comm.create_groups([g.ranks for g in plan_groups(job.cluster, job.strategy, job.global_batch)
+                            if g.kind is not Axis.CROSS_FAMILY])  # fmt: skip
+        for _ in range(job.settings.steps):
+            dist.barrier()
+        return {"rank": rank, "idle": True}
+    state = _build(rank, job, role, comm)
+    losses = [_step(rank, job, role, state, comm, step) for step in range(job.settings.steps)]
+    times, stage = state.runner.times, role.stage
+    return {
+        "rank": rank,
+        "family": role.family,
+        "stage": role.stage_index,
+        "replica": role.replica,
+        "tp_rank": role.tp_rank,
+        "group": stage.group,
+        "layers": [stage.layer_start, stage.layer_end],
+        "microbatches": role.microbatches,
+        "emulate_speed": job.cluster.group(stage.group).emulate_speed,
+        "loss_contributions": losses,
+        "last_stage": role.last,
+        "steps": times.per_step,
+        "sync_s": times.sync_s,
+        "optimizer_s": times.optimizer_s,
+        "parameters": sum(p.numel() for p in state.params),
+        "max_rss_bytes": _max_rss_bytes(),
+    }
+
+
+def _step(rank: int, job: RunJob, role: Role, state: RankState, comm: Communicator, step: int) -> float:
+    """One training step: the schedule, the gradient sync, the update; returns this rank's loss contribution."""
+    settings, mbs, times = job.settings, role.pipeline.micro_batch_size, state.runner.times
+    dist.barrier()
+    started = time.perf_counter()
+    before = (times.compute_s, times.emulation_s, times.wait_s)
+    tokens = synthetic_batch(job.model, job.global_batch, job.seq_length, settings.seed, step)
+    loss_sum = state.runner.run(tokens[role.sample_start : role.sample_start + role.microbatches * mbs])
+    t0 = time.perf_counter()
+    params = state.params
+    grads = state.optimizer.flat([p.grad if p.grad is not None else torch.zeros_like(p) for p in params])
+    capture = settings.capture_gradients and step == 0
+    if state.across is None:
+        comm.all_reduce(grads, state.dp_group)
+    else:
+        grads = state.across.sync(grads, comm, full=capture)
+    times.sync_s += time.perf_counter() - t0
+    if capture:
+        torch.save(_unflatten(state.modules, params, grads), Path(job.out_dir, f"grads-{rank}.pt"))
+    t0 = time.perf_counter()
+    state.optimizer.step(grads)
+    for p in params:
+        p.grad = None
+    times.optimizer_s += time.perf_counter() - t0
+    times.per_step.append(
+        {
+            "time_s": time.perf_counter() - started,
+            "compute_s": times.compute_s - before[0],
+            "emulation_s": times.emulation_s - before[1],
+            "wait_s": times.wait_s - before[2],
+        }
     )
-    _finish(rank, result, out_dir)
+    return loss_sum * mbs / job.global_batch if role.last and role.tp_rank == 0 else 0.0
+
+
+ACTIVATION_TAG, GRADIENT_TAG = 0, 1
 
 
 class _StageRunner:
-    """One rank's pipeline work for an iteration: 1F1B over its replica's micro-batches."""
+    """One rank's pipeline work for an iteration: Megatron's (interleaved) 1F1B over its replica's micro-batches."""
 
     def __init__(
         self,
         job: RunJob,
         role: Role,
-        module: StageModule,
+        modules: list[StageModule],
         comm: Communicator,
         emulator: Emulator,
         dtype: torch.dtype,
     ) -> None:
         pipeline = role.pipeline
         self.stages = pipeline.stages
-        self.role, self.module, self.comm, self.emulator, self.dtype = role, module, comm, emulator, dtype
-        self.index = role.stage_index
-        self.first, self.last = self.index == 0, self.index == len(self.stages) - 1
+        self.role, self.modules, self.comm, self.emulator, self.dtype = role, modules, comm, emulator, dtype
+        self.index, self.p, self.v = role.stage_index, len(pipeline.stages), len(modules)
         self.mbs = pipeline.micro_batch_size
         self.loss_scale = self.mbs / job.global_batch  # this micro-batch's share of the global batch
         self.shape = (self.mbs, job.seq_length, job.model.hidden_size)
         self.offsets = group_offsets(job.cluster)
         self.times = StageTimes()
         self.sends: list[dist.Work] = []
-        self.saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.local: dict[tuple[int, int, int], torch.Tensor] = {}  # messages to itself (one stage, v chunks)
         self.loss_sum = 0.0
 
     def peer(self, stage_index: int, tp_rank: int) -> int:
-        return stage_rank(self.offsets, self.stages[stage_index], self.role.replica, tp_rank)
+        return stage_rank(self.offsets, self.stages[stage_index % self.p], self.role.replica, tp_rank)
 
-    def receive(self, src: int) -> torch.Tensor:
+    def receive(self, stage_index: int, tag: int, key: tuple[int, int, int]) -> torch.Tensor:
+        """The tensor stage `stage_index` sends this TP rank (k <- k mod its TP width)."""
+        src = self.peer(stage_index, self.role.tp_rank % self.stages[stage_index % self.p].tp)
+        if src == dist.get_rank():
+            return self.local.pop(key)
         buffer = torch.empty(self.shape, dtype=self.dtype)
         waited = time.perf_counter()
-        self.comm.irecv(buffer, src).wait()
+        self.comm.irecv(buffer, src, tag).wait()
         self.times.wait_s += time.perf_counter() - waited
         return buffer
 
-    def forward(self, j: int, tokens: torch.Tensor) -> None:
-        index, tp_rank = self.index, self.role.tp_rank
+    def send(self, tensor: torch.Tensor, stage_index: int, tag: int, key: tuple[int, int, int]) -> None:
+        """To every TP rank of stage `stage_index` that takes its input from this one."""
+        tp_to = self.stages[stage_index % self.p].tp
+        for k in _targets(self.role.tp_rank, self.stages[self.index].tp, tp_to):
+            dst = self.peer(stage_index, k)
+            if dst == dist.get_rank():
+                self.local[key] = tensor.detach()
+            else:
+                self.sends.append(self.comm.isend(tensor.detach(), dst, tag))
+
+    def timed(self, work: Callable[[], torch.Tensor | None]) -> torch.Tensor | None:
+        t0 = time.perf_counter()
+        out = work()
+        real = time.perf_counter() - t0
+        self.times.compute_s += real
+        self.times.emulation_s += self.emulator.extend(real)
+        return out
+
+    def forward(self, j: int, k: int, tokens: torch.Tensor) -> None:
+        chunk = k * self.p + self.index
         batch = tokens[j * self.mbs : (j + 1) * self.mbs]
-        if self.first:
+        last = chunk == self.p * self.v - 1
+        if chunk == 0:
             x = batch[:, :-1]
         else:
-            x = self.receive(self.peer(index - 1, tp_rank % self.stages[index - 1].tp)).requires_grad_()
-        t0 = time.perf_counter()
-        out = self.module(x, batch[:, 1:] if self.last else None)
-        real = time.perf_counter() - t0
-        self.times.compute_s += real
-        self.times.emulation_s += self.emulator.extend(real)
-        if self.last:
+            x = self.receive(self.index - 1, ACTIVATION_TAG, (0, j, chunk)).requires_grad_()
+        module = self.modules[k]
+        out = self.timed(lambda: module(x, batch[:, 1:] if last else None))
+        assert out is not None
+        if last:
             self.loss_sum += float(out.detach())
         else:
-            for k in _targets(tp_rank, self.stages[index].tp, self.stages[index + 1].tp):
-                self.sends.append(self.comm.isend(out.detach(), self.peer(index + 1, k)))
-        self.saved[j] = (x, out)
+            self.send(out, self.index + 1, ACTIVATION_TAG, (0, j, chunk + 1))
+        self.saved[j, k] = (x, out)
 
-    def backward(self, j: int) -> None:
-        index, tp_rank = self.index, self.role.tp_rank
-        x, out = self.saved.pop(j)
-        grad = None
-        if not self.last:
-            grad = self.receive(self.peer(index + 1, tp_rank % self.stages[index + 1].tp))
-        t0 = time.perf_counter()
-        if self.last:
-            (out * self.loss_scale).backward()
+    def backward(self, j: int, k: int) -> None:
+        chunk = k * self.p + self.index
+        x, out = self.saved.pop((j, k))
+        if chunk == self.p * self.v - 1:
+            self.timed(lambda: (out * self.loss_scale).backward())
         else:
-            out.backward(grad)
-        real = time.perf_counter() - t0
-        self.times.compute_s += real
-        self.times.emulation_s += self.emulator.extend(real)
-        if not self.first:
-            for k in _targets(tp_rank, self.stages[index].tp, self.stages[index - 1].tp):
-                self.sends.append(self.comm.isend(x.grad, self.peer(index - 1, k)))
+            grad = self.receive(self.index + 1, GRADIENT_TAG, (1, j, chunk))
+            self.timed(lambda: out.backward(grad))
+        if chunk > 0:
+            self.send(x.grad, self.index - 1, GRADIENT_TAG, (1, j, chunk - 1))
 
-    def one_f_one_b(self, tokens: torch.Tensor) -> float:
-        """Run this replica's micro-batches through the stage; returns the sum of micro-batch losses (last stage)."""
+    def run(self, tokens: torch.Tensor) -> float:
+        """Run this replica's micro-batches through the stage's chunks in Megatron's order; returns the sum of
+        micro-batch losses (last stage)."""
         self.loss_sum = 0.0
-        count = self.role.microbatches
-        warmup = min(len(self.stages) - self.index - 1, count)
-        for j in range(warmup):
-            self.forward(j, tokens)
-        for j in range(count - warmup):
-            self.forward(warmup + j, tokens)
-            self.backward(j)
-        for j in range(count - warmup, count):
-            self.backward(j)
+        for kind, j, k in stage_order(self.p, self.role.microbatches, self.v, self.index):
+            if kind == "forward":
+                self.forward(j, k, tokens)
+            else:
+                self.backward(j, k)
         for work in self.sends:
             work.wait()
         self.sends.clear()
         return self.loss_sum
 
 
-def _unflatten(module: StageModule, params: list[torch.nn.Parameter], flat: torch.Tensor) -> dict[str, torch.Tensor]:
-    names = {id(p): name for name, p in module.named_parameters()}
+def _unflatten(
+    modules: list[StageModule], params: list[torch.nn.Parameter], flat: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """A flat gradient as named tensors (`chunk{k}.` before each name when the rank holds several chunks)."""
+    names = {
+        id(p): (f"chunk{k}." if len(modules) > 1 else "") + name
+        for k, module in enumerate(modules)
+        for name, p in module.named_parameters()
+    }
     out, offset = {}, 0
     for p in params:
         out[names[id(p)]] = flat[offset : offset + p.numel()].view_as(p).clone()
@@ -449,13 +453,17 @@ def _max_rss_bytes() -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
-def _finish(rank: int, result: dict[str, Any], out_dir: str) -> None:
-    dist.barrier()
-    Path(out_dir, f"rank-{rank}.json").write_text(json.dumps(result), encoding="utf-8")
+def gathered_results(rank: int, job: RunJob) -> list[dict[str, Any]] | None:
+    """Run this rank and gather every rank's result on rank 0 over the process group (no shared disk); None
+    elsewhere."""
+    result = run_rank(rank, job)
+    everyone: list[dict[str, Any]] | None = [{} for _ in range(dist.get_world_size())] if rank == 0 else None
+    dist.gather_object(result, everyone, dst=0)
+    return everyone
 
 
 def spawned_rank(rank: int, world_size: int, port: int, job: RunJob) -> None:
-    """Entry point of a locally spawned rank (Gloo over loopback)."""
+    """Entry point of a locally spawned rank (Gloo over loopback); rank 0 writes every rank's result to results.json."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     dist.init_process_group(
         "gloo",
@@ -465,6 +473,8 @@ def spawned_rank(rank: int, world_size: int, port: int, job: RunJob) -> None:
         timeout=timedelta(seconds=job.settings.timeout_s),
     )
     try:
-        run_rank(rank, job)
+        results = gathered_results(rank, job)
+        if results is not None:
+            Path(job.out_dir, "results.json").write_text(json.dumps(results), encoding="utf-8")
     finally:
         dist.destroy_process_group()

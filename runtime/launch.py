@@ -12,25 +12,40 @@ import platform
 import statistics
 import tempfile
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from planner.export import launch_commands
 from planner.plan import LoadedPlan, evaluation_dict
 from predictor.cost_model import CostContext, evaluate
 from predictor.runs import RUN_SCHEMA
 from profiler.comm_bench import free_port, run_processes
-from runtime.execute import TORCH_DTYPES, RunJob, RunSettings, spawned_rank, synthetic_batch
+from runtime.execute import TORCH_DTYPES, RunJob, RunSettings, gathered_results, spawned_rank, synthetic_batch
 from runtime.model import ReferenceModel, check_tp
 from specs.cluster import ClusterSpec
 from specs.errors import SpecError
 from specs.loading import read_mapping
 
+__all__ = ["execute", "execute_in_job", "launch_commands", "run_in_job", "run_plan"]
 MAX_LOCAL_RANKS = 16
 REFERENCE_MAX_PARAMS = 200_000_000
 # relative loss difference allowed between the run and one process (same weights and data, different sum orders)
 LOSS_TOLERANCE = {"fp64": 1e-9, "fp32": 1e-4, "bf16": 3e-2, "fp16": 1e-2}
+
+
+def check_runnable(plan: LoadedPlan, cluster: ClusterSpec) -> None:
+    """What the runtime cannot run, as a one-line SpecError before any process starts."""
+    for stage in (s for pipeline in plan.strategy.pipelines for s in pipeline.stages):
+        check_tp(plan.model, stage.tp, plan.source)
+
+
+def _job(plan: LoadedPlan, cluster: ClusterSpec, settings: RunSettings, out_dir: str) -> RunJob:
+    seq_length = plan.training.seq_length or plan.model.seq_length
+    return RunJob(cluster, plan.model, plan.strategy, plan.training.global_batch_size, seq_length, settings, out_dir)
 
 
 def run_plan(
@@ -39,12 +54,8 @@ def run_plan(
     settings: RunSettings,
     out_dir: str | None = None,
 ) -> list[dict[str, Any]]:
-    """Spawn one local process per cluster device and train; returns every rank's result."""
-    strategy = plan.strategy
-    if strategy.virtual_stages != 1:
-        raise SpecError(plan.source, "virtual_stages", "the runtime runs 1F1B; interleaved plans are not run yet")
-    for stage in (s for pipeline in strategy.pipelines for s in pipeline.stages):
-        check_tp(plan.model, stage.tp, plan.source)
+    """Spawn one local process per cluster device and train; returns every rank's result (gathered by rank 0)."""
+    check_runnable(plan, cluster)
     world = cluster.num_devices
     if world > MAX_LOCAL_RANKS:
         raise SpecError(
@@ -52,23 +63,44 @@ def run_plan(
             "devices",
             f"{world} devices: local runs spawn one process per device, at most {MAX_LOCAL_RANKS} (use torchrun)",
         )
-    seq_length = plan.training.seq_length or plan.model.seq_length
-    scratch = out_dir or tempfile.mkdtemp(prefix="hetplan-run-")
-    job = RunJob(cluster, plan.model, strategy, plan.training.global_batch_size, seq_length, settings, scratch)
-    run_processes(
-        spawned_rank,
-        (world, free_port(), job),
-        world,
-        settings.timeout_s * (settings.steps + 3),
-        f"hetplan run with {world} processes",
-    )
-    results = []
-    for rank in range(world):
-        path = Path(scratch, f"rank-{rank}.json")
+    with tempfile.TemporaryDirectory(prefix="hetplan-run-") as scratch:
+        job = _job(plan, cluster, settings, out_dir or scratch)
+        run_processes(
+            spawned_rank,
+            (world, free_port(), job),
+            world,
+            settings.timeout_s * (settings.steps + 3),
+            f"hetplan run with {world} processes",
+        )
+        path = Path(job.out_dir, "results.json")
         if not path.exists():
-            raise SpecError(plan.source, f"rank {rank}", "wrote no result")
-        results.append(json.loads(path.read_text(encoding="utf-8")))
+            raise SpecError(plan.source, "ranks", "rank 0 wrote no results")
+        results: list[dict[str, Any]] = json.loads(path.read_text(encoding="utf-8"))
     return results
+
+
+def run_in_job(
+    plan: LoadedPlan, cluster: ClusterSpec, settings: RunSettings, out_dir: str = "."
+) -> list[dict[str, Any]] | None:
+    """This process is one rank of a torchrun job (RANK, WORLD_SIZE, MASTER_ADDR/PORT from the environment, any
+    number of nodes): train and return every rank's result on rank 0, gathered over the process group; None on the
+    other ranks. `out_dir` is written only for captured gradients."""
+    check_runnable(plan, cluster)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    timeout = timedelta(seconds=settings.timeout_s)
+    dist.init_process_group("gloo", init_method="env://", timeout=timeout)
+    try:
+        world = dist.get_world_size()
+        if world != cluster.num_devices:
+            raise SpecError(
+                cluster.source or "cluster",
+                "devices",
+                f"the torchrun job has {world} processes, the cluster {cluster.num_devices} devices: start one "
+                "process per device (hetplan launch writes the commands)",
+            )
+        return gathered_results(dist.get_rank(), _job(plan, cluster, settings, out_dir))
+    finally:
+        dist.destroy_process_group()
 
 
 def summarize(results: list[dict[str, Any]], steps: int) -> dict[str, Any]:
@@ -207,7 +239,39 @@ def execute(
     ctx = context(cluster.sharing_cores(share))
     ctx.check_strategy(plan.strategy, plan.source)
     progress(f"running {plan.source} on {cluster.num_devices} local processes for {settings.steps} steps ...")
-    results = run_plan(plan, cluster, settings)
+    return _recorded(plan, cluster, cluster_path, ctx, settings, run_plan(plan, cluster, settings), share)
+
+
+def _recorded(
+    plan: LoadedPlan,
+    cluster: ClusterSpec,
+    cluster_path: str,
+    ctx: CostContext,
+    settings: RunSettings,
+    results: list[dict[str, Any]],
+    share: float,
+) -> dict[str, Any]:
+    """The run record of every rank's results, with the one-process loss check beside it."""
     summary = summarize(results, settings.steps)
     reference = reference_check(plan, settings, summary["losses"][0])
     return run_record(plan, cluster, cluster_path, ctx, settings, summary, reference, share)
+
+
+def execute_in_job(
+    plan: LoadedPlan,
+    cluster: ClusterSpec,
+    cluster_path: str,
+    context: Callable[[ClusterSpec], CostContext],
+    settings: RunSettings,
+    progress: Callable[[str], None] = print,
+) -> dict[str, Any] | None:
+    """`hetplan run` as one rank of a torchrun job: the run record on rank 0 (None on the other ranks, which must
+    write nothing); the prediction's cluster shares this node's cores among its local ranks."""
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    share = min(1.0, len(os.sched_getaffinity(0)) / local_ranks)
+    ctx = context(cluster.sharing_cores(share))
+    ctx.check_strategy(plan.strategy, plan.source)
+    if os.environ.get("RANK") == "0":
+        progress(f"running {plan.source} as a torchrun job of {os.environ.get('WORLD_SIZE')} ranks ...")
+    results = run_in_job(plan, cluster, settings)
+    return None if results is None else _recorded(plan, cluster, cluster_path, ctx, settings, results, share)

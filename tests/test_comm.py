@@ -330,3 +330,43 @@ def test_the_registered_backend_carries_ddp_and_uneven_pipelining_across_islands
         assert result["ddp gradient error"] < 1e-12, (rank, result)
         if rank != 1:
             assert result["pipeline group is hetplan"] and result["pipeline gradient error"] < 1e-12, (rank, result)
+
+
+def _hanging_worker(rank: int, fail: bool, stamp: str) -> None:
+    """Rank 0 fails after torch has warned on stderr; rank 1 never returns and ignores SIGTERM, as a rank stuck in
+    a C++ wait does (a hung peer, not a wait for something)."""
+    import signal
+    import threading
+    import warnings
+
+    if rank == 1:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        threading.Event().wait()
+    warnings.warn("a multi-line\ntorch-style warning", stacklevel=1)
+    if fail:
+        Path(stamp).write_text(str(time.time()))  # wall clock: when the failure happened
+        os._exit(3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fail", [True, False])
+def test_run_processes_reports_a_failed_or_hung_peer_in_one_line_within_seconds(fail, capfd, tmp_path):
+    from profiler.comm_bench import GRACE_S, run_processes
+    from specs.errors import HetplanError
+
+    deadline_s = 60.0 if fail else 4.0
+    started = time.monotonic()
+    with pytest.raises(HetplanError) as caught:
+        run_processes(_hanging_worker, (fail, str(tmp_path / "failed")), 2, deadline_s, "test job")
+    elapsed = time.monotonic() - started
+    message = str(caught.value)
+    assert "\n" not in message
+    if fail:
+        assert "exit code 3" in message and "rank 0: a multi-line" not in message
+    else:
+        assert "did not finish in 4 s" in message
+    if fail:  # from the failure: the grace, SIGTERM, the grace, SIGKILL (torch alone waits 30 s after SIGTERM)
+        assert time.time() - float((tmp_path / "failed").read_text()) < 2 * GRACE_S + 5
+    else:
+        assert elapsed < deadline_s + 2 * GRACE_S + 5
+    assert "warning" not in capfd.readouterr().err  # the children's stderr stays out of the terminal

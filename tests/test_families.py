@@ -225,7 +225,7 @@ def test_the_schedule_draws_every_family_and_waits_for_the_slowest(family_plan):
     assert all(b.start_s >= flush - 1e-12 for b in blocks if b.micro_batch < 0)  # DP sync after every family
     words = bottleneck_words(ctx, evaluation)
     assert any("2 pipeline families run side by side" in line for line in words)
-    assert "of family 0, the slowest family" in words[0]  # the A100 pipeline, 56 of the 64 samples
+    assert "slowest stage of family 0, whose" in words[0]  # the A100 pipeline, 56 of the 64 samples
     assert stage_label(evaluation, len(evaluation.stages) - 1) == "1.0"
 
 
@@ -290,3 +290,54 @@ def test_cli_plans_families_and_explains_and_counts_their_traffic(tmp_path):
     assert (tmp_path / "x.png").stat().st_size > 10_000
     traffic = hetplan("traffic", str(out), "--cluster", str(cluster), "--json")
     assert traffic.returncode == 0, traffic.stderr
+
+
+def test_interleaved_memory_is_checked_at_every_micro_batch_count():
+    """An interleaved plan's stages hold 2(p - i - 1) + (v - 1) N + 1 chunks and Megatron's group size N is not
+    monotone in the micro-batches, so a family that fits at its block's count may not fit at the split's (the
+    partition was dropped): the mask the split then uses equals the full cost model at every count."""
+    from planner.families import _interleaved_fits
+    from specs import load_cluster
+    from tests.conftest import EXAMPLES
+
+    cluster = load_cluster(EXAMPLES / "hethub-768.yaml")
+    training = load_training(EXAMPLES / "training" / "hethub-140b.yaml", {"uneven_batch": "exhaustive"})
+    ctx = build_context(cluster, load_model("llama-140b"), training)
+    amd = cluster.group("amd")
+    plans = _block_plans(search(_block_context(ctx, [amd], 96), SearchOptions(top_k=3, every_group=True)).evaluations)
+    interleaved = [p for p in plans if p.virtual_stages > 1]
+    assert interleaved
+    checked = set()
+    for block_plan in interleaved:
+        replicas, size = block_plan.replicas, block_plan.micro_batch_size
+        most = 60
+        fits = _interleaved_fits(ctx, block_plan.evaluation, most)
+        for q in range(1, most + 1):
+            alone = _block_context(ctx, [amd], q * replicas * size)
+            evaluation = evaluate(alone, combine(alone, [block_plan], [q * replicas]))
+            assert fits[q] == evaluation.fits, q
+            checked.add(fits[q])
+    assert checked == {True, False}
+
+
+def test_several_runs_of_totals_add_as_the_union_of_their_ranges():
+    """The split's table step for a plan whose memory allows several runs of micro-batch totals (an FFT
+    convolution) equals adding each run's range."""
+    import numpy as np
+
+    from planner.families import _add_range, _add_runs
+
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        size, step = int(rng.integers(5, 300)), int(rng.integers(1, 5))
+        reachable = rng.random(size) < 0.1
+        reachable[0] = True
+        runs, start = [], 1
+        for _ in range(int(rng.integers(2, 6))):
+            low = start + int(rng.integers(0, 5))
+            runs.append((low, low + int(rng.integers(0, 5))))
+            start = runs[-1][1] + 2
+        expected = np.zeros(size, dtype=bool)
+        for low, high in runs:
+            expected |= _add_range(reachable, step, low, high)
+        assert (_add_runs(reachable, step, runs) == expected).all()

@@ -180,3 +180,32 @@ def test_profile_without_torch_is_a_clear_error():
     result = hetplan("profile", "--model", "llama2-7b", "--out", "x.json")
     assert result.returncode == 2
     assert "needs PyTorch" in result.stderr and "pip install" in result.stderr
+
+
+def test_profile_target_defaults_to_fp32_on_the_cpu_and_the_catalog_key_asked_for():
+    assert measure.profile_target("cpu", "auto", None) == (CPU, "fp32", "cpu")
+    assert measure.profile_target("cpu", "bf16", "a100") == (CPU, "bf16", "a100-80gb")
+
+
+def test_ctrl_c_during_cli_profile_writes_what_was_measured_and_exits_130(tmp_path, monkeypatch, capsys):
+    """The partial profile is kept (and loads), the run still ends as interrupted (it used to exit 0)."""
+    import cli
+    from report.failures import exit_status
+
+    real = measure.build_layer
+    calls = {"n": 0}
+
+    def interrupted(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 4:  # the warm-up and two entries, then Ctrl-C
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(measure, "build_layer", interrupted)
+    out = tmp_path / "deeper" / "cpu.json"  # its directory is created before measuring
+    args = ["profile", "--model", str(EXAMPLES / "models" / "tiny-llama.yaml"), "--device", "cpu", "--out", str(out)]
+    code = exit_status(cli.app, [*args, "--micro-batches", "1", "--tp", "1", "--recompute", "none", "--repeats", "1"])
+    captured = capsys.readouterr()
+    assert code == 130 and captured.err.strip().splitlines()[-1] == "hetplan: interrupted"
+    assert "(interrupted: partial profile)" in captured.out
+    assert len(load_profile(out).entries) == 2

@@ -16,7 +16,7 @@ from profiler.simulated import SimulatedDevice
 from report import explain, rail_only, traffic, traffic_calc
 from report.figures import HEATMAP_MAX_DEVICES, traffic_matrix
 from report.replanning import replan_lines
-from report.tables import plan_rows, stage_table
+from report.tables import STAGE_COLUMNS, plan_rows, stage_table
 from specs import load_cluster, load_model, load_training
 from specs.cluster import ClusterSpec
 from specs.device import get_device
@@ -26,6 +26,7 @@ from tests.conftest import EXAMPLES
 
 CLUSTER = EXAMPLES / "a100-v100-32.yaml"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+STAGE_DEVICES = STAGE_COLUMNS.index("devices")
 
 
 def _a100() -> ClusterSpec:
@@ -54,7 +55,7 @@ def _two_stages(first_layers: int) -> Strategy:
 @pytest.mark.parametrize(("first_layers", "slowest"), [(18, 0), (6, 1)])
 def test_explain_names_the_slowest_stage(first_layers, slowest):
     result = explain(_plan(_two_stages(first_layers)), _a100())
-    times = [s.compute_time_s for s in result.evaluation.stages]
+    times = [s.step_time_s for s in result.evaluation.stages]
     assert times.index(max(times)) == slowest
     layers = first_layers if slowest == 0 else 24 - first_layers
     assert result.bottleneck[0].startswith(f"Stage {slowest} (a100, {layers} layers, TP 2) is the slowest")
@@ -225,7 +226,7 @@ def test_plan_rows_show_the_lower_bound_only_when_it_was_computed():
         "search_time_s": 1.234,
         "search": {"evaluated": 3, "configurations": 10},
     }
-    assert [name for name, _ in plan_rows(body, None)] == ["upper bound", "compute bound", "search"]
+    assert [name for name, _ in plan_rows(body, None)] == ["groups alone", "compute bound", "search"]
     rows = dict(plan_rows({**body, "iteration_time_lower_bound_s": 2.0, "gap_to_lower_bound": 0.05}, None))
     assert rows["lower bound"] == "2.000 s per iteration for any plan searched: this one is within 5.0%"
     assert rows["search"] == "1.23 s, 3 of 10 configurations evaluated"
@@ -247,3 +248,157 @@ def test_replan_lines_say_when_the_old_plan_cannot_run_any_more():
     assert "old plan shrunk to fit: cannot run on the changed cluster" in lines
     assert lines[2].strip() == "\\[a] 2 stages"  # escaped for rich markup
     assert lines[-1] == "throughput -50.0%; re-planned in 0.12 s"
+
+
+def test_progress_lines_off_a_terminal_say_done_total_elapsed_and_eta():
+    """A line every interval (the first only after one: quick commands print nothing), none when quiet; a final
+    'done' only after lines were printed."""
+    import io
+
+    from report.progress import Progress
+
+    now = [0.0]
+    out = io.StringIO()
+    progress = Progress("profile", unit="entries", interval_s=5, stream=out, clock=lambda: now[0], terminal=False)
+    with progress:
+        progress(3, 12, "decoder b=2 tp=1 full")
+        assert out.getvalue() == ""
+        now[0] = 6.0
+        progress(3, 12, "decoder b=2 tp=1 full")
+        now[0] = 8.0
+        progress.tick()  # within the interval: nothing
+        now[0] = 70.0
+        progress.tick()  # the heartbeat, with no new update
+    lines = out.getvalue().splitlines()
+    assert lines == [
+        "hetplan profile: 3/12 entries (25%) decoder b=2 tp=1 full, 6 s elapsed, about 18 s left",
+        "hetplan profile: 3/12 entries (25%) decoder b=2 tp=1 full, 1 min 10 s elapsed, about 3 min 30 s left",
+        "hetplan profile: done in 1 min 10 s",
+    ]
+    quiet = io.StringIO()
+    with Progress("plan", quiet=True, interval_s=0.0, stream=quiet, terminal=False) as silent:
+        silent(5, None)
+        silent.tick()
+    assert quiet.getvalue() == ""
+
+
+def test_progress_of_steps_and_of_work_of_unknown_size():
+    import io
+
+    from report.progress import Progress
+
+    progress = Progress("explain", unit="steps", interval_s=1, stream=io.StringIO(), clock=lambda: 0.0, terminal=False)
+    progress.step("evaluating the plan", 3)
+    progress.step("laying out the schedule", 3)
+    assert (
+        progress.line(10.0) == "hetplan explain: 1/3 steps (33%) laying out the schedule, 10 s elapsed, about 20 s left"
+    )
+    search = Progress("plan", unit="candidates", stream=io.StringIO(), clock=lambda: 0.0, terminal=False)
+    searched = search.counter("searched")
+    searched(1280, 1344)  # the planner's total is only a lower bound: no ETA from it
+    searched(3, 10)  # the family search counts its own steps: the count shown does not go back
+    assert search.line(3725.0) == "hetplan plan: 1,280 candidates searched, 1 h 02 min elapsed"
+    assert Progress("fit", stream=io.StringIO(), clock=lambda: 0.0, terminal=False).line(3.0) == (
+        "hetplan fit: starting, 3 s elapsed"
+    )
+    run = Progress("run", stream=io.StringIO(), clock=lambda: 0.0, terminal=False)
+    run.say("running plan.json on 4 local processes for 5 steps ...")
+    assert run.line(2.0) == "hetplan run: running plan.json on 4 local processes for 5 steps, 2 s elapsed"
+
+
+def test_summaries_say_what_their_numbers_count():
+    """Small models in millions (not '0.0B'), the stage table's devices over all replicas, traffic summed over
+    devices, and HETHUB's yardstick not called a bound (a mixed plan can beat it)."""
+    from rich.console import Console
+
+    from report.tables import params, summary_rows, traffic_table
+
+    assert [params(n) for n in (31_000_000, 1.7e9, 1.2e12, 950)] == ["31.0M", "1.7B", "1.2T", "950"]
+    result = explain(_plan(tp=2, pp=2, dp=4), _a100())
+    rows = dict(summary_rows(result.context, result.evaluation, []))
+    assert rows["model"].startswith("gpt3-1.7b (1.7B params")
+    table = stage_table(result.context, result.evaluation)
+    assert table.title == "Stages (devices: TP x replicas; time per micro-batch and memory per device)"
+    assert [int(cell) for cell in table.columns[STAGE_DEVICES].cells] == [8, 8]  # TP 2 x 4 replicas
+    console = Console(width=200, record=True)
+    console.print(traffic_table(traffic(_plan(tp=2, pp=2, dp=4), _a100())))
+    assert "GB sent, summed over all 16 devices" in " ".join(console.export_text().split())
+    body = {"upper_bound_tokens_per_s": 100.0, "fraction_of_upper_bound": 1.024, "compute_bound_tokens_per_s": 200.0}
+    body |= {"fraction_of_compute_bound": 0.5, "search_time_s": 1.0, "search": {"evaluated": 1, "configurations": 1}}
+    yardstick = dict(plan_rows(body, None))["groups alone"]
+    assert "not a bound" in yardstick and "102.4% of it" in yardstick
+
+
+def test_catalog_tables_never_cut_the_key_column():
+    from rich.console import Console
+
+    from report.tables import devices_table, models_table
+    from specs.device import device_catalog
+    from specs.model import model_catalog
+
+    for table, keys in (
+        (devices_table(device_catalog()), device_catalog()),
+        (models_table(model_catalog()), model_catalog()),
+    ):
+        console = Console(width=100, record=True)
+        console.print(table)
+        text = console.export_text()
+        assert all(key in text for key in keys), [key for key in keys if key not in text]
+
+
+def test_hints_name_uneven_batches_for_a_prime_batch_and_advice_skips_what_is_allowed():
+    from report.tables import PLANNER_REMEDIES, fit_advice, hint_lines
+
+    prime = explain(_plan(tp=8, pp=2, dp=1, batch=31), _a100())
+    (hint,) = hint_lines(prime.context, prime.evaluation)
+    assert hint.startswith("hint: the global batch 31 is prime") and "--uneven-batch exhaustive" in hint
+    even = explain(_plan(tp=2, pp=2, dp=4), _a100())
+    assert hint_lines(even.context, even.evaluation) == []  # every device used, batch splits evenly
+    message = f"llama2-70b does not fit: the closest strategy needs 3.0 GiB more per device; {PLANNER_REMEDIES}"
+    defaults = load_training()  # full recompute and ZeRO-1 already allowed
+    advice = fit_advice(message, defaults)
+    assert advice.endswith("; add devices or shorten the sequence (--seq-len)")
+    narrow = load_training(None, {"recompute": ["none"], "zero_stage": 0, "micro_batch_sizes": [2, 4]})
+    assert "allow full recompute" in fit_advice(message, narrow) and "ZeRO-1 (--zero-stage 1)" in fit_advice(
+        message, narrow
+    )
+
+
+def test_explain_words_agree_with_the_table_when_families_differ():
+    """With several families the pacing stage is the slowest of the family that takes longest, and a slower stage
+    of another family (running fewer micro-batches) is named as such, not contradicted."""
+    from predictor.schedule import pace_words
+
+    cluster = load_cluster(CLUSTER)
+    model = load_model("gpt3-1.7b")
+    training = load_training(None, {"global_batch_size": 64, "dtype": "fp16", "zero_stage": 1})
+    fast = (StageStrategy("a100", 0, 12, 1, 0), StageStrategy("a100", 12, 24, 1, 1))
+    slow = (StageStrategy("v100", 0, 24, 2, 0),)
+    strategy = Strategy((PipelineStrategy(1, 1, 60, fast), PipelineStrategy(1, 1, 4, slow)), "none", 1)
+    result = explain(LoadedPlan(strategy, model, training, "families.json", cluster.name), cluster)
+    stages = result.evaluation.stages
+    assert stages[2].step_time_s > max(s.step_time_s for s in stages[:2])  # the V100 stage is slower ...
+    words = pace_words(result.evaluation)
+    assert words.startswith("Stage 0.")  # ... but the 60 micro-batches of family 0 take longer
+    assert "slowest stage of family 0, whose 60 micro-batches per replica take longest" in words
+    assert (
+        f"Family 1's stages are slower per micro-batch (up to {stages[2].step_time_s * 1e3:.1f} ms) but run 4" in words
+    )
+    assert result.bottleneck[0] == words
+
+
+def test_dense_schedules_are_summarised_and_many_stage_labels_thinned(tmp_path):
+    """A 1F1B row denser than the picture merges blocks closer than a pixel (forward + backward runs become one
+    'mixed' bar); 100 stages get at most MAX_LABELS labels; the legends sit outside the charts."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from predictor.schedule import Block
+    from report.figures import MAX_LABELS, _every, merged_runs
+
+    blocks = [Block(0, "forward", i, i * 1.0, i + 0.5) for i in range(4)]
+    blocks += [Block(0, "backward", i, i + 0.5, i + 1.0) for i in range(4)]
+    blocks.append(Block(0, "forward", 9, 9.0, 9.5))
+    assert merged_runs(blocks, 1000.0) == [(0.0, 4.0, "mixed"), (9.0, 9.5, "forward")]
+    assert merged_runs(blocks[:1], 1000.0) == [(0.0, 0.5, "forward")]
+    assert len(range(0, 100, _every(100))) <= MAX_LABELS and _every(26) == 1

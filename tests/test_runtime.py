@@ -8,6 +8,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from comm.communicator import CommGroup  # noqa: E402
+from comm.plan_groups import stage_chunks  # noqa: E402
 from planner.plan import LoadedPlan  # noqa: E402
 from runtime.execute import RunSettings, synthetic_batch  # noqa: E402
 from runtime.launch import run_plan, summarize  # noqa: E402
@@ -82,10 +84,19 @@ def _reference() -> tuple[ReferenceModel, list[float]]:
     return fresh, losses
 
 
-def _check(strategy: Strategy, tmp_path) -> None:
+def parity_plan(strategy: Strategy) -> tuple[LoadedPlan, RunSettings]:
+    """A plan of the test model and batch, and settings that capture step 0's gradients in fp64."""
     plan = LoadedPlan(strategy, MODEL, TrainingSpec(global_batch_size=BATCH, dtype="fp32"), "test plan")
-    settings = RunSettings(steps=STEPS, seed=SEED, dtype="fp64", capture_gradients=True, timeout_s=60)
-    results = run_plan(plan, CLUSTER, settings, str(tmp_path))
+    return plan, RunSettings(steps=STEPS, seed=SEED, dtype="fp64", capture_gradients=True, timeout_s=60)
+
+
+def _check(strategy: Strategy, tmp_path) -> None:
+    plan, settings = parity_plan(strategy)
+    compare_with_one_process(strategy, run_plan(plan, CLUSTER, settings, str(tmp_path)), tmp_path)
+
+
+def compare_with_one_process(strategy: Strategy, results: list[dict], tmp_path) -> None:
+    """Both steps' losses and every rank's step-0 gradients (grads-R.pt in tmp_path) against the reference."""
     summary = summarize(results, STEPS)
     reference, losses = _reference()
     # step 1's loss also checks the optimizer (and ZeRO-1's sharded update and all-gather)
@@ -94,13 +105,18 @@ def _check(strategy: Strategy, tmp_path) -> None:
     for result in results:
         if result.get("idle"):
             continue
-        stages = strategy.pipelines[result["family"]].stages
-        stage = stages[result["stage"]]
-        first, last = result["stage"] == 0, result["stage"] == len(stages) - 1
-        pieces = gradient_pieces(reference, stage.layer_start, stage.layer_end, first, last)
-        expected = StageModule(MODEL, pieces, TensorParallel(None, stage.tp, result["tp_rank"]), "none").double()
-        expected_grads = dict(expected.named_parameters())
+        pipeline = strategy.pipelines[result["family"]]
+        stage = pipeline.stages[result["stage"]]
+        chunks = stage_chunks(pipeline, result["stage"], strategy.virtual_stages)
+        expected_grads = {}
+        for k, chunk in enumerate(chunks):  # the interleaved chunks' layers, as the runtime deals them
+            pieces = gradient_pieces(reference, chunk.layer_start, chunk.layer_end, chunk.first, chunk.last)
+            tp = TensorParallel(None, stage.tp, result["tp_rank"])
+            prefix = f"chunk{k}." if len(chunks) > 1 else ""
+            module = StageModule(MODEL, pieces, tp, "none").double()
+            expected_grads.update({prefix + name: p for name, p in module.named_parameters()})
         got = torch.load(tmp_path / f"grads-{result['rank']}.pt")
+        assert set(got) == {name for name, p in expected_grads.items() if p.requires_grad}
         assert got, result
         for name, grad in got.items():
             scale = expected_grads[name].abs().max().item() + 1e-12
@@ -166,6 +182,43 @@ def test_families_with_uneven_replicas_zero1_and_recompute_match_one_process(tmp
     fast = PipelineStrategy(1, 1, 3, (StageStrategy("fast", 0, 3, 1, 0), StageStrategy("fast", 3, 5, 1, 1)))
     slow = PipelineStrategy(2, 1, 2, (StageStrategy("slow", 0, 5, 1, 0),), total_microbatches=3)
     _check(Strategy((fast, slow), "selective", 1), tmp_path)
+
+
+def test_interleaved_1f1b_with_uneven_batches_and_zero1_matches_one_process(tmp_path):
+    # 3 + 2 layers, 2 virtual stages each (chunks of 2+1 and 1+1 layers, activations wrapping from `slow` back to
+    # `fast`), 2 replicas sharing 3 micro-batches of 2 (2 and 1), ZeRO-1
+    stages = (StageStrategy("fast", 0, 3, 1, 0), StageStrategy("slow", 3, 5, 1, 0))
+    _check(Strategy((PipelineStrategy(2, 2, 2, stages, total_microbatches=3),), "none", 1, virtual_stages=2), tmp_path)
+
+
+def test_interleaved_families_one_stage_at_tp2_and_two_stages_match_one_process(tmp_path):
+    # family 0: one stage at TP 2 holding 2 chunks (chunk to chunk inside the rank), 2 micro-batches of 2; family 1:
+    # 2 stages at TP 1 with 2 chunks each, 1 micro-batch; gradients meet across families as shards
+    fast = PipelineStrategy(1, 2, 2, (StageStrategy("fast", 0, 5, 2, 0),))
+    slow = PipelineStrategy(1, 2, 1, (StageStrategy("slow", 0, 2, 1, 0), StageStrategy("slow", 2, 5, 1, 1)))
+    _check(Strategy((fast, slow), "selective", 0, virtual_stages=2), tmp_path)
+
+
+def test_cross_family_sync_moves_each_devices_shard_once_per_other_family():
+    """Every element of a rank's chunk (its 1/replicas of its gradient) arrives once from each other family; what it
+    sends is its own chunk (plus the few replicated elements a TP peer needs too): shards, not whole segments."""
+    from runtime.sync import CrossFamilySync, chunk_bounds, rank_positions
+    from specs.layout import group_offsets
+
+    fast = PipelineStrategy(2, 1, 3, (StageStrategy("fast", 0, 5, 1, 0),))  # 2 replicas of the whole model
+    slow = PipelineStrategy(1, 1, 3, (StageStrategy("slow", 0, 5, 2, 0),))  # the whole model at TP 2
+    strategy = Strategy((fast, slow), "none", 0)
+    offsets = group_offsets(CLUSTER)
+    for rank, dp_ranks, family, tp_rank in ((0, (0, 1), 0, 0), (1, (0, 1), 0, 0), (2, (2,), 1, 0), (3, (3,), 1, 1)):
+        dp = CommGroup(dp_ranks, {"cpu": dp_ranks})
+        sync = CrossFamilySync(MODEL, strategy, offsets, rank, dp, zero=False)
+        positions = rank_positions(MODEL, strategy, family, 0, tp_rank)
+        lo, hi = chunk_bounds(positions.numel(), dp_ranks.index(rank), len(dp_ranks))
+        received = torch.cat([s.receive for s in sync.swaps])
+        assert sorted(received.tolist()) == list(range(hi - lo)), rank  # each element once, from the one other family
+        sent = sum(s.send.numel() for s in sync.swaps)
+        norms = 2 * MODEL.num_layers * MODEL.hidden_size + MODEL.hidden_size
+        assert sent <= hi - lo + norms
 
 
 def test_hetplan_run_plans_trains_records_and_feeds_fit(tmp_path):

@@ -2,7 +2,8 @@
 (every pipeline order, TP per group, replica count, micro-batch, interleaving, layer split and recompute mode per
 stage), enumerated by brute force and evaluated by the cost model, takes at least as long as each bound that covers
 it: the row bound, the whole-layer bound, the per-order memory bound (and a fitting plan's order passes the memory
-screen), the candidate's bound with the exact fill and drain, the root bound and the work bound. Instances vary
+screen), the candidate's bound with the exact fill and drain, the root bound and the work bound; and the bound on
+plans of two families is below the best split of the batch between two families found by brute force. Instances vary
 devices, memory, model depth, batch, sequence, uneven batch splits, DP overlap and the end-to-end terms."""
 
 from __future__ import annotations
@@ -16,13 +17,13 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from planner.best_first import outer_configs
+from planner.best_first import outer_configs, tp_row_batches
 from planner.candidates import PER_STAGE, OuterConfig, group_orders, permutation_index
 from planner.lower_bounds import work_bound_s
 from planner.options import SearchOptions
 from planner.search import search
 from planner.solve import StageTerms, build_strategy, candidate_strategy
-from planner.tp_rows import RowBound, TpRowBatch, tp_row_batches
+from planner.tp_rows import RowBound, TpRowBatch
 from predictor.cost_model import CostContext, EndToEndTerms, StageCache, build_context, evaluate
 from specs import load_model, load_training
 from specs.cluster import ClusterSpec, DeviceGroup
@@ -205,3 +206,54 @@ def test_every_search_bound_is_below_every_plan_it_covers(seed: int) -> None:
     assert _check_candidates(ctx) > 0
     lower_bound_s = search(ctx, SearchOptions(root_bound=True)).lower_bound_s
     assert lower_bound_s is not None and lower_bound_s <= best_s * SLACK
+
+
+def _least_family_time_s(ctx: CostContext, group: DeviceGroup, share: int) -> float:
+    """The fastest plan of one family on one group with `share` samples of the batch, by brute force over every
+    replica count, TP, micro-batch, interleaving, layer split and recompute mode per stage (as a family of the
+    family search runs it: its pipeline and tail alone; the sync across families only adds)."""
+    from planner.candidates import tp_options
+    from planner.families import _block_context
+
+    block = _block_context(ctx, [group], share)
+    training, num_layers = block.training, block.model.num_layers
+    cache: StageCache = {}
+    best = math.inf
+    for replicas, tp, b, v in itertools.product(
+        range(1, group.num_devices + 1), tp_options(block, group), training.micro_batch_sizes, training.virtual_stages
+    ):
+        stages = group.num_devices // (replicas * tp)
+        if stages < 1 or stages * v > num_layers or (v > 1 and stages == 1):
+            continue
+        if split_batch(share, replicas, b) is None:
+            continue
+        config = OuterConfig((group,), (tp,), (stages,), replicas, b, PER_STAGE, v, 0.0)
+        for cuts in itertools.combinations(range(1, num_layers), stages - 1):
+            layers = tuple(int(n) for n in np.diff((0, *cuts, num_layers)))
+            if min(layers) < v:
+                continue
+            for modes in itertools.product(training.recompute, repeat=stages):
+                evaluation = evaluate(block, build_strategy(block, config, layers, modes), cache)
+                if evaluation.fits:
+                    best = min(best, evaluation.iteration_time_s)
+    return best
+
+
+@pytest.mark.parametrize("seed", (0, 3, 5, 7))  # 0, 3: two families fit; 5, 7: none does
+def test_the_family_bound_is_below_every_plan_of_two_families(seed: int) -> None:
+    """families.family_bound_s (each block's bound at its share, least over the shares) is at most the best split
+    of the batch between two one-group families, each family at its share as fast as brute force finds, and at
+    most the plan the family search returns."""
+    from planner.families import family_bound_s
+
+    ctx = _instance(seed)
+    ctx = dataclasses.replace(ctx, training=ctx.training.model_copy(update={"families": "search"}))
+    first, second = ctx.cluster.groups
+    batch = ctx.training.global_batch_size
+    bound_s = family_bound_s(ctx, SearchOptions())
+    times = {(g.name, s): _least_family_time_s(ctx, g, s) for g in (first, second) for s in range(1, batch)}
+    best_split_s = min(max(times[first.name, s], times[second.name, batch - s]) for s in range(1, batch))
+    assert bound_s <= best_split_s * SLACK
+    found = search(ctx).evaluations
+    if any(len(e.strategy.pipelines) > 1 for e in found):
+        assert bound_s <= min(e.iteration_time_s for e in found if len(e.strategy.pipelines) > 1) * SLACK

@@ -1,0 +1,139 @@
+"""What a command evaluates when it does not search: a plan file read against the cluster file it was made for (its
+name and structure checked, so no command meets a plan that cannot run on that cluster), or Megatron-style flags
+with overrides (`hetplan predict`), as model, training, strategy and source. Also the cost context a run's
+prediction comes from, and the checks of `replan`'s change list."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from planner.plan import LoadedPlan, load_plan
+from specs.cluster import ClusterSpec, load_cluster
+from specs.errors import SpecError
+from specs.layout import Strategy, check_strategy, megatron_strategy
+from specs.model import ModelSpec, load_model
+from specs.training import TrainingSpec, load_training
+
+if TYPE_CHECKING:
+    from predictor.calibration import Interval
+    from predictor.cost_model import CostContext, Evaluation
+    from predictor.predictor import Predictor
+    from profiler.profile import DeviceProfile
+
+
+@dataclass(frozen=True)
+class WhatIf:
+    """A strategy to evaluate, the model and training it is for, and where it came from (for messages)."""
+
+    model: ModelSpec
+    training: TrainingSpec
+    strategy: Strategy
+    source: str
+
+
+def check_cluster_name(plan: LoadedPlan, cluster: ClusterSpec, cluster_file: str | Path) -> None:
+    """Refuse a plan made for a cluster of another name (its devices and offsets would mean other hardware)."""
+    if plan.cluster_name and cluster.name != plan.cluster_name:
+        raise SpecError(
+            str(cluster_file),
+            "name",
+            f"the plan is for cluster {plan.cluster_name!r}, got {cluster.name!r}",
+        )
+
+
+def plan_on_cluster(plan_file: str | Path, cluster_file: str | Path) -> tuple[LoadedPlan, ClusterSpec]:
+    """A plan file and the cluster file it was made for, checked together: the cluster's name, then the layout's
+    structure (layers covered once, TP inside a node, devices within the groups, samples adding up to the batch),
+    before anything sizes arrays or walks stages by it."""
+    plan = load_plan(plan_file)
+    cluster = load_cluster(cluster_file)
+    check_cluster_name(plan, cluster, cluster_file)
+    check_strategy(plan.strategy, cluster, plan.model, plan.training.global_batch_size, plan.source)
+    return plan, cluster
+
+
+def what_if(
+    cluster: ClusterSpec,
+    cluster_file: str | Path,
+    plan_file: Path | None,
+    model: str | None,
+    training_file: Path | None,
+    overrides: Mapping[str, Any],
+    megatron: Mapping[str, Any],
+) -> WhatIf:
+    """`plan_file`'s strategy (its model unless `model` names another, its training under the training file and
+    the `overrides`), or the Megatron-style strategy of `megatron` (group, tp, pp, dp, micro_batch_size, recompute,
+    virtual_stages, sequence_parallel) for `model`. None values in `overrides` are not given."""
+    given = {key: value for key, value in overrides.items() if value is not None}
+    if plan_file is not None:
+        plan = load_plan(plan_file)
+        check_cluster_name(plan, cluster, cluster_file)
+        training = load_training(training_file, {**plan.training.model_dump(), **given})
+        return WhatIf(load_model(model) if model else plan.model, training, plan.strategy, str(plan_file))
+    if model is None:
+        raise SpecError("--model", "", "required with Megatron-style flags (or pass --strategy plan.json)")
+    flags = dict(megatron)
+    model_spec = load_model(model)
+    training = load_training(training_file, {**given, "sequence_parallel": flags.pop("sequence_parallel", True)})
+    strategy = megatron_strategy(cluster, model_spec, training, **flags, source="--tp/--pp/--dp flags")
+    return WhatIf(model_spec, training, strategy, "flags")
+
+
+def predicted(
+    chosen: WhatIf, cluster: ClusterSpec, predictor: Predictor, profiles: Mapping[str, DeviceProfile]
+) -> tuple[CostContext, Evaluation, Interval]:
+    """`hetplan predict`: the strategy evaluated with the predictor's calibrated context (structure checked), and
+    the 90% interval on its iteration time from the uncalibrated one."""
+    from planner.planning import predict
+
+    ctx = predictor.context(cluster, chosen.model, chosen.training, profiles)
+    evaluation = predict(ctx, chosen.strategy, chosen.source)
+    base = predictor.base_context(cluster, chosen.model, chosen.training, profiles)
+    return ctx, evaluation, predictor.interval(base, chosen.strategy)
+
+
+def check_local_run(cluster: ClusterSpec, cluster_file: str | Path) -> None:
+    """`hetplan run` trains on this machine's CPU: a cluster of other devices belongs under torchrun."""
+    not_cpu = sorted({g.device.key for g in cluster.groups} - {"cpu"})
+    if not_cpu:
+        raise SpecError(
+            str(cluster_file),
+            "groups",
+            f"local runs use this machine's CPU; the cluster has {', '.join(not_cpu)} (run one rank per device "
+            "under torchrun on the real cluster)",
+        )
+
+
+def run_context(
+    plan: LoadedPlan, predictor: Predictor, profiles: Mapping[str, DeviceProfile]
+) -> Callable[[ClusterSpec], CostContext]:
+    """The cost context a run's prediction comes from, for the cluster as the local ranks see it: this machine's
+    profiles as they are (uncalibrated) when given, else the predictor's calibrated context."""
+
+    def context(seen: ClusterSpec) -> CostContext:
+        if profiles:
+            return predictor.base_context(seen, plan.model, plan.training, profiles)
+        return predictor.context(seen, plan.model, plan.training)
+
+    return context
+
+
+def check_changes(without: Sequence[str], add: Sequence[str]) -> None:
+    """`replan`'s change list: something changed, and no node is named lost twice (node:ascend/1 and
+    node:ascend/node01 are one node; removing it twice would remove two)."""
+    from planner.replan import CHANGE
+
+    if not without and not add:
+        raise SpecError("--without/--add", "", "say what changed, e.g. --without node:ascend/17")
+    seen: dict[tuple[str, int], str] = {}
+    for item in without:
+        match = CHANGE.match(item)
+        if match is None or match["node"] is None:
+            continue
+        node = (match["node_group"], int(match["node"]))
+        if node in seen:
+            raise SpecError("--without", item, f"names the node {seen[node]!r} already named; give each lost node once")
+        seen[node] = item

@@ -1,0 +1,65 @@
+"""How `hetplan` ends: any failure as one line on stderr and an exit status, 2 for what the user can fix (a
+HetplanError, a usage error of click or typer, a file the system refuses, memory), 130 for Ctrl-C, 1 for a bug (with
+the traceback when HETPLAN_DEBUG is set)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+
+import click
+import typer
+
+DEBUG_HINT = "re-run with HETPLAN_DEBUG=1 for the traceback"
+
+
+def one_line(text: str, limit: int = 500) -> str:
+    """A message as one line of at most `limit` characters (whitespace runs, newlines included, become a space)."""
+    flat = " ".join(str(text).split())
+    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
+
+
+def failure_line(err: BaseException) -> tuple[str, int]:
+    """The line and exit status for `err`. Usage errors are recognised by click's interface (`format_message`,
+    `exit_code`) rather than by class: typer >= 0.29 vendors click, so its errors are not click's classes."""
+    from specs.errors import HetplanError  # here: specs loads pydantic, which `hetplan --help` does without
+
+    if isinstance(err, HetplanError):
+        return f"hetplan: error: {one_line(str(err))}", 2
+    if hasattr(err, "format_message") and hasattr(err, "exit_code"):
+        context = getattr(err, "ctx", None)
+        command = getattr(context, "command_path", "") or "hetplan"
+        return f"hetplan: error: {one_line(err.format_message())} (see '{command} --help')", 2
+    if isinstance(err, OSError):
+        where = f"{err.filename}: " if err.filename else ""
+        return f"hetplan: error: {where}{one_line(err.strerror or str(err))}", 2
+    if isinstance(err, MemoryError):
+        return "hetplan: error: out of memory (the input asks for more than this machine has)", 2
+    return f"hetplan: internal error: {type(err).__name__}: {one_line(str(err), 200)} ({DEBUG_HINT})", 1
+
+
+def exit_status(app: typer.Typer, args: list[str]) -> int:
+    """Run the typer `app` on `args` (its own exit handling off) and return the exit status, printing at most one
+    line on stderr: the failure, 'interrupted' (a Ctrl-C anywhere, also one typer turned into exit 130), or, with
+    no arguments, the commands there are."""
+    try:
+        if not args:
+            names = ", ".join(c.name or getattr(c.callback, "__name__", "") for c in app.registered_commands)
+            print(f"hetplan: error: missing command: one of {names} (see 'hetplan --help')", file=sys.stderr)
+            return 2
+        try:
+            code = app(args=args, prog_name="hetplan", standalone_mode=False)
+        except (KeyboardInterrupt, click.exceptions.Abort, typer.Abort):  # Ctrl-C, or EOF at a prompt
+            code = 130
+        except Exception as err:  # the one place every failure becomes a line
+            if os.environ.get("HETPLAN_DEBUG", "") not in ("", "0"):
+                traceback.print_exc()
+            line, code = failure_line(err)
+            print(line, file=sys.stderr)
+            return code
+        if code == 130:
+            print("hetplan: interrupted", file=sys.stderr)
+        return code if isinstance(code, int) else 0
+    except KeyboardInterrupt:  # while printing the line
+        return 130

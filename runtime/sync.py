@@ -1,0 +1,135 @@
+"""Gradient sync across pipeline families as shards, as the cost model counts it (cost_model.cross_family_sync_time_s).
+
+Inside a family, each (stage, TP rank) reduce-scatters its flat gradient over its replicas: replica r keeps chunk r of
+the family's sum (ZeRO-1's chunk). Across families, each element of the model is held once per family by an *owner*
+(TP shards are disjoint; a parameter replicated over TP ranks, a norm, is owned by TP rank 0), so every device swaps
+with each device of another family whose owned elements meet its chunk exactly those elements (by their positions in
+the whole model's flat vector, runtime.model.shard_positions) and adds what it receives: its chunk then holds the sum
+over all families, having sent and received only its 1/replicas shard per other family. An all-gather over the
+replicas gives every replica the full gradient back (skipped under ZeRO-1, whose update needs only its chunk).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from comm.communicator import CommGroup, Communicator
+from comm.plan_groups import stage_chunks
+from runtime.model import shard_positions
+from runtime.tensor_parallel import TensorParallel
+from specs.layout import Strategy, stage_rank
+from specs.model import ModelSpec
+
+SYNC_TAG = 2  # point-to-point tag of the shard swaps (pipeline activations use 0, gradients 1)
+
+
+def rank_positions(model: ModelSpec, strategy: Strategy, family: int, index: int, tp_rank: int) -> torch.Tensor:
+    """Positions in the whole model of every element of a rank's trainable parameters (all its chunks, in order)."""
+    pipeline = strategy.pipelines[family]
+    stage = pipeline.stages[index]
+    recompute = strategy.stage_recompute(stage)
+    tp = TensorParallel(None, stage.tp, tp_rank)
+    parts = [
+        shard_positions(model, c.layer_start, c.layer_end, c.first, c.last, tp, recompute)
+        for c in stage_chunks(pipeline, index, strategy.virtual_stages)
+    ]
+    return torch.cat(parts)
+
+
+@dataclass(frozen=True)
+class Holding:
+    """What one rank holds after its family's reduce-scatter: its chunk's positions, and which of them it owns."""
+
+    rank: int
+    positions: torch.Tensor  # the chunk's elements' positions in the whole model, in flat order
+    owned: torch.Tensor  # bool per element: this rank speaks for its family at that position
+
+
+def chunk_bounds(numel: int, index: int, count: int) -> tuple[int, int]:
+    """Elements [lo, hi) of replica `index`'s chunk of a flat vector of `numel` over `count` replicas (ZeRO-1's)."""
+    size = -(-numel // count)
+    return min(numel, index * size), min(numel, (index + 1) * size)
+
+
+def family_holdings(model: ModelSpec, strategy: Strategy, offsets: dict[str, int]) -> list[list[Holding]]:
+    """Every rank's holding, family by family."""
+    families = []
+    for family, pipeline in enumerate(strategy.pipelines):
+        held = []
+        for index, stage in enumerate(pipeline.stages):
+            tp_positions = [rank_positions(model, strategy, family, index, k) for k in range(stage.tp)]
+            for k, positions in enumerate(tp_positions):
+                owned = ~torch.isin(positions, torch.cat(tp_positions[:k])) if k else torch.ones_like(positions).bool()
+                for replica in range(pipeline.replicas):
+                    lo, hi = chunk_bounds(positions.numel(), replica, pipeline.replicas)
+                    rank = stage_rank(offsets, stage, replica, k)
+                    held.append(Holding(rank, positions[lo:hi], owned[lo:hi]))
+        families.append(held)
+    return families
+
+
+@dataclass(frozen=True)
+class Swap:
+    """With one device of another family: the elements of my chunk I send (sorted by position) and receive."""
+
+    peer: int
+    send: torch.Tensor  # indices into my chunk
+    receive: torch.Tensor  # indices into my chunk
+
+
+class CrossFamilySync:
+    """This rank's part of the sharded sync (see the module text)."""
+
+    def __init__(
+        self, model: ModelSpec, strategy: Strategy, offsets: dict[str, int], rank: int, dp: CommGroup, zero: bool
+    ) -> None:
+        families = family_holdings(model, strategy, offsets)
+        mine_family = next(f for f, held in enumerate(families) if any(h.rank == rank for h in held))
+        mine = next(h for h in families[mine_family] if h.rank == rank)
+        self.swaps: list[Swap] = []
+        for family, held in enumerate(families):
+            if family == mine_family:
+                continue
+            for other in held:
+                send = torch.isin(mine.positions, other.positions) & mine.owned  # what I speak for that it needs
+                receive = torch.isin(mine.positions, other.positions[other.owned])  # what it speaks for that I need
+                if send.any() or receive.any():
+                    swap = Swap(other.rank, _by_position(mine.positions, send), _by_position(mine.positions, receive))
+                    self.swaps.append(swap)
+        self.dp, self.rank, self.zero = dp, rank, zero
+        self.index, self.count = dp.ranks.index(rank), len(dp.ranks)
+
+    def sync(self, grads: torch.Tensor, comm: Communicator, full: bool) -> torch.Tensor:
+        """The gradient summed over the replicas and the families: the whole vector, or (ZeRO-1 and not `full`) only
+        this replica's chunk filled in."""
+        numel = grads.numel()
+        size = -(-numel // self.count)
+        padded = torch.zeros(size * self.count, dtype=grads.dtype)
+        padded[:numel] = grads
+        chunk = comm.reduce_scatter(padded, self.dp)
+        lo, hi = chunk_bounds(numel, self.index, self.count)
+        mine = chunk[: hi - lo]
+        received = [torch.empty(s.receive.numel(), dtype=grads.dtype) for s in self.swaps]
+        pairs = zip(received, self.swaps, strict=True)
+        works = [comm.irecv(buffer, s.peer, SYNC_TAG) for buffer, s in pairs if buffer.numel()]
+        works += [comm.isend(mine[s.send].contiguous(), s.peer, SYNC_TAG) for s in self.swaps if s.send.numel()]
+        for work in works:
+            work.wait()
+        total = mine.clone()
+        for buffer, swap in zip(received, self.swaps, strict=True):
+            total[swap.receive] += buffer
+        if self.zero and not full:
+            out = torch.zeros_like(grads)
+            out[lo:hi] = total
+            return out
+        chunk = torch.zeros(size, dtype=grads.dtype)
+        chunk[: hi - lo] = total
+        return torch.cat(comm.all_gather(chunk, self.dp))[:numel]
+
+
+def _by_position(positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Indices of the masked elements, ordered by their position in the whole model (both sides of a swap agree)."""
+    indices = torch.nonzero(mask).flatten()
+    return indices[torch.argsort(positions[indices])]

@@ -1,0 +1,120 @@
+"""The one boundary for command-line flags, as specs/loading.py is for files: lists of integers, message sizes,
+names from a known set, finite numbers, output files and training overrides, each problem a one-line SpecError
+that names the flag and what was expected (and quotes at most QUOTE_CHARS characters of what was given)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from specs.errors import SpecError
+from specs.loading import QUOTE_CHARS
+from specs.outputs import check_writable
+from specs.training import TrainingSpec, load_training
+
+SIZE_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
+MAX_MESSAGE_BYTES = 16 * 2**30  # a collective's buffer beyond this is no benchmark a host can run
+# training fields whose flag is not `--` + the field with dashes
+TRAINING_FLAGS = {"global_batch_size": "--global-batch", "seq_length": "--seq-len"}
+
+
+def _given(text: str) -> str:
+    return repr(text[:QUOTE_CHARS])
+
+
+def int_list(text: str | None, flag: str, low: int = 1, what: str = "integers") -> list[int] | None:
+    """'1,2,4' -> [1, 2, 4], at least one, each at least `low` (`what` they are, for the message); None stays None
+    (the flag was not given)."""
+    if text is None:
+        return None
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < low:
+        raise SpecError(flag, "", f"expected {what} >= {low} (comma-separated), got {_given(text)}")
+    return values
+
+
+def names(text: str) -> list[str]:
+    """'a, b,,c' -> ['a', 'b', 'c']."""
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def choices(text: str, known: Iterable[str], flag: str) -> list[str]:
+    """The comma-separated names of `text`, at least one, each one of `known`."""
+    known = tuple(known)
+    chosen = names(text)
+    for name in chosen or [""]:
+        if name not in known:
+            raise SpecError(flag, "", f"expected some of {', '.join(known)}, got {_given(name)}")
+    return chosen
+
+
+def choice(text: str, known: Iterable[str], flag: str) -> str:
+    """One of `known`."""
+    known = tuple(known)
+    if text not in known:
+        raise SpecError(flag, "", f"expected one of {', '.join(known)}, got {_given(text)}")
+    return text
+
+
+def size_bytes(text: str, flag: str) -> int:
+    """'4KiB' -> 4096, '1MB' -> 1000000: binary and decimal units, case-insensitive, from 4 B to 16 GiB."""
+    stripped = text.strip().lower()
+    number = stripped.rstrip("kmgib")
+    try:
+        size = float(number) * SIZE_UNITS[stripped[len(number) :]]
+    except (ValueError, KeyError):
+        size = math.nan
+    if not 4 <= size <= MAX_MESSAGE_BYTES:  # also false for nan
+        raise SpecError(flag, "", f"expected a size from 4B to 16GiB like 4KiB or 256MiB, got {_given(text)}")
+    return int(size)
+
+
+def message_sizes(low_text: str, high_text: str) -> list[int]:
+    """--min-size to --max-size in steps of 4x."""
+    low, high = size_bytes(low_text, "--min-size"), size_bytes(high_text, "--max-size")
+    if low > high:
+        raise SpecError("--min-size/--max-size", "", f"expected min-size <= max-size, got {low:,} > {high:,} bytes")
+    return [low * 4**i for i in range(32) if low * 4**i <= high]
+
+
+def finite(value: float | None, flag: str, low: float = 0.0, inclusive: bool = False) -> float | None:
+    """A number flag: finite and above `low` (or at least `low`); None stays None."""
+    if value is not None and not (math.isfinite(value) and (value >= low if inclusive else value > low)):
+        raise SpecError(flag, "", f"expected a finite number {'>=' if inclusive else '>'} {low:g}, got {value}")
+    return value
+
+
+def output_file(path: Path | None, flag: str, suffixes: tuple[str, ...] = ()) -> Path | None:
+    """An output file checked before the work starts: its suffix when the format depends on it, then
+    specs.outputs.check_writable (directory created, writable)."""
+    if path is None:
+        return None
+    if suffixes and path.suffix.lower() not in suffixes:
+        raise SpecError(flag, str(path), f"expected a file name ending in {' or '.join(suffixes)}")
+    return check_writable(path, flag)
+
+
+def output_directory(path: Path, flag: str, first_file: str) -> Path:
+    """An output directory checked before the work starts: created when missing, refused when a file is in its
+    place or `first_file` could not be written in it."""
+    if path.exists() and not path.is_dir():
+        raise SpecError(flag, str(path), "exists and is not a directory; expected a directory to write files into")
+    check_writable(path / first_file, flag)
+    return path
+
+
+def training(path: Path | None, **overrides: Any) -> TrainingSpec:
+    """The training file (or defaults) with the flags that were given on top (None: not given); a flag's bad value
+    is named as the flag, not as the training field it sets."""
+    try:
+        return load_training(path, overrides)
+    except SpecError as err:
+        field = err.field.split(".")[0].split("[")[0]
+        if "flags" not in err.source or overrides.get(field) is None:
+            raise
+        raise SpecError(TRAINING_FLAGS.get(field, "--" + field.replace("_", "-")), "", err.expectation) from None

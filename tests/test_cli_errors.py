@@ -1,0 +1,327 @@
+"""Every way a user can get the command line wrong ends as one line on stderr and exit 2 (usage errors included),
+Ctrl-C as 'interrupted' and exit 130, a bug as one line naming HETPLAN_DEBUG and exit 1; and nothing is measured or
+searched before the flags and outputs are checked. Most cases run the app in this process (report.failures'
+exit_status, as `main` does); Ctrl-C and a missing torch need a real process."""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import cli
+from report.failures import DEBUG_HINT, exit_status, failure_line
+from tests.conftest import EXAMPLES, NO_TORCH, ROOT, hetplan
+
+CPU = EXAMPLES / "cpu-2x2.yaml"
+TINY = str(EXAMPLES / "models" / "tiny-llama.yaml")
+
+
+@pytest.fixture(scope="module")
+def plans(tmp_path_factory) -> dict[str, Path]:
+    """A valid plan of the tiny Llama on cpu-2x2 and broken copies of it (a wrong cluster name, TP 3, a billion
+    replicas, reversed layers), as files."""
+    from planner import build_context, compute_bounds, predict
+    from planner.plan import Plan
+    from specs import load_cluster, load_model, load_training
+    from specs.layout import megatron_strategy
+
+    directory = tmp_path_factory.mktemp("plans")
+    cluster, model = load_cluster(CPU), load_model(TINY)
+    training = load_training(None, {"global_batch_size": 8, "dtype": "fp32"})
+    strategy = megatron_strategy(
+        cluster, model, training, group=None, tp=1, pp=2, dp=2, micro_batch_size=1, recompute="none"
+    )
+    ctx = build_context(cluster, model, training)
+    good = directory / "good.json"
+    Plan(ctx, predict(ctx, strategy), compute_bounds(ctx), 0.0, {}).save(good)
+    files = {"good": good}
+    breaks = {
+        "other-cluster": lambda b: b.update(cluster="elsewhere"),
+        "tp3": lambda b: b["pipelines"][0]["stages"][0].update(tp=3),
+        "replicas": lambda b: b["pipelines"][0].update(replicas=10**9),
+        "reversed": lambda b: b["pipelines"][0]["stages"][0].update(layers=[4, 0]),
+    }
+    for name, change in breaks.items():
+        broken = json.loads(good.read_text())
+        change(broken)
+        files[name] = directory / f"{name}.json"
+        files[name].write_text(json.dumps(broken))
+    return files
+
+
+def run(capsys, *args: str) -> tuple[int, list[str], str]:
+    """The exit status, the stderr lines and stdout of `hetplan args` run in this process."""
+    code = exit_status(cli.app, list(args))
+    captured = capsys.readouterr()
+    return code, captured.err.strip().splitlines(), captured.out
+
+
+def one_error(capsys, *args: str) -> str:
+    """Run `args`, which must fail as a user error: exit 2 and exactly one line; returns the line."""
+    code, lines, _ = run(capsys, *args)
+    assert code == 2, lines
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("hetplan: error: ")
+    return lines[0]
+
+
+PLAN = ("plan", "--cluster", str(CPU), "--model", TINY)
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        ((), "missing command: one of plan, predict"),
+        (("bogus",), "No such command 'bogus'"),
+        (("plan", "--bogus"), "No such option: --bogus"),
+        (("plan", "--cluster", str(CPU)), "Missing option '--model'"),
+        ((*PLAN, "--top-k", "0"), "Invalid value for '--top-k'"),
+        ((*PLAN, "--global-batch", "1e3"), "Invalid value for '--global-batch'"),
+        ((*PLAN, "--seq-len", "0"), "Invalid value for '--seq-len'"),  # not silently the model's
+        ((*PLAN, "--zero-stage", "4"), "--zero-stage: Input should be 0, 1, 2 or 3"),
+        ((*PLAN, "--uneven-batch", "always"), "--uneven-batch: Input should be 'off', 'refine' or 'exhaustive'"),
+        ((*PLAN, "--micro-batch-sizes", "1,x"), "--micro-batch-sizes: expected integers >= 1"),
+        ((*PLAN, "--out", "/proc/no/such/plan.json"), "--out: /proc/no/such/plan.json: cannot create its directory"),
+        (
+            ("traffic-calc", "-m", "llama3-8b", "--tokens", "1e9", "--global-batch", "0", "--gpus", "8"),
+            "--global-batch",
+        ),
+        (("traffic-calc", "-m", "llama3-8b", "--tokens", "-1e9", "--global-batch", "8", "--gpus", "8"), "--tokens: ex"),
+        (("traffic-calc", "-m", "llama3-8b", "--tokens", "nan", "--global-batch", "8", "--gpus", "8"), "got nan"),
+        (
+            (
+                "traffic-calc",
+                "-m",
+                "llama3-8b",
+                "--tokens",
+                "1e9",
+                "--global-batch",
+                "8",
+                "--gpus",
+                "8",
+                "--seq-len",
+                "0",
+            ),
+            "Invalid value for '--seq-len'",
+        ),
+        (("simulate-profile", "--device", "h100", "-m", "llama3-8b", "--tp", "0", "--out", "x.json"), "--tp: expected"),
+        (
+            ("simulate-profile", "--device", "h100", "-m", "llama3-8b", "--micro-batches", "0", "--out", "x.json"),
+            "--micro-batches: expected integers >= 1",
+        ),
+        (("simulate-profile", "--device", "h100", "-m", "llama3-8b", "--noise", "inf", "--out", "x.json"), "--noise"),
+        (("profile", "-m", TINY, "--micro-batches", "0", "--out", "p.json"), "--micro-batches: expected integers"),
+        (("profile", "-m", TINY, "--recompute", "some", "--out", "p.json"), "--recompute: expected some of none"),
+        (("profile-comm", "--max-size", "inf", "--out", "l.json"), "--max-size: expected a size from 4B to 16GiB"),
+        (("profile-comm", "--min-size", "1MiB", "--max-size", "4KiB", "--out", "l.json"), "min-size <= max-size"),
+        (("profile-comm", "--link-class", "spine", "--out", "l.json"), "--link-class: expected one of in_node"),
+        (("profile-comm", "--world", "1", "--out", "l.json"), "--world: expected process counts >= 2"),
+        (("profile-comm", "--timeout", "nan", "--out", "l.json"), "--timeout: expected a finite number > 0"),
+        (("comm-bench", "--sizes", "1e30"), "--sizes: expected a size"),
+        (("comm-bench", "--world", "100000"), "Invalid value for '--world'"),
+    ],
+)
+def test_usage_and_flag_errors_are_one_line_and_exit_2(capsys, tmp_path, monkeypatch, args, expected):
+    monkeypatch.chdir(tmp_path)
+    assert expected in one_error(capsys, *args)
+    assert not list(tmp_path.iterdir()), "nothing is written when a flag is wrong"
+
+
+def test_help_and_listings_are_successes(capsys):
+    for args in (("--help",), ("plan", "--help"), ("devices",), ("models", "--json")):
+        code, lines, out = run(capsys, *args)
+        assert code == 0 and not lines and out
+
+
+@pytest.mark.parametrize(
+    ("plan", "extra", "expected"),
+    [
+        ("tp3", (), "pipelines[0].stages[0].tp: expected a divisor of 2 devices per node"),
+        ("replicas", (), "pipelines[0].total_microbatches: expected 1000000000 replicas"),
+        ("reversed", (), "pipelines[0].stages[0].layers: expected [0, end > 0)"),
+        ("other-cluster", (), "the plan is for cluster 'elsewhere', got 'cpu-2x2'"),
+        ("good", ("--tokens", "nan"), "--tokens: expected a finite number > 0, got nan"),
+        ("good", ("--epochs", "inf", "--tokens", "1e9"), "--epochs: expected a finite number > 0, got inf"),
+        ("good", ("--png", "heatmap.txt"), "--png: heatmap.txt: expected a file name ending in .png"),
+    ],
+)
+def test_traffic_checks_the_plan_and_its_flags(capsys, tmp_path, monkeypatch, plans, plan, extra, expected):
+    """`traffic` runs the structure check the other commands run (it used to raise IndexError, MemoryError or
+    StopIteration, or count a reversed plan); every flag is checked before counting."""
+    monkeypatch.chdir(tmp_path)
+    assert expected in one_error(capsys, "traffic", str(plans[plan]), "--cluster", str(CPU), *extra)
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (("explain", "{good}", "-c", str(CPU), "--png", "x.txt"), "--png: x.txt: expected a file name ending in .png"),
+        (("explain", "{good}", "-c", str(CPU), "--html", "x.png"), "--html: x.png: expected a file name ending in"),
+        (("explain", "{tp3}", "-c", str(CPU)), "stages[0].tp: expected a divisor"),
+        (("predict", "-c", str(CPU), "--strategy", "{other-cluster}"), "the plan is for cluster 'elsewhere'"),
+        (("predict", "-c", str(CPU), "--strategy", "{good}", "--seq-len", "0"), "Invalid value for '--seq-len'"),
+        (("export", "{reversed}", "-c", str(CPU), "-f", "megatron", "--out", "e"), "stages[0].layers: expected"),
+        (("export", "{good}", "-c", str(CPU), "-f", "megatron", "--out", "{good}"), "exists and is not a directory"),
+        (
+            ("replan", "{good}", "-c", str(CPU), "--without", "node:cpu/1", "--without", "node:cpu/node1"),
+            "--without: node:cpu/node1: names the node 'node:cpu/1' already named",
+        ),
+        (("replan", "{good}", "-c", str(CPU)), "--without/--add: say what changed"),
+        (("replan", "{replicas}", "-c", str(CPU), "--without", "node:cpu/1"), "total_microbatches"),
+        (("run", "{other-cluster}", "-c", str(CPU), "--out", "r.json"), "the plan is for cluster 'elsewhere'"),
+    ],
+)
+def test_commands_that_read_a_plan_check_it_and_their_outputs_first(
+    capsys, tmp_path, monkeypatch, plans, args, expected
+):
+    monkeypatch.chdir(tmp_path)
+    filled = [str(plans[arg[1:-1]]) if arg.startswith("{") else arg for arg in args]
+    assert expected in one_error(capsys, *filled)
+    assert not [path for path in tmp_path.rglob("*") if path.is_file()], "nothing is written when the input is wrong"
+
+
+def test_input_files_that_are_not_text_or_are_bombs_are_one_line(capsys, tmp_path):
+    (tmp_path / "binary.yaml").write_bytes(b"\xff\xfe name: x")
+    bomb = "a: &a [1, 1, 1, 1, 1, 1, 1, 1, 1]\n" + "".join(
+        f"{chr(c)}: &{chr(c)} [{', '.join([f'*{chr(c - 1)}'] * 9)}]\n" for c in range(ord("b"), ord("k"))
+    )
+    (tmp_path / "bomb.yaml").write_text(bomb)
+    (tmp_path / "inf.yaml").write_text(
+        (EXAMPLES / "cpu-2x2.yaml").read_text().replace("nic_gbps: 10", "nic_gbps: .inf")
+    )
+    started = time.monotonic()
+    for name, expected in (("binary", "not UTF-8"), ("bomb", "aliases expand"), ("inf", "finite")):
+        line = one_error(capsys, "plan", "--cluster", str(tmp_path / f"{name}.yaml"), "--model", TINY)
+        assert f"{name}.yaml" in line and expected in line
+    assert time.monotonic() - started < 10
+
+
+def _profiles(tmp_path: Path, change) -> Path:
+    """A directory with one simulated profile of the tiny Llama, changed by `change(body)`."""
+    from profiler.simulated import SimulatedDevice
+    from specs import load_model
+    from specs.device import get_device
+
+    model = load_model(TINY)
+    profile = SimulatedDevice(get_device("cpu"), model, model.seq_length, "fp32").to_profile((1, 2), (1,))
+    body = json.loads(profile.to_json())
+    change(body)
+    directory = tmp_path / "profiles"
+    directory.mkdir()
+    (directory / "cpu.json").write_text(json.dumps(body))
+    return directory
+
+
+def _too_fast(body: dict) -> None:
+    body["entries"][0]["backward_time_s"] = 1e-30
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        (lambda body: body["entries"].append(body["entries"][0]), "a second entry for decoder b=1 tp=1 none"),
+        (_too_fast, "entries[0].backward_time_s: 1e-30 s means"),
+    ],
+)
+def test_profiles_with_duplicate_or_impossible_entries_are_refused(capsys, tmp_path, change, expected):
+    """Duplicates and times no device could reach (1e-30 s gave an MFU of 1,180) are refused by `fit` and by
+    `plan --profiles`, before any fitting or search."""
+    profiles = _profiles(tmp_path, change)
+    assert expected in one_error(capsys, "fit", "--profiles", str(profiles), "--out", str(tmp_path / "p.joblib"))
+    assert expected in one_error(capsys, *PLAN, "--profiles", str(profiles), "--dtype", "fp32")
+    assert not (tmp_path / "p.joblib").exists()
+
+
+def test_a_bug_is_one_line_with_the_debug_hint_and_the_traceback_on_request(capsys, monkeypatch):
+    def broken(*args, **kwargs):
+        raise ZeroDivisionError("float division by zero")
+
+    monkeypatch.setattr("report.traffic_calc", broken)
+    args = ("traffic-calc", "-m", "llama3-8b", "--tokens", "1e9", "--global-batch", "8", "--gpus", "8")
+    code, lines, _ = run(capsys, *args)
+    assert code == 1 and len(lines) == 1
+    assert lines[0] == f"hetplan: internal error: ZeroDivisionError: float division by zero ({DEBUG_HINT})"
+    monkeypatch.setenv("HETPLAN_DEBUG", "1")
+    code, lines, _ = run(capsys, *args)
+    assert code == 1 and lines[0] == "Traceback (most recent call last):" and lines[-1].endswith(f"({DEBUG_HINT})")
+
+
+def test_ctrl_c_in_a_command_exits_130_with_one_line(capsys, monkeypatch):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("planner.plan", interrupted)
+    code, lines, out = run(capsys, *PLAN, "--json")
+    assert (code, lines, out) == (130, ["hetplan: interrupted"], "")
+
+
+def test_failure_lines_name_the_file_and_stay_short():
+    line, code = failure_line(OSError(28, "No space left on device", "/dev/full"))
+    assert (line, code) == ("hetplan: error: /dev/full: No space left on device", 2)
+    line, code = failure_line(RuntimeError("x" * 5000 + "\n" + "y"))
+    assert code == 1 and len(line) < 300 and "\n" not in line
+    assert failure_line(MemoryError())[1] == 2
+
+
+def _stderr_line(process: subprocess.Popen[str], timeout_s: float) -> str:
+    """The next line the process writes on stderr, waiting at most `timeout_s` (never a bare blocking read)."""
+    assert process.stderr is not None
+    with selectors.DefaultSelector() as selector:
+        selector.register(process.stderr, selectors.EVENT_READ)
+        assert selector.select(timeout_s), f"no line on stderr within {timeout_s} s"
+        return process.stderr.readline()
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_a_large_plan_exits_130_and_says_interrupted(tmp_path):
+    """SIGINT while `plan` searches 768 devices: exit 130 (it used to exit 0, which scripts took for success),
+    'interrupted' as the only line besides progress, no plan file. The first progress line (every 0.2 s here)
+    says the search is under way."""
+    out = tmp_path / "plan.json"
+    args = ["--cluster", str(EXAMPLES / "hethub-768.yaml"), "--model", "llama-140b", "--families", "search"]
+    env = {**os.environ, "HETPLAN_PROGRESS_SECONDS": "0.2"}
+    command = [sys.executable, "-c", NO_TORCH, "plan", *args, "--uneven-batch", "exhaustive", "--out", str(out)]
+    process = subprocess.Popen(command, cwd=ROOT, env=env, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        first = _stderr_line(process, 60)
+        assert first.startswith("hetplan plan: "), first
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=10)
+    finally:
+        process.kill()
+    lines = [line for line in stderr.splitlines() if not line.startswith("hetplan plan: ")]
+    assert process.returncode == 130, stderr
+    assert lines == ["hetplan: interrupted"], stderr
+    assert not out.exists()
+
+
+@pytest.mark.slow
+def test_commands_that_need_torch_say_so_in_one_line(tmp_path, plans):
+    """Without torch, `run` (it raised ModuleNotFoundError) and `comm-bench` fail in one line, after the checks that
+    need no torch."""
+    ran = hetplan("run", str(plans["good"]), "--cluster", str(CPU), "--out", str(tmp_path / "run.json"))
+    assert ran.returncode == 2 and ran.stderr.count("\n") == 1
+    assert "`hetplan run` needs PyTorch" in ran.stderr
+    bench = hetplan("comm-bench", "--world", "2", "--islands", "nvidia,amd")
+    assert bench.returncode == 2 and "`hetplan comm-bench` needs PyTorch" in bench.stderr
+
+
+@pytest.mark.slow
+def test_does_not_fit_advice_names_only_what_the_training_does_not_allow(capsys, write):
+    """The planner advised 'allow full recompute or ZeRO-1' when both were allowed (the defaults)."""
+    from tests.conftest import ONE_T4_NODE
+
+    cluster = str(write("t4.yaml", ONE_T4_NODE))
+    line = one_error(capsys, "plan", "--cluster", cluster, "--model", "llama2-7b", "--dtype", "fp16", "--quiet")
+    assert "GiB more per device; add devices or shorten the sequence (--seq-len)" in line
+    narrow = ("--recompute", "none", "--zero-stage", "0", "--quiet")
+    line = one_error(capsys, "plan", "--cluster", cluster, "--model", "llama2-7b", "--dtype", "fp16", *narrow)
+    assert "allow full recompute (--recompute none,selective,full), use ZeRO-1 (--zero-stage 1)" in line

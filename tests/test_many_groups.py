@@ -1,0 +1,59 @@
+"""Clusters of many groups (one per rack, SKU or site): groups of one kind plan as one and their stages spread back,
+the candidate budget stops with a bound, and more kinds than the search covers are refused in one line."""
+
+from __future__ import annotations
+
+import pytest
+
+from planner import build_context
+from planner.search import MAX_KINDS, SearchOptions, search
+from predictor.cost_model import evaluate
+from specs import load_model, load_training
+from specs.cluster import ClusterSpec, DeviceGroup
+from specs.device import get_device
+from specs.errors import SpecError
+from specs.layout import devices_per_group
+
+KINDS = ["h100", "mi300x", "ascend-910b", "gaudi2"]
+
+
+def _cluster(kinds: list[str], per_kind: int, nodes: int) -> ClusterSpec:
+    """`per_kind` groups of `nodes` nodes of each device kind (8 devices and NICs of 400 Gb/s per node)."""
+    groups = tuple(
+        DeviceGroup(f"{kind}-{i}", get_device(kind), nodes, 8, 8, 50e9) for kind in kinds for i in range(per_kind)
+    )
+    return ClusterSpec("racks", groups, "rail-optimized", 25e9)
+
+
+def test_sixteen_groups_of_four_kinds_plan_as_four_and_spread_back():
+    cluster = _cluster(KINDS, 4, 2)
+    ctx = build_context(cluster, load_model("llama2-70b"), load_training(None, {"global_batch_size": 1024}))
+    result = search(ctx)
+    assert "16 groups planned as 4" in result.note
+    best = result.evaluations[0]
+    names = {g.name for g in cluster.groups}
+    assert {s.group for p in best.strategy.pipelines for s in p.stages} <= names
+    assert all(end <= cluster.group(name).num_devices for name, end in devices_per_group(best.strategy).items())
+    ctx.check_strategy(best.strategy)
+    again = evaluate(ctx, best.strategy)
+    assert again.fits and again.iteration_time_s == pytest.approx(best.iteration_time_s, rel=1e-12)
+
+
+def test_the_candidate_budget_stops_with_a_bound_below_the_plan():
+    cluster = _cluster(KINDS, 1, 4)
+    ctx = build_context(cluster, load_model("llama2-70b"), load_training(None, {"global_batch_size": 1024}))
+    full = search(ctx)
+    assert full.note == "" and full.evaluated > 4
+    budget = full.evaluated // 2
+    cut = search(ctx, SearchOptions(max_candidates=budget))
+    assert cut.note.startswith(f"stopped after {budget} candidates")
+    assert cut.lower_bound_s is not None
+    assert cut.lower_bound_s <= full.evaluations[0].iteration_time_s <= cut.evaluations[0].iteration_time_s
+
+
+def test_more_kinds_than_the_search_covers_are_refused_in_one_line():
+    groups = tuple(DeviceGroup(f"g{n}", get_device("h100"), n, 8, 8, 50e9) for n in range(1, MAX_KINDS + 2))
+    cluster = ClusterSpec("kinds", groups, "rail-optimized", 25e9)
+    ctx = build_context(cluster, load_model("llama2-7b"), load_training(None, {"global_batch_size": 64}))
+    with pytest.raises(SpecError, match=f"at most {MAX_KINDS} kinds of group"):
+        search(ctx)
