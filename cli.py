@@ -49,8 +49,9 @@ ModelOpt = Annotated[str, _opt("--model", "-m", help="Catalog name, model YAML/J
 TrainingOpt = Annotated[Optional[Path], _opt("--training", help="Training YAML/JSON file (flags override).")]
 GlobalBatchOpt = Annotated[Optional[int], _opt("--global-batch", min=1, help="Sequences per iteration.")]
 SeqLenOpt = Annotated[Optional[int], _opt("--seq-len", min=1, help="Sequence length (default: the model's).")]
-DtypeOpt = Annotated[Optional[str], _opt("--dtype", help="bf16, fp16 or fp32.")]
-ZeroOpt = Annotated[Optional[int], _opt("--zero-stage", help="0, or 1 (distributed optimizer).")]
+DtypeOpt = Annotated[Optional[str], _opt("--dtype", help="bf16, fp16, fp32, or fp8 (where devices have it).")]
+ZERO = "0, 1 (distributed optimizer), 2 (gradients sharded too) or 3 (FSDP: weights too)."
+ZeroOpt = Annotated[Optional[int], _opt("--zero-stage", help=ZERO)]
 JsonOpt = Annotated[bool, _opt("--json", help="Print JSON instead of tables.")]
 QuietOpt = Annotated[bool, _opt("--quiet", "-q", help="No progress lines on stderr.")]
 PredictorOpt = Annotated[
@@ -346,20 +347,44 @@ def fit(
     as_json: JsonOpt = False,
 ) -> None:
     """Fit a predictor: layer models from profiles, links from link profiles, calibration from runs."""
-    from predictor.predictor import fit_predictor, save_predictor
+    from predictor.predictor import calibration_runs, fit_predictor, save_predictor
+    from predictor.validation import validation_report
     from profiler.profiles import checked_profile_files
-    from report.measurements import fit_renderables
+    from report.measurements import fit_renderables, validation_renderables
     from specs.flags import output_file
 
     output_file(out, "--out")
     with _progress("fit", quiet, unit="steps") as progress:
         progress.step("checking the profiles", 2)
         paths = checked_profile_files(profiles) if profiles is not None else []
-        progress.step("fitting", 2)
+        progress.step("fitting", 3)
         fitted = fit_predictor(paths, links or [], runs or [], published_runs=published_runs, name=out.name)
+        progress.step("leaving one source out at a time", 3)
+        body = fitted.describe()
+        body["validation"] = validation_report(fitted, calibration_runs(runs or [], published_runs), held_out=True)
     save_predictor(fitted, out)
-    body = fitted.describe()
-    _show(as_json, body, *fit_renderables(body), *_written("predictor", out))
+    renderables = validation_renderables(body["validation"]) if body["validation"]["runs"] else []
+    _show(as_json, body, *fit_renderables(body), *renderables, *_written("predictor", out))
+
+
+@app.command()
+def validate(
+    runs: Annotated[list[Path], typer.Argument(help="Run records (hetplan.run/1, runs/1, or calibration-runs/1).")],
+    predictor: PredictorOpt = None,
+    held_out: Annotated[
+        bool, _opt("--leave-one-source-out", help="Also refit without each source and predict its runs.")
+    ] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Predict measured runs: per run the prediction, the signed error and the term that dominates its time; the
+    error per device family; the worst runs."""
+    from predictor.runs import load_runs
+    from predictor.validation import validation_report
+    from report.measurements import validation_renderables
+
+    loaded = [run for path in runs for run in load_runs(path)]
+    body = validation_report(_predictor(predictor), loaded, held_out)
+    _show(as_json, body, *validation_renderables(body))
 
 
 @app.command()
@@ -375,8 +400,9 @@ def run(
     quiet: QuietOpt = False,
     as_json: JsonOpt = False,
 ) -> None:
-    """Train a plan for a few steps on local processes (one per device, Gloo) and write the measurement, with the
-    prediction, the loss curve and a single-process loss check beside it."""
+    """Train a plan for a few steps on local processes (one per device, Gloo), or as the ranks of a torchrun job
+    (`hetplan launch` writes the commands), and write the measurement beside the prediction, the loss curve and a
+    single-process loss check."""
     from planner.what_if import check_local_run, plan_on_cluster, run_context
     from profiler.profiles import load_profiles
     from specs.flags import output_file
@@ -385,17 +411,38 @@ def run(
     loaded, cluster_spec = plan_on_cluster(plan_file, cluster)
     check_local_run(cluster_spec, cluster)
     _require_torch("run")
+    from profiler.comm_bench import launched_by_torchrun
     from report.files import write_json
     from report.measurements import run_lines, run_table
     from runtime.execute import RunSettings
-    from runtime.launch import execute
+    from runtime.launch import execute, execute_in_job
 
     context = run_context(loaded, _predictor(predictor), load_profiles(profiles, loaded.model))
     settings = RunSettings(steps=steps, seed=seed, dtype=loaded.training.dtype, timeout_s=timeout)
-    with _progress("run", quiet) as progress:
-        record = execute(loaded, cluster_spec, str(cluster), context, settings, progress=progress.say)
+    with _progress("run", quiet) as progress:  # under torchrun: this process is one rank, rank 0 writes
+        runner = execute_in_job if launched_by_torchrun() else execute
+        record = runner(loaded, cluster_spec, str(cluster), context, settings, progress=progress.say)
+    if record is None:
+        return
     write_json(out, record)
     _show(as_json, record, run_table(record), *run_lines(record, steps), *_written("run record", out))
+
+
+@app.command()
+def launch(
+    plan_file: PlanArg,
+    cluster: PlanClusterOpt,
+    out: Annotated[Path, _opt(help="Run record the job writes (on the first node).")] = Path("run.json"),
+    master_addr: Annotated[str, _opt(help="Address of the first node.")] = "$MASTER_ADDR",
+    port: Annotated[int, _opt(min=1, max=65535, help="Rendezvous port.")] = 29500,
+) -> None:
+    """Print the torchrun command of every node that runs the plan with `hetplan run` (one line per node)."""
+    from planner.export import launch_commands
+    from planner.what_if import plan_on_cluster
+
+    _, cluster_spec = plan_on_cluster(plan_file, cluster)
+    for line in launch_commands(str(plan_file), cluster_spec, str(cluster), str(out), master_addr, port):
+        sys.stdout.write(line + "\n")
 
 
 # ---- using a plan -----------------------------------------------------------------------------------------------

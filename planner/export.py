@@ -447,7 +447,14 @@ def torchrun_command(launch: NodeLaunch, nodes: int, entry: list[str], master_ad
         "torchrun", "--nnodes", str(nodes), "--node-rank", str(launch.node_rank), "--nproc-per-node",
         str(len(launch.devices)), "--master-addr", master_addr, "--master-port", str(port), *entry,
     ]  # fmt: skip
-    return prefix + " ".join(w if w.startswith('"$') else shlex.quote(w) for w in words)
+    return prefix + " ".join(_command_word(w) for w in words)
+
+
+def _command_word(word: str) -> str:
+    """A shell word: a variable ($MASTER_ADDR) double-quoted so the shell expands it, anything else quoted."""
+    if word.startswith('"$'):
+        return word
+    return f'"{word}"' if word.startswith("$") and word[1:].replace("_", "").isalnum() else shlex.quote(word)
 
 
 def _shell_word(word: str) -> str:

@@ -156,6 +156,12 @@ def _calibration_cases(predictor: Predictor, runs: Sequence[Run]) -> list[tuple[
     return cases
 
 
+def calibration_runs(run_paths: Sequence[Path] = (), published_runs: bool = True) -> list[Run]:
+    """The runs calibration learns from: the given run records, then the bundled published runs."""
+    paths = [*run_paths, *([PUBLISHED_RUNS] if published_runs else [])]
+    return [run for path in paths for run in load_runs(path)]
+
+
 def fit_predictor(
     profile_paths: Sequence[Path] = (),
     link_paths: Sequence[Path] = (),
@@ -182,7 +188,7 @@ def fit_predictor(
             raise SpecError(str(path), "link_class", f"a second links file for {link_class!r} links of {device!r}")
         predictor.links[key], predictor.link_fit_errors[key] = fit_link(link_class, points, str(path))
     all_run_paths = [*run_paths, *([PUBLISHED_RUNS] if published_runs else [])]
-    runs = [run for path in all_run_paths for run in load_runs(path)]
+    runs = calibration_runs(run_paths, published_runs)
     predictor.calibration = fit_calibration(_calibration_cases(predictor, runs))
     inputs = [str(p) for p in [*profile_paths, *link_paths, *all_run_paths]]
     predictor.metadata = {

@@ -18,6 +18,8 @@ from predictor.predictor import Predictor, _calibration_cases
 from predictor.runs import Run
 from specs.layout import Strategy
 
+WORST_RUNS = 3
+
 
 @dataclass(frozen=True)
 class RunCheck:
@@ -136,3 +138,22 @@ def family_errors(checks: Sequence[RunCheck]) -> list[FamilyError]:
             )
         )
     return rows
+
+
+def validation_report(predictor: Predictor, runs: Sequence[Run], held_out: bool) -> dict[str, object]:
+    """What `hetplan validate` and `hetplan fit` print: every run predicted, the error per device family, the worst
+    runs with the term that dominates their time, and (`held_out`, with two or more sources) leave-one-source-out."""
+    checks = check_runs(predictor, runs)
+    body: dict[str, object] = {
+        "predictor": predictor.identity,
+        "runs": [check.to_dict() for check in checks],
+        "families": [row.to_dict() for row in family_errors(checks)],
+        "worst": [check.name for check in sorted(checks, key=lambda c: -abs(c.error))[:WORST_RUNS]],
+    }
+    if held_out and len({run.source for run in runs}) > 1:
+        loso = leave_one_source_out(predictor, runs)
+        body["leave_one_source_out"] = {
+            "runs": [check.to_dict() for check in loso],
+            "families": [row.to_dict() for row in family_errors(loso)],
+        }
+    return body

@@ -71,6 +71,46 @@ def fit_renderables(body: Mapping[str, Any]) -> list[Renderable]:
     return out
 
 
+def validation_renderables(body: Mapping[str, Any]) -> list[Renderable]:
+    """`hetplan validate` (and the end of `fit`): every run predicted against its measurement, the error per device
+    family, the worst runs with the term that dominates them, and leave-one-source-out where computed."""
+    columns = ("run", "family", "measured s", "predicted s", "error", "largest term")
+    table = titled_table(f"Runs predicted by {body['predictor']}", columns, left=("run", "family", "largest term"))
+    by_name = {}
+    for run in body["runs"]:
+        by_name[run["name"]] = run
+        table.add_row(
+            run["name"],
+            run["family"],
+            f"{run['measured_s']:.3f}",
+            f"{run['predicted_s']:.3f}",
+            f"{run['error']:+.1%}",
+            f"{run['dominant_term']} {run['dominant_share']:.0%}",
+        )
+    out: list[Renderable] = [table, _family_table("Error per device family", body["families"])]
+    worst = [by_name[name] for name in body["worst"]]
+    out.append("worst: " + "; ".join(f"{r['name']} {r['error']:+.1%} ({r['dominant_term']})" for r in worst))
+    if "leave_one_source_out" in body:
+        held = body["leave_one_source_out"]
+        out.append(_family_table("Leave one source out (each source predicted from the others)", held["families"]))
+    return out
+
+
+def _family_table(title: str, families: Sequence[Mapping[str, Any]]) -> Table:
+    columns = ("family", "runs", "sources", "MAPE", "mean error", "worst run")
+    table = titled_table(title, columns, left=("family", "worst run"))
+    for row in families:
+        table.add_row(
+            row["family"],
+            str(row["runs"]),
+            str(row["sources"]),
+            f"{row['mape']:.1%}",
+            f"{row['mean_error']:+.1%}",
+            f"{row['worst_run']} ({row['worst_error']:+.1%})",
+        )
+    return table
+
+
 def run_table(record: Mapping[str, Any]) -> Table:
     """Per stage of a run record: the layers, the emulated speed, and where the time went."""
     details = record["measurements"]

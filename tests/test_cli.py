@@ -168,3 +168,17 @@ def test_plan_lower_bound_reports_how_far_any_plan_could_be():
     assert body["gap_to_lower_bound"] == pytest.approx(1 - bound / iteration, rel=1e-4)
     plain = hetplan("plan", *args, "--global-batch", "128", "--families", "off", "--json")
     assert "iteration_time_lower_bound_s" not in json.loads(plain.stdout)  # only when asked: it costs a search
+
+
+def test_launch_prints_one_torchrun_per_node_that_expands_the_master_address(tmp_path):
+    plan = tmp_path / "plan.json"
+    made = hetplan(
+        "plan", "--cluster", str(EXAMPLES / "cpu-hetero.yaml"), "--model", str(EXAMPLES / "models" / "tiny-llama.yaml"),
+        "--global-batch", "8", "--out", str(plan), "--quiet",
+    )  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    result = hetplan("launch", str(plan), "--cluster", str(EXAMPLES / "cpu-hetero.yaml"))
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert [line.split("--node-rank ")[1].split()[0] for line in lines] == [str(i) for i in range(len(lines))]
+    assert all('--master-addr "$MASTER_ADDR"' in line and " hetplan run " in line for line in lines)

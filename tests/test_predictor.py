@@ -31,7 +31,7 @@ from specs import load_cluster, load_model, load_training
 from specs.device import get_device
 from specs.errors import SpecError
 from specs.layout import megatron_strategy
-from tests.conftest import EXAMPLES, ROOT
+from tests.conftest import EXAMPLES, ROOT, hetplan
 
 CPU_PROFILE = ROOT / "bench" / "results" / "profile-cpu-tiny-llama.json"
 
@@ -277,3 +277,26 @@ def test_the_default_predictor_is_cached_by_the_code_and_data_it_comes_from(tmp_
     module.default_predictor.cache_clear()
     assert module.default_predictor().calibration == first.calibration
     module.default_predictor.cache_clear()
+
+
+def test_validate_predicts_every_published_run_within_ten_percent_and_names_the_families(tmp_path):
+    result = hetplan("validate", str(PUBLISHED_RUNS), "--json")
+    assert result.returncode == 0, result.stderr
+    body = json.loads(result.stdout)
+    assert {row["family"] for row in body["families"]} == {"h100", "a100-80gb", "mi250x", "ascend-910b", "v100"}
+    assert all(abs(run["error"]) < 0.10 for run in body["runs"])
+    assert all(run["dominant_term"] in ("compute", "dp_sync", "tp_comm", "bubble") for run in body["runs"])
+    assert body["worst"][0] == max(body["runs"], key=lambda run: abs(run["error"]))["name"]
+    bad = tmp_path / "runs.json"
+    bad.write_text('{"schema": "hetplan.runs/9"}')
+    refused = hetplan("validate", str(bad))
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1 and "schema" in refused.stderr
+
+
+def test_leave_one_source_out_stays_under_eight_percent_for_families_with_two_sources():
+    from predictor.validation import family_errors, leave_one_source_out
+
+    rows = family_errors(leave_one_source_out(Predictor(), load_runs(PUBLISHED_RUNS)))
+    several = {row.family: row.mape for row in rows if row.sources >= 2}
+    assert set(several) == {"h100", "a100-80gb"}
+    assert all(mape < 0.08 for mape in several.values()), several
