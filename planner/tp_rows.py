@@ -35,6 +35,7 @@ from planner.lower_bounds import (
     orders_within_memory,
     per_stage_memory_bottleneck_s,
     whole_layer_bottleneck_s,
+    whole_layer_bottlenecks_s,
 )
 from planner.options import DEFAULT_OPTIONS, SearchOptions
 from predictor.comm_model import Link
@@ -450,10 +451,13 @@ class SubsetRows:
             boundaries_s += (len(self.subset) - 1) * self._fastest_p2p_s(self.across, crossing_bytes)
         return boundaries_s
 
-    def least_bounds_s(self, replica_rows: Sequence[ReplicaRows], b: int, microbatches: Sequence[int]) -> np.ndarray:
+    def least_bounds_s(
+        self, replica_rows: Sequence[ReplicaRows], b: int, microbatches: Sequence[int], whole_layers: bool = True
+    ) -> np.ndarray:
         """Per replica count: the least bound of its rows at micro-batch b over recompute modes and interleaving
         depths (inf: none), as `batches` computes them but vectorised over the replica counts, so the search can
-        build a count's batches only when its rows come up."""
+        build a count's batches only when its rows' candidates can come up; `whole_layers`: tightened as RowBound
+        tightens a row when it comes up (the key its candidates wait with)."""
         ctx = self.costs.ctx
         modes, num_layers, columns = list(ctx.training.recompute), ctx.model.num_layers, self.columns
         sizes = [len(rows.tps) for rows in replica_rows]
@@ -473,10 +477,13 @@ class SubsetRows:
             )
             tail_s = (fullest * rates).min(axis=1) + ctx.terms.iteration_overhead_s
             pipeline = PipelineBound.of(num_layers, a, e_first, e_last, counts)
+            whole = whole_layer_bottlenecks_s(a, counts, num_layers) if whole_layers else np.zeros(len(counts))
             for virtual in ctx.training.virtual_stages:
                 found = pipeline.bound_s(m, virtual, tail_s, fill_and_drain_time_s(virtual, boundaries_s))  # type: ignore[arg-type]
                 if found is not None:
-                    np.minimum.at(least, owner, found[0])
+                    bound, bottleneck = found
+                    raised = np.maximum(0.0, whole - bottleneck) * (m - 1 / virtual)
+                    np.minimum.at(least, owner, bound + raised)
         return least
 
     def batches(self, rows: ReplicaRows, b: int, microbatches: int, memory_bounds: bool) -> Iterator[TpRowBatch]:
