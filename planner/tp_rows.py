@@ -54,6 +54,8 @@ from predictor.cost_model import (
 from specs.cluster import DeviceGroup
 from specs.model import Recompute
 
+WHOLE_LAYER_ROWS = 50_000  # rows of a subset and micro-batch whose sources wait with their whole-layer bound
+
 
 class TailPerLayer:
     """cost_model.tail_per_layer_lower_bound_s of a stage shape, memoised (many candidates share stage shapes)."""
@@ -477,7 +479,9 @@ class SubsetRows:
             )
             tail_s = (fullest * rates).min(axis=1) + ctx.terms.iteration_overhead_s
             pipeline = PipelineBound.of(num_layers, a, e_first, e_last, counts)
-            whole = whole_layer_bottlenecks_s(a, counts, num_layers) if whole_layers else np.zeros(len(counts))
+            whole = np.zeros(len(counts))
+            if whole_layers and len(counts) <= WHOLE_LAYER_ROWS:  # past that the bisection costs more than it saves
+                whole = whole_layer_bottlenecks_s(a, counts, num_layers)
             for virtual in ctx.training.virtual_stages:
                 found = pipeline.bound_s(m, virtual, tail_s, fill_and_drain_time_s(virtual, boundaries_s))  # type: ignore[arg-type]
                 if found is not None:
