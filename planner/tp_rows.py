@@ -92,11 +92,15 @@ class _GroupCosts:
         self._edge_bytes: dict[tuple[object, ...], float] = {}
         self._groups: dict[str, DeviceGroup] = {}
 
-    def add(self, group: DeviceGroup) -> bool:
-        """Fill the group's numbers (once); False when another group of the same name is known (not shareable)."""
+    def knows(self, group: DeviceGroup) -> bool:
+        """Whether the group's numbers can go here: it is known, or no group of its name is."""
         known = self._groups.get(group.name)
-        if known is not None:
-            return known is group or known == group
+        return known is None or known is group or known == group
+
+    def add(self, group: DeviceGroup) -> None:
+        """Fill the group's numbers (once; RowTables puts a group where `knows` says it can go)."""
+        if group.name in self._groups:
+            return
         ctx, training, g = self.ctx, self.ctx.training, group
         for t in tp_options(ctx, g):
             for b in training.micro_batch_sizes:
@@ -108,7 +112,6 @@ class _GroupCosts:
                 self.embedding_s[g.name, b, t] = edge_time_s(ctx, g, b, t, True, False)
                 self.head_s[g.name, b, t] = edge_time_s(ctx, g, b, t, False, True)
         self._groups[g.name] = g
-        return True
 
     def edge_bytes(self, group: DeviceGroup, b: int, t: int, rc: Recompute, d: int, first: bool) -> float:
         """Bytes the first (or last) stage holds besides its layers; a lower bound: one micro-batch in flight. The last
@@ -349,7 +352,8 @@ class SubsetRows:
     def __init__(self, costs: _GroupCosts, subset: tuple[DeviceGroup, ...]) -> None:
         ctx = costs.ctx
         self.costs, self.subset = costs, subset
-        self.shared = all([costs.add(group) for group in subset])  # False: a group of another cluster's name
+        for group in subset:
+            costs.add(group)
         self.tp_lists = [tp_options(ctx, g) for g in subset]
         self.tp_rows = np.array(list(itertools.product(*self.tp_lists)), dtype=np.int64)
         ranges = [range(len(t)) for t in self.tp_lists]
@@ -553,16 +557,18 @@ class RowTables:
 
     def __init__(self, ctx: CostContext) -> None:
         self.ctx = ctx  # kept alive: the reuse key holds ids of its parts
-        self.costs = _GroupCosts(ctx)
+        # group costs by name; another cluster's group of a known name (a re-plan's changed group) goes to the next
+        self.costs: list[_GroupCosts] = []
         self.subsets: dict[tuple[DeviceGroup, ...], SubsetRows] = {}
 
     def subset_rows(self, subset: tuple[DeviceGroup, ...]) -> SubsetRows:
-        """The rows of a subset (memoised; a subset whose group names clash with known groups gets its own)."""
+        """The rows of a subset (memoised)."""
         if subset not in self.subsets:
-            rows = SubsetRows(self.costs, subset)
-            if not rows.shared:
-                return SubsetRows(_GroupCosts(self.ctx), subset)
-            self.subsets[subset] = rows
+            costs = next((c for c in self.costs if all(c.knows(g) for g in subset)), None)
+            if costs is None:
+                costs = _GroupCosts(self.ctx)
+                self.costs.append(costs)
+            self.subsets[subset] = SubsetRows(costs, subset)
         return self.subsets[subset]
 
 
