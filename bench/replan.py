@@ -51,7 +51,7 @@ def main() -> None:
         changed = changed_cluster(cluster, without, add)
         warm, cold = [], []
         for _ in range(args.repeats):
-            result = replan(changed, model, training, old.strategy, predictor)
+            result = replan(changed, model, training, old.strategy, predictor, old.context)
             warm.append(result.replan_time_s)
             started = time.perf_counter()
             search(predictor.context(changed, model, uneven))  # the same space, no warm start

@@ -257,7 +257,8 @@ def tp_row_sources(
             ]
             valid = [(i, split[0]) for i, split in splits if split is not None]
             if valid:
-                least[b] = source.least_bounds_s([replica_rows[i] for i, _ in valid], b, [q for _, q in valid])
+                chosen = [replica_rows[i] for i, _ in valid]
+                least[b] = source.least_bounds_s(chosen, b, [q for _, q in valid], memory_bounds)
                 found += [(i, b, q, position) for position, (i, q) in enumerate(valid)]
         found.sort(key=lambda item: (item[0], training.micro_batch_sizes.index(item[1])))  # enumeration order
         for i, b, q, position in found:

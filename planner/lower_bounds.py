@@ -129,6 +129,18 @@ def whole_layer_bottleneck_s(per_layer_s: Sequence[float], counts: Sequence[int]
     return level * (1 - 1e-9)
 
 
+def whole_layer_bottlenecks_s(per_layer_s: np.ndarray, counts: np.ndarray, num_layers: int) -> np.ndarray:
+    """whole_layer_bottleneck_s of every row of (rows, groups) arrays, bisected keeping the side known too small
+    (at most the exact one, which it rounds down the same way)."""
+    low = num_layers / (counts / per_layer_s).sum(axis=1)  # the fractional level: whole layers cannot go below it
+    high = low + per_layer_s.max(axis=1)  # every group one more layer per stage than the level: enough
+    for _ in range(24):  # to 2^-24 of a layer's time: the keys it orders differ by more
+        middle = (low + high) / 2
+        enough = (counts * np.floor(middle[:, None] / per_layer_s)).sum(axis=1) >= num_layers
+        high, low = np.where(enough, middle, high), np.where(enough, low, middle)
+    return low * (1 - 1e-9)
+
+
 def orders_within_memory(
     usable: np.ndarray,
     state_per_layer: np.ndarray,

@@ -35,7 +35,7 @@ class SearchOptions:
     root_bound_steps: int = 10  # the root bound's memory bisection: to 2^-10 of the bottleneck (it only reports)
     # candidates solved before the branch and bound stops and reports the least bound left (SearchResult.note): many
     # distinct groups have orders by the k! with bounds too alike to prune (the bench examples solve at most 1,249)
-    max_candidates: int = 5_000
+    max_candidates: int = 2_000
     misfit_candidates: int = 20_000  # when nothing fits: candidates (best time bound first) searched for the closest
     # pipeline families (planner.families)
     plans_per_block: int = 3  # the best plans of each block offered to the batch split

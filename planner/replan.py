@@ -171,13 +171,20 @@ def replan(
     training: TrainingSpec,
     old: Strategy,
     predictor: Predictor | None = None,
+    previous: CostContext | None = None,
 ) -> Replan:
     """Plan again on a changed cluster, warm-started from the old strategy, over every uneven batch split
-    (`uneven_batch: exhaustive`): after a failure the cluster rarely divides the batch evenly."""
+    (`uneven_batch: exhaustive`): after a failure the cluster rarely divides the batch evenly. `previous`: the old
+    plan's context (Plan.context, for a caller that keeps the planner running, as a scheduler would): the new context
+    shares its cost sources (the change only moves nodes), so the search reuses the row tables of the groups the
+    change did not touch (tp_rows.row_tables)."""
     predictor = predictor or default_predictor()
     training = training.model_copy(update={"uneven_batch": "exhaustive"})
     started = time.perf_counter()
-    ctx = predictor.context(cluster, model, training)
+    if previous is not None and previous.model == model and {g.name for g in cluster.groups} <= set(previous.sources):
+        ctx = dataclasses.replace(previous, cluster=cluster, training=training)
+    else:
+        ctx = predictor.context(cluster, model, training)
     shrunk = shrink(ctx, old)
     adapted = shrunk.evaluation
     result = search(ctx, warm_start=(adapted,) if adapted else ())

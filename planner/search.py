@@ -23,6 +23,7 @@ candidates and says how far the plan can be from the best (SearchResult.note).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import heapq
 import math
@@ -85,6 +86,12 @@ class _Best:
             heapq.heappush(self._heap, entry)
         elif entry[0] > self._heap[0][0]:
             heapq.heapreplace(self._heap, entry)
+
+    def copy(self) -> _Best:
+        """Another incumbent set holding the same evaluations (to go on from the same point)."""
+        other = _Best(self.k)
+        other._heap, other._kept = list(self._heap), self._kept
+        return other
 
     def kth_s(self, gap: float = 0.0) -> float:
         """The k-th best iteration time, less the gap a candidate must beat it by (inf until k plans are kept)."""
@@ -285,7 +292,7 @@ class _Search:
             g.name: compute_bound_tokens_per_s(dataclasses.replace(ctx, cluster=ctx.cluster.only(g)))
             for g in ctx.cluster.groups
         }
-        families = family_search(ctx, self.options, rates, _search_block, self.progress)
+        families = family_search(ctx, self.options, rates, _BlockSearch(), self.progress)
         for position, evaluation in enumerate(families.evaluations):
             self.best.keep(evaluation, self.scanned + position)
         return families.partitions, family_bound_s(ctx, self.options) if self.options.root_bound else math.inf
@@ -301,9 +308,31 @@ def _nearby_replica_counts(config: OuterConfig) -> list[int]:
     return sorted((c for c in counts if c >= 1), reverse=True)
 
 
-def _search_block(ctx: CostContext, options: SearchOptions) -> list[Evaluation]:
-    """The family search's block search: this search on the block alone."""
-    return search(ctx, options).evaluations
+class _BlockSearch:
+    """The family search's block search: this search on the block alone. Each block's scan at a share is kept, so
+    the refinement round at the same share only adds the per-stage recompute step (a search with it is that scan
+    and then that step)."""
+
+    def __init__(self) -> None:
+        self.scans: dict[tuple[tuple[DeviceGroup, ...], int, SearchOptions], _Search] = {}
+
+    def __call__(self, ctx: CostContext, options: SearchOptions) -> list[Evaluation]:
+        plain = dataclasses.replace(options, per_stage_candidates=0)
+        groups = ctx.cluster.groups
+        if len(identical_classes(groups)) < len(groups) and search_size(ctx, groups) > MERGE_ABOVE:
+            return search(ctx, options).evaluations  # merged groups: no state to keep
+        key = (tuple(groups), ctx.training.global_batch_size, plain)
+        if key not in self.scans:
+            state = _Search(ctx, plain, None, None, ())
+            state.run()
+            self.scans[key] = state
+        scanned = self.scans[key]
+        if not options.per_stage_candidates or len(ctx.training.recompute) < 2:
+            return scanned.best.ranked()
+        refined = copy.copy(scanned)  # the per-stage step on its own incumbents, the scan's left as they were
+        refined.options, refined.best = options, scanned.best.copy()
+        refined.refine_per_stage()
+        return refined.best.ranked()
 
 
 def searches_families(ctx: CostContext) -> bool:

@@ -35,6 +35,7 @@ from planner.lower_bounds import (
     orders_within_memory,
     per_stage_memory_bottleneck_s,
     whole_layer_bottleneck_s,
+    whole_layer_bottlenecks_s,
 )
 from planner.options import DEFAULT_OPTIONS, SearchOptions
 from predictor.comm_model import Link
@@ -52,6 +53,8 @@ from predictor.cost_model import (
 )
 from specs.cluster import DeviceGroup
 from specs.model import Recompute
+
+WHOLE_LAYER_ROWS = 50_000  # rows of a subset and micro-batch whose sources wait with their whole-layer bound
 
 
 class TailPerLayer:
@@ -89,11 +92,15 @@ class _GroupCosts:
         self._edge_bytes: dict[tuple[object, ...], float] = {}
         self._groups: dict[str, DeviceGroup] = {}
 
-    def add(self, group: DeviceGroup) -> bool:
-        """Fill the group's numbers (once); False when another group of the same name is known (not shareable)."""
+    def knows(self, group: DeviceGroup) -> bool:
+        """Whether the group's numbers can go here: it is known, or no group of its name is."""
         known = self._groups.get(group.name)
-        if known is not None:
-            return known is group or known == group
+        return known is None or known is group or known == group
+
+    def add(self, group: DeviceGroup) -> None:
+        """Fill the group's numbers (once; RowTables puts a group where `knows` says it can go)."""
+        if group.name in self._groups:
+            return
         ctx, training, g = self.ctx, self.ctx.training, group
         for t in tp_options(ctx, g):
             for b in training.micro_batch_sizes:
@@ -105,7 +112,6 @@ class _GroupCosts:
                 self.embedding_s[g.name, b, t] = edge_time_s(ctx, g, b, t, True, False)
                 self.head_s[g.name, b, t] = edge_time_s(ctx, g, b, t, False, True)
         self._groups[g.name] = g
-        return True
 
     def edge_bytes(self, group: DeviceGroup, b: int, t: int, rc: Recompute, d: int, first: bool) -> float:
         """Bytes the first (or last) stage holds besides its layers; a lower bound: one micro-batch in flight. The last
@@ -346,7 +352,8 @@ class SubsetRows:
     def __init__(self, costs: _GroupCosts, subset: tuple[DeviceGroup, ...]) -> None:
         ctx = costs.ctx
         self.costs, self.subset = costs, subset
-        self.shared = all([costs.add(group) for group in subset])  # False: a group of another cluster's name
+        for group in subset:
+            costs.add(group)
         self.tp_lists = [tp_options(ctx, g) for g in subset]
         self.tp_rows = np.array(list(itertools.product(*self.tp_lists)), dtype=np.int64)
         ranges = [range(len(t)) for t in self.tp_lists]
@@ -450,10 +457,13 @@ class SubsetRows:
             boundaries_s += (len(self.subset) - 1) * self._fastest_p2p_s(self.across, crossing_bytes)
         return boundaries_s
 
-    def least_bounds_s(self, replica_rows: Sequence[ReplicaRows], b: int, microbatches: Sequence[int]) -> np.ndarray:
+    def least_bounds_s(
+        self, replica_rows: Sequence[ReplicaRows], b: int, microbatches: Sequence[int], whole_layers: bool = True
+    ) -> np.ndarray:
         """Per replica count: the least bound of its rows at micro-batch b over recompute modes and interleaving
         depths (inf: none), as `batches` computes them but vectorised over the replica counts, so the search can
-        build a count's batches only when its rows come up."""
+        build a count's batches only when its rows' candidates can come up; `whole_layers`: tightened as RowBound
+        tightens a row when it comes up (the key its candidates wait with)."""
         ctx = self.costs.ctx
         modes, num_layers, columns = list(ctx.training.recompute), ctx.model.num_layers, self.columns
         sizes = [len(rows.tps) for rows in replica_rows]
@@ -473,10 +483,15 @@ class SubsetRows:
             )
             tail_s = (fullest * rates).min(axis=1) + ctx.terms.iteration_overhead_s
             pipeline = PipelineBound.of(num_layers, a, e_first, e_last, counts)
+            whole = np.zeros(len(counts))
+            if whole_layers and len(counts) <= WHOLE_LAYER_ROWS:  # past that the bisection costs more than it saves
+                whole = whole_layer_bottlenecks_s(a, counts, num_layers)
             for virtual in ctx.training.virtual_stages:
                 found = pipeline.bound_s(m, virtual, tail_s, fill_and_drain_time_s(virtual, boundaries_s))  # type: ignore[arg-type]
                 if found is not None:
-                    np.minimum.at(least, owner, found[0])
+                    bound, bottleneck = found
+                    raised = np.maximum(0.0, whole - bottleneck) * (m - 1 / virtual)
+                    np.minimum.at(least, owner, bound + raised)
         return least
 
     def batches(self, rows: ReplicaRows, b: int, microbatches: int, memory_bounds: bool) -> Iterator[TpRowBatch]:
@@ -542,16 +557,18 @@ class RowTables:
 
     def __init__(self, ctx: CostContext) -> None:
         self.ctx = ctx  # kept alive: the reuse key holds ids of its parts
-        self.costs = _GroupCosts(ctx)
+        # group costs by name; another cluster's group of a known name (a re-plan's changed group) goes to the next
+        self.costs: list[_GroupCosts] = []
         self.subsets: dict[tuple[DeviceGroup, ...], SubsetRows] = {}
 
     def subset_rows(self, subset: tuple[DeviceGroup, ...]) -> SubsetRows:
-        """The rows of a subset (memoised; a subset whose group names clash with known groups gets its own)."""
+        """The rows of a subset (memoised)."""
         if subset not in self.subsets:
-            rows = SubsetRows(self.costs, subset)
-            if not rows.shared:
-                return SubsetRows(_GroupCosts(self.ctx), subset)
-            self.subsets[subset] = rows
+            costs = next((c for c in self.costs if all(c.knows(g) for g in subset)), None)
+            if costs is None:
+                costs = _GroupCosts(self.ctx)
+                self.costs.append(costs)
+            self.subsets[subset] = SubsetRows(costs, subset)
         return self.subsets[subset]
 
 

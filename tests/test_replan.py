@@ -90,3 +90,35 @@ def test_replan_command(tmp_path):
     assert json.loads((tmp_path / "new.json").read_text())["schema"] == "hetplan.plan/1"
     bad = hetplan("replan", str(plan_path), "--cluster", str(CLUSTER))
     assert bad.returncode == 2 and "say what changed" in bad.stderr
+
+
+def _family_plan():
+    """3 A100 nodes and 1 V100 node (tests/test_families.py): the plan has two pipeline families."""
+    from tests.test_families import _a100_and_v100, _training
+
+    cluster, model, training = _a100_and_v100(), load_model("gpt3-1.7b"), _training()
+    return cluster, model, training, plan(cluster, model, training)
+
+
+def test_a_family_plan_shrinks_keeps_its_families_and_says_why_it_cannot():
+    from planner.replan import shrink
+
+    cluster, model, training, old = _family_plan()
+    assert len(old.strategy.pipelines) == 2
+    smaller = changed_cluster(cluster, ["node:a100-80gb/0"], [])
+    result = replan(smaller, model, training, old.strategy, previous=old.context)
+    assert result.adapted is not None and len(result.adapted.strategy.pipelines) == 2 and result.not_adapted == ""
+    for before, after in zip(old.strategy.pipelines, result.adapted.strategy.pipelines, strict=True):
+        assert [(s.group, s.layer_start, s.layer_end, s.tp) for s in after.stages] == [
+            (s.group, s.layer_start, s.layer_end, s.tp) for s in before.stages
+        ]
+        assert after.replicas <= before.replicas
+    assert result.plan.evaluation.iteration_time_s <= result.adapted.iteration_time_s
+    assert result.plan.search_stats["warm_started"] is True
+    cold = replan(smaller, model, training, old.strategy)
+    assert cold.plan.evaluation.iteration_time_s == pytest.approx(result.plan.evaluation.iteration_time_s, rel=1e-12)
+    without_v100 = changed_cluster(cluster, ["group:v100:1"], [])
+    ctx = default_predictor().context(without_v100, model, training)
+    gone = shrink(ctx, old.strategy)
+    assert gone.evaluation is None
+    assert gone.reason.startswith("family 2: group v100 has no nodes left")

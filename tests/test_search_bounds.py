@@ -257,3 +257,25 @@ def test_the_family_bound_is_below_every_plan_of_two_families(seed: int) -> None
     found = search(ctx).evaluations
     if any(len(e.strategy.pipelines) > 1 for e in found):
         assert bound_s <= min(e.iteration_time_s for e in found if len(e.strategy.pipelines) > 1) * SLACK
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_batch_source_waits_below_every_candidate_it_holds(seed: int) -> None:
+    """A batch source's bound (vectorised over replica counts, with whole layers) is at most the whole-layer bound
+    of every row it builds, so best-first order holds when sources are built lazily; and the vectorised whole-layer
+    bottleneck is at most the exact one."""
+    from planner.best_first import tp_row_sources
+    from planner.lower_bounds import whole_layer_bottleneck_s, whole_layer_bottlenecks_s
+
+    ctx = _instance(seed)
+    checked = 0
+    for source in tp_row_sources(ctx, SearchOptions()):
+        for batch in source.build(True):
+            rows = np.flatnonzero(np.isfinite(batch.bound_s))
+            exact = [whole_layer_bottleneck_s(batch.per_layer_s[r], batch.counts[r], batch.num_layers) for r in rows]
+            vectorised = whole_layer_bottlenecks_s(batch.per_layer_s[rows], batch.counts[rows], batch.num_layers)
+            assert (vectorised <= np.array(exact) * SLACK).all()
+            for row in rows:
+                assert source.least_s <= RowBound(batch, int(row))() * SLACK
+                checked += 1
+    assert checked > 0
