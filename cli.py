@@ -50,6 +50,7 @@ TrainingOpt = Annotated[Optional[Path], _opt("--training", help="Training YAML/J
 GlobalBatchOpt = Annotated[Optional[int], _opt("--global-batch", min=1, help="Sequences per iteration.")]
 SeqLenOpt = Annotated[Optional[int], _opt("--seq-len", min=1, help="Sequence length (default: the model's).")]
 DtypeOpt = Annotated[Optional[str], _opt("--dtype", help="bf16, fp16, fp32, or fp8 (where devices have it).")]
+ENGINES = "megatron, flagscale, deepspeed, torchtitan, torchrun"  # specs/catalog/engines.yaml, listed in the help
 ZERO = "0, 1 (distributed optimizer), 2 (gradients sharded too) or 3 (FSDP: weights too)."
 ZeroOpt = Annotated[Optional[int], _opt("--zero-stage", help=ZERO)]
 JsonOpt = Annotated[bool, _opt("--json", help="Print JSON instead of tables.")]
@@ -139,6 +140,7 @@ def plan(
     top_k: Annotated[int, _opt(min=1, help="Also list the next best alternatives.")] = 1,
     predictor: PredictorOpt = None,
     lower_bound: LowerBoundOpt = False,
+    engine: Annotated[Optional[str], _opt(help="Only plans this engine runs as planned: " + ENGINES + ".")] = None,
     out: PlanOutOpt = None,
     quiet: QuietOpt = False,
     as_json: JsonOpt = False,
@@ -149,6 +151,7 @@ def plan(
     from report.tables import alternatives_lines, evaluation_tables, fit_advice, hint_lines, plan_rows
     from specs import flags
     from specs.cluster import load_cluster
+    from specs.engines import get_engine
     from specs.errors import DoesNotFitError
     from specs.model import load_model
 
@@ -160,7 +163,8 @@ def plan(
     given |= {"virtual_stages": flags.int_list(virtual_stages, "--virtual-stages")}
     training_spec = flags.training(training, **given)
     inputs = (cluster_spec, model_spec, training_spec, load_profiles(profiles, model_spec))
-    options = {"top_k": top_k, "predictor": _predictor(predictor), "lower_bound": lower_bound}
+    chosen_engine = get_engine(engine, "--engine") if engine else None
+    options = {"top_k": top_k, "predictor": _predictor(predictor), "lower_bound": lower_bound, "engine": chosen_engine}
     try:
         with _progress("plan", quiet, unit="candidates") as progress:
             result = make_plan(*inputs, progress=progress.counter("searched"), **options)
@@ -450,7 +454,7 @@ def launch(
 def export(
     plan_file: PlanArg,
     cluster: PlanClusterOpt,
-    format: Annotated[str, _opt("--format", "-f", help="megatron, flagscale, deepspeed, torchtitan, torchrun.")],
+    format: Annotated[str, _opt("--format", "-f", help=ENGINES + ".")],
     out: Annotated[Path, _opt(help="Directory to write the files into.")] = Path("export"),
     predictor: PredictorOpt = None,
     as_json: JsonOpt = False,

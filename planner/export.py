@@ -17,20 +17,14 @@ from __future__ import annotations
 import json
 import shlex
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import dataclass, field
 
-from planner.baselines import SPLITTERS
-from planner.candidates import tp_options
-from planner.options import SearchOptions
-from planner.search import search
+from planner.engine_space import closest
 from predictor.cost_model import CostContext, evaluate, interleaved_group_size
-from profiler.profile import LayerCostSource
 from specs.cluster import ClusterSpec
-from specs.engines import Engine, get_engine
+from specs.engines import get_engine
 from specs.errors import SpecError
-from specs.layout import PipelineStrategy, Strategy, pack_stages, split_batch
-from specs.model import RECOMPUTE_MODES
+from specs.layout import Strategy
 from specs.vendors import get_vendor
 
 MASTER_PORT = 29500
@@ -75,144 +69,6 @@ class Export:
         }
 
 
-# ---- the closest plan an engine can run -----------------------------------------------------------------------
-class _FixedTp:
-    """A layer-cost source that offers the search one TP degree (the planner reads `tp_degrees` as what a profile
-    covers), so the same search finds the best plan with every stage at that degree."""
-
-    def __init__(self, source: LayerCostSource, tp: int) -> None:
-        self._source, self._tp = source, tp
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._source, name)
-
-    def tp_degrees(self) -> tuple[int, ...]:
-        profiled = getattr(self._source, "tp_degrees", None)
-        return (self._tp,) if not callable(profiled) or self._tp in profiled() else ()
-
-
-def engine_lost(strategy: Strategy, engine: Engine) -> list[str]:
-    """What of the plan the engine cannot express, one line each (empty: it runs the plan as planned)."""
-    lost: list[str] = []
-    pipelines, stages = strategy.pipelines, [s for p in strategy.pipelines for s in p.stages]
-    if len(pipelines) > 1 and not engine.pipeline_families:
-        lost.append(f"{len(pipelines)} pipeline families with their own batch shares -> one family")
-    if not engine.interleaving and strategy.virtual_stages > 1:
-        lost.append(f"interleaved 1F1B with {strategy.virtual_stages} virtual stages -> plain 1F1B")
-    if not engine.uneven_layers and any(len({s.num_layers for s in p.stages}) > 1 for p in pipelines):
-        lost.append("uneven layer split -> the same number of layers on every stage")
-    if not engine.tensor_parallel and {s.tp for s in stages} != {1}:
-        widths = ", ".join(str(t) for t in sorted({s.tp for s in stages}))
-        lost.append(
-            f"tensor parallelism (TP {widths}) -> TP 1: {engine.key}'s pipeline engine has no tensor parallelism "
-            "(Megatron-DeepSpeed adds it through its own model-parallel unit)"
-        )
-    elif not engine.per_stage_tp and any(len({s.tp for s in p.stages}) > 1 for p in pipelines):
-        tps = next(p for p in pipelines if len({s.tp for s in p.stages}) > 1)
-        lost.append(f"per-stage TP ({', '.join(str(s.tp) for s in tps.stages)}) -> one TP degree")
-    if not engine.per_stage_recompute and len({strategy.stage_recompute(s) for s in stages}) > 1:
-        lost.append(f"per-stage recompute ({strategy.recompute_summary}) -> one mode for all stages")
-    uneven = next((p for p in pipelines if p.uneven), None)
-    if not engine.uneven_batch and uneven is not None:
-        lost.append(
-            f"uneven batch shares ({uneven.microbatch_total} micro-batches over {uneven.replicas} replicas) "
-            "-> the same number of micro-batches on every replica"
-        )
-    return lost
-
-
-def _with_tp(pipeline: PipelineStrategy, tp: int) -> PipelineStrategy:
-    """Every stage at one TP degree, packed from the start of each group."""
-    return replace(pipeline, stages=pack_stages((replace(s, tp=tp) for s in pipeline.stages), pipeline.replicas))
-
-
-def _one_recompute(strategy: Strategy, mode: str) -> Strategy:
-    pipeline = strategy.pipelines[0]
-    stages = tuple(replace(s, recompute=None) for s in pipeline.stages)
-    return replace(strategy, recompute=mode, pipelines=(replace(pipeline, stages=stages),))
-
-
-def _even_batch(strategy: Strategy, global_batch: int) -> Strategy | None:
-    """The most replicas (at most the plan's) that split the batch into equal whole micro-batches."""
-    pipeline = strategy.pipelines[0]
-    for replicas in range(pipeline.replicas, 0, -1):
-        split = split_batch(global_batch, replicas, pipeline.micro_batch_size)
-        if split and split[0] * replicas == split[1]:
-            even = replace(pipeline, replicas=replicas, num_microbatches=split[0], total_microbatches=0)
-            return replace(strategy, pipelines=(replace(even, stages=pack_stages(pipeline.stages, even.replicas)),))
-    return None
-
-
-def near_plans(ctx: CostContext, strategy: Strategy, engine: Engine) -> list[Strategy]:
-    """The plan itself with each part the engine cannot express replaced (one-family plans; several families are
-    left to `engine_plans`)."""
-    if len(strategy.pipelines) > 1:
-        return []
-    pipeline = strategy.pipelines[0]
-    candidates = [strategy]
-    if not engine.interleaving and strategy.virtual_stages > 1:
-        candidates = [replace(c, virtual_stages=1) for c in candidates]
-    if not engine.per_stage_recompute and len({strategy.stage_recompute(s) for s in pipeline.stages}) > 1:
-        candidates = [_one_recompute(c, mode) for c in candidates for mode in RECOMPUTE_MODES]
-    widths = sorted({s.tp for s in pipeline.stages})
-    if not engine.tensor_parallel:
-        widths = [1]
-    if widths != sorted({s.tp for s in pipeline.stages}) or (not engine.per_stage_tp and len(widths) > 1):
-        candidates = [replace(c, pipelines=(_with_tp(c.pipelines[0], t),)) for c in candidates for t in widths]
-    if not engine.uneven_batch and pipeline.uneven:
-        candidates = [even for c in candidates if (even := _even_batch(c, ctx.training.global_batch_size))]
-    return [c for c in candidates if not engine_lost(c, engine)]
-
-
-def engine_plans(ctx: CostContext, engine: Engine) -> list[Strategy]:
-    """The planner's best plan within the engine's space: one family, even batches, one recompute mode, plain 1F1B,
-    even layers, as the engine's flags require; without per-stage TP one search per TP degree any group can use."""
-    update: dict[str, object] = {}
-    if not engine.pipeline_families:
-        update["families"] = "off"
-    if not engine.uneven_batch:
-        update["uneven_batch"] = "off"
-    if not engine.interleaving:
-        update["virtual_stages"] = (1,)
-    restricted = replace(ctx, training=ctx.training.model_copy(update=update))
-    options = SearchOptions(per_stage_candidates=1 if engine.per_stage_recompute else 0)
-    splitter = None if engine.uneven_layers else SPLITTERS["uniform"]
-    widths: list[int | None] = [None] if engine.per_stage_tp else [1]
-    if engine.tensor_parallel and not engine.per_stage_tp:
-        widths = sorted({t for group in ctx.cluster.groups for t in tp_options(restricted, group)})
-    plans = []
-    for tp in widths:
-        sources = restricted.sources if tp is None else {k: _FixedTp(v, tp) for k, v in restricted.sources.items()}
-        found = search(replace(restricted, sources=sources), options, splitter=splitter)
-        plans += [e.strategy for e in found.evaluations if not engine_lost(e.strategy, engine)]
-    return plans
-
-
-def _fastest_fitting(ctx: CostContext, candidates: list[Strategy]) -> Strategy | None:
-    best, best_time = None, float("inf")
-    for candidate in candidates:
-        try:
-            ctx.check_strategy(candidate, "export")
-        except SpecError:
-            continue
-        evaluation = evaluate(ctx, candidate)
-        if evaluation.fits and evaluation.iteration_time_s < best_time:
-            best, best_time = candidate, evaluation.iteration_time_s
-    return best
-
-
-def closest(ctx: CostContext, strategy: Strategy, engine: Engine) -> tuple[Strategy, list[str]]:
-    """The fastest fitting plan the engine can run, and what of the plan it could not express: the plan with those
-    parts replaced, or the planner's best plan within the engine's space, whichever is faster."""
-    lost = engine_lost(strategy, engine)
-    if not lost:
-        return strategy, lost
-    chosen = _fastest_fitting(ctx, near_plans(ctx, strategy, engine) + engine_plans(ctx, engine))
-    if chosen is None:
-        raise SpecError("export", "plan", "no plan within the engine's limits fits memory: " + "; ".join(lost))
-    return chosen, lost
-
-
 # ---- engines ----------------------------------------------------------------------------------------------------
 Args = list[list[str]]  # an engine's command line: one flag and its values per line, literal words ("$here/x": a file)
 
@@ -249,8 +105,23 @@ def _model_args(ctx: CostContext) -> Args:
     if model.mlp == "swiglu":
         args += [["--swiglu"], ["--normalization", "RMSNorm"], ["--position-embedding-type", "rope"]]
         args += [["--disable-bias-linear"], ["--untie-embeddings-and-output-weights"]]
-    if ctx.training.dtype in ("bf16", "fp16"):
-        args.append([f"--{ctx.training.dtype}"])
+    if ctx.training.dtype in ("bf16", "fp16", "fp8"):
+        args.append(["--fp16" if ctx.training.dtype == "fp16" else "--bf16"])  # FP8: bf16 weights, FP8 GEMMs
+    if ctx.training.dtype == "fp8":
+        args.append(["--fp8-format", "hybrid"])  # e4m3 forward, e5m2 gradients (Transformer Engine)
+    return args
+
+
+def _overlap_args(ctx: CostContext, strategy: Strategy) -> Args:
+    """Megatron's switches for what the cost model overlaps (TrainingSpec.overlap_*; Megatron defaults them off)."""
+    training, args = ctx.training, []
+    if training.overlap_grad_reduce:
+        args.append(["--overlap-grad-reduce"])
+    if training.overlap_param_gather and strategy.zero_stage >= 1:  # Megatron: only with the distributed optimizer
+        args.append(["--overlap-param-gather"])
+    tp_used = any(s.tp > 1 for p in strategy.pipelines for s in p.stages)
+    if training.tp_comm_overlap and strategy.sequence_parallel and tp_used:  # needs sequence parallelism
+        args.append(["--tp-comm-overlap"])
     return args
 
 
@@ -285,7 +156,7 @@ def _megatron(ctx: CostContext, strategy: Strategy, plan: Strategy) -> tuple[dic
         args.append(["--use-distributed-optimizer"])
     if strategy.sequence_parallel and pipeline.stages[0].tp > 1:
         args.append(["--sequence-parallel"])
-    return {}, args
+    return {}, args + _overlap_args(ctx, strategy)
 
 
 def _flagscale(ctx: CostContext, strategy: Strategy, plan: Strategy) -> tuple[dict[str, str], Args]:
@@ -313,7 +184,7 @@ def _flagscale(ctx: CostContext, strategy: Strategy, plan: Strategy) -> tuple[di
     args += _recompute_args(strategy.recompute)
     if strategy.zero_stage >= 1:
         args.append(["--use-distributed-optimizer"])
-    return {}, args
+    return {}, args + _overlap_args(ctx, strategy)
 
 
 def _deepspeed(ctx: CostContext, strategy: Strategy, plan: Strategy) -> tuple[dict[str, str], Args]:
@@ -322,8 +193,8 @@ def _deepspeed(ctx: CostContext, strategy: Strategy, plan: Strategy) -> tuple[di
         "train_batch_size": ctx.training.global_batch_size,
         "train_micro_batch_size_per_gpu": pipeline.micro_batch_size,
         "gradient_accumulation_steps": pipeline.num_microbatches,
-        "zero_optimization": {"stage": strategy.zero_stage},
-        "bf16": {"enabled": ctx.training.dtype == "bf16"},
+        "zero_optimization": {"stage": strategy.zero_stage, "overlap_comm": ctx.training.overlap_grad_reduce},
+        "bf16": {"enabled": ctx.training.dtype in ("bf16", "fp8")},  # FP8: no switch (engine_lost says so)
         "fp16": {"enabled": ctx.training.dtype == "fp16"},
         "pipeline": {"stages": len(pipeline.stages), "partition_method": "hetplan"},
     }
@@ -369,14 +240,20 @@ def _torchtitan(ctx: CostContext, strategy: Strategy, plan: Strategy) -> tuple[d
     parts[-1] += ["norm", "output"]
     schedule = "1F1B" if strategy.virtual_stages == 1 else "Interleaved1F1B"
     activation = {"none": "none", "selective": "selective", "full": "full"}[strategy.recompute]
+    sharded = strategy.zero_stage >= 2  # FSDP2 over the replicas (engine_zero_stage maps ZeRO-1 to 2)
+    low_precision = ctx.training.dtype in ("bf16", "fp8")
+    fp8 = ctx.training.dtype == "fp8"  # FP8 GEMMs through torchao's converter, bf16 master weights
+    reshard = "always" if strategy.zero_stage == 3 else "never"  # ZeRO-3 frees gathered weights after forward
     toml = "\n".join(
         [
             "# hetplan export for torchtitan (merge into your job config)",
+            *(["[model]", 'converters = ["quantize.linear.float8"]', ""] if fp8 else []),
             "[parallelism]",
             f"tensor_parallel_degree = {pipeline.stages[0].tp}",
             f"pipeline_parallel_degree = {len(pipeline.stages)}",
-            f"data_parallel_replicate_degree = {pipeline.replicas}",
-            "data_parallel_shard_degree = 1",
+            f"data_parallel_replicate_degree = {1 if sharded else pipeline.replicas}",
+            f"data_parallel_shard_degree = {pipeline.replicas if sharded else 1}",
+            *([f'fsdp_reshard_after_forward = "{reshard}"'] if sharded else []),
             f'pipeline_parallel_schedule = "{schedule}"',
             f"pipeline_parallel_microbatch_size = {pipeline.micro_batch_size}",
             "module_fqns_per_model_part = " + json.dumps(parts),
@@ -385,10 +262,11 @@ def _torchtitan(ctx: CostContext, strategy: Strategy, plan: Strategy) -> tuple[d
             f"global_batch_size = {ctx.training.global_batch_size}",
             f"local_batch_size = {pipeline.samples_per_replica}",
             f"seq_len = {ctx.seq_length}",
-            f'mixed_precision_param = "{"bfloat16" if ctx.training.dtype == "bf16" else "float32"}"',
+            f'mixed_precision_param = "{"bfloat16" if low_precision else "float32"}"',
             "",
             "[activation_checkpoint]",
             f'mode = "{activation}"',
+            *(["", "[quantize.linear.float8]"] if fp8 else []),
             "",
         ]
     )

@@ -235,7 +235,7 @@ class _PlanFile(BaseModel):
     model: dict[str, Any]
     training: dict[str, Any]
     recompute: Recompute
-    zero_stage: int = Field(ge=0, le=1)
+    zero_stage: int = Field(ge=0, le=3)
     virtual_stages: int = Field(default=1, ge=1)
     sequence_parallel: bool = True
     pipelines: list[PipelineFile] = Field(min_length=1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 
+from planner.engine_space import engine_search, engine_training
 from planner.options import ProgressCallback, SearchOptions
 from planner.plan import Bounds, Plan
 from planner.search import fastest, search
@@ -20,6 +21,7 @@ from predictor.cost_model import (
 from predictor.predictor import Predictor, default_predictor
 from profiler.profile import DeviceProfile
 from specs.cluster import ClusterSpec
+from specs.engines import Engine
 from specs.errors import DoesNotFitError
 from specs.layout import Strategy
 from specs.model import ModelSpec
@@ -49,16 +51,22 @@ def plan(
     progress: ProgressCallback | None = None,
     predictor: Predictor | None = None,
     lower_bound: bool = False,
+    engine: Engine | None = None,
 ) -> Plan:
     """The fastest strategy that fits memory, with its metrics, yardsticks and a 90% interval on its iteration
     time; raises DoesNotFitError. `predictor` defaults to the shipped one (`default_predictor()`). `lower_bound`:
     also the least iteration time any plan of the search space could reach (planner.search's root bound; about a
-    second search's time on large clusters)."""
+    second search's time on large clusters). `engine`: only plans that engine can run as planned (its export loses
+    nothing); the training is restricted to it first (planner.engine_space.engine_training)."""
     predictor = predictor or default_predictor()
+    engine_changes: list[str] = []
+    if engine is not None:
+        training, engine_changes = engine_training(training, engine)
     base = predictor.base_context(cluster, model, training, profiles)
     ctx = predictor.context(cluster, model, training, profiles)
     started = time.perf_counter()
-    result = search(ctx, SearchOptions(top_k=max(1, top_k), root_bound=lower_bound), progress)
+    options = SearchOptions(top_k=max(1, top_k), root_bound=lower_bound)
+    result = search(ctx, options, progress) if engine is None else engine_search(ctx, engine, options, progress)
     search_time_s = time.perf_counter() - started
     if not result.evaluations:
         if result.smallest_shortfall_where:
@@ -93,6 +101,9 @@ def plan(
     }
     if result.note:  # what the search did not cover (merged groups, the candidate budget), in one line
         stats["note"] = result.note
+    if engine is not None:
+        stats["engine"] = engine.key
+        stats["engine_changes"] = engine_changes
     best = result.evaluations[0]
     interval = predictor.interval(base, best.strategy)
     alternatives = tuple(result.evaluations[1:])

@@ -46,7 +46,7 @@ class PlanLayout(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     recompute: Recompute = "none"
-    zero_stage: int = Field(default=0, ge=0, le=1)
+    zero_stage: int = Field(default=0, ge=0, le=3)
     virtual_stages: int = Field(default=1, ge=1)
     sequence_parallel: bool = True
     pipelines: list[PipelineFile] = Field(min_length=1)

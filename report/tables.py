@@ -167,6 +167,17 @@ def plan_rows(body: Mapping[str, Any], interval: Interval | None) -> list[Row]:
             "evaluated",
         )
     )
+    if "engine" in search:
+        changes = "; ".join(search["engine_changes"])
+        rows.append(
+            (
+                "engine",
+                f"{search['engine']}: only plans it runs as planned (its export loses nothing)"
+                + (f"; {changes}" if changes else ""),
+            )
+        )
+    if "note" in search:
+        rows.append(("search note", search["note"]))
     return rows
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, model_validator
 
 from specs.catalog import Catalog, load_catalog
+from specs.training import TRAINING_ENGINES
 
 
 class Engine(BaseModel):
@@ -23,11 +24,19 @@ class Engine(BaseModel):
     mixed_vendors: bool  # one job over several vendors' collective libraries
     pipeline_families: bool  # several pipeline families in one job
     script: str  # what torchrun starts (the engine's training script, or "" for the user's own)
+    zero_stages: tuple[int, ...]  # the ZeRO stages it runs with pipeline parallelism
+    zero_note: str  # how it shards (what a stage it lacks becomes)
+    fp8: bool  # an FP8 switch (Transformer-Engine-style FP8 GEMMs)
+    kernels: str  # the training.engine whose kernel efficiency the cost model predicts ("": the training's)
 
     @model_validator(mode="after")
-    def _tp_per_stage_needs_tp(self) -> Engine:
+    def _consistent(self) -> Engine:
         if self.per_stage_tp and not self.tensor_parallel:
             raise ValueError("per_stage_tp needs tensor_parallel")
+        if not self.zero_stages or not set(self.zero_stages) <= {0, 1, 2, 3}:
+            raise ValueError("zero_stages: one or more of 0, 1, 2, 3")
+        if self.kernels not in ("", *TRAINING_ENGINES):
+            raise ValueError(f"kernels: one of {', '.join(TRAINING_ENGINES)}, or empty for the training's own")
         return self
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -17,6 +17,9 @@ DTYPE_BYTES: dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 2}
 DEFAULT_GLOBAL_BATCH_SIZE = 1024
 MAX_GLOBAL_BATCH = 2**20  # sequences: far past any published run (Llama 3: 2,048 of 8K tokens)
 MAX_SEQ_LENGTH = 2**24  # tokens
+# the training frameworks whose kernel efficiency calibration tells apart (TrainingSpec.engine)
+TrainingEngine = Literal["megatron", "deepspeed", "fsdp", "torchtitan", "other"]
+TRAINING_ENGINES: tuple[str, ...] = get_args(TrainingEngine)
 
 
 class TrainingSpec(BaseModel):
@@ -77,7 +80,7 @@ class TrainingSpec(BaseModel):
         description="interleaved schedules overlap pipeline sends with compute (Megatron's default; plain 1F1B "
         "always waits for them)",
     )
-    engine: Literal["megatron", "deepspeed", "fsdp", "torchtitan", "other"] = Field(
+    engine: TrainingEngine = Field(
         default="megatron",
         description="the training framework whose kernels run the layers: calibration learns each framework's kernel "
         "efficiency relative to Megatron's fused kernels (megatron: Megatron-LM and its forks, e.g. ModelLink, "

@@ -10,7 +10,8 @@ import pytest
 import tomllib
 
 from planner import plan
-from planner.export import WRITERS, closest, engine_plans, export_plan, megatron_layout, near_plans
+from planner.engine_space import closest, engine_plans, near_plans
+from planner.export import WRITERS, export_plan, megatron_layout
 from predictor.cost_model import evaluate
 from predictor.predictor import default_predictor
 from specs import engine_catalog, get_engine, load_cluster, load_model, load_training

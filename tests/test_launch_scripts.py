@@ -142,10 +142,12 @@ MEGATRON_CHOICES = {
     "--position-embedding-type": ["learned_absolute", "rope", "mrope", "relative", "none"],
     "--recompute-granularity": ["full", "selective"],
     "--recompute-method": ["uniform", "block"],
+    "--fp8-format": ["e4m3", "hybrid"],
 }
 MEGATRON_SWITCHES = [
     "--group-query-attention", "--swiglu", "--disable-bias-linear", "--untie-embeddings-and-output-weights", "--bf16",
     "--fp16", "--calculate-per-token-loss", "--use-distributed-optimizer", "--sequence-parallel",
+    "--overlap-grad-reduce", "--overlap-param-gather", "--tp-comm-overlap",
 ]  # fmt: skip
 
 
@@ -164,6 +166,7 @@ def _megatron_config(args: argparse.Namespace, world: int) -> None:
     """megatron-core's TransformerConfig (its own checks: heads over TP, recompute, the layout) and Megatron-LM's
     batch arithmetic."""
     config_module = pytest.importorskip("megatron.core.transformer.transformer_config")
+    ddp_config = pytest.importorskip("megatron.core.distributed").DistributedDataParallelConfig
     import torch
 
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
@@ -193,6 +196,16 @@ def _megatron_config(args: argparse.Namespace, world: int) -> None:
         recompute_num_layers=args.recompute_num_layers,
         pipeline_model_parallel_layout=args.pipeline_model_parallel_layout,
         microbatch_group_size_per_vp_stage=args.microbatch_group_size_per_virtual_pipeline_stage,
+        fp8=args.fp8_format,
+        tp_comm_overlap=args.tp_comm_overlap,
+    )
+    # Megatron-LM refuses to gather parameters in the background without the distributed optimizer to gather them
+    assert args.use_distributed_optimizer or not args.overlap_param_gather
+    assert args.sequence_parallel or not args.tp_comm_overlap
+    ddp_config(
+        overlap_grad_reduce=args.overlap_grad_reduce,
+        overlap_param_gather=args.overlap_param_gather,
+        use_distributed_optimizer=args.use_distributed_optimizer,
     )
 
 
@@ -236,7 +249,8 @@ def _torchtitan(argv: list[str], world: int, folder: Path, ctx: object) -> None:
     assert argv[:3] == ["-m", "torchtitan.train", "--job.config_file"] and len(argv) == 4
     parallel = tomllib.loads(Path(argv[3]).read_text())["parallelism"]
     degrees = ("tensor_parallel_degree", "pipeline_parallel_degree", "data_parallel_replicate_degree")
-    assert parallel[degrees[0]] * parallel[degrees[1]] * parallel[degrees[2]] == world
+    shard = parallel["data_parallel_shard_degree"]
+    assert parallel[degrees[0]] * parallel[degrees[1]] * parallel[degrees[2]] * shard == world
 
 
 def _torchrun(argv: list[str], world: int, folder: Path, ctx: object) -> None:

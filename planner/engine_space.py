@@ -1,0 +1,241 @@
+"""The plans one engine can run: what of a plan an engine cannot express, the training restricted to its space, the
+search within that space (`hetplan plan --engine`), and the closest plan it can run (`hetplan export`).
+
+What each engine can express is data (specs/catalog/engines.yaml, specs.engines.Engine); this module reads it and
+never imports the exporters' files, so the planner can plan for an engine and the export of that plan loses nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from planner.baselines import SPLITTERS
+from planner.candidates import tp_options
+from planner.options import DEFAULT_OPTIONS, ProgressCallback, SearchOptions
+from planner.search import SearchResult, search
+from predictor.cost_model import CostContext, Evaluation, evaluate
+from profiler.profile import LayerCostSource
+from specs.engines import Engine
+from specs.errors import SpecError
+from specs.layout import PipelineStrategy, Strategy, pack_stages, split_batch
+from specs.model import RECOMPUTE_MODES
+from specs.training import TrainingSpec
+
+
+class _FixedTp:
+    """A layer-cost source that offers the search one TP degree (the planner reads `tp_degrees` as what a profile
+    covers), so the same search finds the best plan with every stage at that degree."""
+
+    def __init__(self, source: LayerCostSource, tp: int) -> None:
+        self._source, self._tp = source, tp
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._source, name)
+
+    def tp_degrees(self) -> tuple[int, ...]:
+        profiled = getattr(self._source, "tp_degrees", None)
+        return (self._tp,) if not callable(profiled) or self._tp in profiled() else ()
+
+
+def engine_zero_stage(zero_stage: int, engine: Engine) -> int:
+    """The ZeRO stage the engine runs for a requested one: the nearest stage it has that shards at least as much,
+    else the most sharding one it has (Megatron's distributed optimizer for ZeRO-3, FSDP's sharding for ZeRO-1)."""
+    if zero_stage in engine.zero_stages:
+        return zero_stage
+    above = [s for s in engine.zero_stages if s > zero_stage]
+    return min(above) if above else max(engine.zero_stages)
+
+
+def _zero_words(stage: int) -> str:
+    return "no ZeRO" if stage == 0 else f"ZeRO-{stage}"
+
+
+def engine_lost(strategy: Strategy, engine: Engine, training: TrainingSpec | None = None) -> list[str]:
+    """What of the plan the engine cannot express, one line each (empty: it runs the plan as planned). `training`:
+    the plan's training, for its dtype (FP8 on an engine without an FP8 switch)."""
+    lost: list[str] = []
+    pipelines, stages = strategy.pipelines, [s for p in strategy.pipelines for s in p.stages]
+    if len(pipelines) > 1 and not engine.pipeline_families:
+        lost.append(f"{len(pipelines)} pipeline families with their own batch shares -> one family")
+    if not engine.interleaving and strategy.virtual_stages > 1:
+        lost.append(f"interleaved 1F1B with {strategy.virtual_stages} virtual stages -> plain 1F1B")
+    if not engine.uneven_layers and any(len({s.num_layers for s in p.stages}) > 1 for p in pipelines):
+        lost.append("uneven layer split -> the same number of layers on every stage")
+    if not engine.tensor_parallel and {s.tp for s in stages} != {1}:
+        widths = ", ".join(str(t) for t in sorted({s.tp for s in stages}))
+        lost.append(
+            f"tensor parallelism (TP {widths}) -> TP 1: {engine.key}'s pipeline engine has no tensor parallelism "
+            "(Megatron-DeepSpeed adds it through its own model-parallel unit)"
+        )
+    elif not engine.per_stage_tp and any(len({s.tp for s in p.stages}) > 1 for p in pipelines):
+        tps = next(p for p in pipelines if len({s.tp for s in p.stages}) > 1)
+        lost.append(f"per-stage TP ({', '.join(str(s.tp) for s in tps.stages)}) -> one TP degree")
+    if not engine.per_stage_recompute and len({strategy.stage_recompute(s) for s in stages}) > 1:
+        lost.append(f"per-stage recompute ({strategy.recompute_summary}) -> one mode for all stages")
+    uneven = next((p for p in pipelines if p.uneven), None)
+    if not engine.uneven_batch and uneven is not None:
+        lost.append(
+            f"uneven batch shares ({uneven.microbatch_total} micro-batches over {uneven.replicas} replicas) "
+            "-> the same number of micro-batches on every replica"
+        )
+    runs_zero = engine_zero_stage(strategy.zero_stage, engine)
+    if runs_zero != strategy.zero_stage:
+        lost.append(f"{_zero_words(strategy.zero_stage)} -> {_zero_words(runs_zero)}: {engine.zero_note}")
+    if training is not None and training.dtype == "fp8" and not engine.fp8:
+        lost.append(
+            f"FP8 GEMMs -> bf16: {engine.key} has no FP8 switch (the export's time is still predicted in FP8; "
+            f"`hetplan plan --engine {engine.key}` plans in bf16)"
+        )
+    return lost
+
+
+def _layout_update(training: TrainingSpec, engine: Engine) -> dict[str, object]:
+    """The training's layout choices the engine cannot run, replaced: one family, even batches, plain 1F1B, the
+    ZeRO stage it has."""
+    update: dict[str, object] = {}
+    if not engine.pipeline_families and training.families != "off":
+        update["families"] = "off"
+    if not engine.uneven_batch and training.uneven_batch != "off":
+        update["uneven_batch"] = "off"
+    if not engine.interleaving and training.virtual_stages != (1,):
+        update["virtual_stages"] = (1,)
+    if engine_zero_stage(training.zero_stage, engine) != training.zero_stage:
+        update["zero_stage"] = engine_zero_stage(training.zero_stage, engine)
+    return update
+
+
+def engine_training(training: TrainingSpec, engine: Engine) -> tuple[TrainingSpec, list[str]]:
+    """The training to plan with for an engine: its layout restricted (`_layout_update`), FP8 -> bf16 where the
+    engine has no FP8 switch, the engine's kernels where the training does not name them; and what changed that the
+    user chose, one line each (the layout restrictions are the engine's registry entry, not the user's choices)."""
+    update = _layout_update(training, engine)
+    changed: list[str] = []
+    if "zero_stage" in update:
+        stage = engine_zero_stage(training.zero_stage, engine)
+        changed.append(f"{_zero_words(training.zero_stage)} -> {_zero_words(stage)} ({engine.zero_note})")
+    if training.dtype == "fp8" and not engine.fp8:
+        update["dtype"] = "bf16"
+        changed.append(f"FP8 -> bf16 ({engine.key} has no FP8 switch)")
+    if engine.kernels and "engine" not in training.model_fields_set and training.engine != engine.kernels:
+        update["engine"] = engine.kernels
+        changed.append(f"predicted with {engine.kernels}'s kernels (training.engine: set it to keep another's)")
+    return training.model_copy(update=update), changed
+
+
+def _with_tp(pipeline: PipelineStrategy, tp: int) -> PipelineStrategy:
+    """Every stage at one TP degree, packed from the start of each group."""
+    return replace(pipeline, stages=pack_stages((replace(s, tp=tp) for s in pipeline.stages), pipeline.replicas))
+
+
+def _one_recompute(strategy: Strategy, mode: str) -> Strategy:
+    pipeline = strategy.pipelines[0]
+    stages = tuple(replace(s, recompute=None) for s in pipeline.stages)
+    return replace(strategy, recompute=mode, pipelines=(replace(pipeline, stages=stages),))
+
+
+def _even_batch(strategy: Strategy, global_batch: int) -> Strategy | None:
+    """The most replicas (at most the plan's) that split the batch into equal whole micro-batches."""
+    pipeline = strategy.pipelines[0]
+    for replicas in range(pipeline.replicas, 0, -1):
+        split = split_batch(global_batch, replicas, pipeline.micro_batch_size)
+        if split and split[0] * replicas == split[1]:
+            even = replace(pipeline, replicas=replicas, num_microbatches=split[0], total_microbatches=0)
+            return replace(strategy, pipelines=(replace(even, stages=pack_stages(pipeline.stages, even.replicas)),))
+    return None
+
+
+def near_plans(ctx: CostContext, strategy: Strategy, engine: Engine) -> list[Strategy]:
+    """The plan itself with each part the engine cannot express replaced (one-family plans; several families are
+    left to `engine_plans`)."""
+    if len(strategy.pipelines) > 1:
+        return []
+    pipeline = strategy.pipelines[0]
+    candidates = [replace(strategy, zero_stage=engine_zero_stage(strategy.zero_stage, engine))]
+    if not engine.interleaving and strategy.virtual_stages > 1:
+        candidates = [replace(c, virtual_stages=1) for c in candidates]
+    if not engine.per_stage_recompute and len({strategy.stage_recompute(s) for s in pipeline.stages}) > 1:
+        candidates = [_one_recompute(c, mode) for c in candidates for mode in RECOMPUTE_MODES]
+    widths = sorted({s.tp for s in pipeline.stages})
+    if not engine.tensor_parallel:
+        widths = [1]
+    if widths != sorted({s.tp for s in pipeline.stages}) or (not engine.per_stage_tp and len(widths) > 1):
+        candidates = [replace(c, pipelines=(_with_tp(c.pipelines[0], t),)) for c in candidates for t in widths]
+    if not engine.uneven_batch and pipeline.uneven:
+        candidates = [even for c in candidates if (even := _even_batch(c, ctx.training.global_batch_size))]
+    return [c for c in candidates if not engine_lost(c, engine)]
+
+
+def engine_search(
+    ctx: CostContext,
+    engine: Engine,
+    options: SearchOptions = DEFAULT_OPTIONS,
+    progress: ProgressCallback | None = None,
+) -> SearchResult:
+    """The planner's search within the engine's space: one family, even batches, one recompute mode, plain 1F1B,
+    even layers and the ZeRO stage as the engine's flags require (`_layout_update`); without per-stage TP one
+    search per TP degree any group can use, merged best first."""
+    restricted = replace(ctx, training=ctx.training.model_copy(update=_layout_update(ctx.training, engine)))
+    options = replace(options, per_stage_candidates=options.per_stage_candidates if engine.per_stage_recompute else 0)
+    splitter = None if engine.uneven_layers else SPLITTERS["uniform"]
+    widths: list[int | None] = [None] if engine.per_stage_tp else [1]
+    if engine.tensor_parallel and not engine.per_stage_tp:
+        widths = sorted({t for group in ctx.cluster.groups for t in tp_options(restricted, group)})
+    results: list[SearchResult] = []
+    for tp in widths:
+        sources = restricted.sources if tp is None else {k: _FixedTp(v, tp) for k, v in restricted.sources.items()}
+        results.append(search(replace(restricted, sources=sources), options, progress, splitter))
+    return _merged(results, engine, options.top_k)
+
+
+def _merged(results: list[SearchResult], engine: Engine, top_k: int) -> SearchResult:
+    """Several searches as one: their plans the engine can run, best first (earlier searches win ties)."""
+    runnable: list[Evaluation] = [
+        e for result in results for e in result.evaluations if not engine_lost(e.strategy, engine)
+    ]
+    runnable.sort(key=lambda e: e.iteration_time_s)  # stable: ties keep the order of the TP degrees
+    shortfalls = [r for r in results if r.smallest_shortfall_where]
+    closest_misfit = min(shortfalls, key=lambda r: r.smallest_shortfall_bytes) if shortfalls else None
+    bounds = [r.lower_bound_s for r in results if r.lower_bound_s is not None]
+    return SearchResult(
+        runnable[:top_k],
+        sum(r.configurations for r in results),
+        sum(r.evaluated for r in results),
+        sum(r.memory_infeasible for r in results),
+        closest_misfit.smallest_shortfall_bytes if closest_misfit else 0.0,
+        closest_misfit.smallest_shortfall_where if closest_misfit else "",
+        min(bounds) if len(bounds) == len(results) and bounds else None,
+        sum(r.per_stage_recompute_solved for r in results),
+        sum(r.family_partitions for r in results),
+        "; ".join(dict.fromkeys(r.note for r in results if r.note)),
+    )
+
+
+def engine_plans(ctx: CostContext, engine: Engine) -> list[Strategy]:
+    """The planner's best plans within the engine's space (engine_search), fastest first."""
+    return [e.strategy for e in engine_search(ctx, engine).evaluations]
+
+
+def _fastest_fitting(ctx: CostContext, candidates: list[Strategy]) -> Strategy | None:
+    best, best_time = None, float("inf")
+    for candidate in candidates:
+        try:
+            ctx.check_strategy(candidate, "export")
+        except SpecError:
+            continue
+        evaluation = evaluate(ctx, candidate)
+        if evaluation.fits and evaluation.iteration_time_s < best_time:
+            best, best_time = candidate, evaluation.iteration_time_s
+    return best
+
+
+def closest(ctx: CostContext, strategy: Strategy, engine: Engine) -> tuple[Strategy, list[str]]:
+    """The fastest fitting plan the engine can run, and what of the plan it could not express: the plan with those
+    parts replaced, or the planner's best plan within the engine's space, whichever is faster."""
+    lost = engine_lost(strategy, engine, ctx.training)
+    if not engine_lost(strategy, engine):
+        return strategy, lost  # only the dtype is lost: the layout runs as planned
+    chosen = _fastest_fitting(ctx, near_plans(ctx, strategy, engine) + engine_plans(ctx, engine))
+    if chosen is None:
+        raise SpecError("export", "plan", "no plan within the engine's limits fits memory: " + "; ".join(lost))
+    return chosen, lost

@@ -1,0 +1,111 @@
+"""Planning for one engine (`plan --engine`): the training restricted to what it runs, a plan whose export loses
+nothing and is at least as fast as the closest export of the free plan; ZeRO stages and FP8 as each engine has them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import tomllib
+
+from planner import plan
+from planner.engine_space import engine_lost, engine_training, engine_zero_stage
+from planner.export import export_plan
+from planner.plan import load_plan
+from specs import get_engine, load_cluster, load_model, load_training
+from tests.conftest import EXAMPLES, hetplan
+
+
+@pytest.fixture(scope="module")
+def h100_mi300x():
+    """The H100 + MI300X example and Llama-3-70B: the free plan uses per-stage TP, which Megatron cannot express."""
+    return load_cluster(EXAMPLES / "h100-mi300x.yaml"), load_model("llama3-70b"), load_training()
+
+
+def test_a_plan_for_megatron_exports_without_loss_and_beats_the_closest_export_of_the_free_plan(h100_mi300x):
+    megatron = get_engine("megatron")
+    free = plan(*h100_mi300x)
+    for_megatron = plan(*h100_mi300x, engine=megatron)
+    assert engine_lost(free.strategy, megatron), "the example must exercise a plan Megatron cannot express"
+    assert engine_lost(for_megatron.strategy, megatron) == []
+    exported = export_plan(for_megatron.context, for_megatron.strategy, "megatron")
+    assert exported.lost == [] and exported.strategy == for_megatron.strategy
+    assert exported.predicted_iteration_time_s == pytest.approx(for_megatron.evaluation.iteration_time_s)
+    closest_of_free = export_plan(free.context, free.strategy, "megatron")
+    assert closest_of_free.lost  # ... and says what it lost
+    assert for_megatron.evaluation.iteration_time_s <= closest_of_free.predicted_iteration_time_s + 1e-9
+    assert free.evaluation.iteration_time_s <= for_megatron.evaluation.iteration_time_s + 1e-9  # the larger space
+    assert for_megatron.search_stats["engine"] == "megatron"
+
+
+@pytest.mark.parametrize(
+    ("engine", "asked", "runs"),
+    [("megatron", 3, 1), ("megatron", 2, 1), ("deepspeed", 3, 1), ("torchtitan", 1, 2), ("torchtitan", 3, 3)],
+)
+def test_an_engine_runs_the_nearest_zero_stage_that_shards_at_least_as_much(engine, asked, runs):
+    assert engine_zero_stage(asked, get_engine(engine)) == runs
+    training, changed = engine_training(load_training(overrides={"zero_stage": asked}), get_engine(engine))
+    assert training.zero_stage == runs
+    said = [line for line in changed if "ZeRO" in line]
+    assert len(said) == (asked != runs) and all(f"ZeRO-{asked} -> ZeRO-{runs}" in line for line in said)
+
+
+def test_fp8_stays_where_the_engine_has_it_and_becomes_bf16_where_not():
+    fp8 = load_training(overrides={"dtype": "fp8"})
+    assert engine_training(fp8, get_engine("megatron"))[0].dtype == "fp8"
+    training, changed = engine_training(fp8, get_engine("deepspeed"))
+    assert training.dtype == "bf16" and any("FP8 -> bf16" in line for line in changed)
+
+
+def test_the_engines_kernels_are_predicted_unless_the_training_names_its_own():
+    deepspeed = get_engine("deepspeed")
+    assert engine_training(load_training(), deepspeed)[0].engine == "deepspeed"
+    named = load_training(overrides={"engine": "megatron"})  # e.g. Megatron-DeepSpeed: Megatron's kernels
+    assert engine_training(named, deepspeed)[0].engine == "megatron"
+    assert engine_training(load_training(), get_engine("torchrun"))[0].engine == "megatron"
+
+
+def test_a_zero_3_plan_exports_to_torchtitan_as_fsdp_and_to_megatron_as_its_distributed_optimizer(
+    h100_mi300x, tmp_path
+):
+    cluster, model, _ = h100_mi300x
+    sharded = plan(cluster, model, load_training(overrides={"zero_stage": 3}))
+    assert sharded.strategy.zero_stage == 3
+    sharded.save(tmp_path / "plan.json")
+    assert load_plan(tmp_path / "plan.json").strategy == sharded.strategy  # the schema takes every ZeRO stage
+    titan = export_plan(sharded.context, sharded.strategy, "torchtitan")
+    assert not any("ZeRO" in line for line in titan.lost)
+    parallel = tomllib.loads(titan.files["torchtitan.toml"])["parallelism"]
+    replicas = titan.strategy.pipelines[0].replicas
+    assert (parallel["data_parallel_shard_degree"], parallel["data_parallel_replicate_degree"]) == (replicas, 1)
+    assert parallel["fsdp_reshard_after_forward"] == "always"
+    megatron = export_plan(sharded.context, sharded.strategy, "megatron")
+    assert any("ZeRO-3 -> ZeRO-1" in line for line in megatron.lost)
+    assert megatron.strategy.zero_stage == 1 and "--use-distributed-optimizer" in megatron.files["launch.sh"]
+
+
+def test_fp8_plans_export_megatrons_fp8_switch_and_deepspeed_says_it_has_none():
+    cluster, model = load_cluster(EXAMPLES / "h100-mi300x.yaml"), load_model("llama3-8b")
+    fp8 = plan(cluster, model, load_training(overrides={"dtype": "fp8", "global_batch_size": 256}))
+    megatron = export_plan(fp8.context, fp8.strategy, "megatron").files["launch.sh"]
+    assert "--fp8-format hybrid" in megatron and "--bf16" in megatron
+    deepspeed = export_plan(fp8.context, fp8.strategy, "deepspeed")
+    assert any(line.startswith("FP8 GEMMs -> bf16") for line in deepspeed.lost)
+    assert json.loads(deepspeed.files["ds_config.json"])["bf16"]["enabled"] is True
+    titan = tomllib.loads(export_plan(fp8.context, fp8.strategy, "torchtitan").files["torchtitan.toml"])
+    assert titan["model"]["converters"] == ["quantize.linear.float8"]
+
+
+def test_cli_plan_for_an_engine_says_so_and_refuses_an_unknown_one(tmp_path):
+    out = tmp_path / "plan.json"
+    args = ["plan", "-c", str(EXAMPLES / "a100-v100-32.yaml"), "-m", "gpt3-1.7b", "--global-batch", "64", "-q"]
+    args += ["--dtype", "fp16"]
+    done = hetplan(*args, "--engine", "deepspeed", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    assert "deepspeed: only plans it runs as planned" in done.stdout
+    search = json.loads(out.read_text())["search"]
+    assert search["engine"] == "deepspeed" and any("deepspeed's kernels" in c for c in search["engine_changes"])
+    assert {s["tp"] for p in json.loads(out.read_text())["pipelines"] for s in p["stages"]} == {1}
+    wrong = hetplan(*args, "--engine", "nemo")
+    assert wrong.returncode == 2 and "--engine" in wrong.stderr and "Traceback" not in wrong.stderr
+    assert len(wrong.stderr.strip().splitlines()) == 1
