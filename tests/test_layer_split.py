@@ -134,3 +134,61 @@ def test_baseline_rules_are_what_they_say_and_never_beat_the_exact_split():
         assert split.objective_s >= exact.objective_s * (1 - 1e-12), name
     # a rule whose split breaks a memory cap finds nothing
     assert SPLITTERS["uniform"](stages, 30, per_layer, fixed, np.array([40, 40, 5]), 8, 1) is None
+
+
+def cp_sat_modes(layers, per_layer, fixed, caps, microbatches, virtual):
+    """The same problem as a CP-SAT model solved to optimality (integer times): layers l_ir of stage i in mode r,
+    one mode per stage, objective (m v - 1) max_i T_i + sum_i T_i (the objective times v)."""
+    from ortools.sat.python import cp_model
+
+    model = cp_model.CpModel()
+    stages, modes = per_layer.shape
+    slowest = int(max(per_layer.max() * layers + fixed.max(), 1))
+    bottleneck = model.new_int_var(0, slowest, "bottleneck")
+    times, held = [], []
+    for i in range(stages):
+        chosen = [model.new_bool_var(f"mode_{i}_{r}") for r in range(modes)]
+        counts = [model.new_int_var(0, max(int(caps[i, r]), 0), f"layers_{i}_{r}") for r in range(modes)]
+        model.add_exactly_one(chosen)
+        for r in range(modes):
+            model.add(counts[r] <= max(int(caps[i, r]), 0) * chosen[r])
+            model.add(counts[r] >= virtual * chosen[r])
+        time = sum(int(per_layer[i, r]) * counts[r] for r in range(modes)) + int(fixed[i])
+        model.add(bottleneck >= time)
+        times.append(time)
+        held += counts
+    model.add(sum(held) == layers)
+    model.minimize((microbatches * virtual - 1) * bottleneck + sum(times))
+    solver = cp_model.CpSolver()
+    solver.parameters.num_workers = 1
+    solver.parameters.random_seed = 0
+    status = solver.solve(model)
+    assert status in (cp_model.OPTIMAL, cp_model.INFEASIBLE), solver.status_name(status)
+    return None if status == cp_model.INFEASIBLE else solver.objective_value / virtual
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_per_stage_modes_equal_cp_sat_on_instances_too_large_for_brute_force(seed):
+    """OR-Tools CP-SAT, solved to optimality, as an independent oracle for the dynamic program at pipeline depths
+    and layer counts brute force cannot enumerate (8 stages, 3 modes, up to 96 layers)."""
+    from planner.mixed_recompute import split_layers_and_modes
+
+    rng = np.random.default_rng(300 + seed)
+    solved = 0
+    for _ in range(4):
+        stages, virtual = int(rng.integers(4, 9)), int(rng.choice([1, 2]))
+        layers = int(rng.integers(stages * virtual * 2, 97))
+        base = rng.integers(50, 400, stages)
+        per_layer = np.stack([base, base + rng.integers(0, 40, stages), base * 4 // 3], axis=1).astype(float)
+        room = rng.integers(0, layers // stages + 4, stages)
+        caps = np.stack([room, room + rng.integers(0, 6, stages), room + rng.integers(4, 16, stages)], axis=1)
+        fixed = rng.integers(0, 300, stages).astype(float)
+        microbatches = int(rng.integers(1, 33))
+        expected = cp_sat_modes(layers, per_layer, fixed, caps, microbatches, virtual)
+        got = split_layers_and_modes(layers, per_layer, fixed, caps, microbatches, virtual)
+        if expected is None:
+            assert got is None
+            continue
+        solved += 1
+        assert got is not None and got.objective_s == pytest.approx(expected, rel=1e-9)
+    assert solved >= 3
