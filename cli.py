@@ -141,6 +141,7 @@ def plan(
     predictor: PredictorOpt = None,
     lower_bound: LowerBoundOpt = False,
     engine: Annotated[Optional[str], _opt(help="Only plans this engine runs as planned: " + ENGINES + ".")] = None,
+    zero_stages: Annotated[Optional[str], _opt(help="ZeRO stages to search, e.g. 1,2,3 (fastest wins).")] = None,
     out: PlanOutOpt = None,
     quiet: QuietOpt = False,
     as_json: JsonOpt = False,
@@ -165,6 +166,7 @@ def plan(
     inputs = (cluster_spec, model_spec, training_spec, load_profiles(profiles, model_spec))
     chosen_engine = get_engine(engine, "--engine") if engine else None
     options = {"top_k": top_k, "predictor": _predictor(predictor), "lower_bound": lower_bound, "engine": chosen_engine}
+    options["zero_stages"] = flags.zero_stages(zero_stages)
     try:
         with _progress("plan", quiet, unit="candidates") as progress:
             result = make_plan(*inputs, progress=progress.counter("searched"), **options)

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
-from planner.engine_space import engine_search, engine_training
+from planner.engine_space import engine_search, engine_training, engine_zero_stage
 from planner.options import ProgressCallback, SearchOptions
 from planner.plan import Bounds, Plan
-from planner.search import fastest, search
+from planner.search import SearchResult, fastest, search
 from planner.yardsticks import compute_bound_tokens_per_s, group_alone_tokens_per_s
 from predictor.cost_model import (
     CostContext,
@@ -52,12 +53,15 @@ def plan(
     predictor: Predictor | None = None,
     lower_bound: bool = False,
     engine: Engine | None = None,
+    zero_stages: Sequence[int] = (),
 ) -> Plan:
     """The fastest strategy that fits memory, with its metrics, yardsticks and a 90% interval on its iteration
     time; raises DoesNotFitError. `predictor` defaults to the shipped one (`default_predictor()`). `lower_bound`:
     also the least iteration time any plan of the search space could reach (planner.search's root bound; about a
     second search's time on large clusters). `engine`: only plans that engine can run as planned (its export loses
-    nothing); the training is restricted to it first (planner.engine_space.engine_training)."""
+    nothing); the training is restricted to it first (planner.engine_space.engine_training). `zero_stages`: search
+    each of these ZeRO stages (the training's own when empty) and keep the fastest plan; the search statistics give
+    each stage's best time."""
     predictor = predictor or default_predictor()
     engine_changes: list[str] = []
     if engine is not None:
@@ -66,7 +70,7 @@ def plan(
     ctx = predictor.context(cluster, model, training, profiles)
     started = time.perf_counter()
     options = SearchOptions(top_k=max(1, top_k), root_bound=lower_bound)
-    result = search(ctx, options, progress) if engine is None else engine_search(ctx, engine, options, progress)
+    result, by_stage = _search_zero_stages(ctx, zero_stages, options, progress, engine)
     search_time_s = time.perf_counter() - started
     if not result.evaluations:
         if result.smallest_shortfall_where:
@@ -104,10 +108,57 @@ def plan(
     if engine is not None:
         stats["engine"] = engine.key
         stats["engine_changes"] = engine_changes
+    if len(by_stage) > 1:
+        stats["zero_stages_s"] = by_stage
     best = result.evaluations[0]
+    if best.strategy.zero_stage != ctx.training.zero_stage:  # the plan's training says the stage it runs
+        training = ctx.training.model_copy(update={"zero_stage": best.strategy.zero_stage})
+        ctx, base = replace(ctx, training=training), replace(base, training=training)
     interval = predictor.interval(base, best.strategy)
     alternatives = tuple(result.evaluations[1:])
     return Plan(ctx, best, compute_bounds(ctx), search_time_s, stats, alternatives, interval, result.lower_bound_s)
+
+
+def _search_zero_stages(
+    ctx: CostContext,
+    zero_stages: Sequence[int],
+    options: SearchOptions,
+    progress: ProgressCallback | None,
+    engine: Engine | None,
+) -> tuple[SearchResult, dict[str, float | None]]:
+    """One search per ZeRO stage, each started from the best plan so far run at its stage (a feasible incumbent, so
+    a stage that cannot win is pruned early), merged best first; and each stage's best time (None: nothing fits)."""
+    stages = [engine_zero_stage(s, engine) if engine else s for s in zero_stages] or [ctx.training.zero_stage]
+    results: list[SearchResult] = []
+    by_stage: dict[str, float | None] = {}
+    for stage in dict.fromkeys(stages):
+        staged = replace(ctx, training=ctx.training.model_copy(update={"zero_stage": stage}))
+        leaders = [e for r in results for e in r.evaluations[:1]]
+        warm = [evaluate(staged, replace(e.strategy, zero_stage=stage)) for e in leaders]
+        if engine is None:
+            found = search(staged, options, progress, warm_start=warm)
+        else:
+            found = engine_search(staged, engine, options, progress)
+        own = [e for e in found.evaluations if e.strategy.zero_stage == stage]
+        by_stage[str(stage)] = own[0].iteration_time_s if own else None
+        results.append(found)
+    if len(results) == 1:
+        return results[0], by_stage
+    merged = sorted({id(e): e for r in results for e in r.evaluations}.values(), key=lambda e: e.iteration_time_s)
+    closest = min(results, key=lambda r: (not r.smallest_shortfall_where, r.smallest_shortfall_bytes))
+    bounds = [r.lower_bound_s for r in results if r.lower_bound_s is not None]
+    return SearchResult(
+        merged[: options.top_k],
+        sum(r.configurations for r in results),
+        sum(r.evaluated for r in results),
+        sum(r.memory_infeasible for r in results),
+        closest.smallest_shortfall_bytes,
+        closest.smallest_shortfall_where,
+        min(bounds) if len(bounds) == len(results) else None,
+        sum(r.per_stage_recompute_solved for r in results),
+        sum(r.family_partitions for r in results),
+        "; ".join(dict.fromkeys(r.note for r in results if r.note)),
+    ), by_stage
 
 
 def predict(ctx: CostContext, strategy: Strategy, source: str = "strategy") -> Evaluation:

@@ -176,6 +176,10 @@ def plan_rows(body: Mapping[str, Any], interval: Interval | None) -> list[Row]:
                 + (f"; {changes}" if changes else ""),
             )
         )
+    if "zero_stages_s" in search:
+        stages = search["zero_stages_s"].items()
+        times = [f"ZeRO-{k} {'does not fit' if t is None else f'{t:.3f} s'}" for k, t in stages]
+        rows.append(("ZeRO stages", f"{', '.join(times)}: ZeRO-{body['zero_stage']} chosen"))
     if "note" in search:
         rows.append(("search note", search["note"]))
     return rows

@@ -38,6 +38,14 @@ def int_list(text: str | None, flag: str, low: int = 1, what: str = "integers") 
     return values
 
 
+def zero_stages(text: str | None) -> list[int]:
+    """`--zero-stages 1,2,3` -> [1, 2, 3] (each 0-3); not given -> [] (the training's stage only)."""
+    stages = int_list(text, "--zero-stages", low=0, what="ZeRO stages 0-3") or []
+    if any(stage > 3 for stage in stages):
+        raise SpecError("--zero-stages", "", f"expected ZeRO stages 0-3 (comma-separated), got {_given(text or '')}")
+    return stages
+
+
 def names(text: str) -> list[str]:
     """'a, b,,c' -> ['a', 'b', 'c']."""
     return [part.strip() for part in text.split(",") if part.strip()]
