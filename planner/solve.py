@@ -25,6 +25,7 @@ from predictor.cost_model import (
     stage_memory,
     usable_memory_bytes,
 )
+from predictor.sharding import GATHERED_LAYERS
 from specs.cluster import DeviceGroup
 from specs.layout import StageStrategy, Strategy, pack_stages, split_pipeline
 from specs.model import Recompute
@@ -75,7 +76,10 @@ class StageTerms:
         last: bool,
         stages: int,
     ) -> tuple[float, float, float]:
-        """(bytes per layer, bytes with no layer, usable bytes): stage memory is linear in its layers."""
+        """(bytes per layer, bytes with no layer, usable bytes): stage memory is linear in its layers, except under
+        ZeRO 3, where the gathered weights of up to GATHERED_LAYERS layers are held besides each layer's shard: there
+        the line through GATHERED_LAYERS and one more layer, exact from that many layers on and above the memory
+        below it (a stage of fewer layers is never let through that does not fit)."""
         key = (group.name, config.micro_batch_size, tp, mode, config.replicas, in_flight, first, last, stages)
         if key not in self._memory:
             common = dict(
@@ -88,9 +92,10 @@ class StageTerms:
                 last=last,
                 pipeline_stages=stages,
             )
-            empty = stage_memory(self.ctx, group, num_layers=0, **common).total_bytes
-            one = stage_memory(self.ctx, group, num_layers=1, **common).total_bytes
-            self._memory[key] = (one - empty, empty, usable_memory_bytes(self.ctx, group))
+            start = GATHERED_LAYERS if self.ctx.training.zero_stage == 3 else 0
+            at_start = stage_memory(self.ctx, group, num_layers=start, **common).total_bytes
+            per_layer = stage_memory(self.ctx, group, num_layers=start + 1, **common).total_bytes - at_start
+            self._memory[key] = (per_layer, at_start - start * per_layer, usable_memory_bytes(self.ctx, group))
         return self._memory[key]
 
     def arrays(self, config: OuterConfig, mode: Recompute | None = None) -> StageArrays:
