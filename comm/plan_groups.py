@@ -16,7 +16,15 @@ from dataclasses import dataclass
 from itertools import pairwise
 
 from specs.cluster import ClusterSpec
-from specs.layout import Axis, PipelineStrategy, Strategy, group_offsets, stage_rank, stage_ranks
+from specs.layout import (
+    Axis,
+    PipelineStrategy,
+    Strategy,
+    chunk_layer_counts,
+    group_offsets,
+    stage_rank,
+    stage_ranks,
+)
 from specs.vendors import get_vendor
 
 
@@ -57,9 +65,8 @@ def stage_chunks(pipeline: PipelineStrategy, index: int, virtual_stages: int) ->
     """The model chunks stage `index` holds, in its chunk order. Interleaved (Megatron's order, as the exports
     write it): model chunk c = k * p + i is stage i's chunk k, each stage's layers spread over its v chunks as evenly
     as whole layers allow, so a stage keeps its layer count, not its layer ids. v = 1: the stage's own layers."""
-    stages, v = pipeline.stages, virtual_stages
-    p = len(stages)
-    counts = [s.num_layers // v + (1 if k < s.num_layers % v else 0) for k in range(v) for s in stages]
+    p, v = len(pipeline.stages), virtual_stages
+    counts = chunk_layer_counts(pipeline, v)
     starts = [sum(counts[:c]) for c in range(p * v)]
     chunks = (k * p + index for k in range(v))
     return [Chunk(starts[c], starts[c] + counts[c], c == 0, c == p * v - 1) for c in chunks]

@@ -24,7 +24,7 @@ from predictor.cost_model import CostContext, evaluate, interleaved_group_size
 from specs.cluster import ClusterSpec
 from specs.engines import get_engine
 from specs.errors import SpecError
-from specs.layout import Strategy
+from specs.layout import Strategy, chunk_layer_counts
 from specs.vendors import get_vendor
 
 MASTER_PORT = 29500
@@ -73,17 +73,9 @@ class Export:
 Args = list[list[str]]  # an engine's command line: one flag and its values per line, literal words ("$here/x": a file)
 
 
-def chunk_layer_counts(strategy: Strategy) -> list[int]:
-    """Decoder layers per model chunk in model order, as interleaving engines deal chunks: chunk c of stage s is
-    model part c * stages + s, and each stage's layers are spread over its v chunks as evenly as whole layers allow
-    (every rank keeps the plan's layer count; with v > 1 not the plan's layer ids)."""
-    stages, v = strategy.pipelines[0].stages, strategy.virtual_stages
-    return [s.num_layers // v + (1 if c < s.num_layers % v else 0) for c in range(v) for s in stages]
-
-
 def megatron_layout(strategy: Strategy) -> str:
     """`--pipeline-model-parallel-layout`: E embedding, t decoder layer, L loss, | between model chunks."""
-    parts = [f"t*{n}" if n else "" for n in chunk_layer_counts(strategy)]
+    parts = [f"t*{n}" if n else "" for n in chunk_layer_counts(strategy.pipelines[0], strategy.virtual_stages)]
     parts[0] = "E" + ("," + parts[0] if parts[0] else "")
     parts[-1] = (parts[-1] + "," if parts[-1] else "") + "L"
     return "|".join(parts)
@@ -233,7 +225,7 @@ class HetplanPipelineModule(PipelineModule):
 def _torchtitan(ctx: CostContext, strategy: Strategy, plan: Strategy) -> tuple[dict[str, str], Args]:
     pipeline = strategy.pipelines[0]
     parts, start = [], 0
-    for count in chunk_layer_counts(strategy):
+    for count in chunk_layer_counts(strategy.pipelines[0], strategy.virtual_stages):
         parts.append([f"layers.{i}" for i in range(start, start + count)])
         start += count
     parts[0].insert(0, "tok_embeddings")

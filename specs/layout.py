@@ -145,6 +145,15 @@ def split_pipeline(
 
 
 # ---- devices and ranks ------------------------------------------------------------------------------------------
+def chunk_layer_counts(pipeline: PipelineStrategy, virtual_stages: int) -> list[int]:
+    """Decoder layers per model chunk in model order, as interleaving engines (and the runtime) deal chunks: model
+    chunk c = k * p + i is stage i's chunk k, and each stage's layers are spread over its v chunks as evenly as whole
+    layers allow (every rank keeps the plan's layer count; with v > 1 not the plan's layer ids). v = 1: the stages'
+    own layers."""
+    stages, v = pipeline.stages, virtual_stages
+    return [s.num_layers // v + (1 if k < s.num_layers % v else 0) for k in range(v) for s in stages]
+
+
 def stage_device(stage: StageStrategy, replica: int, tp_rank: int) -> int:
     """The device index inside the stage's group of (replica, TP rank)."""
     return stage.device_offset + replica * stage.tp + tp_rank
