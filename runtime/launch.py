@@ -210,6 +210,7 @@ def run_record(
             "memory_max_rss_bytes": summary["memory_max_rss_bytes"],
             "idle_ranks": summary["idle_ranks"],
             "prediction_from": ctx.predictor_identity,
+            "cost_source": dict(ctx.cost_source) if ctx.cost_source else None,
             "prediction_error": summary["measured_iteration_time_s"] / predicted - 1.0,
             "emulated_groups": emulated,
             "emulation": "ranks of emulated groups repeat their stage's layer math until each pass takes 1/speed "
