@@ -19,6 +19,8 @@ if TYPE_CHECKING:
     from planner.plan import LoadedPlan
     from predictor.predictor import Predictor
     from report.progress import Progress
+    from specs.cluster import ClusterSpec
+    from specs.training import TrainingSpec
 
 app = typer.Typer(
     name="hetplan",
@@ -103,6 +105,16 @@ def _plan_costs(loaded: LoadedPlan, predictor: Path | None, profiles: Path | Non
     return costs
 
 
+def _on_cluster(training: TrainingSpec, cluster: ClusterSpec) -> TrainingSpec:
+    """The training on this cluster: fp32 on CPU devices unless a dtype was chosen (a note on stderr says so)."""
+    from specs.training import on_devices
+
+    chosen, note = on_devices(training, {group.device.vendor for group in cluster.groups})
+    if note:
+        sys.stderr.write(note + "\n")
+    return chosen
+
+
 def _require_torch(command: str) -> None:
     """Commands that measure need torch: say so in one line when it is missing."""
     from specs.errors import TorchMissingError
@@ -177,7 +189,7 @@ def plan(
     given |= {"recompute": flags.names(recompute) if recompute else None, "uneven_batch": uneven_batch}
     given |= {"micro_batch_sizes": flags.int_list(micro_batch_sizes, "--micro-batch-sizes"), "families": families}
     given |= {"virtual_stages": flags.int_list(virtual_stages, "--virtual-stages")}
-    training_spec = flags.training(training, **given)
+    training_spec = _on_cluster(flags.training(training, **given), cluster_spec)
     inputs = (cluster_spec, model_spec, training_spec, load_profiles(profiles, model_spec))
     options = {"top_k": top_k, "predictor": _predictor(predictor), "lower_bound": lower_bound}
     try:
@@ -220,6 +232,8 @@ def predict(
 ) -> None:
     """Evaluate a given strategy (no search): Megatron-style --tp/--pp/--dp, or --strategy plan.json (with the
     costs the plan records unless --profiles/--predictor name others)."""
+    from dataclasses import replace
+
     from planner.plan import evaluation_dict, header_dict, interval_dict, load_plan
     from planner.what_if import predicted, what_if
     from profiler.profiles import load_profiles
@@ -234,6 +248,7 @@ def predict(
     given = (group, tp, pp, dp, micro_batch, recompute, virtual_stages, sequence_parallel)
     flags.training(None, **overrides)  # a bad flag is named as the flag, before a plan's training is read
     chosen = what_if(cluster_spec, cluster, strategy, model, training, overrides, dict(zip(MEGATRON_FLAGS, given)))
+    chosen = replace(chosen, training=_on_cluster(chosen.training, cluster_spec))
     if strategy is not None:
         costs = _plan_costs(load_plan(strategy), predictor, profiles, chosen.model)
         chosen_predictor, measured = costs.predictor, costs.profiles

@@ -171,6 +171,7 @@ def header_dict(ctx: CostContext) -> dict[str, Any]:
         "seq_length": ctx.seq_length,
         "predictor": ctx.predictor_identity,
         **({"cost_source": dict(ctx.cost_source)} if ctx.cost_source else {}),
+        **({"cluster_defaults": dict(ctx.cluster.defaults)} if ctx.cluster.defaults else {}),
     }
 
 
