@@ -455,7 +455,7 @@ def run(
     _require_torch("run")
     from profiler.comm_bench import launched_by_torchrun
     from report.files import write_json
-    from report.measurements import run_lines, run_table
+    from report.measurements import run_lines, run_table, run_terms_table
     from runtime.execute import RunSettings
     from runtime.launch import execute, execute_in_job
 
@@ -468,7 +468,8 @@ def run(
     if record is None:
         return
     write_json(out, record)
-    _show(as_json, record, run_table(record), *run_lines(record, steps), *_written("run record", out))
+    terms = [table for table in [run_terms_table(record)] if table is not None]
+    _show(as_json, record, run_table(record), *terms, *run_lines(record, steps), *_written("run record", out))
 
 
 @app.command()

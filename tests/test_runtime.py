@@ -263,6 +263,19 @@ def test_hetplan_run_plans_trains_records_and_feeds_fit(tmp_path):
     assert record["measured_iteration_time_s"] > 0 and record["predicted_iteration_time_s"] > 0
     assert len(record["losses"]) == 2 and record["reference_match"]["match"], record["reference_match"]
     assert record["cpu_share"] == pytest.approx(min(1.0, len(os.sched_getaffinity(0)) / 2))
+    # every stage's step split into the cost model's terms, measured beside predicted, each side adding up
+    terms = record["measurements"]["terms"]
+    stages = record["measurements"]["stages"]
+    assert {(t["family"], t["stage"]) for t in terms} == {(s["family"], s["stage"]) for s in stages}
+    for stage in terms:
+        measured = {term: values["measured_s"] for term, values in stage["terms"].items()}
+        predicted = {term: values["predicted_s"] for term, values in stage["terms"].items()}
+        assert measured["forward"] > 0 and measured["backward"] > 0 and predicted["forward"] > 0
+        assert sum(measured.values()) == pytest.approx(stage["step"]["measured_s"])
+        assert sum(predicted.values()) == pytest.approx(stage["step"]["predicted_s"])
+    slowest = max(stage["step"]["predicted_s"] for stage in terms)
+    assert slowest == pytest.approx(record["predicted_iteration_time_s"])
+    assert "Where the step goes" in ran.stdout
     for stage in record["measurements"]["stages"]:
         assert stage["compute_s"] > 0
         if stage["group"] == "slow":  # its ranks really computed longer
