@@ -43,7 +43,7 @@ def describe_predictor(source: PredictorSource | None) -> str:
 def describe_profiles(paths: dict[str, str]) -> str:
     if not paths:
         return "no profiles (datasheet or learned layer costs)"
-    return "profiles " + ", ".join(f"{device}={path}" for device, path in sorted(paths.items()))
+    return "profiles " + ", ".join(f"{device}={path or '(never saved)'}" for device, path in sorted(paths.items()))
 
 
 def _changed(what: str, path: str, recorded: str, now: str) -> str:
@@ -87,8 +87,15 @@ def _recorded_predictor(plan: LoadedPlan, source: PredictorSource, notes: list[s
 def _recorded_profiles(plan: LoadedPlan, recorded: CostSource, notes: list[str]) -> dict[str, DeviceProfile]:
     from profiler.profiles import load_profile_files
 
-    paths = []
+    paths, saved = [], []
     for index, entry in enumerate(recorded.profiles):
+        if not entry.path:
+            notes.append(
+                f"{plan.source}: made with a {entry.device} profile that was never saved to a file: using the "
+                f"predictor's costs for {entry.device} (pass --profiles DIR to choose)"
+            )
+            continue
+        saved.append(entry)
         path = Path(entry.path)
         if not path.is_file():
             raise SpecError(
@@ -102,7 +109,7 @@ def _recorded_profiles(plan: LoadedPlan, recorded: CostSource, notes: list[str])
             notes.append(_changed(f"the plan's {entry.device} profile", str(path), entry.sha256, now))
         paths.append(path)
     loaded = load_profile_files(paths, plan.model, f"recorded in {plan.source}")
-    for entry in recorded.profiles:
+    for entry in saved:
         if entry.device not in loaded:
             raise SpecError(
                 entry.path, "device.key", f"expected device {entry.device!r}, as the plan {plan.source} records"

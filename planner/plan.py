@@ -251,12 +251,19 @@ class PredictorSource(BaseModel):
 
 
 class ProfileSource(BaseModel):
-    """A profile file a plan's costs came from: its device, absolute path and SHA-256."""
+    """A profile file a plan's costs came from: its device, absolute path and SHA-256 (both empty for a profile
+    made in memory and never saved, e.g. by the Python API)."""
 
     model_config = ConfigDict(extra="forbid")
     device: str
-    path: str = Field(min_length=1)
-    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    path: str = ""
+    sha256: str = Field(default="", pattern=r"^([0-9a-f]{64})?$")
+
+    @model_validator(mode="after")
+    def _both_or_neither(self) -> ProfileSource:
+        if bool(self.path) != bool(self.sha256):
+            raise ValueError("expected both path and sha256 (a saved profile) or neither (one never saved)")
+        return self
 
 
 class CostSource(BaseModel):

@@ -164,3 +164,27 @@ def test_a_predictor_file_is_recorded_and_used_and_its_loss_is_an_error(tmp_path
     done, _ = _predict(plan)
     assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
     assert "cost_source.predictor.path" in done.stderr and "--predictor FILE" in done.stderr
+
+
+def test_a_plan_made_with_profiles_in_memory_loads_and_says_they_were_never_saved(tmp_path):
+    """The Python API may plan with a profile that is no file: the plan records its device without path or hash,
+    loads back, and a command reading it says it uses the predictor's costs for that device."""
+    from planner import load_plan, plan
+    from planner.cost_source import plan_costs
+    from profiler.simulated import SimulatedDevice
+    from specs import get_device, load_cluster, load_model, load_training
+
+    model = load_model(MODEL)
+    profile = SimulatedDevice(get_device("cpu"), model, model.seq_length, "fp32").to_profile((1, 2), (1, 2))
+    training = load_training(TRAINING)
+    made = plan(load_cluster(CLUSTER), model, training, {"cpu": profile})
+    assert made.to_dict()["cost_source"]["profiles"] == [{"device": "cpu", "path": "", "sha256": ""}]
+    path = tmp_path / "plan.json"
+    made.save(path)
+    costs = plan_costs(load_plan(path))
+    assert costs.profiles == {}
+    assert "cpu=(never saved) (as recorded in the plan)" in costs.lines[0]
+    assert costs.lines[1] == (
+        f"{path}: made with a cpu profile that was never saved to a file: using the predictor's costs for cpu "
+        "(pass --profiles DIR to choose)"
+    )
