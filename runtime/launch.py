@@ -152,14 +152,15 @@ def summarize(results: list[dict[str, Any]], steps: int) -> dict[str, Any]:
 
 
 def _measured_terms(steps: list[dict[str, float]]) -> tuple[float, dict[str, float]]:
-    """One rank's median step and the median of each term the runtime times (predictor/run_terms.py), the rest of
-    the step as `other` (so the terms add up to the step)."""
+    """One rank's median step (the lower one of an even count: a step that happened) and its terms as the runtime
+    timed them (predictor/run_terms.py), the untimed rest as `other`: the terms add up to the step, and `other` is
+    what no timer covers (medians taken term by term would not add up)."""
     timed = {"forward": "forward_s", "backward": "backward_s", "tp_comm": "tp_comm_s", "pipeline_wait": "wait_s"}
     timed |= {"dp_sync": "sync_s", "optimizer": "optimizer_s"}
-    terms = {term: statistics.median(s.get(key, 0.0) for s in steps) for term, key in timed.items()}
-    step_s = statistics.median(s["time_s"] for s in steps)
-    terms["other"] = step_s - sum(terms.values())
-    return step_s, terms
+    median = sorted(steps, key=lambda s: s["time_s"])[(len(steps) - 1) // 2]
+    terms = {term: median.get(key, 0.0) for term, key in timed.items()}
+    terms["other"] = median["time_s"] - sum(terms.values())
+    return median["time_s"], terms
 
 
 def reference_check(plan: LoadedPlan, settings: RunSettings, measured_loss: float) -> dict[str, Any]:
@@ -211,7 +212,7 @@ def run_record(
         "source": f"hetplan run on {platform.node()} ({platform.machine()}, {len(os.sched_getaffinity(0))} cores)",
         "cluster": read_mapping(Path(cluster_path)),
         "model": plan.model.model_dump(mode="json"),
-        "training": plan.training.model_dump(mode="json"),
+        "training": ctx.training.model_dump(mode="json"),  # as the runtime ran it (planner.what_if.run_context)
         "strategy": layout,
         "measured_iteration_time_s": summary["measured_iteration_time_s"],
         "cpu_share": cpu_share,

@@ -260,6 +260,8 @@ def test_hetplan_run_plans_trains_records_and_feeds_fit(tmp_path):
     assert record["measurements"]["cost_source"]["profiles"][0]["path"] == str(profile.resolve())
     assert f"profiles cpu={profile.resolve()} (as recorded in the plan)" in ran.stderr
     assert record["schema"] == "hetplan.run/1"
+    # predicted (and recorded for `fit --runs`) as the runtime runs: DP traffic after the flush, not overlapped
+    assert record["training"]["overlap_grad_reduce"] is False and record["training"]["overlap_param_gather"] is False
     assert record["measured_iteration_time_s"] > 0 and record["predicted_iteration_time_s"] > 0
     assert len(record["losses"]) == 2 and record["reference_match"]["match"], record["reference_match"]
     assert record["cpu_share"] == pytest.approx(min(1.0, len(os.sched_getaffinity(0)) / 2))
