@@ -188,3 +188,16 @@ def test_a_plan_made_with_profiles_in_memory_loads_and_says_they_were_never_save
         f"{path}: made with a cpu profile that was never saved to a file: using the predictor's costs for cpu "
         "(pass --profiles DIR to choose)"
     )
+
+
+def test_replan_and_export_use_the_recorded_profiles_too(profiled_plan, tmp_path):
+    plan, profile, body = profiled_plan
+    new = tmp_path / "new.json"
+    done = hetplan("replan", str(plan), "-c", CLUSTER, "--without", "group:slow:1", "--out", str(new), "-q", "--json")
+    assert done.returncode == 0, done.stderr
+    assert "(as recorded in the plan)" in done.stderr
+    assert json.loads(new.read_text())["cost_source"] == body["cost_source"]  # the new plan keeps the source
+    exported = hetplan("export", str(plan), "-c", CLUSTER, "-f", "torchrun", "--out", str(tmp_path / "x"), "--json")
+    assert exported.returncode == 0, exported.stderr
+    assert json.loads(exported.stdout)["plan_iteration_time_s"] == pytest.approx(body["iteration_time_s"], rel=1e-5)
+    assert f"profiles cpu={profile.resolve()} (as recorded in the plan)" in exported.stderr
