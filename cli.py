@@ -15,8 +15,12 @@ from typing import TYPE_CHECKING, Annotated, Any, Optional
 import typer
 
 if TYPE_CHECKING:
+    from planner.cost_source import PlanCosts
+    from planner.plan import LoadedPlan
     from predictor.predictor import Predictor
     from report.progress import Progress
+    from specs.cluster import ClusterSpec
+    from specs.training import TrainingSpec
 
 app = typer.Typer(
     name="hetplan",
@@ -59,6 +63,12 @@ PredictorOpt = Annotated[
     Optional[Path], _opt("--predictor", help="Predictor file from `hetplan fit` (default: shipped).")
 ]
 ProfilesOpt = Annotated[Optional[Path], _opt("--profiles", help="Directory of profile JSON files (by device).")]
+PlanPredictorOpt = Annotated[
+    Optional[Path], _opt("--predictor", help="Predictor file from `hetplan fit` (default: the one the plan records).")
+]
+PlanProfilesOpt = Annotated[
+    Optional[Path], _opt("--profiles", help="Directory of profile JSON files (default: the ones the plan records).")
+]
 PlanArg = Annotated[Path, typer.Argument(help="Plan JSON (from `hetplan plan --out`).", metavar="PLAN")]
 PlanClusterOpt = Annotated[Path, _opt("--cluster", "-c", help="Cluster file the plan was made for.")]
 MicroBatchesOpt = Annotated[str, _opt("--micro-batches", help="Micro-batch sizes, e.g. 1,2,4,8.")]
@@ -83,6 +93,27 @@ def _predictor(path: Path | None) -> Predictor:
     from predictor.predictor import default_predictor, load_predictor
 
     return load_predictor(path) if path is not None else default_predictor()
+
+
+def _plan_costs(loaded: LoadedPlan, predictor: Path | None, profiles: Path | None, model: Any = None) -> PlanCosts:
+    """The costs to evaluate a saved plan with (the ones it records unless a flag names others), said on stderr in
+    one line, plus a line per recorded file that changed since the plan was made."""
+    from planner.cost_source import plan_costs
+
+    costs = plan_costs(loaded, predictor, profiles, model)
+    for line in costs.lines:
+        sys.stderr.write(line + "\n")
+    return costs
+
+
+def _on_cluster(training: TrainingSpec, cluster: ClusterSpec) -> TrainingSpec:
+    """The training on this cluster: fp32 on CPU devices unless a dtype was chosen (a note on stderr says so)."""
+    from specs.training import on_devices
+
+    chosen, note = on_devices(training, {group.device.vendor for group in cluster.groups})
+    if note:
+        sys.stderr.write(note + "\n")
+    return chosen
 
 
 def _require_torch(command: str) -> None:
@@ -162,7 +193,7 @@ def plan(
     given |= {"recompute": flags.names(recompute) if recompute else None, "uneven_batch": uneven_batch}
     given |= {"micro_batch_sizes": flags.int_list(micro_batch_sizes, "--micro-batch-sizes"), "families": families}
     given |= {"virtual_stages": flags.int_list(virtual_stages, "--virtual-stages")}
-    training_spec = flags.training(training, **given)
+    training_spec = _on_cluster(flags.training(training, **given), cluster_spec)
     inputs = (cluster_spec, model_spec, training_spec, load_profiles(profiles, model_spec))
     chosen_engine = get_engine(engine, "--engine") if engine else None
     options = {"top_k": top_k, "predictor": _predictor(predictor), "lower_bound": lower_bound, "engine": chosen_engine}
@@ -199,12 +230,17 @@ def predict(
     dtype: DtypeOpt = None,
     zero_stage: ZeroOpt = None,
     attention: Annotated[Optional[str], _opt(help="flash, or materialized (pre-flash Megatron).")] = None,
-    profiles: ProfilesOpt = None,
-    predictor: PredictorOpt = None,
+    profiles: Annotated[
+        Optional[Path], _opt("--profiles", help="Directory of profile JSON files (default: --strategy's).")
+    ] = None,
+    predictor: Annotated[Optional[Path], _opt("--predictor", help="Predictor file (default: --strategy's).")] = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Evaluate a given strategy (no search): Megatron-style --tp/--pp/--dp, or --strategy plan.json."""
-    from planner.plan import evaluation_dict, header_dict, interval_dict
+    """Evaluate a given strategy (no search): Megatron-style --tp/--pp/--dp, or --strategy plan.json (with the
+    costs the plan records unless --profiles/--predictor name others)."""
+    from dataclasses import replace
+
+    from planner.plan import evaluation_dict, header_dict, interval_dict, load_plan
     from planner.what_if import predicted, what_if
     from profiler.profiles import load_profiles
     from report.tables import evaluation_tables, interval_row
@@ -218,8 +254,13 @@ def predict(
     given = (group, tp, pp, dp, micro_batch, recompute, virtual_stages, sequence_parallel)
     flags.training(None, **overrides)  # a bad flag is named as the flag, before a plan's training is read
     chosen = what_if(cluster_spec, cluster, strategy, model, training, overrides, dict(zip(MEGATRON_FLAGS, given)))
-    measured = load_profiles(profiles, chosen.model)
-    ctx, evaluation, interval = predicted(chosen, cluster_spec, _predictor(predictor), measured)
+    chosen = replace(chosen, training=_on_cluster(chosen.training, cluster_spec))
+    if strategy is not None:
+        costs = _plan_costs(load_plan(strategy), predictor, profiles, chosen.model)
+        chosen_predictor, measured = costs.predictor, costs.profiles
+    else:
+        chosen_predictor, measured = _predictor(predictor), load_profiles(profiles, chosen.model)
+    ctx, evaluation, interval = predicted(chosen, cluster_spec, chosen_predictor, measured)
     body = {
         **header_dict(ctx),
         **evaluation_dict(ctx, evaluation),
@@ -400,8 +441,10 @@ def run(
     out: Annotated[Path, _opt(help="Run record to write (hetplan.run/1; `hetplan fit --runs` reads it).")],
     steps: Annotated[int, _opt(min=1, help="Training steps (the first is a warm-up).")] = 5,
     seed: Annotated[int, _opt(help="Seed of the weights and the synthetic tokens.")] = 0,
-    profiles: Annotated[Optional[Path], _opt(help="Predict from these profiles (uncalibrated).")] = None,
-    predictor: PredictorOpt = None,
+    profiles: Annotated[
+        Optional[Path], _opt(help="Predict from these profiles, uncalibrated (default: the ones the plan records).")
+    ] = None,
+    predictor: PlanPredictorOpt = None,
     timeout: TimeoutOpt = 120.0,
     quiet: QuietOpt = False,
     as_json: JsonOpt = False,
@@ -410,7 +453,6 @@ def run(
     (`hetplan launch` writes the commands), and write the measurement beside the prediction, the loss curve and a
     single-process loss check."""
     from planner.what_if import check_local_run, plan_on_cluster, run_context
-    from profiler.profiles import load_profiles
     from specs.flags import output_file
 
     output_file(out, "--out")
@@ -419,11 +461,12 @@ def run(
     _require_torch("run")
     from profiler.comm_bench import launched_by_torchrun
     from report.files import write_json
-    from report.measurements import run_lines, run_table
+    from report.measurements import run_lines, run_table, run_terms_table
     from runtime.execute import RunSettings
     from runtime.launch import execute, execute_in_job
 
-    context = run_context(loaded, _predictor(predictor), load_profiles(profiles, loaded.model))
+    costs = _plan_costs(loaded, predictor, profiles)
+    context = run_context(loaded, costs.predictor, costs.profiles)
     settings = RunSettings(steps=steps, seed=seed, dtype=loaded.training.dtype, timeout_s=timeout)
     with _progress("run", quiet) as progress:  # under torchrun: this process is one rank, rank 0 writes
         runner = execute_in_job if launched_by_torchrun() else execute
@@ -431,7 +474,8 @@ def run(
     if record is None:
         return
     write_json(out, record)
-    _show(as_json, record, run_table(record), *run_lines(record, steps), *_written("run record", out))
+    terms = [table for table in [run_terms_table(record)] if table is not None]
+    _show(as_json, record, run_table(record), *terms, *run_lines(record, steps), *_written("run record", out))
 
 
 @app.command()
@@ -458,7 +502,8 @@ def export(
     cluster: PlanClusterOpt,
     format: Annotated[str, _opt("--format", "-f", help=ENGINES + ".")],
     out: Annotated[Path, _opt(help="Directory to write the files into.")] = Path("export"),
-    predictor: PredictorOpt = None,
+    predictor: PlanPredictorOpt = None,
+    profiles: PlanProfilesOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Write the plan as an engine's arguments/config plus one torchrun command per node; when the engine cannot
@@ -468,11 +513,14 @@ def export(
     from planner.what_if import plan_on_cluster
     from report.files import write_export
     from report.tables import export_lines
+    from specs.engines import get_engine
     from specs.flags import output_directory
 
     output_directory(out, "--out", "export.json")
+    get_engine(format)  # an unknown format is named before anything is said about costs
     loaded, cluster_spec = plan_on_cluster(plan_file, cluster)
-    ctx = _predictor(predictor).context(cluster_spec, loaded.model, loaded.training)
+    costs = _plan_costs(loaded, predictor, profiles)
+    ctx = costs.predictor.context(cluster_spec, loaded.model, loaded.training, costs.profiles)
     exported = export_plan(ctx, loaded.strategy, format)
     summary = {**exported.summary(), "exported_strategy": describe_strategy(exported.strategy)}
     write_export(exported, summary, out)
@@ -483,7 +531,8 @@ def export(
 def explain(
     plan_file: PlanArg,
     cluster: PlanClusterOpt,
-    predictor: PredictorOpt = None,
+    predictor: PlanPredictorOpt = None,
+    profiles: PlanProfilesOpt = None,
     png: PngOpt = None,
     html: Annotated[Optional[Path], _opt(help="Write a self-contained HTML report here (.html).")] = None,
     quiet: QuietOpt = False,
@@ -497,8 +546,10 @@ def explain(
     output_file(png, "--png", (".png",))
     output_file(html, "--html", (".html", ".htm"))
     loaded, cluster_spec = plan_on_cluster(plan_file, cluster)
+    costs = _plan_costs(loaded, predictor, profiles)
     with _progress("explain", quiet, unit="steps") as progress:
-        result = explain_plan(loaded, cluster_spec, _predictor(predictor), png=png, html=html, progress=progress.step)
+        outputs = {"png": png, "html": html, "progress": progress.step, "profiles": costs.profiles}
+        result = explain_plan(loaded, cluster_spec, costs.predictor, **outputs)
     words = [f"  - {line}" for line in result.bottleneck]
     _show(
         as_json,
@@ -516,7 +567,8 @@ def replan(
     cluster: PlanClusterOpt,
     without: Annotated[Optional[list[str]], _opt(help="Lost: node:GROUP/INDEX or group:NAME:COUNT (repeat).")] = None,
     add: Annotated[Optional[list[str]], _opt(help="New capacity: group:NAME:COUNT nodes (repeat).")] = None,
-    predictor: PredictorOpt = None,
+    predictor: PlanPredictorOpt = None,
+    profiles: PlanProfilesOpt = None,
     out: PlanOutOpt = None,
     quiet: QuietOpt = False,
     as_json: JsonOpt = False,
@@ -533,12 +585,14 @@ def replan(
     check_changes(without or [], add or [])
     loaded, original = plan_on_cluster(plan_file, cluster)
     new_cluster = changed_cluster(original, without or [], add or [])
-    chosen = _predictor(predictor)
+    costs = _plan_costs(loaded, predictor, profiles)
+    chosen, measured = costs.predictor, costs.profiles
     with _progress("replan", quiet, unit="steps") as progress:
         progress.step("evaluating the old plan", 2)
-        old = run_predict(chosen.context(original, loaded.model, loaded.training), loaded.strategy, str(plan_file))
+        old_ctx = chosen.context(original, loaded.model, loaded.training, measured)
+        old = run_predict(old_ctx, loaded.strategy, str(plan_file))
         progress.step("searching the changed cluster", 2)
-        result = run_replan(new_cluster, loaded.model, loaded.training, loaded.strategy, chosen)
+        result = run_replan(new_cluster, loaded.model, loaded.training, loaded.strategy, chosen, profiles=measured)
     if out is not None:
         result.plan.save(out)
     body = replan_summary(original, new_cluster, old, result)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from predictor.calibration import Interval
 from predictor.cost_model import CostContext, Evaluation
@@ -170,6 +170,8 @@ def header_dict(ctx: CostContext) -> dict[str, Any]:
         "global_batch_size": ctx.training.global_batch_size,
         "seq_length": ctx.seq_length,
         "predictor": ctx.predictor_identity,
+        **({"cost_source": dict(ctx.cost_source)} if ctx.cost_source else {}),
+        **({"cluster_defaults": dict(ctx.cluster.defaults)} if ctx.cluster.defaults else {}),
     }
 
 
@@ -228,6 +230,50 @@ def describe_strategy(strategy: Strategy) -> str:
 
 
 # ---- reading a plan back (predict --strategy) -------------------------------------------------------------
+class PredictorSource(BaseModel):
+    """The predictor a plan was made with: the shipped one (its cache key), a file (path, SHA-256) or one fitted in
+    the planning process and never saved (its name)."""
+
+    model_config = ConfigDict(extra="forbid")
+    kind: Literal["shipped", "file", "unsaved"]
+    key: str = ""
+    path: str = ""
+    sha256: str = ""
+    name: str = ""
+
+    @model_validator(mode="after")
+    def _complete(self) -> PredictorSource:
+        needed = {"shipped": ("key",), "file": ("path", "sha256"), "unsaved": ()}[self.kind]
+        missing = [name for name in needed if not getattr(self, name)]
+        if missing:
+            raise ValueError(f"a {self.kind!r} predictor needs {' and '.join(missing)}")
+        return self
+
+
+class ProfileSource(BaseModel):
+    """A profile file a plan's costs came from: its device, absolute path and SHA-256 (both empty for a profile
+    made in memory and never saved, e.g. by the Python API)."""
+
+    model_config = ConfigDict(extra="forbid")
+    device: str
+    path: str = ""
+    sha256: str = Field(default="", pattern=r"^([0-9a-f]{64})?$")
+
+    @model_validator(mode="after")
+    def _both_or_neither(self) -> ProfileSource:
+        if bool(self.path) != bool(self.sha256):
+            raise ValueError("expected both path and sha256 (a saved profile) or neither (one never saved)")
+        return self
+
+
+class CostSource(BaseModel):
+    """Where a plan's costs came from (`cost_source` in the plan JSON): planner.cost_source reads it back."""
+
+    model_config = ConfigDict(extra="forbid")
+    predictor: PredictorSource
+    profiles: list[ProfileSource] = Field(default_factory=list)
+
+
 class _PlanFile(BaseModel):
     model_config = ConfigDict(extra="ignore")
     schema_: str = Field(alias="schema", pattern=r"^hetplan\.plan/1$")
@@ -239,6 +285,7 @@ class _PlanFile(BaseModel):
     virtual_stages: int = Field(default=1, ge=1)
     sequence_parallel: bool = True
     pipelines: list[PipelineFile] = Field(min_length=1)
+    cost_source: CostSource | None = None  # plans made before hetplan recorded it have none
 
 
 @dataclass(frozen=True)
@@ -248,6 +295,7 @@ class LoadedPlan:
     training: TrainingSpec
     source: str
     cluster_name: str = ""
+    cost_source: CostSource | None = None
 
 
 def load_plan(path: str | Path) -> LoadedPlan:
@@ -259,4 +307,4 @@ def load_plan(path: str | Path) -> LoadedPlan:
     training = validate(TrainingSpec, parsed.training, source, prefix="training")
     pipelines = pipelines_from_files(parsed.pipelines, parsed.recompute)
     strategy = Strategy(pipelines, parsed.recompute, parsed.zero_stage, parsed.virtual_stages, parsed.sequence_parallel)
-    return LoadedPlan(strategy, model, training, source, parsed.cluster)
+    return LoadedPlan(strategy, model, training, source, parsed.cluster, parsed.cost_source)

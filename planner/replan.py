@@ -13,8 +13,9 @@ from __future__ import annotations
 import dataclasses
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from planner.families import _block_context, _block_plans, combine, split_batch_across
 from planner.plan import Plan
@@ -27,6 +28,9 @@ from specs.errors import DoesNotFitError, HetplanError, SpecError
 from specs.layout import PipelineStrategy, Strategy, devices_per_group, pack_stages, split_batch, split_pipeline
 from specs.model import ModelSpec
 from specs.training import TrainingSpec
+
+if TYPE_CHECKING:
+    from profiler.profile import DeviceProfile
 
 CHANGE = re.compile(
     r"^(?:node:(?P<node_group>[\w.-]+)/(?:node)?(?P<node>\d+)|group:(?P<group>[\w.-]+):(?P<count>\d+))$"
@@ -172,19 +176,21 @@ def replan(
     old: Strategy,
     predictor: Predictor | None = None,
     previous: CostContext | None = None,
+    profiles: Mapping[str, DeviceProfile] | None = None,
 ) -> Replan:
     """Plan again on a changed cluster, warm-started from the old strategy, over every uneven batch split
     (`uneven_batch: exhaustive`): after a failure the cluster rarely divides the batch evenly. `previous`: the old
     plan's context (Plan.context, for a caller that keeps the planner running, as a scheduler would): the new context
     shares its cost sources (the change only moves nodes), so the search reuses the row tables of the groups the
-    change did not touch (tp_rows.row_tables)."""
+    change did not touch (tp_rows.row_tables). `profiles`: measured profiles by device key (the old plan's, as it
+    records them: planner.cost_source)."""
     predictor = predictor or default_predictor()
     training = training.model_copy(update={"uneven_batch": "exhaustive"})
     started = time.perf_counter()
     if previous is not None and previous.model == model and {g.name for g in cluster.groups} <= set(previous.sources):
         ctx = dataclasses.replace(previous, cluster=cluster, training=training)
     else:
-        ctx = predictor.context(cluster, model, training)
+        ctx = predictor.context(cluster, model, training, profiles)
     shrunk = shrink(ctx, old)
     adapted = shrunk.evaluation
     result = search(ctx, warm_start=(adapted,) if adapted else ())
@@ -206,7 +212,7 @@ def replan(
     }
     if result.note:
         stats["note"] = result.note
-    base = predictor.base_context(cluster, model, training)
+    base = predictor.base_context(cluster, model, training, profiles)
     interval = predictor.interval(base, best.strategy)
     plan = Plan(ctx, best, compute_bounds(ctx), elapsed, stats, (), interval)
     return Replan(plan, adapted, elapsed, shrunk.reason)

@@ -107,16 +107,23 @@ def check_local_run(cluster: ClusterSpec, cluster_file: str | Path) -> None:
         )
 
 
+# What hetplan's runtime overlaps: nothing of the DP traffic (runtime/execute.py reduces the gradients after the flush
+# and, under ZeRO-1, gathers the weights after the update), whatever the training file says an engine would overlap.
+RUNTIME_TRAINING = {"overlap_grad_reduce": False, "overlap_param_gather": False}
+
+
 def run_context(
     plan: LoadedPlan, predictor: Predictor, profiles: Mapping[str, DeviceProfile]
 ) -> Callable[[ClusterSpec], CostContext]:
-    """The cost context a run's prediction comes from, for the cluster as the local ranks see it: this machine's
-    profiles as they are (uncalibrated) when given, else the predictor's calibrated context."""
+    """The cost context a run's prediction comes from, for the cluster as the local ranks see it and the training as
+    hetplan's runtime executes it (RUNTIME_TRAINING): this machine's profiles as they are (uncalibrated) when given,
+    else the predictor's calibrated context."""
+    training = plan.training.model_copy(update=RUNTIME_TRAINING)
 
     def context(seen: ClusterSpec) -> CostContext:
         if profiles:
-            return predictor.base_context(seen, plan.model, plan.training, profiles)
-        return predictor.context(seen, plan.model, plan.training)
+            return predictor.base_context(seen, plan.model, training, profiles)
+        return predictor.context(seen, plan.model, training)
 
     return context
 

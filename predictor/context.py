@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from predictor.comm_model import Link, cross_group_link, in_node_link, rail_link
 from profiler.profile import DeviceProfile, LayerCostSource, ScaledLayerCosts
@@ -48,6 +49,8 @@ class CostContext:
     terms: EndToEndTerms = EndToEndTerms()
     links: Mapping[str, Link] = field(default_factory=dict)  # fitted, by "device key/link class"; else datasheet
     identity: str = ""  # the predictor's, when one made this context
+    # where the costs come from, as a plan records it (Predictor.cost_source): the predictor and the profile files
+    cost_source: Mapping[str, Any] | None = None
 
     @property
     def seq_length(self) -> int:

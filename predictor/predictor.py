@@ -30,6 +30,7 @@ from profiler.profile import DeviceProfile, load_profile
 from specs.cluster import ClusterSpec
 from specs.errors import SpecError
 from specs.layout import Strategy
+from specs.loading import file_sha256
 from specs.model import ModelSpec
 from specs.training import TrainingSpec
 
@@ -68,6 +69,19 @@ class Predictor:
     calibration: Calibration = field(default_factory=Calibration)
     metadata: dict[str, Any] = field(default_factory=dict)
     name: str = "default"
+    # what a plan records of this predictor: {"kind": "shipped", "key"}, {"kind": "file", "path", "sha256"}, or
+    # None (fitted in this process, never saved: {"kind": "unsaved", "name"})
+    source: dict[str, str] | None = None
+
+    def cost_source(self, profiles: Mapping[str, DeviceProfile] | None = None) -> dict[str, Any]:
+        """Where the costs of a context made with `profiles` come from: this predictor and the profile files (path
+        and SHA-256, by device), as a plan records it so that the commands reading the plan use the same."""
+        predictor = self.source or {"kind": "unsaved", "name": self.name}
+        files = [
+            {"device": key, "path": str(Path(p.path).resolve()) if p.path else "", "sha256": p.sha256}
+            for key, p in sorted((profiles or {}).items())
+        ]
+        return {"predictor": dict(predictor), "profiles": files}
 
     @property
     def identity(self) -> str:
@@ -87,7 +101,7 @@ class Predictor:
         profiles: Mapping[str, DeviceProfile] | None = None,
     ) -> CostContext:
         """Uncalibrated costs: explicit profiles first, then learned layer models, then datasheet simulation."""
-        ctx = build_context(cluster, model, training, profiles)
+        ctx = replace(build_context(cluster, model, training, profiles), cost_source=self.cost_source(profiles))
         if not self.layer_models and not self.links:
             return replace(ctx, identity=self.identity)
         from predictor.layer_model import PredictedLayerCosts
@@ -233,14 +247,17 @@ def default_predictor() -> Predictor:
     """Datasheet simulation calibrated on the bundled published runs (deterministic): fitted once, then read from the
     cache (`cache_dir()`, keyed by default_predictor_key(), so never a stale answer); an unreadable or unwritable cache
     only costs the fit."""
-    path = cache_dir() / f"default-predictor-{default_predictor_key()}.pickle"
+    key = default_predictor_key()
+    path = cache_dir() / f"default-predictor-{key}.pickle"
     try:
         cached = pickle.loads(path.read_bytes())
         if isinstance(cached, Predictor):
+            cached.source = {"kind": "shipped", "key": key}
             return cached
     except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ImportError, IndexError, TypeError, ValueError):
         pass
     predictor = fit_predictor(name="default")
+    predictor.source = {"kind": "shipped", "key": key}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         temporary = path.with_suffix(f".{os.getpid()}.tmp")
@@ -285,4 +302,5 @@ def load_predictor(path: str | Path) -> Predictor:
     if not isinstance(predictor, Predictor):
         raise SpecError(source, "payload", "expected a hetplan predictor")
     predictor.name = Path(path).name
+    predictor.source = {"kind": "file", "path": str(Path(path).resolve()), "sha256": file_sha256(path)}
     return predictor

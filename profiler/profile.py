@@ -22,7 +22,7 @@ from typing import Any, Literal, Protocol
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from specs.errors import SpecError
-from specs.loading import read_mapping, validate
+from specs.loading import file_sha256, read_mapping, validate
 from specs.model import Recompute
 from specs.outputs import write_text_atomic
 
@@ -127,6 +127,7 @@ class DeviceProfile:
     entries: list[ProfileEntry]
     environment: dict[str, Any] = field(default_factory=dict)
     path: str = ""
+    sha256: str = ""  # of the file it was read from (a plan records it: planner.cost_source)
 
     @property
     def identity(self) -> str:
@@ -213,4 +214,5 @@ def load_profile(path: str | Path) -> DeviceProfile:
         entries=list(parsed.entries),
         environment=parsed.environment,
         path=str(path),
+        sha256=file_sha256(path),
     )

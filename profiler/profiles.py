@@ -86,8 +86,14 @@ def load_profiles(directory: Path | None, model: ModelSpec) -> dict[str, DeviceP
     """Measured (or saved simulated) profiles by device key; each must describe this model's layer shape."""
     if directory is None:
         return {}
+    return load_profile_files(_json_files(directory), model, f"in {directory}")
+
+
+def load_profile_files(paths: list[Path], model: ModelSpec, where: str = "") -> dict[str, DeviceProfile]:
+    """These profile files by device key (at most one per device), each checked against this model's layer shape
+    (`where` the files are, for the message about a second profile of one device)."""
     profiles: dict[str, DeviceProfile] = {}
-    for path in _json_files(directory):
+    for path in paths:
         profile = load_profile(path)
         for field in SHAPE_FIELDS:
             if profile.model.get(field) != getattr(model, field):
@@ -99,6 +105,6 @@ def load_profiles(directory: Path | None, model: ModelSpec) -> dict[str, DeviceP
         check_profile(profile, model)
         key = str(profile.device.get("key", ""))
         if key in profiles:
-            raise SpecError(str(path), "device.key", f"a second profile for device {key!r} in {directory}")
+            raise SpecError(str(path), "device.key", f"a second profile for device {key!r} {where}".rstrip())
         profiles[key] = profile
     return profiles

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import base64
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from planner.plan import LoadedPlan
     from predictor.cost_model import CostContext, Evaluation
     from predictor.predictor import Predictor
+    from profiler.profile import DeviceProfile
     from specs.cluster import ClusterSpec
 
 
@@ -46,6 +47,7 @@ class Explanation:
             "bottleneck": self.bottleneck,
             "png": str(self.png) if self.png else None,
             "html": str(self.html) if self.html else None,
+            "cost_source": dict(self.context.cost_source) if self.context.cost_source else None,
         }
 
 
@@ -56,17 +58,19 @@ def explain(
     png: Path | None = None,
     html: Path | None = None,
     progress: Callable[[str, int], None] | None = None,
+    profiles: Mapping[str, DeviceProfile] | None = None,
 ) -> Explanation:
     """Evaluate `plan` on `cluster` (the shipped predictor unless one is given), lay out its schedule and say what
     bounds it; write the picture to `png` and the HTML report (picture embedded) to `html` when given.
-    `progress(what, steps)` hears each step as it starts."""
+    `progress(what, steps)` hears each step as it starts; `profiles`: measured profiles by device key (the plan's,
+    as it records them: planner.cost_source)."""
     from planner import predict  # here, not above: the planner loads OR-Tools (a second), `traffic` needs none of it
     from predictor.predictor import default_predictor
 
     steps = 2 + (png is not None) + (html is not None)
     step = progress or (lambda what, total: None)
     step("evaluating the plan", steps)
-    ctx = (predictor or default_predictor()).context(cluster, plan.model, plan.training)
+    ctx = (predictor or default_predictor()).context(cluster, plan.model, plan.training, profiles)
     evaluation = predict(ctx, plan.strategy, plan.source)
     step("laying out the schedule", steps)
     blocks = pipeline_timeline(ctx, evaluation)

@@ -130,6 +130,34 @@ def run_table(record: Mapping[str, Any]) -> Table:
     return table
 
 
+def run_terms_table(record: Mapping[str, Any]) -> Table | None:
+    """Per stage, the step split into the cost model's terms, measured (the stage's slowest rank, median step) beside
+    predicted, and the difference: where a run and its prediction disagree. None for records without terms."""
+    stages = record["measurements"].get("terms")
+    if not stages:
+        return None
+    columns = ("stage", "term", "measured s", "predicted s", "difference s", "of the step")
+    table = titled_table("Where the step goes: measured vs predicted per stage", columns, left=("stage", "term"))
+    families = len({stage["family"] for stage in stages})
+    for stage in stages:
+        name = f"{stage['family']}.{stage['stage']}" if families > 1 else str(stage["stage"])
+        step = stage["step"]["measured_s"]
+        rows = [*stage["terms"].items(), ("step", stage["step"])]
+        for index, (term, values) in enumerate(rows):
+            measured, predicted = values["measured_s"], values["predicted_s"]
+            difference = measured - predicted
+            table.add_row(
+                f"{name} {stage['group']} (rank {stage['rank']})" if index == 0 else "",
+                f"[bold]{term}[/bold]" if term == "step" else term,
+                f"{measured:.3f}",
+                f"{predicted:.3f}",
+                f"{difference:+.3f}",
+                f"{difference / step:+.0%}" if step > 0 else "",
+                end_section=term == "step",
+            )
+    return table
+
+
 def run_lines(record: Mapping[str, Any], steps: int) -> list[str]:
     """A run record's verdict: measured against predicted, the losses, the check against one process, emulation."""
     details = record["measurements"]

@@ -185,6 +185,9 @@ class StageTimes:
     compute_s: float = 0.0
     emulation_s: float = 0.0
     wait_s: float = 0.0
+    forward_s: float = 0.0  # forward passes, emulation included, TP collectives not (predictor/run_terms.py's terms)
+    backward_s: float = 0.0
+    tp_comm_s: float = 0.0
     sync_s: float = 0.0
     optimizer_s: float = 0.0
     per_step: list[dict[str, float]] = field(default_factory=list)
@@ -297,7 +300,7 @@ def _step(rank: int, job: RunJob, role: Role, state: RankState, comm: Communicat
     settings, mbs, times = job.settings, role.pipeline.micro_batch_size, state.runner.times
     dist.barrier()
     started = time.perf_counter()
-    before = (times.compute_s, times.emulation_s, times.wait_s)
+    before = (times.compute_s, times.emulation_s, times.wait_s, times.forward_s, times.backward_s, times.tp_comm_s)
     tokens = synthetic_batch(job.model, job.global_batch, job.seq_length, settings.seed, step)
     loss_sum = state.runner.run(tokens[role.sample_start : role.sample_start + role.microbatches * mbs])
     t0 = time.perf_counter()
@@ -308,20 +311,27 @@ def _step(rank: int, job: RunJob, role: Role, state: RankState, comm: Communicat
         comm.all_reduce(grads, state.dp_group)
     else:
         grads = state.across.sync(grads, comm, full=capture)
-    times.sync_s += time.perf_counter() - t0
+    sync_s = time.perf_counter() - t0
+    times.sync_s += sync_s
     if capture:
         torch.save(_unflatten(state.modules, params, grads), Path(job.out_dir, f"grads-{rank}.pt"))
     t0 = time.perf_counter()
     state.optimizer.step(grads)
     for p in params:
         p.grad = None
-    times.optimizer_s += time.perf_counter() - t0
+    optimizer_s = time.perf_counter() - t0
+    times.optimizer_s += optimizer_s
     times.per_step.append(
         {
             "time_s": time.perf_counter() - started,
             "compute_s": times.compute_s - before[0],
             "emulation_s": times.emulation_s - before[1],
             "wait_s": times.wait_s - before[2],
+            "forward_s": times.forward_s - before[3],
+            "backward_s": times.backward_s - before[4],
+            "tp_comm_s": times.tp_comm_s - before[5],
+            "sync_s": sync_s,
+            "optimizer_s": optimizer_s,
         }
     )
     return loss_sum * mbs / job.global_batch if role.last and role.tp_rank == 0 else 0.0
@@ -380,12 +390,21 @@ class _StageRunner:
             else:
                 self.sends.append(self.comm.isend(tensor.detach(), dst, tag))
 
-    def timed(self, work: Callable[[], torch.Tensor | None]) -> torch.Tensor | None:
-        t0 = time.perf_counter()
+    def timed(self, work: Callable[[], torch.Tensor | None], kind: str) -> torch.Tensor | None:
+        """Run a forward or backward pass; emulation stretches its compute, not its TP collectives (the cost model
+        scales an emulated device's layer costs only)."""
+        tp = self.emulator.tp
+        t0, comm0 = time.perf_counter(), tp.comm_s
         out = work()
-        real = time.perf_counter() - t0
+        real, comm = time.perf_counter() - t0, tp.comm_s - comm0
+        extended = self.emulator.extend(real - comm)
         self.times.compute_s += real
-        self.times.emulation_s += self.emulator.extend(real)
+        self.times.emulation_s += extended
+        self.times.tp_comm_s += comm
+        if kind == "forward":
+            self.times.forward_s += real - comm + extended
+        else:
+            self.times.backward_s += real - comm + extended
         return out
 
     def forward(self, j: int, k: int, tokens: torch.Tensor) -> None:
@@ -397,7 +416,7 @@ class _StageRunner:
         else:
             x = self.receive(self.index - 1, ACTIVATION_TAG, (0, j, chunk)).requires_grad_()
         module = self.modules[k]
-        out = self.timed(lambda: module(x, batch[:, 1:] if last else None))
+        out = self.timed(lambda: module(x, batch[:, 1:] if last else None), "forward")
         assert out is not None
         if last:
             self.loss_sum += float(out.detach())
@@ -409,10 +428,10 @@ class _StageRunner:
         chunk = k * self.p + self.index
         x, out = self.saved.pop((j, k))
         if chunk == self.p * self.v - 1:
-            self.timed(lambda: (out * self.loss_scale).backward())
+            self.timed(lambda: (out * self.loss_scale).backward(), "backward")
         else:
             grad = self.receive(self.index + 1, GRADIENT_TAG, (1, j, chunk))
-            self.timed(lambda: out.backward(grad))
+            self.timed(lambda: out.backward(grad), "backward")
         if chunk > 0:
             self.send(x.grad, self.index - 1, GRADIENT_TAG, (1, j, chunk - 1))
 

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from planner.export import launch_commands
 from planner.plan import LoadedPlan, evaluation_dict
 from predictor.cost_model import CostContext, evaluate
+from predictor.run_terms import predicted_stage_terms, side_by_side
 from predictor.runs import RUN_SCHEMA
 from profiler.comm_bench import free_port, run_processes
 from runtime.execute import TORCH_DTYPES, RunJob, RunSettings, gathered_results, spawned_rank, synthetic_batch
@@ -119,9 +120,11 @@ def summarize(results: list[dict[str, Any]], steps: int) -> dict[str, Any]:
         kept = r["steps"][1:] if steps > 1 else r["steps"]
         for key in ("compute_s", "emulation_s", "wait_s"):
             entry.setdefault(key + "_per_rank", []).append(statistics.median(s[key] for s in kept))
+        entry.setdefault("terms_per_rank", []).append((r["rank"], _measured_terms(kept)))
     per_stage = []
     for family, index in sorted(stages):
         entry = stages[family, index]
+        rank, (step_s, terms) = max(entry["terms_per_rank"], key=lambda item: item[1][0])  # the stage's slowest rank
         per_stage.append(
             {
                 "family": family,
@@ -133,6 +136,9 @@ def summarize(results: list[dict[str, Any]], steps: int) -> dict[str, Any]:
                 "compute_s": max(entry["compute_s_per_rank"]),
                 "emulation_s": max(entry["emulation_s_per_rank"]),
                 "wait_s": max(entry["wait_s_per_rank"]),
+                "rank": rank,
+                "step_s": step_s,
+                "terms": terms,
             }
         )
     return {
@@ -143,6 +149,18 @@ def summarize(results: list[dict[str, Any]], steps: int) -> dict[str, Any]:
         "memory_max_rss_bytes": {str(r["rank"]): r["max_rss_bytes"] for r in active},
         "idle_ranks": [r["rank"] for r in results if r.get("idle")],
     }
+
+
+def _measured_terms(steps: list[dict[str, float]]) -> tuple[float, dict[str, float]]:
+    """One rank's median step (the lower one of an even count: a step that happened) and its terms as the runtime
+    timed them (predictor/run_terms.py), the untimed rest as `other`: the terms add up to the step, and `other` is
+    what no timer covers (medians taken term by term would not add up)."""
+    timed = {"forward": "forward_s", "backward": "backward_s", "tp_comm": "tp_comm_s", "pipeline_wait": "wait_s"}
+    timed |= {"dp_sync": "sync_s", "optimizer": "optimizer_s"}
+    median = sorted(steps, key=lambda s: s["time_s"])[(len(steps) - 1) // 2]
+    terms = {term: median.get(key, 0.0) for term, key in timed.items()}
+    terms["other"] = median["time_s"] - sum(terms.values())
+    return median["time_s"], terms
 
 
 def reference_check(plan: LoadedPlan, settings: RunSettings, measured_loss: float) -> dict[str, Any]:
@@ -194,7 +212,7 @@ def run_record(
         "source": f"hetplan run on {platform.node()} ({platform.machine()}, {len(os.sched_getaffinity(0))} cores)",
         "cluster": read_mapping(Path(cluster_path)),
         "model": plan.model.model_dump(mode="json"),
-        "training": plan.training.model_dump(mode="json"),
+        "training": ctx.training.model_dump(mode="json"),  # as the runtime ran it (planner.what_if.run_context)
         "strategy": layout,
         "measured_iteration_time_s": summary["measured_iteration_time_s"],
         "cpu_share": cpu_share,
@@ -210,7 +228,9 @@ def run_record(
             "memory_max_rss_bytes": summary["memory_max_rss_bytes"],
             "idle_ranks": summary["idle_ranks"],
             "prediction_from": ctx.predictor_identity,
+            "cost_source": dict(ctx.cost_source) if ctx.cost_source else None,
             "prediction_error": summary["measured_iteration_time_s"] / predicted - 1.0,
+            "terms": side_by_side(summary["stages"], predicted_stage_terms(ctx, evaluation)),
             "emulated_groups": emulated,
             "emulation": "ranks of emulated groups repeat their stage's layer math until each pass takes 1/speed "
             "of its real time (no sleeping)"

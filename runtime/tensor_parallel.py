@@ -9,6 +9,7 @@ row-parallel GEMM's partial output forward and is identity backward. Activations
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -24,10 +25,13 @@ class TensorParallel:
     def __init__(self, group: dist.ProcessGroup | None, size: int, rank: int) -> None:
         self.group, self.size, self.rank = group, size, rank
         self.suppressed = False
+        self.comm_s = 0.0  # time spent in this group's collectives (the run record's measured TP term)
 
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
         if self.size > 1 and not self.suppressed:
+            started = time.perf_counter()
             dist.all_reduce(tensor, op=op, group=self.group)
+            self.comm_s += time.perf_counter() - started
         return tensor
 
     @contextmanager

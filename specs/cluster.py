@@ -22,6 +22,12 @@ MAX_DEVICES_PER_NODE = 4096
 MAX_LINK_GBPS = 1e6  # 1 Pb/s
 MAX_MEMORY_GB = 1e5
 MAX_PEAK_TFLOPS = 1e6
+# What a group of CPU devices gets when its file leaves the NIC out (its ranks talk over the host's loopback or one
+# Ethernet port), and a cluster of one group or only CPU groups without a `network` section: written into the plan.
+CPU_NICS_PER_NODE = 1
+CPU_NIC_GBPS = 10.0
+DEFAULT_TOPOLOGY: Topology = "clos"
+Default = tuple[str, float | int | str]  # a field the file left out and the value assumed for it
 
 
 class GroupSpec(BaseModel):
@@ -34,8 +40,10 @@ class GroupSpec(BaseModel):
     device: str
     nodes: StrictInt = Field(ge=1, le=MAX_NODES)
     devices_per_node: StrictInt = Field(ge=1, le=MAX_DEVICES_PER_NODE)
-    nics_per_node: StrictInt = Field(ge=1, le=MAX_DEVICES_PER_NODE)
-    nic_gbps: StrictFloat = Field(gt=0, le=MAX_LINK_GBPS, description="line rate of one NIC, Gb/s")
+    nics_per_node: StrictInt | None = Field(default=None, ge=1, le=MAX_DEVICES_PER_NODE)  # cpu groups: 1
+    nic_gbps: StrictFloat | None = Field(
+        default=None, gt=0, le=MAX_LINK_GBPS, description="line rate of one NIC, Gb/s (cpu groups: 10)"
+    )
     intra_node_GBps: StrictFloat | None = Field(default=None, gt=0, le=MAX_LINK_GBPS / 8)
     memory_GB: StrictFloat | None = Field(default=None, gt=0, le=MAX_MEMORY_GB)
     peak_tflops: StrictFloat | None = Field(default=None, gt=0, le=MAX_PEAK_TFLOPS)
@@ -72,7 +80,7 @@ class ClusterFile(BaseModel):
 
     name: str = Field(min_length=1)
     groups: list[GroupSpec] = Field(min_length=1)
-    network: NetworkSpec
+    network: NetworkSpec | None = None  # optional for one group or only cpu groups
 
     @field_validator("groups")
     @classmethod
@@ -118,6 +126,8 @@ class ClusterSpec:
     topology: Topology
     inter_group_bw_bytes_per_s: float
     source: str = ""
+    # fields the file left out and the values assumed for them ("groups[0].nic_gbps", 10.0): the plan records them
+    defaults: tuple[Default, ...] = ()
 
     @property
     def num_devices(self) -> int:
@@ -141,11 +151,52 @@ class ClusterSpec:
 
     def only(self, group: DeviceGroup) -> ClusterSpec:
         """The cluster restricted to one group (for homogeneous baselines)."""
-        return ClusterSpec(self.name, (group,), self.topology, self.inter_group_bw_bytes_per_s, self.source)
+        return ClusterSpec(
+            self.name, (group,), self.topology, self.inter_group_bw_bytes_per_s, self.source, self.defaults
+        )
+
+
+def _nic(group: GroupSpec, device: DeviceSpec, index: int, source: str, defaults: list[Default]) -> tuple[int, float]:
+    """The group's NICs (count, Gb/s): as written, else CPU_NICS_PER_NODE x CPU_NIC_GBPS for a cpu group (noted in
+    `defaults`); an accelerator group must say (its NICs decide every cross-node transfer)."""
+    chosen = []
+    for name, value, fallback in (
+        ("nics_per_node", group.nics_per_node, CPU_NICS_PER_NODE),
+        ("nic_gbps", group.nic_gbps, CPU_NIC_GBPS),
+    ):
+        if value is None:
+            if device.vendor != "cpu":
+                raise SpecError(
+                    source,
+                    f"groups[{index}].{name}",
+                    f"required for {device.key} devices (only cpu groups default to {CPU_NICS_PER_NODE} NIC of "
+                    f"{CPU_NIC_GBPS:g} Gb/s)",
+                )
+            value = fallback
+            defaults.append((f"groups[{index}].{name}", fallback))
+        chosen.append(value)
+    return int(chosen[0]), float(chosen[1])
+
+
+def _network(spec: ClusterFile, groups: list[DeviceGroup], source: str, defaults: list[Default]) -> NetworkSpec:
+    """The network as written, else (one group, or only cpu groups) a Clos at the slowest group's NIC rate."""
+    if spec.network is not None:
+        return spec.network
+    if len(groups) > 1 and any(g.device.vendor != "cpu" for g in groups):
+        raise SpecError(
+            source,
+            "network",
+            "required for a cluster of several groups with accelerators: give topology and inter_group_gbps "
+            "(only a one-group or cpu-only cluster may leave it out)",
+        )
+    gbps = min(g.nic_bw_bytes_per_s for g in groups) / gbps_to_bytes_per_s(1.0)
+    defaults.extend([("network.topology", DEFAULT_TOPOLOGY), ("network.inter_group_gbps", gbps)])
+    return NetworkSpec(topology=DEFAULT_TOPOLOGY, inter_group_gbps=gbps)
 
 
 def resolve_cluster(spec: ClusterFile, source: str) -> ClusterSpec:
     groups = []
+    defaults: list[Default] = []
     for index, group in enumerate(spec.groups):
         device = get_device(group.device, source, f"groups[{index}].device")
         overrides = {
@@ -162,24 +213,27 @@ def resolve_cluster(spec: ClusterFile, source: str) -> ClusterSpec:
                 f"groups[{index}].emulate_speed",
                 f"speed emulation is for cpu groups (this one is {device.key}): a real device runs at its own speed",
             )
+        nics_per_node, nic_gbps = _nic(group, device, index, source, defaults)
         groups.append(
             DeviceGroup(
                 name=group.name,
                 device=device,
                 nodes=group.nodes,
                 devices_per_node=group.devices_per_node,
-                nics_per_node=group.nics_per_node,
-                nic_bw_bytes_per_s=gbps_to_bytes_per_s(group.nic_gbps),
+                nics_per_node=nics_per_node,
+                nic_bw_bytes_per_s=gbps_to_bytes_per_s(nic_gbps),
                 emulate_speed=group.emulate_speed or 1.0,
                 transport=group.transport,
             )
         )
+    network = _network(spec, groups, source, defaults)
     return ClusterSpec(
         name=spec.name,
         groups=tuple(groups),
-        topology=spec.network.topology,
-        inter_group_bw_bytes_per_s=gbps_to_bytes_per_s(spec.network.inter_group_gbps),
+        topology=network.topology,
+        inter_group_bw_bytes_per_s=gbps_to_bytes_per_s(network.inter_group_gbps),
         source=source,
+        defaults=tuple(defaults),
     )
 
 

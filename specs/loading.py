@@ -7,6 +7,7 @@ values, no duplicate keys, no non-finite numbers. Messages quote at most QUOTE_C
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from collections.abc import Iterator
@@ -29,6 +30,11 @@ QUOTE_CHARS = 200
 StrictInt = Annotated[int, Strict()]
 PositiveInt = Annotated[int, Strict(), Field(ge=1)]
 StrictFloat = Annotated[float, Strict(), Field(allow_inf_nan=False)]
+
+
+def file_sha256(path: str | Path) -> str:
+    """The SHA-256 of a file's bytes (hex): what a plan records of the files its costs came from."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def quote(value: Any) -> str:

@@ -141,3 +141,13 @@ def load_training(path: str | Path | None = None, overrides: dict[str, Any] | No
             data[field] = value
             source = f"{source} (with flags)" if "flags" not in source else source
     return validate(TrainingSpec, data, source)
+
+
+def on_devices(training: TrainingSpec, vendors: set[str]) -> tuple[TrainingSpec, str]:
+    """Training on a cluster of only CPU devices (`vendors` of its groups) is fp32 unless the training file or a flag
+    chose a dtype (CPUs have no fast 16-bit matmuls, and the runtime computes in fp32 there); the note says so
+    ("" when nothing changed)."""
+    if "dtype" in training.model_fields_set or vendors != {"cpu"} or training.dtype == "fp32":
+        return training, ""
+    note = "note: training in fp32 on cpu devices (CPUs run 16-bit matmuls slowly); set dtype or --dtype to choose"
+    return TrainingSpec.model_validate({**training.model_dump(exclude_unset=True), "dtype": "fp32"}), note

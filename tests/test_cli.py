@@ -182,3 +182,24 @@ def test_launch_prints_one_torchrun_per_node_that_expands_the_master_address(tmp
     lines = result.stdout.splitlines()
     assert [line.split("--node-rank ")[1].split()[0] for line in lines] == [str(i) for i in range(len(lines))]
     assert all('--master-addr "$MASTER_ADDR"' in line and " hetplan run " in line for line in lines)
+
+
+def test_a_cpu_cluster_of_two_lines_plans_in_fp32_and_the_plan_records_what_was_assumed(tmp_path):
+    cluster = tmp_path / "laptop.yaml"
+    cluster.write_text("name: laptop\ngroups:\n  - {name: cpu, device: cpu, nodes: 1, devices_per_node: 2}\n")
+    model = str(EXAMPLES / "models" / "tiny-llama.yaml")
+    made = hetplan("plan", "--cluster", str(cluster), "--model", model, "--global-batch", "8", "--json", "-q")
+    assert made.returncode == 0, made.stderr
+    body = json.loads(made.stdout)
+    assert body["training"]["dtype"] == "fp32"
+    assert made.stderr.startswith("note: training in fp32 on cpu devices") and made.stderr.count("\n") == 1
+    assert body["cluster_defaults"] == {
+        "groups[0].nics_per_node": 1,
+        "groups[0].nic_gbps": 10.0,
+        "network.topology": "clos",
+        "network.inter_group_gbps": 10.0,
+    }
+    chosen = hetplan("plan", "--cluster", str(cluster), "--model", model, "--global-batch", "8", "--dtype", "bf16",
+                     "--json", "-q")  # fmt: skip
+    assert chosen.returncode == 0, chosen.stderr
+    assert json.loads(chosen.stdout)["training"]["dtype"] == "bf16" and "note" not in chosen.stderr

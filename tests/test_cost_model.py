@@ -252,3 +252,27 @@ def test_fp8_runs_where_the_device_has_it_and_keeps_bf16_state():
     assert low.stages[1].memory.total_bytes == pytest.approx(high.stages[1].memory.total_bytes)
     assert low.iteration_time_s < high.iteration_time_s
     assert low.mfu == pytest.approx(high.mfu * high.iteration_time_s / low.iteration_time_s)
+
+
+def test_a_runs_predicted_terms_per_stage_add_up_to_the_iteration_by_hand():
+    """The run record's predicted terms (predictor/run_terms.py) for the 1F1B case above: forward and backward are a
+    third and two thirds of each stage's layers (FixedCosts), the rest of the pipeline is waiting, each stage's terms
+    add up to its step and the slowest stage's step is the iteration."""
+    from predictor.run_terms import TERMS, predicted_stage_terms
+
+    costs = FixedCosts(decoder_s=1.0, embedding_s=0.5, lm_head_s=2.0)
+    ctx = fixed_context(costs, global_batch_size=4, zero_stage=0)
+    stages = (StageStrategy("g", 0, 5, 1, 0), StageStrategy("g", 5, 8, 1, 1))
+    strategy = Strategy((PipelineStrategy(1, 1, 4, stages),), "none", 0)
+    result = evaluate(ctx, strategy)
+    first, second = predicted_stage_terms(ctx, result)
+    assert first["terms"]["forward"] == pytest.approx(4 * (5 + 0.5) / 3)
+    assert first["terms"]["backward"] == pytest.approx(4 * 2 * (5 + 0.5) / 3)
+    assert second["terms"]["forward"] == pytest.approx(4 * (3 + 2) / 3)
+    assert first["terms"]["tp_comm"] == pytest.approx(0.0, abs=1e-12) and first["terms"]["dp_sync"] == 0.0  # TP 1, DP 1
+    assert first["terms"]["pipeline_wait"] == pytest.approx(result.pipeline_time_s - 4 * 5.5)
+    assert second["terms"]["pipeline_wait"] == pytest.approx(result.pipeline_time_s - 4 * 5.0)
+    for stage in (first, second):
+        assert set(stage["terms"]) == set(TERMS)
+        assert stage["step"] == pytest.approx(sum(stage["terms"].values()))
+    assert max(first["step"], second["step"]) == pytest.approx(result.iteration_time_s)

@@ -184,3 +184,57 @@ def test_json_specs_are_fuzzed_too(tmp_path):
             failures += 1
             assert "\n" not in str(err)
     assert failures > 30
+
+
+def test_cpu_groups_need_no_nic_and_one_group_or_cpu_clusters_no_network(tmp_path):
+    """A laptop's cluster is two lines of group; what it leaves out is assumed (and listed for the plan to record),
+    while accelerator groups and mixed clusters must still say what their network is."""
+    laptop = tmp_path / "laptop.yaml"
+    laptop.write_text("name: laptop\ngroups:\n  - {name: cpu, device: cpu, nodes: 1, devices_per_node: 2}\n")
+    cluster = load_cluster(laptop)
+    group = cluster.groups[0]
+    assert (group.nics_per_node, group.nic_bw_bytes_per_s) == (1, 10e9 / 8)
+    assert (cluster.topology, cluster.inter_group_bw_bytes_per_s) == ("clos", 10e9 / 8)
+    assert dict(cluster.defaults) == {
+        "groups[0].nics_per_node": 1,
+        "groups[0].nic_gbps": 10.0,
+        "network.topology": "clos",
+        "network.inter_group_gbps": 10.0,
+    }
+    short = load_cluster(EXAMPLES / "cpu-hetero.yaml")  # written without NICs and network
+    full = tmp_path / "cpu-hetero.yaml"
+    nic = "nodes: 1, devices_per_node: 2, nics_per_node: 1, nic_gbps: 10"
+    full.write_text(
+        f"name: cpu-hetero\ngroups:\n  - {{name: fast, device: cpu, {nic}}}\n"
+        f"  - {{name: slow, device: cpu, {nic}, emulate_speed: 0.5}}\n"
+        "network: {topology: clos, inter_group_gbps: 10}\n"
+    )
+    written = load_cluster(full)
+    assert written.groups == short.groups and written.defaults == () and len(short.defaults) == 6
+    assert written.inter_group_bw_bytes_per_s == short.inter_group_bw_bytes_per_s
+    gpu = tmp_path / "gpu.yaml"
+    gpu.write_text("name: g\ngroups:\n  - {name: a, device: a100, nodes: 1, devices_per_node: 8, nic_gbps: 200}\n")
+    assert _error(gpu, load_cluster) == (
+        f"{gpu}: groups[0].nics_per_node: required for a100-80gb devices (only cpu groups default to 1 NIC of 10 Gb/s)"
+    )
+    one_gpu_group = gpu.read_text().replace("nic_gbps: 200", "nics_per_node: 4, nic_gbps: 200")
+    gpu.write_text(one_gpu_group)
+    assert load_cluster(gpu).inter_group_bw_bytes_per_s == 200e9 / 8  # one group: no network needed either
+    gpu.write_text(one_gpu_group + "  - {name: c, device: cpu, nodes: 1, devices_per_node: 2}\n")
+    assert "network: required for a cluster of several groups with accelerators" in _error(gpu, load_cluster)
+
+
+def test_training_on_cpu_devices_defaults_to_fp32_unless_a_dtype_is_chosen(tmp_path):
+    from specs.training import on_devices
+
+    default = load_training(None)
+    assert default.dtype == "bf16"
+    chosen, note = on_devices(default, {"cpu"})
+    assert chosen.dtype == "fp32" and note.startswith("note: training in fp32 on cpu devices")
+    assert chosen.model_dump(exclude={"dtype"}) == default.model_dump(exclude={"dtype"})
+    assert on_devices(default, {"cpu", "nvidia"}) == (default, "")
+    asked = load_training(None, {"dtype": "bf16"})
+    assert on_devices(asked, {"cpu"}) == (asked, "")  # a dtype the user chose stays
+    written = tmp_path / "t.yaml"
+    written.write_text("dtype: fp16\n")
+    assert on_devices(load_training(written), {"cpu"})[0].dtype == "fp16"

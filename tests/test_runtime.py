@@ -241,9 +241,14 @@ def test_hetplan_run_plans_trains_records_and_feeds_fit(tmp_path):
     training = tmp_path / "training.yaml"
     training.write_text("global_batch_size: 4\ndtype: fp32\nrecompute: [none]\nzero_stage: 0\nmicro_batch_sizes: [1]\n")
     plan = tmp_path / "plan.json"
+    profile = tmp_path / "profiles" / "cpu.json"
+    profile.parent.mkdir()
+    simulated = hetplan("simulate-profile", "--device", "cpu", "--model", str(tmp_path / "model.yaml"), "--out",
+                        str(profile), "--dtype", "fp32", "--tp", "1", "--micro-batches", "1")  # fmt: skip
+    assert simulated.returncode == 0, simulated.stderr
     made = hetplan(
         "plan", "--cluster", str(cluster), "--model", str(tmp_path / "model.yaml"), "--training", str(training),
-        "--out", str(plan), "--json",
+        "--profiles", str(profile.parent), "--out", str(plan), "--json",
     )  # fmt: skip
     assert made.returncode == 0, made.stderr
     record_path = tmp_path / "run.json"
@@ -251,10 +256,28 @@ def test_hetplan_run_plans_trains_records_and_feeds_fit(tmp_path):
                   "--timeout", "60", torch_allowed=True)  # fmt: skip
     assert ran.returncode == 0, ran.stderr
     record = json.loads(record_path.read_text())
+    # the prediction comes from the profile the plan was made with, without --profiles on `run`, and says so
+    assert record["measurements"]["cost_source"]["profiles"][0]["path"] == str(profile.resolve())
+    assert f"profiles cpu={profile.resolve()} (as recorded in the plan)" in ran.stderr
     assert record["schema"] == "hetplan.run/1"
+    # predicted (and recorded for `fit --runs`) as the runtime runs: DP traffic after the flush, not overlapped
+    assert record["training"]["overlap_grad_reduce"] is False and record["training"]["overlap_param_gather"] is False
     assert record["measured_iteration_time_s"] > 0 and record["predicted_iteration_time_s"] > 0
     assert len(record["losses"]) == 2 and record["reference_match"]["match"], record["reference_match"]
     assert record["cpu_share"] == pytest.approx(min(1.0, len(os.sched_getaffinity(0)) / 2))
+    # every stage's step split into the cost model's terms, measured beside predicted, each side adding up
+    terms = record["measurements"]["terms"]
+    stages = record["measurements"]["stages"]
+    assert {(t["family"], t["stage"]) for t in terms} == {(s["family"], s["stage"]) for s in stages}
+    for stage in terms:
+        measured = {term: values["measured_s"] for term, values in stage["terms"].items()}
+        predicted = {term: values["predicted_s"] for term, values in stage["terms"].items()}
+        assert measured["forward"] > 0 and measured["backward"] > 0 and predicted["forward"] > 0
+        assert sum(measured.values()) == pytest.approx(stage["step"]["measured_s"])
+        assert sum(predicted.values()) == pytest.approx(stage["step"]["predicted_s"])
+    slowest = max(stage["step"]["predicted_s"] for stage in terms)
+    assert slowest == pytest.approx(record["predicted_iteration_time_s"])
+    assert "Where the step goes" in ran.stdout
     for stage in record["measurements"]["stages"]:
         assert stage["compute_s"] > 0
         if stage["group"] == "slow":  # its ranks really computed longer

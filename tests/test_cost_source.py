@@ -1,0 +1,203 @@
+"""A plan records where its costs came from (profile files and predictor, with SHA-256), and the commands that read
+the plan use the same unless a flag says otherwise, saying so in one line; a changed file is named in one line, a
+missing one is a one-line error that asks the user to choose."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import EXAMPLES, hetplan
+
+CLUSTER = str(EXAMPLES / "cpu-hetero.yaml")
+MODEL = str(EXAMPLES / "models" / "tiny-llama.yaml")
+TRAINING = str(EXAMPLES / "training" / "cpu-run.yaml")
+
+
+def _slow_profile(directory: Path, factor: float) -> Path:
+    """A simulated CPU profile of tiny-llama whose times are `factor` x the datasheet's (far from what the
+    predictor would simulate, so a command that ignores the profile predicts another time)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "cpu.json"
+    made = hetplan("simulate-profile", "--device", "cpu", "--model", MODEL, "--out", str(path), "--dtype", "fp32",
+                   "--tp", "1,2", "--micro-batches", "1,2")  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    _scale(path, factor)
+    return path
+
+
+def _scale(path: Path, factor: float) -> None:
+    body = json.loads(path.read_text())
+    for entry in body["entries"]:
+        for key in ("forward_time_s", "backward_time_s"):
+            if entry.get(key) is not None:
+                entry[key] *= factor
+    path.write_text(json.dumps(body))
+
+
+@pytest.fixture(scope="module")
+def profiled_plan(tmp_path_factory):
+    """A plan made with --profiles (a profile 3x slower than the datasheet), and that profile."""
+    root = tmp_path_factory.mktemp("cost-source")
+    profile = _slow_profile(root / "profiles", 3.0)
+    plan = root / "plan.json"
+    made = hetplan("plan", "-c", CLUSTER, "-m", MODEL, "--training", TRAINING, "--profiles", str(root / "profiles"),
+                   "--out", str(plan), "--json", "-q")  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    return plan, profile, json.loads(made.stdout)
+
+
+def _predict(plan: Path, *flags: str):
+    done = hetplan("predict", "-c", CLUSTER, "--strategy", str(plan), "--json", *flags)
+    return done, (json.loads(done.stdout) if done.returncode == 0 else None)
+
+
+def test_a_plan_records_its_profiles_and_predictor_with_their_hashes(profiled_plan):
+    _, profile, body = profiled_plan
+    source = body["cost_source"]
+    assert source["predictor"]["kind"] == "shipped" and len(source["predictor"]["key"]) == 32
+    assert source["profiles"] == [
+        {"device": "cpu", "path": str(profile.resolve()), "sha256": hashlib.sha256(profile.read_bytes()).hexdigest()}
+    ]
+
+
+def test_predict_and_explain_use_the_recorded_profiles_and_say_so(profiled_plan, tmp_path):
+    plan, profile, body = profiled_plan
+    done, predicted = _predict(plan)
+    assert done.returncode == 0, done.stderr
+    assert predicted["iteration_time_s"] == body["iteration_time_s"]  # the plan's own costs, not the datasheet's
+    assert done.stderr.count("\n") == 1 and "as recorded in the plan" in done.stderr
+    assert str(profile.resolve()) in done.stderr
+    explained = hetplan("explain", str(plan), "-c", CLUSTER, "--json", "-q")
+    assert explained.returncode == 0, explained.stderr
+    assert json.loads(explained.stdout)["iteration_time_s"] == pytest.approx(body["iteration_time_s"], rel=1e-5)
+    assert f"profiles cpu={profile.resolve()} (as recorded in the plan)" in explained.stderr
+    # an explicit --profiles overrides, and says what it replaced: an empty directory means the datasheet's costs
+    (tmp_path / "none").mkdir()
+    done, other = _predict(plan, "--profiles", str(tmp_path / "none"))
+    assert done.returncode == 0, done.stderr
+    assert other["iteration_time_s"] < body["iteration_time_s"] / 2
+    assert "--profiles" in done.stderr and "the plan was made with profiles cpu=" in done.stderr
+
+
+def test_a_changed_profile_is_named_in_one_line_and_used_as_it_is(profiled_plan, tmp_path):
+    plan, profile, body = profiled_plan
+    copy = tmp_path / "cpu.json"
+    copy.write_bytes(profile.read_bytes())
+    moved = tmp_path / "plan.json"
+    recorded = json.loads(plan.read_text())
+    recorded["cost_source"]["profiles"][0]["path"] = str(copy)
+    moved.write_text(json.dumps(recorded))
+    _scale(copy, 2.0)
+    done, predicted = _predict(moved)
+    assert done.returncode == 0, done.stderr
+    changed = [line for line in done.stderr.splitlines() if "changed since the plan was made" in line]
+    assert len(changed) == 1 and changed[0].startswith(f"{copy}: the plan's cpu profile changed"), done.stderr
+    assert predicted["iteration_time_s"] > body["iteration_time_s"] * 1.5
+
+
+def test_a_missing_profile_is_a_one_line_error_that_asks_to_choose(profiled_plan, tmp_path):
+    plan, _, _ = profiled_plan
+    moved = tmp_path / "plan.json"
+    recorded = json.loads(plan.read_text())
+    recorded["cost_source"]["profiles"][0]["path"] = str(tmp_path / "gone.json")
+    moved.write_text(json.dumps(recorded))
+    for command in (["explain", str(moved), "-c", CLUSTER], ["predict", "-c", CLUSTER, "--strategy", str(moved)]):
+        done = hetplan(*command)
+        assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+        assert f"{moved}: cost_source.profiles[0].path: {tmp_path / 'gone.json'}" in done.stderr
+        assert "--profiles DIR" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_old_plans_without_a_cost_source_load_and_say_so(profiled_plan, tmp_path):
+    plan, _, body = profiled_plan
+    old = tmp_path / "old.json"
+    recorded = json.loads(plan.read_text())
+    del recorded["cost_source"]
+    old.write_text(json.dumps(recorded))
+    done, predicted = _predict(old)
+    assert done.returncode == 0, done.stderr
+    assert "records no cost source" in done.stderr and done.stderr.count("\n") == 1
+    assert predicted["iteration_time_s"] < body["iteration_time_s"] / 2  # the shipped predictor's datasheet costs
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        (lambda s: s["profiles"][0].update(sha256="abc"), "cost_source.profiles[0].sha256"),
+        (lambda s: s["predictor"].update(kind="file"), "cost_source.predictor"),
+        (lambda s: s.update(extra=1), "cost_source.extra"),
+    ],
+)
+def test_a_bad_cost_source_is_a_one_line_error_naming_the_field(profiled_plan, tmp_path, change, field):
+    plan, _, _ = profiled_plan
+    bad = tmp_path / "bad.json"
+    recorded = json.loads(plan.read_text())
+    change(recorded["cost_source"])
+    bad.write_text(json.dumps(recorded))
+    done = hetplan("explain", str(bad), "-c", CLUSTER)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert f"{bad}: {field}" in done.stderr
+
+
+@pytest.mark.slow
+def test_a_predictor_file_is_recorded_and_used_and_its_loss_is_an_error(tmp_path):
+    profile = _slow_profile(tmp_path / "profiles", 3.0)
+    fitted = tmp_path / "p.joblib"
+    made = hetplan("fit", "--profiles", str(profile.parent), "--out", str(fitted), "-q", "--json")
+    assert made.returncode == 0, made.stderr
+    plan = tmp_path / "plan.json"
+    made = hetplan("plan", "-c", CLUSTER, "-m", MODEL, "--training", TRAINING, "--predictor", str(fitted),
+                   "--out", str(plan), "--json", "-q")  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    body = json.loads(made.stdout)
+    digest = hashlib.sha256(fitted.read_bytes()).hexdigest()
+    assert body["cost_source"]["predictor"] == {"kind": "file", "path": str(fitted.resolve()), "sha256": digest}
+    done, predicted = _predict(plan)
+    assert done.returncode == 0, done.stderr
+    assert predicted["iteration_time_s"] == body["iteration_time_s"]
+    assert f"predictor {fitted.resolve()} (as recorded in the plan)" in done.stderr
+    fitted.rename(tmp_path / "moved.joblib")
+    done, _ = _predict(plan)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert "cost_source.predictor.path" in done.stderr and "--predictor FILE" in done.stderr
+
+
+def test_a_plan_made_with_profiles_in_memory_loads_and_says_they_were_never_saved(tmp_path):
+    """The Python API may plan with a profile that is no file: the plan records its device without path or hash,
+    loads back, and a command reading it says it uses the predictor's costs for that device."""
+    from planner import load_plan, plan
+    from planner.cost_source import plan_costs
+    from profiler.simulated import SimulatedDevice
+    from specs import get_device, load_cluster, load_model, load_training
+
+    model = load_model(MODEL)
+    profile = SimulatedDevice(get_device("cpu"), model, model.seq_length, "fp32").to_profile((1, 2), (1, 2))
+    training = load_training(TRAINING)
+    made = plan(load_cluster(CLUSTER), model, training, {"cpu": profile})
+    assert made.to_dict()["cost_source"]["profiles"] == [{"device": "cpu", "path": "", "sha256": ""}]
+    path = tmp_path / "plan.json"
+    made.save(path)
+    costs = plan_costs(load_plan(path))
+    assert costs.profiles == {}
+    assert "cpu=(never saved) (as recorded in the plan)" in costs.lines[0]
+    assert costs.lines[1] == (
+        f"{path}: made with a cpu profile that was never saved to a file: using the predictor's costs for cpu "
+        "(pass --profiles DIR to choose)"
+    )
+
+
+def test_replan_and_export_use_the_recorded_profiles_too(profiled_plan, tmp_path):
+    plan, profile, body = profiled_plan
+    new = tmp_path / "new.json"
+    done = hetplan("replan", str(plan), "-c", CLUSTER, "--without", "group:slow:1", "--out", str(new), "-q", "--json")
+    assert done.returncode == 0, done.stderr
+    assert "(as recorded in the plan)" in done.stderr
+    assert json.loads(new.read_text())["cost_source"] == body["cost_source"]  # the new plan keeps the source
+    exported = hetplan("export", str(plan), "-c", CLUSTER, "-f", "torchrun", "--out", str(tmp_path / "x"), "--json")
+    assert exported.returncode == 0, exported.stderr
+    assert json.loads(exported.stdout)["plan_iteration_time_s"] == pytest.approx(body["iteration_time_s"], rel=1e-5)
+    assert f"profiles cpu={profile.resolve()} (as recorded in the plan)" in exported.stderr
