@@ -2,25 +2,27 @@
 
 from __future__ import annotations
 
+import json
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
+import torch.distributed as dist  # noqa: E402
 
-from planner.plan import LoadedPlan  # noqa: E402
+from profiler.comm_bench import free_port, run_processes  # noqa: E402
 from runtime import checkpoint  # noqa: E402
-from runtime.execute import RunSettings  # noqa: E402
-from runtime.launch import run_plan, summarize  # noqa: E402
-from runtime.model import piece_offsets  # noqa: E402
+from runtime.execute import RunJob, RunSettings, gathered_results, synthetic_batch  # noqa: E402
+from runtime.launch import summarize  # noqa: E402
+from runtime.model import ReferenceModel, piece_offsets  # noqa: E402
 from specs.cluster import ClusterFile, resolve_cluster  # noqa: E402
 from specs.errors import SpecError  # noqa: E402
 from specs.layout import PipelineStrategy, StageStrategy, Strategy  # noqa: E402
-from specs.training import TrainingSpec  # noqa: E402
 from tests.test_runtime import CLUSTER, MODEL  # noqa: E402
 
-SEED, BATCH, STEPS, SAVED_AT = 5, 6, 4, 2
+SEED, BATCH, STEPS_PER_PLAN = 5, 6, 2
 ONE_GROUP = resolve_cluster(
     ClusterFile.model_validate(
         {
@@ -33,13 +35,94 @@ ONE_GROUP = resolve_cluster(
     ),
     "test",
 )
+FAST, SLOW = "fast", "slow"
+# Each plan trains two steps from the previous plan's checkpoint and saves its own; every transition below is one
+# of the issue's save-under-A / load-under-B cases (the last two on a cluster of one group of four devices)
+CHAIN: list[tuple[str, Strategy, object]] = [
+    (
+        "two families",  # the whole model at TP 2 on `fast`; layers 0-1 -> 2-4 on `slow`
+        Strategy(
+            (
+                PipelineStrategy(1, 2, 2, (StageStrategy(FAST, 0, 5, 2, 0),)),
+                PipelineStrategy(1, 1, 2, (StageStrategy(SLOW, 0, 2, 1, 0), StageStrategy(SLOW, 2, 5, 1, 1))),
+            ),
+            "none",
+            0,
+        ),
+        CLUSTER,
+    ),
+    (
+        "one family at TP 2",
+        Strategy(
+            (PipelineStrategy(1, 2, 3, (StageStrategy(FAST, 0, 2, 2, 0), StageStrategy(SLOW, 2, 5, 2, 0))),), "none", 0
+        ),
+        CLUSTER,
+    ),
+    (
+        "PP 2 at TP 1, 2 replicas",
+        Strategy(
+            (PipelineStrategy(2, 1, 3, (StageStrategy(FAST, 0, 2, 1, 0), StageStrategy(SLOW, 2, 5, 1, 0))),), "none", 0
+        ),
+        CLUSTER,
+    ),
+    (
+        "PP 3 of 1 + 2 + 2 layers, one device idle",
+        Strategy(
+            (
+                PipelineStrategy(
+                    1,
+                    2,
+                    3,
+                    (StageStrategy(FAST, 0, 1, 1, 0), StageStrategy(FAST, 1, 3, 1, 1), StageStrategy(SLOW, 3, 5, 1, 0)),
+                ),
+            ),
+            "none",
+            0,
+        ),
+        CLUSTER,
+    ),
+    (
+        "ZeRO-1 over 4 replicas",  # 6 samples as 2+2+1+1 micro-batches of 1
+        Strategy((PipelineStrategy(4, 1, 2, (StageStrategy("cpu", 0, 5, 1, 0),), total_microbatches=6),), "none", 1),
+        ONE_GROUP,
+    ),
+    (
+        "ZeRO-1 over 3 replicas",  # the shards cut the flat vector at other places, inside rows of the tensors
+        Strategy((PipelineStrategy(3, 1, 2, (StageStrategy("cpu", 0, 5, 1, 0),)),), "none", 1),
+        ONE_GROUP,
+    ),
+]
 
 
-def _run(strategy: Strategy, cluster, out: Path, **settings) -> list[dict]:
-    out.mkdir()
-    plan = LoadedPlan(strategy, MODEL, TrainingSpec(global_batch_size=BATCH, dtype="fp32"), "test plan")
-    run = RunSettings(steps=STEPS, seed=SEED, dtype="fp64", timeout_s=60, dump_state=True, **settings)
-    return run_plan(plan, cluster, run, str(out))
+def _chain_rank(rank: int, world: int, port: int, jobs: list[RunJob]) -> None:
+    """Every plan of the chain in turn on one set of processes (a spawn costs far more than the training here):
+    each job loads the previous job's checkpoint from disk through DCP, exactly as a fresh process would."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))  # fmt: skip
+    try:
+        for job in jobs:
+            results = gathered_results(rank, job)
+            if results is not None:
+                Path(job.out_dir, "results.json").write_text(json.dumps(results), encoding="utf-8")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory) -> Path:
+    """Run the chain; plan i's out directory is root/i, its checkpoints root/checkpoints-i."""
+    root = tmp_path_factory.mktemp("chain")
+    jobs = []
+    for i, (_, strategy, cluster) in enumerate(CHAIN):
+        (root / str(i)).mkdir()
+        settings = RunSettings(
+            steps=STEPS_PER_PLAN * (i + 1), seed=SEED, dtype="fp64", timeout_s=60, dump_state=True,
+            checkpoint_dir=str(root / f"checkpoints-{i}"), checkpoint_every=STEPS_PER_PLAN,
+            resume_from=str(checkpoint.step_dir(root / f"checkpoints-{i - 1}", STEPS_PER_PLAN * i)) if i else "",
+        )  # fmt: skip
+        jobs.append(RunJob(cluster, MODEL, strategy, BATCH, MODEL.seq_length, settings, str(root / str(i))))
+    run_processes(_chain_rank, (4, free_port(), jobs), 4, 600, "checkpoint chain")
+    return root
 
 
 def _whole(states: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -69,66 +152,66 @@ def _states(out: Path, tag: str) -> list[dict]:
     return found
 
 
-def _save_a_load_b(a: Strategy, b: Strategy, tmp_path: Path, cluster_a=CLUSTER, cluster_b=CLUSTER) -> None:
-    """Train A for 4 steps saving at 2 and 4; B loads step 2 and trains steps 2-3. B's loaded state equals A's at
-    step 2 bit for bit (every parameter and both Adam moments, resharded), and B's losses equal A's."""
-    root = tmp_path / "checkpoints"
-    first = _run(a, cluster_a, tmp_path / "a", checkpoint_dir=str(root), checkpoint_every=SAVED_AT)
-    saved = checkpoint.step_dir(root, SAVED_AT)
-    assert checkpoint.resolve(root) == checkpoint.step_dir(root, STEPS)  # the latest complete one
-    second = _run(b, cluster_b, tmp_path / "b", resume_from=str(saved))
-    expected = _whole(_states(tmp_path / "a", f"step{SAVED_AT}"))
-    loaded = _states(tmp_path / "b", "loaded")
+def _check_transition(chain: Path, i: int) -> None:
+    """Plan i loaded plan i-1's checkpoint: every parameter and both Adam moments of every rank equal the saved
+    state bit for bit (resharded to plan i's layout), the ranks hold the whole model between them, and the
+    optimizer's step count came along."""
+    saved_at = STEPS_PER_PLAN * i
+    expected = _whole(_states(chain / str(i - 1), f"step{saved_at}"))
+    loaded = _states(chain / str(i), "loaded")
     for state in loaded:
         lo, hi = state["moments"]
-        assert state["optimizer_steps"] == SAVED_AT
+        assert state["optimizer_steps"] == saved_at
         assert torch.equal(state["params"], expected[0][state["positions"]])
         assert torch.equal(state["exp_avg"], expected[1][state["positions"][lo:hi]])
         assert torch.equal(state["exp_avg_sq"], expected[2][state["positions"][lo:hi]])
-    assert torch.equal(_whole(loaded)[0], expected[0])  # B's ranks hold the whole model between them
-    assert all(r["first_step"] == SAVED_AT for r in second)
-    losses_a = summarize(first, STEPS)["losses"]
-    losses_b = summarize(second, STEPS - SAVED_AT)["losses"]
-    assert losses_b == pytest.approx(losses_a[SAVED_AT:], rel=1e-10)
-    assert losses_a[SAVED_AT] != pytest.approx(losses_a[0], rel=1e-6)  # the state moved: a stale load would fail
+    assert all(torch.equal(a, b) for a, b in zip(_whole(loaded), expected, strict=True))
+    results = json.loads((chain / str(i) / "results.json").read_text())
+    assert all(r["first_step"] == saved_at for r in results)
 
 
-pytestmark = pytest.mark.slow  # every test here runs several processes
+pytestmark = pytest.mark.slow  # the chain runs 4 processes
 
 
-def test_pp2_to_pp3_with_uneven_layers_and_an_idle_device(tmp_path):
-    a = Strategy(
-        (PipelineStrategy(2, 1, 3, (StageStrategy("fast", 0, 2, 1, 0), StageStrategy("slow", 2, 5, 1, 0))),), "none", 0
-    )
-    stages = (StageStrategy("fast", 0, 1, 1, 0), StageStrategy("fast", 1, 3, 1, 1), StageStrategy("slow", 3, 5, 1, 0))
-    b = Strategy((PipelineStrategy(1, 2, 3, stages),), "none", 0)
-    _save_a_load_b(a, b, tmp_path)
+def test_two_families_to_one_family(chain):
+    _check_transition(chain, 1)
 
 
-def test_tp2_to_tp1(tmp_path):
-    a = Strategy((PipelineStrategy(1, 2, 3, (StageStrategy("fast", 0, 2, 2, 0), StageStrategy("slow", 2, 5, 2, 0))),),
-                 "none", 0)  # fmt: skip
-    b = Strategy((PipelineStrategy(2, 1, 3, (StageStrategy("fast", 0, 3, 1, 0), StageStrategy("slow", 3, 5, 1, 0))),),
-                 "none", 0)  # fmt: skip
-    _save_a_load_b(a, b, tmp_path)
+def test_tp2_to_tp1(chain):
+    _check_transition(chain, 2)
 
 
-def test_zero1_with_4_replicas_to_3_replicas(tmp_path):
-    # 6 samples as 2+2+1+1 micro-batches of 1 over 4 ZeRO-1 shards, then 2+2+2 over 3: the shards cut the flat
-    # vector at other places, inside rows of the tensors
-    a = Strategy((PipelineStrategy(4, 1, 2, (StageStrategy("cpu", 0, 5, 1, 0),), total_microbatches=6),), "none", 1)
-    b = Strategy((PipelineStrategy(3, 1, 2, (StageStrategy("cpu", 0, 5, 1, 0),)),), "none", 1)
-    _save_a_load_b(a, b, tmp_path, ONE_GROUP, ONE_GROUP)
+def test_pp2_to_pp3_with_uneven_layers_and_an_idle_device(chain):
+    _check_transition(chain, 3)
 
 
-def test_two_families_to_one_family(tmp_path):
-    # family 0: the whole model at TP 2 on `fast`; family 1: two stages on `slow`; then one family of 2 replicas of
-    # 3 + 2 layers with ZeRO-1
-    fast = PipelineStrategy(1, 2, 2, (StageStrategy("fast", 0, 5, 2, 0),))
-    slow = PipelineStrategy(1, 1, 2, (StageStrategy("slow", 0, 2, 1, 0), StageStrategy("slow", 2, 5, 1, 1)))
-    stages = (StageStrategy("fast", 0, 3, 1, 0), StageStrategy("slow", 3, 5, 1, 0))
-    b = Strategy((PipelineStrategy(2, 1, 3, stages),), "none", 1)
-    _save_a_load_b(Strategy((fast, slow), "none", 0), b, tmp_path)
+def test_checkpoint_moves_to_another_cluster(chain):
+    _check_transition(chain, 4)
+
+
+def test_zero1_with_4_replicas_to_3_replicas(chain):
+    _check_transition(chain, 5)
+
+
+def test_losses_across_five_replans_equal_one_uninterrupted_process(chain):
+    """Twelve steps over six plans, each resumed from the previous one's checkpoint, against one process training
+    the whole model with torch's AdamW for twelve steps: the same loss curve (fp64, different sum orders)."""
+    losses = []
+    for i in range(len(CHAIN)):
+        results = json.loads((chain / str(i) / "results.json").read_text())
+        losses += summarize(results, STEPS_PER_PLAN)["losses"]
+    reference = ReferenceModel(MODEL, SEED).double()
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.01)
+    expected = []
+    for step in range(len(losses)):
+        tokens = synthetic_batch(MODEL, BATCH, MODEL.seq_length, SEED, step)
+        loss = reference(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        expected.append(float(loss.detach()))
+        optimizer.step()
+        optimizer.zero_grad()
+    assert losses == pytest.approx(expected, rel=1e-9)
+    assert expected[-1] < expected[0]  # it trained: a resumption from fresh weights would not match
 
 
 def test_blocks_cover_column_shards_and_zero_slices_as_few_rectangles():
