@@ -62,6 +62,7 @@ class RunSettings:
     capture_gradients: bool = False  # write step 0's synced gradients (parity tests)
     checkpoint_dir: str = ""  # save the training state here (runtime/checkpoint.py) every `checkpoint_every` steps
     checkpoint_every: int = 0
+    checkpoint_keep: int = 2  # complete checkpoints left after each save (0: all)
     resume_from: str = ""  # a complete checkpoint to continue from (any plan's: it is resharded to this one)
     fail_at: tuple[int, int] | None = None  # (rank, step): that rank dies by SIGKILL as the step starts (elastic tests)
     dump_state: bool = False  # write each rank's parameters and moments with their positions (checkpoint tests)
@@ -285,7 +286,7 @@ def run_rank(rank: int, job: RunJob) -> dict[str, Any]:
     for step in range(keeper.first_step, job.settings.steps):
         _maybe_die(rank, job, step)
         losses.append(_step(rank, job, role, state, comm, step))
-        keeper.after(step + 1)
+        keeper.after(step + 1, losses[-1])
     times, stage = state.runner.times, role.stage
     return {
         "rank": rank,
@@ -343,7 +344,8 @@ class _Keeper:
                 state.optimizer.steps = resumed.optimizer_steps
             self.first_step = resumed.step
             self.record.append({"loaded": resumed.checkpoint, "step": resumed.step, "load_s": resumed.load_s,
-                                "setup_s": time.perf_counter() - started - resumed.load_s})  # fmt: skip
+                                "setup_s": time.perf_counter() - started - resumed.load_s,
+                                "loaded_unix_time_s": time.time()})  # fmt: skip
             self.dump("loaded")
 
     def _tensors(self) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
@@ -352,11 +354,17 @@ class _Keeper:
         optimizer = self.state.optimizer
         return list(self.state.params), optimizer.exp_avg, optimizer.exp_avg_sq
 
-    def after(self, done: int) -> None:
-        """Save after `done` completed steps when it is time."""
+    def after(self, done: int, loss: float = 0.0) -> None:
+        """Note the step in progress-RANK.jsonl (what a supervisor reads of a run that dies before its results) and
+        save after `done` completed steps when it is time."""
         settings, job = self.job.settings, self.job
         if not settings.checkpoint_dir or not settings.checkpoint_every:
             return
+        if self.state is not None:
+            line = {"step": done, "time_s": self.state.runner.times.per_step[-1]["time_s"], "loss": loss,
+                    "unix_time_s": time.time()}  # fmt: skip
+            with open(Path(job.out_dir, f"progress-{self.rank}.jsonl"), "a", encoding="utf-8") as out:
+                out.write(json.dumps(line) + "\n")
         if done % settings.checkpoint_every and done != settings.steps:
             return
         samples = done * job.global_batch
@@ -365,7 +373,7 @@ class _Keeper:
         params, exp_avg, exp_avg_sq = self._tensors()
         steps = self.state.optimizer.steps if self.state is not None else 0
         path, seconds = checkpoint.save_rank(settings.checkpoint_dir, done, samples, info, self.table, self.holdings,
-                                             params, exp_avg, exp_avg_sq, steps)  # fmt: skip
+                                             params, exp_avg, exp_avg_sq, steps, settings.checkpoint_keep)  # fmt: skip
         self.record.append({"saved": str(path), "step": done, "save_s": seconds})
         self.dump(f"step{done}")
 
