@@ -470,3 +470,16 @@ def describe(
         "tensors": "model.<name> and optimizer.exp_avg[_sq].<name>: whole tensors of the model (global names and "
         "shapes), saved as DCP shards",
     }
+
+
+def check_resume(path: str | Path, model: ModelSpec, steps: int) -> tuple[Path, dict[str, Any]]:
+    """The checkpoint a run resumes from and its description, checked before any process starts: complete, of this
+    model, and not already past the steps asked for (one-line SpecErrors)."""
+    found = resolve(path)
+    info = read_info(found)
+    check_model(info, model, found)
+    if int(info["step"]) >= steps:
+        raise SpecError(
+            str(found / INFO_FILE), "step", f"the checkpoint is at step {info['step']}: ask for more --steps than that"
+        )
+    return found, info

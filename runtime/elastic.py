@@ -257,3 +257,65 @@ def _layout(strategy: Any) -> str:
     from planner.plan import describe_strategy
 
     return describe_strategy(strategy)
+
+
+def resumed_settings(settings: RunSettings, model: Any) -> RunSettings:
+    """Settings that resume from settings.resume_from (resolved to the latest complete checkpoint and checked), with
+    the checkpoint's seed: the data order and weights continue as they were."""
+    if not settings.resume_from:
+        return settings
+    found, info = checkpoint.check_resume(settings.resume_from, model, settings.steps)
+    return dataclasses.replace(settings, resume_from=str(found), seed=int(info["seed"]))
+
+
+def _changed_mapping(mapping: dict[str, Any], cluster: ClusterSpec) -> dict[str, Any]:
+    """The cluster file's mapping with the groups, nodes and devices per node the run ended on."""
+    sizes = {g.name: (g.nodes, g.devices_per_node) for g in cluster.groups}
+    groups = []
+    for group in mapping.get("groups", []):
+        if group.get("name") in sizes:
+            nodes, per_node = sizes[group["name"]]
+            groups.append({**group, "nodes": nodes, "devices_per_node": per_node})
+    return {**mapping, "groups": groups}
+
+
+def execute_elastic(
+    plan: LoadedPlan,
+    cluster: ClusterSpec,
+    cluster_path: str,
+    context: Callable[[ClusterSpec], Any],
+    settings: RunSettings,
+    max_restarts: int,
+    predictor: Predictor | None = None,
+    progress: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """`hetplan run` with checkpoints and restarts: the run record of the last attempt (its cluster is what was left,
+    its prediction for that cluster and plan) with `elastic`: every interruption and the loss of every step."""
+    from runtime.launch import _recorded, cpu_share
+
+    ctx = context(cluster.sharing_cores(cpu_share(cluster)))
+    ctx.check_strategy(plan.strategy, plan.source)
+    settings = resumed_settings(settings, plan.model)
+    progress(f"running {plan.source} on {cluster.num_devices} local processes for {settings.steps} steps, "
+             f"checkpoints in {settings.checkpoint_dir} every {settings.checkpoint_every} ...")  # fmt: skip
+    run = run_elastic(plan, cluster, settings, max_restarts, predictor, progress=progress)
+    share = cpu_share(run.cluster)
+    record = _recorded(run.plan, run.cluster, cluster_path, context(run.cluster.sharing_cores(share)), settings,
+                       run.results, share)  # fmt: skip
+    if run.interruptions:
+        record["cluster"] = _changed_mapping(record["cluster"], run.cluster)
+        record["name"] = f"{record['name']} (after {len(run.interruptions)} interruption(s))"
+    saved = sorted({c["step"] for r in run.results for c in r.get("checkpoints", []) if "saved" in c})
+    record["elastic"] = {
+        "checkpoint_dir": settings.checkpoint_dir,
+        "checkpoint_every": settings.checkpoint_every,
+        "resumed_from": settings.resume_from,
+        "checkpoints_saved_last_attempt": saved,
+        "save_s": max(
+            (c["save_s"] for r in run.results for c in r.get("checkpoints", []) if "save_s" in c), default=None
+        ),
+        "losses_by_step": [run.losses[s] for s in sorted(run.losses)],
+        "first_step": min(run.losses, default=0),
+        "interruptions": run.interruptions,
+    }
+    return record

@@ -77,3 +77,70 @@ def test_a_rank_dies_the_job_replans_reshards_and_resumes_on_three_ranks(tmp_pat
         optimizer.step()
         optimizer.zero_grad()
     assert [run.losses[s] for s in range(STEPS)] == pytest.approx(expected, rel=1e-9)
+
+
+def _two_devices(tmp_path: Path, layers: int = 2) -> tuple[Path, Path]:
+    """A plan of a small model on two local devices (one emulating half speed), through the CLI."""
+    from tests.conftest import hetplan
+
+    model = tmp_path / f"model-{layers}.yaml"
+    model.write_text(
+        f"num_layers: {layers}\nhidden_size: 64\nffn_hidden_size: 128\nnum_attention_heads: 4\nnum_kv_heads: 2\n"
+        "vocab_size: 256\nseq_length: 16\nmlp: swiglu\n"
+    )
+    groups = "".join(
+        f"  - {{name: {name}, device: cpu, nodes: 1, devices_per_node: 1, nics_per_node: 1, nic_gbps: 10{extra}}}\n"
+        for name, extra in (("fast", ""), ("slow", ", emulate_speed: 0.5"))
+    )
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text(f"name: two\ngroups:\n{groups}network: {{topology: clos, inter_group_gbps: 10}}\n")
+    training = tmp_path / "training.yaml"
+    training.write_text("global_batch_size: 4\ndtype: fp32\nrecompute: [none]\nzero_stage: 0\nmicro_batch_sizes: [1]\n")
+    plan = tmp_path / f"plan-{layers}.json"
+    made = hetplan("plan", "--cluster", str(cluster), "--model", str(model), "--training", str(training),
+                   "--out", str(plan), "--json")  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    return plan, cluster
+
+
+@pytest.mark.slow
+def test_hetplan_run_survives_a_lost_rank_and_refuses_bad_resumes_in_one_line(tmp_path):
+    """hetplan run --checkpoint-dir --max-restarts with an injected death: the record tells the interruption; then
+    resuming from a finished, another model's or an incomplete checkpoint is one line and exit 2, before any
+    process starts."""
+    import json
+    import shutil
+
+    from tests.conftest import hetplan
+
+    plan, cluster = _two_devices(tmp_path)
+    record_path, root = tmp_path / "run.json", tmp_path / "ck"
+    ran = hetplan("run", str(plan), "--cluster", str(cluster), "--steps", "4", "--out", str(record_path),
+                  "--checkpoint-dir", str(root), "--checkpoint-every", "2", "--max-restarts", "1",
+                  "--inject-failure", "1:3", "--timeout", "60", "--quiet", torch_allowed=True)  # fmt: skip
+    assert ran.returncode == 0, ran.stderr
+    record = json.loads(record_path.read_text())
+    (event,) = record["elastic"]["interruptions"]
+    assert event["lost_ranks"] == [1] and event["devices_after"] == 1 and event["resumed_from_step"] == 2
+    assert len(record["elastic"]["losses_by_step"]) == 4
+    assert [g["name"] for g in record["cluster"]["groups"]] == ["fast"]  # the record is of the cluster that was left
+    assert "interrupted: lost rank(s) 1 (slow: device 0 of its node) as step 4 started" in ran.stdout
+
+    def refused(*args: str) -> str:
+        out = hetplan("run", *args, "--cluster", str(cluster), "--out", str(tmp_path / "x.json"), torch_allowed=True)
+        assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+        return out.stderr
+
+    assert "at step 4: ask for more --steps" in refused(str(plan), "--resume", str(root), "--steps", "4")
+    other, _ = _two_devices(tmp_path, layers=3)
+    error = refused(str(other), "--resume", str(root), "--steps", "6")
+    assert f"{checkpoint.step_dir(root, 4) / checkpoint.INFO_FILE}: model.num_layers" in error
+    assert "another model" in error
+    broken = tmp_path / "broken" / "step-00000004"
+    shutil.copytree(checkpoint.step_dir(root, 4), broken)
+    (broken / checkpoint.METADATA_FILE).unlink()
+    assert ".metadata: missing: not a complete checkpoint" in refused(
+        str(plan), "--resume", str(broken), "--steps", "6"
+    )
+    assert "no complete checkpoint" in refused(str(plan), "--resume", str(broken.parent), "--steps", "6")
+    assert "no such checkpoint directory" in refused(str(plan), "--resume", str(tmp_path / "nowhere"), "--steps", "6")

@@ -1,0 +1,44 @@
+"""What a run with checkpoints and restarts says after its table: each interruption and what it cost (torch-free)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f} s"
+
+
+def _rate(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f} samples/s"
+
+
+def elastic_lines(record: Mapping[str, Any]) -> list[str]:
+    """One line per interruption (lost devices, detect, stop, re-plan, reload, steps lost, throughput before and
+    after), the loss of every step across them, and where the checkpoints are."""
+    elastic = record.get("elastic")
+    if not elastic:
+        return []
+    lines = []
+    for event in elastic["interruptions"]:
+        lines.append(
+            f"interrupted: lost rank(s) {', '.join(map(str, event['lost_ranks']))} ({'; '.join(event['lost_devices'])})"
+            f"{'' if event['died_at_step'] is None else ' as step ' + str(event['died_at_step'] + 1) + ' started'}; "
+            "detected in "
+            f"{_seconds(event['detect_s'])}, survivors stopped in {_seconds(event['stop_survivors_s'])}, re-planned "
+            f"for {event['devices_after']} devices in {_seconds(event['replan_s'])} ({event['plan_after']}), "
+            f"reloaded the state after step {event['resumed_from_step']} in {_seconds(event.get('reload_s'))} "
+            f"({_seconds(event.get('respawn_to_loaded_s'))} from respawn), {event['steps_lost']} step(s) lost; "
+            f"throughput {_rate(event['throughput_before_samples_per_s'])} before, "
+            f"{_rate(event.get('throughput_after_samples_per_s'))} after"
+        )
+    losses = elastic["losses_by_step"]
+    if elastic["interruptions"] or elastic["first_step"]:
+        first = elastic["first_step"]
+        lines.append(f"loss per step from step {first + 1}: " + ", ".join(f"{loss:.4f}" for loss in losses))
+    saved = elastic["checkpoints_saved_last_attempt"]
+    if saved:
+        lines.append(f"checkpoints: {elastic['checkpoint_dir']} (steps {', '.join(map(str, saved))} kept by the last "
+                     f"attempt; the slowest rank saved in {_seconds(elastic['save_s'])})")  # fmt: skip
+    return lines
