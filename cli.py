@@ -403,6 +403,9 @@ def run(
     checkpoint_every: Annotated[
         int, _opt("--checkpoint-every", min=0, help="Save every N steps (and after the last; 0: only the last).")
     ] = 0,
+    async_save: Annotated[
+        bool, _opt("--async-save", help="Write checkpoints in the background (DCP async_save); committed when done.")
+    ] = False,
     resume: Annotated[
         Optional[Path],
         _opt("--resume", help="Continue from this checkpoint, or the latest complete one under this directory."),
@@ -442,6 +445,8 @@ def run(
         if not (rank_text.isdigit() and step_text.isdigit()):
             raise SpecError("--inject-failure", inject_failure, "expected RANK:STEP, e.g. 3:4")
         failure = (int(rank_text), int(step_text))
+    if checkpoint_every and checkpoint_dir is None:
+        raise SpecError("--checkpoint-every", str(checkpoint_every), "saves need --checkpoint-dir")
     if (max_restarts or failure) and checkpoint_dir is None:
         raise SpecError("--max-restarts", "", "a run that survives failures needs --checkpoint-dir to resume from")
     under_torchrun = launched_by_torchrun()
@@ -453,7 +458,7 @@ def run(
     settings = RunSettings(
         steps=steps, seed=seed, dtype=loaded.training.dtype, timeout_s=timeout,
         checkpoint_dir=str(checkpoint_dir or ""), checkpoint_every=checkpoint_every or steps,
-        resume_from=str(resume or ""), fail_at=failure,
+        checkpoint_async=async_save, resume_from=str(resume or ""), fail_at=failure,
     )  # fmt: skip
     with _progress("run", quiet) as progress:  # under torchrun: this process is one rank, rank 0 writes
         if checkpoint_dir and not under_torchrun:

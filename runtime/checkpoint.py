@@ -25,6 +25,7 @@ import io
 import json
 import os
 import shutil
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -267,38 +268,84 @@ def step_dir(root: Path, step: int) -> Path:
     return root / f"step-{step:08d}"
 
 
-def save(
-    root: str | Path,
-    step: int,
-    sharded: Sharded,
-    plain: dict[str, Any],
-    info: dict[str, Any],
-    keep: int = 2,
-) -> tuple[Path, float]:
-    """Every rank calls this (idle ranks with nothing to write); rank 0 commits the checkpoint by renaming its
-    temporary directory once DCP's metadata is written. Returns (the checkpoint, seconds taken). `keep`: how many
-    complete checkpoints to leave (older ones are removed after the new one is committed)."""
-    started = time.perf_counter()
-    root = Path(root)
-    final, temp = step_dir(root, step), root / f".tmp-step-{step:08d}"
-    rank = dist.get_rank()
-    if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(temp, ignore_errors=True)
-        temp.mkdir()
-    dist.barrier()
-    dcp.save({**plain}, storage_writer=dcp.FileSystemWriter(temp), planner=_SavePlanner(sharded))
-    if rank == 0:  # dcp.save returns on every rank only after rank 0 wrote .metadata
-        (temp / INFO_FILE).write_text(json.dumps(info, indent=1, sort_keys=True), encoding="utf-8")
-        _fsync_dir(temp)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(temp, final)
-        _fsync_dir(root)
-        for old in complete_checkpoints(root)[:-keep] if keep > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
-    return final, time.perf_counter() - started
+def _commit(root: Path, temp: Path, final: Path, info: dict[str, Any], keep: int) -> None:
+    """Rank 0, once DCP's .metadata is written (after every rank's data): the description, then the rename that
+    makes the checkpoint complete, then the oldest complete ones beyond `keep` go."""
+    (temp / INFO_FILE).write_text(json.dumps(info, indent=1, sort_keys=True), encoding="utf-8")
+    _fsync_dir(temp)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(temp, final)
+    _fsync_dir(root)
+    for old in complete_checkpoints(root)[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+class Saver:
+    """Writes a run's checkpoints. Synchronous: every rank returns once the checkpoint is committed. Asynchronous
+    (`background`): DCP's async_save writes from a thread over a Gloo group of its own (the training's collectives
+    keep theirs), on copies taken when the save starts, and rank 0 commits the checkpoint as soon as the write is
+    done (DCP's future completes after its metadata is written), while training goes on; a run that dies before
+    then leaves the previous checkpoint the latest complete one. One save at a time: the next waits for the last.
+    Every rank creates a Saver at the same point (the group is created collectively)."""
+
+    def __init__(self, background: bool) -> None:
+        self.group = dist.new_group(backend="gloo") if background else None
+        self.pending: tuple[Any, threading.Event, list[BaseException]] | None = None
+        self.written: list[dict[str, Any]] = []  # background saves: how long each took to be committed
+
+    def save(
+        self, root: str | Path, step: int, sharded: Sharded, plain: dict[str, Any], info: dict[str, Any], keep: int
+    ) -> tuple[Path, float]:
+        """Every rank calls this (idle ranks with nothing to write). Returns (the checkpoint, seconds the training
+        waited)."""
+        started = time.perf_counter()
+        self.wait()
+        root = Path(root)
+        final, temp = step_dir(root, step), root / f".tmp-step-{step:08d}"
+        rank = dist.get_rank()
+        if rank == 0:
+            root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(temp, ignore_errors=True)
+            temp.mkdir()
+        dist.barrier()
+        writer, planner = dcp.FileSystemWriter(temp), _SavePlanner(sharded)
+        if self.group is None:
+            dcp.save({**plain}, storage_writer=writer, planner=planner)
+            if rank == 0:  # dcp.save returns on every rank only after rank 0 wrote .metadata
+                _commit(root, temp, final, info, keep)
+            dist.barrier()
+        else:
+            future = dcp.async_save({**plain}, storage_writer=writer, planner=planner, process_group=self.group)
+            committed, errors = threading.Event(), []
+
+            def commit(done: Any) -> None:
+                try:
+                    if done.exception() is None and rank == 0:
+                        _commit(root, temp, final, info, keep)
+                        self.written.append({"committed": str(final), "write_s": time.perf_counter() - started})
+                except BaseException as err:  # raised again by wait(), on the training's thread
+                    errors.append(err)
+                finally:
+                    committed.set()
+
+            future.add_done_callback(commit)
+            self.pending = (future, committed, errors)
+        return final, time.perf_counter() - started
+
+    def wait(self) -> None:
+        """Finish the pending background save (and rank 0's commit of it)."""
+        if self.pending is None:
+            return
+        future, committed, errors = self.pending
+        self.pending = None
+        future.result()
+        committed.wait()
+        if errors:
+            raise errors[0]
+
+    def close(self) -> None:
+        self.wait()
 
 
 def complete_checkpoints(root: Path) -> list[Path]:
@@ -408,18 +455,21 @@ def plain_entries(rank: int, step: int, samples_seen: int, optimizer_steps: int)
 
 
 def save_rank(
-    root: str | Path, step: int, samples_seen: int, info: dict[str, Any], table: list[GlobalTensor] | None,
-    holdings: Holdings | None, params: list[torch.Tensor], exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-    optimizer_steps: int, keep: int = 2,
+    saver: Saver, root: str | Path, step: int, samples_seen: int, info: dict[str, Any],
+    table: list[GlobalTensor] | None, holdings: Holdings | None, params: list[torch.Tensor], exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor, optimizer_steps: int, keep: int = 2,
 ) -> tuple[Path, float]:  # fmt: skip
-    """One rank's part of a checkpoint after `step` completed steps (an idle rank passes holdings None)."""
+    """One rank's part of a checkpoint after `step` completed steps (an idle rank passes holdings None). The data
+    written are copies (the flat parameters are a new tensor; the moments are cloned for a background save)."""
     rank = dist.get_rank()
     sharded = Sharded.empty()
     if holdings is not None and table is not None:
         flat = torch.cat([p.detach().reshape(-1) for p in params]) if params else torch.zeros(0)
+        if saver.group is not None:
+            exp_avg, exp_avg_sq = exp_avg.clone(), exp_avg_sq.clone()
         sharded = state_dict(table, holdings, flat, exp_avg, exp_avg_sq, writing=True)
     plain = plain_entries(rank, step, samples_seen, optimizer_steps)
-    return save(root, step, sharded, plain, info, keep)
+    return saver.save(root, step, sharded, plain, info, keep)
 
 
 def load_rank(

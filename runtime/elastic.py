@@ -29,6 +29,9 @@ import torch.multiprocessing as mp
 
 from planner.plan import LoadedPlan
 from predictor.predictor import Predictor
+
+# the local spawner's pieces (stderr captured per rank, peers stopped with a grace): the supervisor differs from
+# run_processes only in telling a rank killed by a signal from one that failed
 from profiler.comm_bench import _captured, _last_words, _stop, free_port
 from runtime import checkpoint
 from runtime.execute import RunJob, RunSettings, spawned_rank
@@ -174,7 +177,7 @@ def run_elastic(
     with tempfile.TemporaryDirectory(prefix="hetplan-elastic-") as scratch:
         out = Path(out_dir or scratch)
         out.mkdir(parents=True, exist_ok=True)
-        current, where, now = plan, cluster, settings
+        current, where, now = plan, cluster, dataclasses.replace(settings, progress_lines=True)
         while True:
             check_runnable(current, where)
             job = _job(current, where, now, str(out))
@@ -309,6 +312,10 @@ def execute_elastic(
     record["elastic"] = {
         "checkpoint_dir": settings.checkpoint_dir,
         "checkpoint_every": settings.checkpoint_every,
+        "checkpoint_async": settings.checkpoint_async,
+        "write_s": max(
+            (c["write_s"] for r in run.results for c in r.get("checkpoints", []) if "write_s" in c), default=None
+        ),
         "resumed_from": settings.resume_from,
         "checkpoints_saved_last_attempt": saved,
         "save_s": max(

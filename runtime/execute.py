@@ -63,7 +63,9 @@ class RunSettings:
     checkpoint_dir: str = ""  # save the training state here (runtime/checkpoint.py) every `checkpoint_every` steps
     checkpoint_every: int = 0
     checkpoint_keep: int = 2  # complete checkpoints left after each save (0: all)
+    checkpoint_async: bool = False  # write in a background thread (DCP async_save), committed at the next save
     resume_from: str = ""  # a complete checkpoint to continue from (any plan's: it is resharded to this one)
+    progress_lines: bool = False  # each rank appends every step to progress-RANK.jsonl in out_dir (elastic runs)
     fail_at: tuple[int, int] | None = None  # (rank, step): that rank dies by SIGKILL as the step starts (elastic tests)
     dump_state: bool = False  # write each rank's parameters and moments with their positions (checkpoint tests)
 
@@ -336,6 +338,7 @@ class _Keeper:
                 job.model, job.strategy, role.family, role.stage_index, role.replica, role.tp_rank,
                 (optimizer.lo, optimizer.hi), optimizer.shard is not None,
             )  # fmt: skip
+        self.saver = checkpoint.Saver(settings.checkpoint_async) if settings.checkpoint_dir else None
         self.first_step = 0
         if settings.resume_from:
             started = time.perf_counter()
@@ -358,13 +361,13 @@ class _Keeper:
         """Note the step in progress-RANK.jsonl (what a supervisor reads of a run that dies before its results) and
         save after `done` completed steps when it is time."""
         settings, job = self.job.settings, self.job
-        if not settings.checkpoint_dir or not settings.checkpoint_every:
-            return
-        if self.state is not None:
+        if settings.progress_lines and self.state is not None:
             line = {"step": done, "time_s": self.state.runner.times.per_step[-1]["time_s"], "loss": loss,
                     "unix_time_s": time.time()}  # fmt: skip
             with open(Path(job.out_dir, f"progress-{self.rank}.jsonl"), "a", encoding="utf-8") as out:
                 out.write(json.dumps(line) + "\n")
+        if self.saver is None or not settings.checkpoint_every:
+            return
         if done % settings.checkpoint_every and done != settings.steps:
             return
         samples = done * job.global_batch
@@ -372,10 +375,22 @@ class _Keeper:
                                    settings.seed, settings.dtype, dist.get_world_size(), job.cluster.name)  # fmt: skip
         params, exp_avg, exp_avg_sq = self._tensors()
         steps = self.state.optimizer.steps if self.state is not None else 0
-        path, seconds = checkpoint.save_rank(settings.checkpoint_dir, done, samples, info, self.table, self.holdings,
-                                             params, exp_avg, exp_avg_sq, steps, settings.checkpoint_keep)  # fmt: skip
+        path, seconds = checkpoint.save_rank(
+            self.saver, settings.checkpoint_dir, done, samples, info, self.table, self.holdings, params, exp_avg,
+            exp_avg_sq, steps, settings.checkpoint_keep,
+        )  # fmt: skip
         self.record.append({"saved": str(path), "step": done, "save_s": seconds})
         self.dump(f"step{done}")
+        if done == settings.steps:
+            self.close()
+
+    def close(self) -> None:
+        """Commit a pending background save (the last one)."""
+        if self.saver is not None:
+            self.saver.close()
+            for written in self.saver.written:
+                self.record.append(written)
+            self.saver.written.clear()
 
     def dump(self, tag: str) -> None:
         """Parameters and moments with their positions in the whole model, as state-RANK-TAG.pt in the run's out_dir

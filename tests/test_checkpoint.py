@@ -37,7 +37,8 @@ ONE_GROUP = resolve_cluster(
 )
 FAST, SLOW = "fast", "slow"
 # Each plan trains two steps from the previous plan's checkpoint and saves its own; every transition below is one
-# of the save-under-A / load-under-B cases (the last two on a cluster of one group of four devices)
+# of the save-under-A / load-under-B cases (the last two on a cluster of one group of four devices). The last
+# three plans save in the background (DCP async_save), the first three synchronously
 CHAIN: list[tuple[str, Strategy, object]] = [
     (
         "two families",  # the whole model at TP 2 on `fast`; layers 0-1 -> 2-4 on `slow`
@@ -117,7 +118,7 @@ def chain(tmp_path_factory) -> Path:
         (root / str(i)).mkdir()
         settings = RunSettings(
             steps=STEPS_PER_PLAN * (i + 1), seed=SEED, dtype="fp64", timeout_s=60, dump_state=True,
-            checkpoint_dir=str(root / f"checkpoints-{i}"), checkpoint_every=STEPS_PER_PLAN,
+            checkpoint_dir=str(root / f"checkpoints-{i}"), checkpoint_every=STEPS_PER_PLAN, checkpoint_async=i >= 3,
             resume_from=str(checkpoint.step_dir(root / f"checkpoints-{i - 1}", STEPS_PER_PLAN * i)) if i else "",
         )  # fmt: skip
         jobs.append(RunJob(cluster, MODEL, strategy, BATCH, MODEL.seq_length, settings, str(root / str(i))))
