@@ -242,3 +242,39 @@ def test_a_missing_or_interrupted_checkpoint_is_one_line(tmp_path):
         checkpoint.resolve(tmp_path)
     with pytest.raises(SpecError, match=r"\.metadata: missing: not a complete checkpoint"):
         checkpoint.resolve(interrupted)
+
+
+@pytest.mark.parametrize("mlp", ["swiglu", "gelu"])
+def test_saved_names_are_the_whole_models_tensors(mlp):
+    """Each block a TP shard writes is the named tensor of the whole model at its offsets: the names are real (what
+    another tool reading the checkpoint gets), for SwiGLU (gate and value rows) and GELU (biases, learned positions,
+    a row-parallel bias held by TP rank 0 only)."""
+    from runtime.model import StageModule, seeded_pieces, shard_positions
+    from runtime.tensor_parallel import TensorParallel
+
+    model = MODEL.model_copy(update={"mlp": mlp})
+    reference = ReferenceModel(model, SEED)
+    whole = {"embedding.tokens": reference.tokens, "embedding.positions": reference.positions,
+             "head.output": reference.output}  # fmt: skip
+    whole |= {
+        f"layers.{i}.{name}": p for i, layer in enumerate(reference.layers) for name, p in layer.named_parameters()
+    }
+    whole |= {f"head.norm.{name}": p for name, p in reference.norm.named_parameters()}
+    table = checkpoint.global_tensors(model)
+    assert {t.name for t in table} == {name for name, p in whole.items() if p is not None}
+    for start, end in ((0, 2), (2, model.num_layers)):
+        first, last = start == 0, end == model.num_layers
+        for k in range(2):
+            tp = TensorParallel(None, 2, k)
+            shard = StageModule(model, seeded_pieces(model, start, end, first, last, SEED), tp, "none")
+            flat = torch.cat([p.detach().reshape(-1) for p in shard.parameters() if p.requires_grad])
+            positions = shard_positions(model, start, end, first, last, tp, "none").numpy()
+            found = checkpoint.blocks(table, positions, np.arange(positions.size))
+            assert sum(b.numel for b in found) == flat.numel()
+            for block in found:
+                expected = whole[block.name].detach()[
+                    tuple(slice(o, o + n) for o, n in zip(block.offsets, block.sizes))
+                ]
+                assert torch.equal(
+                    flat[block.local_start : block.local_start + block.numel].view(block.sizes), expected
+                )
