@@ -30,8 +30,13 @@ def elastic_lines(record: Mapping[str, Any]) -> list[str]:
             "detected in "
             f"{_seconds(event['detect_s'])}, survivors stopped in {_seconds(event['stop_survivors_s'])}, re-planned "
             f"for {event['devices_after']} devices in {_seconds(event['replan_s'])} ({escape(event['plan_after'])}), "
-            f"reloaded the state after step {event['resumed_from_step']} in {_seconds(event.get('reload_s'))} "
-            f"({_seconds(event.get('respawn_to_loaded_s'))} from respawn), {event['steps_lost']} step(s) lost; "
+            + (
+                f"reloaded the state after step {event['resumed_from_step']} in {_seconds(event.get('reload_s'))} "
+                f"({_seconds(event.get('respawn_to_loaded_s'))} from respawn)"
+                if event.get("checkpoint")
+                else "restarted from the seed's weights (no checkpoint was complete)"
+            )
+            + f", {event['steps_lost']} step(s) lost; "
             f"throughput {_rate(event['throughput_before_samples_per_s'])} before, "
             f"{_rate(event.get('throughput_after_samples_per_s'))} after"
         )

@@ -214,8 +214,8 @@ def run_elastic(
             started = time.perf_counter()
             replanned = replan(smaller, current.model, current.training, current.strategy, predictor)
             replan_s = time.perf_counter() - started
-            latest = checkpoint.resolve(now.checkpoint_dir)
-            resumed_at = int(checkpoint.read_info(latest)["step"])
+            latest = _restart_point(now.checkpoint_dir, settings.resume_from)
+            resumed_at = int(checkpoint.read_info(latest)["step"]) if latest else 0
             done = max((line["step"] for line in lines), default=resumed_at)
             interruptions.append(
                 {
@@ -232,7 +232,7 @@ def run_elastic(
                     "replan_warm_started": replanned.plan.search_stats.get("warm_started", False),
                     "resumed_from_step": resumed_at,
                     "steps_lost": done - resumed_at,
-                    "checkpoint": str(latest),
+                    "checkpoint": str(latest) if latest else None,
                     "devices_before": world,
                     "devices_after": smaller.num_devices,
                     "plan_after": _layout(replanned.plan.strategy),
@@ -245,7 +245,16 @@ def run_elastic(
             source = f"{plan.source} re-planned without {'; '.join(gone)}"
             current = LoadedPlan(replanned.plan.strategy, current.model, current.training, source, current.cluster_name)
             where = smaller
-            now = dataclasses.replace(now, resume_from=str(latest), fail_at=None)
+            now = dataclasses.replace(now, resume_from=str(latest) if latest else "", fail_at=None)
+
+
+def _restart_point(checkpoint_dir: str, resumed_from: str) -> Path | None:
+    """The latest complete checkpoint the run saved; else the one it started from; else None (train from the
+    seed's weights: a run that dies before its first checkpoint is committed, as a background save can be)."""
+    found = checkpoint.complete_checkpoints(Path(checkpoint_dir)) if Path(checkpoint_dir).is_dir() else []
+    if found:
+        return found[-1]
+    return Path(resumed_from) if resumed_from else None
 
 
 def _step_times(lines: list[dict[str, Any]]) -> dict[int, float]:

@@ -242,6 +242,18 @@ def test_a_missing_or_interrupted_checkpoint_is_one_line(tmp_path):
         checkpoint.resolve(tmp_path)
     with pytest.raises(SpecError, match=r"\.metadata: missing: not a complete checkpoint"):
         checkpoint.resolve(interrupted)
+    # beside a complete checkpoint, a save that crashed after writing its data but before its metadata (or before the
+    # rename) leaves that one the latest
+    complete = checkpoint.step_dir(tmp_path, 2)
+    complete.mkdir()
+    (complete / checkpoint.METADATA_FILE).write_bytes(b"")
+    (complete / checkpoint.INFO_FILE).write_text("{}")
+    (interrupted / checkpoint.METADATA_FILE).write_bytes(b"")
+    assert checkpoint.resolve(tmp_path) == complete
+    half = checkpoint.step_dir(tmp_path, 6)  # a step directory without its description is not complete either
+    half.mkdir()
+    (half / checkpoint.METADATA_FILE).write_bytes(b"")
+    assert checkpoint.resolve(tmp_path) == complete
 
 
 @pytest.mark.parametrize("mlp", ["swiglu", "gelu"])

@@ -36,6 +36,21 @@ def test_without_ranks_shrinks_a_one_node_group_and_drops_a_node_of_a_larger_one
     assert [(g.nodes, g.devices_per_node) for g in smaller.groups] == [(1, 2)] and gone == ["cpu: node 1"]
 
 
+def test_a_restart_takes_the_latest_complete_checkpoint_else_where_the_run_began(tmp_path):
+    from runtime.elastic import _restart_point
+
+    assert _restart_point(str(tmp_path / "none"), "") is None  # died before any save was committed: from the seed
+    assert _restart_point(str(tmp_path), "/given/step-00000004") == Path("/given/step-00000004")
+    (tmp_path / ".tmp-step-00000002").mkdir()  # a background save the dead rank 0 never committed
+    assert _restart_point(str(tmp_path), "") is None
+    for step in (2, 4):
+        done = checkpoint.step_dir(tmp_path, step)
+        done.mkdir()
+        (done / checkpoint.METADATA_FILE).write_bytes(b"")
+        (done / checkpoint.INFO_FILE).write_text("{}")
+    assert _restart_point(str(tmp_path), "/given/step-00000004") == checkpoint.step_dir(tmp_path, 4)
+
+
 @pytest.mark.slow
 def test_a_rank_dies_the_job_replans_reshards_and_resumes_on_three_ranks(tmp_path):
     first = make_plan(CLUSTER, MODEL, TRAINING)
