@@ -34,6 +34,10 @@ MODEL = ModelSpec(name="bench-1m", num_layers=4, hidden_size=128, ffn_hidden_siz
 TRAINING = TrainingSpec(global_batch_size=8, seq_length=64, dtype="fp32", zero_stage=1, micro_batch_sizes=[1, 2])
 
 
+def _num(value: float | None, digits: int = 3) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=8)
@@ -69,11 +73,11 @@ def main() -> None:
             rows.append(row)
             print(
                 f"killed rank {victim} ({', '.join(event['lost_devices'])}), {row['save']} saves: detect "
-                f"{row['detect_s']:.3f} s, stop {row['stop_survivors_s']:.3f} s, re-plan {row['replan_s']:.3f} s, "
-                f"reload {row['reload_s']:.3f} s (respawn to loaded {row['respawn_to_loaded_s']:.1f} s), "
-                f"{row['steps_lost']} step(s) lost, {row['throughput_before_samples_per_s']:.1f} -> "
-                f"{row['throughput_after_samples_per_s']:.1f} samples/s, a save held the step "
-                f"{row['step_held_by_save_s']:.3f} s"
+                f"{_num(row['detect_s'])} s, stop {_num(row['stop_survivors_s'])} s, re-plan {_num(row['replan_s'])} "
+                f"s, reload {_num(row['reload_s'])} s (respawn to loaded {_num(row['respawn_to_loaded_s'], 1)} s; "
+                f"from step {row['resumed_from_step']}), {row['steps_lost']} step(s) lost, "
+                f"{_num(row['throughput_before_samples_per_s'], 1)} -> {_num(row['throughput_after_samples_per_s'], 1)} "
+                f"samples/s, a save held the step {_num(row['step_held_by_save_s'])} s"
             )
     body = {
         "cluster": cluster.name,
@@ -85,7 +89,9 @@ def main() -> None:
         "dies_as_step_starts": die_at,
         "machine": f"{platform.node()} ({platform.machine()})",
         "note": "this machine's cores are shared with other work: respawn to loaded is mostly process start and "
-        "`import torch` of the new ranks",
+        "`import torch` of the new ranks; throughput is noisy for the same reason. A background save still in flight "
+        "when a rank dies is lost (the dead rank takes part in its collectives): the restart takes the previous "
+        "complete checkpoint, or the seed's weights when there is none (resumed from step 0, reload '-')",
         "runs": rows,
     }
     args.out.write_text(json.dumps(body, indent=1) + "\n", encoding="utf-8")

@@ -15,7 +15,7 @@ Beside the tensors: the step, the samples seen (the synthetic data is a function
 the data position), each rank's torch RNG state, and `hetplan-checkpoint.json` with the model, the plan's layout and
 the run's settings. A checkpoint is written into `.tmp-step-N/` and renamed to `step-N/` only once DCP's `.metadata`
 (written last, by rank 0, after every rank's data) and the JSON are on disk, so a crash mid-save leaves the previous
-checkpoint the latest complete one.
+checkpoint the latest complete one. A `Saver` writes synchronously or in the background (DCP's async_save).
 """
 
 from __future__ import annotations
