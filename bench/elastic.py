@@ -76,8 +76,9 @@ def main() -> None:
                 f"{_num(row['detect_s'])} s, stop {_num(row['stop_survivors_s'])} s, re-plan {_num(row['replan_s'])} "
                 f"s, reload {_num(row['reload_s'])} s (respawn to loaded {_num(row['respawn_to_loaded_s'], 1)} s; "
                 f"from step {row['resumed_from_step']}), {row['steps_lost']} step(s) lost, "
-                f"{_num(row['throughput_before_samples_per_s'], 1)} -> {_num(row['throughput_after_samples_per_s'], 1)} "
-                f"samples/s, a save held the step {_num(row['step_held_by_save_s'])} s"
+                f"{_num(row['throughput_before_samples_per_s'], 1)} -> "
+                f"{_num(row['throughput_after_samples_per_s'], 1)} samples/s, a save held the step "
+                f"{_num(row['step_held_by_save_s'])} s"
             )
     body = {
         "cluster": cluster.name,
