@@ -40,6 +40,7 @@ bench: $(FULL_STAMP)
 	$(BIN)/python bench/predictor_accuracy.py
 	$(BIN)/python bench/replan.py
 	$(BIN)/python bench/runtime_vs_prediction.py
+	$(BIN)/python bench/elastic.py
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache

@@ -446,12 +446,33 @@ def run(
     ] = None,
     predictor: PlanPredictorOpt = None,
     timeout: TimeoutOpt = 120.0,
+    checkpoint_dir: Annotated[
+        Optional[Path], _opt("--checkpoint-dir", help="Save the training state here (DCP; any plan can load it).")
+    ] = None,
+    checkpoint_every: Annotated[
+        int, _opt("--checkpoint-every", min=0, help="Save every N steps (and after the last; 0: only the last).")
+    ] = 0,
+    async_save: Annotated[
+        bool, _opt("--async-save", help="Write checkpoints in the background (DCP async_save); committed when done.")
+    ] = False,
+    resume: Annotated[
+        Optional[Path],
+        _opt("--resume", help="Continue from this checkpoint, or the latest complete one under this directory."),
+    ] = None,
+    max_restarts: Annotated[
+        int,
+        _opt("--max-restarts", min=0, help="Local runs: when ranks die, re-plan for the rest and resume (this often)."),
+    ] = 0,
+    inject_failure: Annotated[
+        Optional[str], _opt("--inject-failure", help="Testing: RANK:STEP, that rank kills itself as the step starts.")
+    ] = None,
     quiet: QuietOpt = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Train a plan for a few steps on local processes (one per device, Gloo), or as the ranks of a torchrun job
     (`hetplan launch` writes the commands), and write the measurement beside the prediction, the loss curve and a
-    single-process loss check."""
+    single-process loss check. With --checkpoint-dir the state is saved as it trains; with --max-restarts a local
+    run survives lost ranks (re-plan, reshard the last checkpoint, continue) and its record says what it cost."""
     from planner.what_if import check_local_run, plan_on_cluster, run_context
     from specs.flags import output_file
 
@@ -464,18 +485,51 @@ def run(
     from report.measurements import run_lines, run_table, run_terms_table
     from runtime.execute import RunSettings
     from runtime.launch import execute, execute_in_job
+    from specs.errors import SpecError
 
+    failure = None
+    if inject_failure is not None:
+        rank_text, _, step_text = inject_failure.partition(":")
+        if not (rank_text.isdigit() and step_text.isdigit()):
+            raise SpecError("--inject-failure", inject_failure, "expected RANK:STEP, e.g. 3:4")
+        failure = (int(rank_text), int(step_text))
+    if checkpoint_every and checkpoint_dir is None:
+        raise SpecError("--checkpoint-every", str(checkpoint_every), "saves need --checkpoint-dir")
+    if (max_restarts or failure) and checkpoint_dir is None:
+        raise SpecError("--max-restarts", "", "a run that survives failures needs --checkpoint-dir to resume from")
+    under_torchrun = launched_by_torchrun()
+    if max_restarts and under_torchrun:
+        raise SpecError("--max-restarts", "", "re-planning restarts are for local runs; under torchrun checkpoint "
+                        "with --checkpoint-dir and restart the job with --resume on the devices left")  # fmt: skip
     costs = _plan_costs(loaded, predictor, profiles)
-    context = run_context(loaded, costs.predictor, costs.profiles)
-    settings = RunSettings(steps=steps, seed=seed, dtype=loaded.training.dtype, timeout_s=timeout)
+    predictor_object = costs.predictor
+    context = run_context(loaded, predictor_object, costs.profiles)
+    settings = RunSettings(
+        steps=steps, seed=seed, dtype=loaded.training.dtype, timeout_s=timeout,
+        checkpoint_dir=str(checkpoint_dir or ""), checkpoint_every=checkpoint_every or steps,
+        checkpoint_async=async_save, resume_from=str(resume or ""), fail_at=failure,
+    )  # fmt: skip
     with _progress("run", quiet) as progress:  # under torchrun: this process is one rank, rank 0 writes
-        runner = execute_in_job if launched_by_torchrun() else execute
-        record = runner(loaded, cluster_spec, str(cluster), context, settings, progress=progress.say)
+        if checkpoint_dir and not under_torchrun:
+            from runtime.elastic import execute_elastic
+
+            record = execute_elastic(loaded, cluster_spec, str(cluster), context, settings, max_restarts,
+                                     predictor_object, progress=progress.say)  # fmt: skip
+        else:
+            runner = execute_in_job if under_torchrun else execute
+            if resume:
+                from runtime.elastic import resumed_settings
+
+                settings = resumed_settings(settings, loaded.model)
+            record = runner(loaded, cluster_spec, str(cluster), context, settings, progress=progress.say)
     if record is None:
         return
+    from report.elastic import elastic_lines
+
     write_json(out, record)
     terms = [table for table in [run_terms_table(record)] if table is not None]
-    _show(as_json, record, run_table(record), *terms, *run_lines(record, steps), *_written("run record", out))
+    lines = [*run_lines(record, steps), *elastic_lines(record)]
+    _show(as_json, record, run_table(record), *terms, *lines, *_written("run record", out))
 
 
 @app.command()

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -38,6 +39,7 @@ import torch.distributed as dist
 from comm.communicator import CommGroup, Communicator
 from comm.plan_groups import plan_groups, rank_islands, stage_chunks
 from predictor.schedule import stage_order
+from runtime import checkpoint
 from runtime.model import StageModule, seeded_pieces
 from runtime.sync import CrossFamilySync
 from runtime.tensor_parallel import TensorParallel
@@ -58,6 +60,14 @@ class RunSettings:
     weight_decay: float = 0.01
     timeout_s: float = 120.0
     capture_gradients: bool = False  # write step 0's synced gradients (parity tests)
+    checkpoint_dir: str = ""  # save the training state here (runtime/checkpoint.py) every `checkpoint_every` steps
+    checkpoint_every: int = 0
+    checkpoint_keep: int = 2  # complete checkpoints left after each save (0: all)
+    checkpoint_async: bool = False  # write in a background thread (DCP async_save), committed at the next save
+    resume_from: str = ""  # a complete checkpoint to continue from (any plan's: it is resharded to this one)
+    progress_lines: bool = False  # each rank appends every step to progress-RANK.jsonl in out_dir (elastic runs)
+    fail_at: tuple[int, int] | None = None  # (rank, step): that rank dies by SIGKILL as the step starts (elastic tests)
+    dump_state: bool = False  # write each rank's parameters and moments with their positions (checkpoint tests)
 
 
 @dataclass(frozen=True)
@@ -269,14 +279,24 @@ def run_rank(rank: int, job: RunJob) -> dict[str, Any]:
     if role is None:  # a device the plan leaves idle: it creates the groups and keeps step with the others
         comm.create_groups([g.ranks for g in plan_groups(job.cluster, job.strategy, job.global_batch)
                             if g.kind is not Axis.CROSS_FAMILY])  # fmt: skip
-        for _ in range(job.settings.steps):
+        keeper = _Keeper(rank, job, None, None)
+        for step in range(keeper.first_step, job.settings.steps):
+            _maybe_die(rank, job, step)
             dist.barrier()
-        return {"rank": rank, "idle": True}
+            keeper.after(step + 1)
+        return {"rank": rank, "idle": True, "first_step": keeper.first_step, "checkpoints": keeper.record}
     state = _build(rank, job, role, comm)
-    losses = [_step(rank, job, role, state, comm, step) for step in range(job.settings.steps)]
+    keeper = _Keeper(rank, job, role, state)
+    losses = []
+    for step in range(keeper.first_step, job.settings.steps):
+        _maybe_die(rank, job, step)
+        losses.append(_step(rank, job, role, state, comm, step))
+        keeper.after(step + 1, losses[-1])
     times, stage = state.runner.times, role.stage
     return {
         "rank": rank,
+        "first_step": keeper.first_step,
+        "checkpoints": keeper.record,
         "family": role.family,
         "stage": role.stage_index,
         "replica": role.replica,
@@ -293,6 +313,102 @@ def run_rank(rank: int, job: RunJob) -> dict[str, Any]:
         "parameters": sum(p.numel() for p in state.params),
         "max_rss_bytes": _max_rss_bytes(),
     }
+
+
+def _maybe_die(rank: int, job: RunJob, step: int) -> None:
+    """Fault injection for elastic tests: the chosen rank notes the time and kills itself, as a lost node would
+    vanish (no cleanup, no goodbye to its peers)."""
+    if job.settings.fail_at == (rank, step):
+        Path(job.out_dir, "died.json").write_text(json.dumps({"rank": rank, "step": step, "time": time.time()}))
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class _Keeper:
+    """A rank's checkpoints: resume from `settings.resume_from` at the start, save every `checkpoint_every` steps
+    and after the last one (runtime/checkpoint.py); `state` None for an idle rank, which takes part in DCP's
+    collectives with nothing to write."""
+
+    def __init__(self, rank: int, job: RunJob, role: Role | None, state: RankState | None) -> None:
+        self.rank, self.job, self.role, self.state = rank, job, role, state
+        self.record: list[dict[str, Any]] = []
+        self.table = self.holdings = None
+        settings = job.settings
+        if state is not None and role is not None and (settings.checkpoint_dir or settings.resume_from or
+                                                       settings.dump_state):  # fmt: skip
+            optimizer = state.optimizer
+            self.table = checkpoint.global_tensors(job.model)
+            self.holdings = checkpoint.rank_holdings(
+                job.model, job.strategy, role.family, role.stage_index, role.replica, role.tp_rank,
+                (optimizer.lo, optimizer.hi), optimizer.shard is not None,
+            )  # fmt: skip
+        self.saver = checkpoint.Saver(settings.checkpoint_async) if settings.checkpoint_dir else None
+        self.first_step = 0
+        if settings.resume_from:
+            started = time.perf_counter()
+            resumed = checkpoint.load_rank(Path(settings.resume_from), self.table, self.holdings, *self._tensors())
+            if state is not None:
+                state.optimizer.steps = resumed.optimizer_steps
+            self.first_step = resumed.step
+            self.record.append({"loaded": resumed.checkpoint, "step": resumed.step, "load_s": resumed.load_s,
+                                "setup_s": time.perf_counter() - started - resumed.load_s,
+                                "loaded_unix_time_s": time.time()})  # fmt: skip
+            self.dump("loaded")
+
+    def _tensors(self) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+        if self.state is None:
+            return [], torch.zeros(0), torch.zeros(0)
+        optimizer = self.state.optimizer
+        return list(self.state.params), optimizer.exp_avg, optimizer.exp_avg_sq
+
+    def after(self, done: int, loss: float = 0.0) -> None:
+        """Note the step in progress-RANK.jsonl (what a supervisor reads of a run that dies before its results) and
+        save after `done` completed steps when it is time."""
+        settings, job = self.job.settings, self.job
+        if settings.progress_lines and self.state is not None:
+            line = {"step": done, "time_s": self.state.runner.times.per_step[-1]["time_s"], "loss": loss,
+                    "unix_time_s": time.time()}  # fmt: skip
+            with open(Path(job.out_dir, f"progress-{self.rank}.jsonl"), "a", encoding="utf-8") as out:
+                out.write(json.dumps(line) + "\n")
+        if self.saver is None or not settings.checkpoint_every:
+            return
+        if done % settings.checkpoint_every and done != settings.steps:
+            return
+        samples = done * job.global_batch
+        info = checkpoint.describe(done, samples, job.model, job.strategy, job.global_batch, job.seq_length,
+                                   settings.seed, settings.dtype, dist.get_world_size(), job.cluster.name)  # fmt: skip
+        params, exp_avg, exp_avg_sq = self._tensors()
+        steps = self.state.optimizer.steps if self.state is not None else 0
+        path, seconds = checkpoint.save_rank(
+            self.saver, settings.checkpoint_dir, done, samples, info, self.table, self.holdings, params, exp_avg,
+            exp_avg_sq, steps, settings.checkpoint_keep,
+        )  # fmt: skip
+        self.record.append({"saved": str(path), "step": done, "save_s": seconds})
+        self.dump(f"step{done}")
+        if done == settings.steps:
+            self.close()
+
+    def close(self) -> None:
+        """Commit a pending background save (the last one)."""
+        if self.saver is not None:
+            self.saver.close()
+            for written in self.saver.written:
+                self.record.append(written)
+            self.saver.written.clear()
+
+    def dump(self, tag: str) -> None:
+        """Parameters and moments with their positions in the whole model, as state-RANK-TAG.pt in the run's out_dir
+        (checkpoint parity tests)."""
+        if not self.job.settings.dump_state or self.state is None or self.holdings is None:
+            return
+        params, exp_avg, exp_avg_sq = self._tensors()
+        flat = torch.cat([p.detach().reshape(-1) for p in params])
+        lo, hi = self.holdings.moments
+        torch.save(
+            {"positions": torch.from_numpy(self.holdings.positions), "params": flat, "moments": (lo, hi),
+             "exp_avg": exp_avg.clone(), "exp_avg_sq": exp_avg_sq.clone(), "optimizer_steps":
+             self.state.optimizer.steps},
+            Path(self.job.out_dir, f"state-{self.rank}-{tag}.pt"),
+        )  # fmt: skip
 
 
 def _step(rank: int, job: RunJob, role: Role, state: RankState, comm: Communicator, step: int) -> float:

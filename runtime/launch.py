@@ -272,8 +272,12 @@ def _recorded(
     share: float,
 ) -> dict[str, Any]:
     """The run record of every rank's results, with the one-process loss check beside it."""
-    summary = summarize(results, settings.steps)
-    reference = reference_check(plan, settings, summary["losses"][0])
+    first_step = max((r.get("first_step", 0) for r in results), default=0)
+    summary = summarize(results, settings.steps - first_step)
+    if first_step:
+        reference = {"checked": False, "why": f"resumed from a checkpoint at step {first_step}"}
+    else:
+        reference = reference_check(plan, settings, summary["losses"][0])
     return run_record(plan, cluster, cluster_path, ctx, settings, summary, reference, share)
 
 
