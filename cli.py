@@ -501,26 +501,26 @@ def run(
     if max_restarts and under_torchrun:
         raise SpecError("--max-restarts", "", "re-planning restarts are for local runs; under torchrun checkpoint "
                         "with --checkpoint-dir and restart the job with --resume on the devices left")  # fmt: skip
-    costs = _plan_costs(loaded, predictor, profiles)
-    predictor_object = costs.predictor
-    context = run_context(loaded, predictor_object, costs.profiles)
     settings = RunSettings(
         steps=steps, seed=seed, dtype=loaded.training.dtype, timeout_s=timeout,
         checkpoint_dir=str(checkpoint_dir or ""), checkpoint_every=checkpoint_every or steps,
         checkpoint_async=async_save, resume_from=str(resume or ""), fail_at=failure,
     )  # fmt: skip
+    if resume:  # a checkpoint that cannot be resumed is refused before anything else is said or started
+        from runtime.elastic import resumed_settings
+
+        settings = resumed_settings(settings, loaded.model)
+    costs = _plan_costs(loaded, predictor, profiles)
+    predictor_object = costs.predictor
+    context = run_context(loaded, predictor_object, costs.profiles)
     with _progress("run", quiet) as progress:  # under torchrun: this process is one rank, rank 0 writes
         if checkpoint_dir and not under_torchrun:
             from runtime.elastic import execute_elastic
 
             record = execute_elastic(loaded, cluster_spec, str(cluster), context, settings, max_restarts,
-                                     predictor_object, progress=progress.say)  # fmt: skip
+                                     predictor_object, progress=progress.say, profiles=costs.profiles)  # fmt: skip
         else:
             runner = execute_in_job if under_torchrun else execute
-            if resume:
-                from runtime.elastic import resumed_settings
-
-                settings = resumed_settings(settings, loaded.model)
             record = runner(loaded, cluster_spec, str(cluster), context, settings, progress=progress.say)
     if record is None:
         return

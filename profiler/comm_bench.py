@@ -158,7 +158,7 @@ def free_port() -> int:
 GRACE_S = 2.0  # after a failure, how long peers get to exit before SIGTERM, then SIGKILL (torch waits 30 s)
 
 
-def _captured(rank: int, worker: Callable[..., None], log_dir: str, *args: Any) -> None:
+def captured_rank(rank: int, worker: Callable[..., None], log_dir: str, *args: Any) -> None:
     """Run worker(rank, *args) with this process's stderr (Python warnings and torch's C++ log lines alike) in a
     file, so a failure can be told in one line instead of every peer's multi-line warnings."""
     log = os.open(Path(log_dir, f"rank-{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -167,7 +167,7 @@ def _captured(rank: int, worker: Callable[..., None], log_dir: str, *args: Any) 
     worker(rank, *args)
 
 
-def _last_words(log_dir: str, rank: int | None) -> str:
+def last_words(log_dir: str, rank: int | None) -> str:
     """The failing rank's last line of stderr (torch's error, not its warnings), cut to 200 characters."""
     path = Path(log_dir, f"rank-{rank}.log")
     if rank is None or not path.exists():
@@ -176,7 +176,7 @@ def _last_words(log_dir: str, rank: int | None) -> str:
     return f" (rank {rank}: {lines[-1][:200]})" if lines else ""
 
 
-def _stop(processes: Sequence[mp.Process]) -> None:
+def stop_processes(processes: Sequence[mp.Process]) -> None:
     """SIGTERM the live processes, SIGKILL those still alive after GRACE_S (a rank stuck in C++ ignores SIGTERM)."""
     for process in processes:
         if process.is_alive():
@@ -199,7 +199,7 @@ def run_processes(
     spawn_log.setLevel(logging.ERROR)  # its "Terminating process ... via SIGTERM" lines
     with tempfile.TemporaryDirectory(prefix="hetplan-logs-") as log_dir:
         context = mp.start_processes(
-            _captured, args=(worker, log_dir, *args), nprocs=nprocs, join=False, start_method="spawn"
+            captured_rank, args=(worker, log_dir, *args), nprocs=nprocs, join=False, start_method="spawn"
         )
         deadline = time.monotonic() + deadline_s
         try:
@@ -209,9 +209,9 @@ def run_processes(
         except mp.ProcessRaisedException as err:
             raise HetplanError(f"{what} failed: {str(err).strip().splitlines()[-1]}") from None
         except mp.ProcessExitedException as err:
-            raise HetplanError(f"{what} failed: {err}{_last_words(log_dir, err.error_index)}") from None
+            raise HetplanError(f"{what} failed: {err}{last_words(log_dir, err.error_index)}") from None
         finally:
-            _stop(context.processes)
+            stop_processes(context.processes)
             spawn_log.setLevel(level)
 
 

@@ -20,7 +20,7 @@ import multiprocessing.connection
 import pickle
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,7 +32,8 @@ from predictor.predictor import Predictor
 
 # the local spawner's pieces (stderr captured per rank, peers stopped with a grace): the supervisor differs from
 # run_processes only in telling a rank killed by a signal from one that failed
-from profiler.comm_bench import _captured, _last_words, _stop, free_port
+from profiler.comm_bench import captured_rank, free_port, last_words, stop_processes
+from profiler.profile import DeviceProfile
 from runtime import checkpoint
 from runtime.execute import RunJob, RunSettings, spawned_rank
 from specs.cluster import ClusterSpec
@@ -57,7 +58,7 @@ def supervise(job: RunJob, world: int, deadline_s: float, what: str) -> Lost | N
     line) when a rank fails by itself or the deadline passes."""
     with tempfile.TemporaryDirectory(prefix="hetplan-logs-") as log_dir:
         context = mp.start_processes(
-            _captured, args=(spawned_rank, log_dir, world, free_port(), job), nprocs=world, join=False,
+            captured_rank, args=(spawned_rank, log_dir, world, free_port(), job), nprocs=world, join=False,
             start_method="spawn",
         )  # fmt: skip
         processes = context.processes
@@ -74,7 +75,7 @@ def supervise(job: RunJob, world: int, deadline_s: float, what: str) -> Lost | N
                     raise HetplanError(f"{what} did not finish in {deadline_s:g} s")
                 multiprocessing.connection.wait(running, timeout=min(1.0, max(0.0, deadline - time.monotonic())))
         finally:
-            _stop(processes)
+            stop_processes(processes)
 
 
 def _why(context: Any, rank: int, log_dir: str) -> str:
@@ -84,7 +85,7 @@ def _why(context: Any, rank: int, log_dir: str) -> str:
         with path.open("rb") as source:
             lines = [line for line in str(pickle.load(source)).splitlines() if line.strip()]
         return f" (rank {rank}: {lines[-1].strip()[:200]})" if lines else ""
-    return _last_words(log_dir, rank)
+    return last_words(log_dir, rank)
 
 
 def _stopped(processes: list[Any], failed: list[int], why: str, what: str) -> Lost:
@@ -94,7 +95,7 @@ def _stopped(processes: list[Any], failed: list[int], why: str, what: str) -> Lo
         first = failed[0]
         raise HetplanError(f"{what} failed: rank {first} exited with status {processes[first].exitcode}{why}")
     alive = [p for p in processes if p.is_alive()]  # blocked on the dead rank: no step can finish without it
-    _stop(processes)  # SIGTERM now, SIGKILL after GRACE_S for a rank stuck in C++
+    stop_processes(processes)  # SIGTERM now, SIGKILL after GRACE_S for a rank stuck in C++
     survivors = len(processes) - len(lost)
     return Lost(
         tuple(lost), {i: -processes[i].exitcode for i in lost}, noticed, time.time(), survivors - len(alive), len(alive)
@@ -164,9 +165,11 @@ def run_elastic(
     predictor: Predictor | None = None,
     out_dir: str | None = None,
     progress: Callable[[str], None] = lambda _: None,
+    profiles: Mapping[str, DeviceProfile] | None = None,
 ) -> ElasticRun:
     """Train `plan` on local processes, checkpointing to settings.checkpoint_dir; after each lost device (at most
-    `max_restarts` times) re-plan and resume from the latest complete checkpoint."""
+    `max_restarts` times) re-plan (with the plan's own costs: `predictor` and measured `profiles`) and resume from the
+    latest complete checkpoint."""
     from planner.replan import replan
     from runtime.launch import _job, check_runnable
 
@@ -212,7 +215,7 @@ def run_elastic(
             smaller, gone = without_ranks(where, lost.ranks)
             progress(f"lost rank(s) {', '.join(map(str, lost.ranks))} ({'; '.join(gone)}): re-planning ...")
             started = time.perf_counter()
-            replanned = replan(smaller, current.model, current.training, current.strategy, predictor)
+            replanned = replan(smaller, current.model, current.training, current.strategy, predictor, profiles=profiles)
             replan_s = time.perf_counter() - started
             latest = _restart_point(now.checkpoint_dir, settings.resume_from)
             resumed_at = int(checkpoint.read_info(latest)["step"]) if latest else 0
@@ -300,6 +303,7 @@ def execute_elastic(
     max_restarts: int,
     predictor: Predictor | None = None,
     progress: Callable[[str], None] = print,
+    profiles: Mapping[str, DeviceProfile] | None = None,
 ) -> dict[str, Any]:
     """`hetplan run` with checkpoints and restarts: the run record of the last attempt (its cluster is what was left,
     its prediction for that cluster and plan) with `elastic`: every interruption and the loss of every step."""
@@ -310,7 +314,7 @@ def execute_elastic(
     settings = resumed_settings(settings, plan.model)
     progress(f"running {plan.source} on {cluster.num_devices} local processes for {settings.steps} steps, "
              f"checkpoints in {settings.checkpoint_dir} every {settings.checkpoint_every} ...")  # fmt: skip
-    run = run_elastic(plan, cluster, settings, max_restarts, predictor, progress=progress)
+    run = run_elastic(plan, cluster, settings, max_restarts, predictor, progress=progress, profiles=profiles)
     share = cpu_share(run.cluster)
     record = _recorded(run.plan, run.cluster, cluster_path, context(run.cluster.sharing_cores(share)), settings,
                        run.results, share)  # fmt: skip
