@@ -13,8 +13,8 @@ from typing import Any
 from planner.baselines import SPLITTERS
 from planner.candidates import tp_options
 from planner.options import DEFAULT_OPTIONS, ProgressCallback, SearchOptions
-from planner.search import SearchResult, search
-from predictor.cost_model import CostContext, Evaluation, evaluate
+from planner.search import SearchResult, merge_results, search
+from predictor.cost_model import CostContext, evaluate
 from profiler.profile import LayerCostSource
 from specs.engines import Engine
 from specs.errors import SpecError
@@ -185,30 +185,7 @@ def engine_search(
     for tp in widths:
         sources = restricted.sources if tp is None else {k: _FixedTp(v, tp) for k, v in restricted.sources.items()}
         results.append(search(replace(restricted, sources=sources), options, progress, splitter))
-    return _merged(results, engine, options.top_k)
-
-
-def _merged(results: list[SearchResult], engine: Engine, top_k: int) -> SearchResult:
-    """Several searches as one: their plans the engine can run, best first (earlier searches win ties)."""
-    runnable: list[Evaluation] = [
-        e for result in results for e in result.evaluations if not engine_lost(e.strategy, engine)
-    ]
-    runnable.sort(key=lambda e: e.iteration_time_s)  # stable: ties keep the order of the TP degrees
-    shortfalls = [r for r in results if r.smallest_shortfall_where]
-    closest_misfit = min(shortfalls, key=lambda r: r.smallest_shortfall_bytes) if shortfalls else None
-    bounds = [r.lower_bound_s for r in results if r.lower_bound_s is not None]
-    return SearchResult(
-        runnable[:top_k],
-        sum(r.configurations for r in results),
-        sum(r.evaluated for r in results),
-        sum(r.memory_infeasible for r in results),
-        closest_misfit.smallest_shortfall_bytes if closest_misfit else 0.0,
-        closest_misfit.smallest_shortfall_where if closest_misfit else "",
-        min(bounds) if len(bounds) == len(results) and bounds else None,
-        sum(r.per_stage_recompute_solved for r in results),
-        sum(r.family_partitions for r in results),
-        "; ".join(dict.fromkeys(r.note for r in results if r.note)),
-    )
+    return merge_results(results, options.top_k, lambda e: not engine_lost(e.strategy, engine))
 
 
 def engine_plans(ctx: CostContext, engine: Engine) -> list[Strategy]:

@@ -9,7 +9,7 @@ from dataclasses import replace
 from planner.engine_space import engine_search, engine_training, engine_zero_stage
 from planner.options import ProgressCallback, SearchOptions
 from planner.plan import Bounds, Plan
-from planner.search import SearchResult, fastest, search
+from planner.search import SearchResult, fastest, merge_results, search
 from planner.yardsticks import compute_bound_tokens_per_s, group_alone_tokens_per_s
 from predictor.cost_model import (
     CostContext,
@@ -144,21 +144,7 @@ def _search_zero_stages(
         results.append(found)
     if len(results) == 1:
         return results[0], by_stage
-    merged = sorted({id(e): e for r in results for e in r.evaluations}.values(), key=lambda e: e.iteration_time_s)
-    closest = min(results, key=lambda r: (not r.smallest_shortfall_where, r.smallest_shortfall_bytes))
-    bounds = [r.lower_bound_s for r in results if r.lower_bound_s is not None]
-    return SearchResult(
-        merged[: options.top_k],
-        sum(r.configurations for r in results),
-        sum(r.evaluated for r in results),
-        sum(r.memory_infeasible for r in results),
-        closest.smallest_shortfall_bytes,
-        closest.smallest_shortfall_where,
-        min(bounds) if len(bounds) == len(results) else None,
-        sum(r.per_stage_recompute_solved for r in results),
-        sum(r.family_partitions for r in results),
-        "; ".join(dict.fromkeys(r.note for r in results if r.note)),
-    ), by_stage
+    return merge_results(results, options.top_k), by_stage
 
 
 def predict(ctx: CostContext, strategy: Strategy, source: str = "strategy") -> Evaluation:

@@ -27,7 +27,7 @@ import copy
 import dataclasses
 import heapq
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from planner.best_first import Pruning, outer_configs
@@ -68,6 +68,30 @@ class SearchResult:
     per_stage_recompute_solved: int = 0  # candidates re-solved with a recompute mode per stage
     family_partitions: int = 0  # partitions of the groups into pipeline families tried (`families: search`)
     note: str = ""  # one line on what the search did not cover (merged groups, a candidate budget), if anything
+
+
+def merge_results(
+    results: Sequence[SearchResult], top_k: int, keep: Callable[[Evaluation], bool] = lambda _: True
+) -> SearchResult:
+    """Several searches of one problem as one (per TP degree, per ZeRO stage): the kept plans best first (earlier
+    searches win ties), the counts summed, the closest misfit, a root bound only when every search proved one."""
+    plans = {id(e): e for result in results for e in result.evaluations if keep(e)}
+    ranked = sorted(plans.values(), key=lambda e: e.iteration_time_s)  # stable: ties keep the searches' order
+    misfits = [r for r in results if r.smallest_shortfall_where]
+    closest = min(misfits, key=lambda r: r.smallest_shortfall_bytes) if misfits else None
+    bounds = [r.lower_bound_s for r in results if r.lower_bound_s is not None]
+    return SearchResult(
+        ranked[:top_k],
+        sum(r.configurations for r in results),
+        sum(r.evaluated for r in results),
+        sum(r.memory_infeasible for r in results),
+        closest.smallest_shortfall_bytes if closest else 0.0,
+        closest.smallest_shortfall_where if closest else "",
+        min(bounds) if bounds and len(bounds) == len(results) else None,
+        sum(r.per_stage_recompute_solved for r in results),
+        sum(r.family_partitions for r in results),
+        "; ".join(dict.fromkeys(r.note for r in results if r.note)),
+    )
 
 
 class _Best:
