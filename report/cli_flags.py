@@ -1,0 +1,142 @@
+"""What every hetplan command shares: its flags (typer annotations with the help users read), the costs a saved
+plan is evaluated with, and how results are printed (tables or JSON on stdout, notes and progress on stderr). Heavy
+imports stay inside the functions so `hetplan --help` stays fast."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, Optional
+
+import typer
+
+if TYPE_CHECKING:
+    from planner.cost_source import PlanCosts
+    from planner.plan import LoadedPlan
+    from predictor.predictor import Predictor
+    from report.progress import Progress
+    from specs.cluster import ClusterSpec
+    from specs.training import TrainingSpec
+
+
+# ---- flags ------------------------------------------------------------------------------------------------------
+def finite(low: float = 0.0, inclusive: bool = False) -> Callable[..., float | None]:
+    """A float flag's callback: finite and above `low` (typer's own `min` lets inf and nan through)."""
+
+    def check(param: typer.CallbackParam, value: float | None) -> float | None:
+        from specs.flags import finite
+
+        return finite(value, param.opts[0] if param.opts else str(param.name), low, inclusive)
+
+    return check
+
+
+def opt(*names: str, help: str, **kwargs: Any) -> Any:
+    """typer.Option with the help text required (every flag says what it means in --help)."""
+    return typer.Option(*names, help=help, **kwargs)
+
+
+ClusterOpt = Annotated[Path, opt("--cluster", "-c", help="Cluster YAML/JSON file.")]
+ModelOpt = Annotated[str, opt("--model", "-m", help="Catalog name, model YAML/JSON, or HF config.json.")]
+TrainingOpt = Annotated[Optional[Path], opt("--training", help="Training YAML/JSON file (flags override).")]
+GlobalBatchOpt = Annotated[Optional[int], opt("--global-batch", min=1, help="Sequences per iteration.")]
+SeqLenOpt = Annotated[Optional[int], opt("--seq-len", min=1, help="Sequence length (default: the model's).")]
+DtypeOpt = Annotated[Optional[str], opt("--dtype", help="bf16, fp16, fp32, or fp8 (where devices have it).")]
+ENGINES = "megatron, flagscale, deepspeed, torchtitan, torchrun"  # specs/catalog/engines.yaml, listed in the help
+ZERO = "0, 1 (distributed optimizer), 2 (gradients sharded too) or 3 (FSDP: weights too)."
+ZeroOpt = Annotated[Optional[int], opt("--zero-stage", help=ZERO)]
+JsonOpt = Annotated[bool, opt("--json", help="Print JSON instead of tables.")]
+QuietOpt = Annotated[bool, opt("--quiet", "-q", help="No progress lines on stderr.")]
+PredictorOpt = Annotated[
+    Optional[Path], opt("--predictor", help="Predictor file from `hetplan fit` (default: shipped).")
+]
+ProfilesOpt = Annotated[Optional[Path], opt("--profiles", help="Directory of profile JSON files (by device).")]
+PlanPredictorOpt = Annotated[
+    Optional[Path], opt("--predictor", help="Predictor file from `hetplan fit` (default: the one the plan records).")
+]
+PlanProfilesOpt = Annotated[
+    Optional[Path], opt("--profiles", help="Directory of profile JSON files (default: the ones the plan records).")
+]
+PlanArg = Annotated[Path, typer.Argument(help="Plan JSON (from `hetplan plan --out`).", metavar="PLAN")]
+PlanClusterOpt = Annotated[Path, opt("--cluster", "-c", help="Cluster file the plan was made for.")]
+MicroBatchesOpt = Annotated[str, opt("--micro-batches", help="Micro-batch sizes, e.g. 1,2,4,8.")]
+TpListOpt = Annotated[str, opt("--tp", help="TP degrees (the shard one rank computes).")]
+TimeoutOpt = Annotated[float, opt("--timeout", callback=finite(), help="Seconds any one operation may take.")]
+RepeatsOpt = Annotated[int, opt("--repeats", min=1, help="Timed runs per point.")]
+PlanOutOpt = Annotated[Optional[Path], opt("--out", help="Write the plan JSON here.")]
+ProfileOutOpt = Annotated[Path, opt("--out", help="Profile JSON to write.")]
+PngOpt = Annotated[Optional[Path], opt("--png", help="Write the picture here (.png).")]
+CHOICES = "Replica counts that do not divide the batch: off (default), refine, or exhaustive (slower)."
+UnevenOpt = Annotated[Optional[str], opt("--uneven-batch", help=CHOICES)]
+FAMILIES = "Pipeline families of different device mixes: auto (default: clusters of two groups), search or off."
+FamiliesOpt = Annotated[Optional[str], opt("--families", help=FAMILIES)]
+LOWER = "Also bound how fast any plan of the search space could be (the gap; about a second search)."
+LowerBoundOpt = Annotated[bool, opt("--lower-bound", help=LOWER)]
+SequenceParallelOpt = Annotated[bool, opt("--sequence-parallel/--no-sequence-parallel", help="Megatron's SP.")]
+MEGATRON_FLAGS = ("group", "tp", "pp", "dp", "micro_batch_size", "recompute", "virtual_stages", "sequence_parallel")
+
+
+def predictor_from(path: Path | None) -> Predictor:
+    """The predictor from `hetplan fit`, or the shipped one."""
+    from predictor.predictor import default_predictor, load_predictor
+
+    return load_predictor(path) if path is not None else default_predictor()
+
+
+def plan_costs_said(loaded: LoadedPlan, predictor: Path | None, profiles: Path | None, model: Any = None) -> PlanCosts:
+    """The costs to evaluate a saved plan with (the ones it records unless a flag names others), said on stderr in
+    one line, plus a line per recorded file that changed since the plan was made."""
+    from planner.cost_source import plan_costs
+
+    costs = plan_costs(loaded, predictor, profiles, model)
+    for line in costs.lines:
+        sys.stderr.write(line + "\n")
+    return costs
+
+
+def on_cluster(training: TrainingSpec, cluster: ClusterSpec) -> TrainingSpec:
+    """The training on this cluster: fp32 on CPU devices unless a dtype was chosen (a note on stderr says so)."""
+    from specs.training import on_devices
+
+    chosen, note = on_devices(training, {group.device.vendor for group in cluster.groups})
+    if note:
+        sys.stderr.write(note + "\n")
+    return chosen
+
+
+def require_torch(command: str) -> None:
+    """Commands that measure need torch: say so in one line when it is missing."""
+    from specs.errors import TorchMissingError
+
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        raise TorchMissingError(f"`hetplan {command}`") from None
+
+
+# ---- printing ---------------------------------------------------------------------------------------------------
+def show(as_json: bool, body: Any, *renderables: Any) -> None:
+    """What a command found: its JSON body (indented, alone on stdout) with --json, else its tables and lines (rich
+    markup) at least 100 columns wide (readable when piped)."""
+    from rich.console import Console
+
+    if as_json:
+        sys.stdout.write(json.dumps(body, indent=2) + "\n")
+        return
+    console = Console(width=max(100, Console().width))
+    for renderable in renderables:
+        console.print(renderable)
+
+
+def written(what: str, path: Path | None) -> list[str]:
+    """'<what> written to <path>' when a file was asked for."""
+    return [] if path is None else [f"{what} written to {path}"]
+
+
+def progress_on_stderr(task: str, quiet: bool, unit: str = "") -> Progress:
+    """Progress of a long command on stderr (see report.progress)."""
+    from report.progress import Progress
+
+    return Progress(task, quiet=quiet, unit=unit)

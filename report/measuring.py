@@ -1,0 +1,347 @@
+"""hetplan's commands that measure, fit and run (profile, profile-comm, fit, validate, run, launch, comm-bench,
+simulate-profile); cli.py registers them on its app beside the planning commands. Heavy imports are lazy."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from report.cli_flags import (
+    JsonOpt,
+    MicroBatchesOpt,
+    ModelOpt,
+    PlanArg,
+    PlanClusterOpt,
+    PlanPredictorOpt,
+    PredictorOpt,
+    ProfileOutOpt,
+    QuietOpt,
+    RepeatsOpt,
+    SeqLenOpt,
+    TimeoutOpt,
+    TpListOpt,
+    finite,
+    opt,
+    plan_costs_said,
+    predictor_from,
+    progress_on_stderr,
+    require_torch,
+    show,
+    written,
+)
+
+
+# ---- measuring and fitting --------------------------------------------------------------------------------------
+def profile(
+    model: ModelOpt,
+    out: ProfileOutOpt,
+    device: Annotated[str, opt(help="auto, cpu, cuda:N (also ROCm), xpu:N or npu:N.")] = "auto",
+    as_device: Annotated[Optional[str], opt(help="Catalog key the profile stands for (default: the device).")] = None,
+    micro_batches: MicroBatchesOpt = "1,2,4,8",
+    tp: TpListOpt = "1,2,4",
+    recompute: Annotated[str, opt(help="Recompute modes to time.")] = "none,selective,full",
+    seq_len: SeqLenOpt = None,
+    dtype: Annotated[str, opt(help="auto (fp32 on CPU, bf16 elsewhere), bf16, fp16 or fp32.")] = "auto",
+    repeats: Annotated[int, opt(min=1, help="Timed runs per entry (at least).")] = 8,
+    threads: Annotated[Optional[int], opt(min=1, help="CPU threads torch may use (default: torch's).")] = None,
+    quiet: QuietOpt = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Measure per-layer forward/backward time and activation memory on the local accelerator; Ctrl-C writes what
+    was measured and exits 130."""
+    from specs import flags
+    from specs.model import RECOMPUTE_MODES, load_model
+
+    flags.output_file(out, "--out")
+    sizes, degrees = flags.int_list(micro_batches, "--micro-batches"), flags.int_list(tp, "--tp")
+    modes = flags.choices(recompute, RECOMPUTE_MODES, "--recompute")
+    model_spec = load_model(model)
+    require_torch("profile")
+    from profiler.measure import profile_model, profile_target
+
+    torch_device, chosen_dtype, key = profile_target(device, dtype, as_device, threads)
+    training_spec = flags.training(None, dtype=chosen_dtype, seq_length=seq_len)
+    with progress_on_stderr("profile", quiet, unit="entries") as progress:
+        shape = {"seq_length": seq_len or model_spec.seq_length, "micro_batch_sizes": sizes, "tp_degrees": degrees}
+        measure = {"device": torch_device, "device_key": key, "dtype": training_spec.dtype, "repeats": repeats}
+        result = profile_model(model_spec, recompute_modes=modes, progress=progress, **shape, **measure)  # type: ignore[arg-type]
+    result.save(out)
+    interrupted = bool(result.environment.get("interrupted"))
+    skipped = sum(not entry.fits for entry in result.entries)
+    body = {"out": str(out), "entries": len(result.entries), "did_not_fit": skipped, "interrupted": interrupted}
+    note = " (interrupted: partial profile)" if interrupted else ""
+    show(as_json, body, f"{len(result.entries)} entries ({skipped} did not fit) written to {out}{note}")
+    if interrupted:
+        raise KeyboardInterrupt  # what was measured is written; the exit status still says it was cut short
+
+
+def profile_comm(
+    out: Annotated[Path, opt(help="Link profile JSON to write.")],
+    world: Annotated[str, opt(help="Local process counts to launch, e.g. 2,4.")] = "2,4",
+    min_size: Annotated[str, opt(help="Smallest message.")] = "4KiB",
+    max_size: Annotated[str, opt(help="Largest message (sizes step by 4x, at most 16GiB).")] = "256MiB",
+    ops: Annotated[str, opt(help="Collectives.")] = "all_reduce,all_gather,reduce_scatter,send_recv",
+    repeats: RepeatsOpt = 3,
+    link_class: Annotated[str, opt(help="What the processes share: in_node, rail or cross_group.")] = "in_node",
+    timeout_s: TimeoutOpt = 120.0,
+    as_device: Annotated[str, opt(help="Catalog key of the devices measured.")] = "cpu",
+    quiet: QuietOpt = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Time real collectives (local processes, Gloo over loopback; under torchrun, this process is one rank of the
+    job and --world is ignored) and fit alpha-beta per collective and group size, nccl-tests style."""
+    import tempfile
+
+    from report.files import write_json
+    from report.measurements import link_profile_tables
+    from specs import flags
+    from specs.device import get_device
+
+    flags.output_file(out, "--out")
+    flags.choice(link_class, ("in_node", "rail", "cross_group"), "--link-class")
+    sizes, worlds = flags.message_sizes(min_size, max_size), flags.int_list(world, "--world", 2, "process counts") or []
+    device_key = get_device(as_device, "--as-device", "").key
+    require_torch("profile-comm")
+    from profiler.comm_bench import COLLECTIVES, launched_by_torchrun, link_profile, run_in_job, run_local
+
+    chosen = flags.choices(ops, COLLECTIVES, "--ops")
+    points = []
+    with progress_on_stderr("profile-comm", quiet, unit="process counts") as progress:
+        if launched_by_torchrun():  # one rank of a real job: measure the job's own links; rank 0 reports
+            rank, points = run_in_job(sizes, chosen, repeats, timeout_s)
+            if rank != 0:
+                return
+        else:
+            with tempfile.TemporaryDirectory() as scratch:
+                for index, ranks in enumerate(worlds):
+                    progress.update(index, len(worlds), f"({ranks} processes)")
+                    points += run_local(ranks, sizes, chosen, repeats, Path(scratch), timeout_s)
+    profile = link_profile(points, link_class, "gloo", device_key)
+    write_json(out, profile)
+    show(as_json, profile, *link_profile_tables(profile, link_class), *written("link profile", out))
+
+
+def fit(
+    out: Annotated[Path, opt(help="Write the predictor (joblib) here.")],
+    profiles: Annotated[Optional[Path], opt(help="Directory of profile JSON files (any devices).")] = None,
+    links: Annotated[Optional[list[Path]], opt(help="Link profile from `hetplan profile-comm` (repeat).")] = None,
+    runs: Annotated[Optional[list[Path]], opt(help="Run record(s) of measured iterations (repeat).")] = None,
+    published_runs: Annotated[bool, opt("--published-runs/--no-published-runs", help="Also the bundled run.")] = True,
+    quiet: QuietOpt = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Fit a predictor: layer models from profiles, links from link profiles, calibration from runs."""
+    from predictor.predictor import calibration_runs, fit_predictor, save_predictor
+    from predictor.validation import validation_report
+    from profiler.profiles import checked_profile_files
+    from report.measurements import fit_renderables, validation_renderables
+    from specs.flags import output_file
+
+    output_file(out, "--out")
+    with progress_on_stderr("fit", quiet, unit="steps") as progress:
+        progress.step("checking the profiles", 2)
+        paths = checked_profile_files(profiles) if profiles is not None else []
+        progress.step("fitting", 3)
+        fitted = fit_predictor(paths, links or [], runs or [], published_runs=published_runs, name=out.name)
+        progress.step("leaving one source out at a time", 3)
+        body = fitted.describe()
+        body["validation"] = validation_report(fitted, calibration_runs(runs or [], published_runs), held_out=True)
+    save_predictor(fitted, out)
+    renderables = validation_renderables(body["validation"]) if body["validation"]["runs"] else []
+    show(as_json, body, *fit_renderables(body), *renderables, *written("predictor", out))
+
+
+def validate(
+    runs: Annotated[list[Path], typer.Argument(help="Run records (hetplan.run/1, runs/1, or calibration-runs/1).")],
+    predictor: PredictorOpt = None,
+    held_out: Annotated[
+        bool, opt("--leave-one-source-out", help="Also refit without each source and predict its runs.")
+    ] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Predict measured runs: per run the prediction, the signed error and the term that dominates its time; the
+    error per device family; the worst runs."""
+    from predictor.runs import load_runs
+    from predictor.validation import validation_report
+    from report.measurements import validation_renderables
+
+    loaded = [run for path in runs for run in load_runs(path)]
+    body = validation_report(predictor_from(predictor), loaded, held_out)
+    show(as_json, body, *validation_renderables(body))
+
+
+def run(
+    plan_file: PlanArg,
+    cluster: PlanClusterOpt,
+    out: Annotated[Path, opt(help="Run record to write (hetplan.run/1; `hetplan fit --runs` reads it).")],
+    steps: Annotated[int, opt(min=1, help="Training steps (the first is a warm-up).")] = 5,
+    seed: Annotated[int, opt(help="Seed of the weights and the synthetic tokens.")] = 0,
+    profiles: Annotated[
+        Optional[Path], opt(help="Predict from these profiles, uncalibrated (default: the ones the plan records).")
+    ] = None,
+    predictor: PlanPredictorOpt = None,
+    timeout: TimeoutOpt = 120.0,
+    checkpoint_dir: Annotated[
+        Optional[Path], opt("--checkpoint-dir", help="Save the training state here (DCP; any plan can load it).")
+    ] = None,
+    checkpoint_every: Annotated[
+        int, opt("--checkpoint-every", min=0, help="Save every N steps (and after the last; 0: only the last).")
+    ] = 0,
+    async_save: Annotated[
+        bool, opt("--async-save", help="Write checkpoints in the background (DCP async_save); committed when done.")
+    ] = False,
+    resume: Annotated[
+        Optional[Path],
+        opt("--resume", help="Continue from this checkpoint, or the latest complete one under this directory."),
+    ] = None,
+    max_restarts: Annotated[
+        int,
+        opt("--max-restarts", min=0, help="Local runs: when ranks die, re-plan for the rest and resume (this often)."),
+    ] = 0,
+    inject_failure: Annotated[
+        Optional[str], opt("--inject-failure", help="Testing: RANK:STEP, that rank kills itself as the step starts.")
+    ] = None,
+    quiet: QuietOpt = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Train a plan for a few steps on local processes (one per device, Gloo), or as the ranks of a torchrun job
+    (`hetplan launch` writes the commands), and write the measurement beside the prediction, the loss curve and a
+    single-process loss check. With --checkpoint-dir the state is saved as it trains; with --max-restarts a local
+    run survives lost ranks (re-plan, reshard the last checkpoint, continue) and its record says what it cost."""
+    from planner.what_if import check_local_run, plan_on_cluster, run_context
+    from specs.flags import output_file
+
+    output_file(out, "--out")
+    loaded, cluster_spec = plan_on_cluster(plan_file, cluster)
+    check_local_run(cluster_spec, cluster)
+    require_torch("run")
+    from profiler.comm_bench import launched_by_torchrun
+    from report.files import write_json
+    from report.measurements import run_lines, run_table, run_terms_table
+    from runtime.execute import RunSettings
+    from runtime.launch import execute, execute_in_job
+    from specs.errors import SpecError
+
+    failure = None
+    if inject_failure is not None:
+        rank_text, _, step_text = inject_failure.partition(":")
+        if not (rank_text.isdigit() and step_text.isdigit()):
+            raise SpecError("--inject-failure", inject_failure, "expected RANK:STEP, e.g. 3:4")
+        failure = (int(rank_text), int(step_text))
+    if checkpoint_every and checkpoint_dir is None:
+        raise SpecError("--checkpoint-every", str(checkpoint_every), "saves need --checkpoint-dir")
+    if (max_restarts or failure) and checkpoint_dir is None:
+        raise SpecError("--max-restarts", "", "a run that survives failures needs --checkpoint-dir to resume from")
+    under_torchrun = launched_by_torchrun()
+    if max_restarts and under_torchrun:
+        raise SpecError("--max-restarts", "", "re-planning restarts are for local runs; under torchrun checkpoint "
+                        "with --checkpoint-dir and restart the job with --resume on the devices left")  # fmt: skip
+    settings = RunSettings(
+        steps=steps, seed=seed, dtype=loaded.training.dtype, timeout_s=timeout,
+        checkpoint_dir=str(checkpoint_dir or ""), checkpoint_every=checkpoint_every or steps,
+        checkpoint_async=async_save, resume_from=str(resume or ""), fail_at=failure,
+    )  # fmt: skip
+    if resume:  # a checkpoint that cannot be resumed is refused before anything else is said or started
+        from runtime.elastic import resumed_settings
+
+        settings = resumed_settings(settings, loaded.model)
+    costs = plan_costs_said(loaded, predictor, profiles)
+    predictor_object = costs.predictor
+    context = run_context(loaded, predictor_object, costs.profiles)
+    with progress_on_stderr("run", quiet) as progress:  # under torchrun: this process is one rank, rank 0 writes
+        if checkpoint_dir and not under_torchrun:
+            from runtime.elastic import execute_elastic
+
+            record = execute_elastic(loaded, cluster_spec, str(cluster), context, settings, max_restarts,
+                                     predictor_object, progress=progress.say, profiles=costs.profiles)  # fmt: skip
+        else:
+            runner = execute_in_job if under_torchrun else execute
+            record = runner(loaded, cluster_spec, str(cluster), context, settings, progress=progress.say)
+    if record is None:
+        return
+    from report.elastic import elastic_lines
+
+    write_json(out, record)
+    terms = [table for table in [run_terms_table(record)] if table is not None]
+    lines = [*run_lines(record, steps), *elastic_lines(record)]
+    show(as_json, record, run_table(record), *terms, *lines, *written("run record", out))
+
+
+def launch(
+    plan_file: PlanArg,
+    cluster: PlanClusterOpt,
+    out: Annotated[Path, opt(help="Run record the job writes (on the first node).")] = Path("run.json"),
+    master_addr: Annotated[str, opt(help="Address of the first node.")] = "$MASTER_ADDR",
+    port: Annotated[int, opt(min=1, max=65535, help="Rendezvous port.")] = 29500,
+) -> None:
+    """Print the torchrun command of every node that runs the plan with `hetplan run` (one line per node)."""
+    from planner.export import launch_commands
+    from planner.what_if import plan_on_cluster
+
+    _, cluster_spec = plan_on_cluster(plan_file, cluster)
+    for line in launch_commands(str(plan_file), cluster_spec, str(cluster), str(out), master_addr, port):
+        sys.stdout.write(line + "\n")
+
+
+# ---- communicator and simulated profiles -------------------------------------------------------------------------
+def comm_bench(
+    world: Annotated[int, opt(min=2, max=256, help="Local processes to launch.")] = 4,
+    islands: Annotated[str, opt(help="Island (vendor) of each rank.")] = "nvidia,nvidia,amd,amd",
+    sizes: Annotated[str, opt(help="Message sizes, e.g. 4KiB,1MiB,16MiB.")] = "4KiB,64KiB,1MiB,16MiB",
+    repeats: RepeatsOpt = 5,
+    timeout_s: TimeoutOpt = 60.0,
+    links_out: Annotated[Optional[Path], opt(help="Write the bridged path as a link profile (`fit --links`).")] = None,
+    quiet: QuietOpt = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """All-reduce over simulated vendor islands: direct vs bridged vs hierarchical, checked and timed."""
+    from specs import flags
+
+    flags.output_file(links_out, "--links-out")
+    size_list = [flags.size_bytes(part, "--sizes") for part in flags.names(sizes) or [""]]
+    require_torch("comm-bench")
+    from comm.bench import check_islands, links_from_bench, run_comm_bench
+    from report.files import write_json
+    from report.measurements import comm_bench_table
+
+    names = check_islands(flags.names(islands), world)
+    with progress_on_stderr("comm-bench", quiet, unit="points") as progress:
+        result = run_comm_bench(names, size_list, repeats, timeout_s, progress=progress)
+    if links_out is not None:
+        write_json(links_out, links_from_bench(result))
+    show(as_json, result, comm_bench_table(result, names), *written("link profile", links_out))
+
+
+def simulate_profile(
+    device: Annotated[str, opt(help="Catalog device key.")],
+    model: ModelOpt,
+    out: ProfileOutOpt,
+    micro_batches: MicroBatchesOpt = "1,2,4,8",
+    tp: TpListOpt = "1,2,4,8",
+    seq_len: SeqLenOpt = None,
+    dtype: Annotated[str, opt(help="bf16, fp16 or fp32.")] = "bf16",
+    noise: Annotated[float, opt(callback=finite(0.0, inclusive=True), help="Log-normal sigma of noise.")] = 0.0,
+    seed: Annotated[int, opt(help="Noise seed.")] = 0,
+    as_json: JsonOpt = False,
+) -> None:
+    """Write a simulated device profile (datasheet roofline) in the profile JSON format."""
+    from profiler.simulated import SimulatedDevice
+    from specs import flags
+    from specs.device import get_device
+    from specs.model import load_model
+
+    flags.output_file(out, "--out")
+    sizes, degrees = flags.int_list(micro_batches, "--micro-batches") or [], flags.int_list(tp, "--tp") or []
+    model_spec = load_model(model)
+    training_spec = flags.training(None, dtype=dtype, seq_length=seq_len)
+    spec = get_device(device, "--device")
+    seq_length = training_spec.seq_length or model_spec.seq_length
+    simulated = SimulatedDevice(spec, model_spec, seq_length, training_spec.dtype, noise=noise, seed=seed)
+    profile = simulated.to_profile(tuple(sizes), tuple(degrees))
+    profile.save(out)
+    show(
+        as_json, {"out": str(out), "entries": len(profile.entries)}, f"{len(profile.entries)} entries written to {out}"
+    )
