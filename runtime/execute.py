@@ -39,6 +39,7 @@ import torch.distributed as dist
 from comm.communicator import CommGroup, Communicator
 from comm.plan_groups import plan_groups, rank_islands, stage_chunks
 from predictor.schedule import stage_order
+from profiler.data import synthetic_batch
 from runtime import checkpoint
 from runtime.model import StageModule, seeded_pieces
 from runtime.sync import CrossFamilySync
@@ -119,20 +120,6 @@ def rank_roles(cluster: ClusterSpec, strategy: Strategy) -> dict[int, Role]:
                     )
         family_start += pipeline.microbatch_total * pipeline.micro_batch_size
     return roles
-
-
-def synthetic_batch(model: ModelSpec, global_batch: int, seq_length: int, seed: int, step: int) -> torch.Tensor:
-    """Token sequences (global_batch, seq_length + 1) following a fixed rule next = (7 * token + 3) mod V with
-    random starts and 10% random tokens: learnable, so the loss falls as training works."""
-    generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
-    vocab = model.vocab_size
-    tokens = torch.empty(global_batch, seq_length + 1, dtype=torch.long)
-    tokens[:, 0] = torch.randint(0, vocab, (global_batch,), generator=generator)
-    for t in range(seq_length):
-        tokens[:, t + 1] = (7 * tokens[:, t] + 3) % vocab
-    noise = torch.rand(global_batch, seq_length + 1, generator=generator) < 0.1
-    tokens[noise] = torch.randint(0, vocab, (int(noise.sum()),), generator=generator)
-    return tokens
 
 
 class FlatAdam:
