@@ -6,21 +6,31 @@ reduce-scatter and send/recv over message sizes, reported in the nccl-tests conv
 (n-1)/n for all-gather and reduce-scatter, 1 for send/recv. Each (collective, ranks) gets a fitted
 t = steps * alpha + S * factor / busbw (steps = 2(n-1), n-1 or 1), least squares on relative error, and the fit's
 error against the measured points is recorded with it.
+
+The ranks time the operations as training meets them: each computes for `gap_s` before every operation (as layers
+run between TP collectives; no barrier lines them up) and times its own wait inside it. `time_s` is the median over
+operations of the slowest rank's time (nccl-tests' convention); `mean_time_s` the mean over operations and the ranks
+taking part, what a rank loses per operation on average, which predictions sum (Gloo's time per operation has a long
+tail on some hosts, so the two differ). Local runs may also be measured with background processes computing beside
+the ranks (`busy_processes`), so that the cores are shared as when a run's ranks outnumber them: each point records
+its processes per core.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
+import multiprocessing
 import os
 import platform
 import socket
-import statistics
 import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from datetime import timedelta
+from multiprocessing.synchronize import Event
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +51,7 @@ from specs.errors import HetplanError
 LINKS_SCHEMA = "hetplan.links/1"
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
 MIN_POINT_TIME_S = 0.2
-MAX_POINT_REPEATS = 50
+MAX_POINT_REPEATS = 100
 
 
 @dataclass(frozen=True)
@@ -53,6 +63,8 @@ class CommPoint:
     algbw_bytes_per_s: float
     busbw_bytes_per_s: float
     correct: bool
+    mean_time_s: float = 0.0  # 0: not measured (files written before it was)
+    processes_per_core: float = 1.0  # the ranks and background processes computing, per core of the host
 
 
 @dataclass(frozen=True)
@@ -64,6 +76,7 @@ class LinkFit:
     busbw_bytes_per_s: float
     fit_median_rel_error: float
     fit_max_rel_error: float
+    processes_per_core: float = 1.0
 
 
 def _run_one(collective: str, size_bytes: int, rank: int, ranks: int) -> tuple[float, bool]:
@@ -102,47 +115,91 @@ def _run_one(collective: str, size_bytes: int, rank: int, ranks: int) -> tuple[f
     return elapsed, bool(rank != 1 or buffer[0].item() == 7.0)
 
 
+def compute_for(seconds: float) -> None:
+    """Keep this rank's core busy with small matrix products for `seconds` (the gap between operations)."""
+    if seconds <= 0:
+        return
+    matrix = torch.ones(64, 64)
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        matrix @ matrix
+
+
 def measure_points(
-    rank: int, ranks: int, sizes: Sequence[int], collectives: Sequence[str], repeats: int
+    rank: int,
+    ranks: int,
+    sizes: Sequence[int],
+    collectives: Sequence[str],
+    repeats: int,
+    gap_s: float = 0.0,
+    processes_per_core: float = 1.0,
 ) -> list[CommPoint]:
-    """Run inside an initialised process group; every rank returns the same points (rank 0's timings)."""
+    """Run inside an initialised process group; every rank returns the same points. Each point runs at least
+    `repeats` operations, more for short ones (up to MIN_POINT_TIME_S of operations); the count is agreed by all
+    ranks from a probe, so every rank takes the same number of turns."""
     points = []
     for collective in collectives:
         if collective == "send_recv" and ranks < 2:
             continue
+        taking_part = 2 if collective == "send_recv" else ranks
         for size in sizes:
-            times: list[float] = []
-            correct = True
-            index = 0
-            # at least `repeats` runs, more for short messages (up to MIN_POINT_TIME_S of samples); the loop
-            # condition uses the all-reduced times, so every rank takes the same number of turns
-            while index <= repeats or (sum(times) < MIN_POINT_TIME_S and len(times) < MAX_POINT_REPEATS):
-                dist.barrier()
+            probe = [_run_one(collective, size, rank, ranks)[0] for _ in range(2)]  # the first warms up
+            slowest = torch.tensor([probe[-1] + gap_s], dtype=torch.float64)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            count = max(repeats, min(MAX_POINT_REPEATS, math.ceil(MIN_POINT_TIME_S / max(slowest.item(), 1e-9))))
+            times = torch.zeros(count + 1, dtype=torch.float64)  # the last: 1 where a result was wrong
+            for index in range(count):
+                compute_for(gap_s)
                 elapsed, ok = _run_one(collective, size, rank, ranks)
-                # the slowest rank defines a collective's time (as nccl-tests' per-iteration max)
-                slowest = torch.tensor([elapsed, 0.0 if ok else 1.0], dtype=torch.float64)
-                dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-                correct = correct and slowest[1].item() == 0.0
-                if index > 0:
-                    times.append(slowest[0].item())
-                index += 1
-            time_s = statistics.median(times)
+                times[index] = elapsed
+                times[count] = max(times[count].item(), 0.0 if ok else 1.0)
+            everyone = [torch.zeros_like(times) for _ in range(ranks)]
+            dist.all_gather(everyone, times)
+            stacked = torch.stack(everyone)
+            per_operation = stacked[:taking_part, :count]
+            time_s = float(per_operation.max(dim=0).values.median())
             algbw = size / time_s
             points.append(
-                CommPoint(collective, ranks, size, time_s, algbw, algbw * bus_factor(collective, ranks), correct)
+                CommPoint(
+                    collective,
+                    ranks,
+                    size,
+                    time_s,
+                    algbw,
+                    algbw * bus_factor(collective, ranks),
+                    bool(stacked[:, count].max().item() == 0.0),
+                    float(per_operation.mean()),
+                    processes_per_core,
+                )
             )
     return points
 
 
+def _spin(stop: Event) -> None:
+    """A background process computing until `stop` (shares the cores with the measured ranks)."""
+    torch.set_num_threads(1)
+    while not stop.is_set():
+        compute_for(0.05)
+
+
 def _worker(
-    rank: int, ranks: int, port: int, sizes: list[int], collectives: list[str], repeats: int, timeout_s: float, out: str
+    rank: int,
+    ranks: int,
+    port: int,
+    sizes: list[int],
+    collectives: list[str],
+    repeats: int,
+    timeout_s: float,
+    out: str,
+    gap_s: float,
+    processes_per_core: float,
 ) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=ranks, timeout=timedelta(seconds=timeout_s)
     )
     try:
-        points = measure_points(rank, ranks, sizes, collectives, repeats)
+        points = measure_points(rank, ranks, sizes, collectives, repeats, gap_s, processes_per_core)
         if rank == 0:
             Path(out).write_text(json.dumps([asdict(p) for p in points]), encoding="utf-8")
     finally:
@@ -215,18 +272,53 @@ def run_processes(
             spawn_log.setLevel(level)
 
 
+def host_cores() -> int:
+    """The cores this process may run on, which local ranks share."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def run_local(
-    ranks: int, sizes: Sequence[int], collectives: Sequence[str], repeats: int, scratch: Path, timeout_s: float = 120.0
+    ranks: int,
+    sizes: Sequence[int],
+    collectives: Sequence[str],
+    repeats: int,
+    scratch: Path,
+    timeout_s: float = 120.0,
+    gap_s: float = 0.0,
+    busy_processes: int = 0,
 ) -> list[CommPoint]:
-    """Spawn `ranks` local processes (Gloo on loopback), bounded by `timeout_s` per operation."""
-    out = scratch / f"points-{ranks}.json"
-    run_processes(
-        _worker,
-        (ranks, free_port(), list(sizes), list(collectives), repeats, timeout_s, str(out)),
-        ranks,
-        timeout_s * (len(sizes) * len(collectives) + 2),
-        f"profile-comm with {ranks} processes",
-    )
+    """Spawn `ranks` local processes (Gloo on loopback), bounded by `timeout_s` per operation, with `busy_processes`
+    background processes computing beside them."""
+    out = scratch / f"points-{ranks}-{busy_processes}.json"
+    context = multiprocessing.get_context("spawn")
+    stop = context.Event()
+    spinners = [context.Process(target=_spin, args=(stop,), daemon=True) for _ in range(busy_processes)]
+    for spinner in spinners:
+        spinner.start()
+    try:
+        run_processes(
+            _worker,
+            (
+                ranks,
+                free_port(),
+                list(sizes),
+                list(collectives),
+                repeats,
+                timeout_s,
+                str(out),
+                gap_s,
+                (ranks + busy_processes) / host_cores(),
+            ),
+            ranks,
+            timeout_s * (len(sizes) * len(collectives) + 2),
+            f"profile-comm with {ranks} processes",
+        )
+    finally:
+        stop.set()
+        for spinner in spinners:
+            spinner.join(timeout=GRACE_S)
+            if spinner.is_alive():
+                spinner.kill()
     return [CommPoint(**p) for p in json.loads(out.read_text(encoding="utf-8"))]
 
 
@@ -235,13 +327,19 @@ def launched_by_torchrun() -> bool:
 
 
 def run_in_job(
-    sizes: Sequence[int], collectives: Sequence[str], repeats: int, timeout_s: float, backend: str = "gloo"
+    sizes: Sequence[int],
+    collectives: Sequence[str],
+    repeats: int,
+    timeout_s: float,
+    backend: str = "gloo",
+    gap_s: float = 0.0,
 ) -> tuple[int, list[CommPoint]]:
     """This process is one rank of a torchrun job: measure with every rank; returns (rank, points)."""
     dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=timeout_s))
     try:
         rank, ranks = dist.get_rank(), dist.get_world_size()
-        return rank, measure_points(rank, ranks, sizes, collectives, repeats)
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        return rank, measure_points(rank, ranks, sizes, collectives, repeats, gap_s, local / host_cores())
     finally:
         dist.destroy_process_group()
 
@@ -266,13 +364,17 @@ def fit_link(points: Sequence[CommPoint], link_class: str) -> LinkFit:
         1.0 / inverse_bw,
         float(np.median(errors)),
         float(np.max(errors)),
+        first.processes_per_core,
     )
 
 
-def link_profile(points: Sequence[CommPoint], link_class: str, backend: str, device_key: str = "cpu") -> dict[str, Any]:
-    groups: dict[tuple[str, int], list[CommPoint]] = {}
+def link_profile(
+    points: Sequence[CommPoint], link_class: str, backend: str, device_key: str = "cpu", gap_s: float = 0.0
+) -> dict[str, Any]:
+    """The links file: every point, and an alpha-beta fit per collective, group size and processes per core."""
+    groups: dict[tuple[str, int, float], list[CommPoint]] = {}
     for point in points:
-        groups.setdefault((point.collective, point.ranks), []).append(point)
+        groups.setdefault((point.collective, point.ranks, point.processes_per_core), []).append(point)
     fits = [fit_link(group, link_class) for group in groups.values() if len(group) >= 2]
     return {
         "schema": LINKS_SCHEMA,
@@ -284,7 +386,9 @@ def link_profile(points: Sequence[CommPoint], link_class: str, backend: str, dev
             "torch": torch.__version__,
             "python": platform.python_version(),
             "cpu_count": os.cpu_count(),
+            "cores": host_cores(),
             "threads_per_rank": 1,
+            "gap_s": gap_s,
         },
         "links": [asdict(f) for f in fits],
         "points": [asdict(p) for p in points],

@@ -9,11 +9,14 @@ consumer reads one format:
                   "recompute": "none"|"selective"|"full", "forward_time_s": ..., "backward_time_s": ...,
                   "activation_bytes": ...}, ...]}
 
-`backward_time_s` includes the recomputed forward work of the entry's recompute mode.
+`backward_time_s` includes the recomputed forward work of the entry's recompute mode. A measured profile may also
+carry a `host` section (`HostCosts`, its own schema "hetplan.host/1"): what a training step costs on the measured host
+besides its layers and collectives, which a local run on CPU processes needs.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +30,7 @@ from specs.model import Recompute
 from specs.outputs import write_text_atomic
 
 PROFILE_SCHEMA = "hetplan.profile/1"
+HOST_SCHEMA = "hetplan.host/1"
 LayerKind = Literal["decoder", "embedding", "lm_head"]
 
 
@@ -102,6 +106,65 @@ class ProfileEntry(BaseModel):
         return self
 
 
+class ConcurrencyPoint(BaseModel):
+    """A decoder layer pass's busy (CPU) time while `processes` processes (one thread each) compute at once on the
+    host, over its busy time alone: what they do to each other's caches and memory bandwidth. (The wait for a core
+    when they outnumber the cores is time slicing, which HostCosts.stretch adds.)"""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    processes: int = Field(ge=1)
+    busy_stretch: float = Field(gt=0)
+
+
+class HostCosts(BaseModel):
+    """What a training step costs on the profiled host besides its layers and collectives, measured by
+    `hetplan profile` (profiler/host.py) with one thread per process, as the runtime's ranks run:
+
+    concurrency              a layer's busy time with N processes computing at once (N up to twice the cores) over
+                             alone: how ranks slow each other through caches and memory bandwidth (busy time, i.e.
+                             CPU time, is what the other users of a shared machine do not inflate);
+    optimizer_s_per_param    the AdamW update, per parameter of the rank's optimizer shard;
+    flatten_s_per_param      gathering the rank's gradients and parameters into flat buffers and the updated
+                             parameters back, per parameter it holds;
+    microbatch_overhead_s    running a stage (embedding, layers, head) as one module, per micro-batch, beyond its
+                             layers' own times (one autograd pass instead of one per layer; may be negative);
+    layer_overhead_s         the same per decoder layer of the stage (weights fetched cold, one after the other);
+    batch_s, batch_s_per_sample  making a step's token batch (the runtime's synthetic data) at the profile's sequence.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
+
+    schema_: Literal["hetplan.host/1"] = Field(default=HOST_SCHEMA, alias="schema")
+    cores: int = Field(ge=1)
+    concurrency: list[ConcurrencyPoint] = Field(min_length=1)
+    optimizer_s_per_param: float = Field(ge=0)
+    flatten_s_per_param: float = Field(ge=0)
+    microbatch_overhead_s: float
+    layer_overhead_s: float
+    batch_s: float = Field(ge=0)
+    batch_s_per_sample: float = Field(ge=0)
+
+    def busy_stretch(self, processes: float) -> float:
+        """A layer's busy time with `processes` computing at once over alone: the measured points interpolated
+        linearly (1 at one process; a point below 1 counts as 1, processes computing at once do not speed each other
+        up), the last point's value past it."""
+        points = sorted({(1, 1.0), *((p.processes, max(1.0, p.busy_stretch)) for p in self.concurrency)})
+        for (low, low_stretch), (high, high_stretch) in itertools.pairwise(points):
+            if processes <= high:
+                return low_stretch + (max(processes, low) - low) / (high - low) * (high_stretch - low_stretch)
+        return points[-1][1]
+
+    def stretch(self, processes: float) -> float:
+        """What `processes` computing at once on this host do to each one's compute time: their busy stretch, and
+        time slicing when they outnumber the cores (each gets cores / processes of one)."""
+        return self.busy_stretch(processes) * max(1.0, processes / self.cores)
+
+    def data_time_s(self, global_batch: int) -> float:
+        """Making one step's batch of `global_batch` sequences."""
+        return self.batch_s + global_batch * self.batch_s_per_sample
+
+
 class ProfileFile(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -113,6 +176,16 @@ class ProfileFile(BaseModel):
     seq_length: int = Field(ge=1)
     environment: dict[str, Any] = {}
     entries: list[ProfileEntry] = Field(min_length=1)
+    host: HostCosts | None = None
+
+
+@dataclass(frozen=True)
+class LinkFileRecord:
+    """A link profile file read beside a device profile: where it is, its SHA-256 and its data."""
+
+    path: str
+    sha256: str
+    data: dict[str, Any]
 
 
 @dataclass
@@ -128,6 +201,10 @@ class DeviceProfile:
     environment: dict[str, Any] = field(default_factory=dict)
     path: str = ""
     sha256: str = ""  # of the file it was read from (a plan records it: planner.cost_source)
+    host: HostCosts | None = None  # measured host costs (local runs on CPU processes), when profiled
+    # link profiles (`hetplan profile-comm`) of this device found beside the profile: path, SHA-256 and the file's
+    # data; predictor.context fits them (profiler.profiles.load_profile_files attaches them)
+    link_files: list[LinkFileRecord] = field(default_factory=list)
 
     @property
     def identity(self) -> str:
@@ -144,6 +221,8 @@ class DeviceProfile:
             "environment": self.environment,
             "entries": [entry.model_dump(exclude_none=True) for entry in self.entries],
         }
+        if self.host is not None:
+            body["host"] = self.host.model_dump(by_alias=True)
         return json.dumps(body, indent=2, sort_keys=True) + "\n"
 
     def save(self, path: str | Path) -> None:
@@ -215,4 +294,5 @@ def load_profile(path: str | Path) -> DeviceProfile:
         environment=parsed.environment,
         path=str(path),
         sha256=file_sha256(path),
+        host=parsed.host,
     )

@@ -2,7 +2,9 @@
 
 A profile times one layer shape; planning another model with it would silently mistime every layer, so loading
 refuses a profile whose shape differs, a second profile of the same device, two entries for one point and times
-no device could reach (they would make every plan look impossibly fast). Torch-free.
+no device could reach (they would make every plan look impossibly fast). Link profiles (`hetplan profile-comm`,
+"hetplan.links/1") in the directory belong to the device profile of their device: they are attached to it
+(`DeviceProfile.link_files`), so that costs from the directory use this machine's measured collectives too. Torch-free.
 """
 
 from __future__ import annotations
@@ -11,12 +13,14 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from profiler.profile import DeviceProfile, ProfileEntry, load_profile
+from profiler.profile import DeviceProfile, LinkFileRecord, ProfileEntry, load_profile
 from specs.errors import SpecError
+from specs.loading import file_sha256, read_mapping
 from specs.model import ModelSpec
 
 # the fields that decide a decoder layer's cost: a profile must have been measured with the same
 SHAPE_FIELDS = ("hidden_size", "ffn_hidden_size", "num_attention_heads", "num_kv_heads", "vocab_size", "mlp")
+LINKS_SCHEMA = "hetplan.links/1"
 # no device computes faster than this (the catalog's fastest: 1.3e15 dense 16-bit FLOP/s); a time that says so is
 # wrong (a unit slip, a clock that did not wait for the device)
 MAX_FLOPS_PER_S = 1e17
@@ -66,12 +70,25 @@ def _json_files(directory: Path) -> list[Path]:
     return sorted(directory.glob("*.json"))
 
 
+def is_link_profile(path: Path) -> bool:
+    """Whether a JSON file is a link profile (`hetplan profile-comm`) rather than a device profile."""
+    try:
+        return read_mapping(path).get("schema") == LINKS_SCHEMA
+    except SpecError:
+        return False
+
+
 def profile_files(directory: Path) -> list[Path]:
-    """The profile files of a directory, at least one (a fit from an empty directory is a user error)."""
-    paths = _json_files(directory)
+    """The device profile files of a directory, at least one (a fit from an empty directory is a user error)."""
+    paths = [path for path in _json_files(directory) if not is_link_profile(path)]
     if not paths:
         raise SpecError(str(directory), "", "no *.json profiles in this directory")
     return paths
+
+
+def link_profile_files(directory: Path) -> list[Path]:
+    """The link profiles of a directory (`hetplan fit --profiles DIR` fits them with the device profiles)."""
+    return [path for path in _json_files(directory) if is_link_profile(path)]
 
 
 def checked_profile_files(directory: Path) -> list[Path]:
@@ -91,9 +108,15 @@ def load_profiles(directory: Path | None, model: ModelSpec) -> dict[str, DeviceP
 
 def load_profile_files(paths: list[Path], model: ModelSpec, where: str = "") -> dict[str, DeviceProfile]:
     """These profile files by device key (at most one per device), each checked against this model's layer shape
-    (`where` the files are, for the message about a second profile of one device)."""
+    (`where` the files are, for the message about a second profile of one device); link profiles among them are
+    attached to their device's profile."""
     profiles: dict[str, DeviceProfile] = {}
+    links: list[tuple[Path, dict]] = []
     for path in paths:
+        data = read_mapping(path)
+        if data.get("schema") == LINKS_SCHEMA:
+            links.append((path, data))
+            continue
         profile = load_profile(path)
         for field in SHAPE_FIELDS:
             if profile.model.get(field) != getattr(model, field):
@@ -107,4 +130,14 @@ def load_profile_files(paths: list[Path], model: ModelSpec, where: str = "") -> 
         if key in profiles:
             raise SpecError(str(path), "device.key", f"a second profile for device {key!r} {where}".rstrip())
         profiles[key] = profile
+    for path, data in links:
+        from specs.device import get_device
+
+        named = data.get("device") or ("cpu" if data.get("backend") == "gloo" else None)
+        key = get_device(str(named), str(path), "device").key if named else ""
+        if key not in profiles:
+            raise SpecError(
+                str(path), "device", f"a link profile of device {key!r} needs that device's profile beside it {where}"
+            )
+        profiles[key].link_files.append(LinkFileRecord(str(path), file_sha256(path), data))
     return profiles

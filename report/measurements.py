@@ -16,24 +16,28 @@ Renderable = Table | str
 
 def link_profile_tables(profile: Mapping[str, Any], link_class: str) -> list[Table]:
     """Every timed point (nccl-tests convention: algbw and busbw), then the alpha-beta fit per collective and size."""
-    columns = ("collective", "ranks", "size", "time us", "algbw GB/s", "busbw GB/s", "ok")
-    table = titled_table("Collectives (nccl-tests convention; sizes are whole buffers)", columns, left=("collective",))
+    columns = ("collective", "ranks", "per core", "size", "time us", "mean us", "algbw GB/s", "busbw GB/s", "ok")
+    title = "Collectives (nccl-tests convention; sizes are whole buffers; mean: a rank's average wait)"
+    table = titled_table(title, columns, left=("collective",))
     for p in profile["points"]:
         table.add_row(
             p["collective"],
             str(p["ranks"]),
+            f"{p.get('processes_per_core', 1.0):g}",
             f"{p['size_bytes'] / 2**10:,.0f} KiB",
             f"{p['time_s'] * 1e6:,.0f}",
+            f"{p.get('mean_time_s', 0.0) * 1e6:,.0f}",
             f"{p['algbw_bytes_per_s'] / 1e9:.2f}",
             f"{p['busbw_bytes_per_s'] / 1e9:.2f}",
             "yes" if p["correct"] else "NO",
         )
-    columns = ("collective", "ranks", "alpha us", "busbw GB/s", "median err", "max err")
-    fits = titled_table(f"Alpha-beta fits ({link_class})", columns, left=("collective",))
+    columns = ("collective", "ranks", "per core", "alpha us", "busbw GB/s", "median err", "max err")
+    fits = titled_table(f"Alpha-beta fits of the median times ({link_class})", columns, left=("collective",))
     for f in profile["links"]:
         fits.add_row(
             f["collective"],
             str(f["ranks"]),
+            f"{f.get('processes_per_core', 1.0):g}",
             f"{f['alpha_s'] * 1e6:.1f}",
             f"{f['busbw_bytes_per_s'] / 1e9:.2f}",
             f"{f['fit_median_rel_error']:.1%}",

@@ -47,6 +47,14 @@ def profile(
     dtype: Annotated[str, opt(help="auto (fp32 on CPU, bf16 elsewhere), bf16, fp16 or fp32.")] = "auto",
     repeats: Annotated[int, opt(min=1, help="Timed runs per entry (at least).")] = 8,
     threads: Annotated[Optional[int], opt(min=1, help="CPU threads torch may use (default: torch's).")] = None,
+    host: Annotated[
+        bool,
+        opt(
+            "--host/--no-host",
+            help="On the CPU, also measure the host's step costs besides the layers (processes computing at once, "
+            "optimizer step, stage and batch overheads; ~10 s), which local runs are predicted with.",
+        ),
+    ] = True,
     quiet: QuietOpt = False,
     as_json: JsonOpt = False,
 ) -> None:
@@ -68,6 +76,16 @@ def profile(
         shape = {"seq_length": seq_len or model_spec.seq_length, "micro_batch_sizes": sizes, "tp_degrees": degrees}
         measure = {"device": torch_device, "device_key": key, "dtype": training_spec.dtype, "repeats": repeats}
         result = profile_model(model_spec, recompute_modes=modes, progress=progress, **shape, **measure)  # type: ignore[arg-type]
+        if host and torch_device.type == "cpu" and not result.environment.get("interrupted"):
+            from profiler.host import measure_host
+            from profiler.measure import TORCH_DTYPES
+
+            try:
+                result.host = measure_host(
+                    model_spec, result.seq_length, TORCH_DTYPES[result.dtype], min(sizes or [1]), progress.say
+                )
+            except KeyboardInterrupt:  # the layers are measured: keep them, without the host section
+                result.environment["interrupted"] = True
     result.save(out)
     interrupted = bool(result.environment.get("interrupted"))
     skipped = sum(not entry.fits for entry in result.entries)
@@ -85,7 +103,28 @@ def profile_comm(
     max_size: Annotated[str, opt(help="Largest message (sizes step by 4x, at most 16GiB).")] = "256MiB",
     ops: Annotated[str, opt(help="Collectives.")] = "all_reduce,all_gather,reduce_scatter,send_recv",
     repeats: RepeatsOpt = 3,
-    link_class: Annotated[str, opt(help="What the processes share: in_node, rail or cross_group.")] = "in_node",
+    link_class: Annotated[
+        str,
+        opt(
+            help="What the processes share: in_node, rail, cross_group, or host (every link between processes of "
+            "this machine: what local runs use). auto: host for local processes, in_node under torchrun."
+        ),
+    ] = "auto",
+    gap_ms: Annotated[
+        float,
+        opt(
+            callback=finite(0.0, inclusive=True),
+            help="Computing between operations, ms (as layers between TP collectives: no barrier lines the ranks up).",
+        ),
+    ] = 1.0,
+    shared_cores: Annotated[
+        bool,
+        opt(
+            "--shared-cores/--no-shared-cores",
+            help="Local processes: also measure with background processes computing beside the ranks, two "
+            "processes per core, as runs with more ranks than cores share them.",
+        ),
+    ] = True,
     timeout_s: TimeoutOpt = 120.0,
     as_device: Annotated[str, opt(help="Catalog key of the devices measured.")] = "cpu",
     quiet: QuietOpt = False,
@@ -101,32 +140,49 @@ def profile_comm(
     from specs.device import get_device
 
     flags.output_file(out, "--out")
-    flags.choice(link_class, ("in_node", "rail", "cross_group"), "--link-class")
+    flags.choice(link_class, ("auto", "in_node", "rail", "cross_group", "host"), "--link-class")
     sizes, worlds = flags.message_sizes(min_size, max_size), flags.int_list(world, "--world", 2, "process counts") or []
     device_key = get_device(as_device, "--as-device", "").key
     require_torch("profile-comm")
-    from profiler.comm_bench import COLLECTIVES, launched_by_torchrun, link_profile, run_in_job, run_local
+    from profiler.comm_bench import (
+        COLLECTIVES,
+        host_cores,
+        launched_by_torchrun,
+        link_profile,
+        run_in_job,
+        run_local,
+    )
 
     chosen = flags.choices(ops, COLLECTIVES, "--ops")
+    gap_s = gap_ms / 1000
     points = []
+    under_torchrun = launched_by_torchrun()
+    if link_class == "auto":
+        link_class = "in_node" if under_torchrun else "host"
     with progress_on_stderr("profile-comm", quiet, unit="process counts") as progress:
-        if launched_by_torchrun():  # one rank of a real job: measure the job's own links; rank 0 reports
-            rank, points = run_in_job(sizes, chosen, repeats, timeout_s)
+        if under_torchrun:  # one rank of a real job: measure the job's own links; rank 0 reports
+            rank, points = run_in_job(sizes, chosen, repeats, timeout_s, gap_s=gap_s)
             if rank != 0:
                 return
         else:
+            cores = host_cores()
+            loads = [(ranks, 0) for ranks in worlds]
+            if shared_cores:  # the same with every core running two processes (where the ranks alone do not)
+                loads += [(ranks, 2 * cores - ranks) for ranks in worlds if ranks < 2 * cores]
             with tempfile.TemporaryDirectory() as scratch:
-                for index, ranks in enumerate(worlds):
-                    progress.update(index, len(worlds), f"({ranks} processes)")
-                    points += run_local(ranks, sizes, chosen, repeats, Path(scratch), timeout_s)
-    profile = link_profile(points, link_class, "gloo", device_key)
+                for index, (ranks, busy) in enumerate(loads):
+                    progress.update(index, len(loads), f"({ranks} processes, {busy} computing beside them)")
+                    points += run_local(ranks, sizes, chosen, repeats, Path(scratch), timeout_s, gap_s, busy)
+    profile = link_profile(points, link_class, "gloo", device_key, gap_s)
     write_json(out, profile)
     show(as_json, profile, *link_profile_tables(profile, link_class), *written("link profile", out))
 
 
 def fit(
     out: Annotated[Path, opt(help="Write the predictor (joblib) here.")],
-    profiles: Annotated[Optional[Path], opt(help="Directory of profile JSON files (any devices).")] = None,
+    profiles: Annotated[
+        Optional[Path], opt(help="Directory of profile JSON files (any devices; link profiles in it are fitted too).")
+    ] = None,
     links: Annotated[Optional[list[Path]], opt(help="Link profile from `hetplan profile-comm` (repeat).")] = None,
     runs: Annotated[Optional[list[Path]], opt(help="Run record(s) of measured iterations (repeat).")] = None,
     published_runs: Annotated[bool, opt("--published-runs/--no-published-runs", help="Also the bundled run.")] = True,
@@ -136,7 +192,7 @@ def fit(
     """Fit a predictor: layer models from profiles, links from link profiles, calibration from runs."""
     from predictor.predictor import calibration_runs, fit_predictor, save_predictor
     from predictor.validation import validation_report
-    from profiler.profiles import checked_profile_files
+    from profiler.profiles import checked_profile_files, link_profile_files
     from report.measurements import fit_renderables, validation_renderables
     from specs.flags import output_file
 
@@ -144,8 +200,9 @@ def fit(
     with progress_on_stderr("fit", quiet, unit="steps") as progress:
         progress.step("checking the profiles", 2)
         paths = checked_profile_files(profiles) if profiles is not None else []
+        link_paths = [*(links or []), *(link_profile_files(profiles) if profiles is not None else [])]
         progress.step("fitting", 3)
-        fitted = fit_predictor(paths, links or [], runs or [], published_runs=published_runs, name=out.name)
+        fitted = fit_predictor(paths, link_paths, runs or [], published_runs=published_runs, name=out.name)
         progress.step("leaving one source out at a time", 3)
         body = fitted.describe()
         body["validation"] = validation_report(fitted, calibration_runs(runs or [], published_runs), held_out=True)

@@ -1,0 +1,254 @@
+"""Measure what a training step costs on this host besides its layers and collectives (`hetplan profile` on the CPU):
+how processes computing at once slow each other, the optimizer step per parameter, what running a stage's layers as
+one module adds per micro-batch and per layer, and making the step's batch. The numbers go into the profile's `host`
+section (profiler.profile.HostCosts); the cost model uses them for local runs on CPU processes.
+
+Everything is timed with one thread per process, as the runtime's ranks run. The optimizer step mirrors the runtime's
+(runtime/execute.py FlatAdam): flatten the parameters, AdamW in place on the rank's shard, copy back.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import time
+from collections.abc import Callable
+from multiprocessing.synchronize import Event
+
+try:
+    import torch
+    import torch.multiprocessing as mp
+    from torch import nn
+except ImportError as err:  # pragma: no cover - exercised only without torch
+    from specs.errors import TorchMissingError
+
+    raise TorchMissingError("`hetplan profile`") from err
+
+from profiler.data import synthetic_batch
+from profiler.layers import DecoderLayer, Embedding, LMHead
+from profiler.measure import build_layer, profile_layer
+from profiler.profile import ConcurrencyPoint, HostCosts
+from specs.model import ModelSpec
+
+MAX_CONCURRENT_PROCESSES = 32
+HELPER_START_S = 120.0  # a spawned helper imports torch and builds its layer within this
+PASSES = 3  # interleaved passes over the chain timings (a drifting machine spreads over all of them)
+STAGE_LAYERS = 4  # the longer chain of the stage overhead measurement (at most the model's layers)
+BATCHES = (8, 32)  # global batch sizes the batch making is timed at
+
+
+def host_cores() -> int:
+    """The cores this process may run on (its affinity), which the local ranks share."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def median_time_s(
+    work: Callable[[], object], min_time_s: float, min_repeats: int = 3, clock: Callable[[], float] = time.perf_counter
+) -> float:
+    """Median seconds of `work()` on `clock` (wall time, or time.process_time: busy time) over at least
+    `min_repeats` runs and `min_time_s` of runs (one warm-up run)."""
+    work()
+    times: list[float] = []
+    while len(times) < min_repeats or sum(times) < min_time_s:
+        started = clock()
+        work()
+        times.append(clock() - started)
+    return statistics.median(times)
+
+
+def _layer_pass(model: ModelSpec, micro_batch_size: int, seq_length: int, dtype: torch.dtype) -> Callable[[], None]:
+    """One forward and backward of a decoder layer (tp 1, no recompute), as the layer profile runs it."""
+    module, inputs = build_layer(model, "decoder", micro_batch_size, seq_length, 1, "none", torch.device("cpu"), dtype)
+    x = inputs[0].requires_grad_()
+    grad = torch.randn_like(x)
+
+    def run() -> None:
+        module.zero_grad(set_to_none=False)
+        x.grad = None
+        module(x).backward(grad)
+
+    return run
+
+
+def _busy_helper(
+    model: ModelSpec, micro_batch_size: int, seq_length: int, dtype: str, go: Event, stop: Event, ready: Event
+) -> None:
+    """A background process computing the same layer while `go` is set, until `stop`."""
+    torch.set_num_threads(1)
+    run = _layer_pass(model, micro_batch_size, seq_length, getattr(torch, dtype))
+    run()
+    ready.set()
+    while not stop.is_set():
+        if go.wait(timeout=0.1):
+            run()
+
+
+def concurrency(
+    model: ModelSpec, micro_batch_size: int, seq_length: int, dtype: torch.dtype, cores: int, min_time_s: float = 0.5
+) -> list[ConcurrencyPoint]:
+    """The layer's busy-time stretch with N processes computing it at once (N = 2, the cores and twice the cores, at
+    most MAX_CONCURRENT_PROCESSES): this process times its busy (CPU) time per pass while N - 1 helpers compute the
+    same layer. Busy time leaves out the waits for a core (time slicing, which the cost model adds from the core
+    count) and whatever else the machine runs meanwhile."""
+    levels = sorted({n for n in (2, cores, 2 * cores) if 2 <= n <= MAX_CONCURRENT_PROCESSES})
+    if not levels:
+        return [ConcurrencyPoint(processes=1, busy_stretch=1.0)]
+    context = mp.get_context("spawn")
+    stop = context.Event()
+    helpers = []
+    for _ in range(levels[-1] - 1):
+        go, ready = context.Event(), context.Event()
+        args = (model, micro_batch_size, seq_length, str(dtype).removeprefix("torch."), go, stop, ready)
+        process = context.Process(target=_busy_helper, args=args, daemon=True)
+        process.start()
+        helpers.append((process, go, ready))
+    try:
+        deadline = time.monotonic() + HELPER_START_S
+        for process, _, ready in helpers:
+            while not ready.wait(timeout=0.2):
+                if not process.is_alive() or time.monotonic() > deadline:
+                    raise RuntimeError(f"a concurrency helper process did not start (exit code {process.exitcode})")
+        run = _layer_pass(model, micro_batch_size, seq_length, dtype)
+        alone = median_time_s(run, min_time_s, clock=time.process_time)
+        points = []
+        for level in levels:
+            for index, (_, go, _) in enumerate(helpers):
+                go.set() if index < level - 1 else go.clear()
+            busy = median_time_s(run, min_time_s, clock=time.process_time)
+            points.append(ConcurrencyPoint(processes=level, busy_stretch=busy / alone))
+        return points
+    finally:
+        stop.set()
+        for process, go, _ in helpers:
+            go.clear()
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+
+
+def _stage_parts(model: ModelSpec, dtype: torch.dtype, layers: int) -> nn.Module:
+    """Embedding, `layers` decoder layers and the LM head with its loss, run as one module (as a runtime stage)."""
+    torch.manual_seed(0)
+
+    class Stage(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embedding = Embedding(model, 1)
+            self.layers = nn.ModuleList(DecoderLayer(model, 1, "none") for _ in range(layers))
+            self.head = LMHead(model, 1)
+
+        def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            x = self.embedding(tokens)
+            for layer in self.layers:
+                x = layer(x)
+            return self.head(x, targets)
+
+    return Stage().to(dtype)
+
+
+def stage_overheads(
+    model: ModelSpec, micro_batch_size: int, seq_length: int, dtype: torch.dtype, min_time_s: float = 0.3
+) -> tuple[float, float]:
+    """(per micro-batch, per decoder layer) seconds a stage run as one module takes beyond its parts timed alone
+    (the layer profile's way): stages of 1 and STAGE_LAYERS layers against the embedding, a layer and the head,
+    in interleaved passes."""
+    longer = max(2, min(STAGE_LAYERS, model.num_layers))
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, model.vocab_size, (micro_batch_size, seq_length), generator=generator)
+    targets = torch.randint(0, model.vocab_size, (micro_batch_size, seq_length), generator=generator)
+    stages = {count: _stage_parts(model, dtype, count) for count in (1, longer)}
+
+    def stage_pass(count: int) -> Callable[[], None]:
+        module = stages[count]
+
+        def run() -> None:
+            module.zero_grad(set_to_none=False)
+            module(tokens, targets).backward()
+
+        return run
+
+    measured: dict[str, list[float]] = {}
+    for _ in range(PASSES):
+        for count in stages:
+            measured.setdefault(f"stage{count}", []).append(median_time_s(stage_pass(count), min_time_s / PASSES))
+        for layer in ("embedding", "decoder", "lm_head"):
+            module, inputs = build_layer(
+                model, layer, micro_batch_size, seq_length, 1, "none", torch.device("cpu"), dtype
+            )
+            timed = profile_layer(module, inputs, warmup=1, repeats=3, min_time_s=min_time_s / PASSES)
+            measured.setdefault(layer, []).append(timed.forward_time_s + timed.backward_time_s)
+    time_s = {key: statistics.median(values) for key, values in measured.items()}
+    per_layer = (time_s[f"stage{longer}"] - time_s["stage1"]) / (longer - 1) - time_s["decoder"]
+    per_microbatch = time_s["stage1"] - time_s["embedding"] - time_s["decoder"] - time_s["lm_head"] - per_layer
+    return per_microbatch, per_layer
+
+
+def optimizer_costs(model: ModelSpec, dtype: torch.dtype, min_time_s: float = 0.3) -> tuple[float, float]:
+    """(seconds per parameter of the optimizer shard, seconds per parameter held) of the runtime's optimizer step on
+    a stage holding all the model's decoder layers: the step with the whole flat vector as the shard and with half
+    of it (ZeRO-1 over two replicas) separate the AdamW update from the flattening and copying back."""
+    torch.manual_seed(0)
+    layers = [DecoderLayer(model, 1).to(dtype) for _ in range(model.num_layers)]
+    params = [p.detach() for layer in layers for p in layer.parameters()]
+    grads = [torch.randn_like(p) for p in params]
+    numel = sum(p.numel() for p in params)
+
+    def step(shard: int) -> Callable[[], None]:
+        exp_avg, exp_avg_sq = torch.zeros(shard, dtype=dtype), torch.zeros(shard, dtype=dtype)
+        count = [0]
+
+        def run() -> None:
+            count[0] += 1
+            flat_grads = torch.cat([g.reshape(-1) for g in grads])
+            flat = torch.cat([p.reshape(-1) for p in params])
+            mine, grad = flat[:shard], flat_grads[:shard]
+            mine.mul_(1 - 1e-3 * 0.01)
+            exp_avg.lerp_(grad, 0.1)
+            exp_avg_sq.mul_(0.999).addcmul_(grad, grad, value=0.001)
+            denom = (exp_avg_sq.sqrt() / math.sqrt(1 - 0.999 ** count[0])).add_(1e-8)
+            mine.addcdiv_(exp_avg, denom, value=-1e-3)
+            offset = 0
+            for p in params:
+                p.copy_(flat[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
+
+        return run
+
+    whole, half = (median_time_s(step(size), min_time_s) for size in (numel, numel // 2))
+    per_shard_param = max(0.0, 2 * (whole - half) / numel)
+    per_held_param = max(0.0, whole / numel - per_shard_param)
+    return per_shard_param, per_held_param
+
+
+def batch_costs(model: ModelSpec, seq_length: int, min_time_s: float = 0.2) -> tuple[float, float]:
+    """(seconds per step, seconds per sample) of making the step's synthetic batch, from two batch sizes."""
+    small, large = BATCHES
+    times = [median_time_s(lambda b=b: synthetic_batch(model, b, seq_length, 0, 0), min_time_s) for b in BATCHES]
+    per_sample = max(0.0, (times[1] - times[0]) / (large - small))
+    return max(0.0, times[0] - small * per_sample), per_sample
+
+
+def measure_host(
+    model: ModelSpec, seq_length: int, dtype: torch.dtype, micro_batch_size: int, progress: Callable[[str], None]
+) -> HostCosts:
+    """Every host cost of a CPU profile (about ten seconds)."""
+    cores = host_cores()
+    progress("host: processes computing at once")
+    points = concurrency(model, micro_batch_size, seq_length, dtype, cores)
+    progress("host: a stage as one module")
+    per_microbatch, per_layer = stage_overheads(model, micro_batch_size, seq_length, dtype)
+    progress("host: optimizer step")
+    per_shard_param, per_held_param = optimizer_costs(model, dtype)
+    progress("host: making batches")
+    batch_s, batch_s_per_sample = batch_costs(model, seq_length)
+    return HostCosts(
+        cores=cores,
+        concurrency=points,
+        optimizer_s_per_param=per_shard_param,
+        flatten_s_per_param=per_held_param,
+        microbatch_overhead_s=per_microbatch,
+        layer_overhead_s=per_layer,
+        batch_s=batch_s,
+        batch_s_per_sample=batch_s_per_sample,
+    )
