@@ -9,12 +9,14 @@ on each rail, all-gather inside. Latencies are estimates until `hetplan profile-
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from specs.cluster import ClusterSpec, DeviceGroup
 
-LinkClass = Literal["in_node", "rail", "cross_group"]
+# "host": between processes of one machine (loopback), measured by local `hetplan profile-comm`: it stands for every
+# link of its device's groups, as in a local run every rank is a process of this machine (CostContext's link lookup)
+LinkClass = Literal["in_node", "rail", "cross_group", "host"]
 
 # nccl-tests: HDR 200 Gb/s NICs reach ~24 GB/s busbw of 25 GB/s, NDR 400 Gb/s 46-48 of 50 (collectives.md): RDMA.
 NIC_EFFICIENCY = 0.92
@@ -33,7 +35,9 @@ class Link:
     """Achievable bus bandwidth per rank and per-step latency of one link class.
 
     A fitted link (`hetplan fit --links`) may also say how the per-byte time grows with the group size
-    (`slowdown_per_doubling`: +x per doubling of ranks beyond 2) and carry its own point-to-point figures.
+    (`slowdown_per_doubling`: +x per doubling of ranks beyond 2), carry its own point-to-point figures, and, measured
+    between local processes, what each process per core beyond one adds to a step's latency and to the time per byte
+    (`load_*`: the cores are shared, so a rank waits for a descheduled partner; `under_load`).
     """
 
     link_class: LinkClass
@@ -42,6 +46,30 @@ class Link:
     slowdown_per_doubling: float = 0.0
     p2p_bw_bytes_per_s: float | None = None
     p2p_alpha_s: float | None = None
+    load_alpha_s: float = 0.0
+    load_s_per_byte: float = 0.0
+    p2p_load_alpha_s: float = 0.0
+    p2p_load_s_per_byte: float = 0.0
+
+    def under_load(self, processes_per_core: float) -> Link:
+        """The link while `processes_per_core` busy processes share each core of the host (at most one: itself)."""
+        excess = max(0.0, processes_per_core - 1.0)
+        loads = (self.load_alpha_s, self.load_s_per_byte, self.p2p_load_alpha_s, self.p2p_load_s_per_byte)
+        if excess == 0.0 or not any(loads):
+            return self
+        p2p_alpha = self.alpha_s if self.p2p_alpha_s is None else self.p2p_alpha_s
+        p2p_bw = self.bw_bytes_per_s if self.p2p_bw_bytes_per_s is None else self.p2p_bw_bytes_per_s
+        return replace(
+            self,
+            alpha_s=self.alpha_s + excess * self.load_alpha_s,
+            bw_bytes_per_s=1.0 / (1.0 / self.bw_bytes_per_s + excess * self.load_s_per_byte),
+            p2p_alpha_s=p2p_alpha + excess * self.p2p_load_alpha_s,
+            p2p_bw_bytes_per_s=1.0 / (1.0 / p2p_bw + excess * self.p2p_load_s_per_byte),
+            load_alpha_s=0.0,
+            load_s_per_byte=0.0,
+            p2p_load_alpha_s=0.0,
+            p2p_load_s_per_byte=0.0,
+        )
 
     def seconds_per_byte(self, ranks: int) -> float:
         doublings = max(0.0, math.log2(ranks / 2)) if ranks > 2 else 0.0

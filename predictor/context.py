@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from predictor.comm_model import Link, cross_group_link, in_node_link, rail_link
-from profiler.profile import DeviceProfile, LayerCostSource, ScaledLayerCosts
+from profiler.profile import DeviceProfile, HostCosts, LayerCostSource, ScaledLayerCosts
 from profiler.simulated import SimulatedDevice
 from specs.cluster import ClusterSpec, DeviceGroup
 from specs.errors import SpecError
@@ -51,6 +51,13 @@ class CostContext:
     identity: str = ""  # the predictor's, when one made this context
     # where the costs come from, as a plan records it (Predictor.cost_source): the predictor and the profile files
     cost_source: Mapping[str, Any] | None = None
+    # measured host costs by device key (profiles' `host` sections): their groups are processes of one host, local
+    # runs that share its cores (predictor/host.py); a context made for one strategy records how they share them
+    host: Mapping[str, HostCosts] = field(default_factory=dict)
+    processes_per_core: float = 0.0  # busy processes per core of the host (0: not evaluated as a local run)
+    compute_stretch: float = 1.0  # what sharing the cores does to compute (HostCosts.stretch)
+    # contexts made from this one for a number of busy processes (predictor.host.on_host); fresh on every replace
+    loaded: dict[int, CostContext] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def seq_length(self) -> int:
@@ -69,17 +76,27 @@ class CostContext:
         """The layout's structural checks against this context's cluster, model and global batch."""
         check_strategy(strategy, self.cluster, self.model, self.training.global_batch_size, source)
 
+    def fitted_link(self, key: str, link_class: str) -> Link | None:
+        """A fitted link of a device and class, else its `host` link (measured between this machine's processes:
+        every link of a local run), under the context's load of processes per core."""
+        link = self.links.get(f"{key}/{link_class}") or self.links.get(f"{key}/host")
+        return link.under_load(self.processes_per_core) if link is not None else None
+
     def in_node_link(self, group: DeviceGroup) -> Link:
-        link = self.links.get(f"{group.device.key}/in_node") or in_node_link(group)
+        link = self.fitted_link(group.device.key, "in_node") or in_node_link(group)
         scale = dict(self.terms.in_node_scale).get(group.device.generation, 1.0)
         return link if scale == 1.0 else replace(link, bw_bytes_per_s=link.bw_bytes_per_s / scale)
 
     def rail_link(self, group: DeviceGroup) -> Link:
-        link = self.links.get(f"{group.device.key}/rail") or rail_link(group)
+        link = self.fitted_link(group.device.key, "rail") or rail_link(group)
         return self._over_nics(link, group.transport == "tcp")
 
     def cross_group_link(self, a: DeviceGroup, b: DeviceGroup) -> Link:
         fitted = self.links.get(f"{a.device.key}/cross_group") or self.links.get(f"{b.device.key}/cross_group")
+        if fitted is not None:
+            fitted = fitted.under_load(self.processes_per_core)
+        elif a.device.key == b.device.key:
+            fitted = self.fitted_link(a.device.key, "cross_group")
         link = fitted or cross_group_link(self.cluster, a, b)
         return self._over_nics(link, "tcp" in (a.transport, b.transport))
 
@@ -120,6 +137,8 @@ def build_context(
                 "(--dtype fp16)",
             )
     sources: dict[str, LayerCostSource] = {}
+    host: dict[str, HostCosts] = {}
+    links: dict[str, Link] = {}
     for group in cluster.groups:
         profile = (profiles or {}).get(group.device.key)
         if profile is not None:
@@ -131,6 +150,9 @@ def build_context(
             if profile.dtype != runs:
                 raise SpecError(profile.path, "dtype", f"profiled in {profile.dtype}, training runs {runs} there")
             sources[group.name] = emulated(group, profile)
+            if profile.host is not None:
+                host[group.device.key] = profile.host
+            links.update(profile_links(profile))
         else:
             simulated = SimulatedDevice(
                 group.device,
@@ -144,4 +166,17 @@ def build_context(
                 fp32_matmul=training.fp32_matmul,
             )
             sources[group.name] = emulated(group, simulated)
-    return CostContext(cluster, model, training, sources)
+    return CostContext(cluster, model, training, sources, links=links, host=host)
+
+
+def profile_links(profile: DeviceProfile) -> dict[str, Link]:
+    """The links fitted from the link profiles found beside a device profile, by "device key/link class"."""
+    if not profile.link_files:
+        return {}
+    from predictor.link_model import fit_link, link_points  # scikit-learn: only when there are links to fit
+
+    links = {}
+    for record in profile.link_files:
+        device, link_class, points = link_points(record.data, record.path)
+        links[f"{device}/{link_class}"] = fit_link(link_class, points, record.path)[0]
+    return links

@@ -17,6 +17,7 @@ import numpy as np
 
 from predictor.comm_model import Link, all_reduce_time_s
 from predictor.context import CostContext, EndToEndTerms, build_context, emulated
+from predictor.host import on_host, stage_overhead_s, step_overhead_s
 from predictor.sharding import (
     GRAD_BYTES_PER_PARAM,
     DpSync,
@@ -247,6 +248,7 @@ class StageEvaluation:
     tp_comm_time_s: float = 0.0  # per micro-batch, the exposed TP collectives inside compute_time_s
     sharded_exposed_time_s: float = 0.0  # per micro-batch, ZeRO 2/3 traffic inside compute_time_s
     p2p_exposed_time_s: float = 0.0  # per micro-batch, waiting for its sends and receives (plain 1F1B)
+    overhead_time_s: float = 0.0  # per micro-batch, a local run's framework overhead inside compute_time_s
 
     @property
     def step_time_s(self) -> float:
@@ -370,6 +372,7 @@ def _stage_key(
         strategy.virtual_stages,
         strategy.zero_stage,
         after,
+        ctx.processes_per_core,
     )
 
 
@@ -396,7 +399,8 @@ def _evaluate_stage(
     first, last = index == 0, index == p - 1
     layer_cost = ctx.source(group.name).layer_cost("decoder", b, stage.tp, recompute)
     layer_time_s = decoder_layer_time_s(ctx, group, b, stage.tp, recompute)
-    compute = stage.num_layers * layer_time_s + edge_time_s(ctx, group, b, stage.tp, first, last)
+    overhead = stage_overhead_s(ctx, group, stage.num_layers, stage.tp)
+    compute = stage.num_layers * layer_time_s + edge_time_s(ctx, group, b, stage.tp, first, last) + overhead
     params_per_device = stage_params(ctx.model, stage.num_layers, first, last, p) / stage.tp
     sync = dp_sync_time_s(ctx, group, params_per_device, stage.tp, replicas)
     backward, forward = stage.num_layers * layer_cost.backward_time_s, stage.num_layers * layer_cost.forward_time_s
@@ -433,6 +437,7 @@ def _evaluate_stage(
         family=family,
         tp_comm_time_s=stage.num_layers * (layer_time_s - layer_cost.time_s),
         sharded_exposed_time_s=sharded,
+        overhead_time_s=overhead,
     )
 
 
@@ -482,6 +487,7 @@ def evaluate(ctx: CostContext, strategy: Strategy, cache: StageCache | None = No
     (a dict the caller keeps for one context) reuses stage evaluations across strategies, as the search does."""
     if strategy.zero_stage != ctx.training.zero_stage:
         ctx = replace(ctx, training=ctx.training.model_copy(update={"zero_stage": strategy.zero_stage}))
+    ctx = on_host(ctx, strategy)
     evaluated: list[StageEvaluation] = []
     pipeline_time = bubble = -1.0
     family_times = []
@@ -492,6 +498,7 @@ def evaluate(ctx: CostContext, strategy: Strategy, cache: StageCache | None = No
         if family_time > pipeline_time:
             pipeline_time, bubble = family_time, family_bubble
     tail = max(stage.tail_time_s for stage in evaluated) + ctx.terms.iteration_overhead_s
+    tail += step_overhead_s(ctx, strategy)
     iteration = pipeline_time + tail
     samples = ctx.training.global_batch_size
     devices = [(ctx.cluster.group(s.group), p.stage_devices(s)) for p in strategy.pipelines for s in p.stages]

@@ -6,6 +6,11 @@ class a positive linear model (scikit-learn, fitted for relative error) learns
 over all collectives and group sizes (nccl-tests conventions: factor 2(n-1)/n for all-reduce, (n-1)/n for
 reduce-scatter / all-gather; steps 2(n-1) or n-1), so busbw = 1/beta at two ranks and the per-byte time grows by
 gamma/beta per doubling of ranks. Send/recv points get their own alpha and bandwidth.
+
+Points measured with their mean time (what a rank waits per operation on average, which is what a step sums) are
+fitted on it, else on the median. Points measured between local processes record how many processes computed per
+core; each one beyond one per core (x = processes per core - 1) adds x * alpha_load per step and x * beta_load per
+byte (and the same for send/recv), two more positive columns of the same fit.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
@@ -36,6 +41,18 @@ class LinkPoint(BaseModel):
     size_bytes: float = Field(gt=0)
     time_s: float = Field(gt=0)
     correct: bool = True
+    mean_time_s: float = Field(default=0.0, ge=0)  # 0: not measured
+    processes_per_core: float = Field(default=1.0, gt=0)
+
+    @property
+    def fitted_time_s(self) -> float:
+        """The time the fit explains: the mean where it was measured, else the median."""
+        return self.mean_time_s or self.time_s
+
+    @property
+    def load(self) -> float:
+        """Processes per core beyond one."""
+        return max(0.0, self.processes_per_core - 1.0)
 
 
 class LinkFile(BaseModel):
@@ -51,20 +68,24 @@ class LinkFile(BaseModel):
 def load_link_points(path: str | Path) -> tuple[str, LinkClass, list[LinkPoint]]:
     """The device key, link class and measured points of a links file (class in_node unless it says; files
     without a device key are accepted only from Gloo on the CPU, i.e. device `cpu`)."""
-    path = Path(path)
-    data = read_mapping(path)
+    return link_points(read_mapping(Path(path)), str(path))
+
+
+def link_points(data: dict[str, Any], source: str) -> tuple[str, LinkClass, list[LinkPoint]]:
+    """`load_link_points` of a links file's data (`source`: the file, for messages)."""
+    data = dict(data)
     if "link_class" not in data:
         classes = {link.get("link_class") for link in data.get("links", []) if isinstance(link, dict)}
         if len(classes) == 1:
             data["link_class"] = classes.pop()
-    parsed = validate(LinkFile, data, str(path))
+    parsed = validate(LinkFile, data, source)
     wrong = [p for p in parsed.points if not p.correct]
     if wrong:
-        raise SpecError(str(path), "points", f"{len(wrong)} points are marked incorrect: re-measure the link")
+        raise SpecError(source, "points", f"{len(wrong)} points are marked incorrect: re-measure the link")
     device = parsed.device or ("cpu" if parsed.backend == "gloo" else None)
     if device is None:
-        raise SpecError(str(path), "device", 'expected the catalog key of the devices measured (e.g. "h100")')
-    return get_device(device, str(path), "device").key, parsed.link_class, parsed.points
+        raise SpecError(source, "device", 'expected the catalog key of the devices measured (e.g. "h100")')
+    return get_device(device, source, "device").key, parsed.link_class, parsed.points
 
 
 def _positive_relative_fit(design: np.ndarray, times: np.ndarray) -> np.ndarray:
@@ -79,30 +100,29 @@ def fit_link(link_class: LinkClass, points: Sequence[LinkPoint], source: str = "
     collective = [p for p in points if p.collective in COLLECTIVES]
     if len(collective) < 2:
         raise SpecError(source, "points", "expected at least 2 all-reduce/all-gather/reduce-scatter points")
-    times = np.array([p.time_s for p in collective])
-    design = np.array(
-        [
-            (
-                latency_steps(p.collective, p.ranks),
-                p.size_bytes * bus_factor(p.collective, p.ranks),
-                p.size_bytes * bus_factor(p.collective, p.ranks) * math.log2(p.ranks / 2),
-            )
-            for p in collective
-        ]
-    )
-    alpha, beta, gamma = _positive_relative_fit(design, times)
+    times = np.array([p.fitted_time_s for p in collective])
+    rows = []
+    for p in collective:
+        steps, volume = latency_steps(p.collective, p.ranks), p.size_bytes * bus_factor(p.collective, p.ranks)
+        rows.append((steps, volume, volume * math.log2(p.ranks / 2), steps * p.load, volume * p.load))
+    design = np.array(rows)
+    coefficients = _positive_relative_fit(design, times)
+    alpha, beta, gamma, load_alpha, load_beta = coefficients
     if beta <= 0:
         raise SpecError(source, "points", "the points show no size dependence: measure larger messages")
-    errors = list(np.abs(design @ np.array([alpha, beta, gamma]) - times) / times)
+    errors = list(np.abs(design @ coefficients - times) / times)
     p2p_alpha = p2p_bw = None
+    p2p_load_alpha = p2p_load_beta = 0.0
     p2p = [p for p in points if p.collective == "send_recv"]
     if len(p2p) >= 2:
-        p2p_times = np.array([p.time_s for p in p2p])
-        p2p_design = np.array([(1.0, p.size_bytes) for p in p2p])
-        a, b = _positive_relative_fit(p2p_design, p2p_times)
-        if b > 0:
-            p2p_alpha, p2p_bw = float(a), float(1 / b)
-            errors += list(np.abs(p2p_design @ np.array([a, b]) - p2p_times) / p2p_times)
+        p2p_times = np.array([p.fitted_time_s for p in p2p])
+        p2p_design = np.array([(1.0, p.size_bytes, p.load, p.size_bytes * p.load) for p in p2p])
+        p2p_coefficients = _positive_relative_fit(p2p_design, p2p_times)
+        a, b, load_a, load_b = p2p_coefficients
+        # no size dependence (latency-bound points): the latency still holds; bytes go at the collectives' rate
+        p2p_alpha, p2p_bw = float(a), float(1 / b) if b > 0 else None
+        p2p_load_alpha, p2p_load_beta = float(load_a), float(load_b)
+        errors += list(np.abs(p2p_design @ p2p_coefficients - p2p_times) / p2p_times)
     link = Link(
         link_class,
         bw_bytes_per_s=float(1 / beta),
@@ -110,5 +130,9 @@ def fit_link(link_class: LinkClass, points: Sequence[LinkPoint], source: str = "
         slowdown_per_doubling=float(gamma / beta),
         p2p_bw_bytes_per_s=p2p_bw,
         p2p_alpha_s=p2p_alpha,
+        load_alpha_s=float(load_alpha),
+        load_s_per_byte=float(load_beta),
+        p2p_load_alpha_s=p2p_load_alpha,
+        p2p_load_s_per_byte=p2p_load_beta,
     )
     return link, float(np.median(errors))

@@ -25,8 +25,9 @@ from typing import TYPE_CHECKING, Any
 from predictor.calibration import Calibration, Interval, apply, fit_calibration, prediction_interval
 from predictor.comm_model import Link
 from predictor.cost_model import CostContext, build_context, emulated
+from predictor.host import local_run_context
 from predictor.runs import Run, fingerprint, load_runs
-from profiler.profile import DeviceProfile, load_profile
+from profiler.profile import DeviceProfile, HostCosts, load_profile
 from specs.cluster import ClusterSpec
 from specs.errors import SpecError
 from specs.layout import Strategy
@@ -64,6 +65,7 @@ def library_versions() -> dict[str, str]:
 @dataclass
 class Predictor:
     layer_models: dict[str, LayerCostModel] = field(default_factory=dict)  # by device key
+    host_costs: dict[str, HostCosts] = field(default_factory=dict)  # by device key, from the profiles' host sections
     links: dict[str, Link] = field(default_factory=dict)  # by "device key/link class"
     link_fit_errors: dict[str, float] = field(default_factory=dict)
     calibration: Calibration = field(default_factory=Calibration)
@@ -77,10 +79,12 @@ class Predictor:
         """Where the costs of a context made with `profiles` come from: this predictor and the profile files (path
         and SHA-256, by device), as a plan records it so that the commands reading the plan use the same."""
         predictor = self.source or {"kind": "unsaved", "name": self.name}
-        files = [
-            {"device": key, "path": str(Path(p.path).resolve()) if p.path else "", "sha256": p.sha256}
-            for key, p in sorted((profiles or {}).items())
-        ]
+        files = []
+        for key, profile in sorted((profiles or {}).items()):
+            path = str(Path(profile.path).resolve()) if profile.path else ""
+            files.append({"device": key, "path": path, "sha256": profile.sha256})
+            for link in profile.link_files:  # link profiles beside it (profiler.profiles)
+                files.append({"device": key, "path": str(Path(link.path).resolve()), "sha256": link.sha256})
         return {"predictor": dict(predictor), "profiles": files}
 
     @property
@@ -102,6 +106,9 @@ class Predictor:
     ) -> CostContext:
         """Uncalibrated costs: explicit profiles first, then learned layer models, then datasheet simulation."""
         ctx = replace(build_context(cluster, model, training, profiles), cost_source=self.cost_source(profiles))
+        # the profiles' own host costs and links first (measured on the machine that runs), then the predictor's
+        host = {key: costs for key, costs in self.host_costs.items() if key not in (profiles or {})}
+        ctx = replace(ctx, host={**host, **ctx.host})
         if not self.layer_models and not self.links:
             return replace(ctx, identity=self.identity)
         from predictor.layer_model import PredictedLayerCosts
@@ -113,7 +120,7 @@ class Predictor:
             if key in self.layer_models and key not in (profiles or {}):
                 learned = PredictedLayerCosts(self.layer_models[key], model, seq_length, training.dtype)
                 sources[group.name] = emulated(group, learned)
-        return replace(ctx, sources=sources, links=dict(self.links), identity=self.identity)
+        return replace(ctx, sources=sources, links={**self.links, **ctx.links}, identity=self.identity)
 
     def context(
         self,
@@ -164,10 +171,37 @@ class Predictor:
 def _calibration_cases(predictor: Predictor, runs: Sequence[Run]) -> list[tuple[str, CostContext, Strategy, float]]:
     cases = []
     for run in runs:
-        base = predictor.base_context(run.cluster, run.model, run.training)
+        base = local_run_context(
+            lambda cluster, run=run: predictor.base_context(cluster, run.model, run.training),
+            run.cluster,
+            run.cpu_share,
+        )
         base.check_strategy(run.strategy, f"{run.path}: run {run.name!r}")
         cases.append((run.name, base, run.strategy, run.measured_iteration_time_s))
     return cases
+
+
+def combined_host_costs(measured: Sequence[HostCosts]) -> HostCosts:
+    """One host's costs from several profiles of it (one per model shape): the median of each number (the layer
+    shape changes the concurrency stretch and the overheads little; the median keeps a noisy profile from
+    deciding)."""
+    if len(measured) == 1:
+        return measured[0]
+    import statistics
+
+    by_processes: dict[int, list[float]] = {}
+    for costs in measured:
+        for point in costs.concurrency:
+            by_processes.setdefault(point.processes, []).append(point.busy_stretch)
+    numbers = ("optimizer_s_per_param", "flatten_s_per_param", "microbatch_overhead_s", "layer_overhead_s",
+               "batch_s", "batch_s_per_sample")  # fmt: skip
+    return HostCosts(
+        cores=max(costs.cores for costs in measured),
+        concurrency=[
+            {"processes": n, "busy_stretch": statistics.median(values)} for n, values in sorted(by_processes.items())
+        ],
+        **{name: statistics.median(getattr(costs, name) for costs in measured) for name in numbers},
+    )
 
 
 def calibration_runs(run_paths: Sequence[Path] = (), published_runs: bool = True) -> list[Run]:
@@ -195,6 +229,9 @@ def fit_predictor(
     predictor = Predictor(name=name)
     for key, profiles in sorted(by_device.items()):
         predictor.layer_models[key] = fit_layer_cost_model(profiles)
+        measured = [profile.host for profile in profiles if profile.host is not None]
+        if measured:
+            predictor.host_costs[key] = combined_host_costs(measured)
     for path in link_paths:
         device, link_class, points = load_link_points(path)
         key = f"{device}/{link_class}"

@@ -6,8 +6,10 @@ Per stage and iteration, in seconds: `forward` and `backward` (the stage's layer
 speed emulation included, TP collectives not), `tp_comm` (the TP collectives: the runtime times its all-reduces),
 `pipeline_wait` (bubble and point-to-point: the pipeline's
 time the stage does not compute), `dp_sync` (the gradient reduction after the flush, across families too, with the
-wait for a slower family), `optimizer`, and `other` (predicted: the calibrated fixed cost per iteration; measured: the
-rest of the step, i.e. framework overhead such as batch slicing, gradient flattening, send completion). Each stage's
+wait for a slower family), `optimizer`, and `other` (predicted: the calibrated fixed cost per iteration and, on a
+profiled host, making the step's batch (predictor/host.py); measured: the rest of the step, i.e. framework overhead
+such as making and slicing the batch, gradient flattening, send completion). A profiled host's overhead of running a
+stage's layers as one module is part of `forward` and `backward`, as the runtime's timers see it. Each stage's
 terms add up to its `step`; the iteration is the slowest stage's step. Torch-free.
 """
 
@@ -17,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from predictor.cost_model import CostContext, Evaluation
+from predictor.host import on_host, step_overhead_s
 
 TERMS = ("forward", "backward", "tp_comm", "pipeline_wait", "dp_sync", "optimizer", "other")
 
@@ -24,6 +27,8 @@ TERMS = ("forward", "backward", "tp_comm", "pipeline_wait", "dp_sync", "optimize
 def predicted_stage_terms(ctx: CostContext, evaluation: Evaluation) -> list[dict[str, Any]]:
     """The cost model's terms of every stage (family, stage index, group, terms, step), in evaluation order."""
     strategy = evaluation.strategy
+    ctx = on_host(ctx, strategy)  # the layer costs as evaluate used them (stretched on a shared host)
+    per_step = ctx.terms.iteration_overhead_s + step_overhead_s(ctx, strategy)
     out = []
     for family, pipeline in enumerate(strategy.pipelines):
         members = [s for s in evaluation.stages if s.family == family]
@@ -38,6 +43,10 @@ def predicted_stage_terms(ctx: CostContext, evaluation: Evaluation) -> list[dict
                 if present:
                     edge = source.layer_cost(layer, b, stage.tp, "none")
                     forward, backward = forward + edge.forward_time_s, backward + edge.backward_time_s
+            if forward + backward > 0:  # the stage overhead, shared as the layers' time is
+                share = forward / (forward + backward)
+                forward += share * evaluated.overhead_time_s
+                backward += (1 - share) * evaluated.overhead_time_s
             compute = evaluated.compute_time_s - evaluated.sharded_exposed_time_s
             terms = {
                 "forward": m * forward,
@@ -48,7 +57,7 @@ def predicted_stage_terms(ctx: CostContext, evaluation: Evaluation) -> list[dict
                 + m * evaluated.sharded_exposed_time_s
                 + (evaluation.pipeline_time_s - family_s),
                 "optimizer": evaluated.optimizer_time_s,
-                "other": ctx.terms.iteration_overhead_s,
+                "other": per_step,
             }
             out.append(
                 {"family": family, "stage": index, "group": stage.group, "terms": terms, "step": sum(terms.values())}

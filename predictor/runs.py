@@ -91,6 +91,7 @@ class Run:
     strategy: Strategy
     measured_iteration_time_s: float
     path: str
+    cpu_share: float = 1.0  # a local run's assumed share of a core per rank (predictor.host.local_run_context)
 
 
 def _resolve(record: RunRecord, path: Path, where: str) -> Run:
@@ -99,7 +100,6 @@ def _resolve(record: RunRecord, path: Path, where: str) -> Run:
     else:
         parsed = validate(ClusterFile, record.cluster, str(path), prefix=f"{where}.cluster")
         cluster = resolve_cluster(parsed, str(path))
-    cluster = cluster.sharing_cores(record.cpu_share)
     if isinstance(record.model, str):
         candidate = path.parent / record.model
         model = load_model(str(candidate) if candidate.exists() else record.model)
@@ -110,7 +110,15 @@ def _resolve(record: RunRecord, path: Path, where: str) -> Run:
     if isinstance(layout, PlanLayout):
         strategy = layout.to_strategy()  # checked against the cluster when calibration builds its context
         return Run(
-            record.name, record.source, cluster, model, training, strategy, record.measured_iteration_time_s, str(path)
+            record.name,
+            record.source,
+            cluster,
+            model,
+            training,
+            strategy,
+            record.measured_iteration_time_s,
+            str(path),
+            record.cpu_share,
         )
     strategy = megatron_strategy(
         cluster,
@@ -126,7 +134,15 @@ def _resolve(record: RunRecord, path: Path, where: str) -> Run:
         source=f"{path}: {where}.strategy",
     )
     return Run(
-        record.name, record.source, cluster, model, training, strategy, record.measured_iteration_time_s, str(path)
+        record.name,
+        record.source,
+        cluster,
+        model,
+        training,
+        strategy,
+        record.measured_iteration_time_s,
+        str(path),
+        record.cpu_share,
     )
 
 

@@ -153,7 +153,13 @@ def sharded_exposed_time_s(ctx: CostContext, sync: DpSync, backward_s: float, fo
 
 
 def optimizer_time_s(ctx: CostContext, group: DeviceGroup, params_per_device: float, replicas: int) -> float:
-    """The Adam step over this device's parameters (its 1/replicas shard under ZeRO), memory-bound."""
+    """The Adam step over this device's parameters (its 1/replicas shard under ZeRO), memory-bound; on a profiled
+    host, as measured there per parameter of the shard and per parameter held (flattened and copied back),
+    stretched by the cores' sharing (predictor/host.py)."""
     local = params_per_device / replicas if ctx.training.zero_stage >= 1 else params_per_device
+    host = ctx.host.get(group.device.key)
+    if host is not None:
+        measured = local * host.optimizer_s_per_param + params_per_device * host.flatten_s_per_param
+        return measured * ctx.compute_stretch * ctx.terms.optimizer_scale
     bw = group.device.hbm_bw_bytes_per_s * OPTIMIZER_BW_EFFICIENCY
     return local * ADAM_BYTES_MOVED_PER_PARAM / bw * ctx.terms.optimizer_scale

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from planner.export import launch_commands
 from planner.plan import LoadedPlan, evaluation_dict
 from predictor.cost_model import CostContext, evaluate
+from predictor.host import local_run_context, on_host
 from predictor.run_terms import predicted_stage_terms, side_by_side
 from predictor.runs import RUN_SCHEMA
 from profiler.comm_bench import free_port, run_processes
@@ -31,7 +32,7 @@ from specs.cluster import ClusterSpec
 from specs.errors import SpecError
 from specs.loading import read_mapping
 
-__all__ = ["execute", "execute_in_job", "launch_commands", "run_in_job", "run_plan"]
+__all__ = ["execute", "execute_in_job", "launch_commands", "prediction_context", "run_in_job", "run_plan"]
 MAX_LOCAL_RANKS = 16
 REFERENCE_MAX_PARAMS = 200_000_000
 # relative loss difference allowed between the run and one process (same weights and data, different sum orders)
@@ -206,6 +207,15 @@ def run_record(
         for p in written["pipelines"]
     ]
     emulated = {g.name: g.emulate_speed for g in cluster.groups if g.emulate_speed != 1.0}
+    loaded = on_host(ctx, plan.strategy)
+    if loaded.processes_per_core:
+        sharing = {
+            "from": "measured host costs (the profile's host section)",
+            "busy_processes_per_core": loaded.processes_per_core,
+            "compute_stretch": loaded.compute_stretch,
+        }
+    else:
+        sharing = {"from": "assumed: each rank computes at cpu_share of a core", "cpu_share": cpu_share}
     return {
         "schema": RUN_SCHEMA,
         "name": f"{Path(plan.source).stem} on {cluster.name}",
@@ -231,6 +241,7 @@ def run_record(
             "cost_source": dict(ctx.cost_source) if ctx.cost_source else None,
             "prediction_error": summary["measured_iteration_time_s"] / predicted - 1.0,
             "terms": side_by_side(summary["stages"], predicted_stage_terms(ctx, evaluation)),
+            "core_sharing": sharing,
             "emulated_groups": emulated,
             "emulation": "ranks of emulated groups repeat their stage's layer math until each pass takes 1/speed "
             "of its real time (no sleeping)"
@@ -245,6 +256,15 @@ def cpu_share(cluster: ClusterSpec) -> float:
     return min(1.0, len(os.sched_getaffinity(0)) / cluster.num_devices)
 
 
+def prediction_context(
+    cluster: ClusterSpec, context: Callable[[ClusterSpec], CostContext], share: float | None = None
+) -> CostContext:
+    """The cost context of a local run's prediction: `context(cluster)` when its costs model this host (measured core
+    sharing, predictor/host.py), else `context` of the cluster as the local ranks see it under the assumed share of a
+    core each (`share`, default cpu_share)."""
+    return local_run_context(context, cluster, cpu_share(cluster) if share is None else share)
+
+
 def execute(
     plan: LoadedPlan,
     cluster: ClusterSpec,
@@ -256,7 +276,7 @@ def execute(
     """Run the plan locally and return its run record; `context(cluster)` makes the prediction's cost context, asked
     for the cluster as the local ranks see it (sharing the cores)."""
     share = cpu_share(cluster)
-    ctx = context(cluster.sharing_cores(share))
+    ctx = prediction_context(cluster, context)
     ctx.check_strategy(plan.strategy, plan.source)
     progress(f"running {plan.source} on {cluster.num_devices} local processes for {settings.steps} steps ...")
     return _recorded(plan, cluster, cluster_path, ctx, settings, run_plan(plan, cluster, settings), share)
@@ -293,7 +313,7 @@ def execute_in_job(
     write nothing); the prediction's cluster shares this node's cores among its local ranks."""
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     share = min(1.0, len(os.sched_getaffinity(0)) / local_ranks)
-    ctx = context(cluster.sharing_cores(share))
+    ctx = prediction_context(cluster, context, share)
     ctx.check_strategy(plan.strategy, plan.source)
     if os.environ.get("RANK") == "0":
         progress(f"running {plan.source} as a torchrun job of {os.environ.get('WORLD_SIZE')} ranks ...")

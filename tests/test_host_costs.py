@@ -1,0 +1,212 @@
+"""Local runs on this host's CPU processes: the host costs a profile measures (profiler/host.py), the links measured
+between local processes (load terms), and how the cost model uses them (predictor/host.py), by hand."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from predictor.comm_model import Link, all_reduce_time_s
+from predictor.cost_model import CostContext, evaluate, tp_collective_time_s
+from predictor.host import busy_processes, local_run_context, on_host
+from predictor.link_model import LinkPoint, fit_link
+from predictor.predictor import Predictor, fit_predictor
+from predictor.run_terms import predicted_stage_terms
+from profiler.collectives import bus_factor, latency_steps
+from profiler.profile import HostCosts, load_profile
+from profiler.profiles import load_profiles
+from profiler.simulated import SimulatedDevice
+from specs import SpecError, load_cluster, load_training
+from specs.layout import PipelineStrategy, StageStrategy, Strategy
+from specs.model import ModelSpec
+from tests.conftest import EXAMPLES, FixedCosts
+
+MODEL = ModelSpec(
+    key="host-test", num_layers=4, hidden_size=64, ffn_hidden_size=176, num_attention_heads=4, num_kv_heads=2,
+    vocab_size=512, seq_length=32, mlp="swiglu",
+)  # fmt: skip
+HOST = HostCosts(
+    cores=2,
+    concurrency=[{"processes": 2, "busy_stretch": 1.1}, {"processes": 4, "busy_stretch": 1.25}],
+    optimizer_s_per_param=1e-9,
+    flatten_s_per_param=2e-9,
+    microbatch_overhead_s=1e-3,
+    layer_overhead_s=1e-4,
+    batch_s=2e-3,
+    batch_s_per_sample=1e-4,
+)
+HOST_LINK = Link("host", 1e9, 1e-3, load_alpha_s=5e-4, load_s_per_byte=1e-9, p2p_alpha_s=2e-3, p2p_load_alpha_s=1e-3)
+
+
+def test_stretch_is_the_measured_busy_stretch_times_time_slicing_beyond_the_cores():
+    assert HOST.stretch(1) == 1.0
+    assert HOST.stretch(2) == pytest.approx(1.1)  # two processes on two cores: their busy stretch only
+    assert HOST.stretch(3) == pytest.approx((1.1 + 1.25) / 2 * 3 / 2)  # interpolated, and 3 processes on 2 cores
+    assert HOST.stretch(4) == pytest.approx(1.25 * 2)
+    assert HOST.stretch(8) == pytest.approx(1.25 * 4)  # past the last point: its busy stretch, four per core
+    faster = HostCosts.model_validate({**HOST.model_dump(), "concurrency": [{"processes": 2, "busy_stretch": 0.9}]})
+    assert faster.stretch(2) == 1.0  # a measurement below 1 is noise: processes do not speed each other up
+    assert HOST.data_time_s(8) == pytest.approx(2e-3 + 8e-4)
+
+
+def test_a_link_under_load_adds_its_load_terms_per_process_per_core_beyond_one():
+    assert HOST_LINK.under_load(1.0) is HOST_LINK and HOST_LINK.under_load(0.5) is HOST_LINK
+    loaded = HOST_LINK.under_load(2.0)
+    assert loaded.alpha_s == pytest.approx(1.5e-3)
+    assert 1 / loaded.bw_bytes_per_s == pytest.approx(1e-9 + 1e-9)
+    # p2p: its latency 2 + 1 ms; its bytes at the collectives' unloaded rate (it has no rate nor load of its own)
+    assert loaded.p2p_time_s(1e6) == pytest.approx(3e-3 + 1e6 * 1e-9)
+    assert loaded.under_load(3.0) is loaded  # the load is applied once
+
+
+def test_link_fit_recovers_latency_bandwidth_and_load_terms_from_mean_times():
+    alpha, beta, load_alpha, load_beta = 1e-3, 1e-9, 6e-4, 5e-10
+    points = []
+    for ranks, per_core in ((2, 1.0), (2, 2.0), (4, 2.0), (2, 1.5)):
+        excess = per_core - 1.0
+        for size in (4096, 65536, 2**20, 2**24):
+            steps, volume = latency_steps("all_reduce", ranks), size * bus_factor("all_reduce", ranks)
+            mean = steps * (alpha + excess * load_alpha) + volume * (beta + excess * load_beta)
+            # the median is a decoy: a point with its mean time is fitted on the mean
+            points.append(LinkPoint(collective="all_reduce", ranks=ranks, size_bytes=size, time_s=mean / 3,
+                                    mean_time_s=mean, processes_per_core=per_core))  # fmt: skip
+    link, error = fit_link("host", points)
+    assert error < 1e-6
+    assert link.alpha_s == pytest.approx(alpha, rel=1e-4) and 1 / link.bw_bytes_per_s == pytest.approx(beta, rel=1e-4)
+    assert link.load_alpha_s == pytest.approx(load_alpha, rel=1e-4)
+    assert link.load_s_per_byte == pytest.approx(load_beta, rel=1e-4)
+    assert link.slowdown_per_doubling == pytest.approx(0.0, abs=1e-6)
+
+
+def host_context(**training: object) -> CostContext:
+    cluster = load_cluster(EXAMPLES / "cpu-even.yaml")  # two groups of 2 CPU processes, no emulation
+    costs = FixedCosts(decoder_s=0.01, embedding_s=0.002, lm_head_s=0.004)
+    spec = load_training(None, {"dtype": "fp32", "zero_stage": 1, "seq_length": 32, "global_batch_size": 8, **training})
+    sources = {group.name: costs for group in cluster.groups}
+    return CostContext(cluster, MODEL, spec, sources, links={"cpu/host": HOST_LINK}, host={"cpu": HOST})
+
+
+def one_stage(replicas: int = 1, tp: int = 1, group: str = "left") -> Strategy:
+    stage = StageStrategy(group, 0, MODEL.num_layers, tp)
+    return Strategy((PipelineStrategy(replicas, 1, 8 // replicas, (stage,)),), "none", 1)
+
+
+def test_one_busy_process_costs_its_layers_the_stage_and_step_overheads_and_the_measured_optimizer():
+    ctx = host_context()
+    strategy = one_stage()
+    assert busy_processes(ctx, strategy) == 1  # the three idle ranks do not share the cores
+    result = evaluate(ctx, strategy)
+    per_microbatch = 4 * 0.01 + 0.002 + 0.004 + (1e-3 + 4 * 1e-4)  # layers, edges, stage overhead
+    params = 4 * MODEL.layer_params() + MODEL.embedding_params() + MODEL.lm_head_params()
+    optimizer = params * (1e-9 + 2e-9)  # no DP: the shard is every parameter held
+    assert result.stages[0].optimizer_time_s == pytest.approx(optimizer)
+    assert result.iteration_time_s == pytest.approx(8 * per_microbatch + optimizer + 2e-3 + 8 * 1e-4)
+
+
+def test_four_busy_processes_stretch_compute_and_load_the_links():
+    ctx = host_context()
+    alone, shared = evaluate(ctx, one_stage()), evaluate(ctx, one_stage(replicas=2, tp=2))
+    assert busy_processes(ctx, one_stage(replicas=2, tp=2)) == 4
+    loaded = on_host(ctx, one_stage(replicas=2, tp=2))
+    assert loaded.processes_per_core == 2.0 and loaded.compute_stretch == pytest.approx(2.5)
+    assert on_host(ctx, one_stage(replicas=2, tp=2)) is loaded  # made once per number of busy processes
+    # TP 2 over the host link with two processes per core: latency 1 + 0.5 ms, 1 + 1 ns per byte
+    size = 1 * 32 * MODEL.hidden_size * 4
+    expected = 2 * 1 / 2 * size * 2e-9 + 2 * 1.5e-3
+    group = ctx.cluster.group("left")
+    assert tp_collective_time_s(loaded, group, 1, 2) == pytest.approx(expected)
+    assert tp_collective_time_s(ctx, group, 1, 2) == pytest.approx(all_reduce_time_s(size, 2, HOST_LINK))
+    stage = shared.stages[0]
+    layers_and_overhead = 2.5 * (4 * 0.01 + 0.002 + 0.004 + 1e-3 + 4 * 1e-4 / 2)
+    assert stage.compute_time_s == pytest.approx(layers_and_overhead + stage.tp_comm_time_s + 2 * expected)
+    shard = (4 * MODEL.layer_params() + MODEL.embedding_params() + MODEL.lm_head_params()) / 2
+    assert stage.optimizer_time_s == pytest.approx(2.5 * (shard / 2 * 1e-9 + shard * 2e-9))
+    assert alone.stages[0].compute_time_s < stage.compute_time_s
+    # the run record's terms of that stage: the stage overhead in forward and backward (as the runtime's timers see
+    # it), not mistaken for TP collectives; making the batch under `other`
+    terms = predicted_stage_terms(ctx, shared)[0]["terms"]
+    assert terms["forward"] + terms["backward"] == pytest.approx(4 * layers_and_overhead)
+    assert terms["forward"] == pytest.approx(terms["backward"] / 2)  # FixedCosts: backward = 2 x forward
+    assert terms["other"] == pytest.approx(2.5 * (2e-3 + 8e-4))
+    assert terms["tp_comm"] == pytest.approx(4 * (stage.tp_comm_time_s + 2 * expected))
+
+
+def test_contexts_without_host_costs_fall_back_to_the_assumed_share_of_a_core():
+    ctx = host_context()
+    cluster = ctx.cluster
+    seen = []
+
+    def make(host: bool):
+        def context(given):
+            seen.append(given)
+            return CostContext(given, MODEL, ctx.training, ctx.sources, host=ctx.host if host else {})
+
+        return context
+
+    assert local_run_context(make(True), cluster, 0.5).cluster is cluster
+    assert [group.emulate_speed for group in local_run_context(make(False), cluster, 0.5).cluster.groups] == [0.5] * 2
+    assert local_run_context(make(False), cluster, 1.0).cluster is cluster
+
+
+def simulated_profile(tmp_path, host: bool = True):
+    profile = SimulatedDevice(load_cluster(EXAMPLES / "cpu-even.yaml").groups[0].device, MODEL, 32, "fp32")
+    written = profile.to_profile((1, 2), (1, 2))
+    written.host = HOST if host else None
+    written.save(tmp_path / "cpu.json")
+    return tmp_path / "cpu.json"
+
+
+def links_file(path, ranks_and_loads=((2, 1.0), (2, 2.0))) -> None:
+    points = []
+    for ranks, per_core in ranks_and_loads:
+        for collective in ("all_reduce", "send_recv"):
+            for size in (4096, 2**20):
+                time_s = 1e-3 * per_core + size / 1e9
+                points.append({"collective": collective, "ranks": ranks, "size_bytes": size, "time_s": time_s,
+                               "mean_time_s": time_s, "processes_per_core": per_core, "correct": True})  # fmt: skip
+    body = {"schema": "hetplan.links/1", "device": "cpu", "backend": "gloo", "link_class": "host", "points": points}
+    path.write_text(json.dumps(body), encoding="utf-8")
+
+
+def test_a_profile_round_trips_its_host_section_and_a_link_profile_beside_it_is_attached(tmp_path):
+    path = simulated_profile(tmp_path)
+    assert load_profile(path).host == HOST
+    assert json.loads(path.read_text())["host"]["schema"] == "hetplan.host/1"
+    links_file(tmp_path / "links-cpu.json")
+    profiles = load_profiles(tmp_path, MODEL)
+    assert list(profiles) == ["cpu"]
+    assert [record.path for record in profiles["cpu"].link_files] == [str(tmp_path / "links-cpu.json")]
+    cluster = load_cluster(EXAMPLES / "cpu-even.yaml")
+    training = load_training(None, {"dtype": "fp32", "seq_length": 32, "global_batch_size": 8})
+    predictor = Predictor()
+    ctx = predictor.base_context(cluster, MODEL, training, profiles)
+    assert ctx.host == {"cpu": HOST}
+    link = ctx.links["cpu/host"]
+    assert link.alpha_s > 0 and link.load_alpha_s > 0  # the links file's 1 ms per extra process per core
+    assert ctx.in_node_link(cluster.groups[0]) == link and ctx.rail_link(cluster.groups[0]) == link
+    assert ctx.cross_group_link(*cluster.groups) == link  # every link of a local run is this host's
+    recorded = [entry["path"] for entry in ctx.cost_source["profiles"]]
+    assert recorded == [str((tmp_path / name).resolve()) for name in ("cpu.json", "links-cpu.json")]
+
+
+def test_a_link_profile_without_its_device_profile_is_refused(tmp_path):
+    links_file(tmp_path / "links.json")
+    simulated_profile(tmp_path).unlink()
+    (tmp_path / "other").mkdir()
+    with pytest.raises(SpecError, match="needs that device's profile"):
+        load_profiles(tmp_path, MODEL)
+
+
+def test_a_fitted_predictor_keeps_the_profiles_host_costs_for_contexts_without_profiles(tmp_path):
+    fitted = fit_predictor([simulated_profile(tmp_path)], published_runs=False)
+    assert fitted.host_costs == {"cpu": HOST}
+    cluster = load_cluster(EXAMPLES / "cpu-even.yaml")
+    training = load_training(None, {"dtype": "fp32", "seq_length": 32, "global_batch_size": 8})
+    ctx = fitted.base_context(cluster, MODEL, training)
+    assert ctx.host == {"cpu": HOST}
+    assert on_host(ctx, one_stage(replicas=2)).compute_stretch == pytest.approx(1.1)
+    without = fit_predictor([simulated_profile(tmp_path, host=False)], published_runs=False)
+    assert without.host_costs == {} and not math.isnan(evaluate(without.context(cluster, MODEL, training),
+                                                                one_stage()).iteration_time_s)  # fmt: skip
