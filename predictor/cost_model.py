@@ -10,14 +10,14 @@ DP degree under ZeRO-1), activations of in-flight micro-batches under 1F1B (min(
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 import numpy as np
 
 from predictor.comm_model import Link, all_reduce_time_s
 from predictor.context import CostContext, EndToEndTerms, build_context, emulated
-from predictor.host import on_host, stage_overhead_s, step_overhead_s
+from predictor.host import busy_processes, evaluate_on_host, stage_overhead_s, step_overhead_s
 from predictor.sharding import (
     GRAD_BYTES_PER_PARAM,
     DpSync,
@@ -282,6 +282,8 @@ class Evaluation:
     mfu: float
     devices_used: int
     family_pipeline_s: tuple[float, ...] = ()  # each family's pipeline time (the iteration waits for the slowest)
+    # the context it was evaluated in (on a profiled host: with the cores' sharing, predictor/host.py)
+    context: CostContext | None = field(default=None, compare=False, repr=False)
 
     @property
     def fits(self) -> bool:
@@ -487,7 +489,8 @@ def evaluate(ctx: CostContext, strategy: Strategy, cache: StageCache | None = No
     (a dict the caller keeps for one context) reuses stage evaluations across strategies, as the search does."""
     if strategy.zero_stage != ctx.training.zero_stage:
         ctx = replace(ctx, training=ctx.training.model_copy(update={"zero_stage": strategy.zero_stage}))
-    ctx = on_host(ctx, strategy)
+    if ctx.host and not ctx.processes_per_core and busy_processes(ctx, strategy):
+        return evaluate_on_host(ctx, strategy, lambda loaded: evaluate(loaded, strategy, cache))
     evaluated: list[StageEvaluation] = []
     pipeline_time = bubble = -1.0
     family_times = []
@@ -520,4 +523,5 @@ def evaluate(ctx: CostContext, strategy: Strategy, cache: StageCache | None = No
         mfu=model_flops / iteration / peak,
         devices_used=sum(count for _, count in devices),
         family_pipeline_s=tuple(family_times),
+        context=ctx,
     )

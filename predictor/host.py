@@ -1,29 +1,34 @@
 """Local runs on one host's CPU processes, from the host costs a profile measured (profiler/host.py, the profile's
-`host` section): how the processes a strategy keeps busy share the cores, and the framework overheads around the
-layers.
+`host` section): how the processes of a strategy share the cores, and the framework overheads around the layers.
 
-A strategy keeps busy one process per device it occupies on groups of a device with measured host costs (idle devices'
-ranks only wait at the step's barrier). With P of them on C cores:
-  compute       every layer time of those groups (emulated speed included) stretches by HostCosts.stretch(P), the
-                measured slowdown of P processes computing at once;
-  collectives   links measured between this machine's processes carry what each process per core beyond one adds
-                (Link.under_load(P / C): a rank waits for a partner the scheduler has set aside);
-  overheads     per micro-batch and stage, running the stage's layers as one module (microbatch_overhead_s plus
-                layer_overhead_s per layer, 1/tp of it on a TP shard); per step, making the batch; the optimizer step
-                per parameter (sharding.optimizer_time_s), all stretched as compute is.
-A context without host costs is evaluated as before; local runs then fall back to the assumed share cores / ranks
-(`local_run_context`). Torch-free.
+A strategy runs one process per device it occupies on groups of a device with measured host costs (idle devices'
+ranks only wait at the step's barrier). A process computes its layers (and their emulation), its optimizer step and
+overheads, and waits asleep for its pipeline neighbours, TP partners and DP sync; sleeping, it leaves its core to the
+others. `evaluate_on_host` simulates the step as the processes share the cores (predictor.sharing: fair shares of
+the cores, slowed by the measured busy stretch of that many processes computing at once) and stretches the analytic
+evaluation's host compute to the simulated step; links measured between this machine's processes are loaded by the
+simulation's mean busy processes per core (Link.under_load: a rank waits for a partner the scheduler set aside).
+Overheads: per micro-batch and stage, running the stage's layers as one module (microbatch_overhead_s plus
+layer_overhead_s per layer, 1/tp of it on a TP shard); per step, making the batch; the optimizer step per parameter
+(sharding.optimizer_time_s). A context without host costs is evaluated as before; local runs then fall back to the
+assumed share cores / ranks (`local_run_context`). Torch-free.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from predictor.context import CostContext
 from profiler.profile import HostCosts, LayerCostSource, ScaledLayerCosts
 from specs.cluster import ClusterSpec, DeviceGroup
 from specs.layout import Strategy
+
+if TYPE_CHECKING:
+    from predictor.cost_model import Evaluation
+
+MAX_LOADED_CONTEXTS = 512
 
 
 def host_of(ctx: CostContext, group: DeviceGroup) -> HostCosts | None:
@@ -41,26 +46,55 @@ def busy_processes(ctx: CostContext, strategy: Strategy) -> int:
     )
 
 
-def on_host(ctx: CostContext, strategy: Strategy) -> CostContext:
-    """The context to evaluate `strategy` in: its host groups' layer costs stretched and their links loaded by the
-    processes it keeps busy (the same context when no group runs on a profiled host). Made once per number of busy
-    processes and kept in `ctx.loaded`."""
-    if not ctx.host or ctx.processes_per_core:
-        return ctx
-    processes = busy_processes(ctx, strategy)
-    if processes == 0:
-        return ctx
-    made = ctx.loaded.get(processes)
+def loaded(ctx: CostContext, processes_per_core: float, stretch: float) -> CostContext:
+    """The context with its host groups' layer costs stretched by `stretch` and its links loaded by
+    `processes_per_core` busy processes per core. Made once per pair (kept in `ctx.loaded`)."""
+    key = (round(max(processes_per_core, 1e-3), 3), round(stretch, 4))
+    made = ctx.loaded.get(key)
     if made is None:
-        cores = max(costs.cores for costs in ctx.host.values())
-        stretch = max(costs.stretch(processes) for costs in ctx.host.values())
+        if len(ctx.loaded) > MAX_LOADED_CONTEXTS:  # a long search: keep memory bounded
+            ctx.loaded.clear()
         sources: dict[str, LayerCostSource] = dict(ctx.sources)
         for group in ctx.cluster.groups:
-            if host_of(ctx, group) is not None and stretch != 1.0:
-                sources[group.name] = ScaledLayerCosts(ctx.source(group.name), stretch)
-        made = replace(ctx, sources=sources, processes_per_core=processes / cores, compute_stretch=stretch)
-        ctx.loaded[processes] = made
+            if host_of(ctx, group) is not None and key[1] != 1.0:
+                sources[group.name] = ScaledLayerCosts(ctx.source(group.name), key[1])
+        made = replace(ctx, sources=sources, processes_per_core=key[0], compute_stretch=key[1])
+        ctx.loaded[key] = made
     return made
+
+
+def evaluate_on_host(
+    ctx: CostContext, strategy: Strategy, evaluate_at: Callable[[CostContext], Evaluation]
+) -> Evaluation:
+    """The evaluation of `strategy` with its processes sharing the host's cores (module docstring): the step is
+    simulated (predictor.sharing) from an evaluation with unstretched compute, twice, the second time with the links
+    loaded by the first one's mean busy processes; then the analytic evaluation is stretched to the simulated step
+    (its time is close to linear in the stretch: one secant between no stretch and that of every process busy)."""
+    from predictor.sharing import simulate_step
+
+    host = max(ctx.host.values(), key=lambda costs: costs.cores)
+    processes = busy_processes(ctx, strategy)
+    per_core = processes / host.cores
+    for _ in range(2):
+        unstretched = evaluate_at(loaded(ctx, per_core, 1.0))
+        simulated = simulate_step(on_host(ctx, unstretched), unstretched, host)
+        per_core = simulated.mean_busy_processes / host.cores
+    unstretched = evaluate_at(loaded(ctx, per_core, 1.0))
+    target_s = simulated.time_s + ctx.terms.iteration_overhead_s
+    most = host.stretch(processes)
+    if target_s <= unstretched.iteration_time_s or most <= 1.0:
+        return unstretched
+    stretched = evaluate_at(loaded(ctx, per_core, most))
+    growth = stretched.iteration_time_s - unstretched.iteration_time_s
+    if growth <= 0:
+        return unstretched
+    stretch = 1.0 + (target_s - unstretched.iteration_time_s) / growth * (most - 1.0)
+    return evaluate_at(loaded(ctx, per_core, stretch))
+
+
+def on_host(ctx: CostContext, evaluation: Evaluation) -> CostContext:
+    """The context an evaluation was made in (loaded on a profiled host), for costs computed beside it."""
+    return evaluation.context if evaluation.context is not None else ctx
 
 
 def stage_overhead_s(ctx: CostContext, group: DeviceGroup, num_layers: int, tp: int) -> float:

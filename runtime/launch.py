@@ -207,7 +207,7 @@ def run_record(
         for p in written["pipelines"]
     ]
     emulated = {g.name: g.emulate_speed for g in cluster.groups if g.emulate_speed != 1.0}
-    loaded = on_host(ctx, plan.strategy)
+    loaded = on_host(ctx, evaluation)
     if loaded.processes_per_core:
         sharing = {
             "from": "measured host costs (the profile's host section)",

@@ -5,15 +5,17 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 
 from predictor.comm_model import Link, all_reduce_time_s
 from predictor.cost_model import CostContext, evaluate, tp_collective_time_s
-from predictor.host import busy_processes, local_run_context, on_host
+from predictor.host import busy_processes, loaded, local_run_context, on_host
 from predictor.link_model import LinkPoint, fit_link
 from predictor.predictor import Predictor, fit_predictor
 from predictor.run_terms import predicted_stage_terms
+from predictor.sharing import simulate_step
 from profiler.collectives import bus_factor, latency_steps
 from profiler.profile import HostCosts, load_profile
 from profiler.profiles import load_profiles
@@ -105,32 +107,77 @@ def test_one_busy_process_costs_its_layers_the_stage_and_step_overheads_and_the_
     assert result.iteration_time_s == pytest.approx(8 * per_microbatch + optimizer + 2e-3 + 8 * 1e-4)
 
 
-def test_four_busy_processes_stretch_compute_and_load_the_links():
+def test_a_loaded_context_stretches_compute_and_loads_the_links():
     ctx = host_context()
-    alone, shared = evaluate(ctx, one_stage()), evaluate(ctx, one_stage(replicas=2, tp=2))
-    assert busy_processes(ctx, one_stage(replicas=2, tp=2)) == 4
-    loaded = on_host(ctx, one_stage(replicas=2, tp=2))
-    assert loaded.processes_per_core == 2.0 and loaded.compute_stretch == pytest.approx(2.5)
-    assert on_host(ctx, one_stage(replicas=2, tp=2)) is loaded  # made once per number of busy processes
+    strategy = one_stage(replicas=2, tp=2)
+    assert busy_processes(ctx, strategy) == 4
+    shared = loaded(ctx, 2.0, 2.5)  # four processes busy all the time on two cores: HOST.stretch(4) = 2.5
+    assert loaded(ctx, 2.0, 2.5) is shared  # made once per load and stretch
     # TP 2 over the host link with two processes per core: latency 1 + 0.5 ms, 1 + 1 ns per byte
     size = 1 * 32 * MODEL.hidden_size * 4
     expected = 2 * 1 / 2 * size * 2e-9 + 2 * 1.5e-3
     group = ctx.cluster.group("left")
-    assert tp_collective_time_s(loaded, group, 1, 2) == pytest.approx(expected)
+    assert tp_collective_time_s(shared, group, 1, 2) == pytest.approx(expected)
     assert tp_collective_time_s(ctx, group, 1, 2) == pytest.approx(all_reduce_time_s(size, 2, HOST_LINK))
-    stage = shared.stages[0]
+    evaluation = evaluate(shared, strategy)
+    stage = evaluation.stages[0]
     layers_and_overhead = 2.5 * (4 * 0.01 + 0.002 + 0.004 + 1e-3 + 4 * 1e-4 / 2)
     assert stage.compute_time_s == pytest.approx(layers_and_overhead + stage.tp_comm_time_s + 2 * expected)
     shard = (4 * MODEL.layer_params() + MODEL.embedding_params() + MODEL.lm_head_params()) / 2
     assert stage.optimizer_time_s == pytest.approx(2.5 * (shard / 2 * 1e-9 + shard * 2e-9))
-    assert alone.stages[0].compute_time_s < stage.compute_time_s
     # the run record's terms of that stage: the stage overhead in forward and backward (as the runtime's timers see
     # it), not mistaken for TP collectives; making the batch under `other`
-    terms = predicted_stage_terms(ctx, shared)[0]["terms"]
+    terms = predicted_stage_terms(ctx, evaluation)[0]["terms"]
     assert terms["forward"] + terms["backward"] == pytest.approx(4 * layers_and_overhead)
     assert terms["forward"] == pytest.approx(terms["backward"] / 2)  # FixedCosts: backward = 2 x forward
     assert terms["other"] == pytest.approx(2.5 * (2e-3 + 8e-4))
     assert terms["tp_comm"] == pytest.approx(4 * (stage.tp_comm_time_s + 2 * expected))
+
+
+QUIET = HostCosts(
+    cores=2, concurrency=[{"processes": 4, "busy_stretch": 1.0}], optimizer_s_per_param=0.0, flatten_s_per_param=0.0,
+    microbatch_overhead_s=0.0, layer_overhead_s=0.0, batch_s=0.0, batch_s_per_sample=0.0,
+)  # fmt: skip
+INSTANT = Link("host", 1e18, 0.0)  # collectives take no time: the simulation's compute alone
+
+
+def quiet_context(left_s: float, right_s: float, **training: object) -> CostContext:
+    cluster = load_cluster(EXAMPLES / "cpu-even.yaml")
+    sources = {"left": FixedCosts(decoder_s=left_s), "right": FixedCosts(decoder_s=right_s)}
+    spec = load_training(None, {"dtype": "fp32", "zero_stage": 1, "seq_length": 32, "global_batch_size": 8, **training})
+    return CostContext(cluster, MODEL, spec, sources, links={"cpu/host": INSTANT}, host={"cpu": QUIET})
+
+
+def test_the_step_simulation_without_contention_is_the_1f1b_formula():
+    ctx = quiet_context(0.01, 0.03)  # a PP 2 of one process per stage on two cores: no sharing
+    stages = (StageStrategy("left", 0, 2, 1), StageStrategy("right", 2, 4, 1))
+    strategy = Strategy((PipelineStrategy(1, 1, 8, stages),), "none", 1)
+    unstretched = evaluate(loaded(ctx, 1.0, 1.0), strategy)
+    simulated = simulate_step(ctx, unstretched, QUIET)
+    t0, t1 = 2 * 0.01, 2 * 0.03  # per micro-batch; no p2p, no sync, no optimizer
+    assert simulated.time_s == pytest.approx(t0 + t1 + 7 * max(t0, t1))
+    assert simulated.mean_busy_processes == pytest.approx((8 * t0 + 8 * t1) / simulated.time_s)
+    assert evaluate(ctx, strategy).iteration_time_s == pytest.approx(simulated.time_s)
+
+
+def test_processes_that_finish_early_give_their_cores_to_the_others():
+    """Two families on two cores: 2 processes of 6 ms work each and a TP-2 pair of 10 ms work each. All four compute
+    at half a core until the first family is done at 12 ms (the pair has done 6 of its 10 ms), then the pair has a core
+    each for its last 4 ms: 16 ms, where stretching everything by 4 busy / 2 cores would say 20 ms."""
+    ctx = quiet_context(0.006 / 4, 0.01 / 4)  # 4 layers, one micro-batch each; TP 2 halves nothing in FixedCosts
+    families = (
+        PipelineStrategy(2, 1, 1, (StageStrategy("left", 0, 4, 1),)),
+        PipelineStrategy(1, 1, 1, (StageStrategy("right", 0, 4, 2),)),
+    )
+    strategy = Strategy(families, "none", 1)
+    ctx = replace(ctx, training=ctx.training.model_copy(update={"global_batch_size": 3}))
+    unstretched = evaluate(loaded(ctx, 2.0, 1.0), strategy)
+    simulated = simulate_step(ctx, unstretched, QUIET)
+    assert simulated.time_s == pytest.approx(0.016)
+    # busy: computing or waiting for a core: four for 12 ms, two for 4 ms
+    assert simulated.mean_busy_processes == pytest.approx((4 * 0.012 + 2 * 0.004) / 0.016)
+    # the evaluation is the analytic one stretched to the simulated step
+    assert evaluate(ctx, strategy).iteration_time_s == pytest.approx(0.016, rel=1e-6)
 
 
 def test_contexts_without_host_costs_fall_back_to_the_assumed_share_of_a_core():
@@ -206,7 +253,7 @@ def test_a_fitted_predictor_keeps_the_profiles_host_costs_for_contexts_without_p
     training = load_training(None, {"dtype": "fp32", "seq_length": 32, "global_batch_size": 8})
     ctx = fitted.base_context(cluster, MODEL, training)
     assert ctx.host == {"cpu": HOST}
-    assert on_host(ctx, one_stage(replicas=2)).compute_stretch == pytest.approx(1.1)
+    assert on_host(ctx, evaluate(ctx, one_stage(replicas=2))).compute_stretch > 1.0  # two busy on two cores
     without = fit_predictor([simulated_profile(tmp_path, host=False)], published_runs=False)
     assert without.host_costs == {} and not math.isnan(evaluate(without.context(cluster, MODEL, training),
                                                                 one_stage()).iteration_time_s)  # fmt: skip

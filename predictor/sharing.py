@@ -1,0 +1,189 @@
+"""One step of a local run as its processes share the host's cores: a fluid simulation of the schedule.
+
+Every (family, stage, replica) of the strategy is an actor of TP processes that runs, in the runtime's order
+(predictor.schedule.stage_order), its forward and backward passes; each pass computes (busy), then, on a group that
+emulates a slower device, keeps computing for (1/speed - 1) times the wall time that took (the runtime's emulator is
+timed by the wall clock), then waits for its TP collectives (asleep). A forward waits for the previous stage's
+forward of the same micro-batch plus the boundary transfer, a backward for the next stage's backward. Each step starts
+with making the batch (busy) and ends, once every actor has finished its passes, with the actor's exposed DP sync
+(asleep) and its optimizer step (busy).
+
+The busy processes share the cores fairly: with n of them on C cores each computes at min(1, C / n) of a core, slowed
+by the measured busy stretch of n processes computing at once (HostCosts.busy_stretch). Sleeping processes leave the
+cores to the others. This is what the analytic 1F1B formula cannot see: a rank that finishes early gives its core to
+those still computing, and ranks that compute at the same time slow each other. Inputs are an evaluation of the
+strategy with its compute unstretched (per micro-batch costs, transfers and syncs). Torch-free.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from predictor.context import CostContext
+from profiler.profile import HostCosts
+
+if TYPE_CHECKING:
+    from predictor.cost_model import Evaluation
+
+EPSILON_S = 1e-12
+
+
+@dataclass
+class Phase:
+    """A piece of an actor's step: `busy_s` of work at full speed, a `spin` of the emulator (spin_factor x the wall
+    time the previous phase's work took), a `sleep_s` of wall time, or the `barrier` after the passes; it may first
+    wait for a pass (`after`: family, replica, kind, micro-batch, model chunk) plus `delay_s`, and `finishes` the pass
+    it completes."""
+
+    busy_s: float = 0.0
+    spin_factor: float = 0.0
+    sleep_s: float = 0.0
+    barrier: bool = False
+    after: tuple[object, ...] | None = None
+    delay_s: float = 0.0
+    finishes: tuple[object, ...] | None = None
+    wall_s: float = 0.0  # the wall time its work took
+
+
+@dataclass
+class Actor:
+    """A (family, stage, replica): `processes` TP ranks running `phases` in order."""
+
+    processes: int
+    shares_host: bool
+    phases: list[Phase]
+    position: int = 0
+    state: str = "ready"  # ready, busy, spin, sleep, waiting, done
+    remaining_s: float = 0.0
+    started_s: float = 0.0
+
+    @property
+    def at_barrier(self) -> bool:
+        return self.state == "done" or self.phases[self.position].barrier
+
+
+@dataclass(frozen=True)
+class StepSimulation:
+    time_s: float  # the step, from its start to the last actor's optimizer step
+    mean_busy_processes: float  # processes computing or waiting for a core on the host, averaged over the step
+
+
+def _actors(ctx: CostContext, evaluation: Evaluation) -> list[Actor]:
+    from predictor.host import host_of, step_overhead_s
+    from predictor.schedule import forward_share, stage_order
+
+    strategy = evaluation.strategy
+    v = strategy.virtual_stages
+    batch_s = step_overhead_s(ctx, strategy)
+    actors = []
+    for family, pipeline in enumerate(strategy.pipelines):
+        indices = [i for i, s in enumerate(evaluation.stages) if s.family == family]
+        p = len(indices)
+        one_way = [evaluation.stages[i].p2p_time_s for i in indices]
+        for position, index in enumerate(indices):
+            evaluated = evaluation.stages[index]
+            group = ctx.cluster.group(evaluated.stage.group)
+            speed = group.emulate_speed
+            compute = evaluated.compute_time_s - evaluated.tp_comm_time_s - evaluated.sharded_exposed_time_s
+            waits = evaluated.tp_comm_time_s + evaluated.sharded_exposed_time_s
+            share = forward_share(ctx, evaluation, index)
+            for replica, microbatches in enumerate(pipeline.replica_microbatches()):
+                phases = [Phase(busy_s=batch_s)]
+                for kind, j, k in stage_order(p, microbatches, v, position):
+                    chunk = k * p + position
+                    if kind == "forward":
+                        after = (family, replica, "forward", j, chunk - 1) if chunk > 0 else None
+                        delay = one_way[(chunk - 1) % p] if chunk > 0 else 0.0
+                    else:
+                        last = chunk == p * v - 1
+                        after = None if last else (family, replica, "backward", j, chunk + 1)
+                        delay = 0.0 if last else one_way[chunk % p]
+                    busy = (share if kind == "forward" else 1 - share) * compute / v
+                    # a group emulating a slower device computes the real part, then spins (1/speed - 1) x its wall
+                    phases.append(Phase(busy_s=busy * speed, after=after, delay_s=delay))
+                    if speed < 1.0:
+                        phases.append(Phase(spin_factor=1.0 / speed - 1.0))
+                    phases.append(Phase(sleep_s=waits / 2 / v, finishes=(family, replica, kind, j, chunk)))
+                phases.append(Phase(barrier=True))
+                phases.append(Phase(sleep_s=evaluated.dp_exposed_time_s))
+                phases.append(Phase(busy_s=evaluated.optimizer_time_s))
+                actors.append(Actor(evaluated.stage.tp, host_of(ctx, group) is not None, phases))
+    return actors
+
+
+def simulate_step(ctx: CostContext, evaluation: Evaluation, host: HostCosts) -> StepSimulation:
+    """The step of `evaluation` (compute unstretched) with its host processes sharing `host.cores` cores."""
+    actors = _actors(ctx, evaluation)
+    done: dict[tuple[object, ...], float] = {}
+    clock = {"now": 0.0}
+    flushed = [False]  # every actor has finished its passes: the barrier is open
+
+    def advance(actor: Actor) -> None:
+        """Start the actor's next piece of work, sleep or wait, skipping what is finished."""
+        now = clock["now"]
+        while actor.position < len(actor.phases):
+            phase = actor.phases[actor.position]
+            if phase.barrier:
+                flushed[0] = flushed[0] or all(other.at_barrier for other in actors)
+                if not flushed[0]:
+                    actor.state = "waiting"
+                    return
+            elif phase.after is not None:
+                if phase.after not in done:
+                    actor.state = "waiting"
+                    return
+                ready = done[phase.after] + phase.delay_s
+                phase.after = None
+                if ready > now + EPSILON_S:
+                    actor.state, actor.remaining_s = "sleep", ready - now
+                    return
+                continue
+            elif phase.busy_s > EPSILON_S:
+                actor.state, actor.remaining_s, actor.started_s = "busy", phase.busy_s, now
+                phase.busy_s = 0.0
+                return
+            elif phase.spin_factor > 0:
+                wall = actor.phases[actor.position - 1].wall_s * phase.spin_factor
+                phase.spin_factor = 0.0
+                if wall > EPSILON_S:
+                    actor.state, actor.remaining_s = "spin", wall
+                    return
+                continue
+            elif phase.sleep_s > EPSILON_S:
+                actor.state, actor.remaining_s = "sleep", phase.sleep_s
+                phase.sleep_s = 0.0
+                return
+            if phase.finishes is not None:
+                done[phase.finishes] = now
+            actor.position += 1
+        actor.state = "done"
+
+    busy_integral = 0.0
+    for actor in actors:
+        advance(actor)
+    while True:
+        for actor in actors:  # a finished pass or an opened barrier may let waiting actors go on
+            if actor.state == "waiting":
+                advance(actor)
+        active = [a for a in actors if a.state in ("busy", "spin", "sleep")]
+        if not active:
+            if any(a.state == "waiting" for a in actors):
+                raise RuntimeError("the step simulation is stuck: a pass waits for one that never runs")
+            break
+        computing = sum(a.processes for a in active if a.state in ("busy", "spin") and a.shares_host)
+        rate = min(1.0, host.cores / computing) / host.busy_stretch(computing) if computing else 1.0
+        speeds = [rate if a.state == "busy" and a.shares_host else 1.0 for a in active]
+        step = min(a.remaining_s / speed for a, speed in zip(active, speeds, strict=True))
+        busy_integral += computing * step
+        clock["now"] += step
+        for actor, speed in zip(active, speeds, strict=True):
+            actor.remaining_s -= step * speed
+        for actor in active:
+            if actor.remaining_s <= EPSILON_S:
+                if actor.state == "busy":
+                    actor.phases[actor.position].wall_s = clock["now"] - actor.started_s
+                actor.state = "ready"
+                advance(actor)
+    now = clock["now"]
+    return StepSimulation(now, busy_integral / now if now > 0 else 0.0)
