@@ -1,140 +1,333 @@
-"""Plan -> run -> compare on this machine: the searched plan, the uniform layer split of the same layout, and two
-replicas sharing an odd batch unevenly, all run on local processes of examples/cpu-hetero.yaml (one group emulating a
-device at half speed) and measured against the prediction from this machine's own profile; table +
-bench/results/runtime_vs_prediction.json.
+"""Measured runs against predictions over a grid: three model sizes x five plan shapes x two CPU clusters, each run
+three times on local processes (`hetplan run`'s runtime) and predicted exactly as `hetplan run` predicts it (the
+profiles and link profile measured here first, uncalibrated), then predicted again after calibrating the predictor
+on every other case (`fit --runs`, leave-one-out); table + bench/results/runtime_vs_prediction.json.
 
-Run: python bench/runtime_vs_prediction.py [--profiles DIR] [--steps 4]
-(without --profiles it first profiles the tiny Llama here with one thread per process, as the ranks run: ~1 min)
+Models: tiny (hidden 128), small (hidden 256, the layer of issue 24's 8-layer case) and 10x (hidden 512: its layer
+takes ~10x the tiny one's time), 6 layers each, sequence 128, fp32, ZeRO-1. Shapes: one stage (one rank, the others
+idle), PP 2 with an uneven layer split, TP 2, 2 replicas of PP 2 sharing an odd batch unevenly, and two pipeline
+families (2 x TP 1 on the first group, 1 x TP 2 on the second). Clusters: examples/cpu-hetero.yaml (its second group
+emulates a device at half speed) and examples/cpu-even.yaml (no emulation).
+
+Run: python bench/runtime_vs_prediction.py [--steps 4] [--repeats 3] [--work DIR] [--reuse]
+(--work keeps the profiles and run records; --reuse predicts the records already there again without running)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
+import os
+import platform
+import statistics
 import subprocess
 import sys
 import tempfile
-from dataclasses import replace
+import time
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from planner.cost_source import plan_costs  # noqa: E402
 from planner.plan import LoadedPlan, describe_strategy  # noqa: E402
-from planner.search import search  # noqa: E402
-from predictor.cost_model import CostContext  # noqa: E402
-from predictor.predictor import default_predictor  # noqa: E402
-from profiler.profile import load_profile  # noqa: E402
+from planner.what_if import run_context  # noqa: E402
+from predictor.cost_model import evaluate  # noqa: E402
+from predictor.predictor import Predictor, fit_predictor  # noqa: E402
 from runtime.execute import RunSettings  # noqa: E402
-from runtime.launch import cpu_share, execute  # noqa: E402
-from specs import load_cluster, load_model, load_training  # noqa: E402
-from specs.cluster import ClusterSpec  # noqa: E402
-from specs.layout import PipelineStrategy, Strategy  # noqa: E402
+from runtime.launch import execute, prediction_context  # noqa: E402
+from specs import load_cluster, load_training  # noqa: E402
+from specs.layout import PipelineStrategy, StageStrategy, Strategy  # noqa: E402
+from specs.model import ModelSpec  # noqa: E402
 from specs.training import TrainingSpec  # noqa: E402
 
-CLUSTER = ROOT / "examples" / "cpu-hetero.yaml"
-MODEL = ROOT / "examples" / "models" / "tiny-llama.yaml"
+CLUSTERS = {name: ROOT / "examples" / f"{name}.yaml" for name in ("cpu-hetero", "cpu-even")}
 TRAINING = ROOT / "examples" / "training" / "cpu-run.yaml"
+SEQ_LENGTH = 128
+NUM_LAYERS = 6
+# hidden, ffn, attention heads, kv heads, vocabulary
+MODELS = {"tiny": (128, 352, 4, 2, 2048), "small": (256, 704, 4, 2, 4096), "10x": (512, 1408, 8, 4, 4096)}
+SHAPES = ("one stage", "PP 2 uneven", "TP 2", "2 replicas, uneven batch", "two families")
+GLOBAL_BATCH = 8
+LOO_WORKERS = 2
 
 
-def uniform(strategy: Strategy, num_layers: int) -> Strategy:
-    """The same stages, devices and batches with the layers split as evenly as whole layers allow."""
-    pipeline = strategy.pipelines[0]
-    count = len(pipeline.stages)
-    bounds = [round(i * num_layers / count) for i in range(count + 1)]
-    stages = tuple(
-        replace(stage, layer_start=bounds[i], layer_end=bounds[i + 1]) for i, stage in enumerate(pipeline.stages)
+@dataclass(frozen=True)
+class Case:
+    cluster: str
+    size: str
+    shape: str
+    strategy: Strategy
+    global_batch: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.cluster} / {self.size} / {self.shape}"
+
+    @property
+    def slug(self) -> str:
+        return "-".join(part.replace(" ", "_").replace(",", "") for part in (self.cluster, self.size, self.shape))
+
+
+def model_spec(size: str) -> ModelSpec:
+    hidden, ffn, heads, kv_heads, vocab = MODELS[size]
+    return ModelSpec(
+        key=f"grid-{size}",
+        num_layers=NUM_LAYERS,
+        hidden_size=hidden,
+        ffn_hidden_size=ffn,
+        num_attention_heads=heads,
+        num_kv_heads=kv_heads,
+        vocab_size=vocab,
+        seq_length=SEQ_LENGTH,
+        mlp="swiglu",
     )
-    return replace(strategy, pipelines=(replace(pipeline, stages=stages),))
+
+
+def shape_strategy(shape: str, first: str, second: str) -> tuple[Strategy, int]:
+    """The plan of one shape on a cluster of two groups (`first`, `second`, two devices each) and its global batch."""
+    layers, split = NUM_LAYERS, 4  # PP 2: 4 layers on the first group, 2 on the second
+
+    def stage(group: str, start: int, end: int, tp: int = 1) -> StageStrategy:
+        return StageStrategy(group, start, end, tp)
+
+    pipelines: tuple[PipelineStrategy, ...]
+    batch = GLOBAL_BATCH
+    if shape == "one stage":
+        pipelines = (PipelineStrategy(1, 2, batch // 2, (stage(first, 0, layers),)),)
+    elif shape == "PP 2 uneven":
+        pipelines = (PipelineStrategy(1, 1, batch, (stage(first, 0, split), stage(second, split, layers))),)
+    elif shape == "TP 2":
+        pipelines = (PipelineStrategy(1, 2, batch // 2, (stage(first, 0, layers, 2),)),)
+    elif shape == "2 replicas, uneven batch":
+        batch -= 1  # 7 samples: the replicas run 4 and 3 micro-batches
+        stages = (stage(first, 0, split), stage(second, split, layers))
+        pipelines = (PipelineStrategy(2, 1, (batch + 1) // 2, stages, batch),)
+    else:  # two families: 2 x TP 1 on the first group (6 samples), 1 x TP 2 on the second (2 samples)
+        pipelines = (
+            PipelineStrategy(2, 1, 3, (stage(first, 0, layers),)),
+            PipelineStrategy(1, 1, 2, (stage(second, 0, layers, 2),)),
+        )
+    return Strategy(pipelines, "none", 1), batch
+
+
+def grid() -> list[Case]:
+    cases = []
+    for cluster_name, path in CLUSTERS.items():
+        cluster = load_cluster(path)
+        first, second = (group.name for group in cluster.groups)
+        for size in MODELS:
+            for shape in SHAPES:
+                strategy, batch = shape_strategy(shape, first, second)
+                cases.append(Case(cluster_name, size, shape, strategy, batch))
+    return cases
+
+
+def training_for(batch: int) -> TrainingSpec:
+    return load_training(TRAINING, {"global_batch_size": batch, "seq_length": SEQ_LENGTH})
+
+
+def hetplan(*arguments: str) -> None:
+    """A hetplan command, as a user would run it (output kept out of the bench's table)."""
+    environment = {**os.environ, "PYTHONPATH": str(ROOT)}
+    subprocess.run([sys.executable, "-m", "cli", *arguments, "--quiet"], cwd=ROOT, check=True, env=environment,
+                   stdout=subprocess.DEVNULL)  # fmt: skip
+
+
+def measure_links(work: Path, reuse: bool) -> Path:
+    """This machine's Gloo collectives between local processes (2 and 4 ranks, and 2 ranks with two more processes
+    computing beside them), the `host` link profile every profile directory gets a copy of."""
+    out = work / "links-cpu.json"
+    if not (reuse and out.exists()):
+        print("profiling the collectives ...", flush=True)
+        hetplan("profile-comm", "--world", "2,4", "--max-size", "16MiB", "--out", str(out))
+    return out
+
+
+def measure_profiles(work: Path, reuse: bool, links: Path) -> dict[str, Path]:
+    """Per model size, a directory with this machine's cpu profile of it (one thread per process, as the ranks
+    run; with the host costs) and the link profile."""
+    directories = {}
+    for size in MODELS:
+        directory = work / f"profiles-{size}"
+        directory.mkdir(parents=True, exist_ok=True)
+        model_file = work / f"model-{size}.json"
+        model_file.write_text(model_spec(size).model_dump_json(exclude={"aliases", "source"}), encoding="utf-8")
+        out = directory / "cpu.json"
+        if not (reuse and out.exists()):
+            print(f"profiling the {size} model ...", flush=True)
+            hetplan("profile", "--model", str(model_file), "--device", "cpu", "--threads", "1", "--tp", "1,2",
+                    "--micro-batches", "1,2", "--recompute", "none", "--dtype", "fp32", "--out", str(out))  # fmt: skip
+        (directory / links.name).write_bytes(links.read_bytes())
+        directories[size] = directory
+    return directories
+
+
+def loaded_plan(case: Case) -> LoadedPlan:
+    return LoadedPlan(case.strategy, model_spec(case.size), training_for(case.global_batch), case.slug, case.cluster)
+
+
+def run_case(case: Case, profiles: Path, settings: RunSettings, out: Path) -> dict[str, Any]:
+    """One run of a case, predicted as `hetplan run --profiles DIR` predicts it."""
+    plan = loaded_plan(case)
+    costs = plan_costs(plan, None, profiles)
+    context = run_context(plan, costs.predictor, costs.profiles)
+    record = execute(plan, load_cluster(CLUSTERS[case.cluster]), str(CLUSTERS[case.cluster]), context, settings,
+                     progress=lambda _: None)  # fmt: skip
+    out.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
+    return record
+
+
+def predicted_s(case: Case, predictor: Predictor, profiles: dict[str, Any]) -> float:
+    """The iteration time `hetplan run` predicts for the case with this predictor and these profiles."""
+    plan = loaded_plan(case)
+    cluster = load_cluster(CLUSTERS[case.cluster])
+    ctx = prediction_context(cluster, run_context(plan, predictor, profiles))
+    return evaluate(ctx, case.strategy).iteration_time_s
+
+
+def median_run(paths: list[Path]) -> Path:
+    """The run record whose measurement is the median of a case's repeats."""
+    return sorted(paths, key=lambda path: median_step(json.loads(path.read_text(encoding="utf-8"))))[
+        (len(paths) - 1) // 2
+    ]
+
+
+def leave_one_out(
+    cases: list[Case], records: dict[str, list[Path]], profile_files: list[Path], links: Path
+) -> dict[str, float]:
+    """Per case, the prediction of a predictor fitted on the profiles and the link profile and calibrated on the
+    median run of every other case (`hetplan fit --profiles ... --links ... --runs ... --no-published-runs`)."""
+    medians = {case.slug: median_run(records[case.slug]) for case in cases}
+    jobs = [
+        (held_out, profile_files, [links], [medians[case.slug] for case in cases if case.slug != held_out.slug])
+        for held_out in cases
+    ]
+    # one fit per case, two at a time (each is a calibration over the other cases' runs)
+    with ProcessPoolExecutor(max_workers=LOO_WORKERS, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return dict(zip((case.slug for case in cases), pool.map(held_out_prediction, jobs), strict=True))
+
+
+def held_out_prediction(job: tuple[Case, list[Path], list[Path], list[Path]]) -> float:
+    """The prediction of one held-out case by a predictor fitted without its runs."""
+    held_out, profile_files, links, others = job
+    fitted = fit_predictor(profile_files, links, others, published_runs=False, name=f"without {held_out.slug}")
+    return predicted_s(held_out, fitted, {})
+
+
+def largest_difference(terms: list[dict[str, Any]]) -> dict[str, Any]:
+    """Where a run and its prediction differ most: the stage and term of the largest measured - predicted seconds."""
+    worst: dict[str, Any] = {"stage": "", "term": "", "measured_minus_predicted_s": 0.0}
+    for stage in terms:
+        for term, values in stage["terms"].items():
+            if values["measured_s"] is None:
+                continue
+            difference = values["measured_s"] - values["predicted_s"]
+            if abs(difference) > abs(worst["measured_minus_predicted_s"]):
+                label = f"{stage['family']}.{stage['stage']} {stage['group']}"
+                worst = {"stage": label, "term": term, "measured_minus_predicted_s": difference}
+    return worst
+
+
+def load_average() -> str:
+    return Path("/proc/loadavg").read_text(encoding="utf-8").strip() if Path("/proc/loadavg").exists() else "?"
+
+
+def median_step(record: dict[str, Any]) -> float:
+    return float(record["measured_iteration_time_s"])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--profiles", type=Path, help="directory with this machine's cpu profile of the tiny Llama")
-    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=4, help="training steps per run (the first is a warm-up)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per case")
+    parser.add_argument("--work", type=Path, help="keep profiles and run records here (default: a temporary dir)")
+    parser.add_argument("--reuse", action="store_true", help="predict the records already in --work, run nothing")
+    parser.add_argument("--only", default="", help="run only the cases whose name contains this")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "runtime_vs_prediction.json")
     args = parser.parse_args()
-    profiles_dir = args.profiles
-    if profiles_dir is None:
-        profiles_dir = Path(tempfile.mkdtemp(prefix="hetplan-bench-profile-"))
-        command = [sys.executable, "-m", "cli", "profile", "--model", str(MODEL), "--device", "cpu"]
-        command += ["--micro-batches", "1,2", "--tp", "1,2", "--recompute", "none", "--dtype", "fp32"]
-        command += ["--threads", "1", "--repeats", "5", "--out", str(profiles_dir / "cpu.json")]
-        subprocess.run(command, cwd=ROOT, check=True)
-    profiles = {"cpu": load_profile(next(profiles_dir.glob("*.json")))}
-    cluster, model, training = load_cluster(CLUSTER), load_model(str(MODEL)), load_training(TRAINING)
-    predictor = default_predictor()
-
-    share = cpu_share(cluster)
-    ctx = predictor.base_context(cluster.sharing_cores(share), model, training, profiles)
-    searched = search(ctx).evaluations[0].strategy
-    # also a layout the search does not pick here but the runtime must run: 2 replicas of (fast TP 1 -> slow TP 1)
-    # sharing an odd batch unevenly (6 and 5 micro-batches), the same uneven layer split
-    odd_batch = training.model_copy(update={"global_batch_size": training.global_batch_size - 1})
-    replicated = tuple(replace(s, tp=1) for s in searched.pipelines[0].stages)
-    uneven_batch = Strategy(
-        (PipelineStrategy(2, 1, training.global_batch_size // 2, replicated, odd_batch.global_batch_size),), "none", 1
-    )
-    cases = (
-        ("searched", searched, training),
-        ("uniform split", uniform(searched, model.num_layers), training),
-        ("DP, uneven batch", uneven_batch, odd_batch),
-    )
+    work = args.work or Path(tempfile.mkdtemp(prefix="hetplan-runtime-grid-"))
+    work.mkdir(parents=True, exist_ok=True)
+    load_before, started = load_average(), time.monotonic()
+    links = measure_links(work, args.reuse)
+    profile_dirs = measure_profiles(work, args.reuse, links)
+    cases = [case for case in grid() if args.only in case.name]
+    settings = RunSettings(steps=args.steps, dtype="fp32", timeout_s=120.0)
+    records = {case.slug: [work / "runs" / f"{case.slug}-{r}.json" for r in range(args.repeats)] for case in cases}
+    (work / "runs").mkdir(exist_ok=True)
+    loads: list[str] = []
+    for repeat in range(args.repeats):  # round by round: a drift of the machine's load spreads over every case
+        for case in cases:
+            path = records[case.slug][repeat]
+            if not (args.reuse and path.exists()):
+                loads.append(load_average())
+                print(f"running {case.name} ({repeat + 1}/{args.repeats}) ...", flush=True)
+                run_case(case, profile_dirs[case.size], settings, path)
+    run_s = time.monotonic() - started
+    load_after = load_average()
+    profile_files = [directory / "cpu.json" for directory in profile_dirs.values()]
+    loo = leave_one_out(cases, records, profile_files, links)
     rows = []
-    for name, strategy, run_training in cases:
-
-        def context(seen: ClusterSpec, run_training: TrainingSpec = run_training) -> CostContext:
-            return predictor.base_context(seen, model, run_training, profiles)
-
-        plan = LoadedPlan(strategy, model, run_training, name, cluster.name)
-        settings = RunSettings(steps=args.steps, dtype=run_training.dtype)
-        record = execute(plan, cluster, str(CLUSTER), context, settings, progress=lambda _: None)
+    for case in cases:
+        runs = [json.loads(path.read_text(encoding="utf-8")) for path in records[case.slug]]
+        measured = statistics.median(median_step(run) for run in runs)
+        plan = loaded_plan(case)
+        costs = plan_costs(plan, None, profile_dirs[case.size])
+        predicted = predicted_s(case, costs.predictor, costs.profiles)
+        middle = sorted(runs, key=median_step)[(len(runs) - 1) // 2]
+        gap = largest_difference(middle["measurements"]["terms"])
         rows.append(
             {
-                "plan": name,
-                "global_batch_size": run_training.global_batch_size,
-                "strategy": describe_strategy(strategy),
-                "predicted_iteration_time_s": record["predicted_iteration_time_s"],
-                "measured_iteration_time_s": record["measured_iteration_time_s"],
-                "error": record["measurements"]["prediction_error"],
-                "step_times_s": record["measurements"]["step_times_s"],
-                "stages": record["measurements"]["stages"],
-                "losses": record["losses"],
-                "loss_matches_one_process": record["reference_match"].get("match"),
+                "cluster": case.cluster,
+                "model": case.size,
+                "shape": case.shape,
+                "strategy": describe_strategy(case.strategy),
+                "global_batch_size": case.global_batch,
+                "measured_s": measured,
+                "measured_repeats_s": [median_step(run) for run in runs],
+                "predicted_s": predicted,
+                "error": predicted / measured - 1.0,
+                "loo_predicted_s": loo[case.slug],
+                "loo_error": loo[case.slug] / measured - 1.0,
+                "largest_term_difference": gap,
+                "terms_of_median_run": middle["measurements"]["terms"],
             }
         )
-        print(f"{name}: {rows[-1]['strategy']}", flush=True)
-    searched_row, uniform_row = rows[:2]
     result = {
-        "cluster": cluster.name,
-        "model": model.key,
-        "cpu_share": share,
+        "host": {"machine": platform.machine(), "cores": len(os.sched_getaffinity(0)), "node": platform.node()},
+        "load_average_before": load_before,
+        "load_average_after": load_after,
+        "runs_s": run_s,
+        "load_average_at_each_run": loads,
         "steps": args.steps,
-        "profile": str(profiles["cpu"].path),
+        "repeats": args.repeats,
         "rows": rows,
-        "predicted_speedup_of_searched": uniform_row["predicted_iteration_time_s"]
-        / searched_row["predicted_iteration_time_s"],
-        "measured_speedup_of_searched": uniform_row["measured_iteration_time_s"]
-        / searched_row["measured_iteration_time_s"],
     }
-    header = f"{'plan':<15} {'predicted s':>12} {'measured s':>11} {'error':>8}"
-    print(f"\n{header}  stages (group layers compute/emulation/wait s)")
-    for row in rows:
-        stages = "; ".join(
-            f"{s['group']} L{s['layers'][0]}-{s['layers'][1] - 1} {s['compute_s']:.1f}/{s['emulation_s']:.1f}/"
-            f"{s['wait_s']:.1f}"
-            for s in row["stages"]
-        )
-        print(
-            f"{row['plan']:<15} {row['predicted_iteration_time_s']:>12.2f} {row['measured_iteration_time_s']:>11.2f} "
-            f"{row['error']:>+8.1%}  {stages}"
-        )
-    print(
-        f"searched plan faster than the uniform split by {result['predicted_speedup_of_searched']:.2f}x predicted, "
-        f"{result['measured_speedup_of_searched']:.2f}x measured (cpu share per rank {share:g})"
-    )
+    print_table(rows)
+    print(f"machine load (1/5/15 min) before {load_before}, after {load_after}; runs took {run_s:.0f} s")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+
+
+def print_table(rows: list[dict[str, Any]], write: Callable[[str], None] = print) -> None:
+    write(f"{'cluster':<11} {'model':<6} {'shape':<25} {'measured s':>10} {'predicted s':>11} {'error':>7} "
+          f"{'LOO s':>7} {'LOO error':>9}  largest difference (stage, term, measured - predicted s)")  # fmt: skip
+    for row in rows:
+        measured = f"{row['cluster']:<11} {row['model']:<6} {row['shape']:<25} {row['measured_s']:>10.3f}"
+        predicted = f"{row['predicted_s']:>11.3f} {row['error']:>+7.1%}"
+        gap = row["largest_term_difference"]
+        where = f"{gap['stage']} {gap['term']} {gap['measured_minus_predicted_s']:+.3f}"
+        write(f"{measured} {predicted} {row['loo_predicted_s']:>7.3f} {row['loo_error']:>+9.1%}  {where}")
+    errors = [abs(row["error"]) for row in rows]
+    loo_errors = [abs(row["loo_error"]) for row in rows]
+    if errors:
+        write(f"|error| median {statistics.median(errors):.1%}, max {max(errors):.1%}; leave-one-out median "
+              f"{statistics.median(loo_errors):.1%}, max {max(loo_errors):.1%}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ on each rail, all-gather inside. Latencies are estimates until `hetplan profile-
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, replace
 from typing import Literal
@@ -53,23 +54,10 @@ class Link:
 
     def under_load(self, processes_per_core: float) -> Link:
         """The link while `processes_per_core` busy processes share each core of the host (at most one: itself)."""
-        excess = max(0.0, processes_per_core - 1.0)
         loads = (self.load_alpha_s, self.load_s_per_byte, self.p2p_load_alpha_s, self.p2p_load_s_per_byte)
-        if excess == 0.0 or not any(loads):
+        if processes_per_core <= 1.0 or not any(loads):
             return self
-        p2p_alpha = self.alpha_s if self.p2p_alpha_s is None else self.p2p_alpha_s
-        p2p_bw = self.bw_bytes_per_s if self.p2p_bw_bytes_per_s is None else self.p2p_bw_bytes_per_s
-        return replace(
-            self,
-            alpha_s=self.alpha_s + excess * self.load_alpha_s,
-            bw_bytes_per_s=1.0 / (1.0 / self.bw_bytes_per_s + excess * self.load_s_per_byte),
-            p2p_alpha_s=p2p_alpha + excess * self.p2p_load_alpha_s,
-            p2p_bw_bytes_per_s=1.0 / (1.0 / p2p_bw + excess * self.p2p_load_s_per_byte),
-            load_alpha_s=0.0,
-            load_s_per_byte=0.0,
-            p2p_load_alpha_s=0.0,
-            p2p_load_s_per_byte=0.0,
-        )
+        return _under_load(self, processes_per_core)
 
     def seconds_per_byte(self, ranks: int) -> float:
         doublings = max(0.0, math.log2(ranks / 2)) if ranks > 2 else 0.0
@@ -79,6 +67,25 @@ class Link:
         alpha = self.alpha_s if self.p2p_alpha_s is None else self.p2p_alpha_s
         bw = self.bw_bytes_per_s if self.p2p_bw_bytes_per_s is None else self.p2p_bw_bytes_per_s
         return alpha + size_bytes / bw
+
+
+@functools.lru_cache(maxsize=4096)
+def _under_load(link: Link, processes_per_core: float) -> Link:
+    """Link.under_load, made once per link and load (the cost model asks for it for every collective)."""
+    excess = processes_per_core - 1.0
+    p2p_alpha = link.alpha_s if link.p2p_alpha_s is None else link.p2p_alpha_s
+    p2p_bw = link.bw_bytes_per_s if link.p2p_bw_bytes_per_s is None else link.p2p_bw_bytes_per_s
+    return replace(
+        link,
+        alpha_s=link.alpha_s + excess * link.load_alpha_s,
+        bw_bytes_per_s=1.0 / (1.0 / link.bw_bytes_per_s + excess * link.load_s_per_byte),
+        p2p_alpha_s=p2p_alpha + excess * link.p2p_load_alpha_s,
+        p2p_bw_bytes_per_s=1.0 / (1.0 / p2p_bw + excess * link.p2p_load_s_per_byte),
+        load_alpha_s=0.0,
+        load_s_per_byte=0.0,
+        p2p_load_alpha_s=0.0,
+        p2p_load_s_per_byte=0.0,
+    )
 
 
 def in_node_link(group: DeviceGroup) -> Link:

@@ -3,6 +3,7 @@ calibration learns. Links carry the transport's efficiency and the calibrated ne
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -85,7 +86,7 @@ class CostContext:
     def in_node_link(self, group: DeviceGroup) -> Link:
         link = self.fitted_link(group.device.key, "in_node") or in_node_link(group)
         scale = dict(self.terms.in_node_scale).get(group.device.generation, 1.0)
-        return link if scale == 1.0 else replace(link, bw_bytes_per_s=link.bw_bytes_per_s / scale)
+        return link if scale == 1.0 else _slower(link, scale)
 
     def rail_link(self, group: DeviceGroup) -> Link:
         link = self.fitted_link(group.device.key, "rail") or rail_link(group)
@@ -111,6 +112,12 @@ class CostContext:
             if link.p2p_bw_bytes_per_s is None
             else link.p2p_bw_bytes_per_s / self.terms.tcp_scale,
         )
+
+
+@functools.lru_cache(maxsize=1024)
+def _slower(link: Link, scale: float) -> Link:
+    """The link with its bandwidth divided by a calibrated scale (made once: asked for by every collective)."""
+    return replace(link, bw_bytes_per_s=link.bw_bytes_per_s / scale)
 
 
 def emulated(group: DeviceGroup, source: LayerCostSource) -> LayerCostSource:

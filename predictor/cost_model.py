@@ -17,7 +17,13 @@ import numpy as np
 
 from predictor.comm_model import Link, all_reduce_time_s
 from predictor.context import CostContext, EndToEndTerms, build_context, emulated
-from predictor.host import busy_processes, evaluate_on_host, stage_overhead_s, step_overhead_s
+from predictor.host import (
+    busy_processes,
+    evaluate_on_host,
+    family_sync_overhead_s,
+    stage_overhead_s,
+    step_overhead_s,
+)
 from predictor.sharding import (
     GRAD_BYTES_PER_PARAM,
     DpSync,
@@ -345,7 +351,8 @@ def cross_family_sync_time_s(
     replicas = strategy.pipelines[family].replicas
     shard_bytes = params_per_device * GRAD_BYTES_PER_PARAM / replicas
     families = len(strategy.pipelines)
-    return all_reduce_time_s(shard_bytes, families, slowest) * ctx.terms.network_scale
+    host_work = family_sync_overhead_s(ctx, own, params_per_device)  # a local run's indexing and copies
+    return all_reduce_time_s(shard_bytes, families, slowest) * ctx.terms.network_scale + host_work
 
 
 StageCache = dict[tuple[object, ...], StageEvaluation]

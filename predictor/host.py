@@ -10,8 +10,9 @@ evaluation's host compute to the simulated step; links measured between this mac
 simulation's mean busy processes per core (Link.under_load: a rank waits for a partner the scheduler set aside).
 Overheads: per micro-batch and stage, running the stage's layers as one module (microbatch_overhead_s plus
 layer_overhead_s per layer, 1/tp of it on a TP shard); per step, making the batch; the optimizer step per parameter
-(sharding.optimizer_time_s). A context without host costs is evaluated as before; local runs then fall back to the
-assumed share cores / ranks (`local_run_context`). Torch-free.
+(sharding.optimizer_time_s); the work around a sync across pipeline families per parameter. A context without host
+costs is evaluated as before; local runs then fall back to the assumed share cores / ranks (`local_run_context`).
+Torch-free.
 """
 
 from __future__ import annotations
@@ -67,18 +68,17 @@ def evaluate_on_host(
     ctx: CostContext, strategy: Strategy, evaluate_at: Callable[[CostContext], Evaluation]
 ) -> Evaluation:
     """The evaluation of `strategy` with its processes sharing the host's cores (module docstring): the step is
-    simulated (predictor.sharing) from an evaluation with unstretched compute, twice, the second time with the links
-    loaded by the first one's mean busy processes; then the analytic evaluation is stretched to the simulated step
-    (its time is close to linear in the stretch: one secant between no stretch and that of every process busy)."""
+    simulated (predictor.sharing) from an evaluation with unstretched compute and links loaded by every process;
+    then the analytic evaluation, its links loaded by the simulation's mean busy processes, is stretched to the
+    simulated step (its time is close to linear in the stretch: one secant between no stretch and that of every
+    process busy)."""
     from predictor.sharing import simulate_step
 
     host = max(ctx.host.values(), key=lambda costs: costs.cores)
     processes = busy_processes(ctx, strategy)
-    per_core = processes / host.cores
-    for _ in range(2):
-        unstretched = evaluate_at(loaded(ctx, per_core, 1.0))
-        simulated = simulate_step(on_host(ctx, unstretched), unstretched, host)
-        per_core = simulated.mean_busy_processes / host.cores
+    every = evaluate_at(loaded(ctx, processes / host.cores, 1.0))
+    simulated = simulate_step(on_host(ctx, every), every, host)
+    per_core = simulated.mean_busy_processes / host.cores
     unstretched = evaluate_at(loaded(ctx, per_core, 1.0))
     target_s = simulated.time_s + ctx.terms.iteration_overhead_s
     most = host.stretch(processes)
@@ -105,6 +105,13 @@ def stage_overhead_s(ctx: CostContext, group: DeviceGroup, num_layers: int, tp: 
         return 0.0
     overhead = host.microbatch_overhead_s + num_layers * host.layer_overhead_s / tp
     return max(0.0, overhead) * ctx.compute_stretch / group.emulate_speed
+
+
+def family_sync_overhead_s(ctx: CostContext, group: DeviceGroup, params_per_device: float) -> float:
+    """The host work around the collectives of a device's gradient sync across pipeline families (0 off a profiled
+    host), stretched."""
+    host = host_of(ctx, group)
+    return 0.0 if host is None else params_per_device * host.family_sync_s_per_param * ctx.compute_stretch
 
 
 def step_overhead_s(ctx: CostContext, strategy: Strategy) -> float:

@@ -160,6 +160,7 @@ def simulate_step(ctx: CostContext, evaluation: Evaluation, host: HostCosts) -> 
         actor.state = "done"
 
     busy_integral = 0.0
+    stretches: dict[int, float] = {}  # busy stretch by processes computing at once
     for actor in actors:
         advance(actor)
     while True:
@@ -172,7 +173,9 @@ def simulate_step(ctx: CostContext, evaluation: Evaluation, host: HostCosts) -> 
                 raise RuntimeError("the step simulation is stuck: a pass waits for one that never runs")
             break
         computing = sum(a.processes for a in active if a.state in ("busy", "spin") and a.shares_host)
-        rate = min(1.0, host.cores / computing) / host.busy_stretch(computing) if computing else 1.0
+        if computing not in stretches:
+            stretches[computing] = host.busy_stretch(computing) if computing else 1.0
+        rate = min(1.0, host.cores / computing) / stretches[computing] if computing else 1.0
         speeds = [rate if a.state == "busy" and a.shares_host else 1.0 for a in active]
         step = min(a.remaining_s / speed for a, speed in zip(active, speeds, strict=True))
         busy_integral += computing * step

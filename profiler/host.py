@@ -1,6 +1,7 @@
 """Measure what a training step costs on this host besides its layers and collectives (`hetplan profile` on the CPU):
 how processes computing at once slow each other, the optimizer step per parameter, what running a stage's layers as
-one module adds per micro-batch and per layer, and making the step's batch. The numbers go into the profile's `host`
+one module adds per micro-batch and per layer, the work around the collectives of a sync across pipeline families,
+and making the step's batch. The numbers go into the profile's `host`
 section (profiler.profile.HostCosts); the cost model uses them for local runs on CPU processes.
 
 Everything is timed with one thread per process, as the runtime's ranks run. The optimizer step mirrors the runtime's
@@ -221,6 +222,29 @@ def optimizer_costs(model: ModelSpec, dtype: torch.dtype, min_time_s: float = 0.
     return per_shard_param, per_held_param
 
 
+def family_sync_cost(model: ModelSpec, dtype: torch.dtype, min_time_s: float = 0.3) -> float:
+    """Seconds per parameter held of the host work around the collectives when gradients meet across pipeline
+    families, as the runtime does it (runtime/sync.py, two replicas and one other family holding every layer): pad the
+    flat gradient, take the chunk the reduce-scatter leaves, gather what goes to the other family, add what comes
+    back by index, spread the chunk into a full-size vector."""
+    numel = model.num_layers * model.layer_params()
+    grads = torch.randn(numel, dtype=dtype)
+    half = numel // 2
+    indices = torch.arange(half)
+
+    def sync() -> None:
+        padded = torch.zeros(2 * half + 2, dtype=dtype)
+        padded[:numel] = grads
+        mine = padded[:half].clone()
+        sent = mine[indices].contiguous()
+        total = mine.clone()
+        total[indices] += sent
+        out = torch.zeros_like(grads)
+        out[:half] = total
+
+    return median_time_s(sync, min_time_s) / numel
+
+
 def batch_costs(model: ModelSpec, seq_length: int, min_time_s: float = 0.2) -> tuple[float, float]:
     """(seconds per step, seconds per sample) of making the step's synthetic batch, from two batch sizes."""
     small, large = BATCHES
@@ -240,6 +264,8 @@ def measure_host(
     per_microbatch, per_layer = stage_overheads(model, micro_batch_size, seq_length, dtype)
     progress("host: optimizer step")
     per_shard_param, per_held_param = optimizer_costs(model, dtype)
+    progress("host: syncing gradients across families")
+    family_sync_s_per_param = family_sync_cost(model, dtype)
     progress("host: making batches")
     batch_s, batch_s_per_sample = batch_costs(model, seq_length)
     return HostCosts(
@@ -249,6 +275,7 @@ def measure_host(
         flatten_s_per_param=per_held_param,
         microbatch_overhead_s=per_microbatch,
         layer_overhead_s=per_layer,
+        family_sync_s_per_param=family_sync_s_per_param,
         batch_s=batch_s,
         batch_s_per_sample=batch_s_per_sample,
     )

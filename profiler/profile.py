@@ -130,6 +130,8 @@ class HostCosts(BaseModel):
     microbatch_overhead_s    running a stage (embedding, layers, head) as one module, per micro-batch, beyond its
                              layers' own times (one autograd pass instead of one per layer; may be negative);
     layer_overhead_s         the same per decoder layer of the stage (weights fetched cold, one after the other);
+    family_sync_s_per_param  the work around the collectives when gradients meet across pipeline families (padding,
+                             indexing the chunk to swap, adding what comes back), per parameter held;
     batch_s, batch_s_per_sample  making a step's token batch (the runtime's synthetic data) at the profile's sequence.
     """
 
@@ -142,6 +144,7 @@ class HostCosts(BaseModel):
     flatten_s_per_param: float = Field(ge=0)
     microbatch_overhead_s: float
     layer_overhead_s: float
+    family_sync_s_per_param: float = Field(default=0.0, ge=0)
     batch_s: float = Field(ge=0)
     batch_s_per_sample: float = Field(ge=0)
 

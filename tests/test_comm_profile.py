@@ -55,6 +55,7 @@ def test_cli_profile_comm_writes_a_link_profile(tmp_path):
         "all_reduce,send_recv",
         "--repeats",
         "2",
+        "--no-shared-cores",
         "--out",
         str(out),
         torch_allowed=True,
@@ -62,6 +63,7 @@ def test_cli_profile_comm_writes_a_link_profile(tmp_path):
     assert result.returncode == 0, result.stderr
     body = json.loads(out.read_text())
     assert {link["collective"] for link in body["links"]} == {"all_reduce", "send_recv"}
+    assert {link["link_class"] for link in body["links"]} == {"host"}  # local processes: this machine's link
     assert all("fit_median_rel_error" in link for link in body["links"])
     bad = hetplan("profile-comm", "--world", "1", "--out", str(out), torch_allowed=True)
     assert bad.returncode == 2 and "expected process counts >= 2" in bad.stderr
@@ -98,3 +100,15 @@ def test_profile_comm_under_torchrun(tmp_path):
     body = json.loads(out.read_text())
     assert [link["ranks"] for link in body["links"]] == [2]
     assert all(point["correct"] for point in body["points"])
+
+
+def test_points_record_mean_waits_and_the_processes_per_core_with_busy_processes_beside(tmp_path):
+    """The ranks compute between operations and a background process computes beside them: each point records the
+    mean wait (what a step sums) and (ranks + 1) / cores processes per core."""
+    from profiler.comm_bench import host_cores
+
+    points = run_local(2, [4096], ["all_reduce", "send_recv"], 2, tmp_path, 60, gap_s=0.001, busy_processes=1)
+    assert [p.collective for p in points] == ["all_reduce", "send_recv"]
+    for point in points:
+        assert point.correct and point.mean_time_s > 0 and point.time_s > 0
+        assert point.processes_per_core == pytest.approx(3 / host_cores())

@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from predictor.comm_model import Link, all_reduce_time_s
-from predictor.cost_model import CostContext, evaluate, tp_collective_time_s
+from predictor.cost_model import CostContext, cross_family_sync_time_s, evaluate, tp_collective_time_s
 from predictor.host import busy_processes, loaded, local_run_context, on_host
 from predictor.link_model import LinkPoint, fit_link
 from predictor.predictor import Predictor, fit_predictor
@@ -257,3 +257,23 @@ def test_a_fitted_predictor_keeps_the_profiles_host_costs_for_contexts_without_p
     without = fit_predictor([simulated_profile(tmp_path, host=False)], published_runs=False)
     assert without.host_costs == {} and not math.isnan(evaluate(without.context(cluster, MODEL, training),
                                                                 one_stage()).iteration_time_s)  # fmt: skip
+
+
+def test_a_sync_across_families_on_a_profiled_host_adds_its_measured_work_per_parameter():
+    ctx = host_context()
+    costs = HostCosts.model_validate({**HOST.model_dump(), "family_sync_s_per_param": 3e-9})
+    with_work = replace(ctx, host={"cpu": costs})
+    families = (
+        PipelineStrategy(2, 1, 3, (StageStrategy("left", 0, 4, 1),)),
+        PipelineStrategy(1, 1, 2, (StageStrategy("right", 0, 4, 2),)),
+    )
+    strategy = Strategy(families, "none", 1)
+    stage = strategy.pipelines[0].stages[0]
+    params = 4 * MODEL.layer_params()
+    plain = cross_family_sync_time_s(loaded(ctx, 1.0, 1.0), strategy, 0, stage, params)
+    assert cross_family_sync_time_s(loaded(with_work, 1.0, 1.0), strategy, 0, stage, params) == pytest.approx(
+        plain + params * 3e-9
+    )
+    assert cross_family_sync_time_s(loaded(with_work, 1.0, 2.0), strategy, 0, stage, params) == pytest.approx(
+        plain + 2 * params * 3e-9  # stretched as compute is
+    )

@@ -1,0 +1,87 @@
+"""What `hetplan profile` measures of the host besides the layers (profiler/host.py): the arithmetic that turns
+timings into host costs (with timings given), and the measurements themselves on a tiny model."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from profiler import host  # noqa: E402
+from specs.model import ModelSpec  # noqa: E402
+
+MODEL = ModelSpec(
+    key="host-profile-test", num_layers=2, hidden_size=64, ffn_hidden_size=176, num_attention_heads=4,
+    num_kv_heads=2, vocab_size=256, seq_length=16, mlp="swiglu",
+)  # fmt: skip
+
+
+def test_optimizer_costs_separate_the_update_of_the_shard_from_the_flattening_of_everything(monkeypatch):
+    """The step over the whole vector takes N (a + b), over half of it as the shard N (a / 2 + b): a and b by hand."""
+    numel = MODEL.num_layers * MODEL.layer_params()
+    a, b = 4e-9, 1e-9  # seconds per parameter of the shard, per parameter held
+    times = iter([numel * (a + b), numel * (a / 2 + b)])
+    monkeypatch.setattr(host, "median_time_s", lambda work, min_time_s, **_: next(times))
+    per_shard, per_held = host.optimizer_costs(MODEL, torch.float32)
+    assert per_shard == pytest.approx(a) and per_held == pytest.approx(b)
+
+
+def test_batch_costs_are_a_fixed_part_and_a_part_per_sample(monkeypatch):
+    small, large = host.BATCHES
+    times = iter([2e-3 + small * 1e-5, 2e-3 + large * 1e-5])
+    monkeypatch.setattr(host, "median_time_s", lambda work, min_time_s, **_: next(times))
+    assert host.batch_costs(MODEL, 16) == pytest.approx((2e-3, 1e-5))
+
+
+def test_stage_overheads_are_a_stage_against_its_parts(monkeypatch):
+    """Stages of 1 and STAGE_LAYERS (here the model's 2) layers take 10 and 16 ms; alone the embedding takes 1 ms, a
+    layer 5 ms and the head 2 ms: 1 ms more per layer in a stage, and 10 - 1 - 5 - 2 - 1 = 1 ms per micro-batch."""
+    stage_times = {1: 10e-3, 2: 16e-3}
+    part_times = {"embedding": 1e-3, "decoder": 5e-3, "lm_head": 2e-3}
+    calls = iter([1, 2] * host.PASSES)
+    monkeypatch.setattr(host, "median_time_s", lambda work, min_time_s, **_: stage_times[next(calls)])
+    built = []
+
+    def build_layer(model, layer, *args, **kwargs):
+        built.append(layer)
+        return layer, []
+
+    def profile_layer(module, inputs, **kwargs):
+        return _timed(part_times[module])
+
+    monkeypatch.setattr(host, "build_layer", build_layer)
+    monkeypatch.setattr(host, "profile_layer", profile_layer)
+    per_microbatch, per_layer = host.stage_overheads(MODEL, 1, 16, torch.float32)
+    assert per_layer == pytest.approx(1e-3) and per_microbatch == pytest.approx(1e-3)
+    assert built.count("decoder") == host.PASSES
+
+
+def _timed(total_s: float):
+    from profiler.measure import LayerMeasurement
+
+    return LayerMeasurement(total_s / 3, 2 * total_s / 3, 0, 0, 0, 0, 0.0, None, 1)
+
+
+def test_median_time_counts_busy_time_on_the_process_clock():
+    """Sleeping is not busy: on the process clock a sleep of 20 ms costs almost nothing."""
+    assert host.median_time_s(lambda: time.sleep(0.02), 0.0, clock=time.process_time) < 0.005
+    assert host.median_time_s(lambda: time.sleep(0.02), 0.0) >= 0.019
+
+
+def test_the_host_measurements_of_a_tiny_model_are_plausible():
+    """Measured for real (a second or two): per-parameter costs between 0.01 ns and 1 us, a batch in under 1 s."""
+    per_shard, per_held = host.optimizer_costs(MODEL, torch.float32, min_time_s=0.05)
+    assert 1e-11 < per_shard + per_held < 1e-6
+    assert 1e-11 < host.family_sync_cost(MODEL, torch.float32, min_time_s=0.05) < 1e-6
+    batch_s, per_sample = host.batch_costs(MODEL, 16, min_time_s=0.05)
+    assert 0 < batch_s + 8 * per_sample < 1.0
+
+
+@pytest.mark.slow
+def test_concurrency_is_measured_with_helper_processes_computing_beside():
+    """One helper process (cores given as 1: levels 2 processes); the helpers stop with the measurement."""
+    points = host.concurrency(MODEL, 1, 16, torch.float32, cores=1, min_time_s=0.05)
+    assert [point.processes for point in points] == [2]
+    assert 0.5 < points[0].busy_stretch < 5.0
