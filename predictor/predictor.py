@@ -193,8 +193,7 @@ def combined_host_costs(measured: Sequence[HostCosts]) -> HostCosts:
     for costs in measured:
         for point in costs.concurrency:
             by_processes.setdefault(point.processes, []).append(point.busy_stretch)
-    numbers = ("optimizer_s_per_param", "flatten_s_per_param", "microbatch_overhead_s", "layer_overhead_s",
-               "family_sync_s_per_param", "batch_s", "batch_s_per_sample")  # fmt: skip
+    numbers = [name for name, info in HostCosts.model_fields.items() if info.annotation is float]
     return HostCosts(
         cores=max(costs.cores for costs in measured),
         concurrency=[

@@ -154,12 +154,15 @@ def sharded_exposed_time_s(ctx: CostContext, sync: DpSync, backward_s: float, fo
 
 def optimizer_time_s(ctx: CostContext, group: DeviceGroup, params_per_device: float, replicas: int) -> float:
     """The Adam step over this device's parameters (its 1/replicas shard under ZeRO), memory-bound; on a profiled
-    host, as measured there per parameter of the shard and per parameter held (flattened and copied back),
-    stretched by the cores' sharing (predictor/host.py)."""
+    host, as measured there per parameter of the shard and per parameter held (flattened and copied back; under
+    ZeRO, the shard padded and the gathered pieces joined), stretched by the cores' sharing (predictor/host.py)."""
     local = params_per_device / replicas if ctx.training.zero_stage >= 1 else params_per_device
     host = ctx.host.get(group.device.key)
     if host is not None:
-        measured = local * host.optimizer_s_per_param + params_per_device * host.flatten_s_per_param
+        held_s_per_param = host.flatten_s_per_param
+        if ctx.training.zero_stage >= 1 and replicas > 1:  # the shard padded, the gathered pieces joined
+            held_s_per_param += host.gather_s_per_param
+        measured = local * host.optimizer_s_per_param + params_per_device * held_s_per_param
         return measured * ctx.compute_stretch * ctx.terms.optimizer_scale
     bw = group.device.hbm_bw_bytes_per_s * OPTIMIZER_BW_EFFICIENCY
     return local * ADAM_BYTES_MOVED_PER_PARAM / bw * ctx.terms.optimizer_scale

@@ -28,7 +28,7 @@ except ImportError as err:  # pragma: no cover - exercised only without torch
 
 from profiler.data import synthetic_batch
 from profiler.layers import DecoderLayer, Embedding, LMHead
-from profiler.measure import build_layer, profile_layer
+from profiler.measure import build_layer, layer_clock, profile_layer
 from profiler.profile import ConcurrencyPoint, HostCosts
 from specs.model import ModelSpec
 
@@ -45,10 +45,11 @@ def host_cores() -> int:
 
 
 def median_time_s(
-    work: Callable[[], object], min_time_s: float, min_repeats: int = 3, clock: Callable[[], float] = time.perf_counter
+    work: Callable[[], object], min_time_s: float, min_repeats: int = 3, clock: Callable[[], float] | None = None
 ) -> float:
-    """Median seconds of `work()` on `clock` (wall time, or time.process_time: busy time) over at least
-    `min_repeats` runs and `min_time_s` of runs (one warm-up run)."""
+    """Median seconds of `work()` on `clock` (default: the clock the layers are timed on, measure.layer_clock) over
+    at least `min_repeats` runs and `min_time_s` of runs (one warm-up run)."""
+    clock = clock or layer_clock(torch.device("cpu"))
     work()
     times: list[float] = []
     while len(times) < min_repeats or sum(times) < min_time_s:
@@ -185,17 +186,20 @@ def stage_overheads(
     return per_microbatch, per_layer
 
 
-def optimizer_costs(model: ModelSpec, dtype: torch.dtype, min_time_s: float = 0.3) -> tuple[float, float]:
-    """(seconds per parameter of the optimizer shard, seconds per parameter held) of the runtime's optimizer step on
-    a stage holding all the model's decoder layers: the step with the whole flat vector as the shard and with half
-    of it (ZeRO-1 over two replicas) separate the AdamW update from the flattening and copying back."""
+def optimizer_costs(model: ModelSpec, dtype: torch.dtype, min_time_s: float = 0.3) -> tuple[float, float, float]:
+    """(seconds per parameter of the optimizer shard, per parameter held, per parameter held when the state is
+    sharded) of the runtime's optimizer step on a stage holding all the model's decoder layers: flatten the gradients
+    and the parameters, AdamW on the shard, under ZeRO-1 put the shard in a padded buffer and join the gathered pieces
+    (the all-gather itself is the collective's), copy the parameters back. Timed with the whole vector as the shard,
+    then half and a quarter of it (two and four replicas) to separate the three."""
     torch.manual_seed(0)
     layers = [DecoderLayer(model, 1).to(dtype) for _ in range(model.num_layers)]
     params = [p.detach() for layer in layers for p in layer.parameters()]
     grads = [torch.randn_like(p) for p in params]
     numel = sum(p.numel() for p in params)
 
-    def step(shard: int) -> Callable[[], None]:
+    def step(replicas: int) -> Callable[[], None]:
+        shard = -(-numel // replicas)
         exp_avg, exp_avg_sq = torch.zeros(shard, dtype=dtype), torch.zeros(shard, dtype=dtype)
         count = [0]
 
@@ -209,6 +213,11 @@ def optimizer_costs(model: ModelSpec, dtype: torch.dtype, min_time_s: float = 0.
             exp_avg_sq.mul_(0.999).addcmul_(grad, grad, value=0.001)
             denom = (exp_avg_sq.sqrt() / math.sqrt(1 - 0.999 ** count[0])).add_(1e-8)
             mine.addcdiv_(exp_avg, denom, value=-1e-3)
+            if replicas > 1:
+                padded = torch.zeros(shard, dtype=dtype)
+                padded[: mine.numel()] = mine
+                pieces = [padded, *(torch.empty_like(padded) for _ in range(replicas - 1))]
+                flat = torch.cat(pieces)[:numel]
             offset = 0
             for p in params:
                 p.copy_(flat[offset : offset + p.numel()].view_as(p))
@@ -216,10 +225,11 @@ def optimizer_costs(model: ModelSpec, dtype: torch.dtype, min_time_s: float = 0.
 
         return run
 
-    whole, half = (median_time_s(step(size), min_time_s) for size in (numel, numel // 2))
-    per_shard_param = max(0.0, 2 * (whole - half) / numel)
-    per_held_param = max(0.0, whole / numel - per_shard_param)
-    return per_shard_param, per_held_param
+    whole, half, quarter = (median_time_s(step(replicas), min_time_s) / numel for replicas in (1, 2, 4))
+    per_shard_param = max(0.0, 4 * (half - quarter))
+    per_held_param = max(0.0, whole - per_shard_param)
+    per_gathered_param = max(0.0, half - per_shard_param / 2 - per_held_param)
+    return per_shard_param, per_held_param, per_gathered_param
 
 
 def family_sync_cost(model: ModelSpec, dtype: torch.dtype, min_time_s: float = 0.3) -> float:
@@ -263,7 +273,7 @@ def measure_host(
     progress("host: a stage as one module")
     per_microbatch, per_layer = stage_overheads(model, micro_batch_size, seq_length, dtype)
     progress("host: optimizer step")
-    per_shard_param, per_held_param = optimizer_costs(model, dtype)
+    per_shard_param, per_held_param, per_gathered_param = optimizer_costs(model, dtype)
     progress("host: syncing gradients across families")
     family_sync_s_per_param = family_sync_cost(model, dtype)
     progress("host: making batches")
@@ -273,6 +283,7 @@ def measure_host(
         concurrency=points,
         optimizer_s_per_param=per_shard_param,
         flatten_s_per_param=per_held_param,
+        gather_s_per_param=per_gathered_param,
         microbatch_overhead_s=per_microbatch,
         layer_overhead_s=per_layer,
         family_sync_s_per_param=family_sync_s_per_param,

@@ -1,7 +1,9 @@
 """Measure layers on the local accelerator: forward/backward time, activation bytes, peak memory.
 
 Timing: warm-up runs, then timed runs of forward and of backward, each bracketed by a device synchronisation
-(CUDA/ROCm, XPU and NPU expose the same `torch.<device>.synchronize`; the CPU needs none) and a monotonic clock,
+(CUDA/ROCm, XPU and NPU expose the same `torch.<device>.synchronize`; the CPU needs none) and a monotonic clock (on
+the CPU with one thread, the process's busy time: what the layer costs on a core of its own, whatever else the
+machine runs meanwhile; how processes share the cores is measured and modelled apart, profiler/host.py),
 collected in several interleaved passes over all entries; the median of the samples is the entry's time, min and
 max its spread. Activation bytes are what autograd saves
 for backward, counted with saved-tensor hooks (unique storages, parameters and buffers excluded), so the number
@@ -163,6 +165,12 @@ class _Samples:
         )
 
 
+def layer_clock(device: torch.device) -> Callable[[], float]:
+    """The clock a layer is timed on: busy time (time.process_time) on the CPU with one torch thread, where the wall
+    clock would also count the time the scheduler gives the core to other processes; else the wall clock."""
+    return time.process_time if device.type == "cpu" and torch.get_num_threads() == 1 else time.perf_counter
+
+
 def _sample_layer(
     module: nn.Module,
     example_inputs: Sequence[torch.Tensor],
@@ -182,6 +190,7 @@ def _sample_layer(
     grad = torch.randn_like(out) if out.dim() > 0 else None
     out.backward(grad)
     _reset_peak(device)
+    clock = layer_clock(device)
     forward_times: list[float] = []
     backward_times: list[float] = []
     index = 0
@@ -194,13 +203,13 @@ def _sample_layer(
         # accumulates into them instead of allocating (and page-faulting) fresh ones every run.
         module.zero_grad(set_to_none=False)
         synchronize(device)
-        started = time.perf_counter()
+        started = clock()
         out = forward()
         synchronize(device)
-        middle = time.perf_counter()
+        middle = clock()
         out.backward(grad)
         synchronize(device)
-        ended = time.perf_counter()
+        ended = clock()
         if index >= warmup:
             forward_times.append(middle - started)
             backward_times.append(ended - middle)
@@ -284,6 +293,7 @@ def environment(device: torch.device, dtype: str) -> dict[str, object]:
         "torch": torch.__version__,
         "dtype": dtype,
         "threads": torch.get_num_threads(),
+        "clock": "busy (process CPU time)" if layer_clock(device) is time.process_time else "wall",
         "cpu_count": os.cpu_count(),
         "python": platform.python_version(),
         "platform": platform.platform(),

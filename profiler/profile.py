@@ -127,6 +127,8 @@ class HostCosts(BaseModel):
     optimizer_s_per_param    the AdamW update, per parameter of the rank's optimizer shard;
     flatten_s_per_param      gathering the rank's gradients and parameters into flat buffers and the updated
                              parameters back, per parameter it holds;
+    gather_s_per_param       with the optimizer state sharded (ZeRO-1), padding the shard and joining the gathered
+                             pieces, per parameter held (the all-gather itself is a collective);
     microbatch_overhead_s    running a stage (embedding, layers, head) as one module, per micro-batch, beyond its
                              layers' own times (one autograd pass instead of one per layer; may be negative);
     layer_overhead_s         the same per decoder layer of the stage (weights fetched cold, one after the other);
@@ -142,6 +144,7 @@ class HostCosts(BaseModel):
     concurrency: list[ConcurrencyPoint] = Field(min_length=1)
     optimizer_s_per_param: float = Field(ge=0)
     flatten_s_per_param: float = Field(ge=0)
+    gather_s_per_param: float = Field(default=0.0, ge=0)
     microbatch_overhead_s: float
     layer_overhead_s: float
     family_sync_s_per_param: float = Field(default=0.0, ge=0)

@@ -18,14 +18,14 @@ MODEL = ModelSpec(
 )  # fmt: skip
 
 
-def test_optimizer_costs_separate_the_update_of_the_shard_from_the_flattening_of_everything(monkeypatch):
-    """The step over the whole vector takes N (a + b), over half of it as the shard N (a / 2 + b): a and b by hand."""
+def test_optimizer_costs_separate_the_update_of_the_shard_the_flattening_and_the_gathered_pieces(monkeypatch):
+    """The step over the whole vector takes N (a + b); with half of it as the shard N (a / 2 + b + c), a quarter
+    N (a / 4 + b + c): a, b and c by hand."""
     numel = MODEL.num_layers * MODEL.layer_params()
-    a, b = 4e-9, 1e-9  # seconds per parameter of the shard, per parameter held
-    times = iter([numel * (a + b), numel * (a / 2 + b)])
+    a, b, c = 4e-9, 1e-9, 0.5e-9  # seconds per parameter of the shard, held, held when sharded
+    times = iter([numel * (a + b), numel * (a / 2 + b + c), numel * (a / 4 + b + c)])
     monkeypatch.setattr(host, "median_time_s", lambda work, min_time_s, **_: next(times))
-    per_shard, per_held = host.optimizer_costs(MODEL, torch.float32)
-    assert per_shard == pytest.approx(a) and per_held == pytest.approx(b)
+    assert host.optimizer_costs(MODEL, torch.float32) == pytest.approx((a, b, c))
 
 
 def test_batch_costs_are_a_fixed_part_and_a_part_per_sample(monkeypatch):
@@ -67,13 +67,22 @@ def _timed(total_s: float):
 def test_median_time_counts_busy_time_on_the_process_clock():
     """Sleeping is not busy: on the process clock a sleep of 20 ms costs almost nothing."""
     assert host.median_time_s(lambda: time.sleep(0.02), 0.0, clock=time.process_time) < 0.005
-    assert host.median_time_s(lambda: time.sleep(0.02), 0.0) >= 0.019
+    assert host.median_time_s(lambda: time.sleep(0.02), 0.0, clock=time.perf_counter) >= 0.019
+
+
+def test_layers_are_timed_on_busy_time_on_the_cpu_with_one_thread(monkeypatch):
+    from profiler import measure
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert measure.layer_clock(torch.device("cpu")) is time.process_time
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)  # threads of one process: their CPU times add up
+    assert measure.layer_clock(torch.device("cpu")) is time.perf_counter
 
 
 def test_the_host_measurements_of_a_tiny_model_are_plausible():
     """Measured for real (a second or two): per-parameter costs between 0.01 ns and 1 us, a batch in under 1 s."""
-    per_shard, per_held = host.optimizer_costs(MODEL, torch.float32, min_time_s=0.05)
-    assert 1e-11 < per_shard + per_held < 1e-6
+    per_shard, per_held, per_gathered = host.optimizer_costs(MODEL, torch.float32, min_time_s=0.05)
+    assert 1e-11 < per_shard + per_held + per_gathered < 1e-6
     assert 1e-11 < host.family_sync_cost(MODEL, torch.float32, min_time_s=0.05) < 1e-6
     batch_s, per_sample = host.batch_costs(MODEL, 16, min_time_s=0.05)
     assert 0 < batch_s + 8 * per_sample < 1.0
