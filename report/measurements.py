@@ -177,6 +177,14 @@ def run_lines(record: Mapping[str, Any], steps: int) -> list[str]:
         lines.append(
             f"step 1 loss {verdict} one process: {reference['run_loss']:.6f} vs {reference['reference_loss']:.6f}"
         )
+    sharing = details.get("core_sharing") or {}
+    if "busy_processes_per_core" in sharing:
+        lines.append(
+            f"cores shared as measured: {sharing['busy_processes_per_core']:.2f} busy processes per core on average, "
+            f"compute x{sharing['compute_stretch']:.2f}"
+        )
+    elif "cpu_share" in sharing and sharing["cpu_share"] < 1:
+        lines.append(f"cores shared as assumed: each rank computes at {sharing['cpu_share']:g} of a core")
     if details["emulation"]:
         lines.append(f"emulated: {details['emulated_groups']}: {details['emulation']}")
     return lines
