@@ -135,6 +135,8 @@ def _megatron(ctx: CostContext, strategy: Strategy, plan: Strategy) -> tuple[dic
         ["--global-batch-size", str(ctx.training.global_batch_size)],
         ["--calculate-per-token-loss"],
     ]
+    if pipeline.context_parallel > 1:  # ring attention over the CP group (Transformer Engine, p2p exchange)
+        args += [["--context-parallel-size", str(pipeline.context_parallel)], ["--cp-comm-type", "p2p"]]
     counts = {s.num_layers for s in pipeline.stages}
     if len(pipeline.stages) > 1 and (len(counts) > 1 or strategy.virtual_stages > 1):
         args.append(["--pipeline-model-parallel-layout", megatron_layout(strategy)])
@@ -160,7 +162,7 @@ def _flagscale(ctx: CostContext, strategy: Strategy, plan: Strategy) -> tuple[di
         if meshes and device_types[-1] == device and meshes[-1][0] == stage.tp:
             meshes[-1][4] += 1
         else:
-            meshes.append([stage.tp, 1, 1, pipeline.replicas, 1])
+            meshes.append([stage.tp, pipeline.context_parallel, 1, pipeline.replicas, 1])
             device_types.append(device)
         splits.append(stage.num_layers)
     args = [
@@ -245,6 +247,7 @@ def _torchtitan(ctx: CostContext, strategy: Strategy, plan: Strategy) -> tuple[d
             f"pipeline_parallel_degree = {len(pipeline.stages)}",
             f"data_parallel_replicate_degree = {1 if sharded else pipeline.replicas}",
             f"data_parallel_shard_degree = {pipeline.replicas if sharded else 1}",
+            f"context_parallel_degree = {pipeline.context_parallel}",
             *([f'fsdp_reshard_after_forward = "{reshard}"'] if sharded else []),
             f'pipeline_parallel_schedule = "{schedule}"',
             f"pipeline_parallel_microbatch_size = {pipeline.micro_batch_size}",

@@ -311,7 +311,9 @@ def combine(ctx: CostContext, plans: Sequence[_BlockPlan], microbatches: Sequenc
         most = -(-total // pipeline.replicas)
         stages = tuple(dataclasses.replace(s, recompute=strategy.stage_recompute(s)) for s in pipeline.stages)
         modes += [s.recompute for s in stages]  # type: ignore[misc]
-        pipelines.append(split_pipeline(pipeline.replicas, pipeline.micro_batch_size, stages, most, total))
+        pipelines.append(
+            split_pipeline(pipeline.replicas, pipeline.micro_batch_size, stages, most, total, pipeline.context_parallel)
+        )
     default: Recompute = max(modes, key=modes.count)
     pipelines = [
         dataclasses.replace(

@@ -108,6 +108,7 @@ def evaluation_dict(ctx: CostContext, evaluation: Evaluation) -> dict[str, Any]:
                 "batch_weight": _round(pipeline.samples_per_replica / ctx.training.global_batch_size),
                 "family_samples": pipeline.samples,
                 "total_microbatches": pipeline.microbatch_total,
+                "context_parallel": pipeline.context_parallel,
                 "replica_batches": _replica_batches(ctx, pipeline),
                 "stages": stages,
             }
@@ -124,6 +125,7 @@ def evaluation_dict(ctx: CostContext, evaluation: Evaluation) -> dict[str, Any]:
         "zero_stage": strategy.zero_stage,
         "schedule": "1f1b" if strategy.virtual_stages == 1 else "interleaved-1f1b",
         "virtual_stages": strategy.virtual_stages,
+        "context_parallel": strategy.context_parallel,
         "sequence_parallel": strategy.sequence_parallel,
         "time_breakdown_s": {
             "pipeline": _round(evaluation.pipeline_time_s),
@@ -226,6 +228,7 @@ def describe_strategy(strategy: Strategy) -> str:
     return (
         " + ".join(families)
         + f", recompute {strategy.recompute_summary}, zero {strategy.zero_stage}, v {strategy.virtual_stages}"
+        + (f", cp {strategy.context_parallel}" if strategy.context_parallel > 1 else "")
     )
 
 

@@ -61,7 +61,8 @@ def plan(
     second search's time on large clusters). `engine`: only plans that engine can run as planned (its export loses
     nothing); the training is restricted to it first (planner.engine_space.engine_training). `zero_stages`: search
     each of these ZeRO stages (the training's own when empty) and keep the fastest plan; the search statistics give
-    each stage's best time."""
+    each stage's best time. Context-parallel degrees come from the training (`context_parallel_degrees`: by sequence
+    length unless chosen), one search each, likewise."""
     predictor = predictor or default_predictor()
     engine_changes: list[str] = []
     if engine is not None:
@@ -70,7 +71,7 @@ def plan(
     ctx = predictor.context(cluster, model, training, profiles)
     started = time.perf_counter()
     options = SearchOptions(top_k=max(1, top_k), root_bound=lower_bound)
-    result, by_stage = _search_zero_stages(ctx, zero_stages, options, progress, engine)
+    result, by_stage, by_cp = _search_layout_options(ctx, zero_stages, options, progress, engine)
     search_time_s = time.perf_counter() - started
     if not result.evaluations:
         if result.smallest_shortfall_where:
@@ -110,7 +111,10 @@ def plan(
         stats["engine_changes"] = engine_changes
     if len(by_stage) > 1:
         stats["zero_stages_s"] = by_stage
+    if len(by_cp) > 1:
+        stats["context_parallel_s"] = by_cp
     best = result.evaluations[0]
+    ctx = ctx.at_context_parallel(best.strategy.context_parallel)
     if best.strategy.zero_stage != ctx.training.zero_stage:  # the plan's training says the stage it runs
         training = ctx.training.model_copy(update={"zero_stage": best.strategy.zero_stage})
         ctx, base = replace(ctx, training=training), replace(base, training=training)
@@ -119,32 +123,44 @@ def plan(
     return Plan(ctx, best, compute_bounds(ctx), search_time_s, stats, alternatives, interval, result.lower_bound_s)
 
 
-def _search_zero_stages(
+def _search_layout_options(
     ctx: CostContext,
     zero_stages: Sequence[int],
     options: SearchOptions,
     progress: ProgressCallback | None,
     engine: Engine | None,
-) -> tuple[SearchResult, dict[str, float | None]]:
-    """One search per ZeRO stage, each started from the best plan so far run at its stage (a feasible incumbent, so
-    a stage that cannot win is pruned early), merged best first; and each stage's best time (None: nothing fits)."""
+) -> tuple[SearchResult, dict[str, float | None], dict[str, float | None]]:
+    """One search per context-parallel degree and ZeRO stage, each started from the best plans so far at its degree
+    run at its stage (a feasible incumbent, so an option that cannot win is pruned early), merged best first; and
+    the best time of each stage and of each degree (None: nothing fits)."""
     stages = [engine_zero_stage(s, engine) if engine else s for s in zero_stages] or [ctx.training.zero_stage]
+    degrees = ctx.training.context_parallel_degrees(ctx.seq_length)
+    if engine is not None and not engine.context_parallel:
+        degrees = (1,)
     results: list[SearchResult] = []
     by_stage: dict[str, float | None] = {}
-    for stage in dict.fromkeys(stages):
-        staged = replace(ctx, training=ctx.training.model_copy(update={"zero_stage": stage}))
-        leaders = [e for r in results for e in r.evaluations[:1]]
-        warm = [evaluate(staged, replace(e.strategy, zero_stage=stage)) for e in leaders]
-        if engine is None:
-            found = search(staged, options, progress, warm_start=warm)
-        else:
-            found = engine_search(staged, engine, options, progress)
-        own = [e for e in found.evaluations if e.strategy.zero_stage == stage]
-        by_stage[str(stage)] = own[0].iteration_time_s if own else None
-        results.append(found)
+    by_cp: dict[str, float | None] = {}
+    for degree in degrees:
+        for stage in dict.fromkeys(stages):
+            staged = replace(ctx, training=ctx.training.model_copy(update={"zero_stage": stage}))
+            staged = staged.at_context_parallel(degree)
+            leaders = [e for r in results for e in r.evaluations[:1] if e.strategy.context_parallel == degree]
+            warm = [evaluate(staged, replace(e.strategy, zero_stage=stage)) for e in leaders]
+            if engine is None:
+                found = search(staged, options, progress, warm_start=warm)
+            else:
+                found = engine_search(staged, engine, options, progress)
+            own = [e.iteration_time_s for e in found.evaluations if e.strategy.zero_stage == stage]
+            by_stage[str(stage)] = _least(by_stage.get(str(stage)), own[0] if own else None)
+            by_cp[str(degree)] = _least(by_cp.get(str(degree)), own[0] if own else None)
+            results.append(found)
     if len(results) == 1:
-        return results[0], by_stage
-    return merge_results(results, options.top_k), by_stage
+        return results[0], by_stage, by_cp
+    return merge_results(results, options.top_k), by_stage, by_cp
+
+
+def _least(a: float | None, b: float | None) -> float | None:
+    return b if a is None else a if b is None else min(a, b)
 
 
 def predict(ctx: CostContext, strategy: Strategy, source: str = "strategy") -> Evaluation:

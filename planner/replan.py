@@ -86,7 +86,8 @@ def _shrunk_pipelines(
         if split is None:
             reasons.append(f"{samples} samples do not split over {replicas} replicas of micro-batch {b}")
             continue
-        shrunk = split_pipeline(replicas, b, pack_stages(pipeline.stages, replicas), *split)
+        cp = pipeline.context_parallel
+        shrunk = split_pipeline(replicas, b, pack_stages(pipeline.stages, replicas, cp), *split, cp)
         used = devices_per_group(dataclasses.replace(strategy, pipelines=(shrunk,)))
         short = [name for name, end in used.items() if end > groups[name].num_devices]
         if short:

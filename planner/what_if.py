@@ -107,6 +107,17 @@ def check_local_run(cluster: ClusterSpec, cluster_file: str | Path) -> None:
         )
 
 
+def check_runtime_layout(plan: LoadedPlan) -> None:
+    """What hetplan's runtime cannot execute yet, refused in one line before anything starts."""
+    if plan.strategy.context_parallel > 1:
+        raise SpecError(
+            plan.source,
+            "pipelines.context_parallel",
+            f"the local runtime does not run context parallelism yet (CP {plan.strategy.context_parallel}); export "
+            "the plan to Megatron or torchtitan, or plan with --cp 1",
+        )
+
+
 # What hetplan's runtime overlaps: nothing of the DP traffic (runtime/execute.py reduces the gradients after the flush
 # and, under ZeRO-1, gathers the weights after the update), whatever the training file says an engine would overlap.
 RUNTIME_TRAINING = {"overlap_grad_reduce": False, "overlap_param_gather": False}

@@ -44,11 +44,11 @@ def group_alone_tokens_per_s(
     plan)."""
     for doubling in range(MAX_SCALE_DOUBLINGS + 1):
         scaled = group.with_nodes(group.nodes * 2**doubling)
-        alone = replace(ctx, cluster=ctx.cluster.only(scaled), sources={scaled.name: ctx.source(group.name)})
+        alone = replace(ctx, cluster=ctx.cluster.only(scaled), sources={scaled.name: ctx.sources[group.name]})
         best = fastest(alone)
         if best is not None:
             if doubling == 0:
                 return best.tokens_per_s, False
             return best.tokens_per_s * group.num_devices / best.devices_used, True
-    alone = replace(ctx, cluster=ctx.cluster.only(group), sources={group.name: ctx.source(group.name)})
+    alone = replace(ctx, cluster=ctx.cluster.only(group), sources={group.name: ctx.sources[group.name]})
     return compute_bound_tokens_per_s(alone), True

@@ -17,6 +17,7 @@ import numpy as np
 
 from predictor.comm_model import Link, all_reduce_time_s
 from predictor.context import CostContext, EndToEndTerms, build_context, emulated
+from predictor.context_parallel import RING_BUFFERS, ring_block_bytes
 from predictor.sharding import (
     GRAD_BYTES_PER_PARAM,
     DpSync,
@@ -59,8 +60,8 @@ TP_OVERLAP_SHARE = 0.8
 
 # ---- per-stage pieces (also used by the planner's inner solvers) ---------------------------------------------
 def tp_collective_time_s(ctx: CostContext, group: DeviceGroup, micro_batch_size: int, tp: int) -> float:
-    """One all-reduce-sized TP collective of b*s*h activations inside the node."""
-    size = micro_batch_size * ctx.seq_length * ctx.model.hidden_size * ctx.training.dtype_bytes
+    """One all-reduce-sized TP collective of b*s*h activations inside the node (s/cp tokens per CP rank)."""
+    size = micro_batch_size * ctx.seq_length * ctx.model.hidden_size * ctx.training.dtype_bytes / ctx.context_parallel
     return all_reduce_time_s(size, tp, ctx.in_node_link(group)) * ctx.terms.tp_comm_scale
 
 
@@ -176,6 +177,8 @@ def stage_memory(
     activations = per_microbatch * in_flight
     if last:  # logits live for one micro-batch: 1F1B runs its backward right after its forward
         activations += source.layer_cost("lm_head", micro_batch_size, tp, "none").activation_bytes
+    if ctx.context_parallel > 1 and num_layers:  # the computing layer's ring buffers
+        activations += RING_BUFFERS * ring_block_bytes(ctx, micro_batch_size, tp)
     return StageMemory(
         weights_bytes=weights, grads_bytes=grads, optimizer_bytes=optimizer, activation_bytes=activations
     )
@@ -225,8 +228,9 @@ def p2p_link(ctx: CostContext, a: StageStrategy, b: StageStrategy) -> Link:
 
 
 def p2p_time_s(ctx: CostContext, a: StageStrategy, b: StageStrategy, micro_batch_size: int) -> float:
-    """Activations (or their gradients) across one stage boundary, one direction, split over the TP ranks."""
-    size = micro_batch_size * ctx.seq_length * ctx.model.hidden_size * ctx.training.dtype_bytes
+    """Activations (or their gradients) across one stage boundary, one direction, split over the TP ranks (and
+    the CP ranks, each sending its own tokens)."""
+    size = micro_batch_size * ctx.seq_length * ctx.model.hidden_size * ctx.training.dtype_bytes / ctx.context_parallel
     return p2p_link(ctx, a, b).p2p_time_s(size / min(a.tp, b.tp)) * ctx.terms.network_scale
 
 
@@ -338,8 +342,7 @@ def cross_family_sync_time_s(
                 slowest = link
     if slowest is None:
         return 0.0
-    replicas = strategy.pipelines[family].replicas
-    shard_bytes = params_per_device * GRAD_BYTES_PER_PARAM / replicas
+    shard_bytes = params_per_device * GRAD_BYTES_PER_PARAM / ctx.gradient_ranks(strategy.pipelines[family].replicas)
     families = len(strategy.pipelines)
     return all_reduce_time_s(shard_bytes, families, slowest) * ctx.terms.network_scale
 
@@ -369,6 +372,7 @@ def _stage_key(
         pipeline.replicas,
         strategy.virtual_stages,
         strategy.zero_stage,
+        strategy.context_parallel,
         after,
     )
 
@@ -482,6 +486,7 @@ def evaluate(ctx: CostContext, strategy: Strategy, cache: StageCache | None = No
     (a dict the caller keeps for one context) reuses stage evaluations across strategies, as the search does."""
     if strategy.zero_stage != ctx.training.zero_stage:
         ctx = replace(ctx, training=ctx.training.model_copy(update={"zero_stage": strategy.zero_stage}))
+    ctx = ctx.at_context_parallel(strategy.context_parallel)
     evaluated: list[StageEvaluation] = []
     pipeline_time = bubble = -1.0
     family_times = []

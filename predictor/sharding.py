@@ -71,6 +71,7 @@ def state_bytes_per_param(ctx: CostContext, dp: int) -> float:
 
 def _state_bytes(ctx: CostContext, dp: int) -> tuple[float, float, float]:
     training = ctx.training
+    dp = ctx.gradient_ranks(dp)
     stage = training.zero_stage
     optimizer = OPTIMIZER_BYTES_PER_PARAM_FP32 if training.dtype == "fp32" else OPTIMIZER_BYTES_PER_PARAM_MIXED
     weights, grads = float(training.dtype_bytes), float(GRAD_BYTES_PER_PARAM)
@@ -82,7 +83,8 @@ def _state_bytes(ctx: CostContext, dp: int) -> tuple[float, float, float]:
 
 
 def state_bytes(ctx: CostContext, params_per_device: float, dp: int) -> tuple[float, float, float]:
-    """(weights, gradients, optimizer state) bytes of `params_per_device` parameters sharded over `dp` replicas."""
+    """(weights, gradients, optimizer state) bytes of `params_per_device` parameters sharded over `dp` replicas (and
+    their CP ranks)."""
     weights, grads, optimizer = _state_bytes(ctx, dp)
     return params_per_device * weights, params_per_device * grads, params_per_device * optimizer
 
@@ -97,17 +99,18 @@ def fp8_weight_copy_bytes(ctx: CostContext, group: DeviceGroup, params_per_devic
 
 def gathered_weights_bytes(ctx: CostContext, layer_params_per_device: float, num_layers: int, dp: int) -> float:
     """ZeRO 3: the full weights of the layers in flight (the one computing and the one prefetched)."""
-    if ctx.training.zero_stage < 3 or dp <= 1 or num_layers <= 0:
+    if ctx.training.zero_stage < 3 or ctx.gradient_ranks(dp) <= 1 or num_layers <= 0:
         return 0.0
     return min(num_layers, GATHERED_LAYERS) * layer_params_per_device * ctx.training.dtype_bytes
 
 
 def dp_sync_time_s(ctx: CostContext, group: DeviceGroup, params_per_device: float, tp: int, replicas: int) -> DpSync:
     """One gradient reduction and one weight gather of `params_per_device` over the stage's DP group (two-level
-    over the node, or a flat ring when faster)."""
-    if replicas <= 1:
+    over the node, or a flat ring when faster). Under context parallelism the replicas' CP ranks join the group."""
+    ranks = ctx.gradient_ranks(replicas)
+    if ranks <= 1:
         return NO_SYNC
-    per_node, nodes = dp_layout(group, tp, replicas)
+    per_node, nodes = dp_layout(group, tp, ranks)
     inner, outer = ctx.in_node_link(group), ctx.rail_link(group)
     grads = params_per_device * GRAD_BYTES_PER_PARAM
     scale = ctx.terms.network_scale
@@ -153,7 +156,8 @@ def sharded_exposed_time_s(ctx: CostContext, sync: DpSync, backward_s: float, fo
 
 
 def optimizer_time_s(ctx: CostContext, group: DeviceGroup, params_per_device: float, replicas: int) -> float:
-    """The Adam step over this device's parameters (its 1/replicas shard under ZeRO), memory-bound."""
-    local = params_per_device / replicas if ctx.training.zero_stage >= 1 else params_per_device
+    """The Adam step over this device's parameters (its shard under ZeRO: 1/replicas, 1/(replicas * cp) under
+    context parallelism), memory-bound."""
+    local = params_per_device / ctx.gradient_ranks(replicas) if ctx.training.zero_stage >= 1 else params_per_device
     bw = group.device.hbm_bw_bytes_per_s * OPTIMIZER_BW_EFFICIENCY
     return local * ADAM_BYTES_MOVED_PER_PARAM / bw * ctx.terms.optimizer_scale

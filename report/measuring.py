@@ -211,12 +211,13 @@ def run(
     (`hetplan launch` writes the commands), and write the measurement beside the prediction, the loss curve and a
     single-process loss check. With --checkpoint-dir the state is saved as it trains; with --max-restarts a local
     run survives lost ranks (re-plan, reshard the last checkpoint, continue) and its record says what it cost."""
-    from planner.what_if import check_local_run, plan_on_cluster, run_context
+    from planner.what_if import check_local_run, check_runtime_layout, plan_on_cluster, run_context
     from specs.flags import output_file
 
     output_file(out, "--out")
     loaded, cluster_spec = plan_on_cluster(plan_file, cluster)
     check_local_run(cluster_spec, cluster)
+    check_runtime_layout(loaded)
     require_torch("run")
     from profiler.comm_bench import launched_by_torchrun
     from report.files import write_json

@@ -67,6 +67,7 @@ def strategy_summary(evaluation: Evaluation) -> str:
             + (f" ({p.micro_batch_size * p.microbatch_total} samples)" if len(families) > 1 else "")
             for p in families
         )
+        + (f", context parallel {strategy.context_parallel}" if strategy.context_parallel > 1 else "")
         + f", recompute {strategy.recompute_summary}, "
         f"ZeRO-{strategy.zero_stage}, {'1F1B' if strategy.virtual_stages == 1 else 'interleaved 1F1B'}"
         f"{'' if strategy.virtual_stages == 1 else f' (v={strategy.virtual_stages})'}"
@@ -180,6 +181,10 @@ def plan_rows(body: Mapping[str, Any], interval: Interval | None) -> list[Row]:
         stages = search["zero_stages_s"].items()
         times = [f"ZeRO-{k} {'does not fit' if t is None else f'{t:.3f} s'}" for k, t in stages]
         rows.append(("ZeRO stages", f"{', '.join(times)}: ZeRO-{body['zero_stage']} chosen"))
+    if "context_parallel_s" in search:
+        degrees = search["context_parallel_s"].items()
+        times = [f"CP {k} {'does not fit' if t is None else f'{t:.3f} s'}" for k, t in degrees]
+        rows.append(("context parallel", f"{', '.join(times)}: CP {body['context_parallel']} chosen"))
     if "note" in search:
         rows.append(("search note", search["note"]))
     return rows
