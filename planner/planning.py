@@ -23,8 +23,8 @@ from predictor.predictor import Predictor, default_predictor
 from profiler.profile import DeviceProfile
 from specs.cluster import ClusterSpec
 from specs.engines import Engine
-from specs.errors import DoesNotFitError
-from specs.layout import Strategy
+from specs.errors import DoesNotFitError, SpecError
+from specs.layout import Strategy, split_batch
 from specs.model import ModelSpec
 from specs.training import TrainingSpec
 from specs.units import GIB
@@ -144,8 +144,9 @@ def _search_layout_options(
         for stage in dict.fromkeys(stages):
             staged = replace(ctx, training=ctx.training.model_copy(update={"zero_stage": stage}))
             staged = staged.at_context_parallel(degree)
-            leaders = [e for r in results for e in r.evaluations[:1] if e.strategy.context_parallel == degree]
-            warm = [evaluate(staged, replace(e.strategy, zero_stage=stage)) for e in leaders]
+            leaders = [e.strategy for r in results for e in r.evaluations[:1]]
+            adapted = [s for s in (at_degree(staged, lead, degree) for lead in leaders) if s is not None]
+            warm = [e for s in adapted if (e := evaluate(staged, replace(s, zero_stage=stage))).fits]
             if engine is None:
                 found = search(staged, options, progress, warm_start=warm)
             else:
@@ -157,6 +158,28 @@ def _search_layout_options(
     if len(results) == 1:
         return results[0], by_stage, by_cp
     return merge_results(results, options.top_k), by_stage, by_cp
+
+
+def at_degree(ctx: CostContext, strategy: Strategy, degree: int) -> Strategy | None:
+    """The strategy on the same devices at another context-parallel degree: each family's replicas x CP ranks
+    regrouped into replicas of `degree` ranks (same stages, micro-batch and device offsets), when they divide, the
+    batch still splits evenly and the layout is valid; else None. The search's incumbent from a neighbouring degree."""
+    pipelines = []
+    for pipeline in strategy.pipelines:
+        ranks = pipeline.gradient_ranks
+        if ranks % degree or pipeline.uneven:
+            return None
+        replicas = ranks // degree
+        split = split_batch(pipeline.samples, replicas, pipeline.micro_batch_size)
+        if split is None or split[0] * replicas != split[1]:
+            return None
+        pipelines.append(replace(pipeline, replicas=replicas, num_microbatches=split[0], context_parallel=degree))
+    adapted = replace(strategy, pipelines=tuple(pipelines))
+    try:
+        ctx.check_strategy(adapted)
+    except SpecError:
+        return None
+    return adapted
 
 
 def _least(a: float | None, b: float | None) -> float | None:
