@@ -102,7 +102,8 @@ def stage_table(ctx: CostContext, evaluation: Evaluation) -> Table:
     replicas, its time and memory per device (in red where it does not fit)."""
     strategy = evaluation.strategy
     families = strategy.pipelines
-    title = "Stages (devices: TP x replicas; time per micro-batch and memory per device)"
+    width = "TP x CP x replicas" if strategy.context_parallel > 1 else "TP x replicas"
+    title = f"Stages (devices: {width}; time per micro-batch and memory per device)"
     table = titled_table(title, STAGE_COLUMNS, left=("group", "device", "recompute"))
     stage_numbers: dict[int, int] = {}
     for stage_eval in evaluation.stages:

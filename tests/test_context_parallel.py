@@ -168,3 +168,18 @@ def test_predict_takes_cp_and_refuses_it_with_a_plan(tmp_path):
     assert wrong.returncode != 0 and len(wrong.stderr.strip().splitlines()) == 1 and "tp x cp x pp x dp" in wrong.stderr
     bad = hetplan("plan", "--cluster", str(EXAMPLES / "h100-mi300x.yaml"), "-m", "llama3-70b", "--cp", "two")
     assert bad.returncode != 0 and "--cp" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_replan_searches_the_context_parallel_degrees_again():
+    """Losing an A100 node under a 32K plan with CP 4: the re-plan searches CP 1-8 again (warm-started from the old
+    plan shrunk to fit) and keeps context parallelism, well ahead of the best plan without it."""
+    from planner.replan import changed_cluster, replan
+
+    cluster, model = load_cluster(EXAMPLES / "h100-mi300x-a100.yaml"), load_model("llama3-70b")
+    training = load_training(EXAMPLES / "training" / "long-context-32k.yaml")
+    old = plan(cluster, model, training)
+    smaller = changed_cluster(cluster, ["node:a100/3"], [])
+    again = replan(smaller, model, training, old.strategy)
+    without_cp = plan(smaller, model, training.model_copy(update={"context_parallel": (1,)}))
+    assert again.plan.strategy.context_parallel > 1
+    assert again.plan.evaluation.iteration_time_s < without_cp.evaluation.iteration_time_s
