@@ -38,6 +38,7 @@ class MegatronLayout(BaseModel):
     micro_batch_size: int = Field(default=1, ge=1)
     recompute: Recompute = "none"
     virtual_stages: int = Field(default=1, ge=1)
+    cp: int = Field(default=1, ge=1, description="context-parallel degree (Megatron's --context-parallel-size)")
 
 
 class PlanLayout(BaseModel):
@@ -123,6 +124,7 @@ def _resolve(record: RunRecord, path: Path, where: str) -> Run:
         micro_batch_size=layout.micro_batch_size,
         recompute=layout.recompute,
         virtual_stages=layout.virtual_stages,
+        context_parallel=layout.cp,
         source=f"{path}: {where}.strategy",
     )
     return Run(
