@@ -109,6 +109,12 @@ def check_local_run(cluster: ClusterSpec, cluster_file: str | Path) -> None:
 
 def check_runtime_layout(plan: LoadedPlan) -> None:
     """What hetplan's runtime cannot execute yet, refused in one line before anything starts."""
+    if plan.strategy.zero_shard == "node":
+        raise SpecError(
+            plan.source,
+            "zero_shard",
+            "the local runtime shards ZeRO over the whole DP group, not per node: plan with --zero-shard dp to run it",
+        )
     if plan.strategy.context_parallel > 1:
         raise SpecError(
             plan.source,

@@ -48,13 +48,16 @@ class PlanLayout(BaseModel):
 
     recompute: Recompute = "none"
     zero_stage: int = Field(default=0, ge=0, le=3)
+    zero_shard: Literal["dp", "node"] = "dp"
     virtual_stages: int = Field(default=1, ge=1)
     sequence_parallel: bool = True
     pipelines: list[PipelineFile] = Field(min_length=1)
 
     def to_strategy(self) -> Strategy:
         pipelines = pipelines_from_files(self.pipelines, self.recompute)
-        return Strategy(pipelines, self.recompute, self.zero_stage, self.virtual_stages, self.sequence_parallel)
+        return Strategy(
+            pipelines, self.recompute, self.zero_stage, self.virtual_stages, self.sequence_parallel, self.zero_shard
+        )
 
 
 class RunRecord(BaseModel):

@@ -200,7 +200,9 @@ def run_record(
     evaluation = evaluate(ctx, plan.strategy)
     predicted = evaluation.iteration_time_s
     written = evaluation_dict(ctx, evaluation)
-    layout = {key: written[key] for key in ("recompute", "zero_stage", "virtual_stages", "sequence_parallel")}
+    layout = {
+        key: written[key] for key in ("recompute", "zero_stage", "zero_shard", "virtual_stages", "sequence_parallel")
+    }
     kept = ("replicas", "micro_batch_size", "num_microbatches", "total_microbatches", "context_parallel", "stages")
     layout["pipelines"] = [{key: p[key] for key in kept} for p in written["pipelines"]]
     emulated = {g.name: g.emulate_speed for g in cluster.groups if g.emulate_speed != 1.0}
