@@ -1,6 +1,6 @@
 """ZeRO-2 and ZeRO-3 in the runtime against one process: losses, step-0 gradients and final parameters of plans
 with 2 DP replicas (uneven batches, pipeline stages, interleaving, TP 2, two families), what a ZeRO-3 rank holds
-between steps, checkpoints that resume onto the same loss curve."""
+between steps, checkpoints that resume onto the same loss curve; and FP8 refused by the CPU runtime in one line."""
 
 from __future__ import annotations
 
@@ -212,3 +212,42 @@ def test_a_sharded_checkpoint_resumes_onto_the_same_losses(runs, name):
     expected, _ = _reference_training(2 * STEPS)
     assert summarize(results, STEPS)["losses"] == pytest.approx(expected[STEPS:], rel=1e-9)
     assert expected[-1] < expected[0]  # it trained: fresh weights would not give these losses
+
+
+def test_fp8_is_refused_by_the_cpu_runtime_in_one_line_and_runs_in_bf16_when_asked(tmp_path):
+    """`hetplan run` on an fp8 plan: one line on stderr naming the FP8 accelerators and the way out, exit 2, before
+    any process starts (the library refuses it too); the way out, --dtype bf16, trains the plan's layout in bf16."""
+    from planner.plan import load_plan
+    from planner.planning import plan as make_plan
+    from runtime.launch import run_plan
+    from specs.cluster import load_cluster
+    from specs.errors import SpecError
+    from specs.training import TrainingSpec
+    from tests.conftest import hetplan
+
+    cluster = tmp_path / "cluster.yaml"
+    groups = "".join(
+        f"  - {{name: {name}, device: cpu, nodes: 1, devices_per_node: 1, nics_per_node: 1, nic_gbps: 10}}\n"
+        for name in ("fast", "slow")
+    )
+    cluster.write_text(f"name: two\ngroups:\n{groups}network: {{topology: clos, inter_group_gbps: 10}}\n")
+    training = TrainingSpec(global_batch_size=4, dtype="fp8", micro_batch_sizes=[1])
+    plan = tmp_path / "plan.json"
+    make_plan(load_cluster(cluster), MODEL.model_copy(update={"num_layers": 2}), training).save(plan)
+    record = tmp_path / "run.json"
+    refused = hetplan("run", str(plan), "--cluster", str(cluster), "--out", str(record), torch_allowed=True)
+    assert refused.returncode == 2, refused.stderr
+    lines = refused.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in refused.stderr, refused.stderr
+    for needed in ("fp8", "FP8-capable accelerator", "H100", "MI300X", "Gaudi2", "--dtype bf16"):
+        assert needed in lines[0], lines[0]
+    assert not record.exists()
+    with pytest.raises(SpecError, match="FP8-capable accelerator"):
+        run_plan(load_plan(plan), load_cluster(cluster), RunSettings(dtype="fp8"))
+
+    ran = hetplan("run", str(plan), "--cluster", str(cluster), "--out", str(record), "--dtype", "bf16", "--steps",
+                  "1", "--timeout", "60", "--quiet", torch_allowed=True)  # fmt: skip
+    assert ran.returncode == 0, ran.stderr
+    written = json.loads(record.read_text())
+    assert written["measurements"]["dtype"] == "bf16" and written["training"]["dtype"] == "bf16"
+    assert written["reference_match"]["match"], written["reference_match"]
