@@ -80,6 +80,15 @@ RESUMED = {
 }
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """The one-process references here are tiny: on a loaded machine, torch's second OpenMP thread only waits."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _run_all(rank: int, world: int, port: int, jobs: list[RunJob]) -> None:
     """Every job in turn on one set of processes (a spawn costs more than these trainings)."""
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
