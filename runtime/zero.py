@@ -94,23 +94,25 @@ class ShardedParameters:
         in_units = [p for _, part in stage_units(modules) for p in trainable(part)]
         if [id(p) for p in in_units] != [id(p) for p in params]:
             raise RuntimeError("the units do not hold the rank's parameters in the order of its flat vector")
-        with torch.no_grad():
-            flat = torch.cat([p.detach().reshape(-1) for p in params])
-            self.numel = flat.numel()
-            self.bounds = [chunk_bounds(self.numel, i, len(dp.ranks)) for i in range(len(dp.ranks))]
-            self.lo, self.hi = self.bounds[dp.ranks.index(rank)]
-            self.shard = flat[self.lo : self.hi].clone()
-            start = 0
+        self.numel = sum(p.numel() for p in params)
+        self.bounds = [chunk_bounds(self.numel, i, len(dp.ranks)) for i in range(len(dp.ranks))]
+        self.lo, self.hi = self.bounds[dp.ranks.index(rank)]
+        self.shard = torch.empty(self.hi - self.lo, dtype=params[0].dtype)
+        start = 0
+        with torch.no_grad():  # unit by unit, so that beside the built stage only one unit's copy exists at a time
             for chunk, module in stage_units(modules):
-                end = start + sum(p.numel() for p in trainable(module))
-                unit = Unit(module, chunk, start, end, flat[start:end].clone())
-                offset = start
+                buffer = torch.cat([p.detach().reshape(-1) for p in trainable(module)])
+                unit = Unit(module, chunk, start, start + buffer.numel(), buffer)
+                lo, hi = max(unit.start, self.lo), min(unit.end, self.hi)
+                if lo < hi:
+                    self.shard[lo - self.lo : hi - self.lo] = buffer[lo - unit.start : hi - unit.start]
+                offset = 0
                 for p in trainable(module):
-                    p.data = unit.buffer[offset - start : offset - start + p.numel()].view_as(p)
+                    p.data = buffer[offset : offset + p.numel()].view_as(p)  # the built weights go
                     offset += p.numel()
-                unit.buffer.untyped_storage().resize_(0)
+                buffer.untyped_storage().resize_(0)
                 self.units.append(unit)
-                start = end
+                start = unit.end
         for unit in self.units:
             unit.module.register_forward_pre_hook(lambda module, args, unit=unit: self._gather(unit))
             unit.module.register_forward_hook(lambda module, args, out, unit=unit: self._after_forward(unit, out))
