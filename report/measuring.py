@@ -292,9 +292,16 @@ def launch(
 ) -> None:
     """Print the torchrun command of every node that runs the plan with `hetplan run` (one line per node)."""
     from planner.export import launch_commands
-    from planner.what_if import plan_on_cluster
+    from planner.what_if import check_runtime_layout, plan_on_cluster
+    from specs.errors import SpecError
 
-    _, cluster_spec = plan_on_cluster(plan_file, cluster)
+    loaded, cluster_spec = plan_on_cluster(plan_file, cluster)
+    check_runtime_layout(loaded)
+    if loaded.training.dtype == "fp8":  # the ranks would refuse it (runtime.launch.check_dtype): say so before
+        raise SpecError(
+            str(plan_file), "training.dtype", "hetplan's runtime has no FP8 GEMMs: plan with --dtype bf16 to launch it "
+            "here, or export the fp8 plan to Megatron or torchtitan (hetplan export)",
+        )  # fmt: skip
     for line in launch_commands(str(plan_file), cluster_spec, str(cluster), str(out), master_addr, port):
         sys.stdout.write(line + "\n")
 
