@@ -109,6 +109,7 @@ def evaluation_dict(ctx: CostContext, evaluation: Evaluation) -> dict[str, Any]:
                 "family_samples": pipeline.samples,
                 "total_microbatches": pipeline.microbatch_total,
                 "context_parallel": pipeline.context_parallel,
+                "zero_stage": strategy.family_zero_stage(pipeline),
                 "replica_batches": _replica_batches(ctx, pipeline),
                 "stages": stages,
             }
@@ -228,7 +229,7 @@ def describe_strategy(strategy: Strategy) -> str:
         families.append(f"dp {pipeline.replicas} x [{stages}], mbs {pipeline.micro_batch_size} x {microbatches}{share}")
     return (
         " + ".join(families)
-        + f", recompute {strategy.recompute_summary}, zero {strategy.zero_stage}, v {strategy.virtual_stages}"
+        + f", recompute {strategy.recompute_summary}, {strategy.zero_summary.lower()}, v {strategy.virtual_stages}"
         + (f", cp {strategy.context_parallel}" if strategy.context_parallel > 1 else "")
     )
 
@@ -310,7 +311,7 @@ def load_plan(path: str | Path) -> LoadedPlan:
     parsed = validate(_PlanFile, read_mapping(path), source)
     model = validate(ModelSpec, parsed.model, source, prefix="model")
     training = validate(TrainingSpec, parsed.training, source, prefix="training")
-    pipelines = pipelines_from_files(parsed.pipelines, parsed.recompute)
+    pipelines = pipelines_from_files(parsed.pipelines, parsed.recompute, parsed.zero_stage)
     strategy = Strategy(
         pipelines,
         parsed.recompute,

@@ -159,18 +159,24 @@ def _search_layout_options(
         shards = shards if engine.hybrid_shard else ["dp"]
     layouts = [(d, s, h) for d in degrees for s in dict.fromkeys(stages) for h in dict.fromkeys(shards)]
     layouts = [(d, s, h) for d, s, h in layouts if s or h == shards[0]]  # ZeRO-0 shards nothing: one shard group
+    # several stages: the first search of each degree and shard group also plans families whose blocks pick their
+    # own stage (a memory-poor device type may want ZeRO-3, a memory-rich one ZeRO-1)
+    per_family = tuple(dict.fromkeys(stages)) if len(set(stages)) > 1 else ()
+    mixed_searched: set[tuple[int, str]] = set()
     results: list[SearchResult] = []
     by_stage: Times = {}
     by_cp: Times = {}
     by_shard: Times = {}
     for degree, stage, shard in layouts:
         sharding = {"zero_stage": stage, "zero_shard": shard}
+        mixed = per_family if (degree, shard) not in mixed_searched else ()
+        mixed_searched.add((degree, shard))
         staged = replace(ctx, training=training.model_copy(update=sharding)).at_context_parallel(degree)
         leaders = [e.strategy for r in results for e in r.evaluations[:1]]
         adapted = [s for s in (at_degree(staged, lead, degree) for lead in leaders) if s is not None]
-        warm = [e for s in adapted if (e := evaluate(staged, replace(s, **sharding))).fits]  # type: ignore[arg-type]
+        warm = [e for s in adapted if (e := evaluate(staged, _at_stage(s, stage, shard))).fits]
         if engine is None:
-            found = search(staged, options, progress, warm_start=warm)
+            found = search(staged, replace(options, family_zero_stages=mixed), progress, warm_start=warm)
         else:
             found = engine_search(staged, engine, options, progress)
         layout = (stage, shard, degree)
@@ -178,14 +184,26 @@ def _search_layout_options(
         best = own[0] if own else None
         for times, key in ((by_stage, str(stage)), (by_cp, str(degree)), (by_shard, shard)):
             times[key] = _least(times.get(key), best)
+        if mixed:  # the families that picked their own stages
+            own_stages = [e.iteration_time_s for e in found.evaluations if _layout(e.strategy)[0] < 0]
+            by_stage["per family"] = _least(by_stage.get("per family"), own_stages[0] if own_stages else None)
         results.append(found)
     if len(results) == 1:
         return results[0], by_stage, by_cp, by_shard
     return merge_results(results, options.top_k), by_stage, by_cp, by_shard
 
 
+def _at_stage(strategy: Strategy, stage: int, shard: str) -> Strategy:
+    """The strategy with every family at one ZeRO stage and shard group."""
+    pipelines = tuple(replace(p, zero_stage=None) for p in strategy.pipelines)
+    return replace(strategy, pipelines=pipelines, zero_stage=stage, zero_shard=shard)
+
+
 def _layout(strategy: Strategy) -> tuple[int, str, int]:
-    return strategy.zero_stage, strategy.zero_shard, strategy.context_parallel
+    """(ZeRO stage, or -1 where families run their own, shard group, CP degree)."""
+    stages = {strategy.family_zero_stage(p) for p in strategy.pipelines}
+    stage = stages.pop() if len(stages) == 1 else -1
+    return stage, strategy.zero_shard, strategy.context_parallel
 
 
 def at_degree(ctx: CostContext, strategy: Strategy, degree: int) -> Strategy | None:

@@ -320,7 +320,11 @@ class _Search:
         families = family_search(ctx, self.options, rates, _BlockSearch(), self.progress)
         for position, evaluation in enumerate(families.evaluations):
             self.best.keep(evaluation, self.scanned + position)
-        return families.partitions, family_bound_s(ctx, self.options) if self.options.root_bound else math.inf
+        if not self.options.root_bound:
+            return families.partitions, math.inf
+        stages = self.options.family_zero_stages or (ctx.training.zero_stage,)  # a bound for each family's stage
+        staged = [dataclasses.replace(ctx, training=ctx.training.model_copy(update={"zero_stage": s})) for s in stages]
+        return families.partitions, min(family_bound_s(c, self.options) for c in staged)
 
 
 def _nearby_replica_counts(config: OuterConfig, context_parallel: int) -> list[int]:
@@ -339,14 +343,15 @@ class _BlockSearch:
     and then that step)."""
 
     def __init__(self) -> None:
-        self.scans: dict[tuple[tuple[DeviceGroup, ...], int, SearchOptions], _Search] = {}
+        self.scans: dict[tuple[tuple[DeviceGroup, ...], int, int, int, SearchOptions], _Search] = {}
 
     def __call__(self, ctx: CostContext, options: SearchOptions) -> list[Evaluation]:
         plain = dataclasses.replace(options, per_stage_candidates=0)
         groups = ctx.cluster.groups
         if len(identical_classes(groups)) < len(groups) and search_size(ctx, groups) > MERGE_ABOVE:
             return search(ctx, options).evaluations  # merged groups: no state to keep
-        key = (tuple(groups), ctx.training.global_batch_size, plain)
+        training = ctx.training
+        key = (tuple(groups), training.global_batch_size, training.zero_stage, ctx.context_parallel, plain)
         if key not in self.scans:
             state = _Search(ctx, plain, None, None, ())
             state.run()

@@ -109,6 +109,14 @@ def check_local_run(cluster: ClusterSpec, cluster_file: str | Path) -> None:
 
 def check_runtime_layout(plan: LoadedPlan) -> None:
     """What hetplan's runtime cannot execute yet, refused in one line before anything starts."""
+    stages = {plan.strategy.family_zero_stage(p) for p in plan.strategy.pipelines}
+    if len(stages) > 1:
+        raise SpecError(
+            plan.source,
+            "pipelines.zero_stage",
+            f"the local runtime runs one ZeRO stage for the whole plan, this one has one per family "
+            f"({sorted(stages)}): plan with one --zero-stage to run it",
+        )
     if plan.strategy.zero_shard == "node":
         raise SpecError(
             plan.source,

@@ -373,7 +373,7 @@ def _stage_key(
         pipeline.num_microbatches,
         pipeline.replicas,
         strategy.virtual_stages,
-        strategy.zero_stage,
+        strategy.family_zero_stage(pipeline),
         strategy.zero_shard,
         strategy.context_parallel,
         after,
@@ -456,6 +456,9 @@ def _evaluate_stages(
     drain: sum T = sum(compute) + 2 * sum(one-way p2p)."""
     pipeline = strategy.pipelines[family]
     stages = pipeline.stages
+    own_stage = strategy.family_zero_stage(pipeline)
+    if own_stage != ctx.training.zero_stage:  # a family of its own ZeRO stage
+        ctx = replace(ctx, training=ctx.training.model_copy(update={"zero_stage": own_stage}))
     if len(strategy.pipelines) > 1:
         cache = None
     evaluated = []

@@ -54,7 +54,7 @@ class PlanLayout(BaseModel):
     pipelines: list[PipelineFile] = Field(min_length=1)
 
     def to_strategy(self) -> Strategy:
-        pipelines = pipelines_from_files(self.pipelines, self.recompute)
+        pipelines = pipelines_from_files(self.pipelines, self.recompute, self.zero_stage)
         return Strategy(
             pipelines, self.recompute, self.zero_stage, self.virtual_stages, self.sequence_parallel, self.zero_shard
         )

@@ -170,7 +170,8 @@ def _family_traffic(
             grads = params * GRAD_BYTES_PER_PARAM
             weights = params * ctx.training.dtype_bytes
             # (array bytes, ring volume factor: 2 for all-reduce, 1 for reduce-scatter or all-gather)
-            arrays = [(grads, 1.0), (weights, 1.0)] if ctx.training.zero_stage >= 1 else [(grads, 2.0)]
+            sharded = strategy.family_zero_stage(pipeline) >= 1
+            arrays = [(grads, 1.0), (weights, 1.0)] if sharded else [(grads, 2.0)]
             for size, factor in arrays:
                 collective = all_reduce_time_s if factor == 2.0 else reduce_scatter_time_s
                 flat_time = collective(size, per_node * node_count, outer)

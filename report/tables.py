@@ -69,7 +69,7 @@ def strategy_summary(evaluation: Evaluation) -> str:
         )
         + (f", context parallel {strategy.context_parallel}" if strategy.context_parallel > 1 else "")
         + f", recompute {strategy.recompute_summary}, "
-        f"ZeRO-{strategy.zero_stage}{' per node (hybrid)' if strategy.zero_shard == 'node' else ''}, "
+        f"{strategy.zero_summary}{' per node (hybrid)' if strategy.zero_shard == 'node' else ''}, "
         f"{'1F1B' if strategy.virtual_stages == 1 else 'interleaved 1F1B'}"
         f"{'' if strategy.virtual_stages == 1 else f' (v={strategy.virtual_stages})'}"
     )
@@ -181,8 +181,12 @@ def plan_rows(body: Mapping[str, Any], interval: Interval | None) -> list[Row]:
         )
     if "zero_stages_s" in search:
         stages = search["zero_stages_s"].items()
-        times = [f"ZeRO-{k} {'does not fit' if t is None else f'{t:.3f} s'}" for k, t in stages]
-        rows.append(("ZeRO stages", f"{', '.join(times)}: ZeRO-{body['zero_stage']} chosen"))
+        times = [
+            f"{'ZeRO-' if k.isdigit() else ''}{k} {'does not fit' if t is None else f'{t:.3f} s'}" for k, t in stages
+        ]
+        families = [p["zero_stage"] for p in body["pipelines"]]
+        chosen = f"ZeRO-{families[0]}" if len(set(families)) == 1 else f"per family {tuple(families)}"
+        rows.append(("ZeRO stages", f"{', '.join(times)}: {chosen} chosen"))
     if "zero_shard_s" in search:
         shards = search["zero_shard_s"].items()
         times = [f"{k} {'does not fit' if t is None else f'{t:.3f} s'}" for k, t in shards]

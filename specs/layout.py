@@ -69,6 +69,7 @@ class PipelineStrategy:
     stages: tuple[StageStrategy, ...]
     total_microbatches: int = 0  # 0: every replica runs num_microbatches
     context_parallel: int = 1  # ranks each replica's sequences are split over (ring attention); 1: none
+    zero_stage: int | None = None  # this family's own ZeRO stage; None: the strategy's
 
     @property
     def samples_per_replica(self) -> int:
@@ -119,6 +120,18 @@ class Strategy:
 
     def stage_recompute(self, stage: StageStrategy) -> Recompute:
         return stage.recompute or self.recompute
+
+    def family_zero_stage(self, pipeline: PipelineStrategy) -> int:
+        """The ZeRO stage a family runs: its own, or the strategy's."""
+        return self.zero_stage if pipeline.zero_stage is None else pipeline.zero_stage
+
+    @property
+    def zero_summary(self) -> str:
+        """'ZeRO-1', or 'ZeRO per family (3, 1)' when families differ."""
+        stages = [self.family_zero_stage(p) for p in self.pipelines]
+        if len(set(stages)) == 1:
+            return f"ZeRO-{stages[0]}"
+        return "ZeRO per family (" + ", ".join(str(s) for s in stages) + ")"
 
     @property
     def context_parallel(self) -> int:
@@ -409,11 +422,22 @@ class PipelineFile(BaseModel):
     num_microbatches: int = Field(ge=1)
     total_microbatches: int = Field(default=0, ge=0)
     context_parallel: int = Field(default=1, ge=1)
+    zero_stage: int | None = Field(default=None, ge=0, le=3)  # the family's own; None: the plan's
     stages: list[StageFile] = Field(min_length=1)
 
 
-def pipelines_from_files(pipelines: Sequence[PipelineFile], recompute: Recompute) -> tuple[PipelineStrategy, ...]:
-    """Pipelines as a plan file writes them; a stage's recompute equal to the plan's is kept as None (the plan's)."""
+def pipelines_from_files(
+    pipelines: Sequence[PipelineFile], recompute: Recompute, zero_stage: int | None = None
+) -> tuple[PipelineStrategy, ...]:
+    """Pipelines as a plan file writes them; a stage's recompute (a family's ZeRO stage) equal to the plan's is kept
+    as None (the plan's)."""
+    return tuple(
+        replace(pipeline, zero_stage=None if p.zero_stage == zero_stage else p.zero_stage)
+        for p, pipeline in zip(pipelines, _split_files(pipelines, recompute), strict=True)
+    )
+
+
+def _split_files(pipelines: Sequence[PipelineFile], recompute: Recompute) -> tuple[PipelineStrategy, ...]:
     return tuple(
         split_pipeline(
             p.replicas,
