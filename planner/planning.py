@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 from planner.engine_space import engine_search, engine_training, engine_zero_stage
 from planner.options import ProgressCallback, SearchOptions
 from planner.plan import Bounds, Plan
-from planner.search import SearchResult, fastest, merge_results, search
+from planner.search import SearchResult, fastest, merge_results, search, searches_families
 from planner.yardsticks import compute_bound_tokens_per_s, group_alone_tokens_per_s
 from predictor.cost_model import (
     CostContext,
@@ -159,24 +159,18 @@ def _search_layout_options(
         shards = shards if engine.hybrid_shard else ["dp"]
     layouts = [(d, s, h) for d in degrees for s in dict.fromkeys(stages) for h in dict.fromkeys(shards)]
     layouts = [(d, s, h) for d, s, h in layouts if s or h == shards[0]]  # ZeRO-0 shards nothing: one shard group
-    # several stages: the first search of each degree and shard group also plans families whose blocks pick their
-    # own stage (a memory-poor device type may want ZeRO-3, a memory-rich one ZeRO-1)
-    per_family = tuple(dict.fromkeys(stages)) if len(set(stages)) > 1 else ()
-    mixed_searched: set[tuple[int, str]] = set()
     results: list[SearchResult] = []
     by_stage: Times = {}
     by_cp: Times = {}
     by_shard: Times = {}
     for degree, stage, shard in layouts:
         sharding = {"zero_stage": stage, "zero_shard": shard}
-        mixed = per_family if (degree, shard) not in mixed_searched else ()
-        mixed_searched.add((degree, shard))
         staged = replace(ctx, training=training.model_copy(update=sharding)).at_context_parallel(degree)
         leaders = [e.strategy for r in results for e in r.evaluations[:1]]
         adapted = [s for s in (at_degree(staged, lead, degree) for lead in leaders) if s is not None]
         warm = [e for s in adapted if (e := evaluate(staged, _at_stage(s, stage, shard))).fits]
         if engine is None:
-            found = search(staged, replace(options, family_zero_stages=mixed), progress, warm_start=warm)
+            found = search(staged, options, progress, warm_start=warm)
         else:
             found = engine_search(staged, engine, options, progress)
         layout = (stage, shard, degree)
@@ -184,10 +178,21 @@ def _search_layout_options(
         best = own[0] if own else None
         for times, key in ((by_stage, str(stage)), (by_cp, str(degree)), (by_shard, shard)):
             times[key] = _least(times.get(key), best)
-        if mixed:  # the families that picked their own stages
-            own_stages = [e.iteration_time_s for e in found.evaluations if _layout(e.strategy)[0] < 0]
-            by_stage["per family"] = _least(by_stage.get("per family"), own_stages[0] if own_stages else None)
         results.append(found)
+    if engine is None and len(set(stages)) > 1 and searches_families(ctx):
+        # families whose blocks each pick their own stage (a memory-poor device type may want ZeRO-3, a memory-rich
+        # one ZeRO-1): one more search per degree and shard group, started from the best plan so far
+        for degree, shard in dict.fromkeys((d, h) for d, _, h in layouts):
+            sharding = {"zero_stage": stages[0], "zero_shard": shard}
+            staged = replace(ctx, training=training.model_copy(update=sharding)).at_context_parallel(degree)
+            ranked = merge_results(results, 1).evaluations
+            warm = [e for e in ranked if _layout(e.strategy)[1:] == (shard, degree)]
+            per_family = replace(options, family_zero_stages=tuple(dict.fromkeys(stages)))
+            found = search(staged, per_family, progress, warm_start=warm)
+            mixed = [e.iteration_time_s for e in found.evaluations if _layout(e.strategy)[0] < 0]
+            if mixed:
+                by_stage["per family"] = _least(by_stage.get("per family"), mixed[0])
+            results.append(found)
     if len(results) == 1:
         return results[0], by_stage, by_cp, by_shard
     return merge_results(results, options.top_k), by_stage, by_cp, by_shard

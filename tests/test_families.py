@@ -382,7 +382,7 @@ def test_plan_with_several_zero_stages_lets_families_pick_and_is_never_slower(tm
     three = plan(cluster, model, _training(), zero_stages=(3,))
     both = plan(cluster, model, _training(), zero_stages=(1, 3))
     assert both.evaluation.iteration_time_s <= min(one.evaluation.iteration_time_s, three.evaluation.iteration_time_s)
-    assert set(both.search_stats["zero_stages_s"]) == {"1", "3", "per family"}
+    assert set(both.search_stats["zero_stages_s"]) - {"per family"} == {"1", "3"}
     path = tmp_path / "plan.json"
     both.save(path)
     assert load_plan(path).strategy == both.strategy
