@@ -108,13 +108,16 @@ def check_local_run(cluster: ClusterSpec, cluster_file: str | Path) -> None:
 
 
 def check_runtime_layout(plan: LoadedPlan) -> None:
-    """What hetplan's runtime cannot execute yet, refused in one line before anything starts."""
-    if plan.strategy.context_parallel > 1:
+    """What hetplan's runtime cannot execute, refused in one line before anything starts: context parallelism needs
+    sequences that cut into the 2 * cp equal chunks its ranks hold (runtime/context_parallel.py)."""
+    cp = plan.strategy.context_parallel
+    seq_length = plan.training.seq_length or plan.model.seq_length
+    if cp > 1 and seq_length % (2 * cp):
         raise SpecError(
             plan.source,
             "pipelines.context_parallel",
-            f"the local runtime does not run context parallelism yet (CP {plan.strategy.context_parallel}); export "
-            "the plan to Megatron or torchtitan, or plan with --cp 1",
+            f"the runtime cuts sequences into 2 x {cp} equal chunks (causal load balance); {seq_length} tokens do "
+            "not divide",
         )
 
 

@@ -40,6 +40,7 @@ from comm.communicator import CommGroup, Communicator
 from comm.plan_groups import plan_groups, rank_islands, stage_chunks
 from predictor.schedule import stage_order
 from runtime import checkpoint
+from runtime.context_parallel import ContextParallel
 from runtime.model import StageModule, seeded_pieces
 from runtime.sync import CrossFamilySync
 from runtime.tensor_parallel import TensorParallel
@@ -93,6 +94,12 @@ class Role:
     stage: StageStrategy
     microbatches: int
     sample_start: int  # this replica's first sample in the global batch
+    cp_rank: int = 0  # which of the replica's context-parallel ranks (runtime/context_parallel.py)
+
+    @property
+    def dp_index(self) -> int:
+        """Its place in the stage's DP group (replicas x CP ranks, comm.plan_groups)."""
+        return self.replica * self.pipeline.context_parallel + self.cp_rank
 
     @property
     def first(self) -> bool:
@@ -104,19 +111,22 @@ class Role:
 
 
 def rank_roles(cluster: ClusterSpec, strategy: Strategy) -> dict[int, Role]:
-    """Every active rank's role; the global batch is laid out family by family, replica by replica."""
+    """Every active rank's role; the global batch is laid out family by family, replica by replica (a replica's CP
+    ranks share its samples, each holding its chunks of every sequence)."""
     offsets = group_offsets(cluster)
     roles = {}
     family_start = 0
     for family, pipeline in enumerate(strategy.pipelines):
         counts = pipeline.replica_microbatches()
         starts = [family_start + sum(counts[:r]) * pipeline.micro_batch_size for r in range(pipeline.replicas)]
+        cp = pipeline.context_parallel
         for index, stage in enumerate(pipeline.stages):
             for replica in range(pipeline.replicas):
-                for k in range(stage.tp):
-                    roles[stage_rank(offsets, stage, replica, k)] = Role(
-                        family, pipeline, index, replica, k, stage, counts[replica], starts[replica]
-                    )
+                for c in range(cp):
+                    for k in range(stage.tp):
+                        roles[stage_rank(offsets, stage, replica, k, c, cp)] = Role(
+                            family, pipeline, index, replica, k, stage, counts[replica], starts[replica], c
+                        )
         family_start += pipeline.microbatch_total * pipeline.micro_batch_size
     return roles
 
@@ -204,12 +214,19 @@ class StageTimes:
 
 
 class Emulator:
-    """Makes a pass take 1/speed of its real time by repeating the stage's layer math."""
+    """Makes a pass take 1/speed of its real time by repeating the stage's layer math (no TP or CP collectives)."""
 
-    def __init__(self, speed: float, layers: list[torch.nn.Module], tp: TensorParallel, sample: torch.Tensor) -> None:
+    def __init__(
+        self,
+        speed: float,
+        layers: list[torch.nn.Module],
+        tp: TensorParallel,
+        cp: ContextParallel,
+        sample: torch.Tensor,
+    ) -> None:
         if speed < 1.0 and not layers:
             raise SpecError("cluster", "emulate_speed", "a stage without decoder layers has no layer math to repeat")
-        self.speed, self.layers, self.tp = speed, layers, tp
+        self.speed, self.layers, self.tp, self.cp = speed, layers, tp, cp
         self.sample = sample  # an activation of the stage's shape for the repeated layer math
 
     def extend(self, real_s: float) -> float:
@@ -217,7 +234,7 @@ class Emulator:
             return 0.0
         started = time.perf_counter()
         deadline = started + real_s * (1.0 / self.speed - 1.0)
-        with torch.no_grad(), self.tp.suppress():
+        with torch.no_grad(), self.tp.suppress(), self.cp.suppress():
             for layer in cycle(self.layers):
                 if time.perf_counter() >= deadline:
                     break
@@ -249,14 +266,17 @@ def _build(rank: int, job: RunJob, role: Role, comm: Communicator) -> RankState:
     made = comm.create_groups([g.ranks for g in planned])
     tp_group = next(g for p, g in zip(planned, made, strict=True) if p.kind is Axis.TP and rank in p.ranks)
     dp_group = next(g for p, g in zip(planned, made, strict=True) if p.kind is Axis.DP and rank in p.ranks)
-    stage = role.stage
+    cp_group = next((g for p, g in zip(planned, made, strict=True) if p.kind is Axis.CP and rank in p.ranks), None)
+    stage, cp_size = role.stage, role.pipeline.context_parallel
     tp = TensorParallel(tp_group.process_group, stage.tp, role.tp_rank)
+    process_group = cp_group.process_group if cp_group is not None else None
+    cp = ContextParallel(process_group, cp_size, role.cp_rank, job.seq_length, settings.timeout_s)
     recompute = strategy.stage_recompute(stage)
     dtype = TORCH_DTYPES[settings.dtype]
     modules = []
     for chunk in stage_chunks(role.pipeline, role.stage_index, strategy.virtual_stages):
         pieces = seeded_pieces(model, chunk.layer_start, chunk.layer_end, chunk.first, chunk.last, settings.seed)
-        modules.append(StageModule(model, pieces, tp, recompute).to(dtype))
+        modules.append(StageModule(model, pieces, tp, recompute, cp).to(dtype))
     params = [p for module in modules for p in module.parameters() if p.requires_grad]
     dp_size = len(dp_group.ranks)
     zero = strategy.zero_stage >= 1 and dp_size > 1
@@ -264,9 +284,9 @@ def _build(rank: int, job: RunJob, role: Role, comm: Communicator) -> RankState:
     across = None
     if len(strategy.pipelines) > 1:
         across = CrossFamilySync(model, strategy, group_offsets(cluster), rank, dp_group, zero)
-    sample = torch.randn(role.pipeline.micro_batch_size, job.seq_length, model.hidden_size, dtype=dtype)
+    sample = torch.randn(role.pipeline.micro_batch_size, job.seq_length // cp_size, model.hidden_size, dtype=dtype)
     layers = [layer for module in modules for layer in module.layers]
-    emulator = Emulator(cluster.group(stage.group).emulate_speed, layers, tp, sample)
+    emulator = Emulator(cluster.group(stage.group).emulate_speed, layers, tp, cp, sample)
     runner = _StageRunner(job, role, modules, comm, emulator, dtype)
     return RankState(modules, params, optimizer, dp_group, across, runner)
 
@@ -301,6 +321,7 @@ def run_rank(rank: int, job: RunJob) -> dict[str, Any]:
         "stage": role.stage_index,
         "replica": role.replica,
         "tp_rank": role.tp_rank,
+        "cp_rank": role.cp_rank,
         "group": stage.group,
         "layers": [stage.layer_start, stage.layer_end],
         "microbatches": role.microbatches,
@@ -338,7 +359,7 @@ class _Keeper:
             optimizer = state.optimizer
             self.table = checkpoint.global_tensors(job.model)
             self.holdings = checkpoint.rank_holdings(
-                job.model, job.strategy, role.family, role.stage_index, role.replica, role.tp_rank,
+                job.model, job.strategy, role.family, role.stage_index, role.dp_index, role.tp_rank,
                 (optimizer.lo, optimizer.hi), optimizer.shard is not None,
             )  # fmt: skip
         self.saver = checkpoint.Saver(settings.checkpoint_async) if settings.checkpoint_dir else None
@@ -450,7 +471,7 @@ def _step(rank: int, job: RunJob, role: Role, state: RankState, comm: Communicat
             "optimizer_s": optimizer_s,
         }
     )
-    return loss_sum * mbs / job.global_batch if role.last and role.tp_rank == 0 else 0.0
+    return loss_sum * state.runner.loss_scale if role.last and role.tp_rank == 0 else 0.0
 
 
 ACTIVATION_TAG, GRADIENT_TAG = 0, 1
@@ -472,9 +493,10 @@ class _StageRunner:
         self.stages = pipeline.stages
         self.role, self.modules, self.comm, self.emulator, self.dtype = role, modules, comm, emulator, dtype
         self.index, self.p, self.v = role.stage_index, len(pipeline.stages), len(modules)
-        self.mbs = pipeline.micro_batch_size
-        self.loss_scale = self.mbs / job.global_batch  # this micro-batch's share of the global batch
-        self.shape = (self.mbs, job.seq_length, job.model.hidden_size)
+        self.mbs, self.cp = pipeline.micro_batch_size, emulator.cp
+        # this micro-batch's share of the global batch's tokens (a CP rank's mean loss is over 1/cp of them)
+        self.loss_scale = self.mbs / (job.global_batch * self.cp.size)
+        self.shape = (self.mbs, job.seq_length // self.cp.size, job.model.hidden_size)
         self.offsets = group_offsets(job.cluster)
         self.times = StageTimes()
         self.sends: list[dist.Work] = []
@@ -483,7 +505,9 @@ class _StageRunner:
         self.loss_sum = 0.0
 
     def peer(self, stage_index: int, tp_rank: int) -> int:
-        return stage_rank(self.offsets, self.stages[stage_index % self.p], self.role.replica, tp_rank)
+        """The rank of `stage_index` with this rank's replica and CP rank (its tokens) at TP rank `tp_rank`."""
+        stage = self.stages[stage_index % self.p]
+        return stage_rank(self.offsets, stage, self.role.replica, tp_rank, self.role.cp_rank, self.cp.size)
 
     def receive(self, stage_index: int, tag: int, key: tuple[int, int, int]) -> torch.Tensor:
         """The tensor stage `stage_index` sends this TP rank (k <- k mod its TP width)."""
@@ -507,13 +531,14 @@ class _StageRunner:
                 self.sends.append(self.comm.isend(tensor.detach(), dst, tag))
 
     def timed(self, work: Callable[[], torch.Tensor | None], kind: str) -> torch.Tensor | None:
-        """Run a forward or backward pass; emulation stretches its compute, not its TP collectives (the cost model
-        scales an emulated device's layer costs only)."""
+        """Run a forward or backward pass; emulation stretches its compute, not its TP collectives nor its CP ring's
+        waits (the cost model scales an emulated device's layer costs only; the ring's exposed time stays in the
+        pass, as the cost model counts it)."""
         tp = self.emulator.tp
-        t0, comm0 = time.perf_counter(), tp.comm_s
+        t0, comm0, ring0 = time.perf_counter(), tp.comm_s, self.cp.comm_s
         out = work()
         real, comm = time.perf_counter() - t0, tp.comm_s - comm0
-        extended = self.emulator.extend(real - comm)
+        extended = self.emulator.extend(real - comm - (self.cp.comm_s - ring0))
         self.times.compute_s += real
         self.times.emulation_s += extended
         self.times.tp_comm_s += comm
@@ -527,12 +552,10 @@ class _StageRunner:
         chunk = k * self.p + self.index
         batch = tokens[j * self.mbs : (j + 1) * self.mbs]
         last = chunk == self.p * self.v - 1
-        if chunk == 0:
-            x = batch[:, :-1]
-        else:
-            x = self.receive(self.index - 1, ACTIVATION_TAG, (0, j, chunk)).requires_grad_()
+        inputs, targets = self.cp.local_tokens(batch)
+        x = inputs if chunk == 0 else self.receive(self.index - 1, ACTIVATION_TAG, (0, j, chunk)).requires_grad_()
         module = self.modules[k]
-        out = self.timed(lambda: module(x, batch[:, 1:] if last else None), "forward")
+        out = self.timed(lambda: module(x, targets if last else None), "forward")
         assert out is not None
         if last:
             self.loss_sum += float(out.detach())

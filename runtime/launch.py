@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from planner.export import launch_commands
 from planner.plan import LoadedPlan, evaluation_dict
+from planner.what_if import check_runtime_layout
 from predictor.cost_model import CostContext, evaluate
 from predictor.run_terms import predicted_stage_terms, side_by_side
 from predictor.runs import RUN_SCHEMA
@@ -40,6 +41,7 @@ LOSS_TOLERANCE = {"fp64": 1e-9, "fp32": 1e-4, "bf16": 3e-2, "fp16": 1e-2}
 
 def check_runnable(plan: LoadedPlan, cluster: ClusterSpec) -> None:
     """What the runtime cannot run, as a one-line SpecError before any process starts."""
+    check_runtime_layout(plan)
     for stage in (s for pipeline in plan.strategy.pipelines for s in pipeline.stages):
         check_tp(plan.model, stage.tp, plan.source)
 

@@ -62,9 +62,10 @@ def family_holdings(model: ModelSpec, strategy: Strategy, offsets: dict[str, int
             tp_positions = [rank_positions(model, strategy, family, index, k) for k in range(stage.tp)]
             for k, positions in enumerate(tp_positions):
                 owned = ~torch.isin(positions, torch.cat(tp_positions[:k])) if k else torch.ones_like(positions).bool()
-                for replica in range(pipeline.replicas):
-                    lo, hi = chunk_bounds(positions.numel(), replica, pipeline.replicas)
-                    rank = stage_rank(offsets, stage, replica, k)
+                cp, members = pipeline.context_parallel, pipeline.gradient_ranks  # the DP group: replicas x CP ranks
+                for member in range(members):
+                    lo, hi = chunk_bounds(positions.numel(), member, members)
+                    rank = stage_rank(offsets, stage, member // cp, k, member % cp, cp)
                     held.append(Holding(rank, positions[lo:hi], owned[lo:hi]))
         families.append(held)
     return families
