@@ -20,6 +20,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from comm.plan_groups import stage_chunks  # noqa: E402
 from profiler.comm_bench import free_port, run_processes  # noqa: E402
+from runtime.checkpoint import step_dir  # noqa: E402
 from runtime.context_parallel import ContextParallel, chunk_positions, ring_attention  # noqa: E402
 from runtime.execute import RunJob, RunSettings, gathered_results, synthetic_batch  # noqa: E402
 from runtime.launch import summarize  # noqa: E402
@@ -113,6 +114,16 @@ RUNS: dict[str, tuple[Any, ModelSpec, Strategy]] = {
 }
 
 
+# a checkpoint chain, 2 steps per plan: saved by a CP plan (ZeRO-1 over 2 replicas x 2 CP ranks: each element
+# written once), loaded by a plan without CP (TP 2 x 2 replicas, ZeRO-1), whose checkpoint a CP plan (TP 2 x CP 2)
+# loads in turn
+CHAIN: list[Strategy] = [
+    RUNS["replicas, uneven, interleaved"][2],
+    Strategy((PipelineStrategy(2, 1, 3, _one_stage("cpu", 2)),), "none", 1),
+    RUNS["tp2 x cp2"][2],
+]
+
+
 def _ring_errors(rank: int, groups: dict[tuple[int, ...], dist.ProcessGroup]) -> dict[str, dict[str, float]]:
     """For each case, this rank's largest relative differences from causal SDPA on the whole sequence: output and
     the gradients of q, k, v (a random output gradient), and the output of attention over its own tokens only."""
@@ -146,7 +157,8 @@ def _ring_errors(rank: int, groups: dict[tuple[int, ...], dist.ProcessGroup]) ->
 
 
 def _all_ranks(rank: int, port: int, out_dir: str, jobs: list[RunJob]) -> None:
-    """The ring attention cases, then every training run in turn, on one set of processes."""
+    """The ring attention cases, then every training run in turn (each reads what the ones before it wrote), on one
+    set of processes."""
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
                             timeout=timedelta(seconds=60))  # fmt: skip
     try:
@@ -170,6 +182,14 @@ def ran(tmp_path_factory) -> Path:
         check_strategy(strategy, cluster, model, BATCH)  # layouts the planner could have written
         (root / str(i)).mkdir()
         jobs.append(RunJob(cluster, model, strategy, BATCH, model.seq_length, settings, str(root / str(i))))
+    for i, strategy in enumerate(CHAIN):
+        check_strategy(strategy, ONE_GROUP, MODEL, BATCH)
+        (root / f"chain{i}").mkdir()
+        chained = RunSettings(
+            steps=STEPS * (i + 1), seed=SEED, dtype="fp64", timeout_s=60, checkpoint_dir=str(root / f"saved{i}"),
+            checkpoint_every=STEPS, resume_from=str(step_dir(root / f"saved{i - 1}", STEPS * i)) if i else "",
+        )  # fmt: skip
+        jobs.append(RunJob(ONE_GROUP, MODEL, strategy, BATCH, MODEL.seq_length, chained, str(root / f"chain{i}")))
     run_processes(_all_ranks, (free_port(), str(root), jobs), WORLD, 300, "context-parallel runs")
     return root
 
@@ -195,12 +215,12 @@ def test_ring_attention_matches_causal_attention_on_the_whole_sequence(ran, case
         assert errors["own_tokens_only"] > 1e-2, (rank, errors)
 
 
-def _reference(model: ModelSpec) -> tuple[ReferenceModel, list[float]]:
-    """Two steps of the whole model in this process with torch's AdamW; the model with step 0's gradients."""
+def _reference(model: ModelSpec, steps: int = STEPS) -> tuple[ReferenceModel, list[float]]:
+    """`steps` steps of the whole model in this process with torch's AdamW; the model with step 0's gradients."""
     reference = ReferenceModel(model, SEED).double()
     optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.01)
     losses, first_grads = [], {}
-    for step in range(STEPS):
+    for step in range(steps):
         tokens = synthetic_batch(model, BATCH, model.seq_length, SEED, step)
         loss = reference(tokens[:, :-1], tokens[:, 1:])
         loss.backward()
@@ -245,3 +265,59 @@ def test_context_parallel_run_matches_one_process(ran, name):
         checked.add((result["family"], result["stage"], result["replica"], result["cp_rank"], result["tp_rank"]))
     assert len(checked) == sum(p.stage_devices(s) for p in strategy.pipelines for s in p.stages)
     assert {c[3] for c in checked} == set(range(strategy.context_parallel))
+
+
+def test_checkpoints_of_context_parallel_plans_load_under_other_plans(ran):
+    """Six steps over three plans (CP -> no CP -> CP), each resumed from the previous one's checkpoint: the loss curve
+    of one uninterrupted process (a rank that wrote a duplicate, missed or wrong shard would break it)."""
+    losses = []
+    for i in range(len(CHAIN)):
+        results = json.loads((ran / f"chain{i}" / "results.json").read_text())
+        assert all(r["first_step"] == STEPS * i for r in results)
+        losses += summarize(results, STEPS)["losses"]
+    _, expected = _reference(MODEL, STEPS * len(CHAIN))
+    assert losses == pytest.approx(expected, rel=1e-9)
+    assert expected[-1] < expected[0]
+
+
+def test_runtime_refuses_sequences_that_do_not_cut_into_the_rings_chunks():
+    from planner.plan import LoadedPlan
+    from planner.what_if import check_runtime_layout
+    from specs.errors import SpecError
+    from specs.training import TrainingSpec
+
+    strategy = Strategy((PipelineStrategy(1, 1, BATCH, _one_stage("cpu", 1), context_parallel=4),), "none", 0)
+    check_runtime_layout(LoadedPlan(strategy, MODEL, TrainingSpec(global_batch_size=BATCH), "plan.json"))  # 16 = 8 x 2
+    odd = TrainingSpec(global_batch_size=BATCH, seq_length=12)
+    with pytest.raises(SpecError, match="2 x 4 equal chunks"):
+        check_runtime_layout(LoadedPlan(strategy, MODEL, odd, "plan.json"))
+
+
+def test_hetplan_run_of_a_context_parallel_plan(tmp_path):
+    """plan --cp 2 -> run through the CLI on 2 local processes: the record keeps the CP degree, the loss matches one
+    process."""
+    from tests.conftest import hetplan
+
+    (tmp_path / "model.yaml").write_text(
+        "num_layers: 2\nhidden_size: 64\nffn_hidden_size: 128\nnum_attention_heads: 4\nnum_kv_heads: 2\n"
+        "vocab_size: 256\nseq_length: 16\nmlp: swiglu\n"
+    )
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text(
+        "name: two\ngroups:\n  - {name: cpu, device: cpu, nodes: 1, devices_per_node: 2, nics_per_node: 1, "
+        "nic_gbps: 10}\nnetwork: {topology: clos, inter_group_gbps: 10}\n"
+    )
+    training = tmp_path / "training.yaml"
+    training.write_text("global_batch_size: 4\ndtype: fp32\nrecompute: [none]\nzero_stage: 1\nmicro_batch_sizes: [1]\n")
+    plan = tmp_path / "plan.json"
+    made = hetplan("plan", "--cluster", str(cluster), "--model", str(tmp_path / "model.yaml"), "--training",
+                   str(training), "--cp", "2", "--out", str(plan), "--json")  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    record_path = tmp_path / "run.json"
+    ran = hetplan("run", str(plan), "--cluster", str(cluster), "--steps", "2", "--out", str(record_path),
+                  "--timeout", "60", torch_allowed=True)  # fmt: skip
+    assert ran.returncode == 0, ran.stderr
+    record = json.loads(record_path.read_text())
+    assert [p["context_parallel"] for p in record["strategy"]["pipelines"]] == [2]
+    assert len(record["losses"]) == 2 and record["reference_match"]["match"], record["reference_match"]
+    assert record["measured_iteration_time_s"] > 0 and record["predicted_iteration_time_s"] > 0
