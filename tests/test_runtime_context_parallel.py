@@ -12,6 +12,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -321,3 +322,23 @@ def test_hetplan_run_of_a_context_parallel_plan(tmp_path):
     assert [p["context_parallel"] for p in record["strategy"]["pipelines"]] == [2]
     assert len(record["losses"]) == 2 and record["reference_match"]["match"], record["reference_match"]
     assert record["measured_iteration_time_s"] > 0 and record["predicted_iteration_time_s"] > 0
+
+
+def test_every_element_of_a_context_parallel_plan_is_written_to_a_checkpoint_once():
+    """The CP ranks of a replica hold the same weights (and, without ZeRO-1, moments) as its first: only the first of
+    the dp-cp group writes them (DCP would take duplicates silently, so the chain above cannot tell)."""
+    from runtime import checkpoint
+    from runtime.execute import rank_roles
+    from runtime.model import piece_offsets
+    from runtime.sync import rank_positions
+
+    strategy = RUNS["tp2 x cp2"][2]
+    writes = np.zeros(piece_offsets(MODEL)[-1], dtype=int)
+    for role in rank_roles(ONE_GROUP, strategy).values():
+        numel = rank_positions(MODEL, strategy, role.family, role.stage_index, role.tp_rank).numel()
+        held = checkpoint.rank_holdings(
+            MODEL, strategy, role.family, role.stage_index, role.dp_index, role.tp_rank, (0, numel), False
+        )
+        np.add.at(writes, held.positions[held.write_params], 1)
+        assert np.array_equal(held.write_moments, held.write_params)
+    assert writes.min() == 1 and writes.max() == 1
