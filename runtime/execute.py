@@ -1,9 +1,11 @@
 """One rank of a plan: its stage shard, 1F1B over its replica's micro-batches, weighted DP sync, (ZeRO-1) Adam.
 
 Ranks are numbered as the planner numbers devices (comm.plan_groups): groups in cluster order, node-major; a stage's
-rank for (replica r, TP rank k) is group offset + stage offset + r * tp + k. Every rank creates every group of the plan
-in one order. Activations are replicated over a stage's TP ranks, so between stages of different TP widths receiving
-rank k takes its input from sending rank k mod tp_sender (and gradients flow back the same way).
+rank for (replica r, CP rank c, TP rank k) is group offset + stage offset + (r * cp + c) * tp + k. Every rank creates
+every group of the plan in one order. Activations are replicated over a stage's TP ranks, so between stages of
+different TP widths receiving rank k takes its input from sending rank k mod tp_sender (and gradients flow back the
+same way). With context parallelism each CP rank holds its chunks of every sequence (runtime/context_parallel.py) and
+exchanges activations with the same CP rank of the neighbouring stages.
 
 The schedule is Megatron's (interleaved) 1F1B, the order predictor/schedule.py draws and the cost model times, written
 out here rather than taken from torch.distributed.pipelining, because stages of one pipeline may have different TP
@@ -14,6 +16,8 @@ under their own point-to-point tags, so two streams between one pair of ranks ne
 scaled by its share of the global batch (micro-batch size / global batch) and DP gradients are summed, so replicas with
 uneven batch shares give exactly the full-batch gradient. A plan of several pipeline families runs each family as
 above on its own devices and share of the batch; then gradients meet across families as shards (runtime/sync.py).
+With context parallelism a CP rank's loss is the mean over its 1/cp of the tokens, scaled by 1/cp more, and the DP sum
+runs over the replicas and their CP ranks together (the dp-cp group, which ZeRO-1 shards over).
 
 Speed emulation (`emulate_speed` s < 1 on a CPU group): after each forward and backward, the rank keeps repeating its
 stage's layer math (no gradients, no collectives) until the pass has taken 1/s of its real time; no sleeping.

@@ -7,6 +7,7 @@ with each device of another family whose owned elements meet its chunk exactly t
 the whole model's flat vector, runtime.model.shard_positions) and adds what it receives: its chunk then holds the sum
 over all families, having sent and received only its 1/replicas shard per other family. An all-gather over the
 replicas gives every replica the full gradient back (skipped under ZeRO-1, whose update needs only its chunk).
+With context parallelism the "replicas" here are the dp-cp group's members, replica r's CP rank c being r * cp + c.
 """
 
 from __future__ import annotations
