@@ -8,16 +8,17 @@ Ring attention (`ring_attention`): each rank's queries meet the K/V blocks of ev
 travel around it (cp - 1 exchanges forward, each overlapped with the attention of the block already held), and the
 partial results are merged by their log-sum-exp (online softmax). With the load-balanced layout every block is one of
 three kinds: the rank's own (causal), an earlier rank's (all queries against its first chunk) or a later rank's (the
-second chunk's queries against all of it); nothing else is computed. The backward is flash attention's, block by
-block, recomputing the probabilities from the saved log-sum-exp; K/V travel the ring again with their gradients
-beside them, and after the last step one more exchange brings every rank's K/V gradients home: what the cost model
-counts (predictor/context_parallel.py). Grouped-query attention keeps K/V at their own head count on the wire.
+second chunk's queries against all of it); nothing else is computed. Each block runs torch's CPU flash-attention
+kernel (SDPA's). The backward is flash attention's, block by block, recomputing the probabilities from the merged
+output and log-sum-exp; K/V travel the ring again with their gradients beside them, and after the last step one more
+exchange brings every rank's K/V gradients home: what the cost model counts (predictor/context_parallel.py). It saves
+the rank's own q, K, V, output and log-sum-exp only (autograd through the exchanges would keep every rank's K/V).
+Grouped-query attention keeps K/V at their own head count on the wire (repeated per query head only for the kernel).
 With TP the ring runs per TP rank over that rank's heads (comm.plan_groups' CP groups).
 """
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -86,10 +87,11 @@ class RingExchange:
         self.cp = cp
         self.sent = tensor.contiguous()
         self.received = torch.empty_like(self.sent)
-        following, previous = (cp.rank + 1) % cp.size, (cp.rank - 1) % cp.size
+        following = dist.get_global_rank(cp.group, (cp.rank + 1) % cp.size)
+        previous = dist.get_global_rank(cp.group, (cp.rank - 1) % cp.size)
         self.works = [
-            dist.isend(self.sent, group=cp.group, group_dst=following),
-            dist.irecv(self.received, group=cp.group, group_src=previous),
+            dist.isend(self.sent, dst=following, group=cp.group),
+            dist.irecv(self.received, src=previous, group=cp.group),
         ]
 
     def wait(self) -> torch.Tensor:
@@ -117,37 +119,43 @@ def _block(rank: int, source: int, length: int) -> tuple[slice, slice, bool]:
     return slice(half, None), slice(None), False  # a later rank: only my second chunk sees it, all of it
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
-    """Attention scores of q (b, groups, heads per group, sq, d) against k (b, groups, 1, sk, d), causally masked
-    (position i sees keys 0..i, as both are in global order) when asked."""
-    scores = q @ k.transpose(-1, -2) * scale
-    if causal:
-        seen = torch.ones(scores.shape[-2:], dtype=torch.bool).tril()
-        scores = scores.masked_fill(~seen, float("-inf"))
-    return scores
+# torch's CPU flash-attention kernels (what scaled_dot_product_attention runs on the CPU): the forward also returns
+# the log-sum-exp of each query's scores, and the backward takes the output and log-sum-exp to recompute the
+# probabilities from, so given the merged ones it yields one block's share of the gradients (ring flash attention)
+_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+def _heads(kv: torch.Tensor, heads: int) -> torch.Tensor:
+    """K or V (b, kv heads, s, d) repeated for every query head of its group, as SDPA's enable_gqa does."""
+    return kv.repeat_interleave(heads // kv.shape[1], dim=1)
+
+
+def _kv_heads(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """A gradient per query head (b, heads, s, d) summed over each kv head's group."""
+    b, heads, s, d = grad.shape
+    return grad.view(b, kv_heads, heads // kv_heads, s, d).sum(2)
 
 
 class _RingAttention(torch.autograd.Function):
-    """Causal attention over the whole sequence of the ring; q (b, groups, heads per group, s/cp, d), k and v
-    (b, groups, 1, s/cp, d), in a dtype softmax statistics are exact enough in (fp32 or fp64)."""
+    """Causal attention over the whole sequence of the ring; q (b, heads, s/cp, d), k and v (b, kv heads, s/cp, d)
+    in the load-balanced chunk order."""
 
     @staticmethod
     def forward(ctx, q, k, v, cp):  # type: ignore[no-untyped-def, override]
-        scale = 1.0 / math.sqrt(q.shape[-1])
-        length = q.shape[-2]
+        heads, length = q.shape[1], q.shape[2]
         out = torch.zeros_like(q)
-        lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32 if q.dtype != torch.float64 else q.dtype)
         held = torch.stack([k, v])
         for step in range(cp.size):
             exchange = cp.start_exchange(held) if step < cp.size - 1 else None
             rows, cols, causal = _block(cp.rank, (cp.rank - step) % cp.size, length)
-            scores = _scores(q[..., rows, :], held[0][..., cols, :], causal, scale)
-            block_lse = scores.logsumexp(-1)
-            block_out = torch.exp(scores - block_lse.unsqueeze(-1)) @ held[1][..., cols, :]
-            merged = torch.logaddexp(lse[..., rows], block_lse)
-            kept, added = torch.exp(lse[..., rows] - merged), torch.exp(block_lse - merged)
-            out[..., rows, :] = out[..., rows, :] * kept.unsqueeze(-1) + block_out * added.unsqueeze(-1)
-            lse[..., rows] = merged
+            key, value = (_heads(t[:, :, cols], heads) for t in held)
+            block_out, block_lse = _FLASH(q[:, :, rows], key, value, 0.0, causal)
+            merged = torch.logaddexp(lse[:, :, rows], block_lse)
+            kept, added = torch.exp(lse[:, :, rows] - merged), torch.exp(block_lse - merged)
+            out[:, :, rows] = out[:, :, rows] * kept.unsqueeze(-1) + block_out * added.unsqueeze(-1)
+            lse[:, :, rows] = merged
             if exchange is not None:
                 held = exchange.wait()
         ctx.save_for_backward(q, k, v, out, lse)
@@ -158,20 +166,19 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, grad_out):  # type: ignore[no-untyped-def, override]
         q, k, v, out, lse = ctx.saved_tensors
         cp = ctx.cp
-        scale = 1.0 / math.sqrt(q.shape[-1])
-        length = q.shape[-2]
-        delta = (grad_out * out).sum(-1)  # rowsum(dO * O): softmax's backward term
+        heads, kv_heads, length = q.shape[1], k.shape[1], q.shape[2]
+        grad_out = grad_out.contiguous()
         grad_q = torch.zeros_like(q)
         held = torch.stack([k, v, torch.zeros_like(k), torch.zeros_like(v)])  # K, V and their gradients so far
         for step in range(cp.size):
             rows, cols, causal = _block(cp.rank, (cp.rank - step) % cp.size, length)
-            q_rows, grad_rows = q[..., rows, :], grad_out[..., rows, :]
-            key, value = held[0][..., cols, :], held[1][..., cols, :]
-            probs = torch.exp(_scores(q_rows, key, causal, scale) - lse[..., rows].unsqueeze(-1))
-            held[3][..., cols, :] += (probs.transpose(-1, -2) @ grad_rows).sum(2, keepdim=True)
-            grad_scores = probs * (grad_rows @ value.transpose(-1, -2) - delta[..., rows].unsqueeze(-1)) * scale
-            grad_q[..., rows, :] += grad_scores @ key
-            held[2][..., cols, :] += (grad_scores.transpose(-1, -2) @ q_rows).sum(2, keepdim=True)
+            key, value = (_heads(t[:, :, cols], heads) for t in held[:2])
+            block_grads = _FLASH_BACKWARD(
+                grad_out[:, :, rows], q[:, :, rows], key, value, out[:, :, rows], lse[:, :, rows], 0.0, causal
+            )
+            grad_q[:, :, rows] += block_grads[0]
+            held[2][:, :, cols] += _kv_heads(block_grads[1], kv_heads)
+            held[3][:, :, cols] += _kv_heads(block_grads[2], kv_heads)
             if step < cp.size - 1:
                 held = cp.start_exchange(held).wait()
         grads = held[2:] if cp.size == 1 else cp.start_exchange(held[2:]).wait()  # the last block's owner is next
@@ -184,12 +191,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: Contex
     Suppressed (speed emulation), the rank's own tokens only."""
     if not cp.enabled:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
-    b, heads, length, d = q.shape
-    groups = k.shape[1]
-    exact = q.dtype if q.dtype in (torch.float32, torch.float64) else torch.float32
-    grouped_q = q.reshape(b, groups, heads // groups, length, d).to(exact)
-    out = _RingAttention.apply(grouped_q, k.unsqueeze(2).to(exact), v.unsqueeze(2).to(exact), cp)
-    return out.reshape(b, heads, length, d).to(q.dtype)
+    return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), cp)
 
 
 class RingAttentionLayer(DecoderLayer):
