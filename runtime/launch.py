@@ -201,6 +201,8 @@ def run_record(
     """A `hetplan.run/1` record; `ctx` is the prediction's context (its cluster already at the cores' share)."""
     evaluation = evaluate(ctx, plan.strategy)
     predicted = evaluation.iteration_time_s
+    # the terms' layer costs at the plan's CP degree, as evaluate() takes them (per CP rank, ring included)
+    terms = predicted_stage_terms(ctx.at_context_parallel(plan.strategy.context_parallel), evaluation)
     written = evaluation_dict(ctx, evaluation)
     layout = {key: written[key] for key in ("recompute", "zero_stage", "virtual_stages", "sequence_parallel")}
     kept = ("replicas", "micro_batch_size", "num_microbatches", "total_microbatches", "context_parallel", "stages")
@@ -230,7 +232,7 @@ def run_record(
             "prediction_from": ctx.predictor_identity,
             "cost_source": dict(ctx.cost_source) if ctx.cost_source else None,
             "prediction_error": summary["measured_iteration_time_s"] / predicted - 1.0,
-            "terms": side_by_side(summary["stages"], predicted_stage_terms(ctx, evaluation)),
+            "terms": side_by_side(summary["stages"], terms),
             "emulated_groups": emulated,
             "emulation": "ranks of emulated groups repeat their stage's layer math until each pass takes 1/speed "
             "of its real time (no sleeping)"

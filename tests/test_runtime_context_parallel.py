@@ -301,7 +301,7 @@ def test_hetplan_run_of_a_context_parallel_plan(tmp_path):
 
     (tmp_path / "model.yaml").write_text(
         "num_layers: 2\nhidden_size: 64\nffn_hidden_size: 128\nnum_attention_heads: 4\nnum_kv_heads: 2\n"
-        "vocab_size: 256\nseq_length: 16\nmlp: swiglu\n"
+        "vocab_size: 256\nseq_length: 256\nmlp: swiglu\n"
     )
     cluster = tmp_path / "cluster.yaml"
     cluster.write_text(
@@ -322,6 +322,9 @@ def test_hetplan_run_of_a_context_parallel_plan(tmp_path):
     assert [p["context_parallel"] for p in record["strategy"]["pipelines"]] == [2]
     assert len(record["losses"]) == 2 and record["reference_match"]["match"], record["reference_match"]
     assert record["measured_iteration_time_s"] > 0 and record["predicted_iteration_time_s"] > 0
+    # the predicted terms are the CP rank's (layer costs at micro-batch b/cp plus the ring): they add up to the step
+    [stage] = record["measurements"]["terms"]
+    assert sum(t["predicted_s"] for t in stage["terms"].values()) == pytest.approx(record["predicted_iteration_time_s"])
 
 
 def test_every_element_of_a_context_parallel_plan_is_written_to_a_checkpoint_once():
