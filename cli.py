@@ -82,6 +82,9 @@ def plan(
     cp: Annotated[
         Optional[str], opt("--cp", help="Context-parallel degrees to search, e.g. 1,2,4 (default: by sequence length).")
     ] = None,
+    zero_shard: Annotated[
+        Optional[str], opt("--zero-shard", help="Where ZeRO shards, to search: dp (whole group), node (hybrid), both.")
+    ] = None,
     out: PlanOutOpt = None,
     quiet: QuietOpt = False,
     as_json: JsonOpt = False,
@@ -113,6 +116,7 @@ def plan(
         "engine": chosen_engine,
     }
     options["zero_stages"] = flags.zero_stages(zero_stages)
+    options["zero_shards"] = flags.choices(zero_shard, ("dp", "node"), "--zero-shard") if zero_shard else []
     try:
         with progress_on_stderr("plan", quiet, unit="candidates") as progress:
             result = make_plan(*inputs, progress=progress.counter("searched"), **options)
@@ -145,6 +149,7 @@ def predict(
     seq_len: SeqLenOpt = None,
     dtype: DtypeOpt = None,
     zero_stage: ZeroOpt = None,
+    zero_shard: Annotated[Optional[str], opt("--zero-shard", help="dp (whole DP group) or node (hybrid).")] = None,
     attention: Annotated[Optional[str], opt(help="flash, or materialized (pre-flash Megatron).")] = None,
     profiles: Annotated[
         Optional[Path], opt("--profiles", help="Directory of profile JSON files (default: --strategy's).")
@@ -167,6 +172,7 @@ def predict(
     overrides = dict(
         global_batch_size=global_batch, seq_length=seq_len, dtype=dtype, zero_stage=zero_stage, attention=attention
     )
+    overrides["zero_shard"] = flags.choice(zero_shard, ("dp", "node"), "--zero-shard") if zero_shard else None
     given = (group, tp, pp, dp, micro_batch, recompute, virtual_stages, sequence_parallel, cp)
     if strategy is not None and cp != 1:
         from specs.errors import SpecError

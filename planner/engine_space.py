@@ -84,6 +84,8 @@ def engine_lost(strategy: Strategy, engine: Engine, training: TrainingSpec | Non
             f"context parallelism (CP {strategy.context_parallel}) -> none: {engine.key} does not split sequences "
             "over ranks"
         )
+    if not engine.hybrid_shard and strategy.zero_shard == "node" and strategy.zero_stage >= 1:
+        lost.append(f"ZeRO sharding per node (hybrid) -> over the whole DP group: {engine.key} has no hybrid sharding")
     runs_zero = engine_zero_stage(strategy.zero_stage, engine)
     if runs_zero != strategy.zero_stage:
         lost.append(f"{_zero_words(strategy.zero_stage)} -> {_zero_words(runs_zero)}: {engine.zero_note}")
@@ -107,6 +109,8 @@ def _layout_update(training: TrainingSpec, engine: Engine) -> dict[str, object]:
         update["virtual_stages"] = (1,)
     if not engine.context_parallel and training.context_parallel != (1,):
         update["context_parallel"] = (1,)
+    if not engine.hybrid_shard and training.zero_shard != "dp":
+        update["zero_shard"] = "dp"
     if engine_zero_stage(training.zero_stage, engine) != training.zero_stage:
         update["zero_stage"] = engine_zero_stage(training.zero_stage, engine)
     return update
@@ -160,7 +164,8 @@ def near_plans(ctx: CostContext, strategy: Strategy, engine: Engine) -> list[Str
     if len(strategy.pipelines) > 1:
         return []
     pipeline = strategy.pipelines[0]
-    candidates = [replace(strategy, zero_stage=engine_zero_stage(strategy.zero_stage, engine))]
+    shard = strategy.zero_shard if engine.hybrid_shard else "dp"
+    candidates = [replace(strategy, zero_stage=engine_zero_stage(strategy.zero_stage, engine), zero_shard=shard)]
     if not engine.interleaving and strategy.virtual_stages > 1:
         candidates = [replace(c, virtual_stages=1) for c in candidates]
     if not engine.per_stage_recompute and len({strategy.stage_recompute(s) for s in pipeline.stages}) > 1:

@@ -324,7 +324,10 @@ def combine(ctx: CostContext, plans: Sequence[_BlockPlan], microbatches: Sequenc
         )
         for p in pipelines
     ]
-    return Strategy(tuple(pipelines), default, ctx.training.zero_stage, virtual, ctx.training.sequence_parallel)
+    training = ctx.training
+    return Strategy(
+        tuple(pipelines), default, training.zero_stage, virtual, training.sequence_parallel, training.zero_shard
+    )
 
 
 def family_search(

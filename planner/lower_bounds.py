@@ -254,9 +254,12 @@ def work_bound_s(ctx: CostContext, subset: Sequence[DeviceGroup]) -> float:
     training = ctx.training
     rate = 0.0
     for group in subset:
+        options = tp_options(ctx, group)
+        if not options:  # its nodes hold no CP ring at this degree: no plan uses the subset
+            return math.inf
         least = min(
             decoder_layer_time_s(ctx, group, b, t, rc) * t * ctx.context_parallel / b
-            for t in tp_options(ctx, group)
+            for t in options
             for b in training.micro_batch_sizes
             for rc in training.recompute
         )

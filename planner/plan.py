@@ -123,6 +123,7 @@ def evaluation_dict(ctx: CostContext, evaluation: Evaluation) -> dict[str, Any]:
         "recompute": strategy.recompute,
         "recompute_summary": strategy.recompute_summary,
         "zero_stage": strategy.zero_stage,
+        "zero_shard": strategy.zero_shard,
         "schedule": "1f1b" if strategy.virtual_stages == 1 else "interleaved-1f1b",
         "virtual_stages": strategy.virtual_stages,
         "context_parallel": strategy.context_parallel,
@@ -285,6 +286,7 @@ class _PlanFile(BaseModel):
     training: dict[str, Any]
     recompute: Recompute
     zero_stage: int = Field(ge=0, le=3)
+    zero_shard: Literal["dp", "node"] = "dp"
     virtual_stages: int = Field(default=1, ge=1)
     sequence_parallel: bool = True
     pipelines: list[PipelineFile] = Field(min_length=1)
@@ -309,5 +311,12 @@ def load_plan(path: str | Path) -> LoadedPlan:
     model = validate(ModelSpec, parsed.model, source, prefix="model")
     training = validate(TrainingSpec, parsed.training, source, prefix="training")
     pipelines = pipelines_from_files(parsed.pipelines, parsed.recompute)
-    strategy = Strategy(pipelines, parsed.recompute, parsed.zero_stage, parsed.virtual_stages, parsed.sequence_parallel)
+    strategy = Strategy(
+        pipelines,
+        parsed.recompute,
+        parsed.zero_stage,
+        parsed.virtual_stages,
+        parsed.sequence_parallel,
+        parsed.zero_shard,
+    )
     return LoadedPlan(strategy, model, training, source, parsed.cluster, parsed.cost_source)

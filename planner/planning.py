@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from planner.engine_space import engine_search, engine_training, engine_zero_stage
 from planner.options import ProgressCallback, SearchOptions
@@ -23,8 +23,8 @@ from predictor.predictor import Predictor, default_predictor
 from profiler.profile import DeviceProfile
 from specs.cluster import ClusterSpec
 from specs.engines import Engine
-from specs.errors import DoesNotFitError
-from specs.layout import Strategy
+from specs.errors import DoesNotFitError, SpecError
+from specs.layout import Strategy, split_batch
 from specs.model import ModelSpec
 from specs.training import TrainingSpec
 from specs.units import GIB
@@ -54,6 +54,7 @@ def plan(
     lower_bound: bool = False,
     engine: Engine | None = None,
     zero_stages: Sequence[int] = (),
+    zero_shards: Sequence[str] = (),
 ) -> Plan:
     """The fastest strategy that fits memory, with its metrics, yardsticks and a 90% interval on its iteration
     time; raises DoesNotFitError. `predictor` defaults to the shipped one (`default_predictor()`). `lower_bound`:
@@ -61,7 +62,8 @@ def plan(
     second search's time on large clusters). `engine`: only plans that engine can run as planned (its export loses
     nothing); the training is restricted to it first (planner.engine_space.engine_training). `zero_stages`: search
     each of these ZeRO stages (the training's own when empty) and keep the fastest plan; the search statistics give
-    each stage's best time. Context-parallel degrees come from the training (`context_parallel_degrees`: by sequence
+    each stage's best time. `zero_shards` ("dp", "node": hybrid sharding), likewise for every stage that shards.
+    Context-parallel degrees come from the training (`context_parallel_degrees`: by sequence
     length unless chosen), one search each, likewise."""
     predictor = predictor or default_predictor()
     engine_changes: list[str] = []
@@ -71,7 +73,8 @@ def plan(
     ctx = predictor.context(cluster, model, training, profiles)
     started = time.perf_counter()
     options = SearchOptions(top_k=max(1, top_k), root_bound=lower_bound)
-    result, by_stage, by_cp = _search_layout_options(ctx, zero_stages, options, progress, engine)
+    choices = _LayoutChoices(zero_stages, zero_shards)
+    result, by_stage, by_cp, by_shard = _search_layout_options(ctx, choices, options, progress, engine)
     search_time_s = time.perf_counter() - started
     if not result.evaluations:
         if result.smallest_shortfall_where:
@@ -113,50 +116,98 @@ def plan(
         stats["zero_stages_s"] = by_stage
     if len(by_cp) > 1:
         stats["context_parallel_s"] = by_cp
+    if len(by_shard) > 1:
+        stats["zero_shard_s"] = by_shard
     best = result.evaluations[0]
     ctx = ctx.at_context_parallel(best.strategy.context_parallel)
-    if best.strategy.zero_stage != ctx.training.zero_stage:  # the plan's training says the stage it runs
-        training = ctx.training.model_copy(update={"zero_stage": best.strategy.zero_stage})
+    chosen = {"zero_stage": best.strategy.zero_stage, "zero_shard": best.strategy.zero_shard}
+    if chosen != {"zero_stage": ctx.training.zero_stage, "zero_shard": ctx.training.zero_shard}:
+        training = ctx.training.model_copy(update=chosen)  # the plan's training says how it shards
         ctx, base = replace(ctx, training=training), replace(base, training=training)
     interval = predictor.interval(base, best.strategy)
     alternatives = tuple(result.evaluations[1:])
     return Plan(ctx, best, compute_bounds(ctx), search_time_s, stats, alternatives, interval, result.lower_bound_s)
 
 
+@dataclass(frozen=True)
+class _LayoutChoices:
+    """The ZeRO stages and shard groups a plan searches (the training's own where empty)."""
+
+    zero_stages: Sequence[int]
+    zero_shards: Sequence[str]
+
+
+Times = dict[str, float | None]
+
+
 def _search_layout_options(
     ctx: CostContext,
-    zero_stages: Sequence[int],
+    choices: _LayoutChoices,
     options: SearchOptions,
     progress: ProgressCallback | None,
     engine: Engine | None,
-) -> tuple[SearchResult, dict[str, float | None], dict[str, float | None]]:
-    """One search per context-parallel degree and ZeRO stage, each started from the best plans so far at its degree
-    run at its stage (a feasible incumbent, so an option that cannot win is pruned early), merged best first; and
-    the best time of each stage and of each degree (None: nothing fits)."""
-    stages = [engine_zero_stage(s, engine) if engine else s for s in zero_stages] or [ctx.training.zero_stage]
-    degrees = ctx.training.context_parallel_degrees(ctx.seq_length)
-    if engine is not None and not engine.context_parallel:
-        degrees = (1,)
+) -> tuple[SearchResult, Times, Times, Times]:
+    """One search per context-parallel degree, ZeRO stage and shard group, each started from the best plans so far
+    regrouped to its degree and run at its stage (a feasible incumbent, so an option that cannot win is pruned early),
+    merged best first; and the best time of each stage, degree and shard group (None: nothing fits)."""
+    training = ctx.training
+    stages = [engine_zero_stage(s, engine) if engine else s for s in choices.zero_stages] or [training.zero_stage]
+    shards = list(choices.zero_shards) or [training.zero_shard]
+    degrees = training.context_parallel_degrees(ctx.seq_length)
+    if engine is not None:
+        degrees = degrees if engine.context_parallel else (1,)
+        shards = shards if engine.hybrid_shard else ["dp"]
+    layouts = [(d, s, h) for d in degrees for s in dict.fromkeys(stages) for h in dict.fromkeys(shards)]
+    layouts = [(d, s, h) for d, s, h in layouts if s or h == shards[0]]  # ZeRO-0 shards nothing: one shard group
     results: list[SearchResult] = []
-    by_stage: dict[str, float | None] = {}
-    by_cp: dict[str, float | None] = {}
-    for degree in degrees:
-        for stage in dict.fromkeys(stages):
-            staged = replace(ctx, training=ctx.training.model_copy(update={"zero_stage": stage}))
-            staged = staged.at_context_parallel(degree)
-            leaders = [e for r in results for e in r.evaluations[:1] if e.strategy.context_parallel == degree]
-            warm = [evaluate(staged, replace(e.strategy, zero_stage=stage)) for e in leaders]
-            if engine is None:
-                found = search(staged, options, progress, warm_start=warm)
-            else:
-                found = engine_search(staged, engine, options, progress)
-            own = [e.iteration_time_s for e in found.evaluations if e.strategy.zero_stage == stage]
-            by_stage[str(stage)] = _least(by_stage.get(str(stage)), own[0] if own else None)
-            by_cp[str(degree)] = _least(by_cp.get(str(degree)), own[0] if own else None)
-            results.append(found)
+    by_stage: Times = {}
+    by_cp: Times = {}
+    by_shard: Times = {}
+    for degree, stage, shard in layouts:
+        sharding = {"zero_stage": stage, "zero_shard": shard}
+        staged = replace(ctx, training=training.model_copy(update=sharding)).at_context_parallel(degree)
+        leaders = [e.strategy for r in results for e in r.evaluations[:1]]
+        adapted = [s for s in (at_degree(staged, lead, degree) for lead in leaders) if s is not None]
+        warm = [e for s in adapted if (e := evaluate(staged, replace(s, **sharding))).fits]  # type: ignore[arg-type]
+        if engine is None:
+            found = search(staged, options, progress, warm_start=warm)
+        else:
+            found = engine_search(staged, engine, options, progress)
+        layout = (stage, shard, degree)
+        own = [e.iteration_time_s for e in found.evaluations if _layout(e.strategy) == layout]
+        best = own[0] if own else None
+        for times, key in ((by_stage, str(stage)), (by_cp, str(degree)), (by_shard, shard)):
+            times[key] = _least(times.get(key), best)
+        results.append(found)
     if len(results) == 1:
-        return results[0], by_stage, by_cp
-    return merge_results(results, options.top_k), by_stage, by_cp
+        return results[0], by_stage, by_cp, by_shard
+    return merge_results(results, options.top_k), by_stage, by_cp, by_shard
+
+
+def _layout(strategy: Strategy) -> tuple[int, str, int]:
+    return strategy.zero_stage, strategy.zero_shard, strategy.context_parallel
+
+
+def at_degree(ctx: CostContext, strategy: Strategy, degree: int) -> Strategy | None:
+    """The strategy on the same devices at another context-parallel degree: each family's replicas x CP ranks
+    regrouped into replicas of `degree` ranks (same stages, micro-batch and device offsets), when they divide, the
+    batch still splits evenly and the layout is valid; else None. The search's incumbent from a neighbouring degree."""
+    pipelines = []
+    for pipeline in strategy.pipelines:
+        ranks = pipeline.gradient_ranks
+        if ranks % degree or pipeline.uneven:
+            return None
+        replicas = ranks // degree
+        split = split_batch(pipeline.samples, replicas, pipeline.micro_batch_size)
+        if split is None or split[0] * replicas != split[1]:
+            return None
+        pipelines.append(replace(pipeline, replicas=replicas, num_microbatches=split[0], context_parallel=degree))
+    adapted = replace(strategy, pipelines=tuple(pipelines))
+    try:
+        ctx.check_strategy(adapted)
+    except SpecError:
+        return None
+    return adapted
 
 
 def _least(a: float | None, b: float | None) -> float | None:

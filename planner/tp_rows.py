@@ -421,6 +421,8 @@ class SubsetRows:
         per replica, less optimizer sharding)."""
         training, model = ctx.training, ctx.model
         global_batch = training.global_batch_size
+        if self.tp_rows.size == 0:  # a group whose nodes hold no TP degree at this CP degree: no stage, no plan
+            return
         if every_count:
             replica_options = list(range(1, int(self.devices.min()) + 1))
         elif training.uneven_batch == "exhaustive":
@@ -451,7 +453,7 @@ class SubsetRows:
         """Per row: one direction of the fill and drain point-to-point at its least (every pipeline over the k
         groups crosses k - 1 group boundaries and p - k inside groups)."""
         ctx = self.costs.ctx
-        crossing_bytes = b * ctx.seq_length * ctx.model.hidden_size * ctx.training.dtype_bytes
+        crossing_bytes = b * ctx.seq_length * ctx.model.hidden_size * ctx.training.dtype_bytes / ctx.context_parallel
         crossing_bytes = crossing_bytes / tps.max(axis=1)
         boundaries_s = (stages - len(self.subset)) * self._fastest_p2p_s(self.inside, crossing_bytes)
         if len(self.subset) > 1:

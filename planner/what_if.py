@@ -108,8 +108,15 @@ def check_local_run(cluster: ClusterSpec, cluster_file: str | Path) -> None:
 
 
 def check_runtime_layout(plan: LoadedPlan) -> None:
-    """What hetplan's runtime cannot execute, refused in one line before anything starts: context parallelism needs
-    sequences that cut into the 2 * cp equal chunks its ranks hold (runtime/context_parallel.py)."""
+    """What hetplan's runtime cannot execute, refused in one line before anything starts: ZeRO sharded per node, and
+    context parallelism over sequences that do not cut into the 2 * cp equal chunks its ranks hold
+    (runtime/context_parallel.py)."""
+    if plan.strategy.zero_shard == "node":
+        raise SpecError(
+            plan.source,
+            "zero_shard",
+            "the local runtime shards ZeRO over the whole DP group, not per node: plan with --zero-shard dp to run it",
+        )
     cp = plan.strategy.context_parallel
     seq_length = plan.training.seq_length or plan.model.seq_length
     if cp > 1 and seq_length % (2 * cp):

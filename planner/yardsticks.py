@@ -19,11 +19,12 @@ MAX_SCALE_DOUBLINGS = 8
 
 
 def compute_bound_tokens_per_s(ctx: CostContext) -> float:
-    """Tokens/s with every device busy at its profiled layer speed (TP 1, best micro-batch, no recompute)."""
+    """Tokens/s with every device busy at its profiled layer speed (TP 1, best micro-batch, no recompute, whole
+    sequences: no context parallelism, whose per-rank costs would count each rank's tokens as a whole sequence)."""
     model, seq = ctx.model, ctx.seq_length
     total = 0.0
     for group in ctx.cluster.groups:
-        source = ctx.source(group.name)
+        source = ctx.sources[group.name]
         best = 0.0
         for size in ctx.training.micro_batch_sizes:
             time_s = (

@@ -26,6 +26,7 @@ from predictor.sharding import (
     fp8_weight_copy_bytes,
     gathered_weights_bytes,
     optimizer_time_s,
+    shard_ranks,
     sharded_exposed_time_s,
     state_bytes,
     state_bytes_per_param,
@@ -167,7 +168,7 @@ def stage_memory(
 ) -> StageMemory:
     """Peak bytes of one device of a stage: its (sharded) state, ZeRO 3's gathered layers, in-flight activations."""
     params = stage_params(ctx.model, num_layers, first, last, pipeline_stages) / tp
-    weights, grads, optimizer = state_bytes(ctx, params, dp)
+    weights, grads, optimizer = state_bytes(ctx, params, group, tp, dp)
     weights += gathered_weights_bytes(ctx, ctx.model.layer_params() / tp, num_layers, dp)
     weights += fp8_weight_copy_bytes(ctx, group, params)
     source = ctx.source(group.name)
@@ -342,7 +343,8 @@ def cross_family_sync_time_s(
                 slowest = link
     if slowest is None:
         return 0.0
-    shard_bytes = params_per_device * GRAD_BYTES_PER_PARAM / ctx.gradient_ranks(strategy.pipelines[family].replicas)
+    ranks = shard_ranks(ctx, own, stage.tp, strategy.pipelines[family].replicas)
+    shard_bytes = params_per_device * GRAD_BYTES_PER_PARAM / ranks
     families = len(strategy.pipelines)
     return all_reduce_time_s(shard_bytes, families, slowest) * ctx.terms.network_scale
 
@@ -372,6 +374,7 @@ def _stage_key(
         pipeline.replicas,
         strategy.virtual_stages,
         strategy.zero_stage,
+        strategy.zero_shard,
         strategy.context_parallel,
         after,
     )
@@ -430,7 +433,7 @@ def _evaluate_stage(
         p2p_time_s=p2p_time_s(ctx, stage, stages[index + 1], b) if index + 1 < p else 0.0,
         dp_sync_time_s=sync.total_s + across,
         dp_exposed_time_s=exposed,
-        optimizer_time_s=optimizer_time_s(ctx, group, params_per_device, replicas),
+        optimizer_time_s=optimizer_time_s(ctx, group, params_per_device, replicas, stage.tp),
         memory=memory,
         memory_capacity_bytes=group.device.memory_bytes,
         memory_usable_bytes=usable_memory_bytes(ctx, group),
@@ -484,8 +487,9 @@ def evaluate(ctx: CostContext, strategy: Strategy, cache: StageCache | None = No
     pipeline families, the iteration waits for the slowest family's pipeline, then for the DP sync (across families
     too) and the optimizer step. The strategy's ZeRO stage is the one evaluated (a plan may pin its own). `cache`
     (a dict the caller keeps for one context) reuses stage evaluations across strategies, as the search does."""
-    if strategy.zero_stage != ctx.training.zero_stage:
-        ctx = replace(ctx, training=ctx.training.model_copy(update={"zero_stage": strategy.zero_stage}))
+    if (strategy.zero_stage, strategy.zero_shard) != (ctx.training.zero_stage, ctx.training.zero_shard):
+        update = {"zero_stage": strategy.zero_stage, "zero_shard": strategy.zero_shard}
+        ctx = replace(ctx, training=ctx.training.model_copy(update=update))
     ctx = ctx.at_context_parallel(strategy.context_parallel)
     evaluated: list[StageEvaluation] = []
     pipeline_time = bubble = -1.0

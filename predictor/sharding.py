@@ -25,8 +25,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from predictor.comm_model import (
+    all_reduce_time_s,
     hierarchical_all_reduce_time_s,
     hierarchical_reduce_scatter_time_s,
+    reduce_scatter_time_s,
 )
 from predictor.context import CostContext
 from specs.cluster import DeviceGroup
@@ -63,15 +65,27 @@ class DpSync:
 NO_SYNC = DpSync(0.0, 0.0)
 
 
+def hybrid(ctx: CostContext) -> bool:
+    """ZeRO shards inside each node and replicates across nodes (TrainingSpec.zero_shard: node)."""
+    return ctx.training.zero_shard == "node" and ctx.training.zero_stage >= 1
+
+
+def shard_ranks(ctx: CostContext, group: DeviceGroup, tp: int, replicas: int) -> int:
+    """The ranks ZeRO shards a stage's state over: its replicas and their CP ranks, or under hybrid sharding those of
+    them inside one node."""
+    ranks = ctx.gradient_ranks(replicas)
+    return dp_layout(group, tp, ranks)[0] if hybrid(ctx) else ranks
+
+
 def state_bytes_per_param(ctx: CostContext, dp: int) -> float:
-    """Weights + grads + optimizer bytes per parameter on one device, as the ZeRO stage shards them over `dp`."""
-    weights, grads, optimizer = _state_bytes(ctx, dp)
+    """Weights + grads + optimizer bytes per parameter on one device, as the ZeRO stage shards them over `dp` replicas
+    and their CP ranks (a lower figure under hybrid sharding, which shards over fewer: the planner's bounds)."""
+    weights, grads, optimizer = _state_bytes(ctx, ctx.gradient_ranks(dp))
     return weights + grads + optimizer
 
 
 def _state_bytes(ctx: CostContext, dp: int) -> tuple[float, float, float]:
     training = ctx.training
-    dp = ctx.gradient_ranks(dp)
     stage = training.zero_stage
     optimizer = OPTIMIZER_BYTES_PER_PARAM_FP32 if training.dtype == "fp32" else OPTIMIZER_BYTES_PER_PARAM_MIXED
     weights, grads = float(training.dtype_bytes), float(GRAD_BYTES_PER_PARAM)
@@ -82,10 +96,12 @@ def _state_bytes(ctx: CostContext, dp: int) -> tuple[float, float, float]:
     )
 
 
-def state_bytes(ctx: CostContext, params_per_device: float, dp: int) -> tuple[float, float, float]:
-    """(weights, gradients, optimizer state) bytes of `params_per_device` parameters sharded over `dp` replicas (and
-    their CP ranks)."""
-    weights, grads, optimizer = _state_bytes(ctx, dp)
+def state_bytes(
+    ctx: CostContext, params_per_device: float, group: DeviceGroup, tp: int, dp: int
+) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer state) bytes of `params_per_device` parameters of a stage of TP `tp` with `dp`
+    replicas, as the ZeRO stage shards them (shard_ranks)."""
+    weights, grads, optimizer = _state_bytes(ctx, shard_ranks(ctx, group, tp, dp))
     return params_per_device * weights, params_per_device * grads, params_per_device * optimizer
 
 
@@ -117,6 +133,12 @@ def dp_sync_time_s(ctx: CostContext, group: DeviceGroup, params_per_device: floa
     if ctx.training.zero_stage == 0:
         return DpSync(hierarchical_all_reduce_time_s(grads, per_node, nodes, inner, outer) * scale, 0.0)
     weights = params_per_device * ctx.training.dtype_bytes
+    if hybrid(ctx) and nodes > 1:  # reduce-scatter in the node, all-reduce each shard across; gathers stay inside
+        across = all_reduce_time_s(grads / per_node, nodes, outer)
+        return DpSync(
+            (reduce_scatter_time_s(grads, per_node, inner) + across) * scale,
+            reduce_scatter_time_s(weights, per_node, inner) * scale,
+        )
     return DpSync(
         hierarchical_reduce_scatter_time_s(grads, per_node, nodes, inner, outer) * scale,
         hierarchical_reduce_scatter_time_s(weights, per_node, nodes, inner, outer) * scale,
@@ -155,9 +177,13 @@ def sharded_exposed_time_s(ctx: CostContext, sync: DpSync, backward_s: float, fo
     return forward_exposed + max(0.0, backward_traffic - hidden)
 
 
-def optimizer_time_s(ctx: CostContext, group: DeviceGroup, params_per_device: float, replicas: int) -> float:
+def optimizer_time_s(
+    ctx: CostContext, group: DeviceGroup, params_per_device: float, replicas: int, tp: int | None = None
+) -> float:
     """The Adam step over this device's parameters (its shard under ZeRO: 1/replicas, 1/(replicas * cp) under
-    context parallelism), memory-bound."""
-    local = params_per_device / ctx.gradient_ranks(replicas) if ctx.training.zero_stage >= 1 else params_per_device
+    context parallelism, 1/(those in its node) under hybrid sharding: `tp` places them; without it, the shard over
+    all of them, a lower figure for the planner's bounds), memory-bound."""
+    ranks = shard_ranks(ctx, group, tp, replicas) if tp is not None else ctx.gradient_ranks(replicas)
+    local = params_per_device / ranks if ctx.training.zero_stage >= 1 else params_per_device
     bw = group.device.hbm_bw_bytes_per_s * OPTIMIZER_BW_EFFICIENCY
     return local * ADAM_BYTES_MOVED_PER_PARAM / bw * ctx.terms.optimizer_scale

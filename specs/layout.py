@@ -115,6 +115,7 @@ class Strategy:
     zero_stage: int
     virtual_stages: int = 1
     sequence_parallel: bool = True
+    zero_shard: str = "dp"  # "node": ZeRO shards inside each node, replicated across nodes (hybrid sharding)
 
     def stage_recompute(self, stage: StageStrategy) -> Recompute:
         return stage.recompute or self.recompute
@@ -284,6 +285,7 @@ def megatron_strategy(
         training.zero_stage,
         virtual_stages,
         training.sequence_parallel,
+        training.zero_shard,
     )
 
 

@@ -45,6 +45,12 @@ class TrainingSpec(BaseModel):
         "2: gradients too (reduce-scattered every micro-batch, DeepSpeed); 3: parameters too (all-gathered per layer "
         "in forward and backward, FSDP)",
     )
+    zero_shard: Literal["dp", "node"] = Field(
+        default="dp",
+        description="where ZeRO 1-3 shard: over the whole DP group (dp), or over its ranks inside one node with the "
+        "shards replicated across nodes (node: FSDP's hybrid shard, Megatron's --num-distributed-optimizer-instances;"
+        " less memory saved, no weight gathers and only a 1/node-ranks gradient share over the network)",
+    )
     micro_batch_sizes: tuple[StrictInt, ...] = (1, 2, 4, 8, 16)
     virtual_stages: tuple[StrictInt, ...] = Field(
         default=(1, 2, 4), description="interleaved 1F1B chunks per device the planner may use (1: plain 1F1B)"

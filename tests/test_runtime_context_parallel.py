@@ -1,5 +1,5 @@
 """Context parallelism in the runtime against one process: ring attention against torch's causal attention on the
-whole sequence, and training runs with CP (pipeline stages, TP, replicas with uneven batches, ZeRO-1, interleaving,
+whole sequence, and training runs with CP (pipeline stages, TP, replicas with uneven batches, ZeRO-1/2/3, interleaving,
 two families, speed emulation) against the single-process reference; `hetplan run` of a CP plan.
 
 Every multi-process part runs in one set of 4 spawned processes (a spawn costs far more than the work here)."""
@@ -65,8 +65,9 @@ def _one_stage(group: str, tp: int) -> tuple[StageStrategy, ...]:
 # training runs: name -> (cluster, model, strategy)
 RUNS: dict[str, tuple[Any, ModelSpec, Strategy]] = {
     # 3 + 2 layers over two groups, each stage's sequences over 2 CP ranks (each sends its tokens' activations to its
-    # own CP rank of the next stage), ZeRO-1 over the dp-cp group, selective recompute repeating the ring, the slow
-    # group emulated at half speed (its repeated layer math must not touch the ring)
+    # own CP rank of the next stage), ZeRO-3 over the dp-cp group (weights gathered from the other CP rank), selective
+    # recompute repeating the ring, the slow group emulated at half speed (its repeated layer math must not touch the
+    # ring)
     "two stages": (
         EMULATED,
         MODEL,
@@ -77,7 +78,15 @@ RUNS: dict[str, tuple[Any, ModelSpec, Strategy]] = {
                 ),
             ),
             "selective",
-            1,
+            3,
+        ),
+    ),
+    # 2 replicas x CP 2 sharing 3 micro-batches of 2 (2 and 1), ZeRO-2 over the 4-rank dp-cp group, full recompute
+    "zero-2, replicas, uneven": (
+        ONE_GROUP,
+        MODEL,
+        Strategy(
+            (PipelineStrategy(2, 2, 2, _one_stage("cpu", 1), total_microbatches=3, context_parallel=2),), "full", 2
         ),
     ),
     # TP 2 x CP 2 on one stage: a ring per TP rank over its heads (4 heads, 2 kv heads: one kv head per TP rank),
