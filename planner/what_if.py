@@ -108,7 +108,9 @@ def check_local_run(cluster: ClusterSpec, cluster_file: str | Path) -> None:
 
 
 def check_runtime_layout(plan: LoadedPlan) -> None:
-    """What hetplan's runtime cannot execute yet, refused in one line before anything starts."""
+    """What hetplan's runtime cannot execute, refused in one line before anything starts: a ZeRO stage per family,
+    ZeRO sharded per node, and context parallelism over sequences that do not cut into the 2 * cp equal chunks its
+    ranks hold (runtime/context_parallel.py)."""
     stages = {plan.strategy.family_zero_stage(p) for p in plan.strategy.pipelines}
     if len(stages) > 1:
         raise SpecError(
@@ -123,12 +125,14 @@ def check_runtime_layout(plan: LoadedPlan) -> None:
             "zero_shard",
             "the local runtime shards ZeRO over the whole DP group, not per node: plan with --zero-shard dp to run it",
         )
-    if plan.strategy.context_parallel > 1:
+    cp = plan.strategy.context_parallel
+    seq_length = plan.training.seq_length or plan.model.seq_length
+    if cp > 1 and seq_length % (2 * cp):
         raise SpecError(
             plan.source,
             "pipelines.context_parallel",
-            f"the local runtime does not run context parallelism yet (CP {plan.strategy.context_parallel}); export "
-            "the plan to Megatron or torchtitan, or plan with --cp 1",
+            f"the runtime cuts sequences into 2 x {cp} equal chunks (causal load balance); {seq_length} tokens do "
+            "not divide",
         )
 
 

@@ -24,6 +24,7 @@ TERMS = ("forward", "backward", "tp_comm", "pipeline_wait", "dp_sync", "optimize
 def predicted_stage_terms(ctx: CostContext, evaluation: Evaluation) -> list[dict[str, Any]]:
     """The cost model's terms of every stage (family, stage index, group, terms, step), in evaluation order."""
     strategy = evaluation.strategy
+    ctx = ctx.at_context_parallel(strategy.context_parallel)  # a CP rank's own costs
     out = []
     for family, pipeline in enumerate(strategy.pipelines):
         members = [s for s in evaluation.stages if s.family == family]

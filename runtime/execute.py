@@ -1,9 +1,11 @@
 """One rank of a plan: its stage shard, 1F1B over its replica's micro-batches, weighted DP sync, (ZeRO) Adam.
 
 Ranks are numbered as the planner numbers devices (comm.plan_groups): groups in cluster order, node-major; a stage's
-rank for (replica r, TP rank k) is group offset + stage offset + r * tp + k. Every rank creates every group of the plan
-in one order. Activations are replicated over a stage's TP ranks, so between stages of different TP widths receiving
-rank k takes its input from sending rank k mod tp_sender (and gradients flow back the same way).
+rank for (replica r, CP rank c, TP rank k) is group offset + stage offset + (r * cp + c) * tp + k. Every rank creates
+every group of the plan in one order. Activations are replicated over a stage's TP ranks, so between stages of
+different TP widths receiving rank k takes its input from sending rank k mod tp_sender (and gradients flow back the
+same way). With context parallelism each CP rank holds its chunks of every sequence (runtime/context_parallel.py) and
+exchanges activations with the same CP rank of the neighbouring stages.
 
 The schedule is Megatron's (interleaved) 1F1B, the order predictor/schedule.py draws and the cost model times, written
 out here rather than taken from torch.distributed.pipelining, because stages of one pipeline may have different TP
@@ -14,6 +16,8 @@ under their own point-to-point tags, so two streams between one pair of ranks ne
 scaled by its share of the global batch (micro-batch size / global batch) and DP gradients are summed, so replicas with
 uneven batch shares give exactly the full-batch gradient. A plan of several pipeline families runs each family as
 above on its own devices and share of the batch; then gradients meet across families as shards (runtime/sync.py).
+With context parallelism a CP rank's loss is the mean over its 1/cp of the tokens, scaled by 1/cp more, and the DP sum
+runs over the replicas and their CP ranks together (the dp-cp group, which ZeRO-1 shards over).
 
 ZeRO, over a stage's replicas (a stage without replicas runs unsharded), after the flush (nothing overlaps the
 backward): ZeRO-1 all-reduces the gradients and each replica updates its 1/dp chunk of the rank's flat parameter
@@ -48,6 +52,7 @@ from comm.plan_groups import plan_groups, rank_islands, stage_chunks
 from predictor.schedule import stage_order
 from profiler.layers import DecoderLayer
 from runtime import checkpoint
+from runtime.context_parallel import ContextParallel
 from runtime.model import StageModule, seeded_pieces
 from runtime.sync import CrossFamilySync, all_gathered, chunk_bounds, reduce_scattered
 from runtime.tensor_parallel import TensorParallel
@@ -102,6 +107,12 @@ class Role:
     stage: StageStrategy
     microbatches: int
     sample_start: int  # this replica's first sample in the global batch
+    cp_rank: int = 0  # which of the replica's context-parallel ranks (runtime/context_parallel.py)
+
+    @property
+    def dp_index(self) -> int:
+        """Its place in the stage's DP group (replicas x CP ranks, comm.plan_groups)."""
+        return self.replica * self.pipeline.context_parallel + self.cp_rank
 
     @property
     def first(self) -> bool:
@@ -113,19 +124,22 @@ class Role:
 
 
 def rank_roles(cluster: ClusterSpec, strategy: Strategy) -> dict[int, Role]:
-    """Every active rank's role; the global batch is laid out family by family, replica by replica."""
+    """Every active rank's role; the global batch is laid out family by family, replica by replica (a replica's CP
+    ranks share its samples, each holding its chunks of every sequence)."""
     offsets = group_offsets(cluster)
     roles = {}
     family_start = 0
     for family, pipeline in enumerate(strategy.pipelines):
         counts = pipeline.replica_microbatches()
         starts = [family_start + sum(counts[:r]) * pipeline.micro_batch_size for r in range(pipeline.replicas)]
+        cp = pipeline.context_parallel
         for index, stage in enumerate(pipeline.stages):
             for replica in range(pipeline.replicas):
-                for k in range(stage.tp):
-                    roles[stage_rank(offsets, stage, replica, k)] = Role(
-                        family, pipeline, index, replica, k, stage, counts[replica], starts[replica]
-                    )
+                for c in range(cp):
+                    for k in range(stage.tp):
+                        roles[stage_rank(offsets, stage, replica, k, c, cp)] = Role(
+                            family, pipeline, index, replica, k, stage, counts[replica], starts[replica], c
+                        )
         family_start += pipeline.microbatch_total * pipeline.micro_batch_size
     return roles
 
@@ -187,12 +201,19 @@ class StageTimes:
 
 
 class Emulator:
-    """Makes a pass take 1/speed of its real time by repeating the stage's layer math."""
+    """Makes a pass take 1/speed of its real time by repeating the stage's layer math (no TP or CP collectives)."""
 
-    def __init__(self, speed: float, layers: list[torch.nn.Module], tp: TensorParallel, sample: torch.Tensor) -> None:
+    def __init__(
+        self,
+        speed: float,
+        layers: list[torch.nn.Module],
+        tp: TensorParallel,
+        cp: ContextParallel,
+        sample: torch.Tensor,
+    ) -> None:
         if speed < 1.0 and not layers:
             raise SpecError("cluster", "emulate_speed", "a stage without decoder layers has no layer math to repeat")
-        self.speed, self.layers, self.tp = speed, layers, tp
+        self.speed, self.layers, self.tp, self.cp = speed, layers, tp, cp
         self.sample = sample  # an activation of the stage's shape for the repeated layer math
 
     def extend(self, real_s: float) -> float:
@@ -200,7 +221,7 @@ class Emulator:
             return 0.0
         started = time.perf_counter()
         deadline = started + real_s * (1.0 / self.speed - 1.0)
-        with torch.no_grad(), self.tp.suppress():
+        with torch.no_grad(), self.tp.suppress(), self.cp.suppress():
             for layer in cycle(self.layers):
                 if time.perf_counter() >= deadline:
                     break
@@ -245,14 +266,17 @@ def _build(rank: int, job: RunJob, role: Role, comm: Communicator) -> RankState:
     made = comm.create_groups([g.ranks for g in planned])
     tp_group = next(g for p, g in zip(planned, made, strict=True) if p.kind is Axis.TP and rank in p.ranks)
     dp_group = next(g for p, g in zip(planned, made, strict=True) if p.kind is Axis.DP and rank in p.ranks)
-    stage = role.stage
+    cp_group = next((g for p, g in zip(planned, made, strict=True) if p.kind is Axis.CP and rank in p.ranks), None)
+    stage, cp_size = role.stage, role.pipeline.context_parallel
     tp = TensorParallel(tp_group.process_group, stage.tp, role.tp_rank)
+    process_group = cp_group.process_group if cp_group is not None else None
+    cp = ContextParallel(process_group, cp_size, role.cp_rank, job.seq_length, settings.timeout_s)
     recompute = strategy.stage_recompute(stage)
     dtype = TORCH_DTYPES[settings.dtype]
     modules = []
     for chunk in stage_chunks(role.pipeline, role.stage_index, strategy.virtual_stages):
         pieces = seeded_pieces(model, chunk.layer_start, chunk.layer_end, chunk.first, chunk.last, settings.seed)
-        modules.append(StageModule(model, pieces, tp, recompute).to(dtype))
+        modules.append(StageModule(model, pieces, tp, recompute, cp).to(dtype))
     params = [p for module in modules for p in module.parameters() if p.requires_grad]
     numel = sum(p.numel() for p in params)
     dp_size = len(dp_group.ranks)
@@ -262,7 +286,7 @@ def _build(rank: int, job: RunJob, role: Role, comm: Communicator) -> RankState:
     across = None
     if len(strategy.pipelines) > 1:
         across = CrossFamilySync(model, strategy, group_offsets(cluster), rank, dp_group, zero_stage >= 1)
-    sample = torch.randn(role.pipeline.micro_batch_size, job.seq_length, model.hidden_size, dtype=dtype)
+    sample = torch.randn(role.pipeline.micro_batch_size, job.seq_length // cp_size, model.hidden_size, dtype=dtype)
     layers = [layer for module in modules for layer in module.layers]
     speed = cluster.group(stage.group).emulate_speed
     sharded = None
@@ -273,7 +297,7 @@ def _build(rank: int, job: RunJob, role: Role, comm: Communicator) -> RankState:
         sharded = ShardedParameters(modules, rank, dp_group, comm, microbatches, schedule)
         # the stage's own layers hold no weights between uses: speed emulation repeats a layer of its own
         layers = [_scratch_layer(model, tp, recompute, dtype)] if layers and speed < 1.0 else []
-    emulator = Emulator(speed, layers, tp, sample)
+    emulator = Emulator(speed, layers, tp, cp, sample)
     runner = _StageRunner(job, role, modules, comm, emulator, dtype, sharded)
     return RankState(modules, params, optimizer, dp_group, across, runner, zero_stage, sharded)
 
@@ -315,6 +339,7 @@ def run_rank(rank: int, job: RunJob) -> dict[str, Any]:
         "stage": role.stage_index,
         "replica": role.replica,
         "tp_rank": role.tp_rank,
+        "cp_rank": role.cp_rank,
         "group": stage.group,
         "layers": [stage.layer_start, stage.layer_end],
         "microbatches": role.microbatches,
@@ -356,7 +381,7 @@ class _Keeper:
             optimizer = state.optimizer
             self.table = checkpoint.global_tensors(job.model)
             self.holdings = checkpoint.rank_holdings(
-                job.model, job.strategy, role.family, role.stage_index, role.replica, role.tp_rank,
+                job.model, job.strategy, role.family, role.stage_index, role.dp_index, role.tp_rank,
                 (optimizer.lo, optimizer.hi), state.zero_stage >= 1, state.sharded is not None,
             )  # fmt: skip
         self.saver = checkpoint.Saver(settings.checkpoint_async) if settings.checkpoint_dir else None
@@ -466,7 +491,7 @@ def _step(rank: int, job: RunJob, role: Role, state: RankState, comm: Communicat
             "optimizer_s": optimizer_s,
         }
     )
-    return loss_sum * mbs / job.global_batch if role.last and role.tp_rank == 0 else 0.0
+    return loss_sum * state.runner.loss_scale if role.last and role.tp_rank == 0 else 0.0
 
 
 def _synced_gradients(state: RankState, comm: Communicator, capture: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -536,9 +561,10 @@ class _StageRunner:
         self.role, self.modules, self.comm, self.emulator, self.dtype = role, modules, comm, emulator, dtype
         self.sharded = sharded
         self.index, self.p, self.v = role.stage_index, len(pipeline.stages), len(modules)
-        self.mbs = pipeline.micro_batch_size
-        self.loss_scale = self.mbs / job.global_batch  # this micro-batch's share of the global batch
-        self.shape = (self.mbs, job.seq_length, job.model.hidden_size)
+        self.mbs, self.cp = pipeline.micro_batch_size, emulator.cp
+        # this micro-batch's share of the global batch's tokens (a CP rank's mean loss is over 1/cp of them)
+        self.loss_scale = self.mbs / (job.global_batch * self.cp.size)
+        self.shape = (self.mbs, job.seq_length // self.cp.size, job.model.hidden_size)
         self.offsets = group_offsets(job.cluster)
         self.times = StageTimes()
         self.sends: list[dist.Work] = []
@@ -547,7 +573,9 @@ class _StageRunner:
         self.loss_sum = 0.0
 
     def peer(self, stage_index: int, tp_rank: int) -> int:
-        return stage_rank(self.offsets, self.stages[stage_index % self.p], self.role.replica, tp_rank)
+        """The rank of `stage_index` with this rank's replica and CP rank (its tokens) at TP rank `tp_rank`."""
+        stage = self.stages[stage_index % self.p]
+        return stage_rank(self.offsets, stage, self.role.replica, tp_rank, self.role.cp_rank, self.cp.size)
 
     def receive(self, stage_index: int, tag: int, key: tuple[int, int, int]) -> torch.Tensor:
         """The tensor stage `stage_index` sends this TP rank (k <- k mod its TP width)."""
@@ -574,13 +602,14 @@ class _StageRunner:
         return self.sharded.gather_s if self.sharded is not None else 0.0
 
     def timed(self, work: Callable[[], torch.Tensor | None], kind: str) -> torch.Tensor | None:
-        """Run a forward or backward pass; emulation stretches its compute, not its TP collectives nor its ZeRO-3
-        gathers (the cost model scales an emulated device's layer costs only)."""
+        """Run a forward or backward pass; emulation stretches its compute, not its TP collectives, its ZeRO-3
+        gathers nor its CP ring's waits (the cost model scales an emulated device's layer costs only; the ring's
+        exposed time stays in the pass, as the cost model counts it)."""
         tp = self.emulator.tp
-        t0, comm0, gather0 = time.perf_counter(), tp.comm_s, self.gather_s()
+        t0, comm0, gather0, ring0 = time.perf_counter(), tp.comm_s, self.gather_s(), self.cp.comm_s
         out = work()
         real, comm, gather = time.perf_counter() - t0, tp.comm_s - comm0, self.gather_s() - gather0
-        extended = self.emulator.extend(real - comm - gather)
+        extended = self.emulator.extend(real - comm - gather - (self.cp.comm_s - ring0))
         self.times.compute_s += real
         self.times.emulation_s += extended
         self.times.tp_comm_s += comm
@@ -595,12 +624,10 @@ class _StageRunner:
         chunk = k * self.p + self.index
         batch = tokens[j * self.mbs : (j + 1) * self.mbs]
         last = chunk == self.p * self.v - 1
-        if chunk == 0:
-            x = batch[:, :-1]
-        else:
-            x = self.receive(self.index - 1, ACTIVATION_TAG, (0, j, chunk)).requires_grad_()
+        inputs, targets = self.cp.local_tokens(batch)
+        x = inputs if chunk == 0 else self.receive(self.index - 1, ACTIVATION_TAG, (0, j, chunk)).requires_grad_()
         module = self.modules[k]
-        out = self.timed(lambda: module(x, batch[:, 1:] if last else None), "forward")
+        out = self.timed(lambda: module(x, targets if last else None), "forward")
         assert out is not None
         if last:
             self.loss_sum += float(out.detach())

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from planner.export import launch_commands
 from planner.plan import LoadedPlan, evaluation_dict
+from planner.what_if import check_runtime_layout
 from predictor.cost_model import CostContext, evaluate
 from predictor.run_terms import predicted_stage_terms, side_by_side
 from predictor.runs import RUN_SCHEMA
@@ -42,6 +43,7 @@ LOSS_TOLERANCE = {"fp64": 1e-9, "fp32": 1e-4, "bf16": 3e-2, "fp16": 1e-2}
 def check_runnable(plan: LoadedPlan, cluster: ClusterSpec, dtype: str) -> None:
     """What the runtime cannot run (in `dtype`), as a one-line SpecError before any process starts."""
     check_dtype(dtype, plan.source)
+    check_runtime_layout(plan)
     for stage in (s for pipeline in plan.strategy.pipelines for s in pipeline.stages):
         check_tp(plan.model, stage.tp, plan.source)
 
@@ -214,6 +216,8 @@ def run_record(
     """A `hetplan.run/1` record; `ctx` is the prediction's context (its cluster already at the cores' share)."""
     evaluation = evaluate(ctx, plan.strategy)
     predicted = evaluation.iteration_time_s
+    # the terms' layer costs at the plan's CP degree, as evaluate() takes them (per CP rank, ring included)
+    terms = predicted_stage_terms(ctx, evaluation)
     written = evaluation_dict(ctx, evaluation)
     layout = {
         key: written[key] for key in ("recompute", "zero_stage", "zero_shard", "virtual_stages", "sequence_parallel")
@@ -245,7 +249,7 @@ def run_record(
             "prediction_from": ctx.predictor_identity,
             "cost_source": dict(ctx.cost_source) if ctx.cost_source else None,
             "prediction_error": summary["measured_iteration_time_s"] / predicted - 1.0,
-            "terms": side_by_side(summary["stages"], predicted_stage_terms(ctx, evaluation)),
+            "terms": side_by_side(summary["stages"], terms),
             "emulated_groups": emulated,
             "emulation": "ranks of emulated groups repeat their stage's layer math until each pass takes 1/speed "
             "of its real time (no sleeping)"

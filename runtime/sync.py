@@ -7,7 +7,8 @@ with each device of another family whose owned elements meet its chunk exactly t
 the whole model's flat vector, runtime.model.shard_positions) and adds what it receives: its chunk then holds the sum
 over all families, having sent and received only its 1/replicas shard per other family. An all-gather over the
 replicas gives every replica the full gradient back (skipped under ZeRO-1, whose update needs only its chunk; ZeRO-2/3
-keep only the chunk: `summed_chunk`).
+keep only the chunk: `summed_chunk`). With context parallelism the "replicas" here are the dp-cp group's members,
+replica r's CP rank c being r * cp + c.
 """
 
 from __future__ import annotations
@@ -63,9 +64,10 @@ def family_holdings(model: ModelSpec, strategy: Strategy, offsets: dict[str, int
             tp_positions = [rank_positions(model, strategy, family, index, k) for k in range(stage.tp)]
             for k, positions in enumerate(tp_positions):
                 owned = ~torch.isin(positions, torch.cat(tp_positions[:k])) if k else torch.ones_like(positions).bool()
-                for replica in range(pipeline.replicas):
-                    lo, hi = chunk_bounds(positions.numel(), replica, pipeline.replicas)
-                    rank = stage_rank(offsets, stage, replica, k)
+                cp, members = pipeline.context_parallel, pipeline.gradient_ranks  # the DP group: replicas x CP ranks
+                for member in range(members):
+                    lo, hi = chunk_bounds(positions.numel(), member, members)
+                    rank = stage_rank(offsets, stage, member // cp, k, member % cp, cp)
                     held.append(Holding(rank, positions[lo:hi], owned[lo:hi]))
         families.append(held)
     return families
