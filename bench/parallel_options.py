@@ -68,6 +68,7 @@ def main() -> None:
                     "mfu": planned.evaluation.mfu,
                     "vs_defaults": baseline_s / time_s - 1,
                     "zero_stage": planned.strategy.zero_stage,
+                    "zero": planned.strategy.zero_summary.removeprefix("ZeRO").replace("per family ", "").strip(" -"),
                     "zero_stages_s": planned.search_stats.get("zero_stages_s"),
                     "context_parallel": planned.strategy.context_parallel,
                     "context_parallel_s": planned.search_stats.get("context_parallel_s"),
@@ -76,7 +77,7 @@ def main() -> None:
                     "plan_time_s": elapsed,
                 }
             )
-    print(f"{'seq':>6} {'option':<30} {'iter s':>8} {'tokens/s':>10} {'MFU':>6} {'speedup':>8} {'ZeRO':>4} "
+    print(f"{'seq':>6} {'option':<30} {'iter s':>8} {'tokens/s':>10} {'MFU':>6} {'speedup':>8} {'ZeRO':>6} "
           f"{'CP':>3} {'fam':>3} {'plan s':>6}")  # fmt: skip
     for row in rows:
         if not row["fits"]:
@@ -84,7 +85,7 @@ def main() -> None:
             continue
         print(
             f"{row['seq_length']:>6} {row['option']:<30} {row['iteration_time_s']:>8.2f} {row['tokens_per_s']:>10,.0f} "
-            f"{row['mfu']:>6.1%} {row['vs_defaults']:>+8.1%} {row['zero_stage']:>4} {row['context_parallel']:>3} "
+            f"{row['mfu']:>6.1%} {row['vs_defaults']:>+8.1%} {row['zero']:>6} {row['context_parallel']:>3} "
             f"{row['families']:>3} "
             f"{row['plan_time_s']:>6.1f}"
         )
