@@ -79,6 +79,12 @@ def plan(
     lower_bound: LowerBoundOpt = False,
     engine: Annotated[Optional[str], opt(help="Only plans this engine runs as planned: " + ENGINES + ".")] = None,
     zero_stages: Annotated[Optional[str], opt(help="ZeRO stages to search, e.g. 1,2,3 (fastest wins).")] = None,
+    cp: Annotated[
+        Optional[str], opt("--cp", help="Context-parallel degrees to search, e.g. 1,2,4 (default: by sequence length).")
+    ] = None,
+    zero_shard: Annotated[
+        Optional[str], opt("--zero-shard", help="Where ZeRO shards, to search: dp (whole group), node (hybrid), both.")
+    ] = None,
     out: PlanOutOpt = None,
     quiet: QuietOpt = False,
     as_json: JsonOpt = False,
@@ -99,6 +105,7 @@ def plan(
     given |= {"recompute": flags.names(recompute) if recompute else None, "uneven_batch": uneven_batch}
     given |= {"micro_batch_sizes": flags.int_list(micro_batch_sizes, "--micro-batch-sizes"), "families": families}
     given |= {"virtual_stages": flags.int_list(virtual_stages, "--virtual-stages")}
+    given |= {"context_parallel": flags.int_list(cp, "--cp")}
     training_spec = on_cluster(flags.training(training, **given), cluster_spec)
     inputs = (cluster_spec, model_spec, training_spec, load_profiles(profiles, model_spec))
     chosen_engine = get_engine(engine, "--engine") if engine else None
@@ -109,6 +116,7 @@ def plan(
         "engine": chosen_engine,
     }
     options["zero_stages"] = flags.zero_stages(zero_stages)
+    options["zero_shards"] = flags.choices(zero_shard, ("dp", "node"), "--zero-shard") if zero_shard else []
     try:
         with progress_on_stderr("plan", quiet, unit="candidates") as progress:
             result = make_plan(*inputs, progress=progress.counter("searched"), **options)
@@ -135,11 +143,13 @@ def predict(
     recompute: Annotated[str, opt(help="none, selective or full.")] = "none",
     sequence_parallel: SequenceParallelOpt = True,
     virtual_stages: Annotated[int, opt(min=1, help="Interleaving chunks per stage.")] = 1,
+    cp: Annotated[int, opt("--cp", min=1, help="Context-parallel degree (sequences split over ranks).")] = 1,
     training: TrainingOpt = None,
     global_batch: GlobalBatchOpt = None,
     seq_len: SeqLenOpt = None,
     dtype: DtypeOpt = None,
     zero_stage: ZeroOpt = None,
+    zero_shard: Annotated[Optional[str], opt("--zero-shard", help="dp (whole DP group) or node (hybrid).")] = None,
     attention: Annotated[Optional[str], opt(help="flash, or materialized (pre-flash Megatron).")] = None,
     profiles: Annotated[
         Optional[Path], opt("--profiles", help="Directory of profile JSON files (default: --strategy's).")
@@ -162,7 +172,12 @@ def predict(
     overrides = dict(
         global_batch_size=global_batch, seq_length=seq_len, dtype=dtype, zero_stage=zero_stage, attention=attention
     )
-    given = (group, tp, pp, dp, micro_batch, recompute, virtual_stages, sequence_parallel)
+    overrides["zero_shard"] = flags.choice(zero_shard, ("dp", "node"), "--zero-shard") if zero_shard else None
+    given = (group, tp, pp, dp, micro_batch, recompute, virtual_stages, sequence_parallel, cp)
+    if strategy is not None and cp != 1:
+        from specs.errors import SpecError
+
+        raise SpecError("--cp", "", "goes with the Megatron-style flags; a plan (--strategy) sets its own layout")
     flags.training(None, **overrides)  # a bad flag is named as the flag, before a plan's training is read
     chosen = what_if(cluster_spec, cluster, strategy, model, training, overrides, dict(zip(MEGATRON_FLAGS, given)))
     chosen = replace(chosen, training=on_cluster(chosen.training, cluster_spec))

@@ -1,12 +1,14 @@
 """The process groups a plan needs, in the one order every rank creates them.
 
 Ranks are numbered across the cluster as the planner numbers devices: groups in cluster order, node-major inside a
-group; a stage's rank for (replica r, TP rank k) is group offset + stage offset + r * tp + k. Groups, in order, for
-each pipeline family: TP groups (per stage and replica), pipeline neighbour pairs (per boundary, replica and TP rank
-they share), DP groups (per stage and TP rank, over the replicas, with each replica's gradient weight = its share of
-the global batch). With several families, then one cross-family group per model segment: the pieces of the model
-(0: embedding, 1..L: layers, L+1: LM head) cut at every family's chunk boundaries, each segment's group holding every
-rank of every family whose stage covers it (traffic and checks; the runtime exchanges each device's gradient shard
+group; a stage's rank for (replica r, CP rank c, TP rank k) is group offset + stage offset + (r * cp + c) * tp + k
+(cp: the family's context-parallel degree, 1 without). Groups, in order, for each pipeline family: TP groups (per
+stage, replica and CP rank), CP rings (per stage, replica and TP rank; only with context parallelism), pipeline
+neighbour pairs (per boundary, replica, CP rank and TP rank they share), DP groups (per stage and TP rank, over the
+replicas and their CP ranks, with each member's replica's gradient weight = its share of the global batch). With
+several families, then one cross-family group per model segment: the pieces of the model (0: embedding, 1..L:
+layers, L+1: LM head) cut at every family's chunk boundaries, each segment's group holding every rank of every
+family whose stage covers it (traffic and checks; the runtime exchanges each device's gradient shard
 with the devices of the other families that hold the same elements, runtime/sync.py).
 """
 
@@ -105,25 +107,33 @@ def plan_groups(cluster: ClusterSpec, strategy: Strategy, global_batch: int) -> 
 def _family_groups(
     offsets: dict[str, int], pipeline: PipelineStrategy, family: int, global_batch: int
 ) -> list[PlannedGroup]:
-    stages = pipeline.stages
+    stages, cp, replicas = pipeline.stages, pipeline.context_parallel, range(pipeline.replicas)
 
-    def rank(stage_index: int, replica: int, tp_rank: int) -> int:
-        return stage_rank(offsets, stages[stage_index], replica, tp_rank)
+    def rank(stage_index: int, replica: int, tp_rank: int, cp_rank: int = 0) -> int:
+        return stage_rank(offsets, stages[stage_index], replica, tp_rank, cp_rank, cp)
 
     groups: list[PlannedGroup] = []
     for index, stage in enumerate(stages):
-        for replica in range(pipeline.replicas):
-            members = tuple(rank(index, replica, k) for k in range(stage.tp))
-            groups.append(PlannedGroup(Axis.TP, index, members, (), family))
+        for replica in replicas:
+            for c in range(cp):
+                members = tuple(rank(index, replica, k, c) for k in range(stage.tp))
+                groups.append(PlannedGroup(Axis.TP, index, members, (), family))
+    if cp > 1:
+        for index, stage in enumerate(stages):
+            for replica in replicas:
+                for k in range(stage.tp):
+                    ring = tuple(rank(index, replica, k, c) for c in range(cp))
+                    groups.append(PlannedGroup(Axis.CP, index, ring, (), family))
     for index in range(len(stages) - 1):
-        for replica in range(pipeline.replicas):
-            for k in range(min(stages[index].tp, stages[index + 1].tp)):
-                pair = (rank(index, replica, k), rank(index + 1, replica, k))
-                groups.append(PlannedGroup(Axis.PP, index, pair, (), family))
+        for replica in replicas:
+            for c in range(cp):
+                for k in range(min(stages[index].tp, stages[index + 1].tp)):
+                    pair = (rank(index, replica, k, c), rank(index + 1, replica, k, c))
+                    groups.append(PlannedGroup(Axis.PP, index, pair, (), family))
     samples = [m * pipeline.micro_batch_size for m in pipeline.replica_microbatches()]
-    weights = tuple(s / global_batch for s in samples)
+    weights = tuple(samples[replica] / global_batch for replica in replicas for _ in range(cp))
     for index, stage in enumerate(stages):
         for k in range(stage.tp):
-            members = tuple(rank(index, replica, k) for replica in range(pipeline.replicas))
+            members = tuple(rank(index, replica, k, c) for replica in replicas for c in range(cp))
             groups.append(PlannedGroup(Axis.DP, index, members, weights, family))
     return groups

@@ -60,7 +60,9 @@ def config_microbatches(ctx: CostContext, config: OuterConfig) -> tuple[int, int
     return split
 
 
-def replica_counts(global_batch: int, subset: Sequence[DeviceGroup], tp_rows: np.ndarray, max_stages: int) -> list[int]:
+def replica_counts(
+    global_batch: int, subset: Sequence[DeviceGroup], tp_rows: np.ndarray, max_stages: int, context_parallel: int = 1
+) -> list[int]:
     """Replica counts worth trying for a set of groups: the divisors of the batch (even splits), and the counts at
     which some group fits one more stage (floor(devices / (replicas * tp)) steps up), where an uneven split of the
     batch keeps devices busy that an even split would leave idle. Between two such counts fewer replicas only
@@ -69,7 +71,7 @@ def replica_counts(global_batch: int, subset: Sequence[DeviceGroup], tp_rows: np
     for column, group in enumerate(subset):
         for tp in sorted(set(int(t) for t in tp_rows[:, column])):
             for stages in range(1, max_stages + 1):
-                replicas = part_devices(group) // (stages * tp)
+                replicas = part_devices(group) // (stages * tp * context_parallel)
                 if replicas < 1:
                     break
                 counts.add(replicas)
@@ -77,8 +79,14 @@ def replica_counts(global_batch: int, subset: Sequence[DeviceGroup], tp_rows: np
 
 
 def tp_options(ctx: CostContext, group: DeviceGroup) -> list[int]:
-    """TP degrees inside one node that divide the kv heads (and that the group's profile covers)."""
-    options = [t for t in divisors(group.devices_per_node) if ctx.model.num_kv_heads % t == 0]
+    """TP degrees inside one node that divide the kv heads (and that the group's profile covers); under context
+    parallelism, those whose tp x cp ring fills nodes evenly (divides a node or is whole nodes)."""
+    per_node, cp = group.devices_per_node, ctx.context_parallel
+    options = [
+        t
+        for t in divisors(per_node)
+        if ctx.model.num_kv_heads % t == 0 and (per_node % (t * cp) == 0 or (t * cp) % per_node == 0)
+    ]
     source = ctx.source(group.name)
     profiled = getattr(source, "tp_degrees", None)
     if callable(profiled):
@@ -179,6 +187,7 @@ def part_devices(group: DeviceGroup) -> int:
     return group.num_devices // group_parts(group)
 
 
-def stage_count(group: DeviceGroup, replicas: int, tp: int) -> int:
-    """Stages of TP `tp` the group holds with `replicas` replicas (in whole parts of a merged group)."""
-    return group_parts(group) * (part_devices(group) // (replicas * tp))
+def stage_count(group: DeviceGroup, replicas: int, width: int) -> int:
+    """Stages the group holds with `replicas` replicas of `width` devices each (tp x cp; in whole parts of a merged
+    group)."""
+    return group_parts(group) * (part_devices(group) // (replicas * width))

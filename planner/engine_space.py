@@ -79,6 +79,13 @@ def engine_lost(strategy: Strategy, engine: Engine, training: TrainingSpec | Non
             f"uneven batch shares ({uneven.microbatch_total} micro-batches over {uneven.replicas} replicas) "
             "-> the same number of micro-batches on every replica"
         )
+    if not engine.context_parallel and strategy.context_parallel > 1:
+        lost.append(
+            f"context parallelism (CP {strategy.context_parallel}) -> none: {engine.key} does not split sequences "
+            "over ranks"
+        )
+    if not engine.hybrid_shard and strategy.zero_shard == "node" and strategy.zero_stage >= 1:
+        lost.append(f"ZeRO sharding per node (hybrid) -> over the whole DP group: {engine.key} has no hybrid sharding")
     runs_zero = engine_zero_stage(strategy.zero_stage, engine)
     if runs_zero != strategy.zero_stage:
         lost.append(f"{_zero_words(strategy.zero_stage)} -> {_zero_words(runs_zero)}: {engine.zero_note}")
@@ -100,6 +107,10 @@ def _layout_update(training: TrainingSpec, engine: Engine) -> dict[str, object]:
         update["uneven_batch"] = "off"
     if not engine.interleaving and training.virtual_stages != (1,):
         update["virtual_stages"] = (1,)
+    if not engine.context_parallel and training.context_parallel != (1,):
+        update["context_parallel"] = (1,)
+    if not engine.hybrid_shard and training.zero_shard != "dp":
+        update["zero_shard"] = "dp"
     if engine_zero_stage(training.zero_stage, engine) != training.zero_stage:
         update["zero_stage"] = engine_zero_stage(training.zero_stage, engine)
     return update
@@ -125,7 +136,8 @@ def engine_training(training: TrainingSpec, engine: Engine) -> tuple[TrainingSpe
 
 def _with_tp(pipeline: PipelineStrategy, tp: int) -> PipelineStrategy:
     """Every stage at one TP degree, packed from the start of each group."""
-    return replace(pipeline, stages=pack_stages((replace(s, tp=tp) for s in pipeline.stages), pipeline.replicas))
+    stages = pack_stages((replace(s, tp=tp) for s in pipeline.stages), pipeline.replicas, pipeline.context_parallel)
+    return replace(pipeline, stages=stages)
 
 
 def _one_recompute(strategy: Strategy, mode: str) -> Strategy:
@@ -141,7 +153,8 @@ def _even_batch(strategy: Strategy, global_batch: int) -> Strategy | None:
         split = split_batch(global_batch, replicas, pipeline.micro_batch_size)
         if split and split[0] * replicas == split[1]:
             even = replace(pipeline, replicas=replicas, num_microbatches=split[0], total_microbatches=0)
-            return replace(strategy, pipelines=(replace(even, stages=pack_stages(pipeline.stages, even.replicas)),))
+            stages = pack_stages(pipeline.stages, even.replicas, even.context_parallel)
+            return replace(strategy, pipelines=(replace(even, stages=stages),))
     return None
 
 
@@ -151,7 +164,8 @@ def near_plans(ctx: CostContext, strategy: Strategy, engine: Engine) -> list[Str
     if len(strategy.pipelines) > 1:
         return []
     pipeline = strategy.pipelines[0]
-    candidates = [replace(strategy, zero_stage=engine_zero_stage(strategy.zero_stage, engine))]
+    shard = strategy.zero_shard if engine.hybrid_shard else "dp"
+    candidates = [replace(strategy, zero_stage=engine_zero_stage(strategy.zero_stage, engine), zero_shard=shard)]
     if not engine.interleaving and strategy.virtual_stages > 1:
         candidates = [replace(c, virtual_stages=1) for c in candidates]
     if not engine.per_stage_recompute and len({strategy.stage_recompute(s) for s in pipeline.stages}) > 1:
@@ -212,7 +226,10 @@ def closest(ctx: CostContext, strategy: Strategy, engine: Engine) -> tuple[Strat
     lost = engine_lost(strategy, engine, ctx.training)
     if not engine_lost(strategy, engine):
         return strategy, lost  # only the dtype is lost: the layout runs as planned
-    chosen = _fastest_fitting(ctx, near_plans(ctx, strategy, engine) + engine_plans(ctx, engine))
+    searched = engine_plans(ctx.at_context_parallel(1), engine)
+    if engine.context_parallel and strategy.context_parallel > 1:  # the engine's space at the plan's CP degree too
+        searched += engine_plans(ctx.at_context_parallel(strategy.context_parallel), engine)
+    chosen = _fastest_fitting(ctx, near_plans(ctx, strategy, engine) + searched)
     if chosen is None:
         raise SpecError("export", "plan", "no plan within the engine's limits fits memory: " + "; ".join(lost))
     return chosen, lost

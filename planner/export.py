@@ -17,10 +17,11 @@ from __future__ import annotations
 import json
 import shlex
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from planner.engine_space import closest
 from predictor.cost_model import CostContext, evaluate, interleaved_group_size
+from predictor.sharding import shard_ranks
 from specs.cluster import ClusterSpec
 from specs.engines import get_engine
 from specs.errors import SpecError
@@ -117,6 +118,20 @@ def _overlap_args(ctx: CostContext, strategy: Strategy) -> Args:
     return args
 
 
+def _shard_ranks(ctx: CostContext, strategy: Strategy) -> int:
+    """The ranks ZeRO shards the first stage over (all its replicas and CP ranks, or those in a node if hybrid)."""
+    pipeline = strategy.pipelines[0]
+    stage = pipeline.stages[0]
+    update = {"zero_stage": strategy.zero_stage, "zero_shard": strategy.zero_shard}
+    staged = replace(ctx, training=ctx.training.model_copy(update=update))
+    return shard_ranks(
+        staged.at_context_parallel(pipeline.context_parallel),
+        ctx.cluster.group(stage.group),
+        stage.tp,
+        pipeline.replicas,
+    )
+
+
 def _recompute_args(mode: str) -> Args:
     if mode == "selective":
         return [["--recompute-granularity", "selective"]]
@@ -135,6 +150,8 @@ def _megatron(ctx: CostContext, strategy: Strategy, plan: Strategy) -> tuple[dic
         ["--global-batch-size", str(ctx.training.global_batch_size)],
         ["--calculate-per-token-loss"],
     ]
+    if pipeline.context_parallel > 1:  # ring attention over the CP group (Transformer Engine, p2p exchange)
+        args += [["--context-parallel-size", str(pipeline.context_parallel)], ["--cp-comm-type", "p2p"]]
     counts = {s.num_layers for s in pipeline.stages}
     if len(pipeline.stages) > 1 and (len(counts) > 1 or strategy.virtual_stages > 1):
         args.append(["--pipeline-model-parallel-layout", megatron_layout(strategy)])
@@ -146,6 +163,9 @@ def _megatron(ctx: CostContext, strategy: Strategy, plan: Strategy) -> tuple[dic
     args += _recompute_args(strategy.recompute)
     if strategy.zero_stage >= 1:
         args.append(["--use-distributed-optimizer"])
+        instances = pipeline.gradient_ranks // _shard_ranks(ctx, strategy)
+        if instances > 1:  # hybrid sharding: one optimizer copy per node, the shards replicated across
+            args.append(["--num-distributed-optimizer-instances", str(instances)])
     if strategy.sequence_parallel and pipeline.stages[0].tp > 1:
         args.append(["--sequence-parallel"])
     return {}, args + _overlap_args(ctx, strategy)
@@ -160,7 +180,7 @@ def _flagscale(ctx: CostContext, strategy: Strategy, plan: Strategy) -> tuple[di
         if meshes and device_types[-1] == device and meshes[-1][0] == stage.tp:
             meshes[-1][4] += 1
         else:
-            meshes.append([stage.tp, 1, 1, pipeline.replicas, 1])
+            meshes.append([stage.tp, pipeline.context_parallel, 1, pipeline.replicas, 1])
             device_types.append(device)
         splits.append(stage.num_layers)
     args = [
@@ -233,6 +253,8 @@ def _torchtitan(ctx: CostContext, strategy: Strategy, plan: Strategy) -> tuple[d
     schedule = "1F1B" if strategy.virtual_stages == 1 else "Interleaved1F1B"
     activation = {"none": "none", "selective": "selective", "full": "full"}[strategy.recompute]
     sharded = strategy.zero_stage >= 2  # FSDP2 over the replicas (engine_zero_stage maps ZeRO-1 to 2)
+    shard = _shard_ranks(ctx, strategy) // pipeline.context_parallel  # FSDP2 shards over CP ranks too
+    replicate = pipeline.replicas // shard if sharded else pipeline.replicas
     low_precision = ctx.training.dtype in ("bf16", "fp8")
     fp8 = ctx.training.dtype == "fp8"  # FP8 GEMMs through torchao's converter, bf16 master weights
     reshard = "always" if strategy.zero_stage == 3 else "never"  # ZeRO-3 frees gathered weights after forward
@@ -243,8 +265,9 @@ def _torchtitan(ctx: CostContext, strategy: Strategy, plan: Strategy) -> tuple[d
             "[parallelism]",
             f"tensor_parallel_degree = {pipeline.stages[0].tp}",
             f"pipeline_parallel_degree = {len(pipeline.stages)}",
-            f"data_parallel_replicate_degree = {1 if sharded else pipeline.replicas}",
-            f"data_parallel_shard_degree = {pipeline.replicas if sharded else 1}",
+            f"data_parallel_replicate_degree = {replicate}",
+            f"data_parallel_shard_degree = {shard if sharded else 1}",
+            f"context_parallel_degree = {pipeline.context_parallel}",
             *([f'fsdp_reshard_after_forward = "{reshard}"'] if sharded else []),
             f'pipeline_parallel_schedule = "{schedule}"',
             f"pipeline_parallel_microbatch_size = {pipeline.micro_batch_size}",

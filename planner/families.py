@@ -80,11 +80,15 @@ def partitions(items: Sequence[DeviceGroup]) -> Iterator[list[list[DeviceGroup]]
             yield [*smaller[:index], [first, *smaller[index]], *smaller[index + 1 :]]
 
 
-def _block_context(ctx: CostContext, block: Sequence[DeviceGroup], samples: int) -> CostContext:
-    """The context of a block alone with `samples` of the batch (one family)."""
+def _block_context(
+    ctx: CostContext, block: Sequence[DeviceGroup], samples: int, zero_stage: int | None = None
+) -> CostContext:
+    """The context of a block alone with `samples` of the batch (one family), at its own ZeRO stage if given."""
     cluster = dataclasses.replace(ctx.cluster, groups=tuple(block))
-    training = ctx.training.model_copy(update={"global_batch_size": samples, "families": "off"})
-    return dataclasses.replace(ctx, cluster=cluster, training=training)
+    update: dict[str, object] = {"global_batch_size": samples, "families": "off"}
+    if zero_stage is not None:
+        update["zero_stage"] = zero_stage
+    return dataclasses.replace(ctx, cluster=cluster, training=ctx.training.model_copy(update=update))
 
 
 def _with_memory(ctx: CostContext, plan: _BlockPlan, global_batch: int) -> _BlockPlan:
@@ -102,6 +106,8 @@ def _interleaved_fits(ctx: CostContext, evaluation: Evaluation, most: int) -> tu
     (a stage's memory is affine in the micro-batches it holds in flight)."""
     strategy = evaluation.strategy
     pipeline = strategy.pipelines[0]
+    if strategy.zero_stage != ctx.training.zero_stage:  # the block's plan at its own ZeRO stage
+        ctx = dataclasses.replace(ctx, training=ctx.training.model_copy(update={"zero_stage": strategy.zero_stage}))
     p, v, b = len(pipeline.stages), strategy.virtual_stages, pipeline.micro_batch_size
     sizes = np.array([interleaved_group_size(q, p) for q in range(1, most + 1)])
     q = np.arange(1, most + 1)
@@ -305,13 +311,18 @@ def combine(ctx: CostContext, plans: Sequence[_BlockPlan], microbatches: Sequenc
     pipelines = []
     modes: list[Recompute] = []
     virtual = max([p.virtual_stages for p in plans] + [1])
+    training = ctx.training
     for plan, total in zip(plans, microbatches, strict=True):
         strategy = plan.evaluation.strategy
         pipeline = strategy.pipelines[0]
         most = -(-total // pipeline.replicas)
         stages = tuple(dataclasses.replace(s, recompute=strategy.stage_recompute(s)) for s in pipeline.stages)
         modes += [s.recompute for s in stages]  # type: ignore[misc]
-        pipelines.append(split_pipeline(pipeline.replicas, pipeline.micro_batch_size, stages, most, total))
+        family = split_pipeline(
+            pipeline.replicas, pipeline.micro_batch_size, stages, most, total, pipeline.context_parallel
+        )
+        own = strategy.zero_stage  # the block was searched at its own ZeRO stage (SearchOptions.family_zero_stages)
+        pipelines.append(dataclasses.replace(family, zero_stage=None if own == training.zero_stage else own))
     default: Recompute = max(modes, key=modes.count)
     pipelines = [
         dataclasses.replace(
@@ -322,7 +333,9 @@ def combine(ctx: CostContext, plans: Sequence[_BlockPlan], microbatches: Sequenc
         )
         for p in pipelines
     ]
-    return Strategy(tuple(pipelines), default, ctx.training.zero_stage, virtual, ctx.training.sequence_parallel)
+    return Strategy(
+        tuple(pipelines), default, training.zero_stage, virtual, training.sequence_parallel, training.zero_shard
+    )
 
 
 def family_search(
@@ -366,7 +379,11 @@ class _FamilySearch:
                 every_group=True,
                 root_bound=False,
             )
-            self.memo[key] = _block_plans(self.block_search(_block_context(self.ctx, block, samples), options))
+            found: list[Evaluation] = []
+            for stage in self.options.family_zero_stages or (self.ctx.training.zero_stage,):
+                block_ctx = _block_context(self.ctx, block, samples, stage)
+                found += self.block_search(block_ctx, options)
+            self.memo[key] = _block_plans(sorted(found, key=lambda e: e.iteration_time_s))
         return self.memo[key]
 
     def solve(self, pools: list[list[_BlockPlan]]) -> tuple[Evaluation, list[int]] | None:

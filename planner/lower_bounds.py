@@ -249,13 +249,17 @@ def per_stage_memory_bottleneck_s(
 def work_bound_s(ctx: CostContext, subset: Sequence[DeviceGroup]) -> float:
     """A lower bound on any plan over these groups: B samples x L layers of work, each layer of one sample costing a
     device of group g at least c_g = min over TP t, micro-batch b and recompute of t * (layer time) / b
-    device-seconds, and every device busy at most the whole iteration: T >= B * L / sum_g(devices_g / c_g)."""
+    device-seconds (t * cp under context parallelism), and every device busy at most the whole iteration:
+    T >= B * L / sum_g(devices_g / c_g)."""
     training = ctx.training
     rate = 0.0
     for group in subset:
+        options = tp_options(ctx, group)
+        if not options:  # its nodes hold no CP ring at this degree: no plan uses the subset
+            return math.inf
         least = min(
-            decoder_layer_time_s(ctx, group, b, t, rc) * t / b
-            for t in tp_options(ctx, group)
+            decoder_layer_time_s(ctx, group, b, t, rc) * t * ctx.context_parallel / b
+            for t in options
             for b in training.micro_batch_sizes
             for rc in training.recompute
         )

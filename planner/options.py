@@ -39,6 +39,8 @@ class SearchOptions:
     misfit_candidates: int = 20_000  # when nothing fits: candidates (best time bound first) searched for the closest
     # pipeline families (planner.families)
     plans_per_block: int = 3  # the best plans of each block offered to the batch split
+    # the ZeRO stages each family of a family plan may run (its own per family; empty: the training's)
+    family_zero_stages: tuple[int, ...] = ()
     refined_partitions: int = 2  # the best partitions whose blocks are searched again near the shares the split chose
     refined_per_stage_candidates: int = 2  # ... with per-stage recompute for this many of each block's best candidates
 

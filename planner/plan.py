@@ -108,6 +108,8 @@ def evaluation_dict(ctx: CostContext, evaluation: Evaluation) -> dict[str, Any]:
                 "batch_weight": _round(pipeline.samples_per_replica / ctx.training.global_batch_size),
                 "family_samples": pipeline.samples,
                 "total_microbatches": pipeline.microbatch_total,
+                "context_parallel": pipeline.context_parallel,
+                "zero_stage": strategy.family_zero_stage(pipeline),
                 "replica_batches": _replica_batches(ctx, pipeline),
                 "stages": stages,
             }
@@ -122,8 +124,10 @@ def evaluation_dict(ctx: CostContext, evaluation: Evaluation) -> dict[str, Any]:
         "recompute": strategy.recompute,
         "recompute_summary": strategy.recompute_summary,
         "zero_stage": strategy.zero_stage,
+        "zero_shard": strategy.zero_shard,
         "schedule": "1f1b" if strategy.virtual_stages == 1 else "interleaved-1f1b",
         "virtual_stages": strategy.virtual_stages,
+        "context_parallel": strategy.context_parallel,
         "sequence_parallel": strategy.sequence_parallel,
         "time_breakdown_s": {
             "pipeline": _round(evaluation.pipeline_time_s),
@@ -225,7 +229,8 @@ def describe_strategy(strategy: Strategy) -> str:
         families.append(f"dp {pipeline.replicas} x [{stages}], mbs {pipeline.micro_batch_size} x {microbatches}{share}")
     return (
         " + ".join(families)
-        + f", recompute {strategy.recompute_summary}, zero {strategy.zero_stage}, v {strategy.virtual_stages}"
+        + f", recompute {strategy.recompute_summary}, {strategy.zero_summary.lower()}, v {strategy.virtual_stages}"
+        + (f", cp {strategy.context_parallel}" if strategy.context_parallel > 1 else "")
     )
 
 
@@ -282,6 +287,7 @@ class _PlanFile(BaseModel):
     training: dict[str, Any]
     recompute: Recompute
     zero_stage: int = Field(ge=0, le=3)
+    zero_shard: Literal["dp", "node"] = "dp"
     virtual_stages: int = Field(default=1, ge=1)
     sequence_parallel: bool = True
     pipelines: list[PipelineFile] = Field(min_length=1)
@@ -305,6 +311,13 @@ def load_plan(path: str | Path) -> LoadedPlan:
     parsed = validate(_PlanFile, read_mapping(path), source)
     model = validate(ModelSpec, parsed.model, source, prefix="model")
     training = validate(TrainingSpec, parsed.training, source, prefix="training")
-    pipelines = pipelines_from_files(parsed.pipelines, parsed.recompute)
-    strategy = Strategy(pipelines, parsed.recompute, parsed.zero_stage, parsed.virtual_stages, parsed.sequence_parallel)
+    pipelines = pipelines_from_files(parsed.pipelines, parsed.recompute, parsed.zero_stage)
+    strategy = Strategy(
+        pipelines,
+        parsed.recompute,
+        parsed.zero_stage,
+        parsed.virtual_stages,
+        parsed.sequence_parallel,
+        parsed.zero_shard,
+    )
     return LoadedPlan(strategy, model, training, source, parsed.cluster, parsed.cost_source)

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from planner.engine_space import engine_search, engine_training, engine_zero_stage
 from planner.options import ProgressCallback, SearchOptions
 from planner.plan import Bounds, Plan
-from planner.search import SearchResult, fastest, merge_results, search
+from planner.search import SearchResult, fastest, merge_results, search, searches_families
 from planner.yardsticks import compute_bound_tokens_per_s, group_alone_tokens_per_s
 from predictor.cost_model import (
     CostContext,
@@ -23,8 +23,8 @@ from predictor.predictor import Predictor, default_predictor
 from profiler.profile import DeviceProfile
 from specs.cluster import ClusterSpec
 from specs.engines import Engine
-from specs.errors import DoesNotFitError
-from specs.layout import Strategy
+from specs.errors import DoesNotFitError, SpecError
+from specs.layout import Strategy, split_batch
 from specs.model import ModelSpec
 from specs.training import TrainingSpec
 from specs.units import GIB
@@ -54,6 +54,7 @@ def plan(
     lower_bound: bool = False,
     engine: Engine | None = None,
     zero_stages: Sequence[int] = (),
+    zero_shards: Sequence[str] = (),
 ) -> Plan:
     """The fastest strategy that fits memory, with its metrics, yardsticks and a 90% interval on its iteration
     time; raises DoesNotFitError. `predictor` defaults to the shipped one (`default_predictor()`). `lower_bound`:
@@ -61,7 +62,9 @@ def plan(
     second search's time on large clusters). `engine`: only plans that engine can run as planned (its export loses
     nothing); the training is restricted to it first (planner.engine_space.engine_training). `zero_stages`: search
     each of these ZeRO stages (the training's own when empty) and keep the fastest plan; the search statistics give
-    each stage's best time."""
+    each stage's best time. `zero_shards` ("dp", "node": hybrid sharding), likewise for every stage that shards.
+    Context-parallel degrees come from the training (`context_parallel_degrees`: by sequence
+    length unless chosen), one search each, likewise."""
     predictor = predictor or default_predictor()
     engine_changes: list[str] = []
     if engine is not None:
@@ -70,7 +73,8 @@ def plan(
     ctx = predictor.context(cluster, model, training, profiles)
     started = time.perf_counter()
     options = SearchOptions(top_k=max(1, top_k), root_bound=lower_bound)
-    result, by_stage = _search_zero_stages(ctx, zero_stages, options, progress, engine)
+    choices = _LayoutChoices(zero_stages, zero_shards)
+    result, by_stage, by_cp, by_shard = _search_layout_options(ctx, choices, options, progress, engine)
     search_time_s = time.perf_counter() - started
     if not result.evaluations:
         if result.smallest_shortfall_where:
@@ -110,41 +114,127 @@ def plan(
         stats["engine_changes"] = engine_changes
     if len(by_stage) > 1:
         stats["zero_stages_s"] = by_stage
+    if len(by_cp) > 1:
+        stats["context_parallel_s"] = by_cp
+    if len(by_shard) > 1:
+        stats["zero_shard_s"] = by_shard
     best = result.evaluations[0]
-    if best.strategy.zero_stage != ctx.training.zero_stage:  # the plan's training says the stage it runs
-        training = ctx.training.model_copy(update={"zero_stage": best.strategy.zero_stage})
+    ctx = ctx.at_context_parallel(best.strategy.context_parallel)
+    chosen = {"zero_stage": best.strategy.zero_stage, "zero_shard": best.strategy.zero_shard}
+    if chosen != {"zero_stage": ctx.training.zero_stage, "zero_shard": ctx.training.zero_shard}:
+        training = ctx.training.model_copy(update=chosen)  # the plan's training says how it shards
         ctx, base = replace(ctx, training=training), replace(base, training=training)
     interval = predictor.interval(base, best.strategy)
     alternatives = tuple(result.evaluations[1:])
     return Plan(ctx, best, compute_bounds(ctx), search_time_s, stats, alternatives, interval, result.lower_bound_s)
 
 
-def _search_zero_stages(
+@dataclass(frozen=True)
+class _LayoutChoices:
+    """The ZeRO stages and shard groups a plan searches (the training's own where empty)."""
+
+    zero_stages: Sequence[int]
+    zero_shards: Sequence[str]
+
+
+Times = dict[str, float | None]
+
+
+def _search_layout_options(
     ctx: CostContext,
-    zero_stages: Sequence[int],
+    choices: _LayoutChoices,
     options: SearchOptions,
     progress: ProgressCallback | None,
     engine: Engine | None,
-) -> tuple[SearchResult, dict[str, float | None]]:
-    """One search per ZeRO stage, each started from the best plan so far run at its stage (a feasible incumbent, so
-    a stage that cannot win is pruned early), merged best first; and each stage's best time (None: nothing fits)."""
-    stages = [engine_zero_stage(s, engine) if engine else s for s in zero_stages] or [ctx.training.zero_stage]
+) -> tuple[SearchResult, Times, Times, Times]:
+    """One search per context-parallel degree, ZeRO stage and shard group, each started from the best plans so far
+    regrouped to its degree and run at its stage (a feasible incumbent, so an option that cannot win is pruned early),
+    merged best first; and the best time of each stage, degree and shard group (None: nothing fits)."""
+    training = ctx.training
+    stages = [engine_zero_stage(s, engine) if engine else s for s in choices.zero_stages] or [training.zero_stage]
+    shards = list(choices.zero_shards) or [training.zero_shard]
+    degrees = training.context_parallel_degrees(ctx.seq_length)
+    if engine is not None:
+        degrees = degrees if engine.context_parallel else (1,)
+        shards = shards if engine.hybrid_shard else ["dp"]
+    layouts = [(d, s, h) for d in degrees for s in dict.fromkeys(stages) for h in dict.fromkeys(shards)]
+    layouts = [(d, s, h) for d, s, h in layouts if s or h == shards[0]]  # ZeRO-0 shards nothing: one shard group
     results: list[SearchResult] = []
-    by_stage: dict[str, float | None] = {}
-    for stage in dict.fromkeys(stages):
-        staged = replace(ctx, training=ctx.training.model_copy(update={"zero_stage": stage}))
-        leaders = [e for r in results for e in r.evaluations[:1]]
-        warm = [evaluate(staged, replace(e.strategy, zero_stage=stage)) for e in leaders]
+    by_stage: Times = {}
+    by_cp: Times = {}
+    by_shard: Times = {}
+    for degree, stage, shard in layouts:
+        sharding = {"zero_stage": stage, "zero_shard": shard}
+        staged = replace(ctx, training=training.model_copy(update=sharding)).at_context_parallel(degree)
+        leaders = [e.strategy for r in results for e in r.evaluations[:1]]
+        adapted = [s for s in (at_degree(staged, lead, degree) for lead in leaders) if s is not None]
+        warm = [e for s in adapted if (e := evaluate(staged, _at_stage(s, stage, shard))).fits]
         if engine is None:
             found = search(staged, options, progress, warm_start=warm)
         else:
             found = engine_search(staged, engine, options, progress)
-        own = [e for e in found.evaluations if e.strategy.zero_stage == stage]
-        by_stage[str(stage)] = own[0].iteration_time_s if own else None
+        layout = (stage, shard, degree)
+        own = [e.iteration_time_s for e in found.evaluations if _layout(e.strategy) == layout]
+        best = own[0] if own else None
+        for times, key in ((by_stage, str(stage)), (by_cp, str(degree)), (by_shard, shard)):
+            times[key] = _least(times.get(key), best)
         results.append(found)
+    if engine is None and len(set(stages)) > 1 and searches_families(ctx):
+        # families whose blocks each pick their own stage (a memory-poor device type may want ZeRO-3, a memory-rich
+        # one ZeRO-1): one more search per degree and shard group, started from the best plan so far
+        for degree, shard in dict.fromkeys((d, h) for d, _, h in layouts):
+            sharding = {"zero_stage": stages[0], "zero_shard": shard}
+            staged = replace(ctx, training=training.model_copy(update=sharding)).at_context_parallel(degree)
+            ranked = merge_results(results, 1).evaluations
+            warm = [e for e in ranked if _layout(e.strategy)[1:] == (shard, degree)]
+            per_family = replace(options, family_zero_stages=tuple(dict.fromkeys(stages)))
+            found = search(staged, per_family, progress, warm_start=warm)
+            mixed = [e.iteration_time_s for e in found.evaluations if _layout(e.strategy)[0] < 0]
+            if mixed:
+                by_stage["per family"] = _least(by_stage.get("per family"), mixed[0])
+            results.append(found)
     if len(results) == 1:
-        return results[0], by_stage
-    return merge_results(results, options.top_k), by_stage
+        return results[0], by_stage, by_cp, by_shard
+    return merge_results(results, options.top_k), by_stage, by_cp, by_shard
+
+
+def _at_stage(strategy: Strategy, stage: int, shard: str) -> Strategy:
+    """The strategy with every family at one ZeRO stage and shard group."""
+    pipelines = tuple(replace(p, zero_stage=None) for p in strategy.pipelines)
+    return replace(strategy, pipelines=pipelines, zero_stage=stage, zero_shard=shard)
+
+
+def _layout(strategy: Strategy) -> tuple[int, str, int]:
+    """(ZeRO stage, or -1 where families run their own, shard group, CP degree)."""
+    stages = {strategy.family_zero_stage(p) for p in strategy.pipelines}
+    stage = stages.pop() if len(stages) == 1 else -1
+    return stage, strategy.zero_shard, strategy.context_parallel
+
+
+def at_degree(ctx: CostContext, strategy: Strategy, degree: int) -> Strategy | None:
+    """The strategy on the same devices at another context-parallel degree: each family's replicas x CP ranks
+    regrouped into replicas of `degree` ranks (same stages, micro-batch and device offsets), when they divide, the
+    batch still splits evenly and the layout is valid; else None. The search's incumbent from a neighbouring degree."""
+    pipelines = []
+    for pipeline in strategy.pipelines:
+        ranks = pipeline.gradient_ranks
+        if ranks % degree or pipeline.uneven:
+            return None
+        replicas = ranks // degree
+        split = split_batch(pipeline.samples, replicas, pipeline.micro_batch_size)
+        if split is None or split[0] * replicas != split[1]:
+            return None
+        pipelines.append(replace(pipeline, replicas=replicas, num_microbatches=split[0], context_parallel=degree))
+    adapted = replace(strategy, pipelines=tuple(pipelines))
+    try:
+        ctx.check_strategy(adapted)
+    except SpecError:
+        return None
+    return adapted
+
+
+def _least(a: float | None, b: float | None) -> float | None:
+    return b if a is None else a if b is None else min(a, b)
 
 
 def predict(ctx: CostContext, strategy: Strategy, source: str = "strategy") -> Evaluation:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from planner.families import _block_context, _block_plans, combine, split_batch_across
 from planner.plan import Plan
 from planner.planning import compute_bounds
-from planner.search import search
+from planner.search import merge_results, search
 from predictor.cost_model import CostContext, Evaluation, evaluate
 from predictor.predictor import Predictor, default_predictor
 from specs.cluster import ClusterSpec
@@ -86,7 +86,8 @@ def _shrunk_pipelines(
         if split is None:
             reasons.append(f"{samples} samples do not split over {replicas} replicas of micro-batch {b}")
             continue
-        shrunk = split_pipeline(replicas, b, pack_stages(pipeline.stages, replicas), *split)
+        cp = pipeline.context_parallel
+        shrunk = split_pipeline(replicas, b, pack_stages(pipeline.stages, replicas, cp), *split, cp)
         used = devices_per_group(dataclasses.replace(strategy, pipelines=(shrunk,)))
         short = [name for name, end in used.items() if end > groups[name].num_devices]
         if short:
@@ -178,7 +179,8 @@ def replan(
     previous: CostContext | None = None,
     profiles: Mapping[str, DeviceProfile] | None = None,
 ) -> Replan:
-    """Plan again on a changed cluster, warm-started from the old strategy, over every uneven batch split
+    """Plan again on a changed cluster, warm-started from the old strategy, at the training's context-parallel degrees
+    and the old plan's, over every uneven batch split
     (`uneven_batch: exhaustive`): after a failure the cluster rarely divides the batch evenly. `previous`: the old
     plan's context (Plan.context, for a caller that keeps the planner running, as a scheduler would): the new context
     shares its cost sources (the change only moves nodes), so the search reuses the row tables of the groups the
@@ -193,7 +195,10 @@ def replan(
         ctx = predictor.context(cluster, model, training, profiles)
     shrunk = shrink(ctx, old)
     adapted = shrunk.evaluation
-    result = search(ctx, warm_start=(adapted,) if adapted else ())
+    warm = (adapted,) if adapted else ()
+    degrees = dict.fromkeys((*training.context_parallel_degrees(ctx.seq_length), old.context_parallel))
+    found = [search(ctx.at_context_parallel(degree), warm_start=warm) for degree in sorted(degrees)]
+    result = found[0] if len(found) == 1 else merge_results(found, 1)
     elapsed = time.perf_counter() - started
     if not result.evaluations:
         raise DoesNotFitError(
@@ -214,5 +219,6 @@ def replan(
         stats["note"] = result.note
     base = predictor.base_context(cluster, model, training, profiles)
     interval = predictor.interval(base, best.strategy)
+    ctx = ctx.at_context_parallel(best.strategy.context_parallel)
     plan = Plan(ctx, best, compute_bounds(ctx), elapsed, stats, (), interval)
     return Replan(plan, adapted, elapsed, shrunk.reason)

@@ -257,14 +257,15 @@ class _Search:
         """The best even candidates again at nearby replica counts that do not divide the batch (each group keeping
         as many stages as it then fits); returns how many were solved."""
         global_batch, num_layers = self.ctx.training.global_batch_size, self.ctx.model.num_layers
+        cp = self.ctx.context_parallel
         seen: set[OuterConfig] = set()
         solved = 0
         best_first = sorted(self.tried, key=lambda item: (item[0], item[1]))
         for _, order, config, _ in best_first[: self.options.uneven_candidates]:
-            for replicas in _nearby_replica_counts(config):
+            for replicas in _nearby_replica_counts(config, cp):
                 if global_batch % replicas == 0 or split_batch(global_batch, replicas, config.micro_batch_size) is None:
                     continue  # even splits were searched already
-                counts = tuple(stage_count(g, replicas, t) for g, t in zip(config.groups, config.tps))
+                counts = tuple(stage_count(g, replicas, t * cp) for g, t in zip(config.groups, config.tps))
                 stages = sum(counts)
                 v = config.virtual_stages if stages > 1 else 1  # a single stage cannot interleave
                 if min(counts) < 1 or stages * v > num_layers:
@@ -319,16 +320,20 @@ class _Search:
         families = family_search(ctx, self.options, rates, _BlockSearch(), self.progress)
         for position, evaluation in enumerate(families.evaluations):
             self.best.keep(evaluation, self.scanned + position)
-        return families.partitions, family_bound_s(ctx, self.options) if self.options.root_bound else math.inf
+        if not self.options.root_bound:
+            return families.partitions, math.inf
+        stages = self.options.family_zero_stages or (ctx.training.zero_stage,)  # a bound for each family's stage
+        staged = [dataclasses.replace(ctx, training=ctx.training.model_copy(update={"zero_stage": s})) for s in stages]
+        return families.partitions, min(family_bound_s(c, self.options) for c in staged)
 
 
-def _nearby_replica_counts(config: OuterConfig) -> list[int]:
+def _nearby_replica_counts(config: OuterConfig, context_parallel: int) -> list[int]:
     """Replica counts at which some group of a candidate holds fewer stages, or up to two more (and one replica
     fewer than the candidate's)."""
     counts = {config.replicas - 1}
     for group, tp, stages in zip(config.groups, config.tps, config.stage_counts):
         for k in range(1, stages + 3):
-            counts.add(part_devices(group) // (k * tp))
+            counts.add(part_devices(group) // (k * tp * context_parallel))
     return sorted((c for c in counts if c >= 1), reverse=True)
 
 
@@ -338,14 +343,15 @@ class _BlockSearch:
     and then that step)."""
 
     def __init__(self) -> None:
-        self.scans: dict[tuple[tuple[DeviceGroup, ...], int, SearchOptions], _Search] = {}
+        self.scans: dict[tuple[tuple[DeviceGroup, ...], int, int, int, SearchOptions], _Search] = {}
 
     def __call__(self, ctx: CostContext, options: SearchOptions) -> list[Evaluation]:
         plain = dataclasses.replace(options, per_stage_candidates=0)
         groups = ctx.cluster.groups
         if len(identical_classes(groups)) < len(groups) and search_size(ctx, groups) > MERGE_ABOVE:
             return search(ctx, options).evaluations  # merged groups: no state to keep
-        key = (tuple(groups), ctx.training.global_batch_size, plain)
+        training = ctx.training
+        key = (tuple(groups), training.global_batch_size, training.zero_stage, ctx.context_parallel, plain)
         if key not in self.scans:
             state = _Search(ctx, plain, None, None, ())
             state.run()
@@ -414,7 +420,7 @@ def _merged_search(
         merged_parts(group, len(kind))
     members = {group.name: kind for group, kind in zip(merged, kinds, strict=True)}
     cluster = dataclasses.replace(ctx.cluster, groups=merged)
-    merged_ctx = dataclasses.replace(ctx, cluster=cluster, sources={g.name: ctx.source(g.name) for g in merged})
+    merged_ctx = dataclasses.replace(ctx, cluster=cluster, sources={g.name: ctx.sources[g.name] for g in merged})
     wide = dataclasses.replace(options, top_k=max(options.top_k, 8), root_bound=False)
     try:
         result = search(merged_ctx, wide, progress, splitter)
@@ -439,13 +445,15 @@ def _spread(ctx: CostContext, strategy: Strategy, members: dict[str, tuple[Devic
     for pipeline in strategy.pipelines:
         stages = []
         for stage in pipeline.stages:
-            need = stage.tp * pipeline.replicas
+            need = pipeline.stage_devices(stage)
             room = [g for g in members[stage.group] if used.get(g.name, 0) + need <= g.num_devices]
             if not room:
                 return None
             used[room[0].name] = used.get(room[0].name, 0) + need
             stages.append(dataclasses.replace(stage, group=room[0].name))
-        pipelines.append(dataclasses.replace(pipeline, stages=pack_stages(stages, pipeline.replicas)))
+        pipelines.append(
+            dataclasses.replace(pipeline, stages=pack_stages(stages, pipeline.replicas, pipeline.context_parallel))
+        )
     return dataclasses.replace(strategy, pipelines=tuple(pipelines))
 
 

@@ -127,12 +127,13 @@ def build_strategy(
         stages.append(StageStrategy(group.name, start, start + count, tp, 0, modes[index] if modes else None))
         start += count
     microbatches, total = config_microbatches(ctx, config)
-    placed = pack_stages(stages, config.replicas)
-    pipeline = split_pipeline(config.replicas, config.micro_batch_size, placed, microbatches, total)
+    cp = ctx.context_parallel
+    placed = pack_stages(stages, config.replicas, cp)
+    pipeline = split_pipeline(config.replicas, config.micro_batch_size, placed, microbatches, total, cp)
     default: Recompute = max(modes, key=modes.count) if modes else config.recompute  # type: ignore[assignment]
-    return Strategy(
-        (pipeline,), default, ctx.training.zero_stage, config.virtual_stages, ctx.training.sequence_parallel
-    )
+    training = ctx.training
+    virtual, shard = config.virtual_stages, training.zero_shard
+    return Strategy((pipeline,), default, training.zero_stage, virtual, training.sequence_parallel, shard)
 
 
 # (the candidate's best strategy, or None; whether memory made it infeasible; its pipeline objective)

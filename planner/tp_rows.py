@@ -421,21 +421,24 @@ class SubsetRows:
         per replica, less optimizer sharding)."""
         training, model = ctx.training, ctx.model
         global_batch = training.global_batch_size
+        if self.tp_rows.size == 0:  # a group whose nodes hold no TP degree at this CP degree: no stage, no plan
+            return
         if every_count:
             replica_options = list(range(1, int(self.devices.min()) + 1))
         elif training.uneven_batch == "exhaustive":
             replica_options = replica_counts(
-                global_batch, self.subset, self.tp_rows, options.uneven_max_stages_per_group
+                global_batch, self.subset, self.tp_rows, options.uneven_max_stages_per_group, ctx.context_parallel
             )
         else:
             replica_options = divisors(global_batch)
         for replicas in replica_options:
             if self.devices.min() < replicas:
                 break
-            counts = self.parts[None, :] * (self.devices[None, :] // (replicas * self.tp_rows))
+            widths = self.tp_rows * ctx.context_parallel  # devices of one replica of a stage
+            counts = self.parts[None, :] * (self.devices[None, :] // (replicas * widths))
             total_state = model.total_params() * state_bytes_per_param(ctx, replicas)
             even = not every_count and global_batch % replicas == 0
-            fewer = self.parts[None, :] * (self.devices[None, :] // ((replicas + 1) * self.tp_rows))
+            fewer = self.parts[None, :] * (self.devices[None, :] // ((replicas + 1) * widths))
             worth = even or (fewer < counts).any(axis=1)
             valid = (
                 worth
@@ -450,7 +453,7 @@ class SubsetRows:
         """Per row: one direction of the fill and drain point-to-point at its least (every pipeline over the k
         groups crosses k - 1 group boundaries and p - k inside groups)."""
         ctx = self.costs.ctx
-        crossing_bytes = b * ctx.seq_length * ctx.model.hidden_size * ctx.training.dtype_bytes
+        crossing_bytes = b * ctx.seq_length * ctx.model.hidden_size * ctx.training.dtype_bytes / ctx.context_parallel
         crossing_bytes = crossing_bytes / tps.max(axis=1)
         boundaries_s = (stages - len(self.subset)) * self._fastest_p2p_s(self.inside, crossing_bytes)
         if len(self.subset) > 1:
@@ -581,7 +584,7 @@ def _reuse_key(ctx: CostContext) -> tuple[object, ...]:
     global batch, the families and the uneven-batch rule) and network."""
     training = ctx.training.model_dump_json(exclude={"global_batch_size", "families", "uneven_batch"})
     cluster = (ctx.cluster.topology, ctx.cluster.inter_group_bw_bytes_per_s)
-    return (id(ctx.sources), id(ctx.model), id(ctx.links), ctx.terms, cluster, training)
+    return (id(ctx.sources), id(ctx.model), id(ctx.links), ctx.terms, cluster, training, ctx.context_parallel)
 
 
 def row_tables(ctx: CostContext) -> RowTables:

@@ -107,6 +107,35 @@ def check_local_run(cluster: ClusterSpec, cluster_file: str | Path) -> None:
         )
 
 
+def check_runtime_layout(plan: LoadedPlan) -> None:
+    """What hetplan's runtime cannot execute, refused in one line before anything starts: a ZeRO stage per family,
+    ZeRO sharded per node, and context parallelism over sequences that do not cut into the 2 * cp equal chunks its
+    ranks hold (runtime/context_parallel.py)."""
+    stages = {plan.strategy.family_zero_stage(p) for p in plan.strategy.pipelines}
+    if len(stages) > 1:
+        raise SpecError(
+            plan.source,
+            "pipelines.zero_stage",
+            f"the local runtime runs one ZeRO stage for the whole plan, this one has one per family "
+            f"({sorted(stages)}): plan with one --zero-stage to run it",
+        )
+    if plan.strategy.zero_shard == "node":
+        raise SpecError(
+            plan.source,
+            "zero_shard",
+            "the local runtime shards ZeRO over the whole DP group, not per node: plan with --zero-shard dp to run it",
+        )
+    cp = plan.strategy.context_parallel
+    seq_length = plan.training.seq_length or plan.model.seq_length
+    if cp > 1 and seq_length % (2 * cp):
+        raise SpecError(
+            plan.source,
+            "pipelines.context_parallel",
+            f"the runtime cuts sequences into 2 x {cp} equal chunks (causal load balance); {seq_length} tokens do "
+            "not divide",
+        )
+
+
 # What hetplan's runtime overlaps: nothing of the DP traffic (runtime/execute.py reduces the gradients after the flush
 # and, under ZeRO-1, gathers the weights after the update), whatever the training file says an engine would overlap.
 RUNTIME_TRAINING = {"overlap_grad_reduce": False, "overlap_param_gather": False}

@@ -19,11 +19,12 @@ MAX_SCALE_DOUBLINGS = 8
 
 
 def compute_bound_tokens_per_s(ctx: CostContext) -> float:
-    """Tokens/s with every device busy at its profiled layer speed (TP 1, best micro-batch, no recompute)."""
+    """Tokens/s with every device busy at its profiled layer speed (TP 1, best micro-batch, no recompute, whole
+    sequences: no context parallelism, whose per-rank costs would count each rank's tokens as a whole sequence)."""
     model, seq = ctx.model, ctx.seq_length
     total = 0.0
     for group in ctx.cluster.groups:
-        source = ctx.source(group.name)
+        source = ctx.sources[group.name]
         best = 0.0
         for size in ctx.training.micro_batch_sizes:
             time_s = (
@@ -44,11 +45,11 @@ def group_alone_tokens_per_s(
     plan)."""
     for doubling in range(MAX_SCALE_DOUBLINGS + 1):
         scaled = group.with_nodes(group.nodes * 2**doubling)
-        alone = replace(ctx, cluster=ctx.cluster.only(scaled), sources={scaled.name: ctx.source(group.name)})
+        alone = replace(ctx, cluster=ctx.cluster.only(scaled), sources={scaled.name: ctx.sources[group.name]})
         best = fastest(alone)
         if best is not None:
             if doubling == 0:
                 return best.tokens_per_s, False
             return best.tokens_per_s * group.num_devices / best.devices_used, True
-    alone = replace(ctx, cluster=ctx.cluster.only(group), sources={group.name: ctx.source(group.name)})
+    alone = replace(ctx, cluster=ctx.cluster.only(group), sources={group.name: ctx.sources[group.name]})
     return compute_bound_tokens_per_s(alone), True

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from predictor.comm_model import Link, cross_group_link, in_node_link, rail_link
+from predictor.context_parallel import ContextParallelCosts
 from profiler.profile import DeviceProfile, HostCosts, LayerCostSource, ScaledLayerCosts
 from profiler.simulated import SimulatedDevice
 from specs.cluster import ClusterSpec, DeviceGroup
@@ -52,20 +53,38 @@ class CostContext:
     identity: str = ""  # the predictor's, when one made this context
     # where the costs come from, as a plan records it (Predictor.cost_source): the predictor and the profile files
     cost_source: Mapping[str, Any] | None = None
+    # the context-parallel degree the costs are for (evaluate takes it from the strategy, the search per degree)
+    context_parallel: int = 1
+    _cp_sources: dict[str, LayerCostSource] = field(default_factory=dict, init=False, repr=False, compare=False)
     # measured host costs by device key (profiles' `host` sections): their groups are processes of one host, local
     # runs that share its cores (predictor/host.py); a context made for one strategy records how they share them
     host: Mapping[str, HostCosts] = field(default_factory=dict)
     processes_per_core: float = 0.0  # busy processes per core of the host (0: not evaluated as a local run)
     compute_stretch: float = 1.0  # what sharing the cores does to compute (HostCosts.stretch)
     # contexts made from this one for a number of busy processes (predictor.host.on_host); fresh on every replace
-    loaded: dict[int, CostContext] = field(default_factory=dict, init=False, repr=False, compare=False)
+    loaded: dict[tuple[float, float], CostContext] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def seq_length(self) -> int:
         return self.training.seq_length or self.model.seq_length
 
     def source(self, group: str) -> LayerCostSource:
-        return self.sources[group]
+        """The group's layer costs per rank: under context parallelism, per CP rank with the ring's exposed
+        transfers (predictor.context_parallel)."""
+        if self.context_parallel == 1:
+            return self.sources[group]
+        found = self._cp_sources.get(group)
+        if found is None:
+            found = self._cp_sources[group] = ContextParallelCosts(self, self.cluster.group(group), self.sources[group])
+        return found
+
+    def at_context_parallel(self, degree: int) -> CostContext:
+        """This context for plans whose families split sequences over `degree` ranks."""
+        return self if degree == self.context_parallel else replace(self, context_parallel=degree)
+
+    def gradient_ranks(self, replicas: int) -> int:
+        """Ranks a stage's gradients are reduced (and ZeRO-sharded) over: its replicas and their CP ranks."""
+        return replicas * self.context_parallel
 
     @property
     def predictor_identity(self) -> str:
@@ -74,8 +93,16 @@ class CostContext:
         return f"{self.identity}: {base}" if self.identity else base
 
     def check_strategy(self, strategy: Strategy, source: str = "strategy") -> None:
-        """The layout's structural checks against this context's cluster, model and global batch."""
+        """The layout's structural checks against this context's cluster, model and global batch, and a sequence
+        that splits into the 2 * cp chunks of causal load balancing."""
         check_strategy(strategy, self.cluster, self.model, self.training.global_batch_size, source)
+        cp = strategy.context_parallel
+        if cp > 1 and self.seq_length % (2 * cp):
+            raise SpecError(
+                source,
+                "pipelines.context_parallel",
+                f"sequences of {self.seq_length} tokens do not split into 2 x {cp} equal chunks (causal load balance)",
+            )
 
     def fitted_link(self, key: str, link_class: str) -> Link | None:
         """A fitted link of a device and class, else its `host` link (measured between this machine's processes:

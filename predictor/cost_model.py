@@ -17,6 +17,7 @@ import numpy as np
 
 from predictor.comm_model import Link, all_reduce_time_s
 from predictor.context import CostContext, EndToEndTerms, build_context, emulated
+from predictor.context_parallel import RING_BUFFERS, ring_block_bytes
 from predictor.host import (
     busy_processes,
     evaluate_on_host,
@@ -32,6 +33,7 @@ from predictor.sharding import (
     fp8_weight_copy_bytes,
     gathered_weights_bytes,
     optimizer_time_s,
+    shard_ranks,
     sharded_exposed_time_s,
     state_bytes,
     state_bytes_per_param,
@@ -66,8 +68,8 @@ TP_OVERLAP_SHARE = 0.8
 
 # ---- per-stage pieces (also used by the planner's inner solvers) ---------------------------------------------
 def tp_collective_time_s(ctx: CostContext, group: DeviceGroup, micro_batch_size: int, tp: int) -> float:
-    """One all-reduce-sized TP collective of b*s*h activations inside the node."""
-    size = micro_batch_size * ctx.seq_length * ctx.model.hidden_size * ctx.training.dtype_bytes
+    """One all-reduce-sized TP collective of b*s*h activations inside the node (s/cp tokens per CP rank)."""
+    size = micro_batch_size * ctx.seq_length * ctx.model.hidden_size * ctx.training.dtype_bytes / ctx.context_parallel
     return all_reduce_time_s(size, tp, ctx.in_node_link(group)) * ctx.terms.tp_comm_scale
 
 
@@ -173,7 +175,7 @@ def stage_memory(
 ) -> StageMemory:
     """Peak bytes of one device of a stage: its (sharded) state, ZeRO 3's gathered layers, in-flight activations."""
     params = stage_params(ctx.model, num_layers, first, last, pipeline_stages) / tp
-    weights, grads, optimizer = state_bytes(ctx, params, dp)
+    weights, grads, optimizer = state_bytes(ctx, params, group, tp, dp)
     weights += gathered_weights_bytes(ctx, ctx.model.layer_params() / tp, num_layers, dp)
     weights += fp8_weight_copy_bytes(ctx, group, params)
     source = ctx.source(group.name)
@@ -183,6 +185,8 @@ def stage_memory(
     activations = per_microbatch * in_flight
     if last:  # logits live for one micro-batch: 1F1B runs its backward right after its forward
         activations += source.layer_cost("lm_head", micro_batch_size, tp, "none").activation_bytes
+    if ctx.context_parallel > 1 and num_layers:  # the computing layer's ring buffers
+        activations += RING_BUFFERS * ring_block_bytes(ctx, micro_batch_size, tp)
     return StageMemory(
         weights_bytes=weights, grads_bytes=grads, optimizer_bytes=optimizer, activation_bytes=activations
     )
@@ -232,8 +236,9 @@ def p2p_link(ctx: CostContext, a: StageStrategy, b: StageStrategy) -> Link:
 
 
 def p2p_time_s(ctx: CostContext, a: StageStrategy, b: StageStrategy, micro_batch_size: int) -> float:
-    """Activations (or their gradients) across one stage boundary, one direction, split over the TP ranks."""
-    size = micro_batch_size * ctx.seq_length * ctx.model.hidden_size * ctx.training.dtype_bytes
+    """Activations (or their gradients) across one stage boundary, one direction, split over the TP ranks (and
+    the CP ranks, each sending its own tokens)."""
+    size = micro_batch_size * ctx.seq_length * ctx.model.hidden_size * ctx.training.dtype_bytes / ctx.context_parallel
     return p2p_link(ctx, a, b).p2p_time_s(size / min(a.tp, b.tp)) * ctx.terms.network_scale
 
 
@@ -348,8 +353,8 @@ def cross_family_sync_time_s(
                 slowest = link
     if slowest is None:
         return 0.0
-    replicas = strategy.pipelines[family].replicas
-    shard_bytes = params_per_device * GRAD_BYTES_PER_PARAM / replicas
+    ranks = shard_ranks(ctx, own, stage.tp, strategy.pipelines[family].replicas)
+    shard_bytes = params_per_device * GRAD_BYTES_PER_PARAM / ranks
     families = len(strategy.pipelines)
     host_work = family_sync_overhead_s(ctx, own, params_per_device)  # a local run's indexing and copies
     return all_reduce_time_s(shard_bytes, families, slowest) * ctx.terms.network_scale + host_work
@@ -379,7 +384,9 @@ def _stage_key(
         pipeline.num_microbatches,
         pipeline.replicas,
         strategy.virtual_stages,
-        strategy.zero_stage,
+        strategy.family_zero_stage(pipeline),
+        strategy.zero_shard,
+        strategy.context_parallel,
         after,
         ctx.processes_per_core,
     )
@@ -439,7 +446,7 @@ def _evaluate_stage(
         p2p_time_s=p2p_time_s(ctx, stage, stages[index + 1], b) if index + 1 < p else 0.0,
         dp_sync_time_s=sync.total_s + across,
         dp_exposed_time_s=exposed,
-        optimizer_time_s=optimizer_time_s(ctx, group, params_per_device, replicas),
+        optimizer_time_s=optimizer_time_s(ctx, group, params_per_device, replicas, stage.tp),
         memory=memory,
         memory_capacity_bytes=group.device.memory_bytes,
         memory_usable_bytes=usable_memory_bytes(ctx, group),
@@ -463,6 +470,9 @@ def _evaluate_stages(
     drain: sum T = sum(compute) + 2 * sum(one-way p2p)."""
     pipeline = strategy.pipelines[family]
     stages = pipeline.stages
+    own_stage = strategy.family_zero_stage(pipeline)
+    if own_stage != ctx.training.zero_stage:  # a family of its own ZeRO stage
+        ctx = replace(ctx, training=ctx.training.model_copy(update={"zero_stage": own_stage}))
     if len(strategy.pipelines) > 1:
         cache = None
     evaluated = []
@@ -494,8 +504,10 @@ def evaluate(ctx: CostContext, strategy: Strategy, cache: StageCache | None = No
     pipeline families, the iteration waits for the slowest family's pipeline, then for the DP sync (across families
     too) and the optimizer step. The strategy's ZeRO stage is the one evaluated (a plan may pin its own). `cache`
     (a dict the caller keeps for one context) reuses stage evaluations across strategies, as the search does."""
-    if strategy.zero_stage != ctx.training.zero_stage:
-        ctx = replace(ctx, training=ctx.training.model_copy(update={"zero_stage": strategy.zero_stage}))
+    if (strategy.zero_stage, strategy.zero_shard) != (ctx.training.zero_stage, ctx.training.zero_shard):
+        update = {"zero_stage": strategy.zero_stage, "zero_shard": strategy.zero_shard}
+        ctx = replace(ctx, training=ctx.training.model_copy(update=update))
+    ctx = ctx.at_context_parallel(strategy.context_parallel)
     if ctx.host and not ctx.processes_per_core and busy_processes(ctx, strategy):
         return evaluate_on_host(ctx, strategy, lambda loaded: evaluate(loaded, strategy, cache))
     evaluated: list[StageEvaluation] = []

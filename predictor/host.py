@@ -58,7 +58,7 @@ def loaded(ctx: CostContext, processes_per_core: float, stretch: float) -> CostC
         sources: dict[str, LayerCostSource] = dict(ctx.sources)
         for group in ctx.cluster.groups:
             if host_of(ctx, group) is not None and key[1] != 1.0:
-                sources[group.name] = ScaledLayerCosts(ctx.source(group.name), key[1])
+                sources[group.name] = ScaledLayerCosts(ctx.sources[group.name], key[1])
         made = replace(ctx, sources=sources, processes_per_core=key[0], compute_stretch=key[1])
         ctx.loaded[key] = made
     return made

@@ -27,7 +27,8 @@ TERMS = ("forward", "backward", "tp_comm", "pipeline_wait", "dp_sync", "optimize
 def predicted_stage_terms(ctx: CostContext, evaluation: Evaluation) -> list[dict[str, Any]]:
     """The cost model's terms of every stage (family, stage index, group, terms, step), in evaluation order."""
     strategy = evaluation.strategy
-    ctx = on_host(ctx, evaluation)  # the layer costs as evaluate used them (stretched on a shared host)
+    # the layer costs as evaluate used them: a CP rank's own, stretched on a shared host
+    ctx = on_host(ctx.at_context_parallel(strategy.context_parallel), evaluation)
     per_step = ctx.terms.iteration_overhead_s + step_overhead_s(ctx, strategy)
     out = []
     for family, pipeline in enumerate(strategy.pipelines):

@@ -38,6 +38,7 @@ class MegatronLayout(BaseModel):
     micro_batch_size: int = Field(default=1, ge=1)
     recompute: Recompute = "none"
     virtual_stages: int = Field(default=1, ge=1)
+    cp: int = Field(default=1, ge=1, description="context-parallel degree (Megatron's --context-parallel-size)")
 
 
 class PlanLayout(BaseModel):
@@ -47,13 +48,16 @@ class PlanLayout(BaseModel):
 
     recompute: Recompute = "none"
     zero_stage: int = Field(default=0, ge=0, le=3)
+    zero_shard: Literal["dp", "node"] = "dp"
     virtual_stages: int = Field(default=1, ge=1)
     sequence_parallel: bool = True
     pipelines: list[PipelineFile] = Field(min_length=1)
 
     def to_strategy(self) -> Strategy:
-        pipelines = pipelines_from_files(self.pipelines, self.recompute)
-        return Strategy(pipelines, self.recompute, self.zero_stage, self.virtual_stages, self.sequence_parallel)
+        pipelines = pipelines_from_files(self.pipelines, self.recompute, self.zero_stage)
+        return Strategy(
+            pipelines, self.recompute, self.zero_stage, self.virtual_stages, self.sequence_parallel, self.zero_shard
+        )
 
 
 class RunRecord(BaseModel):
@@ -131,6 +135,7 @@ def _resolve(record: RunRecord, path: Path, where: str) -> Run:
         micro_batch_size=layout.micro_batch_size,
         recompute=layout.recompute,
         virtual_stages=layout.virtual_stages,
+        context_parallel=layout.cp,
         source=f"{path}: {where}.strategy",
     )
     return Run(

@@ -25,8 +25,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from predictor.comm_model import (
+    all_reduce_time_s,
     hierarchical_all_reduce_time_s,
     hierarchical_reduce_scatter_time_s,
+    reduce_scatter_time_s,
 )
 from predictor.context import CostContext
 from specs.cluster import DeviceGroup
@@ -63,9 +65,22 @@ class DpSync:
 NO_SYNC = DpSync(0.0, 0.0)
 
 
+def hybrid(ctx: CostContext) -> bool:
+    """ZeRO shards inside each node and replicates across nodes (TrainingSpec.zero_shard: node)."""
+    return ctx.training.zero_shard == "node" and ctx.training.zero_stage >= 1
+
+
+def shard_ranks(ctx: CostContext, group: DeviceGroup, tp: int, replicas: int) -> int:
+    """The ranks ZeRO shards a stage's state over: its replicas and their CP ranks, or under hybrid sharding those of
+    them inside one node."""
+    ranks = ctx.gradient_ranks(replicas)
+    return dp_layout(group, tp, ranks)[0] if hybrid(ctx) else ranks
+
+
 def state_bytes_per_param(ctx: CostContext, dp: int) -> float:
-    """Weights + grads + optimizer bytes per parameter on one device, as the ZeRO stage shards them over `dp`."""
-    weights, grads, optimizer = _state_bytes(ctx, dp)
+    """Weights + grads + optimizer bytes per parameter on one device, as the ZeRO stage shards them over `dp` replicas
+    and their CP ranks (a lower figure under hybrid sharding, which shards over fewer: the planner's bounds)."""
+    weights, grads, optimizer = _state_bytes(ctx, ctx.gradient_ranks(dp))
     return weights + grads + optimizer
 
 
@@ -81,9 +96,12 @@ def _state_bytes(ctx: CostContext, dp: int) -> tuple[float, float, float]:
     )
 
 
-def state_bytes(ctx: CostContext, params_per_device: float, dp: int) -> tuple[float, float, float]:
-    """(weights, gradients, optimizer state) bytes of `params_per_device` parameters sharded over `dp` replicas."""
-    weights, grads, optimizer = _state_bytes(ctx, dp)
+def state_bytes(
+    ctx: CostContext, params_per_device: float, group: DeviceGroup, tp: int, dp: int
+) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer state) bytes of `params_per_device` parameters of a stage of TP `tp` with `dp`
+    replicas, as the ZeRO stage shards them (shard_ranks)."""
+    weights, grads, optimizer = _state_bytes(ctx, shard_ranks(ctx, group, tp, dp))
     return params_per_device * weights, params_per_device * grads, params_per_device * optimizer
 
 
@@ -97,23 +115,30 @@ def fp8_weight_copy_bytes(ctx: CostContext, group: DeviceGroup, params_per_devic
 
 def gathered_weights_bytes(ctx: CostContext, layer_params_per_device: float, num_layers: int, dp: int) -> float:
     """ZeRO 3: the full weights of the layers in flight (the one computing and the one prefetched)."""
-    if ctx.training.zero_stage < 3 or dp <= 1 or num_layers <= 0:
+    if ctx.training.zero_stage < 3 or ctx.gradient_ranks(dp) <= 1 or num_layers <= 0:
         return 0.0
     return min(num_layers, GATHERED_LAYERS) * layer_params_per_device * ctx.training.dtype_bytes
 
 
 def dp_sync_time_s(ctx: CostContext, group: DeviceGroup, params_per_device: float, tp: int, replicas: int) -> DpSync:
     """One gradient reduction and one weight gather of `params_per_device` over the stage's DP group (two-level
-    over the node, or a flat ring when faster)."""
-    if replicas <= 1:
+    over the node, or a flat ring when faster). Under context parallelism the replicas' CP ranks join the group."""
+    ranks = ctx.gradient_ranks(replicas)
+    if ranks <= 1:
         return NO_SYNC
-    per_node, nodes = dp_layout(group, tp, replicas)
+    per_node, nodes = dp_layout(group, tp, ranks)
     inner, outer = ctx.in_node_link(group), ctx.rail_link(group)
     grads = params_per_device * GRAD_BYTES_PER_PARAM
     scale = ctx.terms.network_scale
     if ctx.training.zero_stage == 0:
         return DpSync(hierarchical_all_reduce_time_s(grads, per_node, nodes, inner, outer) * scale, 0.0)
     weights = params_per_device * ctx.training.dtype_bytes
+    if hybrid(ctx) and nodes > 1:  # reduce-scatter in the node, all-reduce each shard across; gathers stay inside
+        across = all_reduce_time_s(grads / per_node, nodes, outer)
+        return DpSync(
+            (reduce_scatter_time_s(grads, per_node, inner) + across) * scale,
+            reduce_scatter_time_s(weights, per_node, inner) * scale,
+        )
     return DpSync(
         hierarchical_reduce_scatter_time_s(grads, per_node, nodes, inner, outer) * scale,
         hierarchical_reduce_scatter_time_s(weights, per_node, nodes, inner, outer) * scale,
@@ -152,15 +177,20 @@ def sharded_exposed_time_s(ctx: CostContext, sync: DpSync, backward_s: float, fo
     return forward_exposed + max(0.0, backward_traffic - hidden)
 
 
-def optimizer_time_s(ctx: CostContext, group: DeviceGroup, params_per_device: float, replicas: int) -> float:
-    """The Adam step over this device's parameters (its 1/replicas shard under ZeRO), memory-bound; on a profiled
-    host, as measured there per parameter of the shard and per parameter held (flattened and copied back; under
-    ZeRO, the shard padded and the gathered pieces joined), stretched by the cores' sharing (predictor/host.py)."""
-    local = params_per_device / replicas if ctx.training.zero_stage >= 1 else params_per_device
+def optimizer_time_s(
+    ctx: CostContext, group: DeviceGroup, params_per_device: float, replicas: int, tp: int | None = None
+) -> float:
+    """The Adam step over this device's parameters (its shard under ZeRO: 1/replicas, 1/(replicas * cp) under
+    context parallelism, 1/(those in its node) under hybrid sharding: `tp` places them; without it, the shard over
+    all of them, a lower figure for the planner's bounds), memory-bound. On a profiled host, as measured there per
+    parameter of the shard and per parameter held (flattened and copied back; under ZeRO, the shard padded and the
+    gathered pieces joined), stretched by the cores' sharing (predictor/host.py)."""
+    ranks = shard_ranks(ctx, group, tp, replicas) if tp is not None else ctx.gradient_ranks(replicas)
+    local = params_per_device / ranks if ctx.training.zero_stage >= 1 else params_per_device
     host = ctx.host.get(group.device.key)
     if host is not None:
         held_s_per_param = host.flatten_s_per_param
-        if ctx.training.zero_stage >= 1 and replicas > 1:  # the shard padded, the gathered pieces joined
+        if ctx.training.zero_stage >= 1 and ranks > 1:  # the shard padded, the gathered pieces joined
             held_s_per_param += host.gather_s_per_param
         measured = local * host.optimizer_s_per_param + params_per_device * held_s_per_param
         return measured * ctx.compute_stretch * ctx.terms.optimizer_scale

@@ -13,6 +13,10 @@ convention (shared/reference/collectives.md): in a ring all-reduce of S bytes ov
        the data) or one flat ring, whichever the cost model picked for its time.
   DP across pipeline families (several families): after its family's reduce-scatter, every device all-reduces its
        1/replicas gradient shard across the F families (2(F-1)/F of it sent), as the cost model has it.
+  CP   context parallelism (predictor/context_parallel.py): per micro-batch and layer, each rank passes its K/V block
+       around the ring of its replica's CP ranks (same TP rank) cp-1 times forward, K/V and their gradients backward,
+       again forward under recompute; TP, PP carry 1/cp of the tokens and DP runs over the replicas' CP ranks too.
+ZeRO 2/3's per-micro-batch traffic is counted as ZeRO-1's per-iteration arrays (a lower figure).
 Link classes: in_node (same node), rail (other node, same local rank: a rail-only fabric carries it), spine (other
 node, other local rank: needs the spine), cross_group (between device groups: the inter-vendor path).
 """
@@ -27,10 +31,11 @@ from predictor.comm_model import (
     all_reduce_time_s,
     reduce_scatter_time_s,
 )
+from predictor.context_parallel import ring_bytes_per_microbatch
 from predictor.cost_model import GRAD_BYTES_PER_PARAM, CostContext, stage_params
 from specs.layout import Axis, PipelineStrategy, Strategy, dp_layout, group_offsets, stage_rank
 
-DIMENSIONS = (Axis.TP, Axis.PP, Axis.DP)
+DIMENSIONS = (Axis.TP, Axis.CP, Axis.PP, Axis.DP)
 LINK_CLASSES = ("in_node", "rail", "spine", "cross_group")
 
 
@@ -98,6 +103,7 @@ def strategy_traffic(ctx: CostContext, strategy: Strategy) -> Traffic:
     """Per-pair bytes of one iteration of `strategy`: each family's own TP, PP and DP traffic, and with several
     families the all-reduce of each device's gradient shard across the families."""
     offsets = group_offsets(ctx.cluster)
+    ctx = ctx.at_context_parallel(strategy.context_parallel)
     traffic = Traffic(*_device_tables(ctx))
     for pipeline in strategy.pipelines:
         _family_traffic(ctx, strategy, pipeline, offsets, traffic)
@@ -118,13 +124,16 @@ def _cross_family_traffic(ctx: CostContext, strategy: Strategy, offsets: dict[st
         for index, stage in enumerate(pipeline.stages):
             first, last = index == 0, index == len(pipeline.stages) - 1
             params = stage_params(ctx.model, stage.num_layers, first, last, len(pipeline.stages)) / stage.tp
-            shard = params * GRAD_BYTES_PER_PARAM / pipeline.replicas
+            shard = params * GRAD_BYTES_PER_PARAM / pipeline.gradient_ranks
             partner = next(p for p in following.stages if p.layer_start <= stage.layer_start < p.layer_end)
+            cp = pipeline.context_parallel
             for replica in range(pipeline.replicas):
-                for tp_rank in range(stage.tp):
-                    src = stage_rank(offsets, stage, replica, tp_rank)
-                    dst = stage_rank(offsets, partner, replica % following.replicas, tp_rank % partner.tp)
-                    traffic.pairs[Axis.DP][(src, dst)] += 2 * (families - 1) / families * shard
+                for cp_rank in range(cp):
+                    for tp_rank in range(stage.tp):
+                        src = stage_rank(offsets, stage, replica, tp_rank, cp_rank, cp)
+                        to_replica, to_tp = replica % following.replicas, tp_rank % partner.tp
+                        dst = stage_rank(offsets, partner, to_replica, to_tp, cp_rank, cp)
+                        traffic.pairs[Axis.DP][(src, dst)] += 2 * (families - 1) / families * shard
 
 
 def _family_traffic(
@@ -133,30 +142,36 @@ def _family_traffic(
     stages = pipeline.stages
     replicas, v = pipeline.replicas, strategy.virtual_stages
     replica_microbatches = pipeline.replica_microbatches()  # uneven batch splits: some replicas run one fewer
-    b = pipeline.micro_batch_size
-    activation = b * ctx.seq_length * ctx.model.hidden_size * ctx.training.dtype_bytes
+    b, cp = pipeline.micro_batch_size, pipeline.context_parallel
+    activation = b * ctx.seq_length * ctx.model.hidden_size * ctx.training.dtype_bytes / cp  # per CP rank
 
-    def device(stage_index: int, replica: int, tp_rank: int) -> int:
-        return stage_rank(offsets, stages[stage_index], replica, tp_rank)
+    def device(stage_index: int, replica: int, tp_rank: int, cp_rank: int = 0) -> int:
+        return stage_rank(offsets, stages[stage_index], replica, tp_rank, cp_rank, cp)
 
     for index, stage in enumerate(stages):
         first, last = index == 0, index == len(stages) - 1
         group = ctx.cluster.group(stage.group)
-        per_layer = 6 if strategy.stage_recompute(stage) == "full" else 4
-        collectives = stage.num_layers * per_layer + int(first) + int(last)
+        recompute = strategy.stage_recompute(stage)
+        collectives = stage.num_layers * (6 if recompute == "full" else 4) + int(first) + int(last)
+        ring = stage.num_layers * ring_bytes_per_microbatch(ctx, b, stage.tp, recompute)
         for replica in range(replicas):
-            ranks = [device(index, replica, k) for k in range(stage.tp)]
-            count = collectives * replica_microbatches[replica]
-            traffic.add_ring(Axis.TP, ranks, count * 2 * (stage.tp - 1) / stage.tp * activation)
-        # DP over the replicas, per TP rank
+            count = replica_microbatches[replica]
+            for c in range(cp):
+                ranks = [device(index, replica, k, c) for k in range(stage.tp)]
+                traffic.add_ring(Axis.TP, ranks, collectives * count * 2 * (stage.tp - 1) / stage.tp * activation)
+            for k in range(stage.tp):
+                traffic.add_ring(Axis.CP, [device(index, replica, k, c) for c in range(cp)], count * ring)
+        # DP over the replicas and their CP ranks (one dp-cp group per TP rank)
         params = stage_params(ctx.model, stage.num_layers, first, last, len(stages)) / stage.tp
-        if replicas > 1:
-            per_node, node_count = dp_layout(group, stage.tp, replicas)
+        members = replicas * cp
+        if members > 1:
+            per_node, node_count = dp_layout(group, stage.tp, members)
             inner, outer = ctx.in_node_link(group), ctx.rail_link(group)
             grads = params * GRAD_BYTES_PER_PARAM
             weights = params * ctx.training.dtype_bytes
             # (array bytes, ring volume factor: 2 for all-reduce, 1 for reduce-scatter or all-gather)
-            arrays = [(grads, 1.0), (weights, 1.0)] if ctx.training.zero_stage >= 1 else [(grads, 2.0)]
+            sharded = strategy.family_zero_stage(pipeline) >= 1
+            arrays = [(grads, 1.0), (weights, 1.0)] if sharded else [(grads, 2.0)]
             for size, factor in arrays:
                 collective = all_reduce_time_s if factor == 2.0 else reduce_scatter_time_s
                 flat_time = collective(size, per_node * node_count, outer)
@@ -167,9 +182,9 @@ def _family_traffic(
                     else 0.0
                 )
                 for tp_rank in range(stage.tp):
-                    ranks = [device(index, r, tp_rank) for r in range(replicas)]
+                    ranks = [device(index, r, tp_rank, c) for r in range(replicas) for c in range(cp)]
                     if node_count <= 1 or two_level_time <= flat_time:
-                        for start in range(0, replicas, per_node):
+                        for start in range(0, members, per_node):
                             inside = ranks[start : start + per_node]
                             traffic.add_ring(Axis.DP, inside, factor * (len(inside) - 1) / len(inside) * size)
                         for slot in range(per_node):
@@ -185,11 +200,12 @@ def _family_traffic(
     for a, c, crossings in boundaries:
         width = min(stages[a].tp, stages[c].tp)
         for replica in range(replicas):
-            for k in range(width):
-                src, dst = device(a, replica, k), device(c, replica, k)
-                m = replica_microbatches[replica]
-                traffic.pairs[Axis.PP][(src, dst)] += m * crossings * activation / width
-                traffic.pairs[Axis.PP][(dst, src)] += m * crossings * activation / width
+            m = replica_microbatches[replica]
+            for cp_rank in range(cp):
+                for k in range(width):
+                    src, dst = device(a, replica, k, cp_rank), device(c, replica, k, cp_rank)
+                    traffic.pairs[Axis.PP][(src, dst)] += m * crossings * activation / width
+                    traffic.pairs[Axis.PP][(dst, src)] += m * crossings * activation / width
 
 
 def textbook_traffic_per_rank(

@@ -96,6 +96,17 @@ def concurrency(
     levels = sorted({n for n in (2, cores, 2 * cores) if 2 <= n <= MAX_CONCURRENT_PROCESSES})
     if not levels:
         return [ConcurrencyPoint(processes=1, busy_stretch=1.0)]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the helpers and the ranks run (more threads would count their spinning as busy)
+    try:
+        return _concurrency_at(model, micro_batch_size, seq_length, dtype, levels, min_time_s)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _concurrency_at(
+    model: ModelSpec, micro_batch_size: int, seq_length: int, dtype: torch.dtype, levels: list[int], min_time_s: float
+) -> list[ConcurrencyPoint]:
     context = mp.get_context("spawn")
     stop = context.Event()
     helpers = []

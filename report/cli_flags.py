@@ -75,7 +75,10 @@ FamiliesOpt = Annotated[Optional[str], opt("--families", help=FAMILIES)]
 LOWER = "Also bound how fast any plan of the search space could be (the gap; about a second search)."
 LowerBoundOpt = Annotated[bool, opt("--lower-bound", help=LOWER)]
 SequenceParallelOpt = Annotated[bool, opt("--sequence-parallel/--no-sequence-parallel", help="Megatron's SP.")]
-MEGATRON_FLAGS = ("group", "tp", "pp", "dp", "micro_batch_size", "recompute", "virtual_stages", "sequence_parallel")
+MEGATRON_FLAGS = (
+    "group", "tp", "pp", "dp", "micro_batch_size", "recompute", "virtual_stages", "sequence_parallel",
+    "context_parallel",
+)  # fmt: skip
 
 
 def predictor_from(path: Path | None) -> Predictor:

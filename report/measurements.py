@@ -166,8 +166,9 @@ def run_lines(record: Mapping[str, Any], steps: int) -> list[str]:
     """A run record's verdict: measured against predicted, the losses, the check against one process, emulation."""
     details = record["measurements"]
     reference = record["reference_match"]
+    which = f"median of steps 2-{steps}" if steps > 2 else "step 2" if steps == 2 else "step 1, with its warm-up"
     lines = [
-        f"iteration: measured {record['measured_iteration_time_s']:.3f} s (median of steps 2-{steps}), predicted "
+        f"iteration: measured {record['measured_iteration_time_s']:.3f} s ({which}), predicted "
         f"{record['predicted_iteration_time_s']:.3f} s ({details['prediction_error']:+.1%})",
         f"prediction from: {details['prediction_from']}",
         "loss per step: " + ", ".join(f"{loss:.4f}" for loss in record["losses"]),

@@ -261,6 +261,10 @@ def run(
     inject_failure: Annotated[
         Optional[str], opt("--inject-failure", help="Testing: RANK:STEP, that rank kills itself as the step starts.")
     ] = None,
+    dtype: Annotated[
+        Optional[str],
+        opt("--dtype", help="Train the plan's layout in this precision (fp32, bf16, fp16) instead of its training's."),
+    ] = None,
     quiet: QuietOpt = False,
     as_json: JsonOpt = False,
 ) -> None:
@@ -268,19 +272,28 @@ def run(
     (`hetplan launch` writes the commands), and write the measurement beside the prediction, the loss curve and a
     single-process loss check. With --checkpoint-dir the state is saved as it trains; with --max-restarts a local
     run survives lost ranks (re-plan, reshard the last checkpoint, continue) and its record says what it cost."""
-    from planner.what_if import check_local_run, plan_on_cluster, run_context
+    from planner.what_if import check_local_run, check_runtime_layout, plan_on_cluster, run_context
     from specs.flags import output_file
 
     output_file(out, "--out")
     loaded, cluster_spec = plan_on_cluster(plan_file, cluster)
+    if dtype is not None:
+        from dataclasses import replace
+
+        from specs.training import load_training
+
+        loaded = replace(loaded, training=load_training(None, {**loaded.training.model_dump(), "dtype": dtype}))
     check_local_run(cluster_spec, cluster)
+    check_runtime_layout(loaded)
     require_torch("run")
     from profiler.comm_bench import launched_by_torchrun
     from report.files import write_json
     from report.measurements import run_lines, run_table, run_terms_table
     from runtime.execute import RunSettings
-    from runtime.launch import execute, execute_in_job
+    from runtime.launch import check_dtype, execute, execute_in_job
     from specs.errors import SpecError
+
+    check_dtype(loaded.training.dtype, loaded.source)  # before the costs line: a refusal is the only line
 
     failure = None
     if inject_failure is not None:
@@ -336,9 +349,16 @@ def launch(
 ) -> None:
     """Print the torchrun command of every node that runs the plan with `hetplan run` (one line per node)."""
     from planner.export import launch_commands
-    from planner.what_if import plan_on_cluster
+    from planner.what_if import check_runtime_layout, plan_on_cluster
+    from specs.errors import SpecError
 
-    _, cluster_spec = plan_on_cluster(plan_file, cluster)
+    loaded, cluster_spec = plan_on_cluster(plan_file, cluster)
+    check_runtime_layout(loaded)
+    if loaded.training.dtype == "fp8":  # the ranks would refuse it (runtime.launch.check_dtype): say so before
+        raise SpecError(
+            str(plan_file), "training.dtype", "hetplan's runtime has no FP8 GEMMs: plan with --dtype bf16 to launch it "
+            "here, or export the fp8 plan to Megatron or torchtitan (hetplan export)",
+        )  # fmt: skip
     for line in launch_commands(str(plan_file), cluster_spec, str(cluster), str(out), master_addr, port):
         sys.stdout.write(line + "\n")
 

@@ -67,8 +67,10 @@ def strategy_summary(evaluation: Evaluation) -> str:
             + (f" ({p.micro_batch_size * p.microbatch_total} samples)" if len(families) > 1 else "")
             for p in families
         )
+        + (f", context parallel {strategy.context_parallel}" if strategy.context_parallel > 1 else "")
         + f", recompute {strategy.recompute_summary}, "
-        f"ZeRO-{strategy.zero_stage}, {'1F1B' if strategy.virtual_stages == 1 else 'interleaved 1F1B'}"
+        f"{strategy.zero_summary}{' per node (hybrid)' if strategy.zero_shard == 'node' else ''}, "
+        f"{'1F1B' if strategy.virtual_stages == 1 else 'interleaved 1F1B'}"
         f"{'' if strategy.virtual_stages == 1 else f' (v={strategy.virtual_stages})'}"
     )
 
@@ -101,7 +103,8 @@ def stage_table(ctx: CostContext, evaluation: Evaluation) -> Table:
     replicas, its time and memory per device (in red where it does not fit)."""
     strategy = evaluation.strategy
     families = strategy.pipelines
-    title = "Stages (devices: TP x replicas; time per micro-batch and memory per device)"
+    width = "TP x CP x replicas" if strategy.context_parallel > 1 else "TP x replicas"
+    title = f"Stages (devices: {width}; time per micro-batch and memory per device)"
     table = titled_table(title, STAGE_COLUMNS, left=("group", "device", "recompute"))
     stage_numbers: dict[int, int] = {}
     for stage_eval in evaluation.stages:
@@ -178,8 +181,20 @@ def plan_rows(body: Mapping[str, Any], interval: Interval | None) -> list[Row]:
         )
     if "zero_stages_s" in search:
         stages = search["zero_stages_s"].items()
-        times = [f"ZeRO-{k} {'does not fit' if t is None else f'{t:.3f} s'}" for k, t in stages]
-        rows.append(("ZeRO stages", f"{', '.join(times)}: ZeRO-{body['zero_stage']} chosen"))
+        times = [
+            f"{'ZeRO-' if k.isdigit() else ''}{k} {'does not fit' if t is None else f'{t:.3f} s'}" for k, t in stages
+        ]
+        families = [p["zero_stage"] for p in body["pipelines"]]
+        chosen = f"ZeRO-{families[0]}" if len(set(families)) == 1 else f"per family {tuple(families)}"
+        rows.append(("ZeRO stages", f"{', '.join(times)}: {chosen} chosen"))
+    if "zero_shard_s" in search:
+        shards = search["zero_shard_s"].items()
+        times = [f"{k} {'does not fit' if t is None else f'{t:.3f} s'}" for k, t in shards]
+        rows.append(("ZeRO shards over", f"{', '.join(times)}: {body['zero_shard']} chosen"))
+    if "context_parallel_s" in search:
+        degrees = search["context_parallel_s"].items()
+        times = [f"CP {k} {'does not fit' if t is None else f'{t:.3f} s'}" for k, t in degrees]
+        rows.append(("context parallel", f"{', '.join(times)}: CP {body['context_parallel']} chosen"))
     if "note" in search:
         rows.append(("search note", search["note"]))
     return rows

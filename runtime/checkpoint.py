@@ -6,10 +6,11 @@ Adam moments are `optimizer.exp_avg.<same name>` and `optimizer.exp_avg_sq.<same
 the rectangles of those global tensors it holds (found from each element's position in the whole model,
 runtime.model.shard_positions: a TP shard is a row block or a column block, a ZeRO-1 slice of a flat vector is a few
 row runs), as DCP shards; each element is written once (family 0, replica 0 for weights and for moments without
-ZeRO, the replica that updates it under ZeRO-1, TP rank 0 for what TP replicates), and DCP's global plan check
-refuses a save whose shards do not tile every tensor exactly. On load a rank asks DCP for the rectangles it holds
-under its own plan, and DCP reads the overlapping parts of whichever shards were saved: resharding between plans
-(stages, TP widths, replicas, ZeRO, families) is DCP's chunk overlap, nothing hetplan-specific.
+ZeRO, the replica that updates it under ZeRO-1/2 and, for weights too, ZeRO-3, TP rank 0 for what TP replicates), and
+DCP's global plan check refuses a save whose shards do not tile every tensor exactly. On load a rank asks DCP for
+the rectangles it holds under its own plan, and DCP reads the overlapping parts of whichever shards were saved:
+resharding between plans (stages, TP widths, replicas, ZeRO, families) is DCP's chunk overlap, nothing
+hetplan-specific.
 
 Beside the tensors: the step, the samples seen (the synthetic data is a function of seed and step, so the step is
 the data position), each rank's torch RNG state, and `hetplan-checkpoint.json` with the model, the plan's layout and
@@ -417,16 +418,19 @@ def saved_keys(checkpoint: Path) -> set[str]:
 
 def rank_holdings(
     model: ModelSpec, strategy: Strategy, family: int, index: int, replica: int, tp_rank: int,
-    moments: tuple[int, int], zero: bool,
+    moments: tuple[int, int], zero: bool, sharded_weights: bool = False,
 ) -> Holdings:  # fmt: skip
     """Positions of a rank's flat parameter vector (runtime.sync.rank_positions) and which elements it writes: family
-    0 only; replica 0 for weights (and for moments without ZeRO-1, under which each replica writes its own slice);
-    among TP ranks holding the same element (replicated norms), the first."""
+    0 only; replica 0 for weights (and for moments without ZeRO, under which each replica writes its own slice);
+    among TP ranks holding the same element (replicated norms), the first. With `sharded_weights` (ZeRO-3) the rank's
+    flat parameter vector is only its slice `moments` of the whole one, and each replica writes its own slice."""
     positions = rank_positions(model, strategy, family, index, tp_rank)
     earlier = [rank_positions(model, strategy, family, index, k) for k in range(tp_rank)]
     owned = ~torch.isin(positions, torch.cat(earlier)) if earlier else torch.ones(positions.numel(), dtype=torch.bool)
     owned_np = owned.numpy() & (family == 0)
     lo, hi = moments
+    if sharded_weights:
+        return Holdings(positions[lo:hi].numpy().astype(np.int64), (0, hi - lo), owned_np[lo:hi], owned_np[lo:hi])
     return Holdings(
         positions.numpy().astype(np.int64),
         moments,

@@ -182,7 +182,7 @@ def run_elastic(
         out.mkdir(parents=True, exist_ok=True)
         current, where, now = plan, cluster, dataclasses.replace(settings, progress_lines=True)
         while True:
-            check_runnable(current, where)
+            check_runnable(current, where, now.dtype)
             job = _job(current, where, now, str(out))
             world = where.num_devices
             attempt_started = time.time()

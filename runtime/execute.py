@@ -1,9 +1,11 @@
-"""One rank of a plan: its stage shard, 1F1B over its replica's micro-batches, weighted DP sync, (ZeRO-1) Adam.
+"""One rank of a plan: its stage shard, 1F1B over its replica's micro-batches, weighted DP sync, (ZeRO) Adam.
 
 Ranks are numbered as the planner numbers devices (comm.plan_groups): groups in cluster order, node-major; a stage's
-rank for (replica r, TP rank k) is group offset + stage offset + r * tp + k. Every rank creates every group of the plan
-in one order. Activations are replicated over a stage's TP ranks, so between stages of different TP widths receiving
-rank k takes its input from sending rank k mod tp_sender (and gradients flow back the same way).
+rank for (replica r, CP rank c, TP rank k) is group offset + stage offset + (r * cp + c) * tp + k. Every rank creates
+every group of the plan in one order. Activations are replicated over a stage's TP ranks, so between stages of
+different TP widths receiving rank k takes its input from sending rank k mod tp_sender (and gradients flow back the
+same way). With context parallelism each CP rank holds its chunks of every sequence (runtime/context_parallel.py) and
+exchanges activations with the same CP rank of the neighbouring stages.
 
 The schedule is Megatron's (interleaved) 1F1B, the order predictor/schedule.py draws and the cost model times, written
 out here rather than taken from torch.distributed.pipelining, because stages of one pipeline may have different TP
@@ -14,6 +16,15 @@ under their own point-to-point tags, so two streams between one pair of ranks ne
 scaled by its share of the global batch (micro-batch size / global batch) and DP gradients are summed, so replicas with
 uneven batch shares give exactly the full-batch gradient. A plan of several pipeline families runs each family as
 above on its own devices and share of the batch; then gradients meet across families as shards (runtime/sync.py).
+With context parallelism a CP rank's loss is the mean over its 1/cp of the tokens, scaled by 1/cp more, and the DP sum
+runs over the replicas and their CP ranks together (the dp-cp group, which ZeRO-1 shards over).
+
+ZeRO, over a stage's replicas (a stage without replicas runs unsharded), after the flush (nothing overlaps the
+backward): ZeRO-1 all-reduces the gradients and each replica updates its 1/dp chunk of the rank's flat parameter
+vector, with Adam moments for that chunk only, then the chunks are all-gathered; ZeRO-2 reduce-scatters instead, so a
+rank holds only its chunk of the summed gradient (the local gradients exist until the flush, whole); ZeRO-3 also
+keeps only that chunk of the weights, gathering each layer's in turn while it computes (runtime/zero.py), and
+skips the all-gather after the update.
 
 Speed emulation (`emulate_speed` s < 1 on a CPU group): after each forward and backward, the rank keeps repeating its
 stage's layer math (no gradients, no collectives) until the pass has taken 1/s of its real time; no sleeping.
@@ -40,14 +51,17 @@ from comm.communicator import CommGroup, Communicator
 from comm.plan_groups import plan_groups, rank_islands, stage_chunks
 from predictor.schedule import stage_order
 from profiler.data import synthetic_batch
+from profiler.layers import DecoderLayer
 from runtime import checkpoint
+from runtime.context_parallel import ContextParallel
 from runtime.model import StageModule, seeded_pieces
-from runtime.sync import CrossFamilySync
+from runtime.sync import CrossFamilySync, all_gathered, chunk_bounds, reduce_scattered
 from runtime.tensor_parallel import TensorParallel
+from runtime.zero import ShardedParameters
 from specs.cluster import ClusterSpec
 from specs.errors import SpecError
 from specs.layout import Axis, PipelineStrategy, StageStrategy, Strategy, group_offsets, stage_rank
-from specs.model import ModelSpec
+from specs.model import ModelSpec, Recompute
 
 TORCH_DTYPES = {"fp32": torch.float32, "fp64": torch.float64, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -94,6 +108,12 @@ class Role:
     stage: StageStrategy
     microbatches: int
     sample_start: int  # this replica's first sample in the global batch
+    cp_rank: int = 0  # which of the replica's context-parallel ranks (runtime/context_parallel.py)
+
+    @property
+    def dp_index(self) -> int:
+        """Its place in the stage's DP group (replicas x CP ranks, comm.plan_groups)."""
+        return self.replica * self.pipeline.context_parallel + self.cp_rank
 
     @property
     def first(self) -> bool:
@@ -105,76 +125,52 @@ class Role:
 
 
 def rank_roles(cluster: ClusterSpec, strategy: Strategy) -> dict[int, Role]:
-    """Every active rank's role; the global batch is laid out family by family, replica by replica."""
+    """Every active rank's role; the global batch is laid out family by family, replica by replica (a replica's CP
+    ranks share its samples, each holding its chunks of every sequence)."""
     offsets = group_offsets(cluster)
     roles = {}
     family_start = 0
     for family, pipeline in enumerate(strategy.pipelines):
         counts = pipeline.replica_microbatches()
         starts = [family_start + sum(counts[:r]) * pipeline.micro_batch_size for r in range(pipeline.replicas)]
+        cp = pipeline.context_parallel
         for index, stage in enumerate(pipeline.stages):
             for replica in range(pipeline.replicas):
-                for k in range(stage.tp):
-                    roles[stage_rank(offsets, stage, replica, k)] = Role(
-                        family, pipeline, index, replica, k, stage, counts[replica], starts[replica]
-                    )
+                for c in range(cp):
+                    for k in range(stage.tp):
+                        roles[stage_rank(offsets, stage, replica, k, c, cp)] = Role(
+                            family, pipeline, index, replica, k, stage, counts[replica], starts[replica], c
+                        )
         family_start += pipeline.microbatch_total * pipeline.micro_batch_size
     return roles
 
 
-class FlatAdam:
-    """AdamW (torch's update, decoupled weight decay) over the flattened parameters; with ZeRO-1 this rank keeps
-    moments for and updates only its 1/dp slice, then the slices are all-gathered."""
+def flat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.zeros(0)
 
-    def __init__(
-        self,
-        params: list[torch.nn.Parameter],
-        settings: RunSettings,
-        shard: tuple[CommGroup, int, int] | None,
-        comm: Communicator,
-    ) -> None:
-        self.params = params
+
+class FlatAdam:
+    """AdamW (torch's update, decoupled weight decay) over elements [lo, hi) of the rank's flat parameter vector:
+    all of it, or under ZeRO its 1/dp shard, for which alone it keeps moments."""
+
+    def __init__(self, bounds: tuple[int, int], dtype: torch.dtype, settings: RunSettings) -> None:
+        self.lo, self.hi = bounds
         self.settings = settings
-        self.comm = comm
-        self.numel = sum(p.numel() for p in params)
-        self.shard = shard
-        if shard is not None:
-            _, index, count = shard
-            self.chunk = -(-self.numel // count)
-            self.lo, self.hi = index * self.chunk, min(self.numel, (index + 1) * self.chunk)
-        else:
-            self.lo, self.hi = 0, self.numel
-        size = max(0, self.hi - self.lo)
-        dtype = params[0].dtype if params else torch.float32
-        self.exp_avg = torch.zeros(size, dtype=dtype)
-        self.exp_avg_sq = torch.zeros(size, dtype=dtype)
+        self.exp_avg = torch.zeros(self.hi - self.lo, dtype=dtype)
+        self.exp_avg_sq = torch.zeros(self.hi - self.lo, dtype=dtype)
         self.steps = 0
 
-    def flat(self, tensors: list[torch.Tensor]) -> torch.Tensor:
-        return torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.zeros(0)
-
-    def step(self, grads: torch.Tensor) -> None:
+    def step(self, weights: torch.Tensor, grads: torch.Tensor) -> None:
+        """Update `weights` (elements [lo, hi)) in place from their gradient `grads`."""
         self.steps += 1
         beta1, beta2, eps = 0.9, 0.999, 1e-8
         lr, wd = self.settings.learning_rate, self.settings.weight_decay
         with torch.no_grad():
-            flat = self.flat([p.data for p in self.params])
-            mine, grad = flat[self.lo : self.hi], grads[self.lo : self.hi]
-            mine.mul_(1 - lr * wd)
-            self.exp_avg.lerp_(grad, 1 - beta1)
-            self.exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+            weights.mul_(1 - lr * wd)
+            self.exp_avg.lerp_(grads, 1 - beta1)
+            self.exp_avg_sq.mul_(beta2).addcmul_(grads, grads, value=1 - beta2)
             denom = (self.exp_avg_sq.sqrt() / math.sqrt(1 - beta2**self.steps)).add_(eps)
-            mine.addcdiv_(self.exp_avg, denom, value=-lr / (1 - beta1**self.steps))
-            if self.shard is not None:
-                group = self.shard[0]
-                padded = torch.zeros(self.chunk, dtype=flat.dtype)
-                padded[: mine.numel()] = mine
-                pieces = self.comm.all_gather(padded, group)
-                flat = torch.cat(pieces)[: self.numel]
-            offset = 0
-            for p in self.params:
-                p.data.copy_(flat[offset : offset + p.numel()].view_as(p))
-                offset += p.numel()
+            weights.addcdiv_(self.exp_avg, denom, value=-lr / (1 - beta1**self.steps))
 
 
 @dataclass
@@ -185,18 +181,26 @@ class StageTimes:
     forward_s: float = 0.0  # forward passes, emulation included, TP collectives not (predictor/run_terms.py's terms)
     backward_s: float = 0.0
     tp_comm_s: float = 0.0
+    gather_s: float = 0.0  # ZeRO-3: waiting for weight pieces inside the passes (counted as DP sync)
     sync_s: float = 0.0
     optimizer_s: float = 0.0
     per_step: list[dict[str, float]] = field(default_factory=list)
 
 
 class Emulator:
-    """Makes a pass take 1/speed of its real time by repeating the stage's layer math."""
+    """Makes a pass take 1/speed of its real time by repeating the stage's layer math (no TP or CP collectives)."""
 
-    def __init__(self, speed: float, layers: list[torch.nn.Module], tp: TensorParallel, sample: torch.Tensor) -> None:
+    def __init__(
+        self,
+        speed: float,
+        layers: list[torch.nn.Module],
+        tp: TensorParallel,
+        cp: ContextParallel,
+        sample: torch.Tensor,
+    ) -> None:
         if speed < 1.0 and not layers:
             raise SpecError("cluster", "emulate_speed", "a stage without decoder layers has no layer math to repeat")
-        self.speed, self.layers, self.tp = speed, layers, tp
+        self.speed, self.layers, self.tp, self.cp = speed, layers, tp, cp
         self.sample = sample  # an activation of the stage's shape for the repeated layer math
 
     def extend(self, real_s: float) -> float:
@@ -204,7 +208,7 @@ class Emulator:
             return 0.0
         started = time.perf_counter()
         deadline = started + real_s * (1.0 / self.speed - 1.0)
-        with torch.no_grad(), self.tp.suppress():
+        with torch.no_grad(), self.tp.suppress(), self.cp.suppress():
             for layer in cycle(self.layers):
                 if time.perf_counter() >= deadline:
                     break
@@ -219,7 +223,9 @@ def _targets(rank_from: int, tp_from: int, tp_to: int) -> list[int]:
 
 @dataclass
 class RankState:
-    """What one rank trains with: its chunks' modules, their parameters, the optimizer and the gradient sync."""
+    """What one rank trains with: its chunks' modules, their parameters, the optimizer and the gradient sync.
+    `zero_stage` is the plan's, or 0 for a stage without replicas to shard over; under ZeRO-3 `sharded` holds the
+    parameters (runtime/zero.py)."""
 
     modules: list[StageModule]
     params: list[torch.nn.Parameter]
@@ -227,6 +233,17 @@ class RankState:
     dp_group: CommGroup
     across: CrossFamilySync | None
     runner: _StageRunner
+    zero_stage: int
+    sharded: ShardedParameters | None
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel() for p in self.params)
+
+    def held_weights(self) -> list[torch.Tensor]:
+        """The weights this rank keeps between steps, as the checkpoints and the optimizer see them: its parameters,
+        or under ZeRO-3 its shard of their flat vector."""
+        return [self.sharded.shard] if self.sharded is not None else list(self.params)
 
 
 def _build(rank: int, job: RunJob, role: Role, comm: Communicator) -> RankState:
@@ -236,26 +253,47 @@ def _build(rank: int, job: RunJob, role: Role, comm: Communicator) -> RankState:
     made = comm.create_groups([g.ranks for g in planned])
     tp_group = next(g for p, g in zip(planned, made, strict=True) if p.kind is Axis.TP and rank in p.ranks)
     dp_group = next(g for p, g in zip(planned, made, strict=True) if p.kind is Axis.DP and rank in p.ranks)
-    stage = role.stage
+    cp_group = next((g for p, g in zip(planned, made, strict=True) if p.kind is Axis.CP and rank in p.ranks), None)
+    stage, cp_size = role.stage, role.pipeline.context_parallel
     tp = TensorParallel(tp_group.process_group, stage.tp, role.tp_rank)
+    process_group = cp_group.process_group if cp_group is not None else None
+    cp = ContextParallel(process_group, cp_size, role.cp_rank, job.seq_length, settings.timeout_s)
     recompute = strategy.stage_recompute(stage)
     dtype = TORCH_DTYPES[settings.dtype]
     modules = []
     for chunk in stage_chunks(role.pipeline, role.stage_index, strategy.virtual_stages):
         pieces = seeded_pieces(model, chunk.layer_start, chunk.layer_end, chunk.first, chunk.last, settings.seed)
-        modules.append(StageModule(model, pieces, tp, recompute).to(dtype))
+        modules.append(StageModule(model, pieces, tp, recompute, cp).to(dtype))
     params = [p for module in modules for p in module.parameters() if p.requires_grad]
+    numel = sum(p.numel() for p in params)
     dp_size = len(dp_group.ranks)
-    zero = strategy.zero_stage >= 1 and dp_size > 1
-    optimizer = FlatAdam(params, settings, (dp_group, dp_group.ranks.index(rank), dp_size) if zero else None, comm)
+    zero_stage = strategy.zero_stage if dp_size > 1 else 0
+    bounds = chunk_bounds(numel, dp_group.ranks.index(rank), dp_size) if zero_stage else (0, numel)
+    optimizer = FlatAdam(bounds, dtype, settings)
     across = None
     if len(strategy.pipelines) > 1:
-        across = CrossFamilySync(model, strategy, group_offsets(cluster), rank, dp_group, zero)
-    sample = torch.randn(role.pipeline.micro_batch_size, job.seq_length, model.hidden_size, dtype=dtype)
+        across = CrossFamilySync(model, strategy, group_offsets(cluster), rank, dp_group, zero_stage >= 1)
+    sample = torch.randn(role.pipeline.micro_batch_size, job.seq_length // cp_size, model.hidden_size, dtype=dtype)
     layers = [layer for module in modules for layer in module.layers]
-    emulator = Emulator(cluster.group(stage.group).emulate_speed, layers, tp, sample)
-    runner = _StageRunner(job, role, modules, comm, emulator, dtype)
-    return RankState(modules, params, optimizer, dp_group, across, runner)
+    speed = cluster.group(stage.group).emulate_speed
+    sharded = None
+    if zero_stage == 3:
+        roles = rank_roles(cluster, strategy)
+        microbatches = {peer: roles[peer].microbatches for peer in dp_group.ranks}
+        schedule = (len(role.pipeline.stages), len(modules), role.stage_index)
+        sharded = ShardedParameters(modules, rank, dp_group, comm, microbatches, schedule)
+        # the stage's own layers hold no weights between uses: speed emulation repeats a layer of its own
+        layers = [_scratch_layer(model, tp, recompute, dtype)] if layers and speed < 1.0 else []
+    emulator = Emulator(speed, layers, tp, cp, sample)
+    runner = _StageRunner(job, role, modules, comm, emulator, dtype, sharded)
+    return RankState(modules, params, optimizer, dp_group, across, runner, zero_stage, sharded)
+
+
+def _scratch_layer(model: ModelSpec, tp: TensorParallel, recompute: Recompute, dtype: torch.dtype) -> DecoderLayer:
+    """A decoder layer of the stage's TP shape (random weights) for speed emulation's repeated layer math."""
+    layer = DecoderLayer(model, tp.size, recompute).to(dtype)
+    layer.enter_tp, layer.leave_tp = tp.enter, tp.leave
+    return layer
 
 
 def run_rank(rank: int, job: RunJob) -> dict[str, Any]:
@@ -288,6 +326,7 @@ def run_rank(rank: int, job: RunJob) -> dict[str, Any]:
         "stage": role.stage_index,
         "replica": role.replica,
         "tp_rank": role.tp_rank,
+        "cp_rank": role.cp_rank,
         "group": stage.group,
         "layers": [stage.layer_start, stage.layer_end],
         "microbatches": role.microbatches,
@@ -296,8 +335,12 @@ def run_rank(rank: int, job: RunJob) -> dict[str, Any]:
         "last_stage": role.last,
         "steps": times.per_step,
         "sync_s": times.sync_s,
+        "zero3_gather_s": times.gather_s,
         "optimizer_s": times.optimizer_s,
-        "parameters": sum(p.numel() for p in state.params),
+        "parameters": state.numel,
+        "zero_stage": state.zero_stage,
+        "held_parameter_elements": held_parameter_elements(state),  # after the last step
+        "peak_gathered_elements": state.sharded.peak_gathered_elements if state.sharded is not None else None,
         "max_rss_bytes": _max_rss_bytes(),
     }
 
@@ -325,8 +368,8 @@ class _Keeper:
             optimizer = state.optimizer
             self.table = checkpoint.global_tensors(job.model)
             self.holdings = checkpoint.rank_holdings(
-                job.model, job.strategy, role.family, role.stage_index, role.replica, role.tp_rank,
-                (optimizer.lo, optimizer.hi), optimizer.shard is not None,
+                job.model, job.strategy, role.family, role.stage_index, role.dp_index, role.tp_rank,
+                (optimizer.lo, optimizer.hi), state.zero_stage >= 1, state.sharded is not None,
             )  # fmt: skip
         self.saver = checkpoint.Saver(settings.checkpoint_async) if settings.checkpoint_dir else None
         self.first_step = 0
@@ -345,7 +388,7 @@ class _Keeper:
         if self.state is None:
             return [], torch.zeros(0), torch.zeros(0)
         optimizer = self.state.optimizer
-        return list(self.state.params), optimizer.exp_avg, optimizer.exp_avg_sq
+        return self.state.held_weights(), optimizer.exp_avg, optimizer.exp_avg_sq
 
     def after(self, done: int, loss: float = 0.0) -> None:
         """Note the step in progress-RANK.jsonl (what a supervisor reads of a run that dies before its results) and
@@ -403,25 +446,23 @@ def _step(rank: int, job: RunJob, role: Role, state: RankState, comm: Communicat
     settings, mbs, times = job.settings, role.pipeline.micro_batch_size, state.runner.times
     dist.barrier()
     started = time.perf_counter()
-    before = (times.compute_s, times.emulation_s, times.wait_s, times.forward_s, times.backward_s, times.tp_comm_s)
+    before = (times.compute_s, times.emulation_s, times.wait_s, times.forward_s, times.backward_s, times.tp_comm_s,
+              times.gather_s)  # fmt: skip
     tokens = synthetic_batch(job.model, job.global_batch, job.seq_length, settings.seed, step)
+    if state.sharded is not None:
+        state.sharded.post_sends()
     loss_sum = state.runner.run(tokens[role.sample_start : role.sample_start + role.microbatches * mbs])
     t0 = time.perf_counter()
-    params = state.params
-    grads = state.optimizer.flat([p.grad if p.grad is not None else torch.zeros_like(p) for p in params])
+    if state.sharded is not None:
+        state.sharded.wait_sends()
     capture = settings.capture_gradients and step == 0
-    if state.across is None:
-        comm.all_reduce(grads, state.dp_group)
-    else:
-        grads = state.across.sync(grads, comm, full=capture)
+    grads, whole = _synced_gradients(state, comm, capture)
     sync_s = time.perf_counter() - t0
     times.sync_s += sync_s
-    if capture:
-        torch.save(_unflatten(state.modules, params, grads), Path(job.out_dir, f"grads-{rank}.pt"))
+    if whole is not None:
+        torch.save(_unflatten(state.modules, state.params, whole), Path(job.out_dir, f"grads-{rank}.pt"))
     t0 = time.perf_counter()
-    state.optimizer.step(grads)
-    for p in params:
-        p.grad = None
+    _update(state, comm, grads)
     optimizer_s = time.perf_counter() - t0
     times.optimizer_s += optimizer_s
     times.per_step.append(
@@ -433,11 +474,57 @@ def _step(rank: int, job: RunJob, role: Role, state: RankState, comm: Communicat
             "forward_s": times.forward_s - before[3],
             "backward_s": times.backward_s - before[4],
             "tp_comm_s": times.tp_comm_s - before[5],
-            "sync_s": sync_s,
+            "sync_s": sync_s + times.gather_s - before[6],
             "optimizer_s": optimizer_s,
         }
     )
-    return loss_sum * mbs / job.global_batch if role.last and role.tp_rank == 0 else 0.0
+    return loss_sum * state.runner.loss_scale if role.last and role.tp_rank == 0 else 0.0
+
+
+def _synced_gradients(state: RankState, comm: Communicator, capture: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The gradient summed over the replicas (and families) for the elements [lo, hi) the optimizer updates, and
+    the whole summed vector when `capture` (parity tests). The local gradients are dropped once flattened; under
+    ZeRO-2/3 they are reduce-scattered, so only the shard of the sum is ever held."""
+    params, dp, optimizer = state.params, state.dp_group, state.optimizer
+    grads = flat([p.grad if p.grad is not None else torch.zeros_like(p) for p in params])
+    for p in params:
+        p.grad = None
+    if state.zero_stage >= 2:
+        if state.across is not None:
+            shard = state.across.summed_chunk(grads, comm)
+        else:
+            shard = reduce_scattered(grads, comm, dp, dp.ranks.index(dist.get_rank()))
+        return shard, all_gathered(shard, grads.numel(), comm, dp) if capture else None
+    if state.across is None:
+        comm.all_reduce(grads, dp)
+    else:
+        grads = state.across.sync(grads, comm, full=capture)
+    return grads[optimizer.lo : optimizer.hi], grads if capture else None
+
+
+def _update(state: RankState, comm: Communicator, grads: torch.Tensor) -> None:
+    """The optimizer step on the rank's elements [lo, hi); under ZeRO-1/2 the updated shards are then all-gathered
+    into every replica's parameters, under ZeRO-3 the shard is all the rank keeps."""
+    optimizer = state.optimizer
+    if state.sharded is not None:
+        optimizer.step(state.sharded.shard, grads)
+        return
+    with torch.no_grad():
+        weights = flat([p.data for p in state.params])
+        optimizer.step(weights[optimizer.lo : optimizer.hi], grads)
+        if state.zero_stage:
+            weights = all_gathered(weights[optimizer.lo : optimizer.hi], weights.numel(), comm, state.dp_group)
+        offset = 0
+        for p in state.params:
+            p.data.copy_(weights[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+
+
+def held_parameter_elements(state: RankState) -> int:
+    """Parameter elements this rank's memory holds now: the storages behind its parameters (a ZeRO-3 unit's are
+    empty between uses) and its ZeRO-3 shard."""
+    held = {s.data_ptr(): s.nbytes() // p.element_size() for p in state.params if (s := p.untyped_storage()).nbytes()}
+    return sum(held.values()) + (state.sharded.shard.numel() if state.sharded is not None else 0)
 
 
 ACTIVATION_TAG, GRADIENT_TAG = 0, 1
@@ -454,14 +541,17 @@ class _StageRunner:
         comm: Communicator,
         emulator: Emulator,
         dtype: torch.dtype,
+        sharded: ShardedParameters | None = None,
     ) -> None:
         pipeline = role.pipeline
         self.stages = pipeline.stages
         self.role, self.modules, self.comm, self.emulator, self.dtype = role, modules, comm, emulator, dtype
+        self.sharded = sharded
         self.index, self.p, self.v = role.stage_index, len(pipeline.stages), len(modules)
-        self.mbs = pipeline.micro_batch_size
-        self.loss_scale = self.mbs / job.global_batch  # this micro-batch's share of the global batch
-        self.shape = (self.mbs, job.seq_length, job.model.hidden_size)
+        self.mbs, self.cp = pipeline.micro_batch_size, emulator.cp
+        # this micro-batch's share of the global batch's tokens (a CP rank's mean loss is over 1/cp of them)
+        self.loss_scale = self.mbs / (job.global_batch * self.cp.size)
+        self.shape = (self.mbs, job.seq_length // self.cp.size, job.model.hidden_size)
         self.offsets = group_offsets(job.cluster)
         self.times = StageTimes()
         self.sends: list[dist.Work] = []
@@ -470,7 +560,9 @@ class _StageRunner:
         self.loss_sum = 0.0
 
     def peer(self, stage_index: int, tp_rank: int) -> int:
-        return stage_rank(self.offsets, self.stages[stage_index % self.p], self.role.replica, tp_rank)
+        """The rank of `stage_index` with this rank's replica and CP rank (its tokens) at TP rank `tp_rank`."""
+        stage = self.stages[stage_index % self.p]
+        return stage_rank(self.offsets, stage, self.role.replica, tp_rank, self.role.cp_rank, self.cp.size)
 
     def receive(self, stage_index: int, tag: int, key: tuple[int, int, int]) -> torch.Tensor:
         """The tensor stage `stage_index` sends this TP rank (k <- k mod its TP width)."""
@@ -493,33 +585,36 @@ class _StageRunner:
             else:
                 self.sends.append(self.comm.isend(tensor.detach(), dst, tag))
 
+    def gather_s(self) -> float:
+        return self.sharded.gather_s if self.sharded is not None else 0.0
+
     def timed(self, work: Callable[[], torch.Tensor | None], kind: str) -> torch.Tensor | None:
-        """Run a forward or backward pass; emulation stretches its compute, not its TP collectives (the cost model
-        scales an emulated device's layer costs only)."""
+        """Run a forward or backward pass; emulation stretches its compute, not its TP collectives, its ZeRO-3
+        gathers nor its CP ring's waits (the cost model scales an emulated device's layer costs only; the ring's
+        exposed time stays in the pass, as the cost model counts it)."""
         tp = self.emulator.tp
-        t0, comm0 = time.perf_counter(), tp.comm_s
+        t0, comm0, gather0, ring0 = time.perf_counter(), tp.comm_s, self.gather_s(), self.cp.comm_s
         out = work()
-        real, comm = time.perf_counter() - t0, tp.comm_s - comm0
-        extended = self.emulator.extend(real - comm)
+        real, comm, gather = time.perf_counter() - t0, tp.comm_s - comm0, self.gather_s() - gather0
+        extended = self.emulator.extend(real - comm - gather - (self.cp.comm_s - ring0))
         self.times.compute_s += real
         self.times.emulation_s += extended
         self.times.tp_comm_s += comm
+        self.times.gather_s += gather
         if kind == "forward":
-            self.times.forward_s += real - comm + extended
+            self.times.forward_s += real - comm - gather + extended
         else:
-            self.times.backward_s += real - comm + extended
+            self.times.backward_s += real - comm - gather + extended
         return out
 
     def forward(self, j: int, k: int, tokens: torch.Tensor) -> None:
         chunk = k * self.p + self.index
         batch = tokens[j * self.mbs : (j + 1) * self.mbs]
         last = chunk == self.p * self.v - 1
-        if chunk == 0:
-            x = batch[:, :-1]
-        else:
-            x = self.receive(self.index - 1, ACTIVATION_TAG, (0, j, chunk)).requires_grad_()
+        inputs, targets = self.cp.local_tokens(batch)
+        x = inputs if chunk == 0 else self.receive(self.index - 1, ACTIVATION_TAG, (0, j, chunk)).requires_grad_()
         module = self.modules[k]
-        out = self.timed(lambda: module(x, batch[:, 1:] if last else None), "forward")
+        out = self.timed(lambda: module(x, targets if last else None), "forward")
         assert out is not None
         if last:
             self.loss_sum += float(out.detach())
@@ -535,6 +630,8 @@ class _StageRunner:
         else:
             grad = self.receive(self.index + 1, GRADIENT_TAG, (1, j, chunk))
             self.timed(lambda: out.backward(grad), "backward")
+        if self.sharded is not None:
+            self.sharded.after_backward()
         if chunk > 0:
             self.send(x.grad, self.index - 1, GRADIENT_TAG, (1, j, chunk - 1))
 

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from planner.export import launch_commands
 from planner.plan import LoadedPlan, evaluation_dict
+from planner.what_if import check_runtime_layout
 from predictor.cost_model import CostContext, evaluate
 from predictor.host import local_run_context, on_host
 from predictor.run_terms import predicted_stage_terms, side_by_side
@@ -35,14 +36,30 @@ from specs.loading import read_mapping
 __all__ = ["execute", "execute_in_job", "launch_commands", "prediction_context", "run_in_job", "run_plan"]
 MAX_LOCAL_RANKS = 16
 REFERENCE_MAX_PARAMS = 200_000_000
+FP8_ACCELERATORS = "H100/H200/MI300X/Gaudi2"
 # relative loss difference allowed between the run and one process (same weights and data, different sum orders)
 LOSS_TOLERANCE = {"fp64": 1e-9, "fp32": 1e-4, "bf16": 3e-2, "fp16": 1e-2}
 
 
-def check_runnable(plan: LoadedPlan, cluster: ClusterSpec) -> None:
-    """What the runtime cannot run, as a one-line SpecError before any process starts."""
+def check_runnable(plan: LoadedPlan, cluster: ClusterSpec, dtype: str) -> None:
+    """What the runtime cannot run (in `dtype`), as a one-line SpecError before any process starts."""
+    check_dtype(dtype, plan.source)
+    check_runtime_layout(plan)
     for stage in (s for pipeline in plan.strategy.pipelines for s in pipeline.stages):
         check_tp(plan.model, stage.tp, plan.source)
+
+
+def check_dtype(dtype: str, source: str) -> None:
+    """The runtime computes on the CPU in the precisions torch has there; FP8 training is refused, saying where it
+    runs and how to run the plan's layout here anyway."""
+    if dtype == "fp8":
+        raise SpecError(
+            source, "training.dtype", "fp8 training needs FP8 GEMMs, which need an FP8-capable accelerator "
+            f"({FP8_ACCELERATORS}); this runtime computes on the CPU: run the plan's layout in bf16 or fp32 with "
+            "`hetplan run ... --dtype bf16` (or --dtype fp32)",
+        )  # fmt: skip
+    if dtype not in TORCH_DTYPES:
+        raise SpecError(source, "training.dtype", f"the runtime runs {', '.join(TORCH_DTYPES)}, not {dtype!r}")
 
 
 def _job(plan: LoadedPlan, cluster: ClusterSpec, settings: RunSettings, out_dir: str) -> RunJob:
@@ -57,7 +74,7 @@ def run_plan(
     out_dir: str | None = None,
 ) -> list[dict[str, Any]]:
     """Spawn one local process per cluster device and train; returns every rank's result (gathered by rank 0)."""
-    check_runnable(plan, cluster)
+    check_runnable(plan, cluster, settings.dtype)
     world = cluster.num_devices
     if world > MAX_LOCAL_RANKS:
         raise SpecError(
@@ -87,7 +104,7 @@ def run_in_job(
     """This process is one rank of a torchrun job (RANK, WORLD_SIZE, MASTER_ADDR/PORT from the environment, any
     number of nodes): train and return every rank's result on rank 0, gathered over the process group; None on the
     other ranks. `out_dir` is written only for captured gradients."""
-    check_runnable(plan, cluster)
+    check_runnable(plan, cluster, settings.dtype)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     timeout = timedelta(seconds=settings.timeout_s)
     dist.init_process_group("gloo", init_method="env://", timeout=timeout)
@@ -200,12 +217,14 @@ def run_record(
     """A `hetplan.run/1` record; `ctx` is the prediction's context (its cluster already at the cores' share)."""
     evaluation = evaluate(ctx, plan.strategy)
     predicted = evaluation.iteration_time_s
+    # the terms' layer costs at the plan's CP degree, as evaluate() takes them (per CP rank, ring included)
+    terms = predicted_stage_terms(ctx, evaluation)
     written = evaluation_dict(ctx, evaluation)
-    layout = {key: written[key] for key in ("recompute", "zero_stage", "virtual_stages", "sequence_parallel")}
-    layout["pipelines"] = [
-        {key: p[key] for key in ("replicas", "micro_batch_size", "num_microbatches", "total_microbatches", "stages")}
-        for p in written["pipelines"]
-    ]
+    layout = {
+        key: written[key] for key in ("recompute", "zero_stage", "zero_shard", "virtual_stages", "sequence_parallel")
+    }
+    kept = ("replicas", "micro_batch_size", "num_microbatches", "total_microbatches", "context_parallel", "stages")
+    layout["pipelines"] = [{key: p[key] for key in kept} for p in written["pipelines"]]
     emulated = {g.name: g.emulate_speed for g in cluster.groups if g.emulate_speed != 1.0}
     loaded = on_host(ctx, evaluation)
     if loaded.processes_per_core:
@@ -240,7 +259,7 @@ def run_record(
             "prediction_from": ctx.predictor_identity,
             "cost_source": dict(ctx.cost_source) if ctx.cost_source else None,
             "prediction_error": summary["measured_iteration_time_s"] / predicted - 1.0,
-            "terms": side_by_side(summary["stages"], predicted_stage_terms(ctx, evaluation)),
+            "terms": side_by_side(summary["stages"], terms),
             "core_sharing": sharing,
             "emulated_groups": emulated,
             "emulation": "ranks of emulated groups repeat their stage's layer math until each pass takes 1/speed "

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from profiler.layers import DecoderLayer
+from runtime.context_parallel import ContextParallel, RingAttentionLayer
 from runtime.tensor_parallel import TensorParallel, VocabParallelEmbedding, VocabParallelHead
 from specs.errors import SpecError
 from specs.model import ModelSpec, Recompute
@@ -51,9 +52,15 @@ def check_tp(model: ModelSpec, tp: int, source: str) -> None:
             raise SpecError(source, "tp", f"the runtime shards {what} ({value}) over TP {tp}: it must divide")
 
 
-def shard_layer(full: DecoderLayer, model: ModelSpec, tp: TensorParallel, recompute: Recompute) -> DecoderLayer:
-    """TP rank `tp.rank`'s shard of a whole layer: column-parallel QKV and up, row-parallel out and down."""
-    shard = DecoderLayer(model, tp.size, recompute)
+def shard_layer(
+    full: DecoderLayer, model: ModelSpec, tp: TensorParallel, recompute: Recompute, cp: ContextParallel | None = None
+) -> DecoderLayer:
+    """TP rank `tp.rank`'s shard of a whole layer: column-parallel QKV and up, row-parallel out and down; with
+    context parallelism, attention around the CP ring."""
+    if cp is not None and cp.size > 1:
+        shard: DecoderLayer = RingAttentionLayer(model, tp.size, recompute, cp)
+    else:
+        shard = DecoderLayer(model, tp.size, recompute)
     k, t, d = tp.rank, tp.size, model.head_dim
     heads, kv = model.num_attention_heads, model.num_kv_heads
     f = model.ffn_hidden_size
@@ -92,18 +99,27 @@ def shard_layer(full: DecoderLayer, model: ModelSpec, tp: TensorParallel, recomp
 
 class StageModule(nn.Module):
     """Layers [start, end) of the model for one TP rank, with the embedding on the first stage and the LM head and
-    loss on the last. forward(x) gives the stage output; the last stage's is the micro-batch's mean loss.
-    Built from whole pieces (`seeded_pieces`, or a reference model's gradients for comparing shards)."""
+    loss on the last. forward(x) gives the stage output; the last stage's is the micro-batch's mean loss (over this
+    CP rank's tokens, with context parallelism). Built from whole pieces (`seeded_pieces`, or a reference model's
+    gradients for comparing shards)."""
 
-    def __init__(self, model: ModelSpec, pieces: Pieces, tp: TensorParallel, recompute: Recompute) -> None:
+    def __init__(
+        self,
+        model: ModelSpec,
+        pieces: Pieces,
+        tp: TensorParallel,
+        recompute: Recompute,
+        cp: ContextParallel | None = None,
+    ) -> None:
         super().__init__()
         vocab_rows = model.vocab_size // tp.size
         lo = tp.rank * vocab_rows
         self.embedding = None
         if pieces.embedding is not None:
             tokens, positions = pieces.embedding
-            self.embedding = VocabParallelEmbedding(tokens[lo : lo + vocab_rows], lo, tp, positions)
-        self.layers = nn.ModuleList(shard_layer(layer, model, tp, recompute) for layer in pieces.layers)
+            token_positions = cp.positions if cp is not None and cp.size > 1 else None
+            self.embedding = VocabParallelEmbedding(tokens[lo : lo + vocab_rows], lo, tp, positions, token_positions)
+        self.layers = nn.ModuleList(shard_layer(layer, model, tp, recompute, cp) for layer in pieces.layers)
         self.head = None
         if pieces.head is not None:
             norm, output = pieces.head

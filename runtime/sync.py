@@ -6,7 +6,9 @@ the family's sum (ZeRO-1's chunk). Across families, each element of the model is
 with each device of another family whose owned elements meet its chunk exactly those elements (by their positions in
 the whole model's flat vector, runtime.model.shard_positions) and adds what it receives: its chunk then holds the sum
 over all families, having sent and received only its 1/replicas shard per other family. An all-gather over the
-replicas gives every replica the full gradient back (skipped under ZeRO-1, whose update needs only its chunk).
+replicas gives every replica the full gradient back (skipped under ZeRO-1, whose update needs only its chunk; ZeRO-2/3
+keep only the chunk: `summed_chunk`). With context parallelism the "replicas" here are the dp-cp group's members,
+replica r's CP rank c being r * cp + c.
 """
 
 from __future__ import annotations
@@ -62,9 +64,10 @@ def family_holdings(model: ModelSpec, strategy: Strategy, offsets: dict[str, int
             tp_positions = [rank_positions(model, strategy, family, index, k) for k in range(stage.tp)]
             for k, positions in enumerate(tp_positions):
                 owned = ~torch.isin(positions, torch.cat(tp_positions[:k])) if k else torch.ones_like(positions).bool()
-                for replica in range(pipeline.replicas):
-                    lo, hi = chunk_bounds(positions.numel(), replica, pipeline.replicas)
-                    rank = stage_rank(offsets, stage, replica, k)
+                cp, members = pipeline.context_parallel, pipeline.gradient_ranks  # the DP group: replicas x CP ranks
+                for member in range(members):
+                    lo, hi = chunk_bounds(positions.numel(), member, members)
+                    rank = stage_rank(offsets, stage, member // cp, k, member % cp, cp)
                     held.append(Holding(rank, positions[lo:hi], owned[lo:hi]))
         families.append(held)
     return families
@@ -105,12 +108,17 @@ class CrossFamilySync:
         """The gradient summed over the replicas and the families: the whole vector, or (ZeRO-1 and not `full`) only
         this replica's chunk filled in."""
         numel = grads.numel()
-        size = -(-numel // self.count)
-        padded = torch.zeros(size * self.count, dtype=grads.dtype)
-        padded[:numel] = grads
-        chunk = comm.reduce_scatter(padded, self.dp)
+        total = self.summed_chunk(grads, comm)
         lo, hi = chunk_bounds(numel, self.index, self.count)
-        mine = chunk[: hi - lo]
+        if self.zero and not full:
+            out = torch.zeros_like(grads)
+            out[lo:hi] = total
+            return out
+        return all_gathered(total, numel, comm, self.dp)
+
+    def summed_chunk(self, grads: torch.Tensor, comm: Communicator) -> torch.Tensor:
+        """This replica's chunk of the gradient summed over the replicas and the families (ZeRO-2/3 keep only it)."""
+        mine = reduce_scattered(grads, comm, self.dp, self.index)
         received = [torch.empty(s.receive.numel(), dtype=grads.dtype) for s in self.swaps]
         pairs = zip(received, self.swaps, strict=True)
         works = [comm.irecv(buffer, s.peer, SYNC_TAG) for buffer, s in pairs if buffer.numel()]
@@ -120,13 +128,26 @@ class CrossFamilySync:
         total = mine.clone()
         for buffer, swap in zip(received, self.swaps, strict=True):
             total[swap.receive] += buffer
-        if self.zero and not full:
-            out = torch.zeros_like(grads)
-            out[lo:hi] = total
-            return out
-        chunk = torch.zeros(size, dtype=grads.dtype)
-        chunk[: hi - lo] = total
-        return torch.cat(comm.all_gather(chunk, self.dp))[:numel]
+        return total
+
+
+def reduce_scattered(flat: torch.Tensor, comm: Communicator, dp: CommGroup, index: int) -> torch.Tensor:
+    """Member `index`'s chunk (chunk_bounds) of the sum of `flat` over the group: the vector is padded to a multiple
+    of the group size for the reduce-scatter, and the padding cut off again."""
+    count, numel = len(dp.ranks), flat.numel()
+    size = -(-numel // count)
+    padded = torch.zeros(size * count, dtype=flat.dtype)
+    padded[:numel] = flat
+    lo, hi = chunk_bounds(numel, index, count)
+    return comm.reduce_scatter(padded, dp)[: hi - lo]
+
+
+def all_gathered(chunk: torch.Tensor, numel: int, comm: Communicator, dp: CommGroup) -> torch.Tensor:
+    """The whole flat vector of `numel` elements from every member's chunk (chunk_bounds) of it."""
+    size = -(-numel // len(dp.ranks))
+    padded = torch.zeros(size, dtype=chunk.dtype)
+    padded[: chunk.numel()] = chunk
+    return torch.cat(comm.all_gather(padded, dp))[:numel]
 
 
 def _by_position(positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -71,14 +71,23 @@ class _Leave(torch.autograd.Function):
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Rows [start, start + rows) of the token embedding; the partial lookups are summed over the TP group."""
+    """Rows [start, start + rows) of the token embedding; the partial lookups are summed over the TP group. Learned
+    positions are those of the first tokens of a sequence, or `token_positions` (a CP rank's chunks)."""
 
-    def __init__(self, weight: torch.Tensor, start: int, tp: TensorParallel, positions: torch.Tensor | None) -> None:
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        start: int,
+        tp: TensorParallel,
+        positions: torch.Tensor | None,
+        token_positions: torch.Tensor | None = None,
+    ) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight.clone())
         self.start = start
         self.tp = tp
         self.positions = nn.Parameter(positions.clone()) if positions is not None else None
+        self.token_positions = token_positions
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
         local = token_ids - self.start
@@ -87,7 +96,10 @@ class VocabParallelEmbedding(nn.Module):
         x = x.masked_fill(outside.unsqueeze(-1), 0.0)
         x = self.tp.leave(x)
         if self.positions is not None:
-            x = x + self.positions[: token_ids.shape[1]]
+            if self.token_positions is not None:
+                x = x + self.positions[self.token_positions]
+            else:
+                x = x + self.positions[: token_ids.shape[1]]
         return x
 
 

@@ -27,6 +27,8 @@ class Engine(BaseModel):
     zero_stages: tuple[int, ...]  # the ZeRO stages it runs with pipeline parallelism
     zero_note: str  # how it shards (what a stage it lacks becomes)
     fp8: bool  # an FP8 switch (Transformer-Engine-style FP8 GEMMs)
+    context_parallel: bool  # sequences split over ranks (ring attention)
+    hybrid_shard: bool  # ZeRO sharding inside a node, replicated across nodes
     kernels: str  # the training.engine whose kernel efficiency the cost model predicts ("": the training's)
 
     @model_validator(mode="after")

@@ -2,9 +2,10 @@
 ranks each part occupies. Torch-free and predictor-free: the cost model, the planner, the communicator, the runtime
 and the exports all read layouts from here, and a new parallel dimension starts here as one axis and one field.
 
-Device numbering: groups in cluster order, node-major inside a group. A stage occupies `tp * replicas` devices of its
-group from `device_offset` on, TP ranks innermost, then replicas: (replica r, TP rank k) is device
-`device_offset + r * tp + k` of the group.
+Device numbering: groups in cluster order, node-major inside a group. A stage occupies `tp * cp * replicas` devices of
+its group from `device_offset` on (cp: its family's context-parallel degree, 1 without), TP ranks innermost, then
+context-parallel ranks, then replicas (Megatron's order): (replica r, CP rank c, TP rank k) is device
+`device_offset + (r * cp + c) * tp + k` of the group.
 """
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ from specs.training import TrainingSpec
 
 
 class Axis(str, Enum):
-    """The parallel dimensions a plan lays devices out along (context and expert parallelism come next as cp, ep)."""
+    """The parallel dimensions a plan lays devices out along (expert parallelism comes next as ep)."""
 
     TP = "tp"  # tensor parallel, inside a node
+    CP = "cp"  # context parallel: the sequence split over ranks that pass K/V around a ring
     PP = "pp"  # pipeline stages
     DP = "dp"  # data-parallel replicas of one pipeline family
     CROSS_FAMILY = "xf"  # gradient sync between pipeline families
@@ -66,6 +68,8 @@ class PipelineStrategy:
     num_microbatches: int
     stages: tuple[StageStrategy, ...]
     total_microbatches: int = 0  # 0: every replica runs num_microbatches
+    context_parallel: int = 1  # ranks each replica's sequences are split over (ring attention); 1: none
+    zero_stage: int | None = None  # this family's own ZeRO stage; None: the strategy's
 
     @property
     def samples_per_replica(self) -> int:
@@ -92,7 +96,13 @@ class PipelineStrategy:
 
     def stage_devices(self, stage: StageStrategy) -> int:
         """Devices one stage occupies over all replicas of the family."""
-        return stage.tp * self.replicas
+        return stage.tp * self.context_parallel * self.replicas
+
+    @property
+    def gradient_ranks(self) -> int:
+        """Ranks holding each parameter shard of a stage inside the family: its replicas and their CP ranks (their
+        gradients are summed together, and ZeRO shards the optimizer over all of them, as Megatron's dp-cp group)."""
+        return self.replicas * self.context_parallel
 
     @property
     def devices(self) -> int:
@@ -106,9 +116,27 @@ class Strategy:
     zero_stage: int
     virtual_stages: int = 1
     sequence_parallel: bool = True
+    zero_shard: str = "dp"  # "node": ZeRO shards inside each node, replicated across nodes (hybrid sharding)
 
     def stage_recompute(self, stage: StageStrategy) -> Recompute:
         return stage.recompute or self.recompute
+
+    def family_zero_stage(self, pipeline: PipelineStrategy) -> int:
+        """The ZeRO stage a family runs: its own, or the strategy's."""
+        return self.zero_stage if pipeline.zero_stage is None else pipeline.zero_stage
+
+    @property
+    def zero_summary(self) -> str:
+        """'ZeRO-1', or 'ZeRO per family (3, 1)' when families differ."""
+        stages = [self.family_zero_stage(p) for p in self.pipelines]
+        if len(set(stages)) == 1:
+            return f"ZeRO-{stages[0]}"
+        return "ZeRO per family (" + ", ".join(str(s) for s in stages) + ")"
+
+    @property
+    def context_parallel(self) -> int:
+        """The families' context-parallel degree (check_strategy keeps it one for the whole plan)."""
+        return self.pipelines[0].context_parallel if self.pipelines else 1
 
     @property
     def devices(self) -> int:
@@ -137,11 +165,17 @@ def split_batch(global_batch: int, replicas: int, micro_batch_size: int) -> tupl
 
 
 def split_pipeline(
-    replicas: int, micro_batch_size: int, stages: tuple[StageStrategy, ...], most: int, total: int
+    replicas: int,
+    micro_batch_size: int,
+    stages: tuple[StageStrategy, ...],
+    most: int,
+    total: int,
+    context_parallel: int = 1,
 ) -> PipelineStrategy:
     """A pipeline family running `total` micro-batches over its replicas, at most `most` each (uneven when they
     do not divide)."""
-    return PipelineStrategy(replicas, micro_batch_size, most, stages, total if total != replicas * most else 0)
+    uneven_total = total if total != replicas * most else 0
+    return PipelineStrategy(replicas, micro_batch_size, most, stages, uneven_total, context_parallel)
 
 
 # ---- devices and ranks ------------------------------------------------------------------------------------------
@@ -154,9 +188,9 @@ def chunk_layer_counts(pipeline: PipelineStrategy, virtual_stages: int) -> list[
     return [s.num_layers // v + (1 if k < s.num_layers % v else 0) for k in range(v) for s in stages]
 
 
-def stage_device(stage: StageStrategy, replica: int, tp_rank: int) -> int:
-    """The device index inside the stage's group of (replica, TP rank)."""
-    return stage.device_offset + replica * stage.tp + tp_rank
+def stage_device(stage: StageStrategy, replica: int, tp_rank: int, cp_rank: int = 0, cp: int = 1) -> int:
+    """The device index inside the stage's group of (replica, CP rank, TP rank) in a family of CP degree `cp`."""
+    return stage.device_offset + (replica * cp + cp_rank) * stage.tp + tp_rank
 
 
 def group_offsets(cluster: ClusterSpec) -> dict[str, int]:
@@ -168,25 +202,29 @@ def group_offsets(cluster: ClusterSpec) -> dict[str, int]:
     return offsets
 
 
-def stage_rank(offsets: dict[str, int], stage: StageStrategy, replica: int, tp_rank: int) -> int:
-    """The global rank of (replica, TP rank) of a stage: group offset + stage offset + replica * tp + tp rank."""
-    return offsets[stage.group] + stage_device(stage, replica, tp_rank)
+def stage_rank(
+    offsets: dict[str, int], stage: StageStrategy, replica: int, tp_rank: int, cp_rank: int = 0, cp: int = 1
+) -> int:
+    """The global rank of (replica, CP rank, TP rank) of a stage: group offset + stage_device."""
+    return offsets[stage.group] + stage_device(stage, replica, tp_rank, cp_rank, cp)
 
 
 def stage_ranks(offsets: dict[str, int], pipeline: PipelineStrategy, stage: StageStrategy) -> Iterator[int]:
     """Every global rank of a stage, replica-major."""
+    cp = pipeline.context_parallel
     for replica in range(pipeline.replicas):
-        for tp_rank in range(stage.tp):
-            yield stage_rank(offsets, stage, replica, tp_rank)
+        for cp_rank in range(cp):
+            for tp_rank in range(stage.tp):
+                yield stage_rank(offsets, stage, replica, tp_rank, cp_rank, cp)
 
 
-def pack_stages(stages: Iterable[StageStrategy], replicas: int) -> tuple[StageStrategy, ...]:
+def pack_stages(stages: Iterable[StageStrategy], replicas: int, context_parallel: int = 1) -> tuple[StageStrategy, ...]:
     """Stages placed from the start of each group in pipeline order (device offsets recomputed)."""
     used: dict[str, int] = {}
     placed = []
     for stage in stages:
         placed.append(replace(stage, device_offset=used.get(stage.group, 0)))
-        used[stage.group] = used.get(stage.group, 0) + stage.tp * replicas
+        used[stage.group] = used.get(stage.group, 0) + stage.tp * context_parallel * replicas
     return tuple(placed)
 
 
@@ -223,9 +261,11 @@ def megatron_strategy(
     micro_batch_size: int,
     recompute: str,
     virtual_stages: int = 1,
+    context_parallel: int = 1,
     source: str = "flags",
 ) -> Strategy:
-    """A Megatron-style strategy on one group: even layer split over `pp` stages, `dp` identical replicas."""
+    """A Megatron-style strategy on one group: even layer split over `pp` stages, `dp` identical replicas, each
+    replica's sequences split over `context_parallel` ranks."""
     if group is None and len(cluster.groups) > 1:
         names = ", ".join(g.name for g in cluster.groups)
         raise SpecError(source, "group", f"the cluster has several groups ({names}); name one")
@@ -237,10 +277,10 @@ def megatron_strategy(
             f"{model.num_layers} layers do not split evenly into {pp} stages (Megatron's default); "
             "use a plan with uneven stages",
         )
-    if tp * pp * dp > target.num_devices:
-        raise SpecError(
-            source, "tp x pp x dp", f"{tp * pp * dp} exceeds the {target.num_devices} devices of group {target.name!r}"
-        )
+    cp = context_parallel
+    if tp * cp * pp * dp > target.num_devices:
+        what, count = ("tp x cp x pp x dp", tp * cp * pp * dp) if cp > 1 else ("tp x pp x dp", tp * pp * dp)
+        raise SpecError(source, what, f"{count} exceeds the {target.num_devices} devices of group {target.name!r}")
     global_batch = training.global_batch_size
     if global_batch % (dp * micro_batch_size):
         raise SpecError(
@@ -249,13 +289,16 @@ def megatron_strategy(
     if recompute not in RECOMPUTE_MODES:
         raise SpecError(source, "recompute", f"expected none, selective or full, got {recompute!r}")
     per_stage = model.num_layers // pp
-    stages = tuple(StageStrategy(target.name, i * per_stage, (i + 1) * per_stage, tp, i * tp * dp) for i in range(pp))
+    stages = tuple(
+        StageStrategy(target.name, i * per_stage, (i + 1) * per_stage, tp, i * tp * cp * dp) for i in range(pp)
+    )
     return Strategy(
-        (PipelineStrategy(dp, micro_batch_size, global_batch // (dp * micro_batch_size), stages),),
+        (PipelineStrategy(dp, micro_batch_size, global_batch // (dp * micro_batch_size), stages, 0, cp),),
         recompute,  # type: ignore[arg-type]
         training.zero_stage,
         virtual_stages,
         training.sequence_parallel,
+        training.zero_shard,
     )
 
 
@@ -266,6 +309,9 @@ def check_strategy(
     at most one stage of one family, the families' samples add up to the global batch."""
     if not strategy.pipelines:
         raise SpecError(source, "pipelines", "expected at least one pipeline family")
+    degrees = sorted({p.context_parallel for p in strategy.pipelines})
+    if len(degrees) > 1:
+        raise SpecError(source, "pipelines", f"expected one context_parallel degree for every family, got {degrees}")
     used: dict[str, list[tuple[int, int]]] = {}
     for family, pipeline in enumerate(strategy.pipelines):
         _check_pipeline(cluster, model, strategy, pipeline, f"pipelines[{family}]", source, used)
@@ -328,6 +374,14 @@ def _check_pipeline(
                 f"{where}.tp",
                 f"expected a divisor of the model's {model.num_kv_heads} kv heads, got {stage.tp}",
             )
+        ring = stage.tp * pipeline.context_parallel
+        if pipeline.context_parallel > 1 and group.devices_per_node % ring and ring % group.devices_per_node:
+            raise SpecError(
+                source,
+                f"{where_pipeline}.context_parallel",
+                f"tp x context_parallel = {ring} on group {stage.group!r} must divide its {group.devices_per_node} "
+                "devices per node or be a multiple of them (a CP ring fills nodes evenly)",
+            )
         used.setdefault(stage.group, []).append((stage.device_offset, pipeline.stage_devices(stage)))
     if strategy.virtual_stages > 1 and any(s.num_layers < strategy.virtual_stages for s in pipeline.stages):
         raise SpecError(
@@ -367,11 +421,23 @@ class PipelineFile(BaseModel):
     micro_batch_size: int = Field(ge=1)
     num_microbatches: int = Field(ge=1)
     total_microbatches: int = Field(default=0, ge=0)
+    context_parallel: int = Field(default=1, ge=1)
+    zero_stage: int | None = Field(default=None, ge=0, le=3)  # the family's own; None: the plan's
     stages: list[StageFile] = Field(min_length=1)
 
 
-def pipelines_from_files(pipelines: Sequence[PipelineFile], recompute: Recompute) -> tuple[PipelineStrategy, ...]:
-    """Pipelines as a plan file writes them; a stage's recompute equal to the plan's is kept as None (the plan's)."""
+def pipelines_from_files(
+    pipelines: Sequence[PipelineFile], recompute: Recompute, zero_stage: int | None = None
+) -> tuple[PipelineStrategy, ...]:
+    """Pipelines as a plan file writes them; a stage's recompute (a family's ZeRO stage) equal to the plan's is kept
+    as None (the plan's)."""
+    return tuple(
+        replace(pipeline, zero_stage=None if p.zero_stage == zero_stage else p.zero_stage)
+        for p, pipeline in zip(pipelines, _split_files(pipelines, recompute), strict=True)
+    )
+
+
+def _split_files(pipelines: Sequence[PipelineFile], recompute: Recompute) -> tuple[PipelineStrategy, ...]:
     return tuple(
         split_pipeline(
             p.replicas,
@@ -389,6 +455,7 @@ def pipelines_from_files(pipelines: Sequence[PipelineFile], recompute: Recompute
             ),
             p.num_microbatches,
             p.total_microbatches or p.replicas * p.num_microbatches,
+            p.context_parallel,
         )
         for p in pipelines
     )

@@ -17,6 +17,12 @@ DTYPE_BYTES: dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 2}
 DEFAULT_GLOBAL_BATCH_SIZE = 1024
 MAX_GLOBAL_BATCH = 2**20  # sequences: far past any published run (Llama 3: 2,048 of 8K tokens)
 MAX_SEQ_LENGTH = 2**24  # tokens
+MAX_CONTEXT_PARALLEL = 1024
+# The CP degrees searched when the training does not choose: none below 16K tokens; above, powers of two that leave
+# each rank at least 4K tokens (shorter blocks cannot hide the ring under their attention), at most 32.
+AUTO_CONTEXT_PARALLEL_FROM_TOKENS = 16384
+AUTO_LEAST_TOKENS_PER_CP_RANK = 4096
+AUTO_MAX_CONTEXT_PARALLEL = 32
 # the training frameworks whose kernel efficiency calibration tells apart (TrainingSpec.engine)
 TrainingEngine = Literal["megatron", "deepspeed", "fsdp", "torchtitan", "other"]
 TRAINING_ENGINES: tuple[str, ...] = get_args(TrainingEngine)
@@ -39,11 +45,23 @@ class TrainingSpec(BaseModel):
         "2: gradients too (reduce-scattered every micro-batch, DeepSpeed); 3: parameters too (all-gathered per layer "
         "in forward and backward, FSDP)",
     )
+    zero_shard: Literal["dp", "node"] = Field(
+        default="dp",
+        description="where ZeRO 1-3 shard: over the whole DP group (dp), or over its ranks inside one node with the "
+        "shards replicated across nodes (node: FSDP's hybrid shard, Megatron's --num-distributed-optimizer-instances;"
+        " less memory saved, no weight gathers and only a 1/node-ranks gradient share over the network)",
+    )
     micro_batch_sizes: tuple[StrictInt, ...] = (1, 2, 4, 8, 16)
     virtual_stages: tuple[StrictInt, ...] = Field(
         default=(1, 2, 4), description="interleaved 1F1B chunks per device the planner may use (1: plain 1F1B)"
     )
     sequence_parallel: bool = True
+    context_parallel: tuple[StrictInt, ...] | None = Field(
+        default=None,
+        description="context-parallel degrees the planner may use (each replica's sequences split over that many "
+        "ranks, K/V passed around a ring); default: by sequence length, 1 below 16K tokens, else the powers of two "
+        "that leave every rank at least 4K tokens (at most 32)",
+    )
     uneven_batch: Literal["off", "refine", "exhaustive"] = Field(
         default="off",
         description="replica counts that do not divide the global batch (replicas run whole micro-batches within one "
@@ -119,6 +137,25 @@ class TrainingSpec(BaseModel):
         if not value:
             raise ValueError("allow at least one recompute mode (none, selective, full)")
         return tuple(mode for mode in RECOMPUTE_MODES if mode in value)
+
+    @field_validator("context_parallel")
+    @classmethod
+    def _context_parallel_degrees(cls, value: tuple[int, ...] | None) -> tuple[int, ...] | None:
+        if value is not None and (not value or any(d < 1 or d > MAX_CONTEXT_PARALLEL for d in value)):
+            raise ValueError(f"expected a non-empty list of integers from 1 to {MAX_CONTEXT_PARALLEL}")
+        return None if value is None else tuple(sorted(set(value)))
+
+    def context_parallel_degrees(self, seq_length: int) -> tuple[int, ...]:
+        """The CP degrees to search: the chosen ones, or by sequence length (see the field)."""
+        if self.context_parallel is not None:
+            return self.context_parallel
+        if seq_length < AUTO_CONTEXT_PARALLEL_FROM_TOKENS:
+            return (1,)
+        degrees, degree = [], 1
+        while degree <= AUTO_MAX_CONTEXT_PARALLEL and seq_length // degree >= AUTO_LEAST_TOKENS_PER_CP_RANK:
+            degrees.append(degree)
+            degree *= 2
+        return tuple(degrees)
 
     @field_validator("micro_batch_sizes", "virtual_stages")
     @classmethod

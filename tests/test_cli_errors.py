@@ -48,6 +48,8 @@ def plans(tmp_path_factory) -> dict[str, Path]:
         "tp3": lambda b: b["pipelines"][0]["stages"][0].update(tp=3),
         "replicas": lambda b: b["pipelines"][0].update(replicas=10**9),
         "reversed": lambda b: b["pipelines"][0]["stages"][0].update(layers=[4, 0]),
+        "fp8": lambda b: b["training"].update(dtype="fp8"),
+        "per-node": lambda b: b.update(zero_shard="node"),
     }
     for name, change in breaks.items():
         broken = json.loads(good.read_text())
@@ -122,7 +124,7 @@ PLAN = ("plan", "--cluster", str(CPU), "--model", TINY)
         (("profile", "-m", TINY, "--recompute", "some", "--out", "p.json"), "--recompute: expected some of none"),
         (("profile-comm", "--max-size", "inf", "--out", "l.json"), "--max-size: expected a size from 4B to 16GiB"),
         (("profile-comm", "--min-size", "1MiB", "--max-size", "4KiB", "--out", "l.json"), "min-size <= max-size"),
-        (("profile-comm", "--link-class", "spine", "--out", "l.json"), "--link-class: expected one of in_node"),
+        (("profile-comm", "--link-class", "spine", "--out", "l.json"), "--link-class: expected one of auto, in_node"),
         (("profile-comm", "--world", "1", "--out", "l.json"), "--world: expected process counts >= 2"),
         (("profile-comm", "--timeout", "nan", "--out", "l.json"), "--timeout: expected a finite number > 0"),
         (("comm-bench", "--sizes", "1e30"), "--sizes: expected a size"),
@@ -177,6 +179,9 @@ def test_traffic_checks_the_plan_and_its_flags(capsys, tmp_path, monkeypatch, pl
         (("replan", "{good}", "-c", str(CPU)), "--without/--add: say what changed"),
         (("replan", "{replicas}", "-c", str(CPU), "--without", "node:cpu/1"), "total_microbatches"),
         (("run", "{other-cluster}", "-c", str(CPU), "--out", "r.json"), "the plan is for cluster 'elsewhere'"),
+        (("launch", "{fp8}", "-c", str(CPU)), "training.dtype: hetplan's runtime has no FP8 GEMMs"),
+        (("launch", "{per-node}", "-c", str(CPU)), "zero_shard: the local runtime shards ZeRO over the whole"),
+        (("run", "{per-node}", "-c", str(CPU), "--out", "r.json"), "plan with --zero-shard dp to run it"),
     ],
 )
 def test_commands_that_read_a_plan_check_it_and_their_outputs_first(

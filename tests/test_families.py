@@ -341,3 +341,48 @@ def test_several_runs_of_totals_add_as_the_union_of_their_ranges():
         for low, high in runs:
             expected |= _add_range(reachable, step, low, high)
         assert (_add_runs(reachable, step, runs) == expected).all()
+
+
+def test_each_family_runs_its_own_zero_stage():
+    """A family of its own ZeRO stage holds and moves its state as that stage does (the V100 family at ZeRO-3 holds
+    1/8 of its weights, the A100 family at the plan's ZeRO-1 all of them), the plan file keeps both, and the local
+    runtime refuses a plan it would run at one stage."""
+    model = load_model("gpt3-1.7b")
+    ctx = build_context(_a100_and_v100(), model, _training("off"))
+    strategy = _two_families(ctx, 48)
+    mixed = dataclasses.replace(
+        strategy, pipelines=(strategy.pipelines[0], dataclasses.replace(strategy.pipelines[1], zero_stage=3))
+    )
+    assert mixed.zero_summary == "ZeRO per family (1, 3)"
+    uniform, own = evaluate(ctx, strategy), evaluate(ctx, mixed)
+    a100, v100 = (s for s in own.stages)
+    params = stage_params(model, 24, True, True, 1)
+    assert a100.memory.weights_bytes == pytest.approx(params * 2)  # the plan's ZeRO-1: whole fp16 weights
+    gathered = 2 * model.layer_params() * 2  # ZeRO-3 holds the layer computing and the one prefetched
+    assert v100.memory.weights_bytes == pytest.approx(params * 2 / 8 + gathered)
+    assert a100.memory == uniform.stages[0].memory
+    assert v100.memory.grads_bytes == pytest.approx(params * 4 / 8)  # ZeRO-3 shards the gradients too
+    assert uniform.stages[1].memory.grads_bytes == pytest.approx(params * 4)
+    from planner import compute_bounds
+    from planner.plan import Plan
+
+    written = Plan(ctx, own, compute_bounds(ctx), 0.0, {}).to_dict()
+    assert [p["zero_stage"] for p in written["pipelines"]] == [1, 3]
+    from planner.plan import LoadedPlan
+    from planner.what_if import check_runtime_layout
+
+    with pytest.raises(SpecError, match="one per family"):
+        check_runtime_layout(LoadedPlan(mixed, model, ctx.training, "mixed.json"))
+    check_runtime_layout(LoadedPlan(strategy, model, ctx.training, "uniform.json"))
+
+
+def test_plan_with_several_zero_stages_lets_families_pick_and_is_never_slower(tmp_path):
+    model, cluster = load_model("gpt3-1.7b"), _a100_and_v100()
+    one = plan(cluster, model, _training(), zero_stages=(1,))
+    three = plan(cluster, model, _training(), zero_stages=(3,))
+    both = plan(cluster, model, _training(), zero_stages=(1, 3))
+    assert both.evaluation.iteration_time_s <= min(one.evaluation.iteration_time_s, three.evaluation.iteration_time_s)
+    assert set(both.search_stats["zero_stages_s"]) - {"per family"} == {"1", "3"}
+    path = tmp_path / "plan.json"
+    both.save(path)
+    assert load_plan(path).strategy == both.strategy

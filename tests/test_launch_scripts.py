@@ -31,6 +31,11 @@ env -0 > "$STUB_FILE.env"
 CASES = {
     "hethub-768": (EXAMPLES / "hethub-768.yaml", "llama-140b", EXAMPLES / "training" / "hethub-140b.yaml"),
     "h100-mi300x": (EXAMPLES / "h100-mi300x.yaml", "llama3-70b", None),
+    "h100-mi300x-a100-32k": (
+        EXAMPLES / "h100-mi300x-a100.yaml",
+        "llama3-70b",
+        EXAMPLES / "training" / "long-context-32k.yaml",
+    ),
 }
 
 
@@ -135,7 +140,7 @@ MEGATRON_VALUES = {  # Megatron-LM's arguments.py: the flags an export writes, w
     "--seq-length": int, "--max-position-embeddings": int, "--vocab-size": int, "--num-query-groups": int,
     "--tensor-model-parallel-size": int, "--pipeline-model-parallel-size": int, "--micro-batch-size": int,
     "--global-batch-size": int, "--pipeline-model-parallel-layout": str, "--recompute-num-layers": int,
-    "--microbatch-group-size-per-virtual-pipeline-stage": int,
+    "--microbatch-group-size-per-virtual-pipeline-stage": int, "--context-parallel-size": int,
 }  # fmt: skip
 MEGATRON_CHOICES = {
     "--normalization": ["LayerNorm", "RMSNorm"],
@@ -143,6 +148,7 @@ MEGATRON_CHOICES = {
     "--recompute-granularity": ["full", "selective"],
     "--recompute-method": ["uniform", "block"],
     "--fp8-format": ["e4m3", "hybrid"],
+    "--cp-comm-type": ["p2p", "a2a", "allgather", "a2a+p2p"],
 }
 MEGATRON_SWITCHES = [
     "--group-query-attention", "--swiglu", "--disable-bias-linear", "--untie-embeddings-and-output-weights", "--bf16",
@@ -169,9 +175,9 @@ def _megatron_config(args: argparse.Namespace, world: int) -> None:
     ddp_config = pytest.importorskip("megatron.core.distributed").DistributedDataParallelConfig
     import torch
 
-    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    assert world % (tp * pp) == 0
-    dp = world // (tp * pp)
+    tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size or 1
+    assert world % (tp * pp * cp) == 0
+    dp = world // (tp * pp * cp)
     dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
     assert args.global_batch_size % (args.micro_batch_size * dp) == 0
     config_module.TransformerConfig(
@@ -182,6 +188,7 @@ def _megatron_config(args: argparse.Namespace, world: int) -> None:
         num_query_groups=args.num_query_groups if args.group_query_attention else None,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
+        context_parallel_size=cp,
         sequence_parallel=args.sequence_parallel,
         gated_linear_unit=args.swiglu,
         add_bias_linear=not args.disable_bias_linear,
@@ -249,8 +256,8 @@ def _torchtitan(argv: list[str], world: int, folder: Path, ctx: object) -> None:
     assert argv[:3] == ["-m", "torchtitan.train", "--job.config_file"] and len(argv) == 4
     parallel = tomllib.loads(Path(argv[3]).read_text())["parallelism"]
     degrees = ("tensor_parallel_degree", "pipeline_parallel_degree", "data_parallel_replicate_degree")
-    shard = parallel["data_parallel_shard_degree"]
-    assert parallel[degrees[0]] * parallel[degrees[1]] * parallel[degrees[2]] * shard == world
+    shard, cp = parallel["data_parallel_shard_degree"], parallel["context_parallel_degree"]
+    assert parallel[degrees[0]] * parallel[degrees[1]] * parallel[degrees[2]] * shard * cp == world
 
 
 def _torchrun(argv: list[str], world: int, folder: Path, ctx: object) -> None:

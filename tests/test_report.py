@@ -135,7 +135,7 @@ def test_rail_only_counts_off_rail_bytes_and_the_worst_relay():
     toy.add_ring("pp", [0, 2], 30.0)  # on the rail
     rail = rail_only(toy)
     assert not rail.ok
-    assert rail.spine_bytes == {"tp": 0, "pp": 0, "dp": 200.0}
+    assert rail.spine_bytes == {"tp": 0, "cp": 0, "pp": 0, "dp": 200.0}
     assert rail.groups_breaking_it == ["g"] and rail.relay_bytes_worst_device == 100.0
     assert rail.sentence().startswith("rail-only: NO, 0.0 GB per iteration cross nodes off-rail (groups g)")
     clean = _toy_traffic(4, 2)

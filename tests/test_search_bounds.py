@@ -4,7 +4,8 @@ stage), enumerated by brute force and evaluated by the cost model, takes at leas
 it: the row bound, the whole-layer bound, the per-order memory bound (and a fitting plan's order passes the memory
 screen), the candidate's bound with the exact fill and drain, the root bound and the work bound; and the bound on
 plans of two families is below the best split of the batch between two families found by brute force. Instances vary
-devices, memory, model depth, batch, sequence, uneven batch splits, DP overlap and the end-to-end terms."""
+devices, memory, model depth, batch, sequence, uneven batch splits, DP overlap, the end-to-end terms and context
+parallelism."""
 
 from __future__ import annotations
 
@@ -32,6 +33,8 @@ from specs.layout import split_batch
 from tests.conftest import EXAMPLES
 
 SEEDS = (0, 1, 2, 3, 5, 6, 7, 8, 10, 11)  # instances with plans that fit and plans that do not; 2, 5, 8 split unevenly
+# (seed, context-parallel degree): the instances above, and those whose groups' nodes hold CP rings of 2 split with it
+INSTANCES = [(seed, 1) for seed in SEEDS] + [(1, 2), (2, 2), (3, 2)]
 SLACK = 1 + 1e-9  # bounds and evaluations round differently in the last bits
 DEVICES = ["v100", "a100-40gb", "h100", "mi250x", "mi300x", "ascend-910b", "gaudi2", "l40s"]
 
@@ -42,9 +45,9 @@ Shape = tuple[tuple[str, ...], tuple[int, ...], int, int]  # a row key without r
 SpacePlan = tuple[Shape, tuple[int, ...], OuterConfig, tuple[int, ...], tuple[str, ...]]
 
 
-def _instance(seed: int) -> CostContext:
+def _instance(seed: int, context_parallel: int = 1) -> CostContext:
     """Two one-node groups of different devices with little memory (so that some plans fit and some do not), a
-    Llama-shaped model of a few layers."""
+    Llama-shaped model of a few layers; its sequences split over `context_parallel` ranks."""
     rng = random.Random(seed)
     model = load_model(str(EXAMPLES / "models" / "small-llama.yaml"))
     model = model.model_copy(update={"num_layers": rng.randint(4, 6)})
@@ -83,7 +86,9 @@ def _instance(seed: int) -> CostContext:
         dp_overlap=rng.uniform(0.0, 1.0),
         iteration_overhead_s=rng.uniform(0.0, 0.01),
     )
-    return dataclasses.replace(build_context(cluster, model, training), terms=terms)
+    return dataclasses.replace(build_context(cluster, model, training), terms=terms).at_context_parallel(
+        context_parallel
+    )
 
 
 def _rows(batches: list[TpRowBatch]) -> dict[RowKey, tuple[TpRowBatch, int]]:
@@ -113,7 +118,7 @@ def _plans(ctx: CostContext, structural: dict[RowKey, tuple[TpRowBatch, int]]) -
                 shape = (names, tps, replicas, b)
                 if (*shape, training.recompute[0], v) not in structural or split_batch(batch_size, replicas, b) is None:
                     continue
-                counts = [g.num_devices // (replicas * t) for g, t in zip(subset, tps)]
+                counts = [g.num_devices // (replicas * t * ctx.context_parallel) for g, t in zip(subset, tps)]
                 config = OuterConfig(
                     groups=tuple(subset[i] for i in order),
                     tps=tuple(tps[i] for i in order),
@@ -158,9 +163,9 @@ def _check_candidates(ctx: CostContext) -> int:
     return checked
 
 
-@pytest.mark.parametrize("seed", SEEDS)
-def test_every_search_bound_is_below_every_plan_it_covers(seed: int) -> None:
-    ctx = _instance(seed)
+@pytest.mark.parametrize(("seed", "context_parallel"), INSTANCES)
+def test_every_search_bound_is_below_every_plan_it_covers(seed: int, context_parallel: int) -> None:
+    ctx = _instance(seed, context_parallel)
     options = SearchOptions()
     modes = ctx.training.recompute
     rows = _rows(tp_row_batches(ctx, options))
@@ -222,7 +227,7 @@ def _least_family_time_s(ctx: CostContext, group: DeviceGroup, share: int) -> fl
     for replicas, tp, b, v in itertools.product(
         range(1, group.num_devices + 1), tp_options(block, group), training.micro_batch_sizes, training.virtual_stages
     ):
-        stages = group.num_devices // (replicas * tp)
+        stages = group.num_devices // (replicas * tp * block.context_parallel)
         if stages < 1 or stages * v > num_layers or (v > 1 and stages == 1):
             continue
         if split_batch(share, replicas, b) is None:
@@ -259,15 +264,15 @@ def test_the_family_bound_is_below_every_plan_of_two_families(seed: int) -> None
         assert bound_s <= min(e.iteration_time_s for e in found if len(e.strategy.pipelines) > 1) * SLACK
 
 
-@pytest.mark.parametrize("seed", SEEDS)
-def test_a_batch_source_waits_below_every_candidate_it_holds(seed: int) -> None:
+@pytest.mark.parametrize(("seed", "context_parallel"), INSTANCES)
+def test_a_batch_source_waits_below_every_candidate_it_holds(seed: int, context_parallel: int) -> None:
     """A batch source's bound (vectorised over replica counts, with whole layers) is at most the whole-layer bound
     of every row it builds, so best-first order holds when sources are built lazily; and the vectorised whole-layer
     bottleneck is at most the exact one."""
     from planner.best_first import tp_row_sources
     from planner.lower_bounds import whole_layer_bottleneck_s, whole_layer_bottlenecks_s
 
-    ctx = _instance(seed)
+    ctx = _instance(seed, context_parallel)
     checked = 0
     for source in tp_row_sources(ctx, SearchOptions()):
         for batch in source.build(True):
