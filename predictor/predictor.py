@@ -65,7 +65,8 @@ def library_versions() -> dict[str, str]:
 @dataclass
 class Predictor:
     layer_models: dict[str, LayerCostModel] = field(default_factory=dict)  # by device key
-    host_costs: dict[str, HostCosts] = field(default_factory=dict)  # by device key, from the profiles' host sections
+    # by device key: (hidden size of the profiled model, its host costs) per profile with a host section
+    host_costs: dict[str, list[tuple[int, HostCosts]]] = field(default_factory=dict)
     links: dict[str, Link] = field(default_factory=dict)  # by "device key/link class"
     link_fit_errors: dict[str, float] = field(default_factory=dict)
     calibration: Calibration = field(default_factory=Calibration)
@@ -87,6 +88,15 @@ class Predictor:
                 files.append({"device": key, "path": str(Path(link.path).resolve()), "sha256": link.sha256})
         return {"predictor": dict(predictor), "profiles": files}
 
+    def host_costs_for(self, model: ModelSpec) -> dict[str, HostCosts]:
+        """By device key, the host costs profiled with the model closest in hidden size to `model` (on a log
+        scale): the costs per parameter move with the model's size (the small one's buffers stay in cache, the large
+        one's stream from memory), so the nearest profile speaks for it, not an average over sizes."""
+        return {
+            key: min(profiled, key=lambda pair: abs(math.log(pair[0] / model.hidden_size)))[1]
+            for key, profiled in self.host_costs.items()
+        }
+
     @property
     def identity(self) -> str:
         parts = []
@@ -107,7 +117,7 @@ class Predictor:
         """Uncalibrated costs: explicit profiles first, then learned layer models, then datasheet simulation."""
         ctx = replace(build_context(cluster, model, training, profiles), cost_source=self.cost_source(profiles))
         # the profiles' own host costs and links first (measured on the machine that runs), then the predictor's
-        host = {key: costs for key, costs in self.host_costs.items() if key not in (profiles or {})}
+        host = {key: costs for key, costs in self.host_costs_for(model).items() if key not in (profiles or {})}
         ctx = replace(ctx, host={**host, **ctx.host})
         if not self.layer_models and not self.links:
             return replace(ctx, identity=self.identity)
@@ -181,28 +191,6 @@ def _calibration_cases(predictor: Predictor, runs: Sequence[Run]) -> list[tuple[
     return cases
 
 
-def combined_host_costs(measured: Sequence[HostCosts]) -> HostCosts:
-    """One host's costs from several profiles of it (one per model shape): the median of each number (the layer
-    shape changes the concurrency stretch and the overheads little; the median keeps a noisy profile from
-    deciding)."""
-    if len(measured) == 1:
-        return measured[0]
-    import statistics
-
-    by_processes: dict[int, list[float]] = {}
-    for costs in measured:
-        for point in costs.concurrency:
-            by_processes.setdefault(point.processes, []).append(point.busy_stretch)
-    numbers = [name for name, info in HostCosts.model_fields.items() if info.annotation is float]
-    return HostCosts(
-        cores=max(costs.cores for costs in measured),
-        concurrency=[
-            {"processes": n, "busy_stretch": statistics.median(values)} for n, values in sorted(by_processes.items())
-        ],
-        **{name: statistics.median(getattr(costs, name) for costs in measured) for name in numbers},
-    )
-
-
 def calibration_runs(run_paths: Sequence[Path] = (), published_runs: bool = True) -> list[Run]:
     """The runs calibration learns from: the given run records, then the bundled published runs."""
     paths = [*run_paths, *([PUBLISHED_RUNS] if published_runs else [])]
@@ -218,7 +206,7 @@ def fit_predictor(
 ) -> Predictor:
     """Fit layer models per device type, links per class, then calibration on the runs (plus the bundled
     published run unless `published_runs` is False)."""
-    from predictor.layer_model import fit_layer_cost_model
+    from predictor.layer_model import fit_layer_cost_model, profile_model_spec
     from predictor.link_model import fit_link, load_link_points
 
     by_device: dict[str, list[DeviceProfile]] = {}
@@ -228,9 +216,9 @@ def fit_predictor(
     predictor = Predictor(name=name)
     for key, profiles in sorted(by_device.items()):
         predictor.layer_models[key] = fit_layer_cost_model(profiles)
-        measured = [profile.host for profile in profiles if profile.host is not None]
+        measured = [(profile_model_spec(p).hidden_size, p.host) for p in profiles if p.host is not None]
         if measured:
-            predictor.host_costs[key] = combined_host_costs(measured)
+            predictor.host_costs[key] = measured
     for path in link_paths:
         device, link_class, points = load_link_points(path)
         key = f"{device}/{link_class}"

@@ -199,48 +199,47 @@ def stage_overheads(
 
 def optimizer_costs(model: ModelSpec, dtype: torch.dtype, min_time_s: float = 0.3) -> tuple[float, float, float]:
     """(seconds per parameter of the optimizer shard, per parameter held, per parameter held when the state is
-    sharded) of the runtime's optimizer step on a stage holding all the model's decoder layers: flatten the gradients
-    and the parameters, AdamW on the shard, under ZeRO-1 put the shard in a padded buffer and join the gathered pieces
-    (the all-gather itself is the collective's), copy the parameters back. Timed with the whole vector as the shard,
-    then half and a quarter of it (two and four replicas) to separate the three."""
+    sharded) of the runtime's optimizer step on a stage holding all the model's decoder layers, each part timed on its
+    own (differences of whole-step timings amplified their noise several times): AdamW over the shard; flattening the
+    gradients and the parameters and copying the parameters back; under ZeRO-1, putting the shard in a padded buffer
+    and joining the gathered pieces (two replicas; the all-gather itself is the collective's)."""
     torch.manual_seed(0)
     layers = [DecoderLayer(model, 1).to(dtype) for _ in range(model.num_layers)]
     params = [p.detach() for layer in layers for p in layer.parameters()]
     grads = [torch.randn_like(p) for p in params]
     numel = sum(p.numel() for p in params)
+    weights, flat_grads = torch.cat([p.reshape(-1) for p in params]), torch.cat([g.reshape(-1) for g in grads])
+    exp_avg, exp_avg_sq = torch.zeros(numel, dtype=dtype), torch.zeros(numel, dtype=dtype)
+    count = [0]
 
-    def step(replicas: int) -> Callable[[], None]:
-        shard = -(-numel // replicas)
-        exp_avg, exp_avg_sq = torch.zeros(shard, dtype=dtype), torch.zeros(shard, dtype=dtype)
-        count = [0]
+    def adam() -> None:
+        count[0] += 1
+        weights.mul_(1 - 1e-3 * 0.01)
+        exp_avg.lerp_(flat_grads, 0.1)
+        exp_avg_sq.mul_(0.999).addcmul_(flat_grads, flat_grads, value=0.001)
+        denom = (exp_avg_sq.sqrt() / math.sqrt(1 - 0.999 ** count[0])).add_(1e-8)
+        weights.addcdiv_(exp_avg, denom, value=-1e-3)
 
-        def run() -> None:
-            count[0] += 1
-            flat_grads = torch.cat([g.reshape(-1) for g in grads])
-            flat = torch.cat([p.reshape(-1) for p in params])
-            mine, grad = flat[:shard], flat_grads[:shard]
-            mine.mul_(1 - 1e-3 * 0.01)
-            exp_avg.lerp_(grad, 0.1)
-            exp_avg_sq.mul_(0.999).addcmul_(grad, grad, value=0.001)
-            denom = (exp_avg_sq.sqrt() / math.sqrt(1 - 0.999 ** count[0])).add_(1e-8)
-            mine.addcdiv_(exp_avg, denom, value=-1e-3)
-            if replicas > 1:
-                padded = torch.zeros(shard, dtype=dtype)
-                padded[: mine.numel()] = mine
-                pieces = [padded, *(torch.empty_like(padded) for _ in range(replicas - 1))]
-                flat = torch.cat(pieces)[:numel]
-            offset = 0
-            for p in params:
-                p.copy_(flat[offset : offset + p.numel()].view_as(p))
-                offset += p.numel()
+    def flatten_and_copy_back() -> None:
+        torch.cat([g.reshape(-1) for g in grads])
+        flat = torch.cat([p.reshape(-1) for p in params])
+        offset = 0
+        for p in params:
+            p.copy_(flat[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
 
-        return run
+    shard = -(-numel // 2)
 
-    whole, half, quarter = (median_time_s(step(replicas), min_time_s) / numel for replicas in (1, 2, 4))
-    per_shard_param = max(0.0, 4 * (half - quarter))
-    per_held_param = max(0.0, whole - per_shard_param)
-    per_gathered_param = max(0.0, half - per_shard_param / 2 - per_held_param)
-    return per_shard_param, per_held_param, per_gathered_param
+    def pad_and_join() -> None:
+        padded = torch.zeros(shard, dtype=dtype)
+        padded[:shard] = weights[:shard]
+        torch.cat([padded, torch.empty_like(padded)])[:numel]
+
+    return (
+        median_time_s(adam, min_time_s) / numel,
+        median_time_s(flatten_and_copy_back, min_time_s) / numel,
+        median_time_s(pad_and_join, min_time_s) / numel,
+    )
 
 
 def family_sync_cost(model: ModelSpec, dtype: torch.dtype, min_time_s: float = 0.3) -> float:

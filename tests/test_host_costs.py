@@ -250,7 +250,7 @@ def test_a_link_profile_without_its_device_profile_is_refused(tmp_path):
 
 def test_a_fitted_predictor_keeps_the_profiles_host_costs_for_contexts_without_profiles(tmp_path):
     fitted = fit_predictor([simulated_profile(tmp_path)], published_runs=False)
-    assert fitted.host_costs == {"cpu": HOST}
+    assert fitted.host_costs == {"cpu": [(MODEL.hidden_size, HOST)]}
     cluster = load_cluster(EXAMPLES / "cpu-even.yaml")
     training = load_training(None, {"dtype": "fp32", "seq_length": 32, "global_batch_size": 8})
     ctx = fitted.base_context(cluster, MODEL, training)
@@ -259,6 +259,17 @@ def test_a_fitted_predictor_keeps_the_profiles_host_costs_for_contexts_without_p
     without = fit_predictor([simulated_profile(tmp_path, host=False)], published_runs=False)
     assert without.host_costs == {} and not math.isnan(evaluate(without.context(cluster, MODEL, training),
                                                                 one_stage()).iteration_time_s)  # fmt: skip
+
+
+def test_a_fitted_predictor_takes_the_host_costs_of_the_profile_nearest_in_model_size():
+    """Per-parameter costs move with the model's size (cache against memory): profiles of hidden 64 and 512 give a
+    model of hidden 96 the first's costs and one of hidden 384 the second's, not an average of both."""
+    large = HOST.model_copy(update={"flatten_s_per_param": 9e-9})
+    predictor = Predictor(host_costs={"cpu": [(64, HOST), (512, large)]})
+    near_small = MODEL.model_copy(update={"hidden_size": 96})
+    near_large = MODEL.model_copy(update={"hidden_size": 384})
+    assert predictor.host_costs_for(near_small)["cpu"].flatten_s_per_param == 2e-9
+    assert predictor.host_costs_for(near_large)["cpu"].flatten_s_per_param == 9e-9
 
 
 def test_a_sync_across_families_on_a_profiled_host_adds_its_measured_work_per_parameter():
