@@ -9,7 +9,7 @@ idle), PP 2 with an uneven layer split, TP 2, 2 replicas of PP 2 sharing an odd 
 families (2 x TP 1 on the first group, 1 x TP 2 on the second). Clusters: examples/cpu-hetero.yaml (its second group
 emulates a device at half speed) and examples/cpu-even.yaml (no emulation).
 
-Run: python bench/runtime_vs_prediction.py [--steps 4] [--repeats 3] [--work DIR] [--reuse]
+Run: python bench/runtime_vs_prediction.py [--steps 6] [--repeats 3] [--work DIR] [--reuse]
 (--work keeps the profiles and run records; --reuse predicts the records already there again without running)
 """
 
@@ -37,8 +37,9 @@ sys.path.insert(0, str(ROOT))
 from planner.cost_source import plan_costs  # noqa: E402
 from planner.plan import LoadedPlan, describe_strategy  # noqa: E402
 from planner.what_if import run_context  # noqa: E402
-from predictor.cost_model import evaluate  # noqa: E402
+from predictor.cost_model import CostContext, Evaluation, evaluate  # noqa: E402
 from predictor.predictor import Predictor, fit_predictor  # noqa: E402
+from predictor.run_terms import predicted_stage_terms, side_by_side  # noqa: E402
 from runtime.execute import RunSettings  # noqa: E402
 from runtime.launch import execute, prediction_context  # noqa: E402
 from specs import load_cluster, load_training  # noqa: E402
@@ -185,10 +186,14 @@ def run_case(case: Case, profiles: Path, settings: RunSettings, out: Path) -> di
 
 def predicted_s(case: Case, predictor: Predictor, profiles: dict[str, Any]) -> float:
     """The iteration time `hetplan run` predicts for the case with this predictor and these profiles."""
+    return prediction(case, predictor, profiles)[1].iteration_time_s
+
+
+def prediction(case: Case, predictor: Predictor, profiles: dict[str, Any]) -> tuple[CostContext, Evaluation]:
     plan = loaded_plan(case)
     cluster = load_cluster(CLUSTERS[case.cluster])
     ctx = prediction_context(cluster, run_context(plan, predictor, profiles))
-    return evaluate(ctx, case.strategy).iteration_time_s
+    return ctx, evaluate(ctx, case.strategy)
 
 
 def median_run(paths: list[Path]) -> Path:
@@ -244,7 +249,7 @@ def median_step(record: dict[str, Any]) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=4, help="training steps per run (the first is a warm-up)")
+    parser.add_argument("--steps", type=int, default=6, help="training steps per run (the first is a warm-up)")
     parser.add_argument("--repeats", type=int, default=3, help="runs per case")
     parser.add_argument("--work", type=Path, help="keep profiles and run records here (default: a temporary dir)")
     parser.add_argument("--reuse", action="store_true", help="predict the records already in --work, run nothing")
@@ -278,9 +283,12 @@ def main() -> None:
         measured = statistics.median(median_step(run) for run in runs)
         plan = loaded_plan(case)
         costs = plan_costs(plan, None, profile_dirs[case.size])
-        predicted = predicted_s(case, costs.predictor, costs.profiles)
+        ctx, evaluation = prediction(case, costs.predictor, costs.profiles)
+        predicted = evaluation.iteration_time_s
         middle = sorted(runs, key=median_step)[(len(runs) - 1) // 2]
-        gap = largest_difference(middle["measurements"]["terms"])
+        # the median run's terms against this prediction (a record's own were predicted from the profiles of its day)
+        terms = side_by_side(middle["measurements"]["stages"], predicted_stage_terms(ctx, evaluation))
+        gap = largest_difference(terms)
         rows.append(
             {
                 "cluster": case.cluster,
@@ -295,7 +303,7 @@ def main() -> None:
                 "loo_predicted_s": loo[case.slug],
                 "loo_error": loo[case.slug] / measured - 1.0,
                 "largest_term_difference": gap,
-                "terms_of_median_run": middle["measurements"]["terms"],
+                "terms_of_median_run": terms,
             }
         )
     result = {
