@@ -207,5 +207,5 @@ def test_ctrl_c_during_cli_profile_writes_what_was_measured_and_exits_130(tmp_pa
     code = exit_status(cli.app, [*args, "--micro-batches", "1", "--tp", "1", "--recompute", "none", "--repeats", "1"])
     captured = capsys.readouterr()
     assert code == 130 and captured.err.strip().splitlines()[-1] == "hetplan: interrupted"
-    assert "(interrupted: partial profile)" in captured.out
+    assert "(interrupted: partial profile)" in " ".join(captured.out.split())  # the console wraps long paths
     assert len(load_profile(out).entries) == 2
