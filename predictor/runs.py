@@ -113,31 +113,21 @@ def _resolve(record: RunRecord, path: Path, where: str) -> Run:
     layout = record.strategy
     if isinstance(layout, PlanLayout):
         strategy = layout.to_strategy()  # checked against the cluster when calibration builds its context
-        return Run(
-            record.name,
-            record.source,
+    else:
+        strategy = megatron_strategy(
             cluster,
             model,
             training,
-            strategy,
-            record.measured_iteration_time_s,
-            str(path),
-            record.cpu_share,
+            group=layout.group,
+            tp=layout.tp,
+            pp=layout.pp,
+            dp=layout.dp,
+            micro_batch_size=layout.micro_batch_size,
+            recompute=layout.recompute,
+            virtual_stages=layout.virtual_stages,
+            context_parallel=layout.cp,
+            source=f"{path}: {where}.strategy",
         )
-    strategy = megatron_strategy(
-        cluster,
-        model,
-        training,
-        group=layout.group,
-        tp=layout.tp,
-        pp=layout.pp,
-        dp=layout.dp,
-        micro_batch_size=layout.micro_batch_size,
-        recompute=layout.recompute,
-        virtual_stages=layout.virtual_stages,
-        context_parallel=layout.cp,
-        source=f"{path}: {where}.strategy",
-    )
     return Run(
         record.name,
         record.source,
