@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
+
+if TYPE_CHECKING:
+    from planner.plan import LoadedPlan
+    from runtime.execute import RunSettings
 
 from report.cli_flags import (
     JsonOpt,
@@ -230,6 +234,49 @@ def validate(
     show(as_json, body, *validation_renderables(body))
 
 
+def _run_settings(
+    loaded: LoadedPlan,
+    steps: int,
+    seed: int,
+    timeout: float,
+    checkpoint_dir: Path | None,
+    checkpoint_every: int,
+    async_save: bool,
+    resume: Path | None,
+    max_restarts: int,
+    inject_failure: str | None,
+    under_torchrun: bool,
+) -> RunSettings:
+    """`hetplan run`'s flags as the runtime's settings, each combination it cannot honour refused in one line; a
+    checkpoint to resume that cannot be resumed is refused before anything else is said or started."""
+    from runtime.execute import RunSettings
+    from specs.errors import SpecError
+
+    failure = None
+    if inject_failure is not None:
+        rank_text, _, step_text = inject_failure.partition(":")
+        if not (rank_text.isdigit() and step_text.isdigit()):
+            raise SpecError("--inject-failure", inject_failure, "expected RANK:STEP, e.g. 3:4")
+        failure = (int(rank_text), int(step_text))
+    if checkpoint_every and checkpoint_dir is None:
+        raise SpecError("--checkpoint-every", str(checkpoint_every), "saves need --checkpoint-dir")
+    if (max_restarts or failure) and checkpoint_dir is None:
+        raise SpecError("--max-restarts", "", "a run that survives failures needs --checkpoint-dir to resume from")
+    if max_restarts and under_torchrun:
+        raise SpecError("--max-restarts", "", "re-planning restarts are for local runs; under torchrun checkpoint "
+                        "with --checkpoint-dir and restart the job with --resume on the devices left")  # fmt: skip
+    settings = RunSettings(
+        steps=steps, seed=seed, dtype=loaded.training.dtype, timeout_s=timeout,
+        checkpoint_dir=str(checkpoint_dir or ""), checkpoint_every=checkpoint_every or steps,
+        checkpoint_async=async_save, resume_from=str(resume or ""), fail_at=failure,
+    )  # fmt: skip
+    if resume:  # a checkpoint that cannot be resumed is refused before anything else is said or started
+        from runtime.elastic import resumed_settings
+
+        settings = resumed_settings(settings, loaded.model)
+    return settings
+
+
 def run(
     plan_file: PlanArg,
     cluster: PlanClusterOpt,
@@ -289,35 +336,15 @@ def run(
     from profiler.comm_bench import launched_by_torchrun
     from report.files import write_json
     from report.measurements import run_lines, run_table, run_terms_table
-    from runtime.execute import RunSettings
     from runtime.launch import check_dtype, execute, execute_in_job
-    from specs.errors import SpecError
 
     check_dtype(loaded.training.dtype, loaded.source)  # before the costs line: a refusal is the only line
 
-    failure = None
-    if inject_failure is not None:
-        rank_text, _, step_text = inject_failure.partition(":")
-        if not (rank_text.isdigit() and step_text.isdigit()):
-            raise SpecError("--inject-failure", inject_failure, "expected RANK:STEP, e.g. 3:4")
-        failure = (int(rank_text), int(step_text))
-    if checkpoint_every and checkpoint_dir is None:
-        raise SpecError("--checkpoint-every", str(checkpoint_every), "saves need --checkpoint-dir")
-    if (max_restarts or failure) and checkpoint_dir is None:
-        raise SpecError("--max-restarts", "", "a run that survives failures needs --checkpoint-dir to resume from")
     under_torchrun = launched_by_torchrun()
-    if max_restarts and under_torchrun:
-        raise SpecError("--max-restarts", "", "re-planning restarts are for local runs; under torchrun checkpoint "
-                        "with --checkpoint-dir and restart the job with --resume on the devices left")  # fmt: skip
-    settings = RunSettings(
-        steps=steps, seed=seed, dtype=loaded.training.dtype, timeout_s=timeout,
-        checkpoint_dir=str(checkpoint_dir or ""), checkpoint_every=checkpoint_every or steps,
-        checkpoint_async=async_save, resume_from=str(resume or ""), fail_at=failure,
+    settings = _run_settings(
+        loaded, steps, seed, timeout, checkpoint_dir, checkpoint_every, async_save, resume, max_restarts,
+        inject_failure, under_torchrun,
     )  # fmt: skip
-    if resume:  # a checkpoint that cannot be resumed is refused before anything else is said or started
-        from runtime.elastic import resumed_settings
-
-        settings = resumed_settings(settings, loaded.model)
     costs = plan_costs_said(loaded, predictor, profiles)
     predictor_object = costs.predictor
     context = run_context(loaded, predictor_object, costs.profiles)
