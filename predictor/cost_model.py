@@ -260,6 +260,7 @@ class StageEvaluation:
     sharded_exposed_time_s: float = 0.0  # per micro-batch, ZeRO 2/3 traffic inside compute_time_s
     p2p_exposed_time_s: float = 0.0  # per micro-batch, waiting for its sends and receives (plain 1F1B)
     overhead_time_s: float = 0.0  # per micro-batch, a local run's framework overhead inside compute_time_s
+    sync_host_time_s: float = 0.0  # of dp_exposed_time_s, a local run's host work (indexing, copies): a busy core
 
     @property
     def step_time_s(self) -> float:
@@ -422,6 +423,7 @@ def _evaluate_stage(
     backward, forward = stage.num_layers * layer_cost.backward_time_s, stage.num_layers * layer_cost.forward_time_s
     sharded = sharded_exposed_time_s(ctx, sync, backward, forward)
     across = cross_family_sync_time_s(ctx, strategy, family, stage, params_per_device)
+    host_work = family_sync_overhead_s(ctx, group, params_per_device) if across > 0 else 0.0
     if ctx.training.zero_stage <= 1:  # the shards cross families after the family's own reduction, overlapped alike
         exposed = exposed_dp_sync_time_s(ctx, sync + DpSync(across, 0.0), backward, forward)
     else:  # ZeRO 2/3 reduce per micro-batch: the shards cross families once, after the last
@@ -454,6 +456,7 @@ def _evaluate_stage(
         tp_comm_time_s=stage.num_layers * (layer_time_s - layer_cost.time_s),
         sharded_exposed_time_s=sharded,
         overhead_time_s=overhead,
+        sync_host_time_s=min(host_work, exposed),
     )
 
 

@@ -10,9 +10,9 @@ evaluation's host compute to the simulated step; links measured between this mac
 simulation's mean busy processes per core (Link.under_load: a rank waits for a partner the scheduler set aside).
 Overheads: per micro-batch and stage, running the stage's layers as one module (microbatch_overhead_s plus
 layer_overhead_s per layer, 1/tp of it on a TP shard); per step, making the batch; the optimizer step per parameter
-(sharding.optimizer_time_s); the work around a sync across pipeline families per parameter. A context without host
-costs is evaluated as before; local runs then fall back to the assumed share cores / ranks (`local_run_context`).
-Torch-free.
+(sharding.optimizer_time_s); the work around a sync across pipeline families per parameter (indexing and
+copies: busy in the simulation, as the transfers around it are not). A context without host costs is evaluated as
+before; local runs then fall back to the assumed share cores / ranks (`local_run_context`). Torch-free.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ emulates a slower device, keeps computing for (1/speed - 1) times the wall time 
 timed by the wall clock), then waits for its TP collectives (asleep). A forward waits for the previous stage's
 forward of the same micro-batch plus the boundary transfer, a backward for the next stage's backward. Each step starts
 with making the batch (busy) and ends, once every actor has finished its passes, with the actor's exposed DP sync
-(asleep) and its optimizer step (busy).
+(its host work around a sync across families busy, its transfers asleep) and its optimizer step (busy).
 
 The busy processes share the cores fairly: with n of them on C cores each computes at min(1, C / n) of a core, slowed
 by the measured busy stretch of n processes computing at once (HostCosts.busy_stretch). Sleeping processes leave the
@@ -106,7 +106,8 @@ def _actors(ctx: CostContext, evaluation: Evaluation) -> list[Actor]:
                         phases.append(Phase(spin_factor=1.0 / speed - 1.0))
                     phases.append(Phase(sleep_s=waits / 2 / v, finishes=(family, replica, kind, j, chunk)))
                 phases.append(Phase(barrier=True))
-                phases.append(Phase(sleep_s=evaluated.dp_exposed_time_s))
+                phases.append(Phase(busy_s=evaluated.sync_host_time_s))  # the sync's indexing and copies
+                phases.append(Phase(sleep_s=evaluated.dp_exposed_time_s - evaluated.sync_host_time_s))
                 phases.append(Phase(busy_s=evaluated.optimizer_time_s))
                 actors.append(Actor(evaluated.stage.tp, host_of(ctx, group) is not None, phases))
     return actors

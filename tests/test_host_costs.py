@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from predictor.comm_model import Link, all_reduce_time_s
-from predictor.cost_model import CostContext, cross_family_sync_time_s, evaluate, tp_collective_time_s
+from predictor.cost_model import CostContext, cross_family_sync_time_s, evaluate, stage_params, tp_collective_time_s
 from predictor.host import busy_processes, loaded, local_run_context, on_host
 from predictor.link_model import LinkPoint, fit_link
 from predictor.predictor import Predictor, fit_predictor
@@ -180,6 +180,26 @@ def test_processes_that_finish_early_give_their_cores_to_the_others():
     assert simulated.mean_busy_processes == pytest.approx((4 * 0.012 + 2 * 0.004) / 0.016)
     # the evaluation is the analytic one stretched to the simulated step
     assert evaluate(ctx, strategy).iteration_time_s == pytest.approx(0.016, rel=1e-6)
+
+
+def test_the_host_work_of_a_sync_across_families_keeps_cores_busy_in_the_step_simulation():
+    """The families above, then the sync's indexing and copies (links take no time): 4 ms of work per process on
+    the left (every parameter), 2 ms on each TP rank of the right (half of them). Four busy processes share two
+    cores: the right pair is done after 4 ms, the left ones then have a core each for their last 2 ms: 16 + 6 ms.
+    Asleep, as a wait for transfers, the sync would have added only the longest work, 4 ms."""
+    params = stage_params(MODEL, 4, True, True, 1)
+    costs = QUIET.model_copy(update={"family_sync_s_per_param": 0.004 / params})
+    ctx = quiet_context(0.006 / 4, 0.01 / 4, global_batch_size=3, overlap_grad_reduce=False)  # as the runtime runs
+    ctx = replace(ctx, host={"cpu": costs})
+    families = (
+        PipelineStrategy(2, 1, 1, (StageStrategy("left", 0, 4, 1),)),
+        PipelineStrategy(1, 1, 1, (StageStrategy("right", 0, 4, 2),)),
+    )
+    strategy = Strategy(families, "none", 1)
+    unstretched = evaluate(loaded(ctx, 2.0, 1.0), strategy)
+    left, right = (next(s for s in unstretched.stages if s.family == f) for f in (0, 1))
+    assert (left.sync_host_time_s, right.sync_host_time_s) == (pytest.approx(0.004), pytest.approx(0.002))
+    assert simulate_step(ctx, unstretched, costs).time_s == pytest.approx(0.022)
 
 
 def test_contexts_without_host_costs_fall_back_to_the_assumed_share_of_a_core():
