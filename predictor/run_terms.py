@@ -85,6 +85,7 @@ def side_by_side(measured: Sequence[Mapping[str, Any]], predicted: Sequence[Mapp
                 "rank": stage["rank"],
                 "terms": terms,
                 "step": {"measured_s": stage["step_s"], "predicted_s": expected["step"]},
+                "cpu_s": stage.get("cpu_s"),  # measured CPU time of the step and of its waiting terms, if timed
             }
         )
     return rows

@@ -140,12 +140,13 @@ def run_terms_table(record: Mapping[str, Any]) -> Table | None:
     stages = record["measurements"].get("terms")
     if not stages:
         return None
-    columns = ("stage", "term", "measured s", "predicted s", "difference s", "of the step")
+    columns = ("stage", "term", "measured s", "predicted s", "difference s", "of the step", "cpu s")
     table = titled_table("Where the step goes: measured vs predicted per stage", columns, left=("stage", "term"))
     families = len({stage["family"] for stage in stages})
     for stage in stages:
         name = f"{stage['family']}.{stage['stage']}" if families > 1 else str(stage["stage"])
         step = stage["step"]["measured_s"]
+        cpu = stage.get("cpu_s") or {}  # the process's CPU time in the term: near its wall time, a busy core
         rows = [*stage["terms"].items(), ("step", stage["step"])]
         for index, (term, values) in enumerate(rows):
             measured, predicted = values["measured_s"], values["predicted_s"]
@@ -157,6 +158,7 @@ def run_terms_table(record: Mapping[str, Any]) -> Table | None:
                 f"{predicted:.3f}",
                 f"{difference:+.3f}",
                 f"{difference / step:+.0%}" if step > 0 else "",
+                f"{cpu[term]:.3f}" if term in cpu else "",
                 end_section=term == "step",
             )
     return table

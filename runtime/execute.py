@@ -52,6 +52,7 @@ from comm.plan_groups import plan_groups, rank_islands, stage_chunks
 from predictor.schedule import stage_order
 from profiler.data import synthetic_batch
 from profiler.layers import DecoderLayer
+from profiler.measure import keep_freed_host_memory
 from runtime import checkpoint
 from runtime.context_parallel import ContextParallel
 from runtime.model import StageModule, seeded_pieces
@@ -178,6 +179,7 @@ class StageTimes:
     compute_s: float = 0.0
     emulation_s: float = 0.0
     wait_s: float = 0.0
+    wait_cpu_s: float = 0.0  # the process's CPU time (every thread) while waiting for a pipeline neighbour
     forward_s: float = 0.0  # forward passes, emulation included, TP collectives not (predictor/run_terms.py's terms)
     backward_s: float = 0.0
     tp_comm_s: float = 0.0
@@ -445,25 +447,25 @@ def _step(rank: int, job: RunJob, role: Role, state: RankState, comm: Communicat
     """One training step: the schedule, the gradient sync, the update; returns this rank's loss contribution."""
     settings, mbs, times = job.settings, role.pipeline.micro_batch_size, state.runner.times
     dist.barrier()
-    started = time.perf_counter()
+    started, started_cpu, tp = time.perf_counter(), time.process_time(), state.runner.emulator.tp
     before = (times.compute_s, times.emulation_s, times.wait_s, times.forward_s, times.backward_s, times.tp_comm_s,
-              times.gather_s)  # fmt: skip
+              times.gather_s, times.wait_cpu_s, tp.comm_cpu_s)  # fmt: skip
     tokens = synthetic_batch(job.model, job.global_batch, job.seq_length, settings.seed, step)
     if state.sharded is not None:
         state.sharded.post_sends()
     loss_sum = state.runner.run(tokens[role.sample_start : role.sample_start + role.microbatches * mbs])
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     if state.sharded is not None:
         state.sharded.wait_sends()
     capture = settings.capture_gradients and step == 0
     grads, whole = _synced_gradients(state, comm, capture)
-    sync_s = time.perf_counter() - t0
+    sync_s, sync_cpu_s = time.perf_counter() - t0, time.process_time() - cpu0
     times.sync_s += sync_s
     if whole is not None:
         torch.save(_unflatten(state.modules, state.params, whole), Path(job.out_dir, f"grads-{rank}.pt"))
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     _update(state, comm, grads)
-    optimizer_s = time.perf_counter() - t0
+    optimizer_s, optimizer_cpu_s = time.perf_counter() - t0, time.process_time() - cpu0
     times.optimizer_s += optimizer_s
     times.per_step.append(
         {
@@ -476,6 +478,13 @@ def _step(rank: int, job: RunJob, role: Role, state: RankState, comm: Communicat
             "tp_comm_s": times.tp_comm_s - before[5],
             "sync_s": sync_s + times.gather_s - before[6],
             "optimizer_s": optimizer_s,
+            # the process's CPU time (every thread) in the step and while it waited, synced and stepped: what a
+            # rank takes from the cores it shares (predictor/sharing.py counts waits and syncs as asleep)
+            "cpu_s": time.process_time() - started_cpu,
+            "wait_cpu_s": times.wait_cpu_s - before[7],
+            "tp_comm_cpu_s": tp.comm_cpu_s - before[8],
+            "sync_cpu_s": sync_cpu_s,
+            "optimizer_cpu_s": optimizer_cpu_s,
         }
     )
     return loss_sum * state.runner.loss_scale if role.last and role.tp_rank == 0 else 0.0
@@ -570,9 +579,10 @@ class _StageRunner:
         if src == dist.get_rank():
             return self.local.pop(key)
         buffer = torch.empty(self.shape, dtype=self.dtype)
-        waited = time.perf_counter()
+        waited, cpu = time.perf_counter(), time.process_time()
         self.comm.irecv(buffer, src, tag).wait()
         self.times.wait_s += time.perf_counter() - waited
+        self.times.wait_cpu_s += time.process_time() - cpu
         return buffer
 
     def send(self, tensor: torch.Tensor, stage_index: int, tag: int, key: tuple[int, int, int]) -> None:
@@ -684,6 +694,7 @@ def gathered_results(rank: int, job: RunJob) -> list[dict[str, Any]] | None:
 def spawned_rank(rank: int, world_size: int, port: int, job: RunJob) -> None:
     """Entry point of a locally spawned rank (Gloo over loopback); rank 0 writes every rank's result to results.json."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    keep_freed_host_memory()  # as the profile measured its layers and host costs
     dist.init_process_group(
         "gloo",
         init_method=f"tcp://127.0.0.1:{port}",

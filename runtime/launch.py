@@ -139,6 +139,7 @@ def summarize(results: list[dict[str, Any]], steps: int) -> dict[str, Any]:
         for key in ("compute_s", "emulation_s", "wait_s"):
             entry.setdefault(key + "_per_rank", []).append(statistics.median(s[key] for s in kept))
         entry.setdefault("terms_per_rank", []).append((r["rank"], _measured_terms(kept)))
+        entry.setdefault("cpu_per_rank", []).append(_median_step(kept))
     per_stage = []
     for family, index in sorted(stages):
         entry = stages[family, index]
@@ -157,6 +158,7 @@ def summarize(results: list[dict[str, Any]], steps: int) -> dict[str, Any]:
                 "rank": rank,
                 "step_s": step_s,
                 "terms": terms,
+                "cpu_s": _measured_cpu(entry["cpu_per_rank"][entry["ranks"].index(rank)]),
             }
         )
     return {
@@ -175,10 +177,23 @@ def _measured_terms(steps: list[dict[str, float]]) -> tuple[float, dict[str, flo
     what no timer covers (medians taken term by term would not add up)."""
     timed = {"forward": "forward_s", "backward": "backward_s", "tp_comm": "tp_comm_s", "pipeline_wait": "wait_s"}
     timed |= {"dp_sync": "sync_s", "optimizer": "optimizer_s"}
-    median = sorted(steps, key=lambda s: s["time_s"])[(len(steps) - 1) // 2]
+    median = _median_step(steps)
     terms = {term: median.get(key, 0.0) for term, key in timed.items()}
     terms["other"] = median["time_s"] - sum(terms.values())
     return median["time_s"], terms
+
+
+def _median_step(steps: list[dict[str, float]]) -> dict[str, float]:
+    return sorted(steps, key=lambda s: s["time_s"])[(len(steps) - 1) // 2]
+
+
+def _measured_cpu(step: dict[str, float]) -> dict[str, float] | None:
+    """The CPU time (every thread of the process) of a rank's median step and of its waiting terms: a term whose CPU
+    time nears its wall time kept a core busy (records from before these timers: None)."""
+    if "cpu_s" not in step:
+        return None
+    keys = {"step": "cpu_s", "pipeline_wait": "wait_cpu_s", "tp_comm": "tp_comm_cpu_s", "dp_sync": "sync_cpu_s"}
+    return {term: step[key] for term, key in (keys | {"optimizer": "optimizer_cpu_s"}).items()}
 
 
 def reference_check(plan: LoadedPlan, settings: RunSettings, measured_loss: float) -> dict[str, Any]:

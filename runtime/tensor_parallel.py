@@ -26,12 +26,14 @@ class TensorParallel:
         self.group, self.size, self.rank = group, size, rank
         self.suppressed = False
         self.comm_s = 0.0  # time spent in this group's collectives (the run record's measured TP term)
+        self.comm_cpu_s = 0.0  # the process's CPU time meanwhile (every thread: Gloo's included)
 
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
         if self.size > 1 and not self.suppressed:
-            started = time.perf_counter()
+            started, cpu = time.perf_counter(), time.process_time()
             dist.all_reduce(tensor, op=op, group=self.group)
             self.comm_s += time.perf_counter() - started
+            self.comm_cpu_s += time.process_time() - cpu
         return tensor
 
     @contextmanager

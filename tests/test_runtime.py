@@ -280,6 +280,10 @@ def test_hetplan_run_plans_trains_records_and_feeds_fit(tmp_path):
     assert "Where the step goes" in ran.stdout
     for stage in record["measurements"]["stages"]:
         assert stage["compute_s"] > 0
+        # the CPU time of the median step and of its waits, syncs and update: each a part of the step's
+        cpu = stage["cpu_s"]
+        assert set(cpu) == {"step", "pipeline_wait", "tp_comm", "dp_sync", "optimizer"} and cpu["step"] > 0
+        assert all(0 <= cpu[term] <= cpu["step"] for term in cpu), cpu
         if stage["group"] == "slow":  # its ranks really computed longer
             assert stage["emulate_speed"] == 0.5 and stage["emulation_s"] > 0
     fitted = hetplan("fit", "--runs", str(record_path), "--out", str(tmp_path / "p.joblib"), torch_allowed=True)
