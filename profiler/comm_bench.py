@@ -46,6 +46,7 @@ except ImportError as err:  # pragma: no cover - exercised only without torch
     raise TorchMissingError("`hetplan profile-comm`") from err
 
 from profiler.collectives import bus_factor, latency_steps
+from profiler.measure import keep_freed_host_memory
 from specs.errors import HetplanError
 
 LINKS_SCHEMA = "hetplan.links/1"
@@ -178,6 +179,7 @@ def measure_points(
 def _spin(stop: Event) -> None:
     """A background process computing until `stop` (shares the cores with the measured ranks)."""
     torch.set_num_threads(1)
+    keep_freed_host_memory()
     while not stop.is_set():
         compute_for(0.05)
 
@@ -195,6 +197,7 @@ def _worker(
     processes_per_core: float,
 ) -> None:
     torch.set_num_threads(1)
+    keep_freed_host_memory()  # as the runtime's ranks run
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=ranks, timeout=timedelta(seconds=timeout_s)
     )

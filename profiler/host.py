@@ -28,7 +28,7 @@ except ImportError as err:  # pragma: no cover - exercised only without torch
 
 from profiler.data import synthetic_batch
 from profiler.layers import DecoderLayer, Embedding, LMHead
-from profiler.measure import build_layer, layer_clock, profile_layer
+from profiler.measure import build_layer, keep_freed_host_memory, layer_clock, profile_layer
 from profiler.profile import ConcurrencyPoint, HostCosts
 from specs.model import ModelSpec
 
@@ -78,6 +78,7 @@ def _busy_helper(
 ) -> None:
     """A background process computing the same layer while `go` is set, until `stop`."""
     torch.set_num_threads(1)
+    keep_freed_host_memory()
     run = _layer_pass(model, micro_batch_size, seq_length, getattr(torch, dtype))
     run()
     ready.set()

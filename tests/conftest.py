@@ -3,7 +3,9 @@ hand-checkable numbers."""
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -16,8 +18,11 @@ from profiler.profile import LayerCost, LayerKind
 from specs.model import Recompute
 
 ROOT = Path(__file__).resolve().parent.parent
-# the shipped predictor's cache goes to a directory of this test session (inherited by the CLI subprocesses)
-os.environ.setdefault("HETPLAN_CACHE_DIR", tempfile.mkdtemp(prefix="hetplan-test-cache-"))
+# the shipped predictor's cache goes to a directory of this test session (inherited by the CLI subprocesses and
+# the xdist workers), removed when the process that made it exits
+if "HETPLAN_CACHE_DIR" not in os.environ:
+    os.environ["HETPLAN_CACHE_DIR"] = tempfile.mkdtemp(prefix="hetplan-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["HETPLAN_CACHE_DIR"], ignore_errors=True)
 EXAMPLES = ROOT / "examples"
 ONE_T4_NODE = """
 name: one-t4-node

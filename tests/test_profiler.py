@@ -209,3 +209,44 @@ def test_ctrl_c_during_cli_profile_writes_what_was_measured_and_exits_130(tmp_pa
     assert code == 130 and captured.err.strip().splitlines()[-1] == "hetplan: interrupted"
     assert "(interrupted: partial profile)" in " ".join(captured.out.split())  # the console wraps long paths
     assert len(load_profile(out).entries) == 2
+
+
+FAULTS_OF_FIVE_STEPS = """
+import resource, sys, torch
+from profiler.measure import keep_freed_host_memory
+policy = keep_freed_host_memory() if sys.argv[1] == "keep" else "default"
+weights, grads = torch.ones(2**23), torch.ones(2**23)  # 32 MiB each: beyond glibc's default mmap threshold
+
+
+def step() -> None:  # an update's temporaries, made and freed every step
+    moment = weights * 0.9
+    denominator = grads.sqrt() + 1e-8
+    weights.addcdiv_(moment, denominator)
+
+
+step()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(5):
+    step()
+print(policy, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+def test_processes_that_are_timed_reuse_freed_host_memory_instead_of_faulting_in_fresh_pages():
+    """What the profile's process and every local rank call: a step's large temporaries reuse the pages of the
+    last step's instead of faulting in fresh ones (by default glibc maps and unmaps each: 3 x 8192 pages a step)."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    def faults(mode: str) -> tuple[str, int]:
+        out = subprocess.run([sys.executable, "-c", FAULTS_OF_FIVE_STEPS, mode], cwd=ROOT, check=True,
+                             capture_output=True, text=True, timeout=120).stdout.split()  # fmt: skip
+        return " ".join(out[:-1]), int(out[-1])
+
+    policy, kept = faults("keep")
+    if "mmap threshold 1024 MiB" not in policy:
+        pytest.skip(f"this C library keeps only smaller blocks ({policy or 'no mallopt'})")
+    default = faults("default")[1]
+    assert default > 5 * 3 * 8192 * 0.9 and kept < default / 3, (policy, kept, default)
