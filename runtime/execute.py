@@ -46,12 +46,12 @@ from profiler.measure import keep_freed_host_memory
 from runtime import checkpoint
 from runtime.context_parallel import ContextParallel
 from runtime.model import StageModule, seeded_pieces
-from runtime.pipeline import Emulator, StageRunner
+from runtime.pipeline import Emulator, Role, StageRunner
 from runtime.sync import CrossFamilySync, all_gathered, chunk_bounds, reduce_scattered
 from runtime.tensor_parallel import TensorParallel
 from runtime.zero import ShardedParameters
 from specs.cluster import ClusterSpec
-from specs.layout import Axis, PipelineStrategy, StageStrategy, Strategy, group_offsets, stage_rank
+from specs.layout import Axis, Strategy, group_offsets, stage_rank
 from specs.model import ModelSpec, Recompute
 
 TORCH_DTYPES = {"fp32": torch.float32, "fp64": torch.float64, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -87,32 +87,6 @@ class RunJob:
     seq_length: int
     settings: RunSettings
     out_dir: str
-
-
-@dataclass(frozen=True)
-class Role:
-    family: int
-    pipeline: PipelineStrategy
-    stage_index: int
-    replica: int
-    tp_rank: int
-    stage: StageStrategy
-    microbatches: int
-    sample_start: int  # this replica's first sample in the global batch
-    cp_rank: int = 0  # which of the replica's context-parallel ranks (runtime/context_parallel.py)
-
-    @property
-    def dp_index(self) -> int:
-        """Its place in the stage's DP group (replicas x CP ranks, comm.plan_groups)."""
-        return self.replica * self.pipeline.context_parallel + self.cp_rank
-
-    @property
-    def first(self) -> bool:
-        return self.stage_index == 0
-
-    @property
-    def last(self) -> bool:
-        return self.stage_index == len(self.pipeline.stages) - 1
 
 
 def rank_roles(cluster: ClusterSpec, strategy: Strategy) -> dict[int, Role]:
@@ -228,7 +202,8 @@ def _build(rank: int, job: RunJob, role: Role, comm: Communicator) -> RankState:
         # the stage's own layers hold no weights between uses: speed emulation repeats a layer of its own
         layers = [_scratch_layer(model, tp, recompute, dtype)] if layers and speed < 1.0 else []
     emulator = Emulator(speed, layers, tp, cp, sample)
-    runner = StageRunner(job, role, modules, comm, emulator, dtype, sharded)
+    shape = (job.global_batch, job.seq_length, job.model.hidden_size)
+    runner = StageRunner(role, group_offsets(job.cluster), shape, modules, comm, emulator, dtype, sharded)
     return RankState(modules, params, optimizer, dp_group, across, runner, zero_stage, sharded)
 
 

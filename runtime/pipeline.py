@@ -19,7 +19,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import cycle
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -31,10 +30,33 @@ from runtime.model import StageModule
 from runtime.tensor_parallel import TensorParallel
 from runtime.zero import ShardedParameters
 from specs.errors import SpecError
-from specs.layout import group_offsets, stage_rank
+from specs.layout import PipelineStrategy, StageStrategy, stage_rank
 
-if TYPE_CHECKING:
-    from runtime.execute import Role, RunJob
+
+@dataclass(frozen=True)
+class Role:
+    family: int
+    pipeline: PipelineStrategy
+    stage_index: int
+    replica: int
+    tp_rank: int
+    stage: StageStrategy
+    microbatches: int
+    sample_start: int  # this replica's first sample in the global batch
+    cp_rank: int = 0  # which of the replica's context-parallel ranks (runtime/context_parallel.py)
+
+    @property
+    def dp_index(self) -> int:
+        """Its place in the stage's DP group (replicas x CP ranks, comm.plan_groups)."""
+        return self.replica * self.pipeline.context_parallel + self.cp_rank
+
+    @property
+    def first(self) -> bool:
+        return self.stage_index == 0
+
+    @property
+    def last(self) -> bool:
+        return self.stage_index == len(self.pipeline.stages) - 1
 
 
 @dataclass
@@ -90,12 +112,14 @@ ACTIVATION_TAG, GRADIENT_TAG = 0, 1
 
 
 class StageRunner:
-    """One rank's pipeline work for an iteration: Megatron's (interleaved) 1F1B over its replica's micro-batches."""
+    """One rank's pipeline work for an iteration: Megatron's (interleaved) 1F1B over its replica's micro-batches.
+    `batch_shape`: the global batch, sequence length and hidden size; `offsets`: each group's first rank."""
 
     def __init__(
         self,
-        job: RunJob,
         role: Role,
+        offsets: dict[str, int],
+        batch_shape: tuple[int, int, int],
         modules: list[StageModule],
         comm: Communicator,
         emulator: Emulator,
@@ -109,9 +133,10 @@ class StageRunner:
         self.index, self.p, self.v = role.stage_index, len(pipeline.stages), len(modules)
         self.mbs, self.cp = pipeline.micro_batch_size, emulator.cp
         # this micro-batch's share of the global batch's tokens (a CP rank's mean loss is over 1/cp of them)
-        self.loss_scale = self.mbs / (job.global_batch * self.cp.size)
-        self.shape = (self.mbs, job.seq_length // self.cp.size, job.model.hidden_size)
-        self.offsets = group_offsets(job.cluster)
+        global_batch, seq_length, hidden_size = batch_shape
+        self.loss_scale = self.mbs / (global_batch * self.cp.size)
+        self.shape = (self.mbs, seq_length // self.cp.size, hidden_size)
+        self.offsets = offsets  # each group's first rank (specs.layout.group_offsets)
         self.times = StageTimes()
         self.sends: list[dist.Work] = []
         self.saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
