@@ -73,6 +73,21 @@ def _layer_pass(model: ModelSpec, micro_batch_size: int, seq_length: int, dtype:
     return run
 
 
+def layer_pass_time_s(
+    model: ModelSpec, micro_batch_size: int, seq_length: int, dtype: torch.dtype, threads: int, min_time_s: float = 0.3
+) -> float:
+    """One forward and backward of a decoder layer (tp 1, no recompute) timed as the layer profile times it (with
+    `threads` torch threads: busy time at one, else the wall clock): how fast this machine runs the layer now, for a
+    run to set beside the profile's time of the same layer (runtime/launch.py, the machine-speed check)."""
+    keep_freed_host_memory()
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return median_time_s(_layer_pass(model, micro_batch_size, seq_length, dtype), min_time_s, min_repeats=5)
+    finally:
+        torch.set_num_threads(previous)
+
+
 def _busy_helper(
     model: ModelSpec, micro_batch_size: int, seq_length: int, dtype: str, go: Event, stop: Event, ready: Event
 ) -> None:

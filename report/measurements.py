@@ -172,6 +172,7 @@ def run_lines(record: Mapping[str, Any], steps: int) -> list[str]:
     lines = [
         f"iteration: measured {record['measured_iteration_time_s']:.3f} s ({which}), predicted "
         f"{record['predicted_iteration_time_s']:.3f} s ({details['prediction_error']:+.1%})",
+        *speed_lines(record),
         f"prediction from: {details['prediction_from']}",
         "loss per step: " + ", ".join(f"{loss:.4f}" for loss in record["losses"]),
     ]
@@ -191,6 +192,23 @@ def run_lines(record: Mapping[str, Any], steps: int) -> list[str]:
     if details["emulation"]:
         lines.append(f"emulated: {details['emulated_groups']}: {details['emulation']}")
     return lines
+
+
+def speed_lines(record: Mapping[str, Any]) -> list[str]:
+    """The machine-speed check of a run record (records from before it: none)."""
+    speed = record["measurements"].get("machine_speed")
+    if not speed:
+        return []
+    if not speed["checked"]:
+        return [f"machine speed not checked: {speed['why']}"]
+    around_s = (speed["before_run_s"] + speed["after_run_s"]) / 2
+    at_speed = record["predicted_at_run_speed_s"]
+    error = record["measured_iteration_time_s"] / at_speed - 1.0
+    return [
+        f"machine speed: the profile's {speed['layer']} layer took {speed['profiled_s'] * 1e3:.1f} ms when profiled, "
+        f"{around_s * 1e3:.1f} ms around the run (x{speed['slowdown']:.2f}): predicted at this speed {at_speed:.3f} s "
+        f"({error:+.1%})"
+    ]
 
 
 def comm_bench_table(result: Mapping[str, Any], islands: Sequence[str]) -> Table:

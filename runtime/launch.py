@@ -27,6 +27,8 @@ from predictor.host import local_run_context, on_host
 from predictor.run_terms import predicted_stage_terms, side_by_side
 from predictor.runs import RUN_SCHEMA
 from profiler.comm_bench import free_port, run_processes
+from profiler.host import layer_pass_time_s
+from profiler.profile import DeviceProfile, ProfileEntry, ScaledLayerCosts
 from runtime.execute import TORCH_DTYPES, RunJob, RunSettings, gathered_results, spawned_rank, synthetic_batch
 from runtime.model import ReferenceModel, check_tp
 from specs.cluster import ClusterSpec
@@ -228,10 +230,14 @@ def run_record(
     summary: dict[str, Any],
     reference: dict[str, Any],
     cpu_share: float,
+    speed: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """A `hetplan.run/1` record; `ctx` is the prediction's context (its cluster already at the cores' share)."""
+    """A `hetplan.run/1` record; `ctx` is the prediction's context (its cluster already at the cores' share);
+    `speed` the machine-speed check (`speed_check`)."""
     evaluation = evaluate(ctx, plan.strategy)
     predicted = evaluation.iteration_time_s
+    speed = speed or {"checked": False, "why": "the costs are not a measured profile of this host"}
+    slowdown = speed["slowdown"] if speed["checked"] else 1.0
     # the terms' layer costs at the plan's CP degree, as evaluate() takes them (per CP rank, ring included)
     terms = predicted_stage_terms(ctx, evaluation)
     written = evaluation_dict(ctx, evaluation)
@@ -260,7 +266,9 @@ def run_record(
         "strategy": layout,
         "measured_iteration_time_s": summary["measured_iteration_time_s"],
         "cpu_share": cpu_share,
+        "machine_slowdown": slowdown,
         "predicted_iteration_time_s": predicted,
+        "predicted_at_run_speed_s": predicted * slowdown,
         "losses": summary["losses"],
         "reference_match": reference,
         "measurements": {
@@ -274,6 +282,8 @@ def run_record(
             "prediction_from": ctx.predictor_identity,
             "cost_source": dict(ctx.cost_source) if ctx.cost_source else None,
             "prediction_error": summary["measured_iteration_time_s"] / predicted - 1.0,
+            "prediction_error_at_run_speed": summary["measured_iteration_time_s"] / (predicted * slowdown) - 1.0,
+            "machine_speed": speed,
             "terms": side_by_side(summary["stages"], terms),
             "core_sharing": sharing,
             "emulated_groups": emulated,
@@ -312,8 +322,52 @@ def execute(
     share = cpu_share(cluster)
     ctx = prediction_context(cluster, context)
     ctx.check_strategy(plan.strategy, plan.source)
+    reference = speed_reference(ctx)
+    before_s = reference_time_s(ctx, *reference) if reference else 0.0
     progress(f"running {plan.source} on {cluster.num_devices} local processes for {settings.steps} steps ...")
-    return _recorded(plan, cluster, cluster_path, ctx, settings, run_plan(plan, cluster, settings), share)
+    results = run_plan(plan, cluster, settings)
+    speed = speed_check(reference, before_s, reference_time_s(ctx, *reference)) if reference else None
+    return _recorded(plan, cluster, cluster_path, ctx, settings, results, share, speed)
+
+
+def speed_reference(ctx: CostContext) -> tuple[DeviceProfile, ProfileEntry] | None:
+    """The measured profile the prediction costs a group with (unwrapping a group's speed emulation) and its
+    smallest decoder entry at tp 1 without recompute: the layer a run times again before and after, to tell how fast
+    this machine runs now against when it was profiled. None when no group's costs are a measured profile."""
+    for group in ctx.cluster.groups:
+        source = ctx.sources.get(group.name)
+        profile = source.inner if isinstance(source, ScaledLayerCosts) else source
+        if not isinstance(profile, DeviceProfile) or profile.source != "measured":
+            continue
+        entries = [
+            e for e in profile.entries if e.fits and e.layer == "decoder" and e.tp == 1 and e.recompute == "none"
+        ]
+        if entries:
+            return profile, min(entries, key=lambda e: e.micro_batch_size)
+    return None
+
+
+def reference_time_s(ctx: CostContext, profile: DeviceProfile, entry: ProfileEntry) -> float:
+    """The reference layer (`speed_reference`) timed now in this process, as the profile timed it."""
+    threads = int(profile.environment.get("threads", 1))
+    dtype = TORCH_DTYPES.get(profile.dtype, torch.float32)
+    return layer_pass_time_s(ctx.model, entry.micro_batch_size, profile.seq_length, dtype, threads)
+
+
+def speed_check(reference: tuple[DeviceProfile, ProfileEntry], before_s: float, after_s: float) -> dict[str, Any]:
+    """The machine-speed check of a run: the reference layer as profiled, timed before and after the run, and the
+    slowdown (their mean over the profiled time; 1.1: the machine ran 10% slower than when profiled)."""
+    profile, entry = reference
+    profiled_s = (entry.forward_time_s or 0.0) + (entry.backward_time_s or 0.0)
+    return {
+        "checked": True,
+        "layer": f"decoder, micro-batch {entry.micro_batch_size}, tp 1, no recompute",
+        "profile": profile.path,
+        "profiled_s": profiled_s,
+        "before_run_s": before_s,
+        "after_run_s": after_s,
+        "slowdown": (before_s + after_s) / 2 / profiled_s,
+    }
 
 
 def _recorded(
@@ -324,15 +378,17 @@ def _recorded(
     settings: RunSettings,
     results: list[dict[str, Any]],
     share: float,
+    speed: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The run record of every rank's results, with the one-process loss check beside it."""
+    """The run record of every rank's results, with the one-process loss check and the machine-speed check beside
+    it."""
     first_step = max((r.get("first_step", 0) for r in results), default=0)
     summary = summarize(results, settings.steps - first_step)
     if first_step:
         reference = {"checked": False, "why": f"resumed from a checkpoint at step {first_step}"}
     else:
         reference = reference_check(plan, settings, summary["losses"][0])
-    return run_record(plan, cluster, cluster_path, ctx, settings, summary, reference, share)
+    return run_record(plan, cluster, cluster_path, ctx, settings, summary, reference, share, speed)
 
 
 def execute_in_job(

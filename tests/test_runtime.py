@@ -292,3 +292,58 @@ def test_hetplan_run_plans_trains_records_and_feeds_fit(tmp_path):
     wrong = hetplan("run", str(plan), "--cluster", str(ROOT_EXAMPLES / "a100-v100-32.yaml"), "--out",
                     str(tmp_path / "x.json"), torch_allowed=True)  # fmt: skip
     assert wrong.returncode == 2 and wrong.stderr.count("\n") == 1 and "cluster" in wrong.stderr, wrong.stderr
+
+
+def test_a_run_times_its_profiles_layer_around_it_and_calibration_takes_the_machines_speed_out(tmp_path):
+    """A profile taken when the machine ran its layers twice as fast as now (this machine's times, halved): the run
+    times the profile's decoder layer before and after itself, records the slowdown (about 2), predicts at the run's
+    speed too, and calibration learns from the time the run would have taken at the profile's speed."""
+    import json
+    from dataclasses import replace
+
+    from planner.what_if import run_context
+    from predictor.predictor import Predictor
+    from predictor.runs import load_runs
+    from profiler.measure import profile_model
+    from report.measurements import speed_lines
+    from runtime.launch import execute
+    from specs.cluster import load_cluster
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as `hetplan profile --threads 1` measures: the check must time the layer the same way
+    try:
+        now = profile_model(MODEL, device=torch.device("cpu"), device_key="cpu", dtype="fp32", seq_length=16,
+                            micro_batch_sizes=[1], tp_degrees=[1], recompute_modes=("none",), repeats=5, passes=2,
+                            min_time_s=0.1)  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
+    assert now.source == "measured" and now.environment["threads"] == 1
+    halved = [e.model_copy(update={"forward_time_s": e.forward_time_s / 2, "backward_time_s": e.backward_time_s / 2})
+              for e in now.entries]  # fmt: skip
+    earlier = replace(now, entries=halved, path=str(tmp_path / "cpu.json"))
+    cluster_path = tmp_path / "one.yaml"
+    cluster_path.write_text("name: one\ngroups:\n  - {name: cpu, device: cpu, nodes: 1, devices_per_node: 1}\n")
+    training = TrainingSpec(global_batch_size=2, dtype="fp32", zero_stage=0)
+    strategy = Strategy((PipelineStrategy(1, 1, 2, (StageStrategy("cpu", 0, MODEL.num_layers, 1),)),), "none", 0)
+    plan = LoadedPlan(strategy, MODEL, training, "one-stage plan")
+    measured_earlier = run_context(plan, Predictor(), {"cpu": earlier})
+    record = execute(plan, load_cluster(cluster_path), str(cluster_path), measured_earlier,
+                     RunSettings(steps=2, dtype="fp32", timeout_s=60.0), progress=lambda _: None)  # fmt: skip
+
+    speed = record["measurements"]["machine_speed"]
+    assert speed["checked"] and speed["layer"] == "decoder, micro-batch 1, tp 1, no recompute", speed
+    assert speed["profiled_s"] == pytest.approx(halved[0].forward_time_s + halved[0].backward_time_s)
+    assert 1.4 < speed["slowdown"] < 3.0, speed  # twice as slow as "when profiled", within this machine's noise
+    assert record["machine_slowdown"] == speed["slowdown"]
+    assert record["predicted_at_run_speed_s"] == pytest.approx(record["predicted_iteration_time_s"] * speed["slowdown"])
+    assert "around the run" in speed_lines(record)[0] and f"x{speed['slowdown']:.2f}" in speed_lines(record)[0]
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(record))
+    (run,) = load_runs(path)
+    assert run.at_profile_speed_s == pytest.approx(record["measured_iteration_time_s"] / speed["slowdown"])
+
+    # costs that are not a measured profile of this host (simulated here) leave the speed unchecked, and say so
+    simulated = run_context(plan, Predictor(), {})
+    unchecked = execute(plan, load_cluster(cluster_path), str(cluster_path), simulated,
+                        RunSettings(steps=1, dtype="fp32", timeout_s=60.0), progress=lambda _: None)  # fmt: skip
+    assert not unchecked["measurements"]["machine_speed"]["checked"] and unchecked["machine_slowdown"] == 1.0
