@@ -61,7 +61,8 @@ def fit_renderables(body: Mapping[str, Any]) -> list[Renderable]:
             f"+{info['slowdown_per_doubling']:.1%} per doubling of ranks (median fit error "
             f"{info['fit_median_rel_error']:.1%})"
         )
-    table = titled_table("Calibration runs", ("run", "measured s", "uncalibrated s", "calibrated s"))
+    # a local run's measured time at the speed its profiles were taken at (predictor/runs.py machine_slowdown)
+    table = titled_table("Calibration runs", ("run", "measured s, at profile speed", "uncalibrated s", "calibrated s"))
     for run in body["calibration"]["runs"]:
         table.add_row(
             run["name"],
@@ -201,7 +202,7 @@ def speed_lines(record: Mapping[str, Any]) -> list[str]:
         return []
     if not speed["checked"]:
         return [f"machine speed not checked: {speed['why']}"]
-    around_s = (speed["before_run_s"] + speed["after_run_s"]) / 2
+    around_s = min(speed["before_run_s"], speed["after_run_s"])
     at_speed = record["predicted_at_run_speed_s"]
     error = record["measured_iteration_time_s"] / at_speed - 1.0
     return [
