@@ -5,8 +5,8 @@ on every other case (`fit --runs`, leave-one-out); table + bench/results/runtime
 
 Every run also times the profile's decoder layer before and after itself (runtime/launch.py speed_check): the
 machine's slowdown against when it was profiled. The table gives each error twice: against the measured time, and
-against the time at the profile's speed (measured / slowdown), which is what the costs, measured then, describe;
-calibration learns from the latter.
+against the time at the profile's speed (measured / slowdown), which is what the costs, measured then, describe
+(calibration learns from the measured time: the second column shows whether the check would earn its place there).
 
 Models: tiny (hidden 128), small (hidden 256, the layer of issue 24's 8-layer case) and 10x (hidden 512: its layer
 takes ~10x the tiny one's time), 6 layers each, sequence 128, fp32, ZeRO-1. Shapes: one stage (one rank, the others

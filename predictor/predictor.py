@@ -187,7 +187,7 @@ def _calibration_cases(predictor: Predictor, runs: Sequence[Run]) -> list[tuple[
             run.cpu_share,
         )
         base.check_strategy(run.strategy, f"{run.path}: run {run.name!r}")
-        cases.append((run.name, base, run.strategy, run.at_profile_speed_s))
+        cases.append((run.name, base, run.strategy, run.measured_iteration_time_s))
     return cases
 
 

@@ -80,7 +80,7 @@ class RunRecord(BaseModel):
         default=1.0,
         gt=0,
         description="how much slower the machine ran its profile's reference layer around the run than when profiled "
-        "(local runs: runtime/launch.py speed_check); calibration learns from the time divided by it",
+        "(local runs: runtime/launch.py speed_check); recorded, not calibrated away (its own noise is as large)",
     )
     # what `hetplan run` adds beside the measurement (calibration reads only the fields above)
     predicted_iteration_time_s: float | None = None
@@ -103,13 +103,6 @@ class Run:
     measured_iteration_time_s: float
     path: str
     cpu_share: float = 1.0  # a local run's assumed share of a core per rank (predictor.host.local_run_context)
-    machine_slowdown: float = 1.0  # the machine's speed around the run over its speed when profiled (RunRecord)
-
-    @property
-    def at_profile_speed_s(self) -> float:
-        """The measured iteration time as the machine would have run it at the speed its profiles were taken at:
-        what the costs, measured then, are compared with."""
-        return self.measured_iteration_time_s / self.machine_slowdown
 
 
 def _resolve(record: RunRecord, path: Path, where: str) -> Run:
@@ -152,7 +145,6 @@ def _resolve(record: RunRecord, path: Path, where: str) -> Run:
         record.measured_iteration_time_s,
         str(path),
         record.cpu_share,
-        record.machine_slowdown,
     )
 
 

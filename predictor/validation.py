@@ -91,7 +91,7 @@ def _check(run: Run, base: CostContext, strategy: Strategy, calibration: Calibra
         run.name,
         run.source,
         run_family(run),
-        run.at_profile_speed_s,
+        run.measured_iteration_time_s,
         interval.iteration_time_s,
         interval.low_s,
         interval.high_s,

@@ -61,8 +61,7 @@ def fit_renderables(body: Mapping[str, Any]) -> list[Renderable]:
             f"+{info['slowdown_per_doubling']:.1%} per doubling of ranks (median fit error "
             f"{info['fit_median_rel_error']:.1%})"
         )
-    # a local run's measured time at the speed its profiles were taken at (predictor/runs.py machine_slowdown)
-    table = titled_table("Calibration runs", ("run", "measured s, at profile speed", "uncalibrated s", "calibrated s"))
+    table = titled_table("Calibration runs", ("run", "measured s", "uncalibrated s", "calibrated s"))
     for run in body["calibration"]["runs"]:
         table.add_row(
             run["name"],
@@ -206,7 +205,8 @@ def speed_lines(record: Mapping[str, Any]) -> list[str]:
     at_speed = record["predicted_at_run_speed_s"]
     error = record["measured_iteration_time_s"] / at_speed - 1.0
     return [
-        f"machine speed: the profile's {speed['layer']} layer took {speed['profiled_s'] * 1e3:.1f} ms when profiled, "
+        f"machine speed: the profile's reference layer ({speed['layer']}) took {speed['profiled_s'] * 1e3:.1f} ms when "
+        "profiled, "
         f"{around_s * 1e3:.1f} ms around the run (x{speed['slowdown']:.2f}): predicted at this speed {at_speed:.3f} s "
         f"({error:+.1%})"
     ]

@@ -294,10 +294,10 @@ def test_hetplan_run_plans_trains_records_and_feeds_fit(tmp_path):
     assert wrong.returncode == 2 and wrong.stderr.count("\n") == 1 and "cluster" in wrong.stderr, wrong.stderr
 
 
-def test_a_run_times_its_profiles_layer_around_it_and_calibration_takes_the_machines_speed_out(tmp_path):
+def test_a_run_times_its_profiles_layer_around_it_and_records_how_much_slower_the_machine_runs_now(tmp_path):
     """A profile taken when the machine ran its layers twice as fast as now (this machine's times, halved): the run
-    times the profile's decoder layer before and after itself, records the slowdown (about 2), predicts at the run's
-    speed too, and calibration learns from the time the run would have taken at the profile's speed."""
+    times the profile's decoder layer before and after itself, records the slowdown (about 2) and predicts at the
+    run's speed too."""
     import json
     from dataclasses import replace
 
@@ -339,8 +339,8 @@ def test_a_run_times_its_profiles_layer_around_it_and_calibration_takes_the_mach
     assert "around the run" in speed_lines(record)[0] and f"x{speed['slowdown']:.2f}" in speed_lines(record)[0]
     path = tmp_path / "run.json"
     path.write_text(json.dumps(record))
-    (run,) = load_runs(path)
-    assert run.at_profile_speed_s == pytest.approx(record["measured_iteration_time_s"] / speed["slowdown"])
+    (run,) = load_runs(path)  # the record reads back for calibration, which takes the measured time as it is
+    assert run.measured_iteration_time_s == record["measured_iteration_time_s"]
 
     # costs that are not a measured profile of this host (simulated here) leave the speed unchecked, and say so
     simulated = run_context(plan, Predictor(), {})
