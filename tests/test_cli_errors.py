@@ -295,7 +295,10 @@ def test_ctrl_c_during_a_large_plan_exits_130_and_says_interrupted(tmp_path):
     args = ["--cluster", str(EXAMPLES / "four-vendor-256.yaml"), "--model", "llama-140b", "--families", "search"]
     env = {**os.environ, "HETPLAN_PROGRESS_SECONDS": "0.2"}
     command = [sys.executable, "-c", NO_TORCH, "plan", *args, "--uneven-batch", "exhaustive", "--out", str(out)]
-    process = subprocess.Popen(command, cwd=ROOT, env=env, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    # Ctrl-C at a terminal: SIGINT at its default disposition, which a test run started in the background (`cmd &`
+    # in a script ignores SIGINT for its children, and Python then never raises KeyboardInterrupt) would not give
+    process = subprocess.Popen(command, cwd=ROOT, env=env, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
     try:
         first = _stderr_line(process, 60)
         assert first.startswith("hetplan plan: "), first
