@@ -204,12 +204,10 @@ def speed_lines(record: Mapping[str, Any]) -> list[str]:
     around_s = min(speed["before_run_s"], speed["after_run_s"])
     at_speed = record["predicted_at_run_speed_s"]
     error = record["measured_iteration_time_s"] / at_speed - 1.0
-    return [
-        f"machine speed: the profile's reference layer ({speed['layer']}) took {speed['profiled_s'] * 1e3:.1f} ms when "
-        "profiled, "
-        f"{around_s * 1e3:.1f} ms around the run (x{speed['slowdown']:.2f}): predicted at this speed {at_speed:.3f} s "
-        f"({error:+.1%})"
-    ]
+    layer = f"the profile's reference layer ({speed['layer']})"
+    timings = f"{speed['profiled_s'] * 1e3:.1f} ms when profiled, {around_s * 1e3:.1f} ms around the run"
+    verdict = f"x{speed['slowdown']:.2f}): predicted at this speed {at_speed:.3f} s ({error:+.1%})"
+    return [f"machine speed: {layer} took {timings} ({verdict}"]
 
 
 def comm_bench_table(result: Mapping[str, Any], islands: Sequence[str]) -> Table:
