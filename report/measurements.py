@@ -171,7 +171,7 @@ def run_lines(record: Mapping[str, Any], steps: int) -> list[str]:
     which = f"median of steps 2-{steps}" if steps > 2 else "step 2" if steps == 2 else "step 1, with its warm-up"
     lines = [
         f"iteration: measured {record['measured_iteration_time_s']:.3f} s ({which}), predicted "
-        f"{record['predicted_iteration_time_s']:.3f} s ({details['prediction_error']:+.1%})",
+        f"{record['predicted_iteration_time_s']:.3f} s ({against_prediction(details['prediction_error'])})",
         *speed_lines(record),
         f"prediction from: {details['prediction_from']}",
         "loss per step: " + ", ".join(f"{loss:.4f}" for loss in record["losses"]),
@@ -194,6 +194,12 @@ def run_lines(record: Mapping[str, Any], steps: int) -> list[str]:
     return lines
 
 
+def against_prediction(error: float) -> str:
+    """A run record's prediction error (measured / predicted - 1) in words: a bare "-12.0%" beside a prediction reads
+    as a prediction 12% low, the opposite of a run that took 12% less."""
+    return f"the run took {abs(error):.1%} {'less' if error < 0 else 'more'} than predicted"
+
+
 def speed_lines(record: Mapping[str, Any]) -> list[str]:
     """The machine-speed check of a run record (records from before it: none)."""
     speed = record["measurements"].get("machine_speed")
@@ -206,7 +212,7 @@ def speed_lines(record: Mapping[str, Any]) -> list[str]:
     error = record["measured_iteration_time_s"] / at_speed - 1.0
     layer = f"the profile's reference layer ({speed['layer']})"
     timings = f"{speed['profiled_s'] * 1e3:.1f} ms when profiled, {around_s * 1e3:.1f} ms around the run"
-    verdict = f"x{speed['slowdown']:.2f}): predicted at this speed {at_speed:.3f} s ({error:+.1%})"
+    verdict = f"x{speed['slowdown']:.2f}): predicted at this speed {at_speed:.3f} s ({against_prediction(error)})"
     return [f"machine speed: {layer} took {timings} ({verdict}"]
 
 

@@ -337,6 +337,9 @@ def test_a_run_times_its_profiles_layer_around_it_and_records_how_much_slower_th
     assert record["machine_slowdown"] == speed["slowdown"]
     assert record["predicted_at_run_speed_s"] == pytest.approx(record["predicted_iteration_time_s"] * speed["slowdown"])
     assert "around the run" in speed_lines(record)[0] and f"x{speed['slowdown']:.2f}" in speed_lines(record)[0]
+    at_speed_error = record["measured_iteration_time_s"] / record["predicted_at_run_speed_s"] - 1.0
+    said = f"the run took {abs(at_speed_error):.1%} {'less' if at_speed_error < 0 else 'more'} than predicted"
+    assert said in speed_lines(record)[0], speed_lines(record)
     path = tmp_path / "run.json"
     path.write_text(json.dumps(record))
     (run,) = load_runs(path)  # the record reads back for calibration, which takes the measured time as it is
