@@ -340,18 +340,18 @@ def print_table(rows: list[dict[str, Any]], write: Callable[[str], None] = print
           f"{'error':>7} {'@speed':>7} {'LOO s':>7} {'LOO err':>7} {'@speed':>7}  "
           "largest difference (stage, term, measured - predicted s)")  # fmt: skip
     for row in rows:
-        slowdown = statistics.median(row.get("machine_slowdowns") or [1.0])
+        slowdown = statistics.median(row["machine_slowdowns"])
         measured = f"{row['cluster']:<11} {row['model']:<6} {row['shape']:<25} {row['measured_s']:>10.3f}"
         predicted = f"{slowdown:>8.2f} {row['predicted_s']:>11.3f} {row['error']:>+7.1%}"
-        predicted += f" {row.get('error_at_profile_speed', row['error']):>+7.1%}"
+        predicted += f" {row['error_at_profile_speed']:>+7.1%}"
         loo = f"{row['loo_predicted_s']:>7.3f} {row['loo_error']:>+7.1%}"
-        loo += f" {row.get('loo_error_at_profile_speed', row['loo_error']):>+7.1%}"
+        loo += f" {row['loo_error_at_profile_speed']:>+7.1%}"
         gap = row["largest_term_difference"]
         where = f"{gap['stage']} {gap['term']} {gap['measured_minus_predicted_s']:+.3f}"
         write(f"{measured} {predicted} {loo}  {where}")
     for label, key in (("", ""), (" at the profile's speed", "_at_profile_speed")):
-        errors = [abs(row.get("error" + key, row["error"])) for row in rows]
-        loo_errors = [abs(row.get("loo_error" + key, row["loo_error"])) for row in rows]
+        errors = [abs(row["error" + key]) for row in rows]
+        loo_errors = [abs(row["loo_error" + key]) for row in rows]
         if errors:
             write(f"|error|{label}: median {statistics.median(errors):.1%}, max {max(errors):.1%}; leave-one-out "
                   f"median {statistics.median(loo_errors):.1%}, max {max(loo_errors):.1%}")  # fmt: skip

@@ -208,8 +208,7 @@ def speed_lines(record: Mapping[str, Any]) -> list[str]:
     if not speed["checked"]:
         return [f"machine speed not checked: {speed['why']}"]
     around_s = min(speed["before_run_s"], speed["after_run_s"])
-    at_speed = record["predicted_at_run_speed_s"]
-    error = record["measured_iteration_time_s"] / at_speed - 1.0
+    at_speed, error = record["predicted_at_run_speed_s"], record["measurements"]["prediction_error_at_run_speed"]
     layer = f"the profile's reference layer ({speed['layer']})"
     timings = f"{speed['profiled_s'] * 1e3:.1f} ms when profiled, {around_s * 1e3:.1f} ms around the run"
     verdict = f"x{speed['slowdown']:.2f}): predicted at this speed {at_speed:.3f} s ({against_prediction(error)})"

@@ -307,17 +307,19 @@ def execute_elastic(
 ) -> dict[str, Any]:
     """`hetplan run` with checkpoints and restarts: the run record of the last attempt (its cluster is what was left,
     its prediction for that cluster and plan) with `elastic`: every interruption and the loss of every step."""
-    from runtime.launch import _recorded, cpu_share, prediction_context
+    from runtime.launch import _recorded, cpu_share, prediction_context, with_speed_check
 
     ctx = prediction_context(cluster, context)
     ctx.check_strategy(plan.strategy, plan.source)
     settings = resumed_settings(settings, plan.model)
     progress(f"running {plan.source} on {cluster.num_devices} local processes for {settings.steps} steps, "
              f"checkpoints in {settings.checkpoint_dir} every {settings.checkpoint_every} ...")  # fmt: skip
-    run = run_elastic(plan, cluster, settings, max_restarts, predictor, progress=progress, profiles=profiles)
+    run, speed = with_speed_check(
+        ctx, lambda: run_elastic(plan, cluster, settings, max_restarts, predictor, progress=progress, profiles=profiles)
+    )
     share = cpu_share(run.cluster)
     record = _recorded(run.plan, run.cluster, cluster_path, prediction_context(run.cluster, context), settings,
-                       run.results, share)  # fmt: skip
+                       run.results, share, speed)  # fmt: skip
     if run.interruptions:
         record["cluster"] = _changed_mapping(record["cluster"], run.cluster)
         record["name"] = f"{record['name']} (after {len(run.interruptions)} interruption(s))"

@@ -14,7 +14,7 @@ import tempfile
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -40,6 +40,7 @@ MAX_LOCAL_RANKS = 16
 REFERENCE_MAX_PARAMS = 200_000_000
 FP8_ACCELERATORS = "H100/H200/MI300X/Gaudi2"
 # relative loss difference allowed between the run and one process (same weights and data, different sum orders)
+T = TypeVar("T")
 LOSS_TOLERANCE = {"fp64": 1e-9, "fp32": 1e-4, "bf16": 3e-2, "fp16": 1e-2}
 
 
@@ -230,13 +231,12 @@ def run_record(
     summary: dict[str, Any],
     reference: dict[str, Any],
     cpu_share: float,
-    speed: dict[str, Any] | None = None,
+    speed: dict[str, Any],
 ) -> dict[str, Any]:
     """A `hetplan.run/1` record; `ctx` is the prediction's context (its cluster already at the cores' share);
     `speed` the machine-speed check (`speed_check`)."""
     evaluation = evaluate(ctx, plan.strategy)
     predicted = evaluation.iteration_time_s
-    speed = speed or {"checked": False, "why": "not checked"}
     slowdown = speed["slowdown"] if speed["checked"] else 1.0
     # the terms' layer costs at the plan's CP degree, as evaluate() takes them (per CP rank, ring included)
     terms = predicted_stage_terms(ctx, evaluation)
@@ -322,15 +322,19 @@ def execute(
     share = cpu_share(cluster)
     ctx = prediction_context(cluster, context)
     ctx.check_strategy(plan.strategy, plan.source)
-    reference = speed_reference(ctx)
-    before_s = reference_time_s(ctx, *reference) if reference else 0.0
     progress(f"running {plan.source} on {cluster.num_devices} local processes for {settings.steps} steps ...")
-    results = run_plan(plan, cluster, settings)
-    if reference:
-        speed = speed_check(reference, before_s, reference_time_s(ctx, *reference))
-    else:
-        speed = {"checked": False, "why": "the prediction's costs are not a measured profile of this host"}
+    results, speed = with_speed_check(ctx, lambda: run_plan(plan, cluster, settings))
     return _recorded(plan, cluster, cluster_path, ctx, settings, results, share, speed)
+
+
+def with_speed_check(ctx: CostContext, run: Callable[[], T]) -> tuple[T, dict[str, Any]]:
+    """`run()` with the machine-speed check around it (`speed_check`), or the reason there is none."""
+    reference = speed_reference(ctx)
+    if reference is None:
+        return run(), {"checked": False, "why": "the prediction's costs are not a measured profile of this host"}
+    before_s = reference_time_s(ctx, *reference)
+    result = run()
+    return result, speed_check(reference, before_s, reference_time_s(ctx, *reference))
 
 
 def speed_reference(ctx: CostContext) -> tuple[DeviceProfile, ProfileEntry] | None:
@@ -383,7 +387,7 @@ def _recorded(
     settings: RunSettings,
     results: list[dict[str, Any]],
     share: float,
-    speed: dict[str, Any] | None = None,
+    speed: dict[str, Any],
 ) -> dict[str, Any]:
     """The run record of every rank's results, with the one-process loss check and the machine-speed check beside
     it."""
