@@ -19,6 +19,12 @@ from specs.model import ModelSpec
 from specs.training import TrainingSpec
 
 
+@functools.lru_cache(maxsize=256)
+def _measured(link: Link, alpha_s: float, bw_bytes_per_s: float) -> Link:
+    """`link` with a measured latency and bandwidth (made once: the cost model asks for it for every collective)."""
+    return replace(link, alpha_s=alpha_s, bw_bytes_per_s=bw_bytes_per_s)
+
+
 @dataclass(frozen=True)
 class EndToEndTerms:
     """Whole-iteration effects per-layer profiles cannot see; `hetplan fit --runs` learns them from measured runs.
@@ -114,6 +120,17 @@ class CostContext:
         link = self.fitted_link(group.device.key, "in_node") or in_node_link(group)
         scale = dict(self.terms.in_node_scale).get(group.device.generation, 1.0)
         return link if scale == 1.0 else _slower(link, scale)
+
+    def tp_link(self, group: DeviceGroup) -> Link:
+        """The link a group's TP collectives run over: inside the node, or, on a host whose profile timed TP
+        all-reduces between layers (HostCosts.tp_all_reduce_*), those measured latency and bandwidth under the host
+        link's load of processes per core."""
+        host = self.host.get(group.device.key)
+        if host is None or host.tp_all_reduce_alpha_s is None or host.tp_all_reduce_bw_bytes_per_s is None:
+            return self.in_node_link(group)
+        link = self.links.get(f"{group.device.key}/host") or in_node_link(group)
+        measured = _measured(link, host.tp_all_reduce_alpha_s, host.tp_all_reduce_bw_bytes_per_s)
+        return measured.under_load(self.processes_per_core)
 
     def rail_link(self, group: DeviceGroup) -> Link:
         link = self.fitted_link(group.device.key, "rail") or rail_link(group)

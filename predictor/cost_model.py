@@ -64,13 +64,14 @@ __all__ = [
 # With Transformer Engine's TP communication overlap (`tp_comm_overlap`), a layer's TP collectives run under its
 # GEMMs in chunks: hidden up to this share of the layer's compute (the GEMMs' share of a decoder layer's time).
 TP_OVERLAP_SHARE = 0.8
+LOSS_STAT_BYTES = 4  # the vocabulary-parallel loss reduces fp32 statistics per token
 
 
 # ---- per-stage pieces (also used by the planner's inner solvers) ---------------------------------------------
 def tp_collective_time_s(ctx: CostContext, group: DeviceGroup, micro_batch_size: int, tp: int) -> float:
     """One all-reduce-sized TP collective of b*s*h activations inside the node (s/cp tokens per CP rank)."""
     size = micro_batch_size * ctx.seq_length * ctx.model.hidden_size * ctx.training.dtype_bytes / ctx.context_parallel
-    return all_reduce_time_s(size, tp, ctx.in_node_link(group)) * ctx.terms.tp_comm_scale
+    return all_reduce_time_s(size, tp, ctx.tp_link(group)) * ctx.terms.tp_comm_scale
 
 
 def decoder_layer_time_s(
@@ -85,9 +86,16 @@ def decoder_layer_time_s(
     return cost.time_s + collectives_s
 
 
+def loss_collectives_time_s(ctx: CostContext, group: DeviceGroup, micro_batch_size: int, tp: int) -> float:
+    """The vocabulary-parallel loss's 3 all-reduces of one fp32 number per token (the logits' maximum, the sum of
+    their exponentials, the target's logit), as Megatron's and the runtime's: small, so mostly their latency."""
+    size = micro_batch_size * ctx.seq_length * LOSS_STAT_BYTES / ctx.context_parallel
+    return 3 * all_reduce_time_s(size, tp, ctx.tp_link(group)) * ctx.terms.tp_comm_scale
+
+
 def edge_time_s(ctx: CostContext, group: DeviceGroup, micro_batch_size: int, tp: int, first: bool, last: bool) -> float:
-    """Embedding (first stage) and final norm + LM head + loss (last stage) per micro-batch, with one TP
-    collective each."""
+    """Embedding (first stage) and final norm + LM head + loss (last stage) per micro-batch, with their TP
+    collectives (the embedding's partial lookups; the head's input gradient and the loss's)."""
     source = ctx.source(group.name)
     time_s = 0.0
     if first:
@@ -96,7 +104,23 @@ def edge_time_s(ctx: CostContext, group: DeviceGroup, micro_batch_size: int, tp:
     if last:
         time_s += source.layer_cost("lm_head", micro_batch_size, tp, "none").time_s
         time_s += tp_collective_time_s(ctx, group, micro_batch_size, tp)
+        time_s += loss_collectives_time_s(ctx, group, micro_batch_size, tp)
     return time_s
+
+
+def tp_collectives(
+    ctx: CostContext, micro_batch_size: int, num_layers: int, tp: int, recompute: Recompute, first: bool, last: bool
+) -> tuple[int, float]:
+    """The TP collectives one rank of a stage makes per micro-batch and the bytes they reduce: 4 activations per
+    decoder layer (full recompute repeats the forward's 2), 1 for the embedding, 1 for the head and the loss's 3
+    per-token statistics; none at TP 1."""
+    if tp <= 1:
+        return 0, 0.0
+    activations = num_layers * (6 if recompute == "full" else 4) + (1 if first else 0) + (1 if last else 0)
+    tokens = micro_batch_size * ctx.seq_length / ctx.context_parallel
+    activation_bytes = tokens * ctx.model.hidden_size * ctx.training.dtype_bytes
+    statistics = 3 if last else 0
+    return activations + statistics, activations * activation_bytes + statistics * tokens * LOSS_STAT_BYTES
 
 
 def stage_params(model: ModelSpec, num_layers: int, first: bool, last: bool, pipeline_stages: int) -> int:
@@ -416,7 +440,8 @@ def _evaluate_stage(
     first, last = index == 0, index == p - 1
     layer_cost = ctx.source(group.name).layer_cost("decoder", b, stage.tp, recompute)
     layer_time_s = decoder_layer_time_s(ctx, group, b, stage.tp, recompute)
-    overhead = stage_overhead_s(ctx, group, stage.num_layers, stage.tp)
+    collectives = tp_collectives(ctx, b, stage.num_layers, stage.tp, recompute, first, last)
+    overhead = stage_overhead_s(ctx, group, stage.num_layers, stage.tp, collectives)
     compute = stage.num_layers * layer_time_s + edge_time_s(ctx, group, b, stage.tp, first, last) + overhead
     params_per_device = stage_params(ctx.model, stage.num_layers, first, last, p) / stage.tp
     sync = dp_sync_time_s(ctx, group, params_per_device, stage.tp, replicas)

@@ -9,7 +9,8 @@ the cores, slowed by the measured busy stretch of that many processes computing 
 evaluation's host compute to the simulated step; links measured between this machine's processes are loaded by the
 simulation's mean busy processes per core (Link.under_load: a rank waits for a partner the scheduler set aside).
 Overheads: per micro-batch and stage, running the stage's layers as one module (microbatch_overhead_s plus
-layer_overhead_s per layer, 1/tp of it on a TP shard); per step, making the batch; the optimizer step per parameter
+layer_overhead_s per layer, 1/tp of it on a TP shard) and the work around each TP collective
+(tp_collective_overhead_s and per byte); per step, making the batch; the optimizer step per parameter
 (sharding.optimizer_time_s); the work around a sync across pipeline families per parameter (indexing and
 copies: busy in the simulation, as the transfers around it are not). A context without host costs is evaluated as
 before; local runs then fall back to the assumed share cores / ranks (`local_run_context`). Torch-free.
@@ -97,13 +98,22 @@ def on_host(ctx: CostContext, evaluation: Evaluation) -> CostContext:
     return evaluation.context if evaluation.context is not None else ctx
 
 
-def stage_overhead_s(ctx: CostContext, group: DeviceGroup, num_layers: int, tp: int) -> float:
-    """Per micro-batch, what running a stage's layers as one module adds to their profiled times (0 off a profiled
-    host, and never less: the planner's bounds leave it out), stretched and slowed by emulation as the layers are."""
+def stage_overhead_s(
+    ctx: CostContext, group: DeviceGroup, num_layers: int, tp: int, collectives: tuple[int, float]
+) -> float:
+    """Per micro-batch, what running a stage's layers as one module, with its TP `collectives` (how many, bytes),
+    adds to their profiled times (0 off a profiled host, and never less: the planner's bounds leave it out),
+    stretched and slowed by emulation as the layers are."""
     host = host_of(ctx, group)
     if host is None:
         return 0.0
-    overhead = host.microbatch_overhead_s + num_layers * host.layer_overhead_s / tp
+    count, size_bytes = collectives
+    overhead = (
+        host.microbatch_overhead_s
+        + num_layers * host.layer_overhead_s / tp
+        + count * host.tp_collective_overhead_s
+        + size_bytes * host.tp_collective_overhead_s_per_byte
+    )
     return max(0.0, overhead) * ctx.compute_stretch / group.emulate_speed
 
 

@@ -1,8 +1,9 @@
 """Measure what a training step costs on this host besides its layers and collectives (`hetplan profile` on the CPU):
 how processes computing at once slow each other, the optimizer step per parameter, what running a stage's layers as
-one module adds per micro-batch and per layer, the work around the collectives of a sync across pipeline families,
-and making the step's batch. The numbers go into the profile's `host`
-section (profiler.profile.HostCosts); the cost model uses them for local runs on CPU processes.
+one module adds per micro-batch and per layer, what a tensor-parallel rank computes around each of its collectives,
+the work around the collectives of a sync across pipeline families, and making the step's batch. The numbers go
+into the profile's `host` section (profiler.profile.HostCosts); the cost model uses them for local runs on CPU
+processes.
 
 Everything is timed with one thread per process, as the runtime's ranks run. The optimizer step mirrors the runtime's
 (runtime/execute.py FlatAdam): flatten the parameters, AdamW in place on the rank's shard, copy back.
@@ -10,15 +11,21 @@ Everything is timed with one thread per process, as the runtime's ranks run. The
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
 from multiprocessing.synchronize import Event
+from pathlib import Path
 
 try:
     import torch
+    import torch.distributed as dist
     import torch.multiprocessing as mp
     from torch import nn
 except ImportError as err:  # pragma: no cover - exercised only without torch
@@ -26,8 +33,9 @@ except ImportError as err:  # pragma: no cover - exercised only without torch
 
     raise TorchMissingError("`hetplan profile`") from err
 
+from profiler.comm_bench import free_port, run_processes
 from profiler.data import synthetic_batch
-from profiler.layers import DecoderLayer, Embedding, LMHead
+from profiler.layers import DecoderLayer, Embedding, EnterTensorParallel, LeaveTensorParallel, LMHead
 from profiler.measure import build_layer, keep_freed_host_memory, layer_clock, profile_layer
 from profiler.profile import ConcurrencyPoint, HostCosts
 from specs.model import ModelSpec
@@ -37,6 +45,11 @@ HELPER_START_S = 120.0  # a spawned helper imports torch and builds its layer wi
 PASSES = 3  # interleaved passes over the chain timings (a drifting machine spreads over all of them)
 STAGE_LAYERS = 4  # the longer chain of the stage overhead measurement (at most the model's layers)
 BATCHES = (8, 32)  # global batch sizes the batch making is timed at
+TP_LAYERS = 2  # decoder layers of the chain the TP collective overhead is timed on (at most the model's)
+TP_COLLECTIVES_PER_LAYER = 4  # 2 in the forward, 2 in the backward (Megatron's f and g at attention and MLP)
+TP_TIMEOUT_S = 120.0
+TP_SIZE_FACTORS = (1, 2, 4)  # the activation sizes TP collectives are timed at, times the profile's micro-batch
+MIN_S_PER_BYTE = 1e-13  # a fitted all-reduce no faster than 10 TB/s (a flat line through noisy points)
 
 
 def host_cores() -> int:
@@ -283,6 +296,144 @@ def family_sync_cost(model: ModelSpec, dtype: torch.dtype, min_time_s: float = 0
     return median_time_s(sync, min_time_s) / numel
 
 
+@dataclass(frozen=True)
+class TpCollectiveCosts:
+    overhead_s: float  # per collective, what a rank computes around it (may be negative: a fitted intercept)
+    overhead_s_per_byte: float  # and per byte of the activation it reduces
+    all_reduce_alpha_s: float  # the 2-rank all-reduce's per-step latency
+    all_reduce_bw_bytes_per_s: float  # and bus bandwidth
+
+
+class _TimedCollectives:
+    """Megatron's TP boundaries over the default process group, as the runtime's (runtime/tensor_parallel.py): `enter`
+    is identity forward and all-reduce of the gradient backward, `leave` all-reduces forward and is identity backward;
+    `comm_s` adds up the time inside the all-reduces."""
+
+    def __init__(self) -> None:
+        self.comm_s = 0.0
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        started = time.perf_counter()
+        dist.all_reduce(tensor)
+        self.comm_s += time.perf_counter() - started
+        return tensor
+
+    def enter(self, x: torch.Tensor) -> torch.Tensor:
+        return EnterTensorParallel.apply(x, self)
+
+    def leave(self, x: torch.Tensor) -> torch.Tensor:
+        return LeaveTensorParallel.apply(x, self)
+
+
+def _tp_collective_worker(
+    rank: int,
+    port: int,
+    model: ModelSpec,
+    micro_batch_sizes: list[int],
+    seq_length: int,
+    dtype: str,
+    min_time_s: float,
+    out: str,
+) -> None:
+    """One of two TP ranks: at each micro-batch size, times its layer chain's compute (wall clock, the time inside
+    the all-reduces left out, as the runtime's timers split a step) with the collectives at its boundaries and
+    without, in interleaved passes, and the time inside the all-reduces; rank 0 writes the medians to `out`."""
+    torch.set_num_threads(1)
+    keep_freed_host_memory()
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=TP_TIMEOUT_S)
+    )
+    try:
+        torch.manual_seed(0)
+        torch_dtype = getattr(torch, dtype)
+        layers = [DecoderLayer(model, 2).to(torch_dtype) for _ in range(min(TP_LAYERS, model.num_layers))]
+        collectives = _TimedCollectives()
+        points = []
+        for micro_batch_size in micro_batch_sizes:
+            x = torch.randn(micro_batch_size, seq_length, model.hidden_size, dtype=torch_dtype, requires_grad=True)
+            grad = torch.randn_like(x)
+            comm: list[float] = []
+
+            def compute_s(
+                with_collectives: bool, x: torch.Tensor = x, grad: torch.Tensor = grad, comm: list[float] = comm
+            ) -> float:
+                for layer in layers:
+                    layer.enter_tp = collectives.enter if with_collectives else _passthrough
+                    layer.leave_tp = collectives.leave if with_collectives else _passthrough
+                started, waited = time.perf_counter(), collectives.comm_s
+                y = x
+                for layer in layers:
+                    y = layer(y)
+                y.backward(grad)
+                x.grad = None
+                if with_collectives:
+                    comm.append(collectives.comm_s - waited)
+                return time.perf_counter() - started - (collectives.comm_s - waited)
+
+            compute_s(True)
+            probe = torch.tensor([min_time_s / PASSES / len(micro_batch_sizes) / max(compute_s(False), 1e-6)])
+            dist.broadcast(probe, 0)  # both ranks make the same number of passes (their collectives pair up)
+            repeats = max(3, math.ceil(float(probe)))
+            times: dict[bool, list[float]] = {True: [], False: []}
+            comm.clear()
+            for _ in range(PASSES):
+                for with_collectives in (False, True):
+                    dist.barrier()
+                    times[with_collectives].extend(compute_s(with_collectives) for _ in range(repeats))
+            points.append(
+                {
+                    "size_bytes": x.numel() * x.element_size(),
+                    "with_s": statistics.median(times[True]),
+                    "without_s": statistics.median(times[False]),
+                    "comm_s": statistics.median(comm),
+                }
+            )
+        if rank == 0:
+            Path(out).write_text(json.dumps({"layers": len(layers), "points": points}), encoding="utf-8")
+    finally:
+        dist.destroy_process_group()
+
+
+def _passthrough(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def tp_collective_costs(
+    model: ModelSpec, micro_batch_size: int, seq_length: int, dtype: torch.dtype, min_time_s: float = 1.5
+) -> TpCollectiveCosts | None:
+    """TP collectives as a training step meets them on this host. Two processes compute a chain of TP 2 layer shards
+    with real Gloo all-reduces at their boundaries and without, at 1, 2 and 4 times the micro-batch size, timed as
+    the runtime's timers split a step (the time inside the all-reduces is the TP term). Lines through the three
+    sizes give what a rank computes around each collective beyond the collective itself (waking from it with cold
+    caches, the autograd boundary, the copy it reduces) and the all-reduce's own time. The all-reduces are timed
+    between layers (activations fresh from compute) rather than back to back as `profile-comm` times them: on a
+    2-core host that made 0.5 MiB all-reduces take 1.7x the link profile's time. None when the model cannot split
+    in two (it has no TP collectives to pay for)."""
+    if model.num_kv_heads % 2 or model.ffn_hidden_size % 2 or model.num_attention_heads % 2:
+        return None
+    with tempfile.TemporaryDirectory(prefix="hetplan-tp-") as scratch:
+        out = Path(scratch, "tp.json")
+        torch_dtype = str(dtype).removeprefix("torch.")
+        sizes = [micro_batch_size * factor for factor in TP_SIZE_FACTORS]
+        args = (free_port(), model, sizes, seq_length, torch_dtype, min_time_s, str(out))
+        run_processes(_tp_collective_worker, args, 2, TP_TIMEOUT_S * 2, "timing TP collectives on this host")
+        measured = json.loads(out.read_text(encoding="utf-8"))
+    collectives = TP_COLLECTIVES_PER_LAYER * measured["layers"]
+    size_bytes = [float(point["size_bytes"]) for point in measured["points"]]
+    overhead = statistics.linear_regression(
+        size_bytes, [(point["with_s"] - point["without_s"]) / collectives for point in measured["points"]]
+    )
+    comm = statistics.linear_regression(size_bytes, [point["comm_s"] / collectives for point in measured["points"]])
+    # a 2-rank all-reduce of S bytes: 2 latency steps and S bytes at the bus bandwidth (comm_model.all_reduce_time_s)
+    s_per_byte = max(comm.slope, MIN_S_PER_BYTE)
+    return TpCollectiveCosts(
+        overhead_s=overhead.intercept,
+        overhead_s_per_byte=max(0.0, overhead.slope),
+        all_reduce_alpha_s=max(0.0, comm.intercept / 2),
+        all_reduce_bw_bytes_per_s=1.0 / s_per_byte,
+    )
+
+
 def batch_costs(model: ModelSpec, seq_length: int, min_time_s: float = 0.2) -> tuple[float, float]:
     """(seconds per step, seconds per sample) of making the step's synthetic batch, from two batch sizes."""
     small, large = BATCHES
@@ -294,12 +445,14 @@ def batch_costs(model: ModelSpec, seq_length: int, min_time_s: float = 0.2) -> t
 def measure_host(
     model: ModelSpec, seq_length: int, dtype: torch.dtype, micro_batch_size: int, progress: Callable[[str], None]
 ) -> HostCosts:
-    """Every host cost of a CPU profile (about ten seconds)."""
+    """Every host cost of a CPU profile (about fifteen seconds)."""
     cores = host_cores()
     progress("host: processes computing at once")
     points = concurrency(model, micro_batch_size, seq_length, dtype, cores)
     progress("host: a stage as one module")
     per_microbatch, per_layer = stage_overheads(model, micro_batch_size, seq_length, dtype)
+    progress("host: TP collectives between layers")
+    tp = tp_collective_costs(model, micro_batch_size, seq_length, dtype)
     progress("host: optimizer step")
     per_shard_param, per_held_param, per_gathered_param = optimizer_costs(model, dtype)
     progress("host: syncing gradients across families")
@@ -314,6 +467,10 @@ def measure_host(
         gather_s_per_param=per_gathered_param,
         microbatch_overhead_s=per_microbatch,
         layer_overhead_s=per_layer,
+        tp_collective_overhead_s=tp.overhead_s if tp else 0.0,
+        tp_collective_overhead_s_per_byte=tp.overhead_s_per_byte if tp else 0.0,
+        tp_all_reduce_alpha_s=tp.all_reduce_alpha_s if tp else None,
+        tp_all_reduce_bw_bytes_per_s=tp.all_reduce_bw_bytes_per_s if tp else None,
         family_sync_s_per_param=family_sync_s_per_param,
         batch_s=batch_s,
         batch_s_per_sample=batch_s_per_sample,

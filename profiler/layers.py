@@ -3,7 +3,9 @@
 Built from a ModelSpec: a Llama-style decoder layer (RMSNorm, grouped-query attention with RoPE through
 `scaled_dot_product_attention`, SwiGLU MLP) or a GPT-style one (LayerNorm, multi-head attention, GELU MLP), the
 embedding and the LM head with its loss. `tp` builds the shard one tensor-parallel rank computes (heads/t, ffn/t,
-vocab/t) so a single device can time a TP-t layer; the collectives are modelled separately.
+vocab/t) so a single device can time a TP-t layer; the collectives are modelled separately. Megatron's TP boundaries
+(f and g, over any group with an `all_reduce`) are here too: the runtime's ranks and the profiler's timing of TP
+collectives between layers (profiler/host.py) use the same ones.
 
 Recompute modes (what is saved for backward; see ModelSpec.layer_activation_elements_per_token):
   none       plain autograd;
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Protocol
 
 try:
     import torch
@@ -76,6 +79,38 @@ def apply_rotary(x: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
 
 def _identity(x: torch.Tensor) -> torch.Tensor:
     return x
+
+
+class AllReduces(Protocol):
+    """A TP group's all-reduce (the runtime's process group, or the profiler's timed one)."""
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor: ...
+
+
+class EnterTensorParallel(torch.autograd.Function):
+    """Megatron's f: identity forward, all-reduce of the input gradient backward (a replicated activation meets a
+    column-parallel GEMM)."""
+
+    @staticmethod
+    def forward(ctx, x, group: AllReduces):  # type: ignore[no-untyped-def, override]
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[no-untyped-def, override]
+        return ctx.group.all_reduce(grad.clone()), None
+
+
+class LeaveTensorParallel(torch.autograd.Function):
+    """Megatron's g: all-reduce of a row-parallel GEMM's partial output forward, identity backward."""
+
+    @staticmethod
+    def forward(ctx, x, group: AllReduces):  # type: ignore[no-untyped-def, override]
+        return group.all_reduce(x.clone())
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[no-untyped-def, override]
+        return grad, None
 
 
 class DecoderLayer(nn.Module):

@@ -132,6 +132,13 @@ class HostCosts(BaseModel):
     microbatch_overhead_s    running a stage (embedding, layers, head) as one module, per micro-batch, beyond its
                              layers' own times (one autograd pass instead of one per layer; may be negative);
     layer_overhead_s         the same per decoder layer of the stage (weights fetched cold, one after the other);
+    tp_collective_overhead_s, tp_collective_overhead_s_per_byte  what a TP rank computes around each of its
+                             collectives beyond the collective itself (waking from it with cold caches, the autograd
+                             boundary, the copy it reduces), fixed and per byte reduced, timed with two processes and
+                             real Gloo all-reduces; 0 in profiles made before it was measured;
+    tp_all_reduce_alpha_s, tp_all_reduce_bw_bytes_per_s  those all-reduces' per-step latency and bus bandwidth, fitted
+                             at two activation sizes between layers (caches cold, unlike `profile-comm`'s back-to-back
+                             loop): the TP collectives of local runs use them (none: the link profile's);
     family_sync_s_per_param  the work around the collectives when gradients meet across pipeline families (padding,
                              indexing the chunk to swap, adding what comes back), per parameter held;
     batch_s, batch_s_per_sample  making a step's token batch (the runtime's synthetic data) at the profile's sequence.
@@ -147,6 +154,10 @@ class HostCosts(BaseModel):
     gather_s_per_param: float = Field(default=0.0, ge=0)
     microbatch_overhead_s: float
     layer_overhead_s: float
+    tp_collective_overhead_s: float = 0.0
+    tp_collective_overhead_s_per_byte: float = Field(default=0.0, ge=0)
+    tp_all_reduce_alpha_s: float | None = Field(default=None, ge=0)
+    tp_all_reduce_bw_bytes_per_s: float | None = Field(default=None, gt=0)
     family_sync_s_per_param: float = Field(default=0.0, ge=0)
     batch_s: float = Field(ge=0)
     batch_s_per_sample: float = Field(ge=0)

@@ -18,6 +18,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from profiler.layers import EnterTensorParallel, LeaveTensorParallel
+
 
 class TensorParallel:
     """A stage's TP group: `size` ranks, this one is `rank`; `group` is None for TP 1."""
@@ -45,31 +47,10 @@ class TensorParallel:
             self.suppressed = False
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
-        return _Enter.apply(x, self) if self.size > 1 else x
+        return EnterTensorParallel.apply(x, self) if self.size > 1 else x
 
     def leave(self, x: torch.Tensor) -> torch.Tensor:
-        return _Leave.apply(x, self) if self.size > 1 else x
-
-
-class _Enter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, tp):  # type: ignore[no-untyped-def, override]
-        ctx.tp = tp
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[no-untyped-def, override]
-        return ctx.tp.all_reduce(grad.clone()), None
-
-
-class _Leave(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, tp):  # type: ignore[no-untyped-def, override]
-        return tp.all_reduce(x.clone())
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[no-untyped-def, override]
-        return grad, None
+        return LeaveTensorParallel.apply(x, self) if self.size > 1 else x
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -123,7 +123,8 @@ def test_a_loaded_context_stretches_compute_and_loads_the_links():
     evaluation = evaluate(shared, strategy)
     stage = evaluation.stages[0]
     layers_and_overhead = 2.5 * (4 * 0.01 + 0.002 + 0.004 + 1e-3 + 4 * 1e-4 / 2)
-    assert stage.compute_time_s == pytest.approx(layers_and_overhead + stage.tp_comm_time_s + 2 * expected)
+    loss = 3 * (2 * 1 / 2 * 32 * 4 * 2e-9 + 2 * 1.5e-3)  # the loss's 3 all-reduces of one fp32 number per token
+    assert stage.compute_time_s == pytest.approx(layers_and_overhead + stage.tp_comm_time_s + 2 * expected + loss)
     shard = (4 * MODEL.layer_params() + MODEL.embedding_params() + MODEL.lm_head_params()) / 2
     # ZeRO-1 over 2 replicas: half the update, everything flattened, the shard padded and the pieces joined
     assert stage.optimizer_time_s == pytest.approx(2.5 * (shard / 2 * 1e-9 + shard * (2e-9 + 0.5e-9)))
@@ -133,7 +134,7 @@ def test_a_loaded_context_stretches_compute_and_loads_the_links():
     assert terms["forward"] + terms["backward"] == pytest.approx(4 * layers_and_overhead)
     assert terms["forward"] == pytest.approx(terms["backward"] / 2)  # FixedCosts: backward = 2 x forward
     assert terms["other"] == pytest.approx(2.5 * (2e-3 + 8e-4))
-    assert terms["tp_comm"] == pytest.approx(4 * (stage.tp_comm_time_s + 2 * expected))
+    assert terms["tp_comm"] == pytest.approx(4 * (stage.tp_comm_time_s + 2 * expected + loss))
 
 
 QUIET = HostCosts(
@@ -148,6 +149,15 @@ def quiet_context(left_s: float, right_s: float, **training: object) -> CostCont
     sources = {"left": FixedCosts(decoder_s=left_s), "right": FixedCosts(decoder_s=right_s)}
     spec = load_training(None, {"dtype": "fp32", "zero_stage": 1, "seq_length": 32, "global_batch_size": 8, **training})
     return CostContext(cluster, MODEL, spec, sources, links={"cpu/host": INSTANT}, host={"cpu": QUIET})
+
+
+def two_families() -> Strategy:
+    """2 x TP 1 on the left group and 1 x TP 2 on the right, one micro-batch each, every layer on each."""
+    families = (
+        PipelineStrategy(2, 1, 1, (StageStrategy("left", 0, 4, 1),)),
+        PipelineStrategy(1, 1, 1, (StageStrategy("right", 0, 4, 2),)),
+    )
+    return Strategy(families, "none", 1)
 
 
 def test_the_step_simulation_without_contention_is_the_1f1b_formula():
@@ -167,11 +177,7 @@ def test_processes_that_finish_early_give_their_cores_to_the_others():
     at half a core until the first family is done at 12 ms (the pair has done 6 of its 10 ms), then the pair has a core
     each for its last 4 ms: 16 ms, where stretching everything by 4 busy / 2 cores would say 20 ms."""
     ctx = quiet_context(0.006 / 4, 0.01 / 4)  # 4 layers, one micro-batch each; TP 2 halves nothing in FixedCosts
-    families = (
-        PipelineStrategy(2, 1, 1, (StageStrategy("left", 0, 4, 1),)),
-        PipelineStrategy(1, 1, 1, (StageStrategy("right", 0, 4, 2),)),
-    )
-    strategy = Strategy(families, "none", 1)
+    strategy = two_families()
     ctx = replace(ctx, training=ctx.training.model_copy(update={"global_batch_size": 3}))
     unstretched = evaluate(loaded(ctx, 2.0, 1.0), strategy)
     simulated = simulate_step(ctx, unstretched, QUIET)
@@ -191,11 +197,7 @@ def test_the_host_work_of_a_sync_across_families_keeps_cores_busy_in_the_step_si
     costs = QUIET.model_copy(update={"family_sync_s_per_param": 0.004 / params})
     ctx = quiet_context(0.006 / 4, 0.01 / 4, global_batch_size=3, overlap_grad_reduce=False)  # as the runtime runs
     ctx = replace(ctx, host={"cpu": costs})
-    families = (
-        PipelineStrategy(2, 1, 1, (StageStrategy("left", 0, 4, 1),)),
-        PipelineStrategy(1, 1, 1, (StageStrategy("right", 0, 4, 2),)),
-    )
-    strategy = Strategy(families, "none", 1)
+    strategy = two_families()
     unstretched = evaluate(loaded(ctx, 2.0, 1.0), strategy)
     left, right = (next(s for s in unstretched.stages if s.family == f) for f in (0, 1))
     assert (left.sync_host_time_s, right.sync_host_time_s) == (pytest.approx(0.004), pytest.approx(0.002))
@@ -310,3 +312,26 @@ def test_a_sync_across_families_on_a_profiled_host_adds_its_measured_work_per_pa
     assert cross_family_sync_time_s(loaded(with_work, 1.0, 2.0), strategy, 0, stage, params) == pytest.approx(
         plain + 2 * params * 3e-9  # stretched as compute is
     )
+
+
+def test_tp_ranks_waking_from_their_collectives_take_the_cores_first_in_the_step_simulation():
+    """Two families on two cores: 2 TP 1 processes of 4 ms work each, and a TP 2 pair of 4 layers whose 16 decoder
+    collectives per micro-batch take 2 ms each (measured between layers on this host: HostCosts.tp_all_reduce_*) and
+    sleep; the pair's own work is its layers, the edges' collectives and the work around each collective. Served
+    first, the pair never waits for a core: the step is the pair's unshared time per micro-batch. The TP 1
+    processes compute while the pair sleeps and are done long before it. Shared fairly, the four would compute at
+    half a core at the start and the pair would finish later."""
+    costs = QUIET.model_copy(
+        update={"tp_all_reduce_alpha_s": 1e-3, "tp_all_reduce_bw_bytes_per_s": 1e18, "tp_collective_overhead_s": 1e-4}
+    )
+    ctx = quiet_context(0.001, 0.002, global_batch_size=3, overlap_grad_reduce=False)
+    ctx = replace(ctx, host={"cpu": costs})
+    strategy = two_families()
+    unstretched = evaluate(loaded(ctx, 2.0, 1.0), strategy)
+    left, right = (next(s for s in unstretched.stages if s.family == f) for f in (0, 1))
+    assert right.tp_comm_time_s == pytest.approx(16 * 2e-3)  # 4 layers x 4 all-reduces of 2 latency steps
+    # 4 layers; the embedding's, head's and loss's 5 collectives (busy); 21 collectives' work around them
+    assert right.compute_time_s == pytest.approx(4 * 0.002 + 16 * 2e-3 + 5 * 2e-3 + 21 * 1e-4)
+    assert left.compute_time_s == pytest.approx(4 * 0.001)
+    simulated = simulate_step(ctx, unstretched, costs)
+    assert simulated.time_s == pytest.approx(right.compute_time_s)

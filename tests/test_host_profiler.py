@@ -107,3 +107,51 @@ def test_concurrency_is_measured_with_helper_processes_computing_beside():
     points = host.concurrency(MODEL, 1, 16, torch.float32, cores=1, min_time_s=0.05)
     assert [point.processes for point in points] == [2]
     assert 0.5 < points[0].busy_stretch < 5.0
+
+
+def test_tp_collective_costs_are_lines_through_the_timed_sizes(monkeypatch):
+    """The two TP ranks' timings at three activation sizes, given: compute with collectives 0.1 ms + 1 ns/byte more
+    per collective than without, and 0.3 ms + 2 ns/byte inside each all-reduce. Per collective that is an overhead
+    of 0.1 ms + 1 ns/byte, and a 2-rank all-reduce of 2 latency steps of 0.15 ms at 0.5 GB/s."""
+    import json
+    from pathlib import Path
+
+    collectives = host.TP_COLLECTIVES_PER_LAYER * host.TP_LAYERS
+
+    def run_processes(worker, args, nprocs, deadline_s, what):
+        assert worker is host._tp_collective_worker and nprocs == 2
+        sizes, out = args[2], args[-1]
+        assert sizes == [2 * factor for factor in host.TP_SIZE_FACTORS]  # the micro-batch size, 2 and 4 times it
+        points = []
+        for micro_batch_size in sizes:
+            size = micro_batch_size * 16 * MODEL.hidden_size * 4
+            points.append(
+                {
+                    "size_bytes": size,
+                    "without_s": 0.01,
+                    "with_s": 0.01 + collectives * (1e-4 + 1e-9 * size),
+                    "comm_s": collectives * (3e-4 + 2e-9 * size),
+                }
+            )
+        Path(out).write_text(json.dumps({"layers": host.TP_LAYERS, "points": points}))
+
+    monkeypatch.setattr(host, "run_processes", run_processes)
+    costs = host.tp_collective_costs(MODEL, 2, 16, torch.float32)
+    assert costs is not None
+    assert costs.overhead_s == pytest.approx(1e-4) and costs.overhead_s_per_byte == pytest.approx(1e-9)
+    assert costs.all_reduce_alpha_s == pytest.approx(1.5e-4)
+    assert costs.all_reduce_bw_bytes_per_s == pytest.approx(0.5e9)
+    odd = MODEL.model_copy(update={"num_kv_heads": 1, "num_attention_heads": 3})
+    assert host.tp_collective_costs(odd, 2, 16, torch.float32) is None  # no TP 2, no collectives to time
+
+
+@pytest.mark.slow
+def test_tp_collectives_are_timed_between_layers_by_two_processes_with_real_gloo_all_reduces():
+    """Measured for real on a tiny model: a Gloo all-reduce on loopback takes tens of microseconds to tens of
+    milliseconds; the work around one is well under the all-reduce itself."""
+    costs = host.tp_collective_costs(MODEL, 1, 16, torch.float32, min_time_s=0.2)
+    assert costs is not None
+    size = 16 * MODEL.hidden_size * 4
+    all_reduce_s = 2 * costs.all_reduce_alpha_s + size / costs.all_reduce_bw_bytes_per_s
+    assert 1e-5 < all_reduce_s < 0.05
+    assert abs(costs.overhead_s + size * costs.overhead_s_per_byte) < all_reduce_s + 1e-3
