@@ -38,6 +38,7 @@ from profiler.data import synthetic_batch
 from profiler.layers import DecoderLayer, Embedding, EnterTensorParallel, LeaveTensorParallel, LMHead
 from profiler.measure import build_layer, keep_freed_host_memory, layer_clock, profile_layer
 from profiler.profile import ConcurrencyPoint, HostCosts
+from specs.errors import HetplanError
 from specs.model import ModelSpec
 
 MAX_CONCURRENT_PROCESSES = 32
@@ -452,7 +453,11 @@ def measure_host(
     progress("host: a stage as one module")
     per_microbatch, per_layer = stage_overheads(model, micro_batch_size, seq_length, dtype)
     progress("host: TP collectives between layers")
-    tp = tp_collective_costs(model, micro_batch_size, seq_length, dtype)
+    try:
+        tp = tp_collective_costs(model, micro_batch_size, seq_length, dtype)
+    except HetplanError as err:  # the layers and the other host costs stay measured
+        progress(f"host: {err}; local runs' TP collectives will use the link profile's")
+        tp = None
     progress("host: optimizer step")
     per_shard_param, per_held_param, per_gathered_param = optimizer_costs(model, dtype)
     progress("host: syncing gradients across families")

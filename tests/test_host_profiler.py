@@ -155,3 +155,26 @@ def test_tp_collectives_are_timed_between_layers_by_two_processes_with_real_gloo
     all_reduce_s = 2 * costs.all_reduce_alpha_s + size / costs.all_reduce_bw_bytes_per_s
     assert 1e-5 < all_reduce_s < 0.05
     assert abs(costs.overhead_s + size * costs.overhead_s_per_byte) < all_reduce_s + 1e-3
+
+
+def test_a_failed_timing_of_tp_collectives_keeps_the_other_host_costs_and_says_so(monkeypatch):
+    """Processes that cannot meet (a firewalled loopback, say) cost the profile its TP timing only: the host section is
+    written without it (local runs use the link profile for TP), and the progress line says why."""
+    from profiler.profile import ConcurrencyPoint
+    from specs.errors import HetplanError
+
+    monkeypatch.setattr(host, "concurrency", lambda *a, **k: [ConcurrencyPoint(processes=2, busy_stretch=1.1)])
+    monkeypatch.setattr(host, "stage_overheads", lambda *a, **k: (1e-3, 1e-4))
+    monkeypatch.setattr(host, "optimizer_costs", lambda *a, **k: (1e-9, 2e-9, 3e-9))
+    monkeypatch.setattr(host, "family_sync_cost", lambda *a, **k: 4e-9)
+    monkeypatch.setattr(host, "batch_costs", lambda *a, **k: (1e-3, 1e-5))
+
+    def refused(*args, **kwargs):
+        raise HetplanError("timing TP collectives on this host failed: connection refused")
+
+    monkeypatch.setattr(host, "tp_collective_costs", refused)
+    said: list[str] = []
+    costs = host.measure_host(MODEL, 16, torch.float32, 1, said.append)
+    assert costs.tp_all_reduce_alpha_s is None and costs.tp_collective_overhead_s == 0.0
+    assert costs.layer_overhead_s == 1e-4 and costs.family_sync_s_per_param == 4e-9
+    assert any("connection refused; local runs' TP collectives will use the link profile's" in line for line in said)
