@@ -119,8 +119,11 @@ def tp_collectives(
     activations = num_layers * (6 if recompute == "full" else 4) + (1 if first else 0) + (1 if last else 0)
     tokens = micro_batch_size * ctx.seq_length / ctx.context_parallel
     activation_bytes = tokens * ctx.model.hidden_size * ctx.training.dtype_bytes
-    statistics = 3 if last else 0
-    return activations + statistics, activations * activation_bytes + statistics * tokens * LOSS_STAT_BYTES
+    loss_statistics = 3 if last else 0
+    return (
+        activations + loss_statistics,
+        activations * activation_bytes + loss_statistics * tokens * LOSS_STAT_BYTES,
+    )
 
 
 def stage_params(model: ModelSpec, num_layers: int, first: bool, last: bool, pipeline_stages: int) -> int:
