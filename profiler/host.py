@@ -35,7 +35,14 @@ except ImportError as err:  # pragma: no cover - exercised only without torch
 
 from profiler.comm_bench import free_port, run_processes
 from profiler.data import synthetic_batch
-from profiler.layers import DecoderLayer, Embedding, EnterTensorParallel, LeaveTensorParallel, LMHead
+from profiler.layers import (
+    DecoderLayer,
+    Embedding,
+    EnterTensorParallel,
+    LeaveTensorParallel,
+    LMHead,
+    no_boundary,
+)
 from profiler.measure import build_layer, keep_freed_host_memory, layer_clock, profile_layer
 from profiler.profile import ConcurrencyPoint, HostCosts
 from specs.errors import HetplanError
@@ -326,6 +333,25 @@ class _TimedCollectives:
         return LeaveTensorParallel.apply(x, self)
 
 
+def _chain_pass_s(
+    layers: list[DecoderLayer], x: torch.Tensor, grad: torch.Tensor, collectives: _TimedCollectives | None
+) -> tuple[float, float]:
+    """(seconds computing, seconds inside the all-reduces) of one forward and backward of the chain, with the
+    collectives at its TP boundaries or (None) without them; wall clock, split as the runtime's timers split a step."""
+    for layer in layers:
+        layer.enter_tp = collectives.enter if collectives else no_boundary
+        layer.leave_tp = collectives.leave if collectives else no_boundary
+    waited = collectives.comm_s if collectives else 0.0
+    started = time.perf_counter()
+    y = x
+    for layer in layers:
+        y = layer(y)
+    y.backward(grad)
+    x.grad = None
+    comm_s = collectives.comm_s - waited if collectives else 0.0
+    return time.perf_counter() - started - comm_s, comm_s
+
+
 def _tp_collective_worker(
     rank: int,
     port: int,
@@ -336,9 +362,9 @@ def _tp_collective_worker(
     min_time_s: float,
     out: str,
 ) -> None:
-    """One of two TP ranks: at each micro-batch size, times its layer chain's compute (wall clock, the time inside
-    the all-reduces left out, as the runtime's timers split a step) with the collectives at its boundaries and
-    without, in interleaved passes, and the time inside the all-reduces; rank 0 writes the medians to `out`."""
+    """One of two TP ranks: at each micro-batch size, times its layer chain's compute with the collectives at its
+    boundaries and without, in interleaved passes, and the time inside the all-reduces; rank 0 writes the medians to
+    `out`."""
     torch.set_num_threads(1)
     keep_freed_host_memory()
     dist.init_process_group(
@@ -353,50 +379,32 @@ def _tp_collective_worker(
         for micro_batch_size in micro_batch_sizes:
             x = torch.randn(micro_batch_size, seq_length, model.hidden_size, dtype=torch_dtype, requires_grad=True)
             grad = torch.randn_like(x)
-            comm: list[float] = []
-
-            def compute_s(
-                with_collectives: bool, x: torch.Tensor = x, grad: torch.Tensor = grad, comm: list[float] = comm
-            ) -> float:
-                for layer in layers:
-                    layer.enter_tp = collectives.enter if with_collectives else _passthrough
-                    layer.leave_tp = collectives.leave if with_collectives else _passthrough
-                started, waited = time.perf_counter(), collectives.comm_s
-                y = x
-                for layer in layers:
-                    y = layer(y)
-                y.backward(grad)
-                x.grad = None
-                if with_collectives:
-                    comm.append(collectives.comm_s - waited)
-                return time.perf_counter() - started - (collectives.comm_s - waited)
-
-            compute_s(True)
-            probe = torch.tensor([min_time_s / PASSES / len(micro_batch_sizes) / max(compute_s(False), 1e-6)])
+            _chain_pass_s(layers, x, grad, collectives)  # warm-up
+            alone_s, _ = _chain_pass_s(layers, x, grad, None)
+            probe = torch.tensor([min_time_s / PASSES / len(micro_batch_sizes) / max(alone_s, 1e-6)])
             dist.broadcast(probe, 0)  # both ranks make the same number of passes (their collectives pair up)
             repeats = max(3, math.ceil(float(probe)))
-            times: dict[bool, list[float]] = {True: [], False: []}
-            comm.clear()
+            with_s, without_s, comm_s = [], [], []
             for _ in range(PASSES):
-                for with_collectives in (False, True):
-                    dist.barrier()
-                    times[with_collectives].extend(compute_s(with_collectives) for _ in range(repeats))
+                dist.barrier()
+                without_s.extend(_chain_pass_s(layers, x, grad, None)[0] for _ in range(repeats))
+                dist.barrier()
+                for _ in range(repeats):
+                    compute, comm = _chain_pass_s(layers, x, grad, collectives)
+                    with_s.append(compute)
+                    comm_s.append(comm)
             points.append(
                 {
                     "size_bytes": x.numel() * x.element_size(),
-                    "with_s": statistics.median(times[True]),
-                    "without_s": statistics.median(times[False]),
-                    "comm_s": statistics.median(comm),
+                    "with_s": statistics.median(with_s),
+                    "without_s": statistics.median(without_s),
+                    "comm_s": statistics.median(comm_s),
                 }
             )
         if rank == 0:
             Path(out).write_text(json.dumps({"layers": len(layers), "points": points}), encoding="utf-8")
     finally:
         dist.destroy_process_group()
-
-
-def _passthrough(x: torch.Tensor) -> torch.Tensor:
-    return x
 
 
 def tp_collective_costs(
@@ -408,8 +416,9 @@ def tp_collective_costs(
     sizes give what a rank computes around each collective beyond the collective itself (waking from it with cold
     caches, the autograd boundary, the copy it reduces) and the all-reduce's own time. The all-reduces are timed
     between layers (activations fresh from compute) rather than back to back as `profile-comm` times them: on a
-    2-core host that made 0.5 MiB all-reduces take 1.7x the link profile's time. None when the model cannot split
-    in two (it has no TP collectives to pay for)."""
+    2-core host the host link fitted from `profile-comm` gave 1.7 ms for a 128 KiB all-reduce and 2.2 ms for 512 KiB,
+    and between layers they took 1.1 ms and 2.3-2.7 ms. None when the model cannot split in two (it has no TP
+    collectives to pay for)."""
     if model.num_kv_heads % 2 or model.ffn_hidden_size % 2 or model.num_attention_heads % 2:
         return None
     with tempfile.TemporaryDirectory(prefix="hetplan-tp-") as scratch:

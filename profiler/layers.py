@@ -77,7 +77,8 @@ def apply_rotary(x: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
     return torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1)
 
 
-def _identity(x: torch.Tensor) -> torch.Tensor:
+def no_boundary(x: torch.Tensor) -> torch.Tensor:
+    """A TP boundary of one shard timed alone (or TP 1): identity both ways."""
     return x
 
 
@@ -140,8 +141,8 @@ class DecoderLayer(nn.Module):
         )
         # tensor-parallel boundaries (identity when profiling one shard; the runtime sets Megatron's f and g:
         # enter = identity forward / all-reduce backward, leave = all-reduce forward / identity backward)
-        self.enter_tp: Callable[[torch.Tensor], torch.Tensor] = _identity
-        self.leave_tp: Callable[[torch.Tensor], torch.Tensor] = _identity
+        self.enter_tp: Callable[[torch.Tensor], torch.Tensor] = no_boundary
+        self.leave_tp: Callable[[torch.Tensor], torch.Tensor] = no_boundary
 
     # pieces, each a function of tensors so they can be recomputed
     def _split_heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -137,7 +137,7 @@ class HostCosts(BaseModel):
                              boundary, the copy it reduces), fixed and per byte reduced, timed with two processes and
                              real Gloo all-reduces; 0 in profiles made before it was measured;
     tp_all_reduce_alpha_s, tp_all_reduce_bw_bytes_per_s  those all-reduces' per-step latency and bus bandwidth, fitted
-                             at two activation sizes between layers (caches cold, unlike `profile-comm`'s back-to-back
+                             at three activation sizes between layers (caches cold, unlike `profile-comm`'s back-to-back
                              loop): the TP collectives of local runs use them (none: the link profile's);
     family_sync_s_per_param  the work around the collectives when gradients meet across pipeline families (padding,
                              indexing the chunk to swap, adding what comes back), per parameter held;
