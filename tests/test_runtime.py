@@ -295,9 +295,10 @@ def test_hetplan_run_plans_trains_records_and_feeds_fit(tmp_path):
 
 
 def test_a_run_times_its_profiles_layer_around_it_and_records_how_much_slower_the_machine_runs_now(tmp_path):
-    """A profile taken when the machine ran its layers twice as fast as now (this machine's times, halved): the run
-    times the profile's decoder layer before and after itself, records the slowdown (about 2) and predicts at the
-    run's speed too."""
+    """A profile taken when the machine ran its layers four times as fast as now (this machine's times, quartered):
+    the run times the profile's decoder layer before and after itself, records the slowdown (about 4) and predicts at
+    the run's speed too. (Halved, the sub-millisecond layer read x1.32 once, in a clean clone's CI with the other test
+    worker busy: the band must hold this machine's noise and still tell a check from none, x1.)"""
     import json
     from dataclasses import replace
 
@@ -318,9 +319,9 @@ def test_a_run_times_its_profiles_layer_around_it_and_records_how_much_slower_th
     finally:
         torch.set_num_threads(threads)
     assert now.source == "measured" and now.environment["threads"] == 1
-    halved = [e.model_copy(update={"forward_time_s": e.forward_time_s / 2, "backward_time_s": e.backward_time_s / 2})
-              for e in now.entries]  # fmt: skip
-    earlier = replace(now, entries=halved, path=str(tmp_path / "cpu.json"))
+    quartered = [e.model_copy(update={"forward_time_s": e.forward_time_s / 4, "backward_time_s": e.backward_time_s / 4})
+                 for e in now.entries]  # fmt: skip
+    earlier = replace(now, entries=quartered, path=str(tmp_path / "cpu.json"))
     cluster_path = tmp_path / "one.yaml"
     cluster_path.write_text("name: one\ngroups:\n  - {name: cpu, device: cpu, nodes: 1, devices_per_node: 1}\n")
     training = TrainingSpec(global_batch_size=2, dtype="fp32", zero_stage=0)
@@ -332,8 +333,8 @@ def test_a_run_times_its_profiles_layer_around_it_and_records_how_much_slower_th
 
     speed = record["measurements"]["machine_speed"]
     assert speed["checked"] and speed["layer"] == "decoder, micro-batch 1, tp 1, no recompute", speed
-    assert speed["profiled_s"] == pytest.approx(halved[0].forward_time_s + halved[0].backward_time_s)
-    assert 1.4 < speed["slowdown"] < 3.0, speed  # twice as slow as "when profiled", within this machine's noise
+    assert speed["profiled_s"] == pytest.approx(quartered[0].forward_time_s + quartered[0].backward_time_s)
+    assert 2.0 < speed["slowdown"] < 8.0, speed  # four times as slow as "when profiled", within this machine's noise
     assert record["machine_slowdown"] == speed["slowdown"]
     assert record["predicted_at_run_speed_s"] == pytest.approx(record["predicted_iteration_time_s"] * speed["slowdown"])
     assert "around the run" in speed_lines(record)[0] and f"x{speed['slowdown']:.2f}" in speed_lines(record)[0]
