@@ -53,6 +53,9 @@ HELPER_START_S = 120.0  # a spawned helper imports torch and builds its layer wi
 PASSES = 3  # interleaved passes over the chain timings (a drifting machine spreads over all of them)
 STAGE_LAYERS = 4  # the longer chain of the stage overhead measurement (at most the model's layers)
 BATCHES = (8, 32)  # global batch sizes the batch making is timed at
+OPTIMIZER_WARMUP_STEPS = 2  # untimed optimizer steps first (the allocator and the moments settle)
+OPTIMIZER_STEPS = 7  # optimizer steps timed after a pass each (at least; more while under min_time_s)
+MAX_OPTIMIZER_STEPS = 40
 TP_LAYERS = 2  # decoder layers of the chain the TP collective overhead is timed on (at most the model's)
 TP_COLLECTIVES_PER_LAYER = 4  # 2 in the forward, 2 in the backward (Megatron's f and g at attention and MLP)
 TP_TIMEOUT_S = 120.0
@@ -236,49 +239,70 @@ def stage_overheads(
     return per_microbatch, per_layer
 
 
-def optimizer_costs(model: ModelSpec, dtype: torch.dtype, min_time_s: float = 0.3) -> tuple[float, float, float]:
+def optimizer_costs(
+    model: ModelSpec,
+    micro_batch_size: int,
+    seq_length: int,
+    dtype: torch.dtype,
+    min_time_s: float = 0.3,
+    clock: Callable[[], float] | None = None,
+) -> tuple[float, float, float]:
     """(seconds per parameter of the optimizer shard, per parameter held, per parameter held when the state is
-    sharded) of the runtime's optimizer step on a stage holding all the model's decoder layers, each part timed on its
-    own (differences of whole-step timings amplified their noise several times): AdamW over the shard; flattening the
-    gradients and the parameters and copying the parameters back; under ZeRO-1, putting the shard in a padded buffer
-    and joining the gathered pieces (two replicas; the all-gather itself is the collective's)."""
-    torch.manual_seed(0)
-    layers = [DecoderLayer(model, 1).to(dtype) for _ in range(model.num_layers)]
-    params = [p.detach() for layer in layers for p in layer.parameters()]
-    grads = [torch.randn_like(p) for p in params]
+    sharded) of the runtime's optimizer step on a stage holding the whole model (embedding, every decoder layer, the
+    head), timed as a run does it: right after a forward and backward pass of the stage, the parts one after the
+    other, each on its own clock reading: flattening the gradients and the parameters, AdamW over them, copying the
+    parameters back; then, under ZeRO-1, putting the shard in a padded buffer and joining the gathered pieces (two
+    replicas; the all-gather itself is the collective's). Medians over at least OPTIMIZER_STEPS steps and
+    `min_time_s` of updates (at most MAX_OPTIMIZER_STEPS), after OPTIMIZER_WARMUP_STEPS.
+
+    Timed apart and hot, each part over the decoder layers' parameters alone (as the profile did before), the update
+    read 5.6, 23.8 and 133 ms for the runtime benchmark's tiny, small and 10x models, where their one-stage runs took
+    7.5-7.7, 33.4-33.6 and 119-121 ms: a part timed again and again finds its tensors in the caches that a pass in
+    between evicts, and timed alone it misses what the previous part left in them."""
+    clock = clock or layer_clock(torch.device("cpu"))
+    stage = _stage_parts(model, dtype, model.num_layers)
+    params = list(stage.parameters())
     numel = sum(p.numel() for p in params)
-    weights, flat_grads = torch.cat([p.reshape(-1) for p in params]), torch.cat([g.reshape(-1) for g in grads])
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, model.vocab_size, (micro_batch_size, seq_length), generator=generator)
+    targets = torch.randint(0, model.vocab_size, (micro_batch_size, seq_length), generator=generator)
     exp_avg, exp_avg_sq = torch.zeros(numel, dtype=dtype), torch.zeros(numel, dtype=dtype)
-    count = [0]
-
-    def adam() -> None:
-        count[0] += 1
-        weights.mul_(1 - 1e-3 * 0.01)
-        exp_avg.lerp_(flat_grads, 0.1)
-        exp_avg_sq.mul_(0.999).addcmul_(flat_grads, flat_grads, value=0.001)
-        denom = (exp_avg_sq.sqrt() / math.sqrt(1 - 0.999 ** count[0])).add_(1e-8)
-        weights.addcdiv_(exp_avg, denom, value=-1e-3)
-
-    def flatten_and_copy_back() -> None:
-        torch.cat([g.reshape(-1) for g in grads])
-        flat = torch.cat([p.reshape(-1) for p in params])
-        offset = 0
-        for p in params:
-            p.copy_(flat[offset : offset + p.numel()].view_as(p))
-            offset += p.numel()
-
     shard = -(-numel // 2)
-
-    def pad_and_join() -> None:
-        padded = torch.zeros(shard, dtype=dtype)
-        padded[:shard] = weights[:shard]
-        torch.cat([padded, torch.empty_like(padded)])[:numel]
-
-    return (
-        median_time_s(adam, min_time_s) / numel,
-        median_time_s(flatten_and_copy_back, min_time_s) / numel,
-        median_time_s(pad_and_join, min_time_s) / numel,
-    )
+    adam_s: list[float] = []
+    flatten_s: list[float] = []
+    join_s: list[float] = []
+    step = 0
+    while len(adam_s) < OPTIMIZER_STEPS or sum(adam_s) + sum(flatten_s) < min_time_s:
+        step += 1
+        stage.zero_grad(set_to_none=True)
+        stage(tokens, targets).backward()
+        with torch.no_grad():
+            started = clock()
+            grads = torch.cat([p.grad.reshape(-1) for p in params if p.grad is not None])
+            weights = torch.cat([p.reshape(-1) for p in params])
+            flattened = clock()
+            weights.mul_(1 - 1e-3 * 0.01)
+            exp_avg.lerp_(grads, 0.1)
+            exp_avg_sq.mul_(0.999).addcmul_(grads, grads, value=0.001)
+            denom = (exp_avg_sq.sqrt() / math.sqrt(1 - 0.999**step)).add_(1e-8)
+            weights.addcdiv_(exp_avg, denom, value=-1e-3)
+            updated = clock()
+            offset = 0
+            for p in params:
+                p.copy_(weights[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
+            copied = clock()
+            padded = torch.zeros(shard, dtype=dtype)
+            padded[:shard] = weights[:shard]
+            torch.cat([padded, torch.empty_like(padded)])[:numel]
+            joined = clock()
+        if step > OPTIMIZER_WARMUP_STEPS:
+            adam_s.append(updated - flattened)
+            flatten_s.append(flattened - started + copied - updated)
+            join_s.append(joined - copied)
+        if step >= OPTIMIZER_WARMUP_STEPS + MAX_OPTIMIZER_STEPS:
+            break
+    return tuple(statistics.median(times) / numel for times in (adam_s, flatten_s, join_s))  # type: ignore[return-value]
 
 
 def family_sync_cost(model: ModelSpec, dtype: torch.dtype, min_time_s: float = 0.3) -> float:
@@ -468,7 +492,7 @@ def measure_host(
         progress(f"host: {err}; local runs' TP collectives will use the link profile's")
         tp = None
     progress("host: optimizer step")
-    per_shard_param, per_held_param, per_gathered_param = optimizer_costs(model, dtype)
+    per_shard_param, per_held_param, per_gathered_param = optimizer_costs(model, micro_batch_size, seq_length, dtype)
     progress("host: syncing gradients across families")
     family_sync_s_per_param = family_sync_cost(model, dtype)
     progress("host: making batches")
