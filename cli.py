@@ -304,17 +304,20 @@ def replan(
     quiet: QuietOpt = False,
     as_json: JsonOpt = False,
 ) -> None:
-    """Re-plan after failures or additions, warm-started from the current plan; show what changed."""
+    """Re-plan after failures or additions, warm-started from the current plan; show what changed. A plan made for
+    an engine (`plan --engine`) is re-planned within what that engine runs as planned."""
     from planner import predict as run_predict
     from planner.replan import changed_cluster
     from planner.replan import replan as run_replan
     from planner.what_if import check_changes, plan_on_cluster
     from report.replanning import replan_lines, replan_summary
+    from specs.engines import get_engine
     from specs.flags import output_file
 
     output_file(out, "--out")
     check_changes(without or [], add or [])
     loaded, original = plan_on_cluster(plan_file, cluster)
+    engine = get_engine(loaded.engine, str(plan_file), "search.engine") if loaded.engine else None
     new_cluster = changed_cluster(original, without or [], add or [])
     costs = plan_costs_said(loaded, predictor, profiles)
     chosen, measured = costs.predictor, costs.profiles
@@ -323,7 +326,9 @@ def replan(
         old_ctx = chosen.context(original, loaded.model, loaded.training, measured)
         old = run_predict(old_ctx, loaded.strategy, str(plan_file))
         progress.step("searching the changed cluster", 2)
-        result = run_replan(new_cluster, loaded.model, loaded.training, loaded.strategy, chosen, profiles=measured)
+        result = run_replan(
+            new_cluster, loaded.model, loaded.training, loaded.strategy, chosen, profiles=measured, engine=engine
+        )
     if out is not None:
         result.plan.save(out)
     body = replan_summary(original, new_cluster, old, result)

@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from predictor.calibration import Interval
 from predictor.cost_model import CostContext, Evaluation
+from specs.errors import SpecError
 from specs.layout import PipelineFile, PipelineStrategy, Strategy, pipelines_from_files
 from specs.loading import read_mapping, validate
 from specs.model import ModelSpec, Recompute
@@ -292,6 +293,7 @@ class _PlanFile(BaseModel):
     sequence_parallel: bool = True
     pipelines: list[PipelineFile] = Field(min_length=1)
     cost_source: CostSource | None = None  # plans made before hetplan recorded it have none
+    search: dict[str, Any] = Field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -302,6 +304,7 @@ class LoadedPlan:
     source: str
     cluster_name: str = ""
     cost_source: CostSource | None = None
+    engine: str | None = None  # the engine it was planned for (`plan --engine`), by its registry key
 
 
 def load_plan(path: str | Path) -> LoadedPlan:
@@ -320,4 +323,7 @@ def load_plan(path: str | Path) -> LoadedPlan:
         parsed.sequence_parallel,
         parsed.zero_shard,
     )
-    return LoadedPlan(strategy, model, training, source, parsed.cluster, parsed.cost_source)
+    engine = parsed.search.get("engine")
+    if engine is not None and not isinstance(engine, str):
+        raise SpecError(source, "search.engine", f"expected an engine name, got {engine!r}")
+    return LoadedPlan(strategy, model, training, source, parsed.cluster, parsed.cost_source, engine)

@@ -17,6 +17,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from planner.engine_space import engine_search
 from planner.families import _block_context, _block_plans, combine, split_batch_across
 from planner.plan import Plan
 from planner.planning import compute_bounds
@@ -24,6 +25,7 @@ from planner.search import merge_results, search
 from predictor.cost_model import CostContext, Evaluation, evaluate
 from predictor.predictor import Predictor, default_predictor
 from specs.cluster import ClusterSpec
+from specs.engines import Engine
 from specs.errors import DoesNotFitError, HetplanError, SpecError
 from specs.layout import PipelineStrategy, Strategy, devices_per_group, pack_stages, split_batch, split_pipeline
 from specs.model import ModelSpec
@@ -178,6 +180,7 @@ def replan(
     predictor: Predictor | None = None,
     previous: CostContext | None = None,
     profiles: Mapping[str, DeviceProfile] | None = None,
+    engine: Engine | None = None,
 ) -> Replan:
     """Plan again on a changed cluster, warm-started from the old strategy, at the training's context-parallel degrees
     and the old plan's, over every uneven batch split
@@ -185,7 +188,9 @@ def replan(
     plan's context (Plan.context, for a caller that keeps the planner running, as a scheduler would): the new context
     shares its cost sources (the change only moves nodes), so the search reuses the row tables of the groups the
     change did not touch (tp_rows.row_tables). `profiles`: measured profiles by device key (the old plan's, as it
-    records them: planner.cost_source)."""
+    records them: planner.cost_source). `engine`: the engine the old plan was made for (`plan --engine`, its
+    `search.engine`): the new plan stays within what that engine runs as planned (planner.engine_space.engine_search,
+    without the warm start, which is the unrestricted search's)."""
     predictor = predictor or default_predictor()
     training = training.model_copy(update={"uneven_batch": "exhaustive"})
     started = time.perf_counter()
@@ -197,7 +202,10 @@ def replan(
     adapted = shrunk.evaluation
     warm = (adapted,) if adapted else ()
     degrees = dict.fromkeys((*training.context_parallel_degrees(ctx.seq_length), old.context_parallel))
-    found = [search(ctx.at_context_parallel(degree), warm_start=warm) for degree in sorted(degrees)]
+    if engine is not None:
+        found = [engine_search(ctx.at_context_parallel(degree), engine) for degree in sorted(degrees)]
+    else:
+        found = [search(ctx.at_context_parallel(degree), warm_start=warm) for degree in sorted(degrees)]
     result = found[0] if len(found) == 1 else merge_results(found, 1)
     elapsed = time.perf_counter() - started
     if not result.evaluations:
@@ -213,8 +221,10 @@ def replan(
         "evaluated": result.evaluated,
         "memory_infeasible": result.memory_infeasible,
         "pruned_by_bound": result.configurations - result.evaluated,
-        "warm_started": adapted is not None,
+        "warm_started": adapted is not None and engine is None,
     }
+    if engine is not None:
+        stats["engine"] = engine.key
     if result.note:
         stats["note"] = result.note
     base = predictor.base_context(cluster, model, training, profiles)

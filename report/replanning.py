@@ -35,7 +35,8 @@ def replan_summary(before: ClusterSpec, after: ClusterSpec, old: Evaluation, res
         "new": _side(new),
         "throughput_change": new.tokens_per_s / old.tokens_per_s - 1,
         "replan_time_s": round(result.replan_time_s, 3),
-        "warm_started": result.adapted is not None,
+        "warm_started": bool(result.plan.search_stats.get("warm_started")),
+        "engine": result.plan.search_stats.get("engine"),
     }
 
 
@@ -61,4 +62,7 @@ def replan_lines(body: Mapping[str, Any], replan_time_s: float) -> list[str]:
         f"throughput {body['throughput_change']:+.1%}; re-planned in {replan_time_s:.2f} s"
         f"{' (warm-started from the old plan)' if body['warm_started'] else ''}",
     ]
+    if body.get("engine"):
+        engine = body["engine"]
+        lines.append(f"kept to what {engine} runs as planned (the plan was made with --engine {engine})")
     return lines

@@ -49,6 +49,42 @@ def test_replan_after_losing_a_node_equals_a_fresh_plan_and_is_warm_started():
     assert result.plan.search_stats["warm_started"] is True
 
 
+def test_a_plan_made_for_an_engine_is_replanned_within_that_engine():
+    """Planned for DeepSpeed (no TP, even batches, one family), then an A100 node is lost: the new plan is one
+    DeepSpeed runs as planned and says so, where the unrestricted re-plan of the same plan uses TP 2."""
+    from planner.engine_space import engine_lost
+    from specs.engines import get_engine
+
+    cluster = load_cluster(CLUSTER)
+    model = load_model("gpt3-1.7b")
+    training = load_training(None, {"global_batch_size": 64, "dtype": "fp16"})
+    deepspeed = get_engine("deepspeed")
+    old = plan(cluster, model, training, engine=deepspeed)
+    smaller = changed_cluster(cluster, ["node:a100/0"], [])
+    kept = replan(smaller, model, old.context.training, old.strategy, engine=deepspeed)
+    assert engine_lost(kept.plan.strategy, deepspeed) == []
+    assert kept.plan.search_stats["engine"] == "deepspeed" and kept.plan.search_stats["warm_started"] is False
+    free = replan(smaller, model, old.context.training, old.strategy)
+    assert engine_lost(free.plan.strategy, deepspeed) != []
+    assert free.plan.evaluation.iteration_time_s <= kept.plan.evaluation.iteration_time_s
+
+
+def test_the_engine_a_plan_was_made_for_is_read_back(tmp_path):
+    from planner.plan import load_plan
+    from specs.engines import get_engine
+
+    cluster = load_cluster(CLUSTER)
+    training = load_training(None, {"global_batch_size": 64, "dtype": "fp16"})
+    made = plan(cluster, load_model("gpt3-1.7b"), training, engine=get_engine("deepspeed"))
+    made.save(tmp_path / "plan.json")
+    assert load_plan(tmp_path / "plan.json").engine == "deepspeed"
+    body = json.loads((tmp_path / "plan.json").read_text())
+    body["search"]["engine"] = 3
+    (tmp_path / "bad.json").write_text(json.dumps(body))
+    with pytest.raises(SpecError, match="search.engine"):
+        load_plan(tmp_path / "bad.json")
+
+
 def test_adapted_plan_keeps_the_stages_with_fewer_replicas():
     cluster = load_cluster(CLUSTER)
     model = load_model("gpt3-1.7b")
