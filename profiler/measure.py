@@ -346,13 +346,15 @@ def profile_model(
     samples: dict[int, _Samples] = {}
     no_fit: set[int] = set()
     steps = passes * len(plan)
+    reached = 0  # the timings made (the progress counts timings: every entry once per pass)
     for step in range(steps):
+        reached = step
         index = step % len(plan)
         layer, size, tp, mode = plan[index]
         if index in no_fit:
             continue
         if progress is not None:
-            progress(step, steps, f"{layer} b={size} tp={tp} {mode}")
+            progress(step, steps, f"pass {step // len(plan) + 1}/{passes} {layer} b={size} tp={tp} {mode}")
         try:
             module, inputs = build_layer(model, layer, size, seq_length, tp, mode, device, torch_dtype)
             taken = _sample_layer(
@@ -383,7 +385,7 @@ def profile_model(
             measured = samples[index].summary()
             entries.append(ProfileEntry(layer=layer, micro_batch_size=size, tp=tp, recompute=mode, **measured.__dict__))
     if progress is not None:
-        progress(len(entries), len(plan), "done" if not interrupted else "interrupted")
+        progress(reached if interrupted else steps, steps, "interrupted" if interrupted else "layers done")
     env = environment(device, dtype)
     env.update(
         {

@@ -76,7 +76,7 @@ def profile(
 
     torch_device, chosen_dtype, key = profile_target(device, dtype, as_device, threads)
     training_spec = flags.training(None, dtype=chosen_dtype, seq_length=seq_len)
-    with progress_on_stderr("profile", quiet, unit="entries") as progress:
+    with progress_on_stderr("profile", quiet, unit="timings") as progress:
         shape = {"seq_length": seq_len or model_spec.seq_length, "micro_batch_sizes": sizes, "tp_degrees": degrees}
         measure = {"device": torch_device, "device_key": key, "dtype": training_spec.dtype, "repeats": repeats}
         result = profile_model(model_spec, recompute_modes=modes, progress=progress, **shape, **measure)  # type: ignore[arg-type]

@@ -90,11 +90,20 @@ def small_profile(**kwargs) -> object:
         micro_batch_sizes=(1, 2),
         tp_degrees=(1,),
         recompute_modes=("none",),
-        repeats=2,
-        passes=1,
-        min_time_s=0.0,
-        **kwargs,
+        **{"repeats": 2, "passes": 1, "min_time_s": 0.0, **kwargs},
     )
+
+
+def test_progress_counts_timings_over_the_passes_and_ends_at_the_total():
+    """Two sizes x (decoder, embedding, head) = 6 entries, timed once per pass over 2 passes: 12 timings, counted
+    0..11 with the pass named, then 12/12 (not the 6 entries against the 12 timings)."""
+    said: list[tuple[int, int, str]] = []
+    profile = small_profile(progress=lambda done, total, what: said.append((done, total, what)), passes=2)
+    assert len(profile.entries) == 6
+    assert [done for done, _, _ in said] == [*range(12), 12]
+    assert {total for _, total, _ in said} == {12}
+    assert said[0][2].startswith("pass 1/2 ") and said[11][2].startswith("pass 2/2 ")
+    assert said[-1][2] == "layers done"
 
 
 def test_sizes_that_run_out_of_memory_are_recorded_not_fatal(monkeypatch):
