@@ -25,13 +25,13 @@ import json
 import multiprocessing
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -219,8 +219,13 @@ def leave_one_out(
         for held_out in cases
     ]
     # one fit per case, two at a time (each is a calibration over the other cases' runs)
-    with ProcessPoolExecutor(max_workers=LOO_WORKERS, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return dict(zip((case.slug for case in cases), pool.map(held_out_prediction, jobs), strict=True))
+    pool = multiprocessing.get_context("spawn").Pool(LOO_WORKERS)
+    try:
+        predicted = pool.map(held_out_prediction, jobs)
+    finally:  # interrupted (Ctrl-C, or SIGTERM: see main), the bench leaves no fitting workers behind
+        pool.terminate()
+        pool.join()
+    return dict(zip((case.slug for case in cases), predicted, strict=True))
 
 
 def held_out_prediction(job: tuple[Case, list[Path], list[Path], list[Path]]) -> float:
@@ -253,6 +258,7 @@ def median_step(record: dict[str, Any]) -> float:
 
 
 def main() -> None:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `kill` unwinds like Ctrl-C: child pools are stopped
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=6, help="training steps per run (the first is a warm-up)")
     parser.add_argument("--repeats", type=int, default=3, help="runs per case")
