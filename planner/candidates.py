@@ -87,7 +87,7 @@ def tp_options(ctx: CostContext, group: DeviceGroup) -> list[int]:
         for t in divisors(per_node)
         if ctx.model.num_kv_heads % t == 0 and (per_node % (t * cp) == 0 or (t * cp) % per_node == 0)
     ]
-    source = ctx.source(group.name)
+    source = ctx.source(group)
     profiled = getattr(source, "tp_degrees", None)
     if callable(profiled):
         options = [t for t in options if t in profiled()]

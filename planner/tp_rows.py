@@ -73,7 +73,7 @@ class TailPerLayer:
             shape = (group.name, tp, replicas)
             if shape not in self._sync_and_step:
                 self._sync_and_step[shape] = least_sync_and_step_per_layer_s(self.ctx, group, tp, replicas)
-            layer = self.ctx.source(group.name).layer_cost("decoder", micro_batch_size, tp, recompute)
+            layer = self.ctx.source(group).layer_cost("decoder", micro_batch_size, tp, recompute)
             self._tail[key] = tail_per_layer_lower_bound_s(self.ctx, layer.backward_time_s, self._sync_and_step[shape])
         return self._tail[key]
 
@@ -107,7 +107,7 @@ class _GroupCosts:
                 for rc in training.recompute:
                     self.per_layer_s[g.name, b, t, rc] = decoder_layer_time_s(ctx, g, b, t, rc)
                     self.activation_bytes[g.name, b, t, rc] = (
-                        ctx.source(g.name).layer_cost("decoder", b, t, rc).activation_bytes
+                        ctx.source(g).layer_cost("decoder", b, t, rc).activation_bytes
                     )
                 self.embedding_s[g.name, b, t] = edge_time_s(ctx, g, b, t, True, False)
                 self.head_s[g.name, b, t] = edge_time_s(ctx, g, b, t, False, True)

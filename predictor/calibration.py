@@ -135,7 +135,7 @@ def apply(ctx: CostContext, values: Mapping[str, float]) -> CostContext:
 
     sources: dict[str, LayerCostSource] = {}
     for group in ctx.cluster.groups:
-        source = ctx.source(group.name)
+        source = ctx.source(group)
         log_factor = sum(value(name) for name in compute_parameter_names(ctx, group.name))
         sources[group.name] = ScaledLayerCosts(source, math.exp(log_factor)) if log_factor else source
     generations = sorted({group.device.generation for group in ctx.cluster.groups})

@@ -74,14 +74,17 @@ class CostContext:
     def seq_length(self) -> int:
         return self.training.seq_length or self.model.seq_length
 
-    def source(self, group: str) -> LayerCostSource:
+    def source(self, group: str | DeviceGroup) -> LayerCostSource:
         """The group's layer costs per rank: under context parallelism, per CP rank with the ring's exposed
-        transfers (predictor.context_parallel)."""
+        transfers (predictor.context_parallel). Given the group itself, it need not be in this context's cluster
+        (the planner's row tables serve subsets of the groups with one context)."""
+        name = group if isinstance(group, str) else group.name
         if self.context_parallel == 1:
-            return self.sources[group]
-        found = self._cp_sources.get(group)
+            return self.sources[name]
+        found = self._cp_sources.get(name)
         if found is None:
-            found = self._cp_sources[group] = ContextParallelCosts(self, self.cluster.group(group), self.sources[group])
+            device_group = self.cluster.group(name) if isinstance(group, str) else group
+            found = self._cp_sources[name] = ContextParallelCosts(self, device_group, self.sources[name])
         return found
 
     def at_context_parallel(self, degree: int) -> CostContext:

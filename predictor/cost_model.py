@@ -79,7 +79,7 @@ def decoder_layer_time_s(
 ) -> float:
     """Forward + backward of one decoder layer shard for one micro-batch, with its 4 TP collectives
     (2 forward, 2 backward; full recompute repeats the 2 forward ones), less what TP overlap hides under the GEMMs."""
-    cost = ctx.source(group.name).layer_cost("decoder", micro_batch_size, tp, recompute)
+    cost = ctx.source(group).layer_cost("decoder", micro_batch_size, tp, recompute)
     collectives_s = (6 if recompute == "full" else 4) * tp_collective_time_s(ctx, group, micro_batch_size, tp)
     if ctx.training.tp_comm_overlap:
         collectives_s = max(0.0, collectives_s - TP_OVERLAP_SHARE * cost.time_s)
@@ -96,7 +96,7 @@ def loss_collectives_time_s(ctx: CostContext, group: DeviceGroup, micro_batch_si
 def edge_time_s(ctx: CostContext, group: DeviceGroup, micro_batch_size: int, tp: int, first: bool, last: bool) -> float:
     """Embedding (first stage) and final norm + LM head + loss (last stage) per micro-batch, with their TP
     collectives (the embedding's partial lookups; the head's input gradient and the loss's)."""
-    source = ctx.source(group.name)
+    source = ctx.source(group)
     time_s = 0.0
     if first:
         time_s += source.layer_cost("embedding", micro_batch_size, tp, "none").time_s
@@ -205,7 +205,7 @@ def stage_memory(
     weights, grads, optimizer = state_bytes(ctx, params, group, tp, dp)
     weights += gathered_weights_bytes(ctx, ctx.model.layer_params() / tp, num_layers, dp)
     weights += fp8_weight_copy_bytes(ctx, group, params)
-    source = ctx.source(group.name)
+    source = ctx.source(group)
     per_microbatch = num_layers * source.layer_cost("decoder", micro_batch_size, tp, recompute).activation_bytes
     if first:
         per_microbatch += source.layer_cost("embedding", micro_batch_size, tp, "none").activation_bytes
@@ -441,7 +441,7 @@ def _evaluate_stage(
     p, b, replicas = len(stages), pipeline.micro_batch_size, pipeline.replicas
     group = ctx.cluster.group(stage.group)
     first, last = index == 0, index == p - 1
-    layer_cost = ctx.source(group.name).layer_cost("decoder", b, stage.tp, recompute)
+    layer_cost = ctx.source(group).layer_cost("decoder", b, stage.tp, recompute)
     layer_time_s = decoder_layer_time_s(ctx, group, b, stage.tp, recompute)
     collectives = tp_collectives(ctx, b, stage.num_layers, stage.tp, recompute, first, last)
     overhead = stage_overhead_s(ctx, group, stage.num_layers, stage.tp, collectives)

@@ -147,7 +147,7 @@ class Predictor:
         learned = [
             self.layer_models[g.device.key].log_error_std ** 2
             for g in base.cluster.groups
-            if base.source(g.name).identity.startswith("learned layer model")
+            if base.source(g).identity.startswith("learned layer model")
         ]
         extra = max(learned, default=0.0)
         basis = (

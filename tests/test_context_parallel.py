@@ -131,6 +131,19 @@ def test_the_planner_splits_long_sequences_and_not_short_ones():
     assert short.strategy.context_parallel == 1 and "context_parallel_s" not in short.search_stats
 
 
+def test_context_parallel_plans_a_two_group_cluster_whose_subsets_share_row_tables():
+    """Llama-3-8B at 32k tokens on the A100 + V100 cluster, ZeRO-1 and ZeRO-3 searched: the second stage's search
+    reuses row tables made with one group subset's context and asks them for the other group's CP costs (once
+    refused: 'no group named v100')."""
+    cluster = load_cluster(EXAMPLES / "a100-v100-32.yaml")
+    training = load_training(
+        None, {"global_batch_size": 32, "seq_length": 32768, "dtype": "fp16", "context_parallel": [2, 4]}
+    )
+    result = plan(cluster, load_model("llama3-8b"), training, zero_stages=[1, 3])
+    assert result.evaluation.fits and result.evaluation.strategy.context_parallel in (2, 4)
+    assert {s.group for p in result.evaluation.strategy.pipelines for s in p.stages} == {"a100", "v100"}
+
+
 def test_a_context_parallel_plan_round_trips_and_exports_its_degree(tmp_path):
     cluster, model = load_cluster(EXAMPLES / "h100-mi300x-a100.yaml"), load_model("llama3-70b")
     training = load_training(EXAMPLES / "training" / "long-context-32k.yaml", {"context_parallel": [4]})
