@@ -207,3 +207,67 @@ def bottleneck_words(ctx: CostContext, evaluation: Evaluation) -> list[str]:
     if spread < 0.9:
         lines.append(f"Stage times are uneven: the fastest stage idles {1 - spread:.0%} of each steady-state slot.")
     return lines
+
+
+ZERO_SHARDS = {
+    0: "every replica keeps the whole optimizer state",
+    1: "the optimizer state is sharded",
+    2: "gradients and optimizer state are sharded",
+    3: "weights, gradients and optimizer state are sharded (weights gathered layer by layer)",
+}
+
+
+def layout_words(ctx: CostContext, evaluation: Evaluation) -> list[str]:
+    """The plan's context parallelism and ZeRO sharding in sentences, with what each costs per micro-batch where it
+    costs most (the ring's transfers not hidden under attention; ZeRO-2/3 traffic inside the passes)."""
+    from predictor.context_parallel import exposed_ring_time_s
+    from predictor.sharding import shard_ranks
+
+    strategy, stages = evaluation.strategy, evaluation.stages
+    ctx = (evaluation.context or ctx).at_context_parallel(strategy.context_parallel)
+    lines = []
+    cp = strategy.context_parallel
+    if cp > 1:
+        ring = []
+        for stage in stages:
+            pipeline = strategy.pipelines[stage.family]
+            b, tp, mode = pipeline.micro_batch_size, stage.stage.tp, strategy.stage_recompute(stage.stage)
+            local = ctx.sources[stage.stage.group].layer_cost("decoder", b / cp, tp, mode)
+            group = ctx.cluster.group(stage.stage.group)
+            forward_s, backward_s = exposed_ring_time_s(ctx, group, b, tp, mode, local)
+            ring.append(stage.stage.num_layers * (forward_s + backward_s))
+        worst = max(range(len(stages)), key=ring.__getitem__)
+        words = (
+            f"Context parallel {cp}: each replica's {ctx.seq_length}-token sequences are split over {cp} ranks "
+            f"({ctx.seq_length // cp} tokens each) that pass K/V blocks around a ring; "
+        )
+        if ring[worst] > 0:
+            share = ring[worst] / stages[worst].compute_time_s
+            words += (
+                f"the ring's transfers not hidden under attention add {ring[worst] * 1e3:.1f} ms per micro-batch on "
+                f"stage {stage_label(evaluation, worst)} ({stages[worst].stage.group}, {share:.0%} of its compute)."
+            )
+        else:
+            words += "every ring step hides under its attention."
+        lines.append(words)
+    by_family = [strategy.family_zero_stage(pipeline) for pipeline in strategy.pipelines]
+    for family, zero in enumerate(by_family):
+        if family > 0 and len(set(by_family)) == 1:
+            break
+        members = [i for i, stage in enumerate(stages) if stage.family == family or len(set(by_family)) == 1]
+        first = stages[members[0]]
+        replicas = strategy.pipelines[first.family].replicas
+        ranks = shard_ranks(ctx, ctx.cluster.group(first.stage.group), first.stage.tp, replicas)
+        who = "" if len(set(by_family)) == 1 else f"Family {family}: "
+        where = " inside each node (hybrid sharding)" if strategy.zero_shard == "node" and zero else ""
+        words = f"{who}ZeRO-{zero}: {ZERO_SHARDS[zero]}" + (f" over {ranks} ranks{where}" if zero else "")
+        worst = max(members, key=lambda i: stages[i].sharded_exposed_time_s)
+        if zero >= 2 and stages[worst].sharded_exposed_time_s > 0:
+            exposed = stages[worst].sharded_exposed_time_s
+            words += (
+                f"; their traffic inside the passes adds {exposed * 1e3:.1f} ms per micro-batch on stage "
+                f"{stage_label(evaluation, worst)} ({stages[worst].stage.group}, "
+                f"{exposed / stages[worst].compute_time_s:.0%} of its compute)"
+            )
+        lines.append(words + ".")
+    return lines

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from predictor.schedule import Block, bottleneck_words, pipeline_timeline, stage_label
+from predictor.schedule import Block, bottleneck_words, layout_words, pipeline_timeline, stage_label
 from report.figures import explain_figure
 from specs.outputs import write_text_atomic
 
@@ -74,7 +74,7 @@ def explain(
     evaluation = predict(ctx, plan.strategy, plan.source)
     step("laying out the schedule", steps)
     blocks = pipeline_timeline(ctx, evaluation)
-    words = bottleneck_words(ctx, evaluation)
+    words = bottleneck_words(ctx, evaluation) + layout_words(ctx, evaluation)
     if evaluation.strategy.virtual_stages > 1:
         words.append(_interleaving_words(evaluation, blocks))
     title = f"{plan.model.key} on {cluster.name}: one iteration, {evaluation.iteration_time_s:.3f} s predicted"

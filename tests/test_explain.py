@@ -4,6 +4,7 @@ the picture and the HTML report are real."""
 from __future__ import annotations
 
 import base64
+import dataclasses
 import itertools
 import json
 
@@ -59,6 +60,54 @@ def test_bottleneck_names_the_slowest_stage():
     words = bottleneck_words(ctx, evaluation)
     assert words[0].startswith("Stage ") and "slowest" in words[0]
     assert any("Memory is tightest" in line for line in words)
+
+
+def test_layout_words_say_the_rings_exposed_time_by_hand():
+    """CP 4 x 2 replicas of the tiny Llama on one node with layers so fast the ring sticks out (the hand computation
+    of tests/test_context_parallel.py): per micro-batch, 8 layers x (3 forward steps + 3 backward double steps)."""
+    from predictor.comm_model import in_node_link
+    from predictor.context_parallel import attention_share
+    from predictor.cost_model import CostContext
+    from predictor.schedule import layout_words
+    from tests.conftest import FixedCosts
+    from tests.test_context_parallel import TINY, _cp_strategy, _one_node
+
+    decoder_s = 1e-7
+    cluster, model = _one_node(), load_model(str(TINY))
+    ctx = CostContext(cluster, model, load_training(None, {"global_batch_size": 4}), {"g": FixedCosts(decoder_s)})
+    evaluation = evaluate(ctx, _cp_strategy(replicas=2, cp=4))
+    link = in_node_link(cluster.groups[0])
+    step = link.alpha_s + 2 * (256 / 4) * (4 * 64) * 2 / link.bw_bytes_per_s
+    share = attention_share(model, 256)
+    ring = 8 * (3 * (step - share * (decoder_s / 3) / 4) + 3 * (2 * step - share * (2 * decoder_s / 3) / 4))
+    words = layout_words(ctx, evaluation)
+    assert words[0].startswith("Context parallel 4: each replica's 256-token sequences are split over 4 ranks (64")
+    assert f"add {ring * 1e3:.1f} ms per micro-batch on stage 0 (g, " in words[0]
+    assert words[1] == "ZeRO-1: the optimizer state is sharded over 8 ranks."  # 2 replicas x 4 CP ranks
+
+
+def test_layout_words_name_each_familys_zero_stage_and_its_traffic():
+    """The A100 family at the plan's ZeRO-1, the V100 family at ZeRO-3 (tests/test_families.py), without overlap:
+    one sentence each, the ZeRO-3 one with its exposed gathers per micro-batch; overlapped, they hide and it says
+    nothing of them."""
+    from predictor.schedule import layout_words
+    from tests.test_families import _a100_and_v100, _training, _two_families
+
+    for overlap in (False, True):
+        training = _training("off").model_copy(update={"overlap_param_gather": overlap, "overlap_grad_reduce": overlap})
+        ctx = build_context(_a100_and_v100(), load_model("gpt3-1.7b"), training)
+        strategy = _two_families(ctx, 48)
+        a100, v100 = strategy.pipelines
+        mixed = evaluate(ctx, dataclasses.replace(strategy, pipelines=(a100, dataclasses.replace(v100, zero_stage=3))))
+        words = layout_words(ctx, mixed)
+        assert words[0] == f"Family 0: ZeRO-1: the optimizer state is sharded over {a100.replicas} ranks."
+        sharded = "weights, gradients and optimizer state are sharded (weights gathered layer by layer)"
+        assert words[1].startswith(f"Family 1: ZeRO-3: {sharded} over {v100.replicas} ranks")
+        exposed = max(s.sharded_exposed_time_s for s in mixed.stages if s.family == 1)
+        if overlap:
+            assert exposed == 0 and words[1].endswith("ranks.")
+        else:
+            assert exposed > 0 and f"adds {exposed * 1e3:.1f} ms per micro-batch on stage 1.0 (v100" in words[1]
 
 
 @pytest.mark.slow
