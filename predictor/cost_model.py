@@ -10,7 +10,7 @@ DP degree under ZeRO-1), activations of in-flight micro-batches under 1F1B (min(
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import TypeVar
 
 import numpy as np
@@ -18,6 +18,7 @@ import numpy as np
 from predictor.comm_model import Link, all_reduce_time_s
 from predictor.context import CostContext, EndToEndTerms, build_context, emulated
 from predictor.context_parallel import RING_BUFFERS, ring_block_bytes
+from predictor.evaluation import Evaluation, StageEvaluation, StageMemory, interleaved_group_size
 from predictor.host import (
     busy_processes,
     evaluate_on_host,
@@ -139,17 +140,6 @@ def stage_params(model: ModelSpec, num_layers: int, first: bool, last: bool, pip
     return params
 
 
-def interleaved_group_size(num_microbatches: int, pipeline_stages: int) -> int:
-    """Megatron's contiguous micro-batches per virtual stage (`--microbatch-group-size-per-virtual-pipeline-stage`):
-    the pipeline size when it divides m, else the smallest N > p with m % N == 0 or m % N >= p (Megatron refuses a
-    last group smaller than p: it would stall the pipeline); m at most."""
-    m, p = num_microbatches, pipeline_stages
-    for size in range(p, m + 1):
-        if m % size == 0 or m % size >= p:
-            return size
-    return max(m, 1)
-
-
 def in_flight_microbatches(stage_index: int, pipeline_stages: int, num_microbatches: int, virtual_stages: int) -> float:
     """Micro-batches' worth of activations stage i holds at peak. 1F1B: its warm-up forwards plus one,
     min(p - i, m). Interleaved (Megatron; v chunks of 1/v of the stage each): warm-up 2(p-i-1) + (v-1)N chunks plus
@@ -172,18 +162,6 @@ def in_flight_table(depths: np.ndarray, num_microbatches: int, stages: np.ndarra
     group = np.array([sizes[int(p)] for p in stages])
     chunks = np.minimum(2 * (depths[None, :] - 1) + (v - 1) * group[:, None] + 1, m * v)
     return np.where((stages <= 1)[:, None], one_f_one_b, chunks / v)
-
-
-@dataclass(frozen=True)
-class StageMemory:
-    weights_bytes: float
-    grads_bytes: float
-    optimizer_bytes: float
-    activation_bytes: float
-
-    @property
-    def total_bytes(self) -> float:
-        return self.weights_bytes + self.grads_bytes + self.optimizer_bytes + self.activation_bytes
 
 
 def stage_memory(
@@ -270,92 +248,6 @@ def p2p_time_s(ctx: CostContext, a: StageStrategy, b: StageStrategy, micro_batch
 
 
 # ---- whole strategy ------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class StageEvaluation:
-    stage: StageStrategy
-    compute_time_s: float  # per micro-batch: forward + backward, exposed TP collectives and ZeRO 2/3 traffic
-    backward_time_s: float  # per micro-batch, the window gradient reduction can hide behind
-    p2p_time_s: float  # to the next stage, one direction, per micro-batch
-    dp_sync_time_s: float  # one reduction + one gather over the DP group (and across families)
-    dp_exposed_time_s: float  # of that, what follows the pipeline flush
-    optimizer_time_s: float
-    memory: StageMemory
-    memory_capacity_bytes: float
-    memory_usable_bytes: float
-    family: int = 0  # index of the stage's pipeline family in the strategy
-    tp_comm_time_s: float = 0.0  # per micro-batch, the exposed TP collectives inside compute_time_s
-    sharded_exposed_time_s: float = 0.0  # per micro-batch, ZeRO 2/3 traffic inside compute_time_s
-    p2p_exposed_time_s: float = 0.0  # per micro-batch, waiting for its sends and receives (plain 1F1B)
-    overhead_time_s: float = 0.0  # per micro-batch, a local run's framework overhead inside compute_time_s
-    sync_host_time_s: float = 0.0  # of dp_exposed_time_s, a local run's host work (indexing, copies): a busy core
-
-    @property
-    def step_time_s(self) -> float:
-        """The stage's time per micro-batch in the pipeline: compute and the point-to-point it waits for."""
-        return self.compute_time_s + self.p2p_exposed_time_s
-
-    @property
-    def fits(self) -> bool:
-        return self.memory.total_bytes <= self.memory_usable_bytes
-
-    @property
-    def shortfall_bytes(self) -> float:
-        return max(0.0, self.memory.total_bytes - self.memory_usable_bytes)
-
-    @property
-    def tail_time_s(self) -> float:
-        """What the stage waits after the pipeline flush: its exposed DP sync, then its optimizer step."""
-        return self.dp_exposed_time_s + self.optimizer_time_s
-
-
-@dataclass(frozen=True)
-class Evaluation:
-    strategy: Strategy
-    stages: tuple[StageEvaluation, ...]
-    iteration_time_s: float
-    pipeline_time_s: float
-    bubble_time_s: float
-    tail_time_s: float
-    tokens_per_s: float
-    samples_per_s: float
-    mfu: float
-    devices_used: int
-    family_pipeline_s: tuple[float, ...] = ()  # each family's pipeline time (the iteration waits for the slowest)
-    # the context it was evaluated in (on a profiled host: with the cores' sharing, predictor/host.py)
-    context: CostContext | None = field(default=None, compare=False, repr=False)
-
-    @property
-    def fits(self) -> bool:
-        return all(stage.fits for stage in self.stages)
-
-    @property
-    def shortfall_bytes(self) -> float:
-        return max((stage.shortfall_bytes for stage in self.stages), default=0.0)
-
-    def breakdown(self) -> dict[str, float]:
-        """The iteration time split into the cost model's terms, seconds (they add up to the iteration): the
-        steady state of the slowest family's slowest stage (compute, exposed TP collectives, exposed ZeRO 2/3 traffic,
-        waiting for point-to-point), the bubble, the fill and drain, the exposed DP sync, the optimizer step and the
-        fixed overhead after the flush."""
-        family = max(range(len(self.family_pipeline_s)), key=self.family_pipeline_s.__getitem__)
-        members = [s for s in self.stages if s.family == family]
-        slowest = max(members, key=lambda s: s.step_time_s)
-        m = self.strategy.pipelines[family].num_microbatches
-        tail = max(self.stages, key=lambda s: s.tail_time_s)
-        terms = {
-            "compute": m * (slowest.compute_time_s - slowest.tp_comm_time_s - slowest.sharded_exposed_time_s),
-            "tp_comm": m * slowest.tp_comm_time_s,
-            "zero_comm": m * slowest.sharded_exposed_time_s,
-            "p2p_wait": m * slowest.p2p_exposed_time_s,
-            "bubble": self.bubble_time_s,
-            "dp_sync": tail.dp_exposed_time_s,
-            "optimizer": tail.optimizer_time_s,
-        }
-        terms["fill_and_drain"] = self.pipeline_time_s - m * slowest.step_time_s - self.bubble_time_s
-        terms["overhead"] = self.iteration_time_s - self.pipeline_time_s - tail.tail_time_s
-        return terms
-
-
 def cross_family_sync_time_s(
     ctx: CostContext, strategy: Strategy, family: int, stage: StageStrategy, params_per_device: float
 ) -> float:

@@ -23,12 +23,13 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from predictor.context import CostContext
+from predictor.sharing import simulate_step
 from profiler.profile import HostCosts, LayerCostSource, ScaledLayerCosts
 from specs.cluster import ClusterSpec, DeviceGroup
 from specs.layout import Strategy
 
 if TYPE_CHECKING:
-    from predictor.cost_model import Evaluation
+    from predictor.evaluation import Evaluation
 
 MAX_LOADED_CONTEXTS = 512
 
@@ -73,12 +74,11 @@ def evaluate_on_host(
     then the analytic evaluation, its links loaded by the simulation's mean busy processes, is stretched to the
     simulated step (its time is close to linear in the stretch: one secant between no stretch and that of every
     process busy)."""
-    from predictor.sharing import simulate_step
-
     host = max(ctx.host.values(), key=lambda costs: costs.cores)
     processes = busy_processes(ctx, strategy)
     every = evaluate_at(loaded(ctx, processes / host.cores, 1.0))
-    simulated = simulate_step(on_host(ctx, every), every, host)
+    at = on_host(ctx, every)
+    simulated = simulate_step(at, every, host, step_overhead_s(at, strategy))
     per_core = simulated.mean_busy_processes / host.cores
     unstretched = evaluate_at(loaded(ctx, per_core, 1.0))
     target_s = simulated.time_s + ctx.terms.iteration_overhead_s

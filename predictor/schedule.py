@@ -14,7 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from predictor.cost_model import CostContext, Evaluation, interleaved_group_size
+from predictor.context import CostContext
+from predictor.evaluation import Evaluation, interleaved_group_size
 
 Kind = Literal["forward", "backward", "dp_sync", "optimizer"]
 

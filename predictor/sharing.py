@@ -31,7 +31,7 @@ from predictor.context import CostContext
 from profiler.profile import HostCosts
 
 if TYPE_CHECKING:
-    from predictor.cost_model import Evaluation
+    from predictor.evaluation import Evaluation
 
 EPSILON_S = 1e-12
 
@@ -77,13 +77,11 @@ class StepSimulation:
     mean_busy_processes: float  # processes computing or waiting for a core on the host, averaged over the step
 
 
-def _actors(ctx: CostContext, evaluation: Evaluation) -> list[Actor]:
-    from predictor.host import host_of, step_overhead_s
+def _actors(ctx: CostContext, evaluation: Evaluation, batch_s: float) -> list[Actor]:
     from predictor.schedule import forward_share, stage_order
 
     strategy = evaluation.strategy
     v = strategy.virtual_stages
-    batch_s = step_overhead_s(ctx, strategy)
     actors = []
     for family, pipeline in enumerate(strategy.pipelines):
         indices = [i for i, s in enumerate(evaluation.stages) if s.family == family]
@@ -118,13 +116,14 @@ def _actors(ctx: CostContext, evaluation: Evaluation) -> list[Actor]:
                 phases.append(Phase(busy_s=evaluated.sync_host_time_s))  # the sync's indexing and copies
                 phases.append(Phase(sleep_s=evaluated.dp_exposed_time_s - evaluated.sync_host_time_s))
                 phases.append(Phase(busy_s=evaluated.optimizer_time_s))
-                actors.append(Actor(evaluated.stage.tp, host_of(ctx, group) is not None, phases, prompt))
+                actors.append(Actor(evaluated.stage.tp, group.device.key in ctx.host, phases, prompt))
     return actors
 
 
-def simulate_step(ctx: CostContext, evaluation: Evaluation, host: HostCosts) -> StepSimulation:
-    """The step of `evaluation` (compute unstretched) with its host processes sharing `host.cores` cores."""
-    actors = _actors(ctx, evaluation)
+def simulate_step(ctx: CostContext, evaluation: Evaluation, host: HostCosts, batch_s: float) -> StepSimulation:
+    """The step of `evaluation` (compute unstretched) with its host processes sharing `host.cores` cores; each rank
+    first makes the step's batch (`batch_s`, busy)."""
+    actors = _actors(ctx, evaluation, batch_s)
     done: dict[tuple[object, ...], float] = {}
     clock = {"now": 0.0}
     flushed = [False]  # every actor has finished its passes: the barrier is open

@@ -11,7 +11,7 @@ import pytest
 
 from predictor.comm_model import Link, all_reduce_time_s
 from predictor.cost_model import CostContext, cross_family_sync_time_s, evaluate, stage_params, tp_collective_time_s
-from predictor.host import busy_processes, loaded, local_run_context, on_host
+from predictor.host import busy_processes, loaded, local_run_context, on_host, step_overhead_s
 from predictor.link_model import LinkPoint, fit_link
 from predictor.predictor import Predictor, fit_predictor
 from predictor.run_terms import predicted_stage_terms
@@ -165,7 +165,7 @@ def test_the_step_simulation_without_contention_is_the_1f1b_formula():
     stages = (StageStrategy("left", 0, 2, 1), StageStrategy("right", 2, 4, 1))
     strategy = Strategy((PipelineStrategy(1, 1, 8, stages),), "none", 1)
     unstretched = evaluate(loaded(ctx, 1.0, 1.0), strategy)
-    simulated = simulate_step(ctx, unstretched, QUIET)
+    simulated = simulate_step(ctx, unstretched, QUIET, step_overhead_s(ctx, unstretched.strategy))
     t0, t1 = 2 * 0.01, 2 * 0.03  # per micro-batch; no p2p, no sync, no optimizer
     assert simulated.time_s == pytest.approx(t0 + t1 + 7 * max(t0, t1))
     assert simulated.mean_busy_processes == pytest.approx((8 * t0 + 8 * t1) / simulated.time_s)
@@ -180,7 +180,7 @@ def test_processes_that_finish_early_give_their_cores_to_the_others():
     strategy = two_families()
     ctx = replace(ctx, training=ctx.training.model_copy(update={"global_batch_size": 3}))
     unstretched = evaluate(loaded(ctx, 2.0, 1.0), strategy)
-    simulated = simulate_step(ctx, unstretched, QUIET)
+    simulated = simulate_step(ctx, unstretched, QUIET, step_overhead_s(ctx, unstretched.strategy))
     assert simulated.time_s == pytest.approx(0.016)
     # busy: computing or waiting for a core: four for 12 ms, two for 4 ms
     assert simulated.mean_busy_processes == pytest.approx((4 * 0.012 + 2 * 0.004) / 0.016)
@@ -201,7 +201,9 @@ def test_the_host_work_of_a_sync_across_families_keeps_cores_busy_in_the_step_si
     unstretched = evaluate(loaded(ctx, 2.0, 1.0), strategy)
     left, right = (next(s for s in unstretched.stages if s.family == f) for f in (0, 1))
     assert (left.sync_host_time_s, right.sync_host_time_s) == (pytest.approx(0.004), pytest.approx(0.002))
-    assert simulate_step(ctx, unstretched, costs).time_s == pytest.approx(0.022)
+    assert simulate_step(ctx, unstretched, costs, step_overhead_s(ctx, unstretched.strategy)).time_s == pytest.approx(
+        0.022
+    )
 
 
 def test_contexts_without_host_costs_fall_back_to_the_assumed_share_of_a_core():
@@ -333,5 +335,5 @@ def test_tp_ranks_waking_from_their_collectives_take_the_cores_first_in_the_step
     # 4 layers; the embedding's, head's and loss's 5 collectives (busy); 21 collectives' work around them
     assert right.compute_time_s == pytest.approx(4 * 0.002 + 16 * 2e-3 + 5 * 2e-3 + 21 * 1e-4)
     assert left.compute_time_s == pytest.approx(4 * 0.001)
-    simulated = simulate_step(ctx, unstretched, costs)
+    simulated = simulate_step(ctx, unstretched, costs, step_overhead_s(ctx, unstretched.strategy))
     assert simulated.time_s == pytest.approx(right.compute_time_s)
