@@ -366,7 +366,9 @@ def _step(rank: int, job: RunJob, role: Role, state: RankState, comm: Communicat
     started, started_cpu, tp = time.perf_counter(), time.process_time(), state.runner.emulator.tp
     before = (times.compute_s, times.emulation_s, times.wait_s, times.forward_s, times.backward_s, times.tp_comm_s,
               times.gather_s, times.wait_cpu_s, tp.comm_cpu_s)  # fmt: skip
+    times.events.clear()
     tokens = synthetic_batch(job.model, job.global_batch, job.seq_length, settings.seed, step)
+    times.events.append(("batch", started, time.perf_counter(), time.process_time() - started_cpu))
     if state.sharded is not None:
         state.sharded.post_sends()
     loss_sum = state.runner.run(tokens[role.sample_start : role.sample_start + role.microbatches * mbs])
@@ -377,12 +379,14 @@ def _step(rank: int, job: RunJob, role: Role, state: RankState, comm: Communicat
     grads, whole = _synced_gradients(state, comm, capture)
     sync_s, sync_cpu_s = time.perf_counter() - t0, time.process_time() - cpu0
     times.sync_s += sync_s
+    times.events.append(("dp_sync", t0, t0 + sync_s, sync_cpu_s))
     if whole is not None:
         torch.save(_unflatten(state.modules, state.params, whole), Path(job.out_dir, f"grads-{rank}.pt"))
     t0, cpu0 = time.perf_counter(), time.process_time()
     _update(state, comm, grads)
     optimizer_s, optimizer_cpu_s = time.perf_counter() - t0, time.process_time() - cpu0
     times.optimizer_s += optimizer_s
+    times.events.append(("optimizer", t0, t0 + optimizer_s, optimizer_cpu_s))
     times.per_step.append(
         {
             "time_s": time.perf_counter() - started,
@@ -401,6 +405,11 @@ def _step(rank: int, job: RunJob, role: Role, state: RankState, comm: Communicat
             "tp_comm_cpu_s": tp.comm_cpu_s - before[8],
             "sync_cpu_s": sync_cpu_s,
             "optimizer_cpu_s": optimizer_cpu_s,
+            # when each pass, wait, sync and update ran, from the step's start (after its barrier), and its CPU time
+            "timeline": [
+                [kind, round(start - started, 6), round(end - started, 6), round(cpu_s, 6)]
+                for kind, start, end, cpu_s in times.events
+            ],
         }
     )
     return loss_sum * state.runner.loss_scale if role.last and role.tp_rank == 0 else 0.0

@@ -167,6 +167,7 @@ def summarize(results: list[dict[str, Any]], steps: int) -> dict[str, Any]:
     return {
         "measured_iteration_time_s": statistics.median(measured_steps),
         "step_times_s": step_times,
+        "timeline": _timeline(active, step_times, steps),
         "losses": losses,
         "stages": per_stage,
         "memory_max_rss_bytes": {str(r["rank"]): r["max_rss_bytes"] for r in active},
@@ -174,7 +175,22 @@ def summarize(results: list[dict[str, Any]], steps: int) -> dict[str, Any]:
     }
 
 
-def _measured_terms(steps: list[dict[str, float]]) -> tuple[float, dict[str, float]]:
+def _timeline(active: list[dict[str, Any]], step_times: list[float], steps: int) -> dict[str, Any]:
+    """Every rank's passes, waits, sync and update in one step (the median after the warm-up, the lower of an even
+    count), each [kind, start s, end s, CPU s] from the step's start on that rank: ranks start a step together at
+    its barrier, so the rows line up (within the barrier's release) and show who waited for whom."""
+    kept = list(range(1, steps)) if steps > 1 else list(range(steps))
+    if not kept:
+        return {"step": None, "ranks": []}
+    step = sorted(kept, key=lambda s: step_times[s])[(len(kept) - 1) // 2]
+    rows = []
+    for r in sorted(active, key=lambda r: r["rank"]):
+        where = {key: r[key] for key in ("rank", "family", "stage", "replica", "tp_rank", "group")}
+        rows.append(where | {"events": r["steps"][step].get("timeline", [])})
+    return {"step": step, "ranks": rows}
+
+
+def _measured_terms(steps: list[dict[str, Any]]) -> tuple[float, dict[str, float]]:
     """One rank's median step (the lower one of an even count: a step that happened) and its terms as the runtime
     timed them (predictor/run_terms.py), the untimed rest as `other`: the terms add up to the step, and `other` is
     what no timer covers (medians taken term by term would not add up)."""
@@ -285,6 +301,7 @@ def run_record(
             "prediction_error_at_run_speed": summary["measured_iteration_time_s"] / (predicted * slowdown) - 1.0,
             "machine_speed": speed,
             "terms": side_by_side(summary["stages"], terms),
+            "timeline": summary["timeline"],
             "core_sharing": sharing,
             "emulated_groups": emulated,
             "emulation": "ranks of emulated groups repeat their stage's layer math until each pass takes 1/speed "

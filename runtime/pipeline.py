@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import cycle
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -71,7 +72,9 @@ class StageTimes:
     gather_s: float = 0.0  # ZeRO-3: waiting for weight pieces inside the passes (counted as DP sync)
     sync_s: float = 0.0
     optimizer_s: float = 0.0
-    per_step: list[dict[str, float]] = field(default_factory=list)
+    per_step: list[dict[str, Any]] = field(default_factory=list)
+    # this step's passes and waits: (kind, start, end on time.perf_counter, CPU seconds of the process meanwhile)
+    events: list[tuple[str, float, float, float]] = field(default_factory=list)
 
 
 class Emulator:
@@ -156,8 +159,10 @@ class StageRunner:
         buffer = torch.empty(self.shape, dtype=self.dtype)
         waited, cpu = time.perf_counter(), time.process_time()
         self.comm.irecv(buffer, src, tag).wait()
-        self.times.wait_s += time.perf_counter() - waited
-        self.times.wait_cpu_s += time.process_time() - cpu
+        ended, cpu_s = time.perf_counter(), time.process_time() - cpu
+        self.times.wait_s += ended - waited
+        self.times.wait_cpu_s += cpu_s
+        self.times.events.append(("wait", waited, ended, cpu_s))
         return buffer
 
     def send(self, tensor: torch.Tensor, stage_index: int, tag: int, key: tuple[int, int, int]) -> None:
@@ -179,9 +184,11 @@ class StageRunner:
         exposed time stays in the pass, as the cost model counts it)."""
         tp = self.emulator.tp
         t0, comm0, gather0, ring0 = time.perf_counter(), tp.comm_s, self.gather_s(), self.cp.comm_s
+        cpu0 = time.process_time()
         out = work()
         real, comm, gather = time.perf_counter() - t0, tp.comm_s - comm0, self.gather_s() - gather0
         extended = self.emulator.extend(real - comm - gather - (self.cp.comm_s - ring0))
+        self.times.events.append((kind, t0, time.perf_counter(), time.process_time() - cpu0))
         self.times.compute_s += real
         self.times.emulation_s += extended
         self.times.tp_comm_s += comm
