@@ -61,6 +61,8 @@ MODELS = {"tiny": (128, 352, 4, 2, 2048), "small": (256, 704, 4, 2, 4096), "10x"
 SHAPES = ("one stage", "PP 2 uneven", "TP 2", "2 replicas, uneven batch", "two families")
 GLOBAL_BATCH = 8
 LOO_WORKERS = 2
+CHILD_STOP_S = 30.0  # an interrupted hetplan command's time to stop its own processes
+LOO_TIMEOUT_S = 3600.0  # every leave-one-out fit together (about 5 minutes here)
 
 
 @dataclass(frozen=True)
@@ -139,10 +141,22 @@ def training_for(batch: int) -> TrainingSpec:
 
 
 def hetplan(*arguments: str) -> None:
-    """A hetplan command, as a user would run it (output kept out of the bench's table)."""
+    """A hetplan command, as a user would run it (output kept out of the bench's table). Interrupted, the bench
+    interrupts it as Ctrl-C would, so it stops the processes it started (profile helpers, timed ranks)."""
     environment = {**os.environ, "PYTHONPATH": str(ROOT)}
-    subprocess.run([sys.executable, "-m", "cli", *arguments, "--quiet"], cwd=ROOT, check=True, env=environment,
-                   stdout=subprocess.DEVNULL)  # fmt: skip
+    command = [sys.executable, "-m", "cli", *arguments, "--quiet"]
+    child = subprocess.Popen(command, cwd=ROOT, env=environment, stdout=subprocess.DEVNULL)
+    try:
+        code = child.wait()
+    except BaseException:
+        child.send_signal(signal.SIGINT)
+        try:
+            child.wait(timeout=CHILD_STOP_S)
+        except subprocess.TimeoutExpired:
+            child.kill()
+        raise
+    if code:
+        raise subprocess.CalledProcessError(code, command)
 
 
 def measure_links(work: Path, reuse: bool) -> Path:
@@ -221,7 +235,7 @@ def leave_one_out(
     # one fit per case, two at a time (each is a calibration over the other cases' runs)
     pool = multiprocessing.get_context("spawn").Pool(LOO_WORKERS)
     try:
-        predicted = pool.map(held_out_prediction, jobs)
+        predicted = pool.map_async(held_out_prediction, jobs).get(timeout=LOO_TIMEOUT_S)  # a dead worker: no hang
     finally:  # interrupted (Ctrl-C, or SIGTERM: see main), the bench leaves no fitting workers behind
         pool.terminate()
         pool.join()

@@ -17,7 +17,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from planner.engine_space import engine_search
+from planner.engine_space import engine_search, engine_training
 from planner.families import _block_context, _block_plans, combine, split_batch_across
 from planner.plan import Plan
 from planner.planning import compute_bounds
@@ -193,6 +193,8 @@ def replan(
     without the warm start, which is the unrestricted search's)."""
     predictor = predictor or default_predictor()
     training = training.model_copy(update={"uneven_batch": "exhaustive"})
+    if engine is not None:  # what the engine can run (uneven batches only where it has them), as the plan records it
+        training = engine_training(training, engine)[0]
     started = time.perf_counter()
     if previous is not None and previous.model == model and {g.name for g in cluster.groups} <= set(previous.sources):
         ctx = dataclasses.replace(previous, cluster=cluster, training=training)

@@ -51,6 +51,7 @@ __all__ = [
     "EndToEndTerms",
     "Evaluation",
     "StageEvaluation",
+    "StageMemory",
     "build_context",
     "decoder_layer_time_s",
     "dp_sync_time_s",
@@ -58,6 +59,7 @@ __all__ = [
     "emulated",
     "evaluate",
     "exposed_dp_sync_time_s",
+    "interleaved_group_size",
     "optimizer_time_s",
     "state_bytes_per_param",
 ]

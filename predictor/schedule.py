@@ -11,7 +11,7 @@ optimizer. Several pipeline families are drawn side by side, one replica each.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from predictor.context import CostContext
@@ -251,17 +251,17 @@ def layout_words(ctx: CostContext, evaluation: Evaluation) -> list[str]:
         else:
             words += "every ring step hides under its attention."
         lines.append(words)
-    by_family = [strategy.family_zero_stage(pipeline) for pipeline in strategy.pipelines]
-    for family, zero in enumerate(by_family):
-        if family > 0 and len(set(by_family)) == 1:
-            break
-        members = [i for i, stage in enumerate(stages) if stage.family == family or len(set(by_family)) == 1]
-        first = stages[members[0]]
-        replicas = strategy.pipelines[first.family].replicas
-        ranks = shard_ranks(ctx, ctx.cluster.group(first.stage.group), first.stage.tp, replicas)
-        who = "" if len(set(by_family)) == 1 else f"Family {family}: "
+    sentences = []
+    for family, pipeline in enumerate(strategy.pipelines):
+        zero = strategy.family_zero_stage(pipeline)
+        members = [i for i, stage in enumerate(stages) if stage.family == family]
+        first = stages[members[0]].stage
+        sharded = replace(
+            ctx, training=ctx.training.model_copy(update={"zero_stage": zero, "zero_shard": strategy.zero_shard})
+        )
+        ranks = shard_ranks(sharded, ctx.cluster.group(first.group), first.tp, pipeline.replicas)
         where = " inside each node (hybrid sharding)" if strategy.zero_shard == "node" and zero else ""
-        words = f"{who}ZeRO-{zero}: {ZERO_SHARDS[zero]}" + (f" over {ranks} ranks{where}" if zero else "")
+        words = f"ZeRO-{zero}: {ZERO_SHARDS[zero]}" + (f" over {ranks} ranks{where}" if zero else "")
         worst = max(members, key=lambda i: stages[i].sharded_exposed_time_s)
         if zero >= 2 and stages[worst].sharded_exposed_time_s > 0:
             exposed = stages[worst].sharded_exposed_time_s
@@ -270,5 +270,7 @@ def layout_words(ctx: CostContext, evaluation: Evaluation) -> list[str]:
                 f"{stage_label(evaluation, worst)} ({stages[worst].stage.group}, "
                 f"{exposed / stages[worst].compute_time_s:.0%} of its compute)"
             )
-        lines.append(words + ".")
-    return lines
+        sentences.append(words + ".")
+    if len(set(sentences)) == 1:  # every family shards alike: one sentence
+        return lines + sentences[:1]
+    return lines + [f"Family {family}: {words}" for family, words in enumerate(sentences)]

@@ -256,9 +256,11 @@ def optimizer_costs(
     `min_time_s` of updates (at most MAX_OPTIMIZER_STEPS), after OPTIMIZER_WARMUP_STEPS.
 
     Timed apart and hot, each part over the decoder layers' parameters alone (as the profile did before), the update
-    read 5.6, 23.8 and 133 ms for the runtime benchmark's tiny, small and 10x models, where their one-stage runs took
-    7.5-7.7, 33.4-33.6 and 119-121 ms: a part timed again and again finds its tensors in the caches that a pass in
-    between evicts, and timed alone it misses what the previous part left in them."""
+    with the gradient flattening read 5.6, 23.8 and 133 ms for the runtime benchmark's tiny, small and 10x models,
+    where their one-stage runs (grid 6) took 8.4, 37 and 130 ms for the same (optimizer term plus the flattening
+    the run times in its sync): a part timed again and again finds its tensors in the caches that a pass in between
+    evicts, and timed alone it misses what the previous part left in them. Timed this way: 9.0, 41 and 141 ms
+    against 8.9-9.3, 38 and 132-135 ms in grid 9's runs."""
     clock = clock or layer_clock(torch.device("cpu"))
     stage = _stage_parts(model, dtype, model.num_layers)
     params = list(stage.parameters())
@@ -278,7 +280,7 @@ def optimizer_costs(
         stage(tokens, targets).backward()
         with torch.no_grad():
             started = clock()
-            grads = torch.cat([p.grad.reshape(-1) for p in params if p.grad is not None])
+            grads = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
             weights = torch.cat([p.reshape(-1) for p in params])
             flattened = clock()
             weights.mul_(1 - 1e-3 * 0.01)

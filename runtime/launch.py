@@ -177,15 +177,16 @@ def summarize(results: list[dict[str, Any]], steps: int) -> dict[str, Any]:
 
 def _timeline(active: list[dict[str, Any]], step_times: list[float], steps: int) -> dict[str, Any]:
     """Every rank's passes, waits, sync and update in one step (the median after the warm-up, the lower of an even
-    count), each [kind, start s, end s, CPU s] from the step's start on that rank: ranks start a step together at
-    its barrier, so the rows line up (within the barrier's release) and show who waited for whom."""
+    count; counted from the run's first step, which after a resume is the checkpoint's), each [kind, start s, end s,
+    CPU s] from the step's start on that rank: ranks start a step together at its barrier, so the rows line up
+    (within the barrier's release) and show who waited for whom."""
     kept = list(range(1, steps)) if steps > 1 else list(range(steps))
     if not kept:
         return {"step": None, "ranks": []}
     step = sorted(kept, key=lambda s: step_times[s])[(len(kept) - 1) // 2]
     rows = []
     for r in sorted(active, key=lambda r: r["rank"]):
-        where = {key: r[key] for key in ("rank", "family", "stage", "replica", "tp_rank", "group")}
+        where = {key: r[key] for key in ("rank", "family", "stage", "replica", "tp_rank", "cp_rank", "group")}
         rows.append(where | {"events": r["steps"][step].get("timeline", [])})
     return {"step": step, "ranks": rows}
 
@@ -202,11 +203,11 @@ def _measured_terms(steps: list[dict[str, Any]]) -> tuple[float, dict[str, float
     return median["time_s"], terms
 
 
-def _median_step(steps: list[dict[str, float]]) -> dict[str, float]:
+def _median_step(steps: list[dict[str, Any]]) -> dict[str, Any]:
     return sorted(steps, key=lambda s: s["time_s"])[(len(steps) - 1) // 2]
 
 
-def _measured_cpu(step: dict[str, float]) -> dict[str, float] | None:
+def _measured_cpu(step: dict[str, Any]) -> dict[str, float] | None:
     """The CPU time (every thread of the process) of a rank's median step and of its waiting terms: a term whose CPU
     time nears its wall time kept a core busy (records from before these timers: None)."""
     if "cpu_s" not in step:

@@ -110,6 +110,28 @@ def test_layout_words_name_each_familys_zero_stage_and_its_traffic():
             assert exposed > 0 and f"adds {exposed * 1e3:.1f} ms per micro-batch on stage 1.0 (v100" in words[1]
 
 
+def test_layout_words_say_one_sentence_when_every_family_shards_alike_and_one_each_otherwise():
+    """Both families at ZeRO-1: over their own replicas each (one sentence per family when the counts differ)."""
+    from predictor.schedule import layout_words
+    from tests.test_families import _a100_and_v100, _training, _two_families
+
+    ctx = build_context(_a100_and_v100(), load_model("gpt3-1.7b"), _training("off"))
+    strategy = _two_families(ctx, 48)
+    a100, v100 = strategy.pipelines
+    words = layout_words(ctx, evaluate(ctx, strategy))
+    if a100.replicas == v100.replicas:
+        assert words == [f"ZeRO-1: the optimizer state is sharded over {a100.replicas} ranks."]
+    else:
+        assert words == [
+            f"Family 0: ZeRO-1: the optimizer state is sharded over {a100.replicas} ranks.",
+            f"Family 1: ZeRO-1: the optimizer state is sharded over {v100.replicas} ranks.",
+        ]
+    same = dataclasses.replace(strategy, pipelines=(a100, dataclasses.replace(v100, replicas=a100.replicas)))
+    assert layout_words(ctx, evaluate(ctx, same)) == [
+        f"ZeRO-1: the optimizer state is sharded over {a100.replicas} ranks."
+    ]
+
+
 @pytest.mark.slow
 def test_explain_command_writes_a_picture_and_a_self_contained_report(tmp_path):
     import matplotlib.image

@@ -64,9 +64,24 @@ def test_a_plan_made_for_an_engine_is_replanned_within_that_engine():
     kept = replan(smaller, model, old.context.training, old.strategy, engine=deepspeed)
     assert engine_lost(kept.plan.strategy, deepspeed) == []
     assert kept.plan.search_stats["engine"] == "deepspeed" and kept.plan.search_stats["warm_started"] is False
+    assert kept.plan.context.training.uneven_batch == "off"  # the plan records what DeepSpeed runs
     free = replan(smaller, model, old.context.training, old.strategy)
     assert engine_lost(free.plan.strategy, deepspeed) != []
     assert free.plan.evaluation.iteration_time_s <= kept.plan.evaluation.iteration_time_s
+
+
+@pytest.mark.slow
+def test_replan_command_keeps_the_plans_engine(tmp_path):
+    from tests.conftest import hetplan
+
+    made = hetplan("plan", "--cluster", str(CLUSTER), "--model", "gpt3-1.7b", "--global-batch", "64", "--dtype",
+                   "fp16", "--engine", "deepspeed", "--out", str(tmp_path / "plan.json"), "--quiet")  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    result = hetplan("replan", str(tmp_path / "plan.json"), "--cluster", str(CLUSTER), "--without", "node:a100/0",
+                     "--out", str(tmp_path / "new.json"), "--json")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["engine"] == "deepspeed"
+    assert json.loads((tmp_path / "new.json").read_text())["search"]["engine"] == "deepspeed"
 
 
 def test_the_engine_a_plan_was_made_for_is_read_back(tmp_path):
