@@ -41,6 +41,7 @@ from profiler.layers import (
     EnterTensorParallel,
     LeaveTensorParallel,
     LMHead,
+    adamw_update,
     no_boundary,
 )
 from profiler.measure import build_layer, keep_freed_host_memory, layer_clock, profile_layer
@@ -283,11 +284,7 @@ def optimizer_costs(
             grads = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
             weights = torch.cat([p.reshape(-1) for p in params])
             flattened = clock()
-            weights.mul_(1 - 1e-3 * 0.01)
-            exp_avg.lerp_(grads, 0.1)
-            exp_avg_sq.mul_(0.999).addcmul_(grads, grads, value=0.001)
-            denom = (exp_avg_sq.sqrt() / math.sqrt(1 - 0.999**step)).add_(1e-8)
-            weights.addcdiv_(exp_avg, denom, value=-1e-3)
+            adamw_update(weights, grads, exp_avg, exp_avg_sq, step, learning_rate=1e-3, weight_decay=0.01)
             updated = clock()
             offset = 0
             for p in params:

@@ -114,6 +114,30 @@ class LeaveTensorParallel(torch.autograd.Function):
         return grad, None
 
 
+ADAM_BETAS = (0.9, 0.999)
+ADAM_EPS = 1e-8
+
+
+def adamw_update(
+    weights: torch.Tensor,
+    grads: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    step: int,
+    learning_rate: float,
+    weight_decay: float,
+) -> None:
+    """One AdamW update (torch's, decoupled weight decay) of flat `weights` in place from `grads`, `step` counting
+    from 1: the runtime's optimizer step, and what the profile times of it (profiler/host.py optimizer_costs)."""
+    beta1, beta2 = ADAM_BETAS
+    with torch.no_grad():
+        weights.mul_(1 - learning_rate * weight_decay)
+        exp_avg.lerp_(grads, 1 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(grads, grads, value=1 - beta2)
+        denom = (exp_avg_sq.sqrt() / math.sqrt(1 - beta2**step)).add_(ADAM_EPS)
+        weights.addcdiv_(exp_avg, denom, value=-learning_rate / (1 - beta1**step))
+
+
 class DecoderLayer(nn.Module):
     """One transformer layer shard for TP rank 0 of `tp`."""
 

@@ -26,7 +26,6 @@ skips the all-gather after the update.
 from __future__ import annotations
 
 import json
-import math
 import os
 import signal
 import time
@@ -41,7 +40,7 @@ import torch.distributed as dist
 from comm.communicator import CommGroup, Communicator
 from comm.plan_groups import plan_groups, rank_islands, stage_chunks
 from profiler.data import synthetic_batch
-from profiler.layers import DecoderLayer
+from profiler.layers import DecoderLayer, adamw_update
 from profiler.measure import keep_freed_host_memory
 from runtime import checkpoint
 from runtime.context_parallel import ContextParallel
@@ -128,14 +127,9 @@ class FlatAdam:
     def step(self, weights: torch.Tensor, grads: torch.Tensor) -> None:
         """Update `weights` (elements [lo, hi)) in place from their gradient `grads`."""
         self.steps += 1
-        beta1, beta2, eps = 0.9, 0.999, 1e-8
-        lr, wd = self.settings.learning_rate, self.settings.weight_decay
-        with torch.no_grad():
-            weights.mul_(1 - lr * wd)
-            self.exp_avg.lerp_(grads, 1 - beta1)
-            self.exp_avg_sq.mul_(beta2).addcmul_(grads, grads, value=1 - beta2)
-            denom = (self.exp_avg_sq.sqrt() / math.sqrt(1 - beta2**self.steps)).add_(eps)
-            weights.addcdiv_(self.exp_avg, denom, value=-lr / (1 - beta1**self.steps))
+        settings = self.settings
+        adamw_update(weights, grads, self.exp_avg, self.exp_avg_sq, self.steps, settings.learning_rate,
+                     settings.weight_decay)  # fmt: skip
 
 
 @dataclass
