@@ -61,6 +61,8 @@ class Actor:
     shares_host: bool
     phases: list[Phase]
     prompt: bool = False  # owed time by the scheduler, which serves it first (module docstring)
+    layers: tuple[int, int] = (0, 0)  # the stage's layer range [start, end): actors holding common layers sync them
+    sync_group: int = 0  # the actors that sync gradients with each other (sync_groups)
     position: int = 0
     state: str = "ready"  # ready, busy, spin, sleep, waiting, done
     remaining_s: float = 0.0
@@ -116,8 +118,31 @@ def _actors(ctx: CostContext, evaluation: Evaluation, batch_s: float) -> list[Ac
                 phases.append(Phase(busy_s=evaluated.sync_host_time_s))  # the sync's indexing and copies
                 phases.append(Phase(sleep_s=evaluated.dp_exposed_time_s - evaluated.sync_host_time_s))
                 phases.append(Phase(busy_s=evaluated.optimizer_time_s))
-                actors.append(Actor(evaluated.stage.tp, group.device.key in ctx.host, phases, prompt))
+                stage = evaluated.stage
+                layers = (stage.layer_start, stage.layer_end)
+                actors.append(Actor(stage.tp, group.device.key in ctx.host, phases, prompt, layers))
+    sync_groups(actors)
     return actors
+
+
+def sync_groups(actors: list[Actor]) -> None:
+    """Number the actors' gradient syncs: replicas of a stage sync its layers' gradients, and stages of other
+    families holding some of the same layers join that sync (chained: a sync waits for every actor of its group)."""
+    parent = list(range(len(actors)))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    for i, a in enumerate(actors):
+        for j in range(i):
+            b = actors[j]
+            if a.layers[0] < b.layers[1] and b.layers[0] < a.layers[1]:
+                parent[root(i)] = root(j)
+    for i, actor in enumerate(actors):
+        actor.sync_group = root(i)
 
 
 def simulate_step(ctx: CostContext, evaluation: Evaluation, host: HostCosts, batch_s: float) -> StepSimulation:
@@ -126,7 +151,7 @@ def simulate_step(ctx: CostContext, evaluation: Evaluation, host: HostCosts, bat
     actors = _actors(ctx, evaluation, batch_s)
     done: dict[tuple[object, ...], float] = {}
     clock = {"now": 0.0}
-    flushed = [False]  # every actor has finished its passes: the barrier is open
+    opened: set[int] = set()  # sync groups whose actors have all finished their passes
 
     def advance(actor: Actor) -> None:
         """Start the actor's next piece of work, sleep or wait, skipping what is finished."""
@@ -134,8 +159,10 @@ def simulate_step(ctx: CostContext, evaluation: Evaluation, host: HostCosts, bat
         while actor.position < len(actor.phases):
             phase = actor.phases[actor.position]
             if phase.barrier:
-                flushed[0] = flushed[0] or all(other.at_barrier for other in actors)
-                if not flushed[0]:
+                group = actor.sync_group
+                if group not in opened and all(o.at_barrier for o in actors if o.sync_group == group):
+                    opened.add(group)
+                if group not in opened:
                     actor.state = "waiting"
                     return
             elif phase.after is not None:

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from profiler.layers import EnterTensorParallel, LeaveTensorParallel
+from profiler.layers import EnterTensorParallel, LeaveTensorParallel, VocabParallelCrossEntropy
 
 
 class TensorParallel:
@@ -37,6 +37,9 @@ class TensorParallel:
             self.comm_s += time.perf_counter() - started
             self.comm_cpu_s += time.process_time() - cpu
         return tensor
+
+    def all_reduce_max(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.all_reduce(tensor, dist.ReduceOp.MAX)
 
     @contextmanager
     def suppress(self) -> Iterator[None]:
@@ -86,33 +89,6 @@ class VocabParallelEmbedding(nn.Module):
         return x
 
 
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Mean cross-entropy over tokens whose logits are split by vocabulary across the TP group."""
-
-    @staticmethod
-    def forward(ctx, logits, targets, start, tp):  # type: ignore[no-untyped-def, override]
-        logits = logits if logits.dtype == torch.float64 else logits.float()
-        top = logits.max(dim=-1).values
-        tp.all_reduce(top, dist.ReduceOp.MAX)
-        shifted = logits - top.unsqueeze(-1)
-        exp = shifted.exp()
-        total = tp.all_reduce(exp.sum(dim=-1))
-        local = targets - start
-        inside = (local >= 0) & (local < logits.shape[-1])
-        index = local.clamp(0, logits.shape[-1] - 1)
-        target_logit = shifted.gather(-1, index.unsqueeze(-1)).squeeze(-1) * inside
-        tp.all_reduce(target_logit)
-        ctx.save_for_backward(exp, total, index, inside)
-        return (total.log() - target_logit).mean()
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[no-untyped-def, override]
-        exp, total, index, inside = ctx.saved_tensors
-        softmax = exp / total.unsqueeze(-1)
-        softmax.scatter_add_(-1, index.unsqueeze(-1), -inside.to(softmax.dtype).unsqueeze(-1))
-        return softmax * (grad / exp.shape[0]), None, None, None
-
-
 class VocabParallelHead(nn.Module):
     """Final norm (replicated), the output projection's vocabulary rows [start, ...) and the parallel loss."""
 
@@ -125,6 +101,6 @@ class VocabParallelHead(nn.Module):
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         logits = F.linear(self.tp.enter(self.norm(x)), self.weight)
-        return _VocabParallelCrossEntropy.apply(
+        return VocabParallelCrossEntropy.apply(
             logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), self.start, self.tp
         )

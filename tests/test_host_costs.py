@@ -15,7 +15,8 @@ from predictor.host import busy_processes, loaded, local_run_context, on_host, s
 from predictor.link_model import LinkPoint, fit_link
 from predictor.predictor import Predictor, fit_predictor
 from predictor.run_terms import predicted_stage_terms
-from predictor.sharing import simulate_step
+from predictor.schedule import forward_share
+from predictor.sharing import _actors, simulate_step
 from profiler.collectives import bus_factor, latency_steps
 from profiler.profile import HostCosts, load_profile
 from profiler.profiles import load_profiles
@@ -170,6 +171,35 @@ def test_the_step_simulation_without_contention_is_the_1f1b_formula():
     assert simulated.time_s == pytest.approx(t0 + t1 + 7 * max(t0, t1))
     assert simulated.mean_busy_processes == pytest.approx((8 * t0 + 8 * t1) / simulated.time_s)
     assert evaluate(ctx, strategy).iteration_time_s == pytest.approx(simulated.time_s)
+
+
+def test_a_stage_syncs_and_steps_as_soon_as_its_own_replicas_are_done():
+    """PP 2 as above, with a 50 ms optimizer step on the last stage: it starts when that stage's last backward ends,
+    while the first stage still runs its last backward (its DP group has no one else to wait for), not after every
+    stage's passes."""
+    ctx = quiet_context(0.01, 0.03)
+    stages = (StageStrategy("left", 0, 2, 1), StageStrategy("right", 2, 4, 1))
+    strategy = Strategy((PipelineStrategy(1, 1, 8, stages),), "none", 1)
+    unstretched = evaluate(loaded(ctx, 1.0, 1.0), strategy)
+    steps = tuple(replace(s, optimizer_time_s=0.05 if s.stage.layer_start == 2 else 0.0) for s in unstretched.stages)
+    unstretched = replace(unstretched, stages=steps)
+    simulated = simulate_step(ctx, unstretched, QUIET, step_overhead_s(ctx, unstretched.strategy))
+    t0, t1 = 2 * 0.01, 2 * 0.03
+    first_backward_s = (1 - forward_share(ctx, unstretched, 0)) * t0
+    assert simulated.time_s == pytest.approx(t0 + t1 + 7 * t1 - first_backward_s + 0.05)
+
+
+def test_sync_groups_join_the_stages_that_hold_common_layers():
+    ctx = quiet_context(0.01, 0.03, global_batch_size=4)
+    halves = (StageStrategy("left", 0, 2, 1), StageStrategy("right", 2, 4, 1))
+    replicas = Strategy((PipelineStrategy(2, 1, 1, halves),), "none", 1)
+    groups = [a.sync_group for a in _actors(ctx, evaluate(ctx, replicas), 0.0)]
+    assert groups[0] == groups[1] != groups[2] == groups[3]  # per stage: its two replicas
+    # a family split in two beside a family holding every layer: one sync, chained through the whole family
+    chained = Strategy(
+        (PipelineStrategy(1, 1, 2, halves), PipelineStrategy(1, 1, 2, (StageStrategy("left", 0, 4, 1),))), "none", 1
+    )
+    assert len({a.sync_group for a in _actors(ctx, evaluate(ctx, chained), 0.0)}) == 1
 
 
 def test_processes_that_finish_early_give_their_cores_to_the_others():
