@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import pytest
 
+from predictor.calibration import apply, parameters_for
 from predictor.comm_model import Link, all_reduce_time_s
 from predictor.cost_model import CostContext, cross_family_sync_time_s, evaluate, stage_params, tp_collective_time_s
 from predictor.host import busy_processes, loaded, local_run_context, on_host, step_overhead_s
@@ -367,3 +368,15 @@ def test_tp_ranks_waking_from_their_collectives_take_the_cores_first_in_the_step
     assert left.compute_time_s == pytest.approx(4 * 0.001)
     simulated = simulate_step(ctx, unstretched, costs, step_overhead_s(ctx, unstretched.strategy))
     assert simulated.time_s == pytest.approx(right.compute_time_s)
+
+
+def test_local_runs_calibrate_a_fixed_step_cost_of_their_own_with_a_prior_of_milliseconds():
+    host_ctx = quiet_context(0.01, 0.03)
+    names = {p.name: p for p in parameters_for(host_ctx)}
+    assert "iteration_overhead_s" not in names
+    assert names["iteration_overhead_s:host"].prior_sd == pytest.approx(0.005)
+    assert apply(host_ctx, {"iteration_overhead_s:host": 0.003}).terms.iteration_overhead_s == pytest.approx(0.003)
+    engine_ctx = replace(host_ctx, host={})  # no measured host: an engine's run, whose fixed cost is its own
+    names = {p.name: p for p in parameters_for(engine_ctx)}
+    assert "iteration_overhead_s:host" not in names and names["iteration_overhead_s"].prior_sd == pytest.approx(0.05)
+    assert apply(engine_ctx, {"iteration_overhead_s:host": 0.003}).terms.iteration_overhead_s == 0.0
