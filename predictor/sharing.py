@@ -5,8 +5,12 @@ Every (family, stage, replica) of the strategy is an actor of TP processes that 
 emulates a slower device, keeps computing for (1/speed - 1) times the wall time that took (the runtime's emulator is
 timed by the wall clock), then waits for its TP collectives (asleep). A forward waits for the previous stage's
 forward of the same micro-batch plus the boundary transfer, a backward for the next stage's backward. Each step starts
-with making the batch (busy) and ends, once every actor has finished its passes, with the actor's exposed DP sync
-(its host work around a sync across families busy, its transfers asleep) and its optimizer step (busy).
+with making the batch (busy) and ends with the actor's exposed DP sync (its host work around a sync across families
+busy, its transfers asleep) and its optimizer step (busy); an actor starts its sync once the actors it syncs with have
+finished their passes: those holding some of the same layers (the replicas of its stage, and stages of other families
+over common layers; with interleaving, the layers its chunks hold), as a rank's gradient collectives wait for their
+partners only. (The analytic model, cost_model.evaluate, keeps one flush after every family's passes: where the
+simulation decides a local run's prediction, a stage that finishes early syncs and steps early.)
 
 The busy processes share the cores: with n of them on C cores each computes at min(1, C / n) of a core, slowed by the
 measured busy stretch of n processes computing at once (HostCosts.busy_stretch). Sleeping processes leave the cores to
@@ -29,6 +33,7 @@ from typing import TYPE_CHECKING
 
 from predictor.context import CostContext
 from profiler.profile import HostCosts
+from specs.layout import PipelineStrategy, chunk_layer_counts
 
 if TYPE_CHECKING:
     from predictor.evaluation import Evaluation
@@ -61,16 +66,17 @@ class Actor:
     shares_host: bool
     phases: list[Phase]
     prompt: bool = False  # owed time by the scheduler, which serves it first (module docstring)
-    layers: tuple[int, int] = (0, 0)  # the stage's layer range [start, end): actors holding common layers sync them
-    sync_group: int = 0  # the actors that sync gradients with each other (sync_groups)
+    layers: frozenset[int] = frozenset()  # the decoder layers it holds (-1: the embedding, tied to the LM head)
+    partners: tuple[int, ...] = ()  # the actors it syncs gradients with, itself included (sync_partners)
     position: int = 0
     state: str = "ready"  # ready, busy, spin, sleep, waiting, done
     remaining_s: float = 0.0
     started_s: float = 0.0
 
     @property
-    def at_barrier(self) -> bool:
-        return self.state == "done" or self.phases[self.position].barrier
+    def passes_done(self) -> bool:
+        """It has finished its passes: at its barrier or past it."""
+        return self.state == "done" or any(phase.barrier for phase in self.phases[: self.position + 1])
 
 
 @dataclass(frozen=True)
@@ -88,6 +94,7 @@ def _actors(ctx: CostContext, evaluation: Evaluation, batch_s: float) -> list[Ac
     for family, pipeline in enumerate(strategy.pipelines):
         indices = [i for i, s in enumerate(evaluation.stages) if s.family == family]
         p = len(indices)
+        held = held_layers(pipeline, v, ctx.model.tied_embeddings)
         one_way = [evaluation.stages[i].p2p_time_s for i in indices]
         for position, index in enumerate(indices):
             evaluated = evaluation.stages[index]
@@ -118,31 +125,27 @@ def _actors(ctx: CostContext, evaluation: Evaluation, batch_s: float) -> list[Ac
                 phases.append(Phase(busy_s=evaluated.sync_host_time_s))  # the sync's indexing and copies
                 phases.append(Phase(sleep_s=evaluated.dp_exposed_time_s - evaluated.sync_host_time_s))
                 phases.append(Phase(busy_s=evaluated.optimizer_time_s))
-                stage = evaluated.stage
-                layers = (stage.layer_start, stage.layer_end)
-                actors.append(Actor(stage.tp, group.device.key in ctx.host, phases, prompt, layers))
-    sync_groups(actors)
+                actors.append(Actor(evaluated.stage.tp, group.device.key in ctx.host, phases, prompt, held[position]))
+    for actor in actors:
+        actor.partners = tuple(j for j, other in enumerate(actors) if actor.layers & other.layers)
     return actors
 
 
-def sync_groups(actors: list[Actor]) -> None:
-    """Number the actors' gradient syncs: replicas of a stage sync its layers' gradients, and stages of other
-    families holding some of the same layers join that sync (chained: a sync waits for every actor of its group)."""
-    parent = list(range(len(actors)))
-
-    def root(i: int) -> int:
-        while parent[i] != i:
-            parent[i] = parent[parent[i]]
-            i = parent[i]
-        return i
-
-    for i, a in enumerate(actors):
-        for j in range(i):
-            b = actors[j]
-            if a.layers[0] < b.layers[1] and b.layers[0] < a.layers[1]:
-                parent[root(i)] = root(j)
-    for i, actor in enumerate(actors):
-        actor.sync_group = root(i)
+def held_layers(pipeline: PipelineStrategy, virtual_stages: int, tied_embeddings: bool) -> list[frozenset[int]]:
+    """Per stage of the family, the decoder layers its model chunks hold (specs.layout.chunk_layer_counts: with
+    interleaving a stage keeps its layer count, not its layer ids), and -1 for the embedding on the first chunk and,
+    tied, on the last (their gradients are summed between the two stages)."""
+    p, v = len(pipeline.stages), virtual_stages
+    counts = chunk_layer_counts(pipeline, v)
+    starts = [sum(counts[:c]) for c in range(p * v)]
+    held: list[frozenset[int]] = []
+    for position in range(p):
+        chunks = [k * p + position for k in range(v)]
+        layers = {layer for c in chunks for layer in range(starts[c], starts[c] + counts[c])}
+        if 0 in chunks or (tied_embeddings and p * v - 1 in chunks):
+            layers.add(-1)
+        held.append(frozenset(layers))
+    return held
 
 
 def simulate_step(ctx: CostContext, evaluation: Evaluation, host: HostCosts, batch_s: float) -> StepSimulation:
@@ -151,7 +154,7 @@ def simulate_step(ctx: CostContext, evaluation: Evaluation, host: HostCosts, bat
     actors = _actors(ctx, evaluation, batch_s)
     done: dict[tuple[object, ...], float] = {}
     clock = {"now": 0.0}
-    opened: set[int] = set()  # sync groups whose actors have all finished their passes
+    opened: set[int] = set()  # actors whose sync partners have all finished their passes
 
     def advance(actor: Actor) -> None:
         """Start the actor's next piece of work, sleep or wait, skipping what is finished."""
@@ -159,10 +162,10 @@ def simulate_step(ctx: CostContext, evaluation: Evaluation, host: HostCosts, bat
         while actor.position < len(actor.phases):
             phase = actor.phases[actor.position]
             if phase.barrier:
-                group = actor.sync_group
-                if group not in opened and all(o.at_barrier for o in actors if o.sync_group == group):
-                    opened.add(group)
-                if group not in opened:
+                me = id(actor)
+                if me not in opened and all(actors[j].passes_done for j in actor.partners):
+                    opened.add(me)
+                if me not in opened:
                     actor.state = "waiting"
                     return
             elif phase.after is not None:

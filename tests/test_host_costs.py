@@ -17,7 +17,7 @@ from predictor.link_model import LinkPoint, fit_link
 from predictor.predictor import Predictor, fit_predictor
 from predictor.run_terms import predicted_stage_terms
 from predictor.schedule import forward_share
-from predictor.sharing import _actors, simulate_step
+from predictor.sharing import _actors, held_layers, simulate_step
 from profiler.collectives import bus_factor, latency_steps
 from profiler.profile import HostCosts, load_profile
 from profiler.profiles import load_profiles
@@ -190,17 +190,25 @@ def test_a_stage_syncs_and_steps_as_soon_as_its_own_replicas_are_done():
     assert simulated.time_s == pytest.approx(t0 + t1 + 7 * t1 - first_backward_s + 0.05)
 
 
-def test_sync_groups_join_the_stages_that_hold_common_layers():
+def test_an_actor_syncs_with_the_actors_holding_some_of_its_layers():
     ctx = quiet_context(0.01, 0.03, global_batch_size=4)
     halves = (StageStrategy("left", 0, 2, 1), StageStrategy("right", 2, 4, 1))
     replicas = Strategy((PipelineStrategy(2, 1, 1, halves),), "none", 1)
-    groups = [a.sync_group for a in _actors(ctx, evaluate(ctx, replicas), 0.0)]
-    assert groups[0] == groups[1] != groups[2] == groups[3]  # per stage: its two replicas
-    # a family split in two beside a family holding every layer: one sync, chained through the whole family
-    chained = Strategy(
+    actors = _actors(ctx, evaluate(ctx, replicas), 0.0)  # family, stage, replica
+    assert [a.partners for a in actors] == [(0, 1), (0, 1), (2, 3), (2, 3)]
+    # beside a family holding every layer, each half syncs with it, and it with both halves
+    beside = Strategy(
         (PipelineStrategy(1, 1, 2, halves), PipelineStrategy(1, 1, 2, (StageStrategy("left", 0, 4, 1),))), "none", 1
     )
-    assert len({a.sync_group for a in _actors(ctx, evaluate(ctx, chained), 0.0)}) == 1
+    assert [a.partners for a in _actors(ctx, evaluate(ctx, beside), 0.0)] == [(0, 2), (1, 2), (0, 1, 2)]
+
+
+def test_interleaved_stages_hold_their_chunks_layers_not_their_nominal_range():
+    """v = 2 over 8 layers: stages [0, 6) and [6, 8) deal chunks of 3, 1, 3, 1 layers in model order, so the first
+    stage holds layers 0-2 and 4-6 (and the embedding), the second 3 and 7."""
+    two = PipelineStrategy(1, 1, 2, (StageStrategy("left", 0, 6, 1), StageStrategy("right", 6, 8, 1)))
+    assert held_layers(two, 2, tied_embeddings=False) == [frozenset({-1, 0, 1, 2, 4, 5, 6}), frozenset({3, 7})]
+    assert held_layers(two, 1, tied_embeddings=True) == [frozenset({-1, *range(6)}), frozenset({-1, 6, 7})]
 
 
 def test_processes_that_finish_early_give_their_cores_to_the_others():
