@@ -6,7 +6,7 @@ prediction comes from, and the checks of `replan`'s change list."""
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -150,8 +150,9 @@ def run_context(
     training = plan.training.model_copy(update=RUNTIME_TRAINING)
 
     def context(seen: ClusterSpec) -> CostContext:
-        if profiles:
-            return predictor.base_context(seen, plan.model, training, profiles)
+        if profiles:  # named as such: the predictor's identity alone says what its calibration was fitted on
+            base = predictor.base_context(seen, plan.model, training, profiles)
+            return replace(base, identity=f"{base.identity}, its calibration not applied" if base.identity else "")
         return predictor.context(seen, plan.model, training)
 
     return context

@@ -11,7 +11,14 @@ import pytest
 
 from predictor.calibration import apply, parameters_for
 from predictor.comm_model import Link, all_reduce_time_s
-from predictor.cost_model import CostContext, cross_family_sync_time_s, evaluate, stage_params, tp_collective_time_s
+from predictor.cost_model import (
+    CostContext,
+    EndToEndTerms,
+    cross_family_sync_time_s,
+    evaluate,
+    stage_params,
+    tp_collective_time_s,
+)
 from predictor.host import busy_processes, loaded, local_run_context, on_host, step_overhead_s
 from predictor.link_model import LinkPoint, fit_link
 from predictor.predictor import Predictor, fit_predictor
@@ -388,3 +395,19 @@ def test_local_runs_calibrate_a_fixed_step_cost_of_their_own_with_a_prior_of_mil
     names = {p.name: p for p in parameters_for(engine_ctx)}
     assert "iteration_overhead_s:host" not in names and names["iteration_overhead_s"].prior_sd == pytest.approx(0.05)
     assert apply(engine_ctx, {"iteration_overhead_s:host": 0.003}).terms.iteration_overhead_s == 0.0
+
+
+def test_a_run_predicted_from_measured_profiles_says_the_predictors_calibration_is_not_applied(tmp_path):
+    from planner.plan import LoadedPlan
+    from planner.what_if import run_context
+
+    simulated_profile(tmp_path)
+    profiles = load_profiles(tmp_path, MODEL)
+    cluster = load_cluster(EXAMPLES / "cpu-even.yaml")
+    training = load_training(None, {"dtype": "fp32", "seq_length": 32, "global_batch_size": 8})
+    stages = (StageStrategy("left", 0, 2, 1), StageStrategy("right", 2, 4, 1))
+    plan = LoadedPlan(Strategy((PipelineStrategy(1, 1, 8, stages),), "none", 1), MODEL, training, "plan")
+    from_profiles = run_context(plan, Predictor(), profiles)(cluster)
+    assert from_profiles.terms == EndToEndTerms()  # as they are
+    assert "its calibration not applied" in from_profiles.predictor_identity
+    assert "not applied" not in run_context(plan, Predictor(), {})(cluster).predictor_identity
