@@ -23,6 +23,7 @@ from predictor.host import (
     busy_processes,
     evaluate_on_host,
     family_sync_overhead_s,
+    simulate_on_host,
     stage_overhead_s,
     step_overhead_s,
 )
@@ -39,6 +40,7 @@ from predictor.sharding import (
     state_bytes,
     state_bytes_per_param,
 )
+from predictor.sharing import StepSimulation
 from specs.cluster import DeviceGroup
 from specs.layout import PipelineStrategy, StageStrategy, Strategy, same_node
 from specs.model import ModelSpec, Recompute
@@ -424,15 +426,29 @@ def _evaluate_stages(
     return evaluated, pipeline.num_microbatches * slowest + bubble + fill_and_drain, bubble
 
 
+def simulated_step(ctx: CostContext, strategy: Strategy) -> StepSimulation | None:
+    """The traced step simulation behind `evaluate` of a local run on a profiled host (predictor.sharing: every
+    actor's events, for the run record beside the measured timeline); None where no simulation decides the step."""
+    ctx = _at_strategy(ctx, strategy)
+    if not (ctx.host and not ctx.processes_per_core and busy_processes(ctx, strategy)):
+        return None
+    return simulate_on_host(ctx, strategy, lambda loaded: evaluate(loaded, strategy), trace=True)
+
+
+def _at_strategy(ctx: CostContext, strategy: Strategy) -> CostContext:
+    """The context at the strategy's ZeRO stage and shard and its CP degree."""
+    if (strategy.zero_stage, strategy.zero_shard) != (ctx.training.zero_stage, ctx.training.zero_shard):
+        update = {"zero_stage": strategy.zero_stage, "zero_shard": strategy.zero_shard}
+        ctx = replace(ctx, training=ctx.training.model_copy(update=update))
+    return ctx.at_context_parallel(strategy.context_parallel)
+
+
 def evaluate(ctx: CostContext, strategy: Strategy, cache: StageCache | None = None) -> Evaluation:
     """Iteration time, throughput, MFU and memory per stage of a strategy (assumed structurally valid). With several
     pipeline families, the iteration waits for the slowest family's pipeline, then for the DP sync (across families
     too) and the optimizer step. The strategy's ZeRO stage is the one evaluated (a plan may pin its own). `cache`
     (a dict the caller keeps for one context) reuses stage evaluations across strategies, as the search does."""
-    if (strategy.zero_stage, strategy.zero_shard) != (ctx.training.zero_stage, ctx.training.zero_shard):
-        update = {"zero_stage": strategy.zero_stage, "zero_shard": strategy.zero_shard}
-        ctx = replace(ctx, training=ctx.training.model_copy(update=update))
-    ctx = ctx.at_context_parallel(strategy.context_parallel)
+    ctx = _at_strategy(ctx, strategy)
     if ctx.host and not ctx.processes_per_core and busy_processes(ctx, strategy):
         return evaluate_on_host(ctx, strategy, lambda loaded: evaluate(loaded, strategy, cache))
     evaluated: list[StageEvaluation] = []

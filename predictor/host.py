@@ -23,7 +23,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from predictor.context import CostContext
-from predictor.sharing import simulate_step
+from predictor.sharing import StepSimulation, simulate_step
 from profiler.profile import HostCosts, LayerCostSource, ScaledLayerCosts
 from specs.cluster import ClusterSpec, DeviceGroup
 from specs.layout import Strategy
@@ -76,9 +76,7 @@ def evaluate_on_host(
     process busy)."""
     host = max(ctx.host.values(), key=lambda costs: costs.cores)
     processes = busy_processes(ctx, strategy)
-    every = evaluate_at(loaded(ctx, processes / host.cores, 1.0))
-    at = on_host(ctx, every)
-    simulated = simulate_step(at, every, host, step_overhead_s(at, strategy))
+    simulated = simulate_on_host(ctx, strategy, evaluate_at)
     per_core = simulated.mean_busy_processes / host.cores
     unstretched = evaluate_at(loaded(ctx, per_core, 1.0))
     target_s = simulated.time_s + ctx.terms.iteration_overhead_s
@@ -91,6 +89,17 @@ def evaluate_on_host(
         return unstretched
     stretch = 1.0 + (target_s - unstretched.iteration_time_s) / growth * (most - 1.0)
     return evaluate_at(loaded(ctx, per_core, stretch))
+
+
+def simulate_on_host(
+    ctx: CostContext, strategy: Strategy, evaluate_at: Callable[[CostContext], Evaluation], trace: bool = False
+) -> StepSimulation:
+    """The step simulation `evaluate_on_host` starts from: an evaluation with unstretched compute and links loaded
+    by every process, its processes sharing the host's cores (`trace`: with every actor's events)."""
+    host = max(ctx.host.values(), key=lambda costs: costs.cores)
+    every = evaluate_at(loaded(ctx, busy_processes(ctx, strategy) / host.cores, 1.0))
+    at = on_host(ctx, every)
+    return simulate_step(at, every, host, step_overhead_s(at, strategy), trace)
 
 
 def on_host(ctx: CostContext, evaluation: Evaluation) -> CostContext:

@@ -56,6 +56,8 @@ class Phase:
     delay_s: float = 0.0
     finishes: tuple[object, ...] | None = None
     wall_s: float = 0.0  # the wall time its work took
+    kind: str = ""  # the run record's event it belongs to: batch, forward, backward, dp_sync or optimizer
+    event: int = 0  # which of the actor's events (a pass's compute, spin and TP waits are one)
 
 
 @dataclass
@@ -67,7 +69,8 @@ class Actor:
     phases: list[Phase]
     prompt: bool = False  # owed time by the scheduler, which serves it first (module docstring)
     layers: frozenset[int] = frozenset()  # the decoder layers it holds (-1: the embedding, tied to the LM head)
-    partners: tuple[int, ...] = ()  # the actors it syncs gradients with, itself included (sync_partners)
+    partners: tuple[int, ...] = ()  # the actors it syncs gradients with, itself included
+    where: tuple[int, int, int] = (0, 0, 0)  # family, stage position, replica
     position: int = 0
     state: str = "ready"  # ready, busy, spin, sleep, waiting, done
     remaining_s: float = 0.0
@@ -83,6 +86,9 @@ class Actor:
 class StepSimulation:
     time_s: float  # the step, from its start to the last actor's optimizer step
     mean_busy_processes: float  # processes computing or waiting for a core on the host, averaged over the step
+    # traced: per actor, {"family", "stage", "replica", "events": [[kind, start s, end s], ...]} as the run record's
+    # measured timeline lays out a rank's step (a wait for a neighbour before a pass is a "wait")
+    timeline: tuple[dict[str, object], ...] = ()
 
 
 def _actors(ctx: CostContext, evaluation: Evaluation, batch_s: float) -> list[Actor]:
@@ -105,8 +111,8 @@ def _actors(ctx: CostContext, evaluation: Evaluation, batch_s: float) -> list[Ac
             share = forward_share(ctx, evaluation, index)
             prompt = evaluated.stage.tp > 1 and waits > EPSILON_S  # sleeps in a TP collective every layer
             for replica, microbatches in enumerate(pipeline.replica_microbatches()):
-                phases = [Phase(busy_s=batch_s)]
-                for kind, j, k in stage_order(p, microbatches, v, position):
+                phases = [Phase(busy_s=batch_s, kind="batch")]
+                for event, (kind, j, k) in enumerate(stage_order(p, microbatches, v, position), start=1):
                     chunk = k * p + position
                     if kind == "forward":
                         after = (family, replica, "forward", j, chunk - 1) if chunk > 0 else None
@@ -117,15 +123,20 @@ def _actors(ctx: CostContext, evaluation: Evaluation, batch_s: float) -> list[Ac
                         delay = 0.0 if last else one_way[chunk % p]
                     busy = (share if kind == "forward" else 1 - share) * compute / v
                     # a group emulating a slower device computes the real part, then spins (1/speed - 1) x its wall
-                    phases.append(Phase(busy_s=busy * speed, after=after, delay_s=delay))
+                    phases.append(Phase(busy_s=busy * speed, after=after, delay_s=delay, kind=kind, event=event))
                     if speed < 1.0:
-                        phases.append(Phase(spin_factor=1.0 / speed - 1.0))
-                    phases.append(Phase(sleep_s=waits / 2 / v, finishes=(family, replica, kind, j, chunk)))
-                phases.append(Phase(barrier=True))
-                phases.append(Phase(busy_s=evaluated.sync_host_time_s))  # the sync's indexing and copies
-                phases.append(Phase(sleep_s=evaluated.dp_exposed_time_s - evaluated.sync_host_time_s))
-                phases.append(Phase(busy_s=evaluated.optimizer_time_s))
-                actors.append(Actor(evaluated.stage.tp, group.device.key in ctx.host, phases, prompt, held[position]))
+                        phases.append(Phase(spin_factor=1.0 / speed - 1.0, kind=kind, event=event))
+                    finishes = (family, replica, kind, j, chunk)
+                    phases.append(Phase(sleep_s=waits / 2 / v, finishes=finishes, kind=kind, event=event))
+                sync = len(phases)
+                phases.append(Phase(barrier=True, kind="dp_sync", event=sync))
+                phases.append(Phase(busy_s=evaluated.sync_host_time_s, kind="dp_sync", event=sync))  # indexing, copies
+                exposed = evaluated.dp_exposed_time_s - evaluated.sync_host_time_s
+                phases.append(Phase(sleep_s=exposed, kind="dp_sync", event=sync))
+                phases.append(Phase(busy_s=evaluated.optimizer_time_s, kind="optimizer", event=sync + 1))
+                actor = Actor(evaluated.stage.tp, group.device.key in ctx.host, phases, prompt, held[position])
+                actor.where = (family, position, replica)
+                actors.append(actor)
     for actor in actors:
         actor.partners = tuple(j for j, other in enumerate(actors) if actor.layers & other.layers)
     return actors
@@ -148,10 +159,13 @@ def held_layers(pipeline: PipelineStrategy, virtual_stages: int, tied_embeddings
     return held
 
 
-def simulate_step(ctx: CostContext, evaluation: Evaluation, host: HostCosts, batch_s: float) -> StepSimulation:
+def simulate_step(
+    ctx: CostContext, evaluation: Evaluation, host: HostCosts, batch_s: float, trace: bool = False
+) -> StepSimulation:
     """The step of `evaluation` (compute unstretched) with its host processes sharing `host.cores` cores; each rank
-    first makes the step's batch (`batch_s`, busy)."""
+    first makes the step's batch (`batch_s`, busy). `trace`: with every actor's events (StepSimulation.timeline)."""
     actors = _actors(ctx, evaluation, batch_s)
+    traced: list[list[tuple[tuple[str, int], float, float]]] = [[] for _ in actors]
     done: dict[tuple[object, ...], float] = {}
     clock = {"now": 0.0}
     opened: set[int] = set()  # actors whose sync partners have all finished their passes
@@ -225,6 +239,9 @@ def simulate_step(ctx: CostContext, evaluation: Evaluation, host: HostCosts, bat
         ]
         step = min(a.remaining_s / speed for a, speed in zip(active, speeds, strict=True) if speed > 0)
         busy_integral += computing * step
+        if trace:
+            for actor, events in zip(actors, traced, strict=True):
+                _extend(events, _event_of(actor), clock["now"], clock["now"] + step)
         clock["now"] += step
         for actor, speed in zip(active, speeds, strict=True):
             actor.remaining_s -= step * speed
@@ -235,4 +252,35 @@ def simulate_step(ctx: CostContext, evaluation: Evaluation, host: HostCosts, bat
                 actor.state = "ready"
                 advance(actor)
     now = clock["now"]
-    return StepSimulation(now, busy_integral / now if now > 0 else 0.0)
+    timeline = tuple(
+        {
+            "family": actor.where[0],
+            "stage": actor.where[1],
+            "replica": actor.where[2],
+            "events": [[kind, start, end] for (kind, _), start, end in events],
+        }
+        for actor, events in zip(actors, traced, strict=True)
+        if trace
+    )
+    return StepSimulation(now, busy_integral / now if now > 0 else 0.0, timeline)
+
+
+def _event_of(actor: Actor) -> tuple[str, int] | None:
+    """The run record's event the actor is in now: its phase's, or a wait for a neighbour before a pass starts."""
+    if actor.state == "done" or actor.position >= len(actor.phases):
+        return None
+    phase = actor.phases[actor.position]
+    if phase.kind in ("forward", "backward") and actor.state in ("waiting", "sleep") and phase.busy_s > EPSILON_S:
+        return ("wait", phase.event)
+    return (phase.kind, phase.event)
+
+
+def _extend(
+    events: list[tuple[tuple[str, int], float, float]], event: tuple[str, int] | None, start: float, end: float
+) -> None:
+    if event is None or end - start <= EPSILON_S:
+        return
+    if events and events[-1][0] == event and abs(events[-1][2] - start) <= EPSILON_S:
+        events[-1] = (event, events[-1][1], end)
+    else:
+        events.append((event, start, end))

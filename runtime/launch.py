@@ -22,7 +22,7 @@ import torch.distributed as dist
 from planner.export import launch_commands
 from planner.plan import LoadedPlan, evaluation_dict
 from planner.what_if import check_runtime_layout
-from predictor.cost_model import CostContext, evaluate
+from predictor.cost_model import CostContext, evaluate, simulated_step
 from predictor.host import local_run_context, on_host
 from predictor.run_terms import predicted_stage_terms, side_by_side
 from predictor.runs import RUN_SCHEMA
@@ -33,6 +33,7 @@ from runtime.execute import TORCH_DTYPES, RunJob, RunSettings, gathered_results,
 from runtime.model import ReferenceModel, check_tp
 from specs.cluster import ClusterSpec
 from specs.errors import SpecError
+from specs.layout import Strategy
 from specs.loading import read_mapping
 
 __all__ = ["execute", "execute_in_job", "launch_commands", "prediction_context", "run_in_job", "run_plan"]
@@ -175,6 +176,16 @@ def summarize(results: list[dict[str, Any]], steps: int) -> dict[str, Any]:
     }
 
 
+def _predicted_timeline(ctx: CostContext, strategy: Strategy) -> dict[str, Any] | None:
+    """The step as the prediction's simulation of the processes sharing the cores lays it out, per (family, stage,
+    replica) in the measured timeline's terms ([kind, start s, end s]; compute unstretched, so its step may differ
+    from the predicted iteration by the stretch and the fixed cost per step); None without measured host costs."""
+    simulated = simulated_step(ctx, strategy)
+    if simulated is None:
+        return None
+    return {"step_s": simulated.time_s, "actors": list(simulated.timeline)}
+
+
 def _timeline(active: list[dict[str, Any]], step_times: list[float], steps: int) -> dict[str, Any]:
     """Every rank's passes, waits, sync and update in one step (the median after the warm-up, the lower of an even
     count; counted from the run's first step, which after a resume is the checkpoint's), each [kind, start s, end s,
@@ -303,6 +314,7 @@ def run_record(
             "machine_speed": speed,
             "terms": side_by_side(summary["stages"], terms),
             "timeline": summary["timeline"],
+            "predicted_timeline": _predicted_timeline(ctx, plan.strategy),
             "core_sharing": sharing,
             "emulated_groups": emulated,
             "emulation": "ranks of emulated groups repeat their stage's layer math until each pass takes 1/speed "

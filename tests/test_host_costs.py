@@ -181,6 +181,32 @@ def test_the_step_simulation_without_contention_is_the_1f1b_formula():
     assert evaluate(ctx, strategy).iteration_time_s == pytest.approx(simulated.time_s)
 
 
+def test_a_traced_step_simulation_lays_out_each_actors_events_as_a_run_record_does():
+    """The PP 2 above (8 micro-batches): each stage's 8 forwards and 8 backwards in 1F1B order; the second stage
+    waits for the first's forward before each of its warm-up passes, and the first for the second's backward; the
+    events of an actor follow each other and the last ends with the step."""
+    ctx = quiet_context(0.01, 0.03)
+    stages = (StageStrategy("left", 0, 2, 1), StageStrategy("right", 2, 4, 1))
+    strategy = Strategy((PipelineStrategy(1, 1, 8, stages),), "none", 1)
+    unstretched = evaluate(loaded(ctx, 1.0, 1.0), strategy)
+    traced = simulate_step(ctx, unstretched, QUIET, step_overhead_s(ctx, unstretched.strategy), trace=True)
+    assert simulate_step(ctx, unstretched, QUIET, step_overhead_s(ctx, unstretched.strategy)).timeline == ()
+    first, second = traced.timeline
+    assert [(a["family"], a["stage"], a["replica"]) for a in traced.timeline] == [(0, 0, 0), (0, 1, 0)]
+    t0_forward = forward_share(ctx, unstretched, 0) * 2 * 0.01
+    passes = [kind for kind, _, _ in second["events"] if kind != "wait"]
+    assert passes == ["forward", "backward"] * 8  # the last stage: one forward, one backward
+    assert second["events"][0] == ["wait", 0.0, pytest.approx(t0_forward)]
+    kinds = [kind for kind, _, _ in first["events"]]
+    assert kinds.count("forward") == 8 and kinds.count("backward") == 8 and kinds[:2] == ["forward", "forward"]
+    assert kinds[2] == "wait"  # for the second stage's first backward
+    for actor in traced.timeline:
+        ends = [end for _, _, end in actor["events"]]
+        starts = [start for _, start, _ in actor["events"]]
+        assert starts[1:] == pytest.approx(ends[:-1])
+    assert max(a["events"][-1][2] for a in traced.timeline) == pytest.approx(traced.time_s)
+
+
 def test_a_stage_syncs_and_steps_as_soon_as_its_own_replicas_are_done():
     """PP 2 as above, with a 50 ms optimizer step on the last stage: it starts when that stage's last backward ends,
     while the first stage still runs its last backward (its DP group has no one else to wait for), not after every
