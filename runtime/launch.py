@@ -178,8 +178,8 @@ def summarize(results: list[dict[str, Any]], steps: int) -> dict[str, Any]:
 
 def _predicted_timeline(ctx: CostContext, strategy: Strategy) -> dict[str, Any] | None:
     """The step as the prediction's simulation of the processes sharing the cores lays it out, per (family, stage,
-    replica) in the measured timeline's terms ([kind, start s, end s]; compute unstretched, so its step may differ
-    from the predicted iteration by the stretch and the fixed cost per step); None without measured host costs."""
+    replica) in the measured timeline's terms ([kind, start s, end s]); its step is the one the predicted iteration
+    is stretched to, before the calibrated fixed cost per step. None without measured host costs."""
     simulated = simulated_step(ctx, strategy)
     if simulated is None:
         return None
