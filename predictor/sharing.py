@@ -270,7 +270,8 @@ def _event_of(actor: Actor) -> tuple[str, int] | None:
     if actor.state == "done" or actor.position >= len(actor.phases):
         return None
     phase = actor.phases[actor.position]
-    if phase.kind in ("forward", "backward") and actor.state in ("waiting", "sleep") and phase.busy_s > EPSILON_S:
+    # a pass's compute phase (the one that finishes nothing) waits or sleeps only for its dependency
+    if phase.kind in ("forward", "backward") and actor.state in ("waiting", "sleep") and phase.finishes is None:
         return ("wait", phase.event)
     return (phase.kind, phase.event)
 
@@ -280,7 +281,7 @@ def _extend(
 ) -> None:
     if event is None or end - start <= EPSILON_S:
         return
-    if events and events[-1][0] == event and abs(events[-1][2] - start) <= EPSILON_S:
+    if events and events[-1][0] == event:  # an event's key never comes back once left
         events[-1] = (event, events[-1][1], end)
     else:
         events.append((event, start, end))

@@ -178,8 +178,9 @@ def summarize(results: list[dict[str, Any]], steps: int) -> dict[str, Any]:
 
 def _predicted_timeline(ctx: CostContext, strategy: Strategy) -> dict[str, Any] | None:
     """The step as the prediction's simulation of the processes sharing the cores lays it out, per (family, stage,
-    replica) in the measured timeline's terms ([kind, start s, end s]); its step is the one the predicted iteration
-    is stretched to, before the calibrated fixed cost per step. None without measured host costs."""
+    replica) in the measured timeline's terms ([kind, start s, end s]; a row stands for the stage's TP and CP ranks,
+    events that take no time are left out); its step is the simulated one the predicted iteration is stretched
+    toward when it is stretched, before the calibrated fixed cost per step. None without measured host costs."""
     simulated = simulated_step(ctx, strategy)
     if simulated is None:
         return None

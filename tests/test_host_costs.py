@@ -16,10 +16,11 @@ from predictor.cost_model import (
     EndToEndTerms,
     cross_family_sync_time_s,
     evaluate,
+    simulated_step,
     stage_params,
     tp_collective_time_s,
 )
-from predictor.host import busy_processes, loaded, local_run_context, on_host, step_overhead_s
+from predictor.host import busy_processes, loaded, local_run_context, on_host, simulate_on_host, step_overhead_s
 from predictor.link_model import LinkPoint, fit_link
 from predictor.predictor import Predictor, fit_predictor
 from predictor.run_terms import predicted_stage_terms
@@ -205,6 +206,28 @@ def test_a_traced_step_simulation_lays_out_each_actors_events_as_a_run_record_do
         starts = [start for _, start, _ in actor["events"]]
         assert starts[1:] == pytest.approx(ends[:-1])
     assert max(a["events"][-1][2] for a in traced.timeline) == pytest.approx(traced.time_s)
+
+
+def test_a_run_records_the_simulated_step_of_its_prediction_as_json():
+    """The record's predicted timeline is the simulation behind evaluate(): the same step, at the strategy's own
+    ZeRO stage too, and plain JSON; a context without host costs has none."""
+    from runtime.launch import _predicted_timeline
+
+    ctx = quiet_context(0.01, 0.03)
+    stages = (StageStrategy("left", 0, 2, 1), StageStrategy("right", 2, 4, 1))
+    strategy = Strategy((PipelineStrategy(1, 1, 8, stages),), "none", 1)
+    direct = simulate_on_host(ctx, strategy, lambda at: evaluate(at, strategy))
+    simulated = simulated_step(ctx, strategy)
+    assert simulated is not None and simulated.time_s == pytest.approx(direct.time_s) and simulated.timeline
+    assert evaluate(ctx, strategy).iteration_time_s == pytest.approx(simulated.time_s)  # no stretch, no fixed cost
+    zero3 = replace(strategy, zero_stage=3)  # the plan's own stage, not the training's 1
+    assert simulated_step(ctx, zero3) == simulated_step(
+        replace(ctx, training=ctx.training.model_copy(update={"zero_stage": 3})), zero3
+    )
+    record = json.loads(json.dumps(_predicted_timeline(ctx, strategy)))
+    assert record["step_s"] == pytest.approx(simulated.time_s) and len(record["actors"]) == 2
+    assert record["actors"][1]["events"][0][0] == "wait"
+    assert _predicted_timeline(replace(ctx, host={}), strategy) is None
 
 
 def test_a_stage_syncs_and_steps_as_soon_as_its_own_replicas_are_done():
