@@ -252,7 +252,15 @@ def simulate_step(
                 actor.state = "ready"
                 advance(actor)
     now = clock["now"]
-    timeline = tuple(
+    timeline = _timeline(actors, traced) if trace else ()
+    return StepSimulation(now, busy_integral / now if now > 0 else 0.0, timeline)
+
+
+def _timeline(
+    actors: list[Actor], traced: list[list[tuple[tuple[str, int], float, float]]]
+) -> tuple[dict[str, object], ...]:
+    """Each actor's traced events as the run record writes them."""
+    return tuple(
         {
             "family": actor.where[0],
             "stage": actor.where[1],
@@ -260,9 +268,7 @@ def simulate_step(
             "events": [[kind, start, end] for (kind, _), start, end in events],
         }
         for actor, events in zip(actors, traced, strict=True)
-        if trace
     )
-    return StepSimulation(now, busy_integral / now if now > 0 else 0.0, timeline)
 
 
 def _event_of(actor: Actor) -> tuple[str, int] | None:
