@@ -190,7 +190,7 @@ def test_interleaving_and_the_mixed_vendor_note_follow_the_flags(hethub, key):
     assert noted is (len(vendors) > 1 and not engine.mixed_vendors)
 
 
-def test_deepspeed_config_passes_deepspeeds_own_checks(mixed, tmp_path):
+def test_deepspeed_config_passes_deepspeeds_own_checks(mixed, tmp_path, monkeypatch):
     ctx, strategy = mixed
     exported = export_plan(ctx, strategy, "deepspeed")
     config = json.loads(exported.files["ds_config.json"])
@@ -211,12 +211,18 @@ def test_deepspeed_config_passes_deepspeeds_own_checks(mixed, tmp_path):
         def get_data_parallel_world_size(self) -> int:
             return pipeline.replicas
 
+    import importlib
+
     import deepspeed.comm
     import torch.distributed as dist
 
     from profiler.comm_bench import free_port
 
-    # DeepSpeed reads the data-parallel size from `mpu` only once its communication is up (one local rank here)
+    # DeepSpeed reads the data-parallel size from `mpu` only once its communication is up (one local rank here).
+    # Its CPU backend would first JIT-compile a shared-memory all-reduce op the config checks never use, behind a
+    # file lock that waits without a timeout (an interrupted compile left one behind, and the next suite hung on it)
+    backend = importlib.import_module("deepspeed.comm.torch")  # the attribute deepspeed.comm.torch is torch itself
+    monkeypatch.setattr(backend, "build_shm_op", lambda: None)
     address = f"tcp://127.0.0.1:{free_port()}"
     deepspeed.comm.init_distributed("gloo", auto_mpi_discovery=False, init_method=address, rank=0, world_size=1)
     wrong = {**config, "train_batch_size": config["train_batch_size"] + 1}
