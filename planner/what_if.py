@@ -152,7 +152,7 @@ def run_context(
     def context(seen: ClusterSpec) -> CostContext:
         if profiles:  # named as such: the predictor's identity alone says what its calibration was fitted on
             base = predictor.base_context(seen, plan.model, training, profiles)
-            return replace(base, identity=f"{base.identity}, its calibration not applied" if base.identity else "")
+            return replace(base, identity=f"{base.identity}, its calibration not applied")
         return predictor.context(seen, plan.model, training)
 
     return context

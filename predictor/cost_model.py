@@ -430,9 +430,15 @@ def simulated_step(ctx: CostContext, strategy: Strategy) -> StepSimulation | Non
     """The traced step simulation behind `evaluate` of a local run on a profiled host (predictor.sharing: every
     actor's events, for the run record beside the measured timeline); None where no simulation decides the step."""
     ctx = _at_strategy(ctx, strategy)
-    if not (ctx.host and not ctx.processes_per_core and busy_processes(ctx, strategy)):
+    if not _on_shared_host(ctx, strategy):
         return None
     return simulate_on_host(ctx, strategy, lambda loaded: evaluate(loaded, strategy), trace=True)
+
+
+def _on_shared_host(ctx: CostContext, strategy: Strategy) -> bool:
+    """Whether the strategy's processes share a profiled host whose core sharing is not yet applied: a simulation
+    of the step decides its evaluation (predictor.host.evaluate_on_host)."""
+    return bool(ctx.host) and not ctx.processes_per_core and busy_processes(ctx, strategy) > 0
 
 
 def _at_strategy(ctx: CostContext, strategy: Strategy) -> CostContext:
@@ -449,7 +455,7 @@ def evaluate(ctx: CostContext, strategy: Strategy, cache: StageCache | None = No
     too) and the optimizer step. The strategy's ZeRO stage is the one evaluated (a plan may pin its own). `cache`
     (a dict the caller keeps for one context) reuses stage evaluations across strategies, as the search does."""
     ctx = _at_strategy(ctx, strategy)
-    if ctx.host and not ctx.processes_per_core and busy_processes(ctx, strategy):
+    if _on_shared_host(ctx, strategy):
         return evaluate_on_host(ctx, strategy, lambda loaded: evaluate(loaded, strategy, cache))
     evaluated: list[StageEvaluation] = []
     pipeline_time = bubble = -1.0

@@ -168,7 +168,6 @@ def simulate_step(
     traced: list[list[tuple[tuple[str, int], float, float]]] = [[] for _ in actors]
     done: dict[tuple[object, ...], float] = {}
     clock = {"now": 0.0}
-    opened: set[int] = set()  # actors whose sync partners have all finished their passes
 
     def advance(actor: Actor) -> None:
         """Start the actor's next piece of work, sleep or wait, skipping what is finished."""
@@ -176,10 +175,7 @@ def simulate_step(
         while actor.position < len(actor.phases):
             phase = actor.phases[actor.position]
             if phase.barrier:
-                me = id(actor)
-                if me not in opened and all(actors[j].passes_done for j in actor.partners):
-                    opened.add(me)
-                if me not in opened:
+                if not all(actors[j].passes_done for j in actor.partners):  # once done, done: no state to keep
                     actor.state = "waiting"
                     return
             elif phase.after is not None:
