@@ -14,9 +14,12 @@ simulation decides a local run's prediction, a stage that finishes early syncs a
 
 The busy processes share the cores: with n of them on C cores each computes at min(1, C / n) of a core, slowed by the
 measured busy stretch of n processes computing at once (HostCosts.busy_stretch). Sleeping processes leave the cores to
-the others. TP ranks are served first (`prompt`): they sleep in a collective after every fraction of a millisecond of
-compute, so the scheduler owes them time and runs them ahead of the processes that never sleep, through their
-optimizer step and sync too (the time owed carries over); prompt processes share the cores among themselves and the
+the others. When the host's ranks outnumber its cores, every forward and backward also pays the measured cold start
+of a pass after another process used its core (HostCosts.cold_forward_s, cold_backward_s): on the benchmark's 2-core
+host with four ranks, a tiny stage's passes took 15% more CPU time than with two, a 10x stage's 1.5% more.
+TP ranks are served first (`prompt`): they sleep in a collective after every fraction of a millisecond of compute,
+so the scheduler owes them time and runs them ahead of the processes that never sleep, through their optimizer step
+and sync too (the time owed carries over); prompt processes share the cores among themselves and the
 others share what they leave. (On the benchmark's tiny two-family run, four processes on two cores, the TP pair's
 compute took about 1.6x its time alone and the TP 1 ranks beside it about 2.1x: fair shares would slow both 2x.
 Over the benchmark's six two-family cases, serving the pair first put the predictions within 12% of the measured
@@ -91,11 +94,12 @@ class StepSimulation:
     timeline: tuple[dict[str, object], ...] = ()
 
 
-def _actors(ctx: CostContext, evaluation: Evaluation, batch_s: float) -> list[Actor]:
+def _actors(ctx: CostContext, evaluation: Evaluation, batch_s: float, host: HostCosts | None = None) -> list[Actor]:
     from predictor.schedule import forward_share, stage_order
 
     strategy = evaluation.strategy
     v = strategy.virtual_stages
+    cold = cold_starts(ctx, evaluation, host)
     actors = []
     for family, pipeline in enumerate(strategy.pipelines):
         indices = [i for i, s in enumerate(evaluation.stages) if s.family == family]
@@ -110,6 +114,7 @@ def _actors(ctx: CostContext, evaluation: Evaluation, batch_s: float) -> list[Ac
             waits = evaluated.tp_comm_time_s + evaluated.sharded_exposed_time_s
             share = forward_share(ctx, evaluation, index)
             prompt = evaluated.stage.tp > 1 and waits > EPSILON_S  # sleeps in a TP collective every layer
+            actor_shares_host = group.device.key in ctx.host
             for replica, microbatches in enumerate(pipeline.replica_microbatches()):
                 phases = [Phase(busy_s=batch_s, kind="batch")]
                 for event, (kind, j, k) in enumerate(stage_order(p, microbatches, v, position), start=1):
@@ -123,7 +128,8 @@ def _actors(ctx: CostContext, evaluation: Evaluation, batch_s: float) -> list[Ac
                         delay = 0.0 if last else one_way[chunk % p]
                     busy = (share if kind == "forward" else 1 - share) * compute / v
                     # a group emulating a slower device computes the real part, then spins (1/speed - 1) x its wall
-                    phases.append(Phase(busy_s=busy * speed, after=after, delay_s=delay, kind=kind, event=event))
+                    work = busy * speed + (cold[kind] if actor_shares_host else 0.0)
+                    phases.append(Phase(busy_s=work, after=after, delay_s=delay, kind=kind, event=event))
                     if speed < 1.0:
                         phases.append(Phase(spin_factor=1.0 / speed - 1.0, kind=kind, event=event))
                     finishes = (family, replica, kind, j, chunk)
@@ -134,12 +140,26 @@ def _actors(ctx: CostContext, evaluation: Evaluation, batch_s: float) -> list[Ac
                 exposed = evaluated.dp_exposed_time_s - evaluated.sync_host_time_s
                 phases.append(Phase(sleep_s=exposed, kind="dp_sync", event=sync))
                 phases.append(Phase(busy_s=evaluated.optimizer_time_s, kind="optimizer", event=sync + 1))
-                actor = Actor(evaluated.stage.tp, group.device.key in ctx.host, phases, prompt, held[position])
+                actor = Actor(evaluated.stage.tp, actor_shares_host, phases, prompt, held[position])
                 actor.where = (family, position, replica)
                 actors.append(actor)
     for actor in actors:
         actor.partners = tuple(j for j, other in enumerate(actors) if actor.layers & other.layers)
     return actors
+
+
+def cold_starts(ctx: CostContext, evaluation: Evaluation, host: HostCosts | None) -> dict[str, float]:
+    """The busy seconds each forward and backward pass adds when the host's ranks outnumber its cores: every pass
+    then starts after other ranks computed on its core (it waited for a neighbour, or was preempted), with their data
+    in its caches (HostCosts.cold_forward_s, cold_backward_s; none with a core per rank)."""
+    ranks = sum(
+        stage.stage.tp * len(evaluation.strategy.pipelines[stage.family].replica_microbatches())
+        for stage in evaluation.stages
+        if ctx.cluster.group(stage.stage.group).device.key in ctx.host
+    )
+    if host is None or ranks <= host.cores:
+        return {"forward": 0.0, "backward": 0.0}
+    return {"forward": host.cold_forward_s, "backward": host.cold_backward_s}
 
 
 def held_layers(pipeline: PipelineStrategy, virtual_stages: int, tied_embeddings: bool) -> list[frozenset[int]]:
@@ -164,7 +184,7 @@ def simulate_step(
 ) -> StepSimulation:
     """The step of `evaluation` (compute unstretched) with its host processes sharing `host.cores` cores; each rank
     first makes the step's batch (`batch_s`, busy). `trace`: with every actor's events (StepSimulation.timeline)."""
-    actors = _actors(ctx, evaluation, batch_s)
+    actors = _actors(ctx, evaluation, batch_s, host)
     traced: list[list[tuple[tuple[str, int], float, float]]] = [[] for _ in actors]
     done: dict[tuple[object, ...], float] = {}
     clock = {"now": 0.0}

@@ -57,6 +57,7 @@ BATCHES = (8, 32)  # global batch sizes the batch making is timed at
 OPTIMIZER_WARMUP_STEPS = 2  # untimed optimizer steps first (the allocator and the moments settle)
 OPTIMIZER_STEPS = 7  # optimizer steps timed after a pass each (at least; more while under min_time_s)
 MAX_OPTIMIZER_STEPS = 40
+COLD_ROUNDS = 15  # at least, of the cold pass measurement (each: a pass back to back and one after the partner's)
 TP_LAYERS = 2  # decoder layers of the chain the TP collective overhead is timed on (at most the model's)
 TP_COLLECTIVES_PER_LAYER = 4  # 2 in the forward, 2 in the backward (Megatron's f and g at attention and MLP)
 TP_TIMEOUT_S = 120.0
@@ -181,6 +182,116 @@ def _concurrency_at(
             process.join(timeout=10)
             if process.is_alive():
                 process.kill()
+
+
+def _stage_pass_parts(
+    model: ModelSpec, micro_batch_size: int, seq_length: int, dtype: torch.dtype
+) -> tuple[Callable[[], torch.Tensor], Callable[[torch.Tensor], None]]:
+    """(forward, backward) of a stage of min(STAGE_LAYERS, the model's layers) decoder layers with the embedding and
+    the head, as a runtime stage runs them: the forward returns the loss the backward starts from."""
+    module = _stage_parts(model, dtype, max(1, min(STAGE_LAYERS, model.num_layers)))
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, model.vocab_size, (micro_batch_size, seq_length), generator=generator)
+    targets = torch.randint(0, model.vocab_size, (micro_batch_size, seq_length), generator=generator)
+
+    def forward() -> torch.Tensor:
+        module.zero_grad(set_to_none=False)
+        return module(tokens, targets)
+
+    def backward(loss: torch.Tensor) -> None:
+        loss.backward()
+
+    return forward, backward
+
+
+def _core_partner(
+    model: ModelSpec,
+    micro_batch_size: int,
+    seq_length: int,
+    dtype: str,
+    core: int,
+    go: Event,
+    done: Event,
+    stop: Event,
+    ready: Event,
+) -> None:
+    """A process pinned to `core` that runs a stage pass of its own each time `go` is set, then sets `done`."""
+    torch.set_num_threads(1)
+    keep_freed_host_memory()
+    os.sched_setaffinity(0, {core})
+    forward, backward = _stage_pass_parts(model, micro_batch_size, seq_length, getattr(torch, dtype))
+    backward(forward())
+    ready.set()
+    while not stop.is_set():
+        if go.wait(timeout=0.1):
+            go.clear()
+            backward(forward())
+            done.set()
+
+
+def cold_pass_costs(
+    model: ModelSpec, micro_batch_size: int, seq_length: int, dtype: torch.dtype, min_time_s: float = 0.5
+) -> tuple[float, float]:
+    """(forward, backward) busy seconds a stage pass takes beyond back to back when another process has used its
+    core just before: with more ranks than cores, a rank's pass starts after others computed on its core (it waited
+    for a neighbour or was preempted), with their data in its caches. This process and a partner, both pinned to one
+    core, take turns: the partner runs a stage pass of its own, then this process times a forward (or a backward) on
+    its CPU clock; against the same passes back to back, in interleaved rounds. (0, 0) where processes cannot be
+    pinned to a core (no os.sched_setaffinity)."""
+    if not hasattr(os, "sched_setaffinity"):
+        return 0.0, 0.0
+    allowed = os.sched_getaffinity(0)
+    core = min(allowed)
+    threads = torch.get_num_threads()
+    context = mp.get_context("spawn")
+    go, done, stop, ready = context.Event(), context.Event(), context.Event(), context.Event()
+    args = (model, micro_batch_size, seq_length, str(dtype).removeprefix("torch."), core, go, done, stop, ready)
+    partner = context.Process(target=_core_partner, args=args, daemon=True)
+    partner.start()
+    try:
+        torch.set_num_threads(1)
+        os.sched_setaffinity(0, {core})
+        deadline = time.monotonic() + HELPER_START_S
+        while not ready.wait(timeout=0.2):
+            if not partner.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the core partner process did not start (exit code {partner.exitcode})")
+        forward, backward = _stage_pass_parts(model, micro_batch_size, seq_length, dtype)
+        backward(forward())
+
+        def partner_pass() -> None:
+            go.set()
+            while not done.wait(timeout=0.2):
+                if not partner.is_alive():
+                    raise RuntimeError(f"the core partner process stopped (exit code {partner.exitcode})")
+            done.clear()
+
+        def timed_round(cold: bool) -> tuple[float, float]:
+            if cold:
+                partner_pass()
+            started = time.process_time()
+            loss = forward()
+            forward_s = time.process_time() - started
+            if cold:
+                partner_pass()
+            started = time.process_time()
+            backward(loss)
+            return forward_s, time.process_time() - started
+
+        measured: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
+        while len(measured[True]) < COLD_ROUNDS or sum(f + b for f, b in measured[True]) < min_time_s:
+            for cold in (False, True):
+                measured[cold].append(timed_round(cold))
+        medians = {
+            cold: [statistics.median(times[i] for times in rounds) for i in (0, 1)] for cold, rounds in measured.items()
+        }
+        return max(0.0, medians[True][0] - medians[False][0]), max(0.0, medians[True][1] - medians[False][1])
+    finally:
+        os.sched_setaffinity(0, allowed)
+        torch.set_num_threads(threads)
+        stop.set()
+        partner.join(timeout=10)
+        if partner.is_alive():
+            partner.kill()
 
 
 def _stage_parts(model: ModelSpec, dtype: torch.dtype, layers: int) -> nn.Module:
@@ -490,6 +601,8 @@ def measure_host(
     except HetplanError as err:  # the layers and the other host costs stay measured
         progress(f"host: {err}; local runs' TP collectives will use the link profile's")
         tp = None
+    progress("host: passes after another process used the core")
+    cold_forward_s, cold_backward_s = cold_pass_costs(model, micro_batch_size, seq_length, dtype)
     progress("host: optimizer step")
     per_shard_param, per_held_param, per_gathered_param = optimizer_costs(model, micro_batch_size, seq_length, dtype)
     progress("host: syncing gradients across families")
@@ -509,6 +622,8 @@ def measure_host(
         tp_all_reduce_alpha_s=tp.all_reduce_alpha_s if tp else None,
         tp_all_reduce_bw_bytes_per_s=tp.all_reduce_bw_bytes_per_s if tp else None,
         family_sync_s_per_param=family_sync_s_per_param,
+        cold_forward_s=cold_forward_s,
+        cold_backward_s=cold_backward_s,
         batch_s=batch_s,
         batch_s_per_sample=batch_s_per_sample,
     )

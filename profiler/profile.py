@@ -141,6 +141,10 @@ class HostCosts(BaseModel):
                              loop): the TP collectives of local runs use them (none: the link profile's);
     family_sync_s_per_param  the work around the collectives when gradients meet across pipeline families (padding,
                              indexing the chunk to swap, adding what comes back), per parameter held;
+    cold_forward_s, cold_backward_s  what a stage's forward and backward take beyond back to back when another
+                             process has just used their core (its data in the caches): with more ranks than cores
+                             every pass starts so; timed on a stage of up to 4 layers with the embedding and head, two
+                             processes pinned to one core taking turns; 0 in profiles made before it was measured;
     batch_s, batch_s_per_sample  making a step's token batch (the runtime's synthetic data) at the profile's sequence.
     """
 
@@ -159,6 +163,8 @@ class HostCosts(BaseModel):
     tp_all_reduce_alpha_s: float | None = Field(default=None, ge=0)
     tp_all_reduce_bw_bytes_per_s: float | None = Field(default=None, gt=0)
     family_sync_s_per_param: float = Field(default=0.0, ge=0)
+    cold_forward_s: float = Field(default=0.0, ge=0)
+    cold_backward_s: float = Field(default=0.0, ge=0)
     batch_s: float = Field(ge=0)
     batch_s_per_sample: float = Field(ge=0)
 

@@ -283,6 +283,22 @@ def test_processes_that_finish_early_give_their_cores_to_the_others():
     assert evaluate(ctx, strategy).iteration_time_s == pytest.approx(0.016, rel=1e-6)
 
 
+def test_passes_start_cold_when_the_hosts_ranks_outnumber_its_cores():
+    """The families above with a cold start of 1 ms per forward and per backward: each process does 2 ms more, 8 and
+    12 ms of work. Four at half a core until the first family is done at 16 ms (the pair has done 8 of its 12 ms),
+    then the pair has a core each for 4 ms: 20 ms. On a host of four cores every rank keeps its core, passes start
+    warm and the step is the pair's 10 ms."""
+    cold = QUIET.model_copy(update={"cold_forward_s": 0.001, "cold_backward_s": 0.001})
+    ctx = quiet_context(0.006 / 4, 0.01 / 4, global_batch_size=3)
+    ctx = replace(ctx, host={"cpu": cold})
+    unstretched = evaluate(loaded(ctx, 2.0, 1.0), two_families())
+    batch_s = step_overhead_s(ctx, unstretched.strategy)
+    assert simulate_step(ctx, unstretched, cold, batch_s).time_s == pytest.approx(0.020)
+    assert simulate_step(ctx, unstretched, QUIET, batch_s).time_s == pytest.approx(0.016)
+    four_cores = cold.model_copy(update={"cores": 4})
+    assert simulate_step(ctx, unstretched, four_cores, batch_s).time_s == pytest.approx(0.010)
+
+
 def test_the_host_work_of_a_sync_across_families_keeps_cores_busy_in_the_step_simulation():
     """The families above, then the sync's indexing and copies (links take no time): 4 ms of work per process on
     the left (every parameter), 2 ms on each TP rank of the right (half of them). Four busy processes share two

@@ -120,6 +120,71 @@ def test_concurrency_is_measured_with_helper_processes_computing_beside():
     assert 0.5 < points[0].busy_stretch < 5.0
 
 
+@pytest.mark.slow
+def test_cold_passes_are_timed_with_a_partner_process_on_the_same_core():
+    """Measured for real on a tiny model: two non-negative costs well under a pass, and the process's own affinity
+    and thread count are restored afterwards."""
+    import os
+
+    if not hasattr(os, "sched_setaffinity"):
+        assert host.cold_pass_costs(MODEL, 1, 16, torch.float32) == (0.0, 0.0)
+        return
+    allowed, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    forward_s, backward_s = host.cold_pass_costs(MODEL, 1, 16, torch.float32, min_time_s=0.05)
+    assert 0.0 <= forward_s < 0.05 and 0.0 <= backward_s < 0.05
+    assert os.sched_getaffinity(0) == allowed and torch.get_num_threads() == threads
+
+
+def test_cold_pass_costs_are_turns_after_the_partner_against_back_to_back(monkeypatch):
+    """A partner thread stands for the pinned process. With the CPU clock advancing 2 ms per forward and 3 ms per
+    backward, plus 0.5 and 1 ms when the partner has just run, the costs are (0.5 ms, 1 ms); the partner ran before
+    every cold forward and backward."""
+    import threading
+
+    clock = {"now": 0.0, "partner_ran": False, "partner_passes": 0}
+
+    class Loss:
+        def backward(self) -> None:
+            clock["now"] += 0.003 + (0.001 if clock.pop("partner_ran", False) else 0.0)
+
+    def forward() -> Loss:
+        clock["now"] += 0.002 + (0.0005 if clock.pop("partner_ran", False) else 0.0)
+        return Loss()
+
+    class Partner(threading.Thread):
+        """Runs a turn each time it is asked to (as _core_partner does), in a thread."""
+
+        exitcode = None
+
+        def __init__(self, target, args, daemon):
+            super().__init__(daemon=True)
+            self.go, self.done, self.stop, ready = args[5:9]
+            ready.set()
+
+        def run(self) -> None:
+            while not self.stop.is_set():
+                if self.go.wait(timeout=0.01):
+                    self.go.clear()
+                    clock["partner_ran"] = True
+                    clock["partner_passes"] += 1
+                    self.done.set()
+
+        def kill(self) -> None:
+            raise AssertionError("the partner stops when asked to")
+
+    class Context:
+        Event = threading.Event
+        Process = Partner
+
+    monkeypatch.setattr(host.mp, "get_context", lambda method: Context())
+    monkeypatch.setattr(host, "_stage_pass_parts", lambda *a: (forward, lambda loss: loss.backward()))
+    monkeypatch.setattr(host.time, "process_time", lambda: clock["now"])
+    monkeypatch.setattr(host.os, "sched_setaffinity", lambda pid, cores: None)
+    forward_s, backward_s = host.cold_pass_costs(MODEL, 1, 16, torch.float32, min_time_s=0.0)
+    assert (forward_s, backward_s) == (pytest.approx(0.0005), pytest.approx(0.001))
+    assert clock["partner_passes"] == 2 * host.COLD_ROUNDS
+
+
 def test_tp_collective_costs_are_lines_through_the_timed_sizes(monkeypatch):
     """The two TP ranks' timings at three activation sizes, given: compute with collectives 0.1 ms + 1 ns/byte more
     per collective than without, and 0.3 ms + 2 ns/byte inside each all-reduce. Per collective that is an overhead
@@ -179,6 +244,7 @@ def test_a_failed_timing_of_tp_collectives_keeps_the_other_host_costs_and_says_s
     monkeypatch.setattr(host, "optimizer_costs", lambda *a, **k: (1e-9, 2e-9, 3e-9))
     monkeypatch.setattr(host, "family_sync_cost", lambda *a, **k: 4e-9)
     monkeypatch.setattr(host, "batch_costs", lambda *a, **k: (1e-3, 1e-5))
+    monkeypatch.setattr(host, "cold_pass_costs", lambda *a, **k: (5e-4, 1e-3))
 
     def refused(*args, **kwargs):
         raise HetplanError("timing TP collectives on this host failed: connection refused")
@@ -188,4 +254,5 @@ def test_a_failed_timing_of_tp_collectives_keeps_the_other_host_costs_and_says_s
     costs = host.measure_host(MODEL, 16, torch.float32, 1, said.append)
     assert costs.tp_all_reduce_alpha_s is None and costs.tp_collective_overhead_s == 0.0
     assert costs.layer_overhead_s == 1e-4 and costs.family_sync_s_per_param == 4e-9
+    assert (costs.cold_forward_s, costs.cold_backward_s) == (5e-4, 1e-3)
     assert any("connection refused; local runs' TP collectives will use the link profile's" in line for line in said)
