@@ -61,7 +61,10 @@ COLD_ROUNDS = 15  # at least, of the cold pass measurement (each: a pass back to
 TP_LAYERS = 2  # decoder layers of the chain the TP collective overhead is timed on (at most the model's)
 TP_COLLECTIVES_PER_LAYER = 4  # 2 in the forward, 2 in the backward (Megatron's f and g at attention and MLP)
 TP_TIMEOUT_S = 120.0
-TP_SIZE_FACTORS = (1, 2, 4)  # the activation sizes TP collectives are timed at, times the profile's micro-batch
+# the activation sizes TP collectives are timed at, times the profile's micro-batch: at 1, 2 and 4 a tiny model's
+# all-reduces are all latency, and four fits of the line on this 2-core host read 0.7-10000 GB/s; at 1, 4 and 16:
+# 0.6-1.1 GB/s
+TP_SIZE_FACTORS = (1, 4, 16)
 MIN_S_PER_BYTE = 1e-13  # a fitted all-reduce no faster than 10 TB/s (a flat line through noisy points)
 
 
@@ -497,8 +500,8 @@ def _tp_collective_worker(
     out: str,
 ) -> None:
     """One of two TP ranks: at each micro-batch size, times its layer chain's compute with the collectives at its
-    boundaries and without, in interleaved passes, and the time inside the all-reduces; rank 0 writes the medians to
-    `out`."""
+    boundaries and without, and the time inside the all-reduces, in passes that visit every size; rank 0 writes the
+    medians to `out`."""
     torch.set_num_threads(1)
     keep_freed_host_memory()
     dist.init_process_group(
@@ -509,7 +512,7 @@ def _tp_collective_worker(
         torch_dtype = getattr(torch, dtype)
         layers = [DecoderLayer(model, 2).to(torch_dtype) for _ in range(min(TP_LAYERS, model.num_layers))]
         collectives = _TimedCollectives()
-        points = []
+        sizes = []
         for micro_batch_size in micro_batch_sizes:
             x = torch.randn(micro_batch_size, seq_length, model.hidden_size, dtype=torch_dtype, requires_grad=True)
             grad = torch.randn_like(x)
@@ -517,24 +520,21 @@ def _tp_collective_worker(
             alone_s, _ = _chain_pass_s(layers, x, grad, None)
             probe = torch.tensor([min_time_s / PASSES / len(micro_batch_sizes) / max(alone_s, 1e-6)])
             dist.broadcast(probe, 0)  # both ranks make the same number of passes (their collectives pair up)
-            repeats = max(3, math.ceil(float(probe)))
-            with_s, without_s, comm_s = [], [], []
-            for _ in range(PASSES):
+            sizes.append((x, grad, max(3, math.ceil(float(probe)))))
+        timed: list[dict[str, list[float]]] = [{"with_s": [], "without_s": [], "comm_s": []} for _ in sizes]
+        for _ in range(PASSES):  # every size in every pass: a drifting machine moves all the sizes, not the slope
+            for (x, grad, repeats), times in zip(sizes, timed, strict=True):
                 dist.barrier()
-                without_s.extend(_chain_pass_s(layers, x, grad, None)[0] for _ in range(repeats))
+                times["without_s"].extend(_chain_pass_s(layers, x, grad, None)[0] for _ in range(repeats))
                 dist.barrier()
                 for _ in range(repeats):
                     compute, comm = _chain_pass_s(layers, x, grad, collectives)
-                    with_s.append(compute)
-                    comm_s.append(comm)
-            points.append(
-                {
-                    "size_bytes": x.numel() * x.element_size(),
-                    "with_s": statistics.median(with_s),
-                    "without_s": statistics.median(without_s),
-                    "comm_s": statistics.median(comm_s),
-                }
-            )
+                    times["with_s"].append(compute)
+                    times["comm_s"].append(comm)
+        points = [
+            {"size_bytes": x.numel() * x.element_size(), **{key: statistics.median(v) for key, v in times.items()}}
+            for (x, _, _), times in zip(sizes, timed, strict=True)
+        ]
         if rank == 0:
             Path(out).write_text(json.dumps({"layers": len(layers), "points": points}), encoding="utf-8")
     finally:
@@ -545,7 +545,7 @@ def tp_collective_costs(
     model: ModelSpec, micro_batch_size: int, seq_length: int, dtype: torch.dtype, min_time_s: float = 1.5
 ) -> TpCollectiveCosts | None:
     """TP collectives as a training step meets them on this host. Two processes compute a chain of TP 2 layer shards
-    with real Gloo all-reduces at their boundaries and without, at 1, 2 and 4 times the micro-batch size, timed as
+    with real Gloo all-reduces at their boundaries and without, at 1, 4 and 16 times the micro-batch size, timed as
     the runtime's timers split a step (the time inside the all-reduces is the TP term). Lines through the three
     sizes give what a rank computes around each collective beyond the collective itself (waking from it with cold
     caches, the autograd boundary, the copy it reduces) and the all-reduce's own time. The all-reduces are timed
