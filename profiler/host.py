@@ -589,7 +589,8 @@ def batch_costs(model: ModelSpec, seq_length: int, min_time_s: float = 0.2) -> t
 def measure_host(
     model: ModelSpec, seq_length: int, dtype: torch.dtype, micro_batch_size: int, progress: Callable[[str], None]
 ) -> HostCosts:
-    """Every host cost of a CPU profile (about fifteen seconds)."""
+    """Every host cost of a CPU profile (on this 2-core machine 27 s for the runtime benchmark's tiny model, 44 s for
+    its 10x one)."""
     cores = host_cores()
     progress("host: processes computing at once")
     points = concurrency(model, micro_batch_size, seq_length, dtype, cores)
