@@ -188,11 +188,11 @@ def _concurrency_at(
 
 
 def _stage_pass_parts(
-    model: ModelSpec, micro_batch_size: int, seq_length: int, dtype: torch.dtype
+    model: ModelSpec, micro_batch_size: int, seq_length: int, dtype: torch.dtype, layers: int
 ) -> tuple[Callable[[], torch.Tensor], Callable[[torch.Tensor], None]]:
-    """(forward, backward) of a stage of min(STAGE_LAYERS, the model's layers) decoder layers with the embedding and
-    the head, as a runtime stage runs them: the forward returns the loss the backward starts from."""
-    module = _stage_parts(model, dtype, max(1, min(STAGE_LAYERS, model.num_layers)))
+    """(forward, backward) of a stage of `layers` decoder layers with the embedding and the head, as a runtime stage
+    runs them: the forward returns the loss the backward starts from."""
+    module = _stage_parts(model, dtype, layers)
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, model.vocab_size, (micro_batch_size, seq_length), generator=generator)
     targets = torch.randint(0, model.vocab_size, (micro_batch_size, seq_length), generator=generator)
@@ -221,7 +221,9 @@ def _core_partner(
     torch.set_num_threads(1)
     keep_freed_host_memory()
     os.sched_setaffinity(0, {core})
-    forward, backward = _stage_pass_parts(model, micro_batch_size, seq_length, getattr(torch, dtype))
+    forward, backward = _stage_pass_parts(
+        model, micro_batch_size, seq_length, getattr(torch, dtype), _cold_layers(model)
+    )
     backward(forward())
     ready.set()
     while not stop.is_set():
@@ -229,6 +231,11 @@ def _core_partner(
             go.clear()
             backward(forward())
             done.set()
+
+
+def _cold_layers(model: ModelSpec) -> int:
+    """The decoder layers of the stage the cold start is timed on."""
+    return max(1, min(STAGE_LAYERS, model.num_layers))
 
 
 def cold_pass_costs(
@@ -257,7 +264,7 @@ def cold_pass_costs(
         while not ready.wait(timeout=0.2):
             if not partner.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError(f"the core partner process did not start (exit code {partner.exitcode})")
-        forward, backward = _stage_pass_parts(model, micro_batch_size, seq_length, dtype)
+        forward, backward = _stage_pass_parts(model, micro_batch_size, seq_length, dtype, _cold_layers(model))
         backward(forward())
 
         def partner_pass() -> None:
@@ -325,18 +332,11 @@ def stage_overheads(
     (Zeroing them in every timed stage pass, as this did before, added 0.6, 2.5 and 7.5 ms to a 4-layer stage of the
     runtime benchmark's tiny, small and 10x models, which the overheads then charged to every micro-batch.)"""
     longer = max(2, min(STAGE_LAYERS, model.num_layers))
-    generator = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, model.vocab_size, (micro_batch_size, seq_length), generator=generator)
-    targets = torch.randint(0, model.vocab_size, (micro_batch_size, seq_length), generator=generator)
-    stages = {count: _stage_parts(model, dtype, count) for count in (1, longer)}
+    stages = {count: _stage_pass_parts(model, micro_batch_size, seq_length, dtype, count) for count in (1, longer)}
 
     def stage_pass(count: int) -> Callable[[], None]:
-        module = stages[count]
-
-        def run() -> None:  # gradients accumulate, as over a step's micro-batches (the layers are timed so too)
-            module(tokens, targets).backward()
-
-        return run
+        forward, backward = stages[count]
+        return lambda: backward(forward())
 
     measured: dict[str, list[float]] = {}
     for _ in range(PASSES):
