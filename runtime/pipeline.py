@@ -78,7 +78,8 @@ class StageTimes:
 
 
 class Emulator:
-    """Makes a pass take 1/speed of its real time by repeating the stage's layer math (no TP or CP collectives)."""
+    """Makes a pass take 1/speed of its real time by repeating the stage's layer math (no TP or CP collectives), then
+    spinning for the rest that is shorter than a layer."""
 
     def __init__(
         self,
@@ -92,17 +93,25 @@ class Emulator:
             raise SpecError("cluster", "emulate_speed", "a stage without decoder layers has no layer math to repeat")
         self.speed, self.layers, self.tp, self.cp = speed, layers, tp, cp
         self.sample = sample  # an activation of the stage's shape for the repeated layer math
+        self.layer_s = 0.0  # how long the last repeated layer took (0 until one ran)
 
     def extend(self, real_s: float) -> float:
+        """Compute for (1/speed - 1) x `real_s`: repeated layers while a whole one fits before the deadline, then a
+        spin to it. (Starting a layer whenever the deadline was not yet passed overshot by half a layer on average:
+        a tiny model's emulated passes took 1.09 times their target, a 10x one's 1.10-1.13.)"""
         if self.speed >= 1.0:
             return 0.0
         started = time.perf_counter()
         deadline = started + real_s * (1.0 / self.speed - 1.0)
         with torch.no_grad(), self.tp.suppress(), self.cp.suppress():
             for layer in cycle(self.layers):
-                if time.perf_counter() >= deadline:
+                before = time.perf_counter()
+                if before + self.layer_s >= deadline:
                     break
                 layer(self.sample)
+                self.layer_s = time.perf_counter() - before
+        while time.perf_counter() < deadline:  # the core stays busy, as the slower device's would
+            pass
         return time.perf_counter() - started
 
 
