@@ -52,6 +52,7 @@ from specs.model import ModelSpec
 MAX_CONCURRENT_PROCESSES = 32
 HELPER_START_S = 120.0  # a spawned helper imports torch and builds its layer within this
 PASSES = 3  # interleaved passes over the chain timings (a drifting machine spreads over all of them)
+CONCURRENCY_ROUNDS = 4  # rounds of the busy-stretch timing (each: every level of processes, then this one alone)
 STAGE_LAYERS = 4  # the longer chain of the stage overhead measurement (at most the model's layers)
 BATCHES = (8, 32)  # global batch sizes the batch making is timed at
 OPTIMIZER_WARMUP_STEPS = 2  # untimed optimizer steps first (the allocator and the moments settle)
@@ -170,14 +171,22 @@ def _concurrency_at(
                 if not process.is_alive() or time.monotonic() > deadline:
                     raise RuntimeError(f"a concurrency helper process did not start (exit code {process.exitcode})")
         run = _layer_pass(model, micro_batch_size, seq_length, dtype)
-        alone = median_time_s(run, min_time_s, clock=time.process_time)
-        points = []
-        for level in levels:
+
+        def busy_s(level: int) -> float:
+            """This process's busy seconds per pass with `level` processes (itself included) computing."""
             for index, (_, go, _) in enumerate(helpers):
                 go.set() if index < level - 1 else go.clear()
-            busy = median_time_s(run, min_time_s, clock=time.process_time)
-            points.append(ConcurrencyPoint(processes=level, busy_stretch=busy / alone))
-        return points
+            return median_time_s(run, min_time_s / CONCURRENCY_ROUNDS, clock=time.process_time)
+
+        alone = [busy_s(1)]
+        together: dict[int, list[float]] = {level: [] for level in levels}
+        for _ in range(CONCURRENCY_ROUNDS):  # alone, every level, alone, ...: each level between two alone times
+            for level in levels:
+                together[level].append(busy_s(level))
+            alone.append(busy_s(1))
+        return [
+            ConcurrencyPoint(processes=level, busy_stretch=busy_stretch(alone, together[level])) for level in levels
+        ]
     finally:
         stop.set()
         for process, go, _ in helpers:
@@ -185,6 +194,17 @@ def _concurrency_at(
             process.join(timeout=10)
             if process.is_alive():
                 process.kill()
+
+
+def busy_stretch(alone_s: list[float], together_s: list[float]) -> float:
+    """The median over rounds of a busy time with others computing against the mean of the alone times taken just
+    before and just after it (`alone_s` has one more entry): a machine drifting over the measurement cancels out,
+    where one alone time set against later busy times reads any drift as a stretch (the runtime benchmark's small
+    model read 0.80 for two processes and 1.41 for four on a disturbed machine, 0.99-1.01 and 1.07-1.09 on a quiet
+    one)."""
+    return statistics.median(
+        busy / ((before + after) / 2) for busy, before, after in zip(together_s, alone_s, alone_s[1:], strict=False)
+    )
 
 
 def _stage_pass_parts(

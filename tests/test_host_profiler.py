@@ -112,6 +112,24 @@ def test_the_host_measurements_of_a_tiny_model_are_plausible():
     assert 0 < batch_s + 8 * per_sample < 1.0
 
 
+def test_the_busy_stretch_sets_each_busy_time_against_the_alone_times_around_it():
+    """A machine slowing by 10% of the first alone time per measurement, and others computing stretch this process by
+    1.1: alone 1.0, 1.2, 1.4, 1.6, 1.8 and busy 1.1 x (1.1, 1.3, 1.5, 1.7) between them read 1.1, where the first
+    alone time against the first busy time reads 1.21."""
+    alone = [1.0, 1.2, 1.4, 1.6, 1.8]
+    busy = [1.1 * (1.1 + 0.2 * index) for index in range(4)]
+    assert host.busy_stretch(alone, busy) == pytest.approx(1.1)
+    assert busy[0] / alone[0] == pytest.approx(1.21)
+
+
+def test_one_disturbed_round_does_not_move_the_busy_stretch_much():
+    """Of four rounds at a stretch of 1.05, one read while something else took the core (busy 2x): the median of the
+    rounds is the clean rounds' 1.05."""
+    alone = [1.0, 1.0, 1.0, 1.0, 1.0]
+    busy = [1.05, 1.05, 2.1, 1.05]
+    assert host.busy_stretch(alone, busy) == pytest.approx(1.05)
+
+
 @pytest.mark.slow
 def test_concurrency_is_measured_with_helper_processes_computing_beside():
     """One helper process (cores given as 1: levels 2 processes); the helpers stop with the measurement."""
