@@ -318,8 +318,8 @@ def run_record(
             "predicted_timeline": _predicted_timeline(ctx, plan.strategy),
             "core_sharing": sharing,
             "emulated_groups": emulated,
-            "emulation": "ranks of emulated groups repeat their stage's layer math until each pass takes 1/speed "
-            "of its real time (no sleeping)"
+            "emulation": "ranks of emulated groups repeat their stage's layer math, then spin, until each pass "
+            "takes 1/speed of its real time (no sleeping)"
             if emulated
             else "",
         },
