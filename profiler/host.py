@@ -1,7 +1,7 @@
 """Measure what a training step costs on this host besides its layers and collectives (`hetplan profile` on the CPU):
 how processes computing at once slow each other, the optimizer step per parameter, what running a stage's layers as
-one module adds per micro-batch and per layer, what a tensor-parallel rank computes around each of its collectives,
-the work around the collectives of a sync across pipeline families, and making the step's batch. The numbers go
+one module adds per micro-batch and per layer, what a tensor-parallel rank computes around each of its collectives
+(profiler/host_tp.py), the work around the collectives of a sync across pipeline families, and making the step's batch. The numbers go
 into the profile's `host` section (profiler.profile.HostCosts); the cost model uses them for local runs on CPU
 processes.
 
@@ -11,21 +11,14 @@ Everything is timed with one thread per process, as the runtime's ranks run. The
 
 from __future__ import annotations
 
-import json
-import math
 import os
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from datetime import timedelta
 from multiprocessing.synchronize import Event
-from pathlib import Path
 
 try:
     import torch
-    import torch.distributed as dist
     import torch.multiprocessing as mp
     from torch import nn
 except ImportError as err:  # pragma: no cover - exercised only without torch
@@ -33,16 +26,13 @@ except ImportError as err:  # pragma: no cover - exercised only without torch
 
     raise TorchMissingError("`hetplan profile`") from err
 
-from profiler.comm_bench import free_port, run_processes
 from profiler.data import synthetic_batch
+from profiler.host_tp import tp_collective_costs
 from profiler.layers import (
     DecoderLayer,
     Embedding,
-    EnterTensorParallel,
-    LeaveTensorParallel,
     LMHead,
     adamw_update,
-    no_boundary,
 )
 from profiler.measure import build_layer, keep_freed_host_memory, layer_clock, profile_layer
 from profiler.profile import ConcurrencyPoint, HostCosts
@@ -60,14 +50,6 @@ OPTIMIZER_STEPS = 7  # optimizer steps timed after a pass each (at least; more w
 MAX_OPTIMIZER_STEPS = 40
 FAMILY_SYNC_MIN_S = 0.1  # of each of the three family sync timings
 COLD_ROUNDS = 15  # at least, of the cold pass measurement (each: a pass back to back and one after the partner's)
-TP_LAYERS = 2  # decoder layers of the chain the TP collective overhead is timed on (at most the model's)
-TP_COLLECTIVES_PER_LAYER = 4  # 2 in the forward, 2 in the backward (Megatron's f and g at attention and MLP)
-TP_TIMEOUT_S = 120.0
-# the activation sizes TP collectives are timed at, times the profile's micro-batch: at 1, 2 and 4 a tiny model's
-# all-reduces are all latency, and four fits of the line on this 2-core host read 0.7-10000 GB/s; at 1, 4 and 16:
-# 0.6-1.1 GB/s
-TP_SIZE_FACTORS = (1, 4, 16)
-MIN_S_PER_BYTE = 1e-13  # a fitted all-reduce no faster than 10 TB/s (a flat line through noisy points)
 
 
 def host_cores() -> int:
@@ -460,143 +442,6 @@ def family_sync_cost(model: ModelSpec, dtype: torch.dtype, min_time_s: float = 0
         out[:half] = total
 
     return median_time_s(sync, min_time_s) / numel
-
-
-@dataclass(frozen=True)
-class TpCollectiveCosts:
-    overhead_s: float  # per collective, what a rank computes around it (may be negative: a fitted intercept)
-    overhead_s_per_byte: float  # and per byte of the activation it reduces
-    all_reduce_alpha_s: float  # the 2-rank all-reduce's per-step latency
-    all_reduce_bw_bytes_per_s: float  # and bus bandwidth
-
-
-class _TimedCollectives:
-    """Megatron's TP boundaries over the default process group, as the runtime's (runtime/tensor_parallel.py): `enter`
-    is identity forward and all-reduce of the gradient backward, `leave` all-reduces forward and is identity backward;
-    `comm_s` adds up the time inside the all-reduces."""
-
-    def __init__(self) -> None:
-        self.comm_s = 0.0
-
-    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        started = time.perf_counter()
-        dist.all_reduce(tensor)
-        self.comm_s += time.perf_counter() - started
-        return tensor
-
-    def enter(self, x: torch.Tensor) -> torch.Tensor:
-        return EnterTensorParallel.apply(x, self)
-
-    def leave(self, x: torch.Tensor) -> torch.Tensor:
-        return LeaveTensorParallel.apply(x, self)
-
-
-def _chain_pass_s(
-    layers: list[DecoderLayer], x: torch.Tensor, grad: torch.Tensor, collectives: _TimedCollectives | None
-) -> tuple[float, float]:
-    """(seconds computing, seconds inside the all-reduces) of one forward and backward of the chain, with the
-    collectives at its TP boundaries or (None) without them; wall clock, split as the runtime's timers split a step."""
-    for layer in layers:
-        layer.enter_tp = collectives.enter if collectives else no_boundary
-        layer.leave_tp = collectives.leave if collectives else no_boundary
-    waited = collectives.comm_s if collectives else 0.0
-    started = time.perf_counter()
-    y = x
-    for layer in layers:
-        y = layer(y)
-    y.backward(grad)
-    x.grad = None
-    comm_s = collectives.comm_s - waited if collectives else 0.0
-    return time.perf_counter() - started - comm_s, comm_s
-
-
-def _tp_collective_worker(
-    rank: int,
-    port: int,
-    model: ModelSpec,
-    micro_batch_sizes: list[int],
-    seq_length: int,
-    dtype: str,
-    min_time_s: float,
-    out: str,
-) -> None:
-    """One of two TP ranks: at each micro-batch size, times its layer chain's compute with the collectives at its
-    boundaries and without, and the time inside the all-reduces, in passes that visit every size; rank 0 writes the
-    medians to `out`."""
-    torch.set_num_threads(1)
-    keep_freed_host_memory()
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=TP_TIMEOUT_S)
-    )
-    try:
-        torch.manual_seed(0)
-        torch_dtype = getattr(torch, dtype)
-        layers = [DecoderLayer(model, 2).to(torch_dtype) for _ in range(min(TP_LAYERS, model.num_layers))]
-        collectives = _TimedCollectives()
-        sizes = []
-        for micro_batch_size in micro_batch_sizes:
-            x = torch.randn(micro_batch_size, seq_length, model.hidden_size, dtype=torch_dtype, requires_grad=True)
-            grad = torch.randn_like(x)
-            _chain_pass_s(layers, x, grad, collectives)  # warm-up
-            alone_s, _ = _chain_pass_s(layers, x, grad, None)
-            probe = torch.tensor([min_time_s / PASSES / len(micro_batch_sizes) / max(alone_s, 1e-6)])
-            dist.broadcast(probe, 0)  # both ranks make the same number of passes (their collectives pair up)
-            sizes.append((x, grad, max(3, math.ceil(float(probe)))))
-        timed: list[dict[str, list[float]]] = [{"with_s": [], "without_s": [], "comm_s": []} for _ in sizes]
-        for _ in range(PASSES):  # every size in every pass: a drifting machine moves all the sizes, not the slope
-            for (x, grad, repeats), times in zip(sizes, timed, strict=True):
-                dist.barrier()
-                times["without_s"].extend(_chain_pass_s(layers, x, grad, None)[0] for _ in range(repeats))
-                dist.barrier()
-                for _ in range(repeats):
-                    compute, comm = _chain_pass_s(layers, x, grad, collectives)
-                    times["with_s"].append(compute)
-                    times["comm_s"].append(comm)
-        points = [
-            {"size_bytes": x.numel() * x.element_size(), **{key: statistics.median(v) for key, v in times.items()}}
-            for (x, _, _), times in zip(sizes, timed, strict=True)
-        ]
-        if rank == 0:
-            Path(out).write_text(json.dumps({"layers": len(layers), "points": points}), encoding="utf-8")
-    finally:
-        dist.destroy_process_group()
-
-
-def tp_collective_costs(
-    model: ModelSpec, micro_batch_size: int, seq_length: int, dtype: torch.dtype, min_time_s: float = 1.5
-) -> TpCollectiveCosts | None:
-    """TP collectives as a training step meets them on this host. Two processes compute a chain of TP 2 layer shards
-    with real Gloo all-reduces at their boundaries and without, at 1, 4 and 16 times the micro-batch size, timed as
-    the runtime's timers split a step (the time inside the all-reduces is the TP term). Lines through the three
-    sizes give what a rank computes around each collective beyond the collective itself (waking from it with cold
-    caches, the autograd boundary, the copy it reduces) and the all-reduce's own time. The all-reduces are timed
-    between layers (activations fresh from compute) rather than back to back as `profile-comm` times them: on a
-    2-core host the host link fitted from `profile-comm` gave 1.7 ms for a 128 KiB all-reduce and 2.2 ms for 512 KiB,
-    and between layers they took 1.1 ms and 2.3-2.7 ms. None when the model cannot split in two (it has no TP
-    collectives to pay for)."""
-    if model.num_kv_heads % 2 or model.ffn_hidden_size % 2 or model.num_attention_heads % 2:
-        return None
-    with tempfile.TemporaryDirectory(prefix="hetplan-tp-") as scratch:
-        out = Path(scratch, "tp.json")
-        torch_dtype = str(dtype).removeprefix("torch.")
-        sizes = [micro_batch_size * factor for factor in TP_SIZE_FACTORS]
-        args = (free_port(), model, sizes, seq_length, torch_dtype, min_time_s, str(out))
-        run_processes(_tp_collective_worker, args, 2, TP_TIMEOUT_S * 2, "timing TP collectives on this host")
-        measured = json.loads(out.read_text(encoding="utf-8"))
-    collectives = TP_COLLECTIVES_PER_LAYER * measured["layers"]
-    size_bytes = [float(point["size_bytes"]) for point in measured["points"]]
-    overhead = statistics.linear_regression(
-        size_bytes, [(point["with_s"] - point["without_s"]) / collectives for point in measured["points"]]
-    )
-    comm = statistics.linear_regression(size_bytes, [point["comm_s"] / collectives for point in measured["points"]])
-    # a 2-rank all-reduce of S bytes: 2 latency steps and S bytes at the bus bandwidth (comm_model.all_reduce_time_s)
-    s_per_byte = max(comm.slope, MIN_S_PER_BYTE)
-    return TpCollectiveCosts(
-        overhead_s=overhead.intercept,
-        overhead_s_per_byte=max(0.0, overhead.slope),
-        all_reduce_alpha_s=max(0.0, comm.intercept / 2),
-        all_reduce_bw_bytes_per_s=1.0 / s_per_byte,
-    )
 
 
 def batch_costs(model: ModelSpec, seq_length: int, min_time_s: float = 0.2) -> tuple[float, float]:

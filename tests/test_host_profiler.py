@@ -9,7 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from profiler import host  # noqa: E402
+from profiler import host, host_tp  # noqa: E402
 from specs.model import ModelSpec  # noqa: E402
 
 MODEL = ModelSpec(
@@ -210,12 +210,12 @@ def test_tp_collective_costs_are_lines_through_the_timed_sizes(monkeypatch):
     import json
     from pathlib import Path
 
-    collectives = host.TP_COLLECTIVES_PER_LAYER * host.TP_LAYERS
+    collectives = host_tp.TP_COLLECTIVES_PER_LAYER * host_tp.TP_LAYERS
 
     def run_processes(worker, args, nprocs, deadline_s, what):
-        assert worker is host._tp_collective_worker and nprocs == 2
+        assert worker is host_tp._tp_collective_worker and nprocs == 2
         sizes, out = args[2], args[-1]
-        assert sizes == [2 * factor for factor in host.TP_SIZE_FACTORS]  # the micro-batch size, 2 and 4 times it
+        assert sizes == [2 * factor for factor in host_tp.TP_SIZE_FACTORS]  # the micro-batch size, 2 and 4 times it
         points = []
         for micro_batch_size in sizes:
             size = micro_batch_size * 16 * MODEL.hidden_size * 4
@@ -227,23 +227,23 @@ def test_tp_collective_costs_are_lines_through_the_timed_sizes(monkeypatch):
                     "comm_s": collectives * (3e-4 + 2e-9 * size),
                 }
             )
-        Path(out).write_text(json.dumps({"layers": host.TP_LAYERS, "points": points}))
+        Path(out).write_text(json.dumps({"layers": host_tp.TP_LAYERS, "points": points}))
 
-    monkeypatch.setattr(host, "run_processes", run_processes)
-    costs = host.tp_collective_costs(MODEL, 2, 16, torch.float32)
+    monkeypatch.setattr(host_tp, "run_processes", run_processes)
+    costs = host_tp.tp_collective_costs(MODEL, 2, 16, torch.float32)
     assert costs is not None
     assert costs.overhead_s == pytest.approx(1e-4) and costs.overhead_s_per_byte == pytest.approx(1e-9)
     assert costs.all_reduce_alpha_s == pytest.approx(1.5e-4)
     assert costs.all_reduce_bw_bytes_per_s == pytest.approx(0.5e9)
     odd = MODEL.model_copy(update={"num_kv_heads": 1, "num_attention_heads": 3})
-    assert host.tp_collective_costs(odd, 2, 16, torch.float32) is None  # no TP 2, no collectives to time
+    assert host_tp.tp_collective_costs(odd, 2, 16, torch.float32) is None  # no TP 2, no collectives to time
 
 
 @pytest.mark.slow
 def test_tp_collectives_are_timed_between_layers_by_two_processes_with_real_gloo_all_reduces():
     """Measured for real on a tiny model: a Gloo all-reduce on loopback takes tens of microseconds to tens of
     milliseconds; the work around one is well under the all-reduce itself."""
-    costs = host.tp_collective_costs(MODEL, 1, 16, torch.float32, min_time_s=0.2)
+    costs = host_tp.tp_collective_costs(MODEL, 1, 16, torch.float32, min_time_s=0.2)
     assert costs is not None
     size = 16 * MODEL.hidden_size * 4
     all_reduce_s = 2 * costs.all_reduce_alpha_s + size / costs.all_reduce_bw_bytes_per_s

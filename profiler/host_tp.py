@@ -1,0 +1,170 @@
+"""Time what a tensor-parallel rank computes around each of its collectives, and the collectives themselves, between
+real decoder layers on two local processes with Gloo (`hetplan profile` on the CPU; part of the profile's `host`
+section, see profiler/host.py). Local runs' TP collectives are predicted from these rather than from the back-to-back
+loop of `profile-comm`."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from profiler.comm_bench import free_port, run_processes
+from profiler.layers import DecoderLayer, EnterTensorParallel, LeaveTensorParallel, no_boundary
+from profiler.measure import keep_freed_host_memory
+from specs.model import ModelSpec
+
+TP_LAYERS = 2  # decoder layers of the chain the TP collective overhead is timed on (at most the model's)
+TP_COLLECTIVES_PER_LAYER = 4  # 2 in the forward, 2 in the backward (Megatron's f and g at attention and MLP)
+TP_TIMEOUT_S = 120.0
+TP_PASSES = 3  # interleaved passes over the sizes (a drifting machine spreads over all of them)
+# the activation sizes TP collectives are timed at, times the profile's micro-batch: at 1, 2 and 4 a tiny model's
+# all-reduces are all latency, and four fits of the line on this 2-core host read 0.7-10000 GB/s; at 1, 4 and 16:
+# 0.6-1.1 GB/s
+TP_SIZE_FACTORS = (1, 4, 16)
+MIN_S_PER_BYTE = 1e-13  # a fitted all-reduce no faster than 10 TB/s (a flat line through noisy points)
+
+
+@dataclass(frozen=True)
+class TpCollectiveCosts:
+    overhead_s: float  # per collective, what a rank computes around it (may be negative: a fitted intercept)
+    overhead_s_per_byte: float  # and per byte of the activation it reduces
+    all_reduce_alpha_s: float  # the 2-rank all-reduce's per-step latency
+    all_reduce_bw_bytes_per_s: float  # and bus bandwidth
+
+
+class _TimedCollectives:
+    """Megatron's TP boundaries over the default process group, as the runtime's (runtime/tensor_parallel.py): `enter`
+    is identity forward and all-reduce of the gradient backward, `leave` all-reduces forward and is identity backward;
+    `comm_s` adds up the time inside the all-reduces."""
+
+    def __init__(self) -> None:
+        self.comm_s = 0.0
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        started = time.perf_counter()
+        dist.all_reduce(tensor)
+        self.comm_s += time.perf_counter() - started
+        return tensor
+
+    def enter(self, x: torch.Tensor) -> torch.Tensor:
+        return EnterTensorParallel.apply(x, self)
+
+    def leave(self, x: torch.Tensor) -> torch.Tensor:
+        return LeaveTensorParallel.apply(x, self)
+
+
+def _chain_pass_s(
+    layers: list[DecoderLayer], x: torch.Tensor, grad: torch.Tensor, collectives: _TimedCollectives | None
+) -> tuple[float, float]:
+    """(seconds computing, seconds inside the all-reduces) of one forward and backward of the chain, with the
+    collectives at its TP boundaries or (None) without them; wall clock, split as the runtime's timers split a step."""
+    for layer in layers:
+        layer.enter_tp = collectives.enter if collectives else no_boundary
+        layer.leave_tp = collectives.leave if collectives else no_boundary
+    waited = collectives.comm_s if collectives else 0.0
+    started = time.perf_counter()
+    y = x
+    for layer in layers:
+        y = layer(y)
+    y.backward(grad)
+    x.grad = None
+    comm_s = collectives.comm_s - waited if collectives else 0.0
+    return time.perf_counter() - started - comm_s, comm_s
+
+
+def _tp_collective_worker(
+    rank: int,
+    port: int,
+    model: ModelSpec,
+    micro_batch_sizes: list[int],
+    seq_length: int,
+    dtype: str,
+    min_time_s: float,
+    out: str,
+) -> None:
+    """One of two TP ranks: at each micro-batch size, times its layer chain's compute with the collectives at its
+    boundaries and without, and the time inside the all-reduces, in passes that visit every size; rank 0 writes the
+    medians to `out`."""
+    torch.set_num_threads(1)
+    keep_freed_host_memory()
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=TP_TIMEOUT_S)
+    )
+    try:
+        torch.manual_seed(0)
+        torch_dtype = getattr(torch, dtype)
+        layers = [DecoderLayer(model, 2).to(torch_dtype) for _ in range(min(TP_LAYERS, model.num_layers))]
+        collectives = _TimedCollectives()
+        sizes = []
+        for micro_batch_size in micro_batch_sizes:
+            x = torch.randn(micro_batch_size, seq_length, model.hidden_size, dtype=torch_dtype, requires_grad=True)
+            grad = torch.randn_like(x)
+            _chain_pass_s(layers, x, grad, collectives)  # warm-up
+            alone_s, _ = _chain_pass_s(layers, x, grad, None)
+            probe = torch.tensor([min_time_s / TP_PASSES / len(micro_batch_sizes) / max(alone_s, 1e-6)])
+            dist.broadcast(probe, 0)  # both ranks make the same number of passes (their collectives pair up)
+            sizes.append((x, grad, max(3, math.ceil(float(probe)))))
+        timed: list[dict[str, list[float]]] = [{"with_s": [], "without_s": [], "comm_s": []} for _ in sizes]
+        for _ in range(TP_PASSES):  # every size in every pass: a drifting machine moves all the sizes, not the slope
+            for (x, grad, repeats), times in zip(sizes, timed, strict=True):
+                dist.barrier()
+                times["without_s"].extend(_chain_pass_s(layers, x, grad, None)[0] for _ in range(repeats))
+                dist.barrier()
+                for _ in range(repeats):
+                    compute, comm = _chain_pass_s(layers, x, grad, collectives)
+                    times["with_s"].append(compute)
+                    times["comm_s"].append(comm)
+        points = [
+            {"size_bytes": x.numel() * x.element_size(), **{key: statistics.median(v) for key, v in times.items()}}
+            for (x, _, _), times in zip(sizes, timed, strict=True)
+        ]
+        if rank == 0:
+            Path(out).write_text(json.dumps({"layers": len(layers), "points": points}), encoding="utf-8")
+    finally:
+        dist.destroy_process_group()
+
+
+def tp_collective_costs(
+    model: ModelSpec, micro_batch_size: int, seq_length: int, dtype: torch.dtype, min_time_s: float = 1.5
+) -> TpCollectiveCosts | None:
+    """TP collectives as a training step meets them on this host. Two processes compute a chain of TP 2 layer shards
+    with real Gloo all-reduces at their boundaries and without, at 1, 4 and 16 times the micro-batch size, timed as
+    the runtime's timers split a step (the time inside the all-reduces is the TP term). Lines through the three
+    sizes give what a rank computes around each collective beyond the collective itself (waking from it with cold
+    caches, the autograd boundary, the copy it reduces) and the all-reduce's own time. The all-reduces are timed
+    between layers (activations fresh from compute) rather than back to back as `profile-comm` times them: on a
+    2-core host the host link fitted from `profile-comm` gave 1.7 ms for a 128 KiB all-reduce and 2.2 ms for 512 KiB,
+    and between layers they took 1.1 ms and 2.3-2.7 ms. None when the model cannot split in two (it has no TP
+    collectives to pay for)."""
+    if model.num_kv_heads % 2 or model.ffn_hidden_size % 2 or model.num_attention_heads % 2:
+        return None
+    with tempfile.TemporaryDirectory(prefix="hetplan-tp-") as scratch:
+        out = Path(scratch, "tp.json")
+        torch_dtype = str(dtype).removeprefix("torch.")
+        sizes = [micro_batch_size * factor for factor in TP_SIZE_FACTORS]
+        args = (free_port(), model, sizes, seq_length, torch_dtype, min_time_s, str(out))
+        run_processes(_tp_collective_worker, args, 2, TP_TIMEOUT_S * 2, "timing TP collectives on this host")
+        measured = json.loads(out.read_text(encoding="utf-8"))
+    collectives = TP_COLLECTIVES_PER_LAYER * measured["layers"]
+    size_bytes = [float(point["size_bytes"]) for point in measured["points"]]
+    overhead = statistics.linear_regression(
+        size_bytes, [(point["with_s"] - point["without_s"]) / collectives for point in measured["points"]]
+    )
+    comm = statistics.linear_regression(size_bytes, [point["comm_s"] / collectives for point in measured["points"]])
+    # a 2-rank all-reduce of S bytes: 2 latency steps and S bytes at the bus bandwidth (comm_model.all_reduce_time_s)
+    s_per_byte = max(comm.slope, MIN_S_PER_BYTE)
+    return TpCollectiveCosts(
+        overhead_s=overhead.intercept,
+        overhead_s_per_byte=max(0.0, overhead.slope),
+        all_reduce_alpha_s=max(0.0, comm.intercept / 2),
+        all_reduce_bw_bytes_per_s=1.0 / s_per_byte,
+    )
