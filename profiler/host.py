@@ -1,9 +1,9 @@
 """Measure what a training step costs on this host besides its layers and collectives (`hetplan profile` on the CPU):
 how processes computing at once slow each other, the optimizer step per parameter, what running a stage's layers as
 one module adds per micro-batch and per layer, what a tensor-parallel rank computes around each of its collectives
-(profiler/host_tp.py), the work around the collectives of a sync across pipeline families, and making the step's batch. The numbers go
-into the profile's `host` section (profiler.profile.HostCosts); the cost model uses them for local runs on CPU
-processes.
+(profiler/host_tp.py), the work around the collectives of a sync across pipeline families, and making the step's
+batch. The numbers go into the profile's `host` section (profiler.profile.HostCosts); the cost model uses them for
+local runs on CPU processes.
 
 Everything is timed with one thread per process, as the runtime's ranks run. The optimizer step mirrors the runtime's
 (runtime/execute.py FlatAdam): flatten the parameters, AdamW in place on the rank's shard, copy back.
