@@ -32,6 +32,8 @@ if TYPE_CHECKING:
     from predictor.evaluation import Evaluation
 
 MAX_LOADED_CONTEXTS = 512
+STRETCH_STEPS = 4  # secants to stretch the analytic evaluation to the simulated step
+STRETCH_TOLERANCE = 0.002  # of the simulated step
 
 
 def host_of(ctx: CostContext, group: DeviceGroup) -> HostCosts | None:
@@ -72,8 +74,8 @@ def evaluate_on_host(
     """The evaluation of `strategy` with its processes sharing the host's cores (module docstring): the step is
     simulated (predictor.sharing) from an evaluation with unstretched compute and links loaded by every process;
     then the analytic evaluation, its links loaded by the simulation's mean busy processes, is stretched to the
-    simulated step (its time is close to linear in the stretch: one secant between no stretch and that of every
-    process busy)."""
+    simulated step (its time is close to linear in the stretch: secants from no stretch and that of every process
+    busy until within STRETCH_TOLERANCE)."""
     host = max(ctx.host.values(), key=lambda costs: costs.cores)
     processes = busy_processes(ctx, strategy)
     simulated = simulate_on_host(ctx, strategy, evaluate_at)
@@ -83,12 +85,15 @@ def evaluate_on_host(
     most = host.stretch(processes)
     if target_s <= unstretched.iteration_time_s or most <= 1.0:
         return unstretched
-    stretched = evaluate_at(loaded(ctx, per_core, most))
-    growth = stretched.iteration_time_s - unstretched.iteration_time_s
-    if growth <= 0:
-        return unstretched
-    stretch = 1.0 + (target_s - unstretched.iteration_time_s) / growth * (most - 1.0)
-    return evaluate_at(loaded(ctx, per_core, stretch))
+    previous, last = (1.0, unstretched), (most, evaluate_at(loaded(ctx, per_core, most)))
+    for _ in range(STRETCH_STEPS):  # secants through the last two stretches, to the simulated step
+        (earlier_stretch, earlier), (last_stretch, found) = previous, last
+        slope = (found.iteration_time_s - earlier.iteration_time_s) / (last_stretch - earlier_stretch)
+        if abs(found.iteration_time_s - target_s) <= STRETCH_TOLERANCE * target_s or slope <= 0:
+            break
+        stretch = last_stretch + (target_s - found.iteration_time_s) / slope
+        previous, last = last, (stretch, evaluate_at(loaded(ctx, per_core, stretch)))
+    return last[1] if last[1].iteration_time_s > unstretched.iteration_time_s else unstretched
 
 
 def simulate_on_host(
@@ -98,8 +103,9 @@ def simulate_on_host(
     by every process, its processes sharing the host's cores (`trace`: with every actor's events)."""
     host = max(ctx.host.values(), key=lambda costs: costs.cores)
     every = evaluate_at(loaded(ctx, busy_processes(ctx, strategy) / host.cores, 1.0))
+    unloaded = evaluate_at(loaded(ctx, 1.0, 1.0))
     at = on_host(ctx, every)
-    return simulate_step(at, every, host, step_overhead_s(at, strategy), trace)
+    return simulate_step(at, every, host, step_overhead_s(at, strategy), trace, unloaded)
 
 
 def on_host(ctx: CostContext, evaluation: Evaluation) -> CostContext:

@@ -9,8 +9,18 @@ with making the batch (busy) and ends with the actor's exposed DP sync (its host
 busy, its transfers asleep) and its optimizer step (busy); an actor starts its sync once the actors it syncs with have
 finished their passes: those holding some of the same layers (the replicas of its stage, and stages of other families
 over common layers; with interleaving, the layers its chunks hold), as a rank's gradient collectives wait for their
-partners only. (The analytic model, cost_model.evaluate, keeps one flush after every family's passes: where the
-simulation decides a local run's prediction, a stage that finishes early syncs and steps early.)
+partners only; its sync ends when theirs do (across families, a rank's sum waits for the other families' ranks to
+send it theirs: on the benchmark's two-family runs, the TP pair's sync ended within 8% of a step of the TP 1 ranks',
+where syncing on its own it was simulated to end 12-23% of a step before). (The analytic model, cost_model.evaluate,
+keeps one flush after every family's passes: where the simulation decides a local run's prediction, a stage that
+finishes early syncs and steps early.)
+
+A wait on the links (TP collectives, DP sync transfers) takes the time of the load while it waits: a link's time is
+linear in the processes computing per core (Link.under_load, measured with busy processes beside the ranks), so the
+wait runs between its time with the links unloaded (one process per core) and with every process busy, by the
+processes computing or waiting on the links at each moment (`unloaded`: the evaluation with unloaded links). On the
+benchmark's tiny two-family run, the TP pair's last backward, with the TP 1 ranks asleep in their sync, took 18 ms
+where its loaded waits alone were 34 ms: a fixed loaded wait put that case 17-22% above the measured step.
 
 The busy processes share the cores: with n of them on C cores each computes at min(1, C / n) of a core, slowed by the
 measured busy stretch of n processes computing at once (HostCosts.busy_stretch). Sleeping processes leave the cores to
@@ -54,7 +64,8 @@ class Phase:
     busy_s: float = 0.0
     spin_factor: float = 0.0
     sleep_s: float = 0.0
-    barrier: bool = False
+    unloaded_share: float | None = None  # a wait on the links: its time unloaded / with every process busy
+    barrier: str = ""  # "passes": waits for its partners' passes; "synced": for their syncs
     after: tuple[object, ...] | None = None
     delay_s: float = 0.0
     finishes: tuple[object, ...] | None = None
@@ -78,11 +89,11 @@ class Actor:
     state: str = "ready"  # ready, busy, spin, sleep, waiting, done
     remaining_s: float = 0.0
     started_s: float = 0.0
+    unloaded_share: float | None = None  # of the sleep it is in (Phase.unloaded_share; None: not on the links)
 
-    @property
-    def passes_done(self) -> bool:
-        """It has finished its passes: at its barrier or past it."""
-        return self.state == "done" or any(phase.barrier for phase in self.phases[: self.position + 1])
+    def reached(self, barrier: str) -> bool:
+        """It is at that barrier or past it (finished its passes, or its sync)."""
+        return self.state == "done" or any(phase.barrier == barrier for phase in self.phases[: self.position + 1])
 
 
 @dataclass(frozen=True)
@@ -94,7 +105,13 @@ class StepSimulation:
     timeline: tuple[dict[str, object], ...] = ()
 
 
-def _actors(ctx: CostContext, evaluation: Evaluation, batch_s: float, host: HostCosts | None = None) -> list[Actor]:
+def _actors(
+    ctx: CostContext,
+    evaluation: Evaluation,
+    batch_s: float,
+    host: HostCosts | None = None,
+    unloaded: Evaluation | None = None,
+) -> list[Actor]:
     from predictor.schedule import forward_share, stage_order
 
     strategy = evaluation.strategy
@@ -112,6 +129,8 @@ def _actors(ctx: CostContext, evaluation: Evaluation, batch_s: float, host: Host
             speed = group.emulate_speed
             compute = evaluated.compute_time_s - evaluated.tp_comm_time_s - evaluated.sharded_exposed_time_s
             waits = evaluated.tp_comm_time_s + evaluated.sharded_exposed_time_s
+            alone = evaluated if unloaded is None else unloaded.stages[index]
+            waits_share = _share(alone.tp_comm_time_s + alone.sharded_exposed_time_s, waits)
             share = forward_share(ctx, evaluation, index)
             prompt = evaluated.stage.tp > 1 and waits > EPSILON_S  # sleeps in a TP collective every layer
             actor_shares_host = group.device.key in ctx.host
@@ -133,12 +152,18 @@ def _actors(ctx: CostContext, evaluation: Evaluation, batch_s: float, host: Host
                     if speed < 1.0:
                         phases.append(Phase(spin_factor=1.0 / speed - 1.0, kind=kind, event=event))
                     finishes = (family, replica, kind, j, chunk)
-                    phases.append(Phase(sleep_s=waits / 2 / v, finishes=finishes, kind=kind, event=event))
+                    tp_wait = Phase(
+                        sleep_s=waits / 2 / v, unloaded_share=waits_share, finishes=finishes, kind=kind, event=event
+                    )
+                    phases.append(tp_wait)
                 sync = len(phases)
-                phases.append(Phase(barrier=True, kind="dp_sync", event=sync))
+                phases.append(Phase(barrier="passes", kind="dp_sync", event=sync))
                 phases.append(Phase(busy_s=evaluated.sync_host_time_s, kind="dp_sync", event=sync))  # indexing, copies
                 exposed = evaluated.dp_exposed_time_s - evaluated.sync_host_time_s
-                phases.append(Phase(sleep_s=exposed, kind="dp_sync", event=sync))
+                exposed_share = _share(alone.dp_exposed_time_s - alone.sync_host_time_s, exposed)
+                phases.append(Phase(sleep_s=exposed, unloaded_share=exposed_share, kind="dp_sync", event=sync))
+                # its sync ends with its partners' (across families, it waits for theirs to send it their sums)
+                phases.append(Phase(barrier="synced", kind="dp_sync", event=sync))
                 phases.append(Phase(busy_s=evaluated.optimizer_time_s, kind="optimizer", event=sync + 1))
                 actor = Actor(evaluated.stage.tp, actor_shares_host, phases, prompt, held[position])
                 actor.where = (family, position, replica)
@@ -146,6 +171,11 @@ def _actors(ctx: CostContext, evaluation: Evaluation, batch_s: float, host: Host
     for actor in actors:
         actor.partners = tuple(j for j, other in enumerate(actors) if actor.layers & other.layers)
     return actors
+
+
+def _share(unloaded_s: float, loaded_s: float) -> float:
+    """A link wait's time with the host unloaded as a share of its time with every process busy, in (0, 1]."""
+    return min(1.0, max(EPSILON_S, unloaded_s) / loaded_s) if loaded_s > EPSILON_S else 1.0
 
 
 def cold_starts(ctx: CostContext, evaluation: Evaluation, host: HostCosts | None) -> dict[str, float]:
@@ -180,11 +210,19 @@ def held_layers(pipeline: PipelineStrategy, virtual_stages: int, tied_embeddings
 
 
 def simulate_step(
-    ctx: CostContext, evaluation: Evaluation, host: HostCosts, batch_s: float, trace: bool = False
+    ctx: CostContext,
+    evaluation: Evaluation,
+    host: HostCosts,
+    batch_s: float,
+    trace: bool = False,
+    unloaded: Evaluation | None = None,
 ) -> StepSimulation:
-    """The step of `evaluation` (compute unstretched) with its host processes sharing `host.cores` cores; each rank
-    first makes the step's batch (`batch_s`, busy). `trace`: with every actor's events (StepSimulation.timeline)."""
-    actors = _actors(ctx, evaluation, batch_s, host)
+    """The step of `evaluation` (compute unstretched, links loaded by every process: `ctx.processes_per_core`) with
+    its host processes sharing `host.cores` cores; each rank first makes the step's batch (`batch_s`, busy).
+    `unloaded`: the same evaluation with the links unloaded, so that a wait on the links takes the time of the load
+    while it waits (module docstring). `trace`: with every actor's events (StepSimulation.timeline)."""
+    actors = _actors(ctx, evaluation, batch_s, host, unloaded)
+    full_load = ctx.processes_per_core
     traced: list[list[tuple[tuple[str, int], float, float]]] = [[] for _ in actors]
     done: dict[tuple[object, ...], float] = {}
     clock = {"now": 0.0}
@@ -195,7 +233,7 @@ def simulate_step(
         while actor.position < len(actor.phases):
             phase = actor.phases[actor.position]
             if phase.barrier:
-                if not all(actors[j].passes_done for j in actor.partners):  # once done, done: no state to keep
+                if not all(actors[j].reached(phase.barrier) for j in actor.partners):  # once reached, for good
                     actor.state = "waiting"
                     return
             elif phase.after is not None:
@@ -205,7 +243,7 @@ def simulate_step(
                 ready = done[phase.after] + phase.delay_s
                 phase.after = None
                 if ready > now + EPSILON_S:
-                    actor.state, actor.remaining_s = "sleep", ready - now
+                    actor.state, actor.remaining_s, actor.unloaded_share = "sleep", ready - now, None
                     return
                 continue
             elif phase.busy_s > EPSILON_S:
@@ -221,6 +259,7 @@ def simulate_step(
                 continue
             elif phase.sleep_s > EPSILON_S:
                 actor.state, actor.remaining_s = "sleep", phase.sleep_s
+                actor.unloaded_share = phase.unloaded_share
                 phase.sleep_s = 0.0
                 return
             if phase.finishes is not None:
@@ -233,26 +272,23 @@ def simulate_step(
     for actor in actors:
         advance(actor)
     while True:
-        for actor in actors:  # a finished pass or an opened barrier may let waiting actors go on
-            if actor.state == "waiting":
-                advance(actor)
+        moved = True
+        while moved:  # a finished pass or an opened barrier may let waiting actors go on, and those others
+            moved = False
+            for actor in actors:
+                if actor.state == "waiting":
+                    where = actor.position
+                    advance(actor)
+                    moved = moved or actor.position != where or actor.state != "waiting"
         active = [a for a in actors if a.state in ("busy", "spin", "sleep")]
         if not active:
             if any(a.state == "waiting" for a in actors):
                 raise RuntimeError("the step simulation is stuck: a pass waits for one that never runs")
             break
-        sharing = [a for a in active if a.state in ("busy", "spin") and a.shares_host]
-        computing = sum(a.processes for a in sharing)
-        first = sum(a.processes for a in sharing if a.prompt)
+        computing = sum(a.processes for a in active if a.state in ("busy", "spin") and a.shares_host)
         if computing not in stretches:
             stretches[computing] = host.busy_stretch(computing) if computing else 1.0
-        stretch = stretches[computing]
-        # prompt actors take the cores first; the others share what is left
-        prompt_rate = min(1.0, host.cores / first) / stretch if first else 1.0
-        rest_rate = min(1.0, max(0.0, host.cores - first) / (computing - first)) / stretch if computing > first else 1.0
-        speeds = [
-            (prompt_rate if a.prompt else rest_rate) if a.state == "busy" and a.shares_host else 1.0 for a in active
-        ]
+        speeds = _speeds(active, host.cores, stretches[computing], full_load)
         step = min(a.remaining_s / speed for a, speed in zip(active, speeds, strict=True) if speed > 0)
         busy_integral += computing * step
         if trace:
@@ -270,6 +306,37 @@ def simulate_step(
     now = clock["now"]
     timeline = _timeline(actors, traced) if trace else ()
     return StepSimulation(now, busy_integral / now if now > 0 else 0.0, timeline)
+
+
+def _speeds(active: list[Actor], cores: int, stretch: float, full_load: float) -> list[float]:
+    """How fast each active actor's piece goes: busy ones at their share of the cores (prompt actors take the cores
+    first, the others share what is left) slowed by the busy `stretch`; waits on the links by the load
+    (`_wait_speed`); other sleeps and spins at 1."""
+    sharing = [a for a in active if a.state in ("busy", "spin") and a.shares_host]
+    computing = sum(a.processes for a in sharing)
+    first = sum(a.processes for a in sharing if a.prompt)
+    on_links = sum(a.processes for a in active if a.shares_host and a.state == "sleep" and a.unloaded_share)
+    load = max(1.0, (computing + on_links) / cores)
+    prompt_rate = min(1.0, cores / first) / stretch if first else 1.0
+    rest_rate = min(1.0, max(0.0, cores - first) / (computing - first)) / stretch if computing > first else 1.0
+    return [
+        (prompt_rate if a.prompt else rest_rate)
+        if a.state == "busy" and a.shares_host
+        else _wait_speed(a, load, full_load)
+        for a in active
+    ]
+
+
+def _wait_speed(actor: Actor, load: float, full_load: float) -> float:
+    """How fast a sleeping actor's wait on the links passes (1 for other sleeps and spins). A link's time is linear
+    in its load (Link.under_load: processes computing per core, the communicating ones among them, at least one);
+    here the processes computing or waiting on the links (whose collectives compute too) per core, from the wait's
+    unloaded share at one per core to all of it at `full_load`, every process's."""
+    share = actor.unloaded_share
+    if actor.state != "sleep" or share is None or share >= 1.0 or full_load <= 1.0:
+        return 1.0
+    loaded_part = min(1.0, (load - 1.0) / (full_load - 1.0))
+    return 1.0 / (share + (1.0 - share) * loaded_part)
 
 
 def _timeline(

@@ -14,13 +14,23 @@ from predictor.comm_model import Link, all_reduce_time_s
 from predictor.cost_model import (
     CostContext,
     EndToEndTerms,
+    Evaluation,
     cross_family_sync_time_s,
     evaluate,
     simulated_step,
     stage_params,
     tp_collective_time_s,
 )
-from predictor.host import busy_processes, loaded, local_run_context, on_host, simulate_on_host, step_overhead_s
+from predictor.host import (
+    STRETCH_TOLERANCE,
+    busy_processes,
+    evaluate_on_host,
+    loaded,
+    local_run_context,
+    on_host,
+    simulate_on_host,
+    step_overhead_s,
+)
 from predictor.link_model import LinkPoint, fit_link
 from predictor.predictor import Predictor, fit_predictor
 from predictor.run_terms import predicted_stage_terms
@@ -281,6 +291,61 @@ def test_processes_that_finish_early_give_their_cores_to_the_others():
     assert simulated.mean_busy_processes == pytest.approx((4 * 0.012 + 2 * 0.004) / 0.016)
     # the evaluation is the analytic one stretched to the simulated step
     assert evaluate(ctx, strategy).iteration_time_s == pytest.approx(0.016, rel=1e-6)
+
+
+def test_a_wait_on_the_links_takes_the_time_of_the_load_while_it_waits():
+    """The families above, the TP pair waiting 4 ms on its links after each pass with every process busy (two per
+    core) and 1 ms unloaded. The pair computes its forward first (3.3 ms; it is served first), waits 4 ms while the
+    left ones compute, computes its backward (6.7 ms), then waits: 2 ms with the left ones finishing their last
+    2 ms, and the other half of the wait, alone on the host, at its unloaded rate (0.5 ms): 16.5 ms. A fixed loaded
+    wait would say 18 ms."""
+    ctx = quiet_context(0.006 / 4, 0.01 / 4, global_batch_size=3)
+    strategy = two_families()
+
+    def with_tp_waits(evaluation: Evaluation, waits_s: float) -> Evaluation:
+        stages = tuple(
+            replace(s, compute_time_s=s.compute_time_s + waits_s, tp_comm_time_s=waits_s) if s.stage.tp == 2 else s
+            for s in evaluation.stages
+        )
+        return replace(evaluation, stages=stages)
+
+    every = with_tp_waits(evaluate(loaded(ctx, 2.0, 1.0), strategy), 0.008)
+    unloaded = with_tp_waits(evaluate(loaded(ctx, 1.0, 1.0), strategy), 0.002)
+    at = on_host(ctx, every)
+    assert at.processes_per_core == 2.0
+    batch_s = step_overhead_s(at, strategy)
+    assert simulate_step(at, every, QUIET, batch_s, unloaded=unloaded).time_s == pytest.approx(0.0165)
+    assert simulate_step(at, every, QUIET, batch_s).time_s == pytest.approx(0.018)
+
+
+def test_a_sync_across_families_ends_for_each_when_it_ends_for_all():
+    """The families above (passes done at 16 ms), the left ones waiting 10 ms on the sync's transfers and the right
+    pair 2 ms, then 4 ms of optimizer step on the right. The pair's sync waits for the sums the left ones send it:
+    it ends at 26 ms with theirs, its step at 30 ms. Syncing on its own it would step during their wait: 26 ms."""
+    ctx = quiet_context(0.006 / 4, 0.01 / 4, global_batch_size=3)
+    unstretched = evaluate(loaded(ctx, 2.0, 1.0), two_families())
+    stages = tuple(
+        replace(s, dp_exposed_time_s=0.002, optimizer_time_s=0.004) if s.family else replace(s, dp_exposed_time_s=0.01)
+        for s in unstretched.stages
+    )
+    simulated = simulate_step(ctx, replace(unstretched, stages=stages), QUIET, 0.0, trace=True)
+    assert simulated.time_s == pytest.approx(0.030)
+    pair = simulated.timeline[2]["events"]
+    assert pair[-2][0] == "dp_sync" and pair[-2][2] == pytest.approx(0.026)
+
+
+def test_the_analytic_evaluation_is_stretched_to_the_simulated_step_even_when_not_linear_in_the_stretch():
+    """The families above simulate to 16 ms; an analytic evaluation growing with the square of the stretch (10 ms
+    unstretched) is stretched by secants until it is within the tolerance of it, where one secant stops 10% short."""
+    ctx = quiet_context(0.006 / 4, 0.01 / 4, global_batch_size=3)
+    strategy = two_families()
+
+    def squared(at: CostContext) -> Evaluation:
+        return replace(evaluate(at, strategy), iteration_time_s=0.010 * at.compute_stretch**2)
+
+    found = evaluate_on_host(ctx, strategy, squared)
+    assert found.iteration_time_s == pytest.approx(0.016, rel=STRETCH_TOLERANCE)
+    assert found.context is not None and found.context.compute_stretch == pytest.approx(1.6**0.5, rel=1e-3)
 
 
 def test_passes_start_cold_when_the_hosts_ranks_outnumber_its_cores():
