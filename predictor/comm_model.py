@@ -38,7 +38,8 @@ class Link:
     A fitted link (`hetplan fit --links`) may also say how the per-byte time grows with the group size
     (`slowdown_per_doubling`: +x per doubling of ranks beyond 2), carry its own point-to-point figures, and, measured
     between local processes, what each process per core beyond one adds to a step's latency and to the time per byte
-    (`load_*`: the cores are shared, so a rank waits for a descheduled partner; `under_load`).
+    (`load_*`: the cores are shared, so a rank waits for a descheduled partner; `under_load`), and the share of an
+    unloaded collective's time its ranks compute (`cpu_share`: reductions and copies on the cores they share).
     """
 
     link_class: LinkClass
@@ -51,6 +52,7 @@ class Link:
     load_s_per_byte: float = 0.0
     p2p_load_alpha_s: float = 0.0
     p2p_load_s_per_byte: float = 0.0
+    cpu_share: float = 0.0  # measured between local processes: the share of a collective's time its ranks compute
 
     def under_load(self, processes_per_core: float) -> Link:
         """The link while `processes_per_core` busy processes share each core of the host (at most one: itself)."""

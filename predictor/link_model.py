@@ -10,7 +10,8 @@ gamma/beta per doubling of ranks. Send/recv points get their own alpha and bandw
 Points measured with their mean time (what a rank waits per operation on average, which is what a step sums) are
 fitted on it, else on the median. Points measured between local processes record how many processes computed per
 core; each one beyond one per core (x = processes per core - 1) adds x * alpha_load per step and x * beta_load per
-byte (and the same for send/recv), two more positive columns of the same fit.
+byte (and the same for send/recv), two more positive columns of the same fit. Points that timed their ranks' CPU
+give the link's CPU share (`cpu_share`), from those with at most one process per core.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ class LinkPoint(BaseModel):
     correct: bool = True
     mean_time_s: float = Field(default=0.0, ge=0)  # 0: not measured
     processes_per_core: float = Field(default=1.0, gt=0)
+    mean_cpu_time_s: float = Field(default=0.0, ge=0)  # a rank's CPU time per operation; 0: not measured
 
     @property
     def fitted_time_s(self) -> float:
@@ -134,5 +136,15 @@ def fit_link(link_class: LinkClass, points: Sequence[LinkPoint], source: str = "
         load_s_per_byte=float(load_beta),
         p2p_load_alpha_s=p2p_load_alpha,
         p2p_load_s_per_byte=p2p_load_beta,
+        cpu_share=cpu_share(collective),
     )
     return link, float(np.median(errors))
+
+
+def cpu_share(points: Sequence[LinkPoint]) -> float:
+    """The share of an unloaded collective's time its ranks compute (their summed CPU time over their summed mean
+    time, over the points measured with at most one process per core that timed their CPU; 0 without any)."""
+    timed = [p for p in points if p.mean_cpu_time_s > 0 and p.load == 0]
+    if not timed:
+        return 0.0
+    return min(1.0, sum(p.mean_cpu_time_s for p in timed) / sum(p.fitted_time_s for p in timed))

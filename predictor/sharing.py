@@ -20,7 +20,10 @@ linear in the processes computing per core (Link.under_load, measured with busy 
 wait runs between its time with the links unloaded (one process per core) and with every process busy, by the
 processes computing or waiting on the links at each moment (`unloaded`: the evaluation with unloaded links). On the
 benchmark's tiny two-family run, the TP pair's last backward, with the TP 1 ranks asleep in their sync, took 18 ms
-where its loaded waits alone were 34 ms: a fixed loaded wait put that case 17-22% above the measured step.
+where its loaded waits alone were 34 ms: a fixed loaded wait put that case 17-22% above the measured step. A rank in
+a collective also computes (Gloo's reductions and copies: the link's measured CPU share of its unloaded time,
+Link.cpu_share, 0.6 for 2-rank collectives on the benchmark host): it takes that share of a core, after the prompt
+actors, from the processes computing beside it.
 
 The busy processes share the cores: with n of them on C cores each computes at min(1, C / n) of a core, slowed by the
 measured busy stretch of n processes computing at once (HostCosts.busy_stretch). Sleeping processes leave the cores to
@@ -90,6 +93,7 @@ class Actor:
     remaining_s: float = 0.0
     started_s: float = 0.0
     unloaded_share: float | None = None  # of the sleep it is in (Phase.unloaded_share; None: not on the links)
+    link_cpu_share: float = 0.0  # the share of its links' unloaded time a collective computes (Link.cpu_share)
 
     def reached(self, barrier: str) -> bool:
         """It is at that barrier or past it (finished its passes, or its sync)."""
@@ -134,6 +138,8 @@ def _actors(
             share = forward_share(ctx, evaluation, index)
             prompt = evaluated.stage.tp > 1 and waits > EPSILON_S  # sleeps in a TP collective every layer
             actor_shares_host = group.device.key in ctx.host
+            host_link = ctx.links.get(f"{group.device.key}/host")
+            link_cpu_share = host_link.cpu_share if host_link is not None else 0.0
             for replica, microbatches in enumerate(pipeline.replica_microbatches()):
                 phases = [Phase(busy_s=batch_s, kind="batch")]
                 for event, (kind, j, k) in enumerate(stage_order(p, microbatches, v, position), start=1):
@@ -167,6 +173,7 @@ def _actors(
                 phases.append(Phase(busy_s=evaluated.optimizer_time_s, kind="optimizer", event=sync + 1))
                 actor = Actor(evaluated.stage.tp, actor_shares_host, phases, prompt, held[position])
                 actor.where = (family, position, replica)
+                actor.link_cpu_share = link_cpu_share if actor_shares_host else 0.0
                 actors.append(actor)
     for actor in actors:
         actor.partners = tuple(j for j, other in enumerate(actors) if actor.layers & other.layers)
@@ -309,22 +316,21 @@ def simulate_step(
 
 
 def _speeds(active: list[Actor], cores: int, stretch: float, full_load: float) -> list[float]:
-    """How fast each active actor's piece goes: busy ones at their share of the cores (prompt actors take the cores
-    first, the others share what is left) slowed by the busy `stretch`; waits on the links by the load
-    (`_wait_speed`); other sleeps and spins at 1."""
+    """How fast each active actor's piece goes: busy ones at their share of the cores slowed by the busy `stretch`
+    (prompt actors take the cores first, then the ranks in a collective what it computes, the others share what is
+    left); waits on the links by the load (`_wait_speed`); other sleeps and spins at 1."""
     sharing = [a for a in active if a.state in ("busy", "spin") and a.shares_host]
     computing = sum(a.processes for a in sharing)
     first = sum(a.processes for a in sharing if a.prompt)
-    on_links = sum(a.processes for a in active if a.shares_host and a.state == "sleep" and a.unloaded_share)
-    load = max(1.0, (computing + on_links) / cores)
+    on_links = [a for a in active if a.shares_host and a.state == "sleep" and a.unloaded_share is not None]
+    load = max(1.0, (computing + sum(a.processes for a in on_links)) / cores)
+    waits = {id(a): _wait_speed(a, load, full_load) for a in active if a.state != "busy" or not a.shares_host}
+    # a collective computes its link's CPU share of its unloaded time, spread over the time it takes now
+    in_collectives = sum(a.processes * a.link_cpu_share * (a.unloaded_share or 0.0) * waits[id(a)] for a in on_links)
     prompt_rate = min(1.0, cores / first) / stretch if first else 1.0
-    rest_rate = min(1.0, max(0.0, cores - first) / (computing - first)) / stretch if computing > first else 1.0
-    return [
-        (prompt_rate if a.prompt else rest_rate)
-        if a.state == "busy" and a.shares_host
-        else _wait_speed(a, load, full_load)
-        for a in active
-    ]
+    left = max(0.0, cores - first - in_collectives)
+    rest_rate = min(1.0, left / (computing - first)) / stretch if computing > first else 1.0
+    return [waits.get(id(a), prompt_rate if a.prompt else rest_rate) for a in active]
 
 
 def _wait_speed(actor: Actor, load: float, full_load: float) -> float:

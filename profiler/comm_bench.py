@@ -13,7 +13,9 @@ operations of the slowest rank's time (nccl-tests' convention); `mean_time_s` th
 taking part, what a rank loses per operation on average, which predictions sum (Gloo's time per operation has a long
 tail on some hosts, so the two differ). Local runs may also be measured with background processes computing beside
 the ranks (`busy_processes`), so that the cores are shared as when a run's ranks outnumber them: each point records
-its processes per core.
+its processes per core. `mean_cpu_time_s` is a rank's CPU time per operation (Gloo's threads' too): a collective
+between local processes computes its reductions and copies on the cores the ranks share (2-rank Gloo collectives on
+the 2-core benchmark host: 50-75% of their time from 64 KiB up).
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ class CommPoint:
     correct: bool
     mean_time_s: float = 0.0  # 0: not measured (files written before it was)
     processes_per_core: float = 1.0  # the ranks and background processes computing, per core of the host
+    mean_cpu_time_s: float = 0.0  # a rank's CPU time per operation, all its threads (0: not measured)
 
 
 @dataclass(frozen=True)
@@ -80,40 +83,41 @@ class LinkFit:
     processes_per_core: float = 1.0
 
 
-def _run_one(collective: str, size_bytes: int, rank: int, ranks: int) -> tuple[float, bool]:
-    """One timed operation on every rank; returns rank-local time and whether the result is right."""
+def _run_one(collective: str, size_bytes: int, rank: int, ranks: int) -> tuple[float, float, bool]:
+    """One timed operation on every rank: rank-local wall time, this process's CPU time meanwhile (all its threads,
+    Gloo's among them: the reductions and copies a collective computes) and whether the result is right."""
     elements = max(ranks, size_bytes // 4)
     elements -= elements % ranks
     if collective == "all_reduce":
         buffer = torch.full((elements,), float(rank + 1))
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         dist.all_reduce(buffer)
-        elapsed = time.perf_counter() - started
-        return elapsed, bool(buffer[0].item() == ranks * (ranks + 1) / 2)
+        elapsed, cpu_s = time.perf_counter() - started, time.process_time() - cpu_started
+        return elapsed, cpu_s, bool(buffer[0].item() == ranks * (ranks + 1) / 2)
     if collective == "all_gather":
         shard = torch.full((elements // ranks,), float(rank))
         output = torch.zeros(elements)  # touched now, so page faults stay out of the timing
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         dist.all_gather_single(output, shard)
-        elapsed = time.perf_counter() - started
+        elapsed, cpu_s = time.perf_counter() - started, time.process_time() - cpu_started
         expected = torch.arange(ranks, dtype=torch.float32).repeat_interleave(elements // ranks)
-        return elapsed, bool(torch.equal(output, expected))
+        return elapsed, cpu_s, bool(torch.equal(output, expected))
     if collective == "reduce_scatter":
         full = torch.full((elements,), float(rank + 1))
         output = torch.zeros(elements // ranks)
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         dist.reduce_scatter_single(output, full)
-        elapsed = time.perf_counter() - started
-        return elapsed, bool(output[0].item() == ranks * (ranks + 1) / 2)
+        elapsed, cpu_s = time.perf_counter() - started, time.process_time() - cpu_started
+        return elapsed, cpu_s, bool(output[0].item() == ranks * (ranks + 1) / 2)
     # send/recv between rank 0 and rank 1 (others idle): one direction, size_bytes
     buffer = torch.full((elements,), 7.0) if rank == 0 else torch.zeros(elements)
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     if rank == 0:
         dist.send(buffer, dst=1)
     elif rank == 1:
         dist.recv(buffer, src=0)
-    elapsed = time.perf_counter() - started
-    return elapsed, bool(rank != 1 or buffer[0].item() == 7.0)
+    elapsed, cpu_s = time.perf_counter() - started, time.process_time() - cpu_started
+    return elapsed, cpu_s, bool(rank != 1 or buffer[0].item() == 7.0)
 
 
 def compute_for(seconds: float) -> None:
@@ -148,12 +152,13 @@ def measure_points(
             slowest = torch.tensor([probe[-1] + gap_s], dtype=torch.float64)
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
             count = max(repeats, min(MAX_POINT_REPEATS, math.ceil(MIN_POINT_TIME_S / max(slowest.item(), 1e-9))))
-            times = torch.zeros(count + 1, dtype=torch.float64)  # the last: 1 where a result was wrong
+            # per operation its wall time, then its CPU time; the last: 1 where a result was wrong
+            times = torch.zeros(2 * count + 1, dtype=torch.float64)
             for index in range(count):
                 compute_for(gap_s)
-                elapsed, ok = _run_one(collective, size, rank, ranks)
-                times[index] = elapsed
-                times[count] = max(times[count].item(), 0.0 if ok else 1.0)
+                elapsed, cpu_s, ok = _run_one(collective, size, rank, ranks)
+                times[index], times[count + index] = elapsed, cpu_s
+                times[2 * count] = max(times[2 * count].item(), 0.0 if ok else 1.0)
             everyone = [torch.zeros_like(times) for _ in range(ranks)]
             dist.all_gather(everyone, times)
             stacked = torch.stack(everyone)
@@ -168,9 +173,10 @@ def measure_points(
                     time_s,
                     algbw,
                     algbw * bus_factor(collective, ranks),
-                    bool(stacked[:, count].max().item() == 0.0),
+                    bool(stacked[:, 2 * count].max().item() == 0.0),
                     float(per_operation.mean()),
                     processes_per_core,
+                    float(stacked[:taking_part, count : 2 * count].mean()),
                 )
             )
     return points

@@ -35,6 +35,8 @@ def test_local_collectives_are_correct_and_reported_nccl_tests_style(tmp_path, r
     for point in points:
         assert point.correct, point
         assert point.ranks == ranks and point.time_s > 0
+        # a rank computes in a collective (Gloo's reductions and copies), never more than its threads could
+        assert 0 < point.mean_cpu_time_s < 4 * point.mean_time_s
         assert point.algbw_bytes_per_s == pytest.approx(point.size_bytes / point.time_s)
         assert point.busbw_bytes_per_s == pytest.approx(point.algbw_bytes_per_s * bus_factor(point.collective, ranks))
     profile = link_profile(points, "in_node", "gloo")

@@ -103,6 +103,38 @@ def test_link_fit_recovers_latency_bandwidth_and_load_terms_from_mean_times():
     assert link.slowdown_per_doubling == pytest.approx(0.0, abs=1e-6)
 
 
+def test_a_links_cpu_share_is_its_ranks_cpu_time_over_their_time_unloaded():
+    def point(size: int, per_core: float, mean_s: float, cpu_s: float) -> LinkPoint:
+        return LinkPoint(collective="all_reduce", ranks=2, size_bytes=size, time_s=mean_s, mean_time_s=mean_s,
+                         processes_per_core=per_core, mean_cpu_time_s=cpu_s)  # fmt: skip
+
+    points = [point(4096, 1.0, 1e-3, 0.4e-3), point(2**20, 1.0, 3e-3, 2.0e-3), point(2**20, 2.0, 9e-3, 1.0e-3)]
+    link, _ = fit_link("host", points)
+    assert link.cpu_share == pytest.approx(2.4e-3 / 4e-3)  # the loaded point left out
+    assert link.under_load(2.0).cpu_share == link.cpu_share
+    untimed = [p.model_copy(update={"mean_cpu_time_s": 0.0}) for p in points]
+    assert fit_link("host", untimed)[0].cpu_share == 0.0  # a profile from before: no CPU in collectives
+
+
+def test_ranks_in_a_collective_take_its_cpu_share_of_the_cores_from_the_others():
+    """Two cores: two TP 1 ranks computing and a TP pair waiting on its links, whose collectives compute half their
+    time: the pair takes one core, the two others share the other. A wait not on the links takes nothing."""
+    from predictor.sharing import Actor, _speeds
+
+    def actor(processes: int, state: str, unloaded_share: float | None = None) -> Actor:
+        made = Actor(processes, True, [], state=state, unloaded_share=unloaded_share)
+        made.link_cpu_share = 0.5
+        return made
+
+    computing = [actor(1, "busy"), actor(1, "busy")]
+    assert _speeds([*computing, actor(2, "sleep", 1.0)], 2, 1.0, 2.0)[:2] == [0.5, 0.5]
+    assert _speeds([*computing, actor(2, "sleep")], 2, 1.0, 2.0)[:2] == [1.0, 1.0]  # a wait for a neighbour
+    # the actors take their link's CPU share from the context's host link
+    ctx = replace(quiet_context(0.01, 0.01), links={"cpu/host": replace(INSTANT, cpu_share=0.5)})
+    actors = _actors(ctx, evaluate(ctx, two_families()), 0.0)
+    assert [a.link_cpu_share for a in actors] == [0.5, 0.5, 0.5]
+
+
 def host_context(**training: object) -> CostContext:
     cluster = load_cluster(EXAMPLES / "cpu-even.yaml")  # two groups of 2 CPU processes, no emulation
     costs = FixedCosts(decoder_s=0.01, embedding_s=0.002, lm_head_s=0.004)
