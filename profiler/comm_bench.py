@@ -15,7 +15,7 @@ tail on some hosts, so the two differ). Local runs may also be measured with bac
 the ranks (`busy_processes`), so that the cores are shared as when a run's ranks outnumber them: each point records
 its processes per core. `mean_cpu_time_s` is a rank's CPU time per operation (Gloo's threads' too): a collective
 between local processes computes its reductions and copies on the cores the ranks share (2-rank Gloo collectives on
-the 2-core benchmark host: 50-75% of their time from 64 KiB up).
+the 2-core benchmark host: 40-70% of their time, 0.6 over the sizes of one link profile).
 """
 
 from __future__ import annotations

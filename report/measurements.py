@@ -16,8 +16,19 @@ Renderable = Table | str
 
 def link_profile_tables(profile: Mapping[str, Any], link_class: str) -> list[Table]:
     """Every timed point (nccl-tests convention: algbw and busbw), then the alpha-beta fit per collective and size."""
-    columns = ("collective", "ranks", "per core", "size", "time us", "mean us", "algbw GB/s", "busbw GB/s", "ok")
-    title = "Collectives (nccl-tests convention; sizes are whole buffers; mean: a rank's average wait)"
+    columns = (
+        "collective",
+        "ranks",
+        "per core",
+        "size",
+        "time us",
+        "mean us",
+        "cpu us",
+        "algbw GB/s",
+        "busbw GB/s",
+        "ok",
+    )
+    title = "Collectives (nccl-tests convention; sizes are whole buffers; mean: a rank's average wait; cpu: its CPU)"
     table = titled_table(title, columns, left=("collective",))
     for p in profile["points"]:
         table.add_row(
@@ -27,6 +38,7 @@ def link_profile_tables(profile: Mapping[str, Any], link_class: str) -> list[Tab
             f"{p['size_bytes'] / 2**10:,.0f} KiB",
             f"{p['time_s'] * 1e6:,.0f}",
             f"{p.get('mean_time_s', 0.0) * 1e6:,.0f}",
+            f"{p['mean_cpu_time_s'] * 1e6:,.0f}" if p.get("mean_cpu_time_s") else "-",
             f"{p['algbw_bytes_per_s'] / 1e9:.2f}",
             f"{p['busbw_bytes_per_s'] / 1e9:.2f}",
             "yes" if p["correct"] else "NO",
