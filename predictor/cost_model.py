@@ -381,6 +381,7 @@ def _evaluate_stage(
         sharded_exposed_time_s=sharded,
         overhead_time_s=overhead,
         sync_host_time_s=min(host_work, exposed),
+        gather_exposed_time_s=exposed_dp_sync_time_s(ctx, DpSync(0.0, sync.params_s), backward, forward),
     )
 
 

@@ -55,6 +55,7 @@ class StageEvaluation:
     p2p_exposed_time_s: float = 0.0  # per micro-batch, waiting for its sends and receives (plain 1F1B)
     overhead_time_s: float = 0.0  # per micro-batch, a local run's framework overhead inside compute_time_s
     sync_host_time_s: float = 0.0  # of dp_exposed_time_s, a local run's host work (indexing, copies): a busy core
+    gather_exposed_time_s: float = 0.0  # of dp_exposed_time_s, ZeRO 1/2's weight gather after the optimizer step
 
     @property
     def step_time_s(self) -> float:

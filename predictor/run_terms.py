@@ -6,7 +6,8 @@ Per stage and iteration, in seconds: `forward` and `backward` (the stage's layer
 speed emulation included, TP collectives not), `tp_comm` (the TP collectives: the runtime times its all-reduces),
 `pipeline_wait` (bubble and point-to-point: the pipeline's
 time the stage does not compute), `dp_sync` (the gradient reduction after the flush, across families too, with the
-wait for a slower family), `optimizer`, and `other` (predicted: the calibrated fixed cost per iteration and, on a
+wait for a slower family), `optimizer` (with ZeRO 1/2's weight gather after it, which the runtime times with the
+step), and `other` (predicted: the calibrated fixed cost per iteration and, on a
 profiled host, making the step's batch (predictor/host.py); measured: the rest of the step, i.e. framework overhead
 such as making and slicing the batch, gradient flattening, send completion). A profiled host's overhead of running a
 stage's layers as one module is part of `forward` and `backward`, as the runtime's timers see it. Each stage's
@@ -55,9 +56,10 @@ def predicted_stage_terms(ctx: CostContext, evaluation: Evaluation) -> list[dict
                 "tp_comm": m * max(0.0, compute - forward - backward),
                 "pipeline_wait": family_s - m * evaluated.compute_time_s,
                 "dp_sync": evaluated.dp_exposed_time_s
+                - evaluated.gather_exposed_time_s
                 + m * evaluated.sharded_exposed_time_s
                 + (evaluation.pipeline_time_s - family_s),
-                "optimizer": evaluated.optimizer_time_s,
+                "optimizer": evaluated.optimizer_time_s + evaluated.gather_exposed_time_s,
                 "other": per_step,
             }
             out.append(

@@ -189,6 +189,24 @@ def test_a_loaded_context_stretches_compute_and_loads_the_links():
     assert terms["tp_comm"] == pytest.approx(4 * (stage.tp_comm_time_s + 2 * expected + loss))
 
 
+def test_zero1s_weight_gather_is_in_the_optimizer_term_as_the_runtime_times_it():
+    """The runtime all-gathers ZeRO-1's updated shards inside its optimizer step: the predicted terms put the gather
+    there too (the reduction stays in dp_sync); without ZeRO there is no gather."""
+    from predictor.sharding import dp_sync_time_s
+
+    for zero_stage, gathers in ((1, True), (0, False)):
+        ctx = host_context(zero_stage=zero_stage, overlap_grad_reduce=False, overlap_param_gather=False)  # as run
+        evaluation = evaluate(ctx, replace(one_stage(replicas=2), zero_stage=zero_stage))
+        stage = evaluation.stages[0]
+        params = 4 * MODEL.layer_params() + MODEL.embedding_params() + MODEL.lm_head_params()
+        sync = dp_sync_time_s(on_host(ctx, evaluation), ctx.cluster.group("left"), params, 1, 2)
+        assert stage.gather_exposed_time_s == pytest.approx(sync.params_s if gathers else 0.0)
+        assert (stage.gather_exposed_time_s > 0) == gathers and stage.dp_exposed_time_s > stage.gather_exposed_time_s
+        terms = predicted_stage_terms(ctx, evaluation)[0]["terms"]
+        assert terms["optimizer"] == pytest.approx(stage.optimizer_time_s + stage.gather_exposed_time_s)
+        assert terms["dp_sync"] == pytest.approx(stage.dp_exposed_time_s - stage.gather_exposed_time_s)
+
+
 QUIET = HostCosts(
     cores=2, concurrency=[{"processes": 4, "busy_stretch": 1.0}], optimizer_s_per_param=0.0, flatten_s_per_param=0.0,
     microbatch_overhead_s=0.0, layer_overhead_s=0.0, batch_s=0.0, batch_s_per_sample=0.0,
