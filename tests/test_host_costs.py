@@ -116,25 +116,6 @@ def test_a_links_cpu_share_is_its_ranks_cpu_time_over_their_time_unloaded():
     assert fit_link("host", untimed)[0].cpu_share == 0.0  # a profile from before: no CPU in collectives
 
 
-def test_ranks_in_a_collective_take_its_cpu_share_of_the_cores_from_the_others():
-    """Two cores: two TP 1 ranks computing and a TP pair waiting on its links, whose collectives compute half their
-    time: the pair takes one core, the two others share the other. A wait not on the links takes nothing."""
-    from predictor.sharing import Actor, _speeds
-
-    def actor(processes: int, state: str, unloaded_share: float | None = None) -> Actor:
-        made = Actor(processes, True, [], state=state, unloaded_share=unloaded_share)
-        made.link_cpu_share = 0.5
-        return made
-
-    computing = [actor(1, "busy"), actor(1, "busy")]
-    assert _speeds([*computing, actor(2, "sleep", 1.0)], 2, 1.0, 2.0)[:2] == [0.5, 0.5]
-    assert _speeds([*computing, actor(2, "sleep")], 2, 1.0, 2.0)[:2] == [1.0, 1.0]  # a wait for a neighbour
-    # the actors take their link's CPU share from the context's host link
-    ctx = replace(quiet_context(0.01, 0.01), links={"cpu/host": replace(INSTANT, cpu_share=0.5)})
-    actors = _actors(ctx, evaluate(ctx, two_families()), 0.0)
-    assert [a.link_cpu_share for a in actors] == [0.5, 0.5, 0.5]
-
-
 def host_context(**training: object) -> CostContext:
     cluster = load_cluster(EXAMPLES / "cpu-even.yaml")  # two groups of 2 CPU processes, no emulation
     costs = FixedCosts(decoder_s=0.01, embedding_s=0.002, lm_head_s=0.004)
@@ -366,6 +347,25 @@ def test_a_wait_on_the_links_takes_the_time_of_the_load_while_it_waits():
     batch_s = step_overhead_s(at, strategy)
     assert simulate_step(at, every, QUIET, batch_s, unloaded=unloaded).time_s == pytest.approx(0.0165)
     assert simulate_step(at, every, QUIET, batch_s).time_s == pytest.approx(0.018)
+
+
+def test_ranks_in_a_collective_take_its_cpu_share_of_the_cores_from_the_others():
+    """Two cores: two TP 1 ranks computing and a TP pair waiting on its links, whose collectives compute half their
+    time: the pair takes one core, the two others share the other. A wait not on the links takes nothing."""
+    from predictor.sharing import Actor, _speeds
+
+    def actor(processes: int, state: str, unloaded_share: float | None = None) -> Actor:
+        made = Actor(processes, True, [], state=state, unloaded_share=unloaded_share)
+        made.link_cpu_share = 0.5
+        return made
+
+    computing = [actor(1, "busy"), actor(1, "busy")]
+    assert _speeds([*computing, actor(2, "sleep", 1.0)], 2, 1.0, 2.0)[:2] == [0.5, 0.5]
+    assert _speeds([*computing, actor(2, "sleep")], 2, 1.0, 2.0)[:2] == [1.0, 1.0]  # a wait for a neighbour
+    # the actors take their link's CPU share from the context's host link
+    ctx = replace(quiet_context(0.01, 0.01), links={"cpu/host": replace(INSTANT, cpu_share=0.5)})
+    actors = _actors(ctx, evaluate(ctx, two_families()), 0.0)
+    assert [a.link_cpu_share for a in actors] == [0.5, 0.5, 0.5]
 
 
 def test_a_sync_across_families_ends_for_each_when_it_ends_for_all():
