@@ -143,11 +143,18 @@ def summarize(results: list[dict[str, Any]], steps: int) -> dict[str, Any]:
         for key in ("compute_s", "emulation_s", "wait_s"):
             entry.setdefault(key + "_per_rank", []).append(statistics.median(s[key] for s in kept))
         entry.setdefault("terms_per_rank", []).append((r["rank"], _measured_terms(kept)))
+        entry.setdefault("microbatches_per_rank", []).append(r["microbatches"])
         entry.setdefault("cpu_per_rank", []).append(_median_step(kept))
     per_stage = []
     for family, index in sorted(stages):
         entry = stages[family, index]
-        rank, (step_s, terms) = max(entry["terms_per_rank"], key=lambda item: item[1][0])  # the stage's slowest rank
+        # the stage's slowest rank among the replicas with the most micro-batches, whose step the predicted terms
+        # describe (one with fewer waits for them in its sync)
+        most = max(entry["microbatches_per_rank"])
+        described = [
+            t for t, m in zip(entry["terms_per_rank"], entry["microbatches_per_rank"], strict=True) if m == most
+        ]
+        rank, (step_s, terms) = max(described, key=lambda item: item[1][0])
         per_stage.append(
             {
                 "family": family,

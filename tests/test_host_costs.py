@@ -188,6 +188,23 @@ def test_zero1s_weight_gather_is_in_the_optimizer_term_as_the_runtime_times_it()
         assert terms["dp_sync"] == pytest.approx(stage.dp_exposed_time_s - stage.gather_exposed_time_s)
 
 
+def test_a_stages_measured_terms_are_a_rank_of_a_replica_with_the_most_microbatches():
+    """Two replicas of one stage run 4 and 3 micro-batches (an odd batch): the predicted terms describe the one with
+    4, so the record reports its rank, though the other, waiting for it in its sync, ended its step a little later."""
+    from runtime.launch import summarize
+
+    def result(rank: int, microbatches: int, step_s: float, sync_s: float) -> dict:
+        step = {"time_s": step_s, "compute_s": 0.05, "emulation_s": 0.0, "wait_s": 0.0, "sync_s": sync_s}
+        return {"rank": rank, "family": 0, "stage": 0, "replica": rank, "tp_rank": 0, "cp_rank": 0, "group": "left",
+                "layers": [0, 4], "emulate_speed": 1.0, "microbatches": microbatches, "steps": [step, step],
+                "loss_contributions": [0.0, 0.0], "last_stage": True, "max_rss_bytes": 1}  # fmt: skip
+
+    stage = summarize([result(0, 4, 0.100, 0.005), result(1, 3, 0.101, 0.030)], 2)["stages"][0]
+    assert stage["rank"] == 0 and stage["terms"]["dp_sync"] == pytest.approx(0.005)
+    even = summarize([result(0, 4, 0.100, 0.005), result(1, 4, 0.101, 0.030)], 2)["stages"][0]
+    assert even["rank"] == 1  # replicas alike: the slowest
+
+
 QUIET = HostCosts(
     cores=2, concurrency=[{"processes": 4, "busy_stretch": 1.0}], optimizer_s_per_param=0.0, flatten_s_per_param=0.0,
     microbatch_overhead_s=0.0, layer_overhead_s=0.0, batch_s=0.0, batch_s_per_sample=0.0,
