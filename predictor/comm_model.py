@@ -18,6 +18,7 @@ from specs.cluster import ClusterSpec, DeviceGroup
 # "host": between processes of one machine (loopback), measured by local `hetplan profile-comm`: it stands for every
 # link of its device's groups, as in a local run every rank is a process of this machine (CostContext's link lookup)
 LinkClass = Literal["in_node", "rail", "cross_group", "host"]
+Collective = Literal["all_reduce", "all_gather", "reduce_scatter"]
 
 # nccl-tests: HDR 200 Gb/s NICs reach ~24 GB/s busbw of 25 GB/s, NDR 400 Gb/s 46-48 of 50 (collectives.md): RDMA.
 NIC_EFFICIENCY = 0.92
@@ -39,7 +40,10 @@ class Link:
     (`slowdown_per_doubling`: +x per doubling of ranks beyond 2), carry its own point-to-point figures, and, measured
     between local processes, what each process per core beyond one adds to a step's latency and to the time per byte
     (`load_*`: the cores are shared, so a rank waits for a descheduled partner; `under_load`), and the share of an
-    unloaded collective's time its ranks compute (`cpu_share`: reductions and copies on the cores they share).
+    unloaded collective's time its ranks compute (`cpu_share`: reductions and copies on the cores they share), and
+    how much longer per byte of bus volume an all-gather or a reduce-scatter takes than an all-reduce
+    (`*_extra_s_per_byte`, negative when shorter: on a 2-core host Gloo reduce-scatters 4 MiB over two processes in
+    6.4 ms, all-gathers it in 3.1 and all-reduces it in 4.0, 3.0, 1.5 and 0.9 ns per byte of bus volume).
     """
 
     link_class: LinkClass
@@ -53,6 +57,8 @@ class Link:
     p2p_load_alpha_s: float = 0.0
     p2p_load_s_per_byte: float = 0.0
     cpu_share: float = 0.0  # measured between local processes: the share of a collective's time its ranks compute
+    all_gather_extra_s_per_byte: float = 0.0
+    reduce_scatter_extra_s_per_byte: float = 0.0
 
     def under_load(self, processes_per_core: float) -> Link:
         """The link while `processes_per_core` busy processes share each core of the host (at most one: itself)."""
@@ -61,9 +67,11 @@ class Link:
             return self
         return _under_load(self, processes_per_core)
 
-    def seconds_per_byte(self, ranks: int) -> float:
+    def seconds_per_byte(self, ranks: int, collective: Collective = "all_reduce") -> float:
+        """Per byte of bus volume (nccl-tests' busbw) of `collective` over `ranks`."""
         doublings = max(0.0, math.log2(ranks / 2)) if ranks > 2 else 0.0
-        return (1.0 + self.slowdown_per_doubling * doublings) / self.bw_bytes_per_s
+        extra = {"all_gather": self.all_gather_extra_s_per_byte, "reduce_scatter": self.reduce_scatter_extra_s_per_byte}
+        return (1.0 + self.slowdown_per_doubling * doublings) * (1.0 / self.bw_bytes_per_s + extra.get(collective, 0.0))
 
     def p2p_time_s(self, size_bytes: float) -> float:
         alpha = self.alpha_s if self.p2p_alpha_s is None else self.p2p_alpha_s
@@ -118,11 +126,19 @@ def all_reduce_time_s(size_bytes: float, ranks: int, link: Link) -> float:
     return 2 * (ranks - 1) / ranks * size_bytes * link.seconds_per_byte(ranks) + 2 * (ranks - 1) * link.alpha_s
 
 
-def reduce_scatter_time_s(size_bytes: float, ranks: int, link: Link) -> float:
-    """Reduce-scatter (or all-gather: the same volume) of a `size_bytes` array over `ranks`."""
+def reduce_scatter_time_s(
+    size_bytes: float, ranks: int, link: Link, collective: Collective = "reduce_scatter"
+) -> float:
+    """Reduce-scatter of a `size_bytes` array over `ranks` (or with `collective` all_gather, the all-gather of one:
+    the same volume and steps)."""
     if ranks <= 1 or size_bytes <= 0:
         return 0.0
-    return (ranks - 1) / ranks * size_bytes * link.seconds_per_byte(ranks) + (ranks - 1) * link.alpha_s
+    return (ranks - 1) / ranks * size_bytes * link.seconds_per_byte(ranks, collective) + (ranks - 1) * link.alpha_s
+
+
+def all_gather_time_s(size_bytes: float, ranks: int, link: Link) -> float:
+    """All-gather of a `size_bytes` array over `ranks`."""
+    return reduce_scatter_time_s(size_bytes, ranks, link, "all_gather")
 
 
 def hierarchical_all_reduce_time_s(
@@ -131,20 +147,27 @@ def hierarchical_all_reduce_time_s(
     """Two-level all-reduce; falls back to a flat ring over the slow link when that is faster."""
     if nodes <= 1:
         return all_reduce_time_s(size_bytes, ranks_per_node, inner)
-    two_level = 2 * reduce_scatter_time_s(size_bytes, ranks_per_node, inner) + all_reduce_time_s(
-        size_bytes / ranks_per_node, nodes, outer
+    inside = reduce_scatter_time_s(size_bytes, ranks_per_node, inner) + all_gather_time_s(
+        size_bytes, ranks_per_node, inner
     )
+    two_level = inside + all_reduce_time_s(size_bytes / ranks_per_node, nodes, outer)
     flat = all_reduce_time_s(size_bytes, ranks_per_node * nodes, outer)
     return min(two_level, flat)
 
 
 def hierarchical_reduce_scatter_time_s(
-    size_bytes: float, ranks_per_node: int, nodes: int, inner: Link, outer: Link
+    size_bytes: float,
+    ranks_per_node: int,
+    nodes: int,
+    inner: Link,
+    outer: Link,
+    collective: Collective = "reduce_scatter",
 ) -> float:
-    """Reduce-scatter inside the node, then across nodes on each rail with 1/r of the data (same for all-gather)."""
+    """Reduce-scatter inside the node, then across nodes on each rail with 1/r of the data (the same for an
+    all-gather, `collective`, in the other order)."""
     if nodes <= 1:
-        return reduce_scatter_time_s(size_bytes, ranks_per_node, inner)
-    two_level = reduce_scatter_time_s(size_bytes, ranks_per_node, inner) + reduce_scatter_time_s(
-        size_bytes / ranks_per_node, nodes, outer
+        return reduce_scatter_time_s(size_bytes, ranks_per_node, inner, collective)
+    two_level = reduce_scatter_time_s(size_bytes, ranks_per_node, inner, collective) + reduce_scatter_time_s(
+        size_bytes / ranks_per_node, nodes, outer, collective
     )
-    return min(two_level, reduce_scatter_time_s(size_bytes, ranks_per_node * nodes, outer))
+    return min(two_level, reduce_scatter_time_s(size_bytes, ranks_per_node * nodes, outer, collective))

@@ -2,10 +2,13 @@
 
 `hetplan profile-comm` writes `hetplan.links/1` files: measured (collective, ranks, size, time) points. Per link
 class a positive linear model (scikit-learn, fitted for relative error) learns
-    t = alpha * steps(c, n) + S * factor(c, n) * (beta + gamma * log2(n / 2))
+    t = alpha * steps(c, n) + S * factor(c, n) * (beta_c + gamma * log2(n / 2))
 over all collectives and group sizes (nccl-tests conventions: factor 2(n-1)/n for all-reduce, (n-1)/n for
-reduce-scatter / all-gather; steps 2(n-1) or n-1), so busbw = 1/beta at two ranks and the per-byte time grows by
-gamma/beta per doubling of ranks. Send/recv points get their own alpha and bandwidth.
+reduce-scatter / all-gather; steps 2(n-1) or n-1), so busbw = 1/beta_c at two ranks and the per-byte time grows by
+gamma/beta per doubling of ranks. Each collective measured at two sizes or more gets its own beta_c (the link's
+bandwidth is all-reduce's, the others' differences `*_extra_s_per_byte`): one beta for all read Gloo's 4 MiB
+reduce-scatter between two local processes 40% short and its all-reduce 15% long. Send/recv points get their own
+alpha and bandwidth.
 
 Points measured with their mean time (what a rank waits per operation on average, which is what a step sums) are
 fitted on it, else on the median. Points measured between local processes record how many processes computed per
@@ -103,15 +106,17 @@ def fit_link(link_class: LinkClass, points: Sequence[LinkPoint], source: str = "
     if len(collective) < 2:
         raise SpecError(source, "points", "expected at least 2 all-reduce/all-gather/reduce-scatter points")
     times = np.array([p.fitted_time_s for p in collective])
-    rows = []
-    for p in collective:
-        steps, volume = latency_steps(p.collective, p.ranks), p.size_bytes * bus_factor(p.collective, p.ranks)
-        rows.append((steps, volume, volume * math.log2(p.ranks / 2), steps * p.load, volume * p.load))
-    design = np.array(rows)
-    coefficients = _positive_relative_fit(design, times)
-    alpha, beta, gamma, load_alpha, load_beta = coefficients
+    own = [c for c in COLLECTIVES if len({p.size_bytes for p in collective if p.collective == c}) >= 2]
+    design, coefficients = _collective_fit(collective, times, own)
+    zero = [c for c, beta in zip(own, coefficients[1 : 1 + len(own)], strict=True) if beta <= 0]
+    if own and len(zero) < len(own) and zero:  # a collective measured only where latency rules: the others' bytes
+        own = [c for c in own if c not in zero]
+        design, coefficients = _collective_fit(collective, times, own)
+    alpha, *betas, gamma, load_alpha, load_beta = coefficients
+    beta = betas[0]
     if beta <= 0:
         raise SpecError(source, "points", "the points show no size dependence: measure larger messages")
+    extra = {c: float(b - beta) for c, b in zip(own or [COLLECTIVES[0]], betas, strict=True)}
     errors = list(np.abs(design @ coefficients - times) / times)
     p2p_alpha = p2p_bw = None
     p2p_load_alpha = p2p_load_beta = 0.0
@@ -137,8 +142,23 @@ def fit_link(link_class: LinkClass, points: Sequence[LinkPoint], source: str = "
         p2p_load_alpha_s=p2p_load_alpha,
         p2p_load_s_per_byte=p2p_load_beta,
         cpu_share=cpu_share(collective),
+        all_gather_extra_s_per_byte=extra.get("all_gather", 0.0),
+        reduce_scatter_extra_s_per_byte=extra.get("reduce_scatter", 0.0),
     )
     return link, float(np.median(errors))
+
+
+def _collective_fit(points: Sequence[LinkPoint], times: np.ndarray, own: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """The design and fitted coefficients (alpha, a per-byte time per collective in `own` (one for all when it is
+    empty; collectives not in it share the first's), gamma, the load's alpha and per-byte time)."""
+    rows = []
+    for p in points:
+        steps, volume = latency_steps(p.collective, p.ranks), p.size_bytes * bus_factor(p.collective, p.ranks)
+        column = own.index(p.collective) if p.collective in own else 0
+        volumes = [volume if i == column else 0.0 for i in range(max(1, len(own)))]
+        rows.append((steps, *volumes, volume * math.log2(p.ranks / 2), steps * p.load, volume * p.load))
+    design = np.array(rows)
+    return design, _positive_relative_fit(design, times)
 
 
 def cpu_share(points: Sequence[LinkPoint]) -> float:

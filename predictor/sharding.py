@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from predictor.comm_model import (
+    all_gather_time_s,
     all_reduce_time_s,
     hierarchical_all_reduce_time_s,
     hierarchical_reduce_scatter_time_s,
@@ -137,11 +138,11 @@ def dp_sync_time_s(ctx: CostContext, group: DeviceGroup, params_per_device: floa
         across = all_reduce_time_s(grads / per_node, nodes, outer)
         return DpSync(
             (reduce_scatter_time_s(grads, per_node, inner) + across) * scale,
-            reduce_scatter_time_s(weights, per_node, inner) * scale,
+            all_gather_time_s(weights, per_node, inner) * scale,
         )
     return DpSync(
         hierarchical_reduce_scatter_time_s(grads, per_node, nodes, inner, outer) * scale,
-        hierarchical_reduce_scatter_time_s(weights, per_node, nodes, inner, outer) * scale,
+        hierarchical_reduce_scatter_time_s(weights, per_node, nodes, inner, outer, "all_gather") * scale,
     )
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from predictor.calibration import apply, compute_parameter_names, fit_calibration, prediction_interval
-from predictor.comm_model import all_reduce_time_s
+from predictor.comm_model import all_gather_time_s, all_reduce_time_s, reduce_scatter_time_s
 from predictor.cost_model import build_context, evaluate
 from predictor.features import LayerPoint
 from predictor.layer_model import fit_layer_cost_model, fit_time_model, predict_total_s, profile_model_spec
@@ -103,6 +103,33 @@ def test_link_fit_recovers_alpha_beta_and_group_size_growth():
     # and the cost model uses it: an 8-rank all-reduce is slower per byte than a 2-rank one
     assert all_reduce_time_s(2**28, 8, link) / (2 * 7 / 8) > all_reduce_time_s(2**28, 2, link)
 
+
+
+def test_link_fit_gives_each_collective_its_own_bandwidth():
+    """Gloo between local processes moves a reduce-scatter's bus bytes 3x slower than an all-reduce's, an all-gather's
+    1.5x: one bandwidth for all read a 4 MiB reduce-scatter 40% short; each its own recovers all three."""
+    alpha, per_byte = 300e-6, {"all_reduce": 1.0e-9, "all_gather": 1.5e-9, "reduce_scatter": 3.0e-9}
+    points = [
+        LinkPoint(
+            collective=collective,
+            ranks=2,
+            size_bytes=size,
+            time_s=latency_steps(collective, 2) * alpha + size * bus_factor(collective, 2) * per_byte[collective],
+        )
+        for collective in per_byte
+        for size in (2**12, 2**16, 2**20, 2**22, 2**24)
+    ]
+    link, error = fit_link("host", points)
+    assert error < 1e-3
+    size = 2**22
+    assert all_reduce_time_s(size, 2, link) == pytest.approx(2 * alpha + size * 1.0e-9, rel=0.01)
+    assert all_gather_time_s(size, 2, link) == pytest.approx(alpha + size / 2 * 1.5e-9, rel=0.01)
+    assert reduce_scatter_time_s(size, 2, link) == pytest.approx(alpha + size / 2 * 3.0e-9, rel=0.01)
+    # a collective measured at one size only takes all-reduce's bandwidth rather than a guess
+    one_size = [p for p in points if p.collective != "all_gather" or p.size_bytes == size]
+    link, _ = fit_link("host", one_size)
+    assert link.all_gather_extra_s_per_byte == 0.0
+    assert reduce_scatter_time_s(size, 2, link) == pytest.approx(alpha + size / 2 * 3.0e-9, rel=0.01)
 
 def _synthetic_runs(true_values):
     """Iteration times of a few A100 strategies under known calibration values: the 'measurements'."""
