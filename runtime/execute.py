@@ -16,9 +16,9 @@ With context parallelism a CP rank's loss is the mean over its 1/cp of the token
 runs over the replicas and their CP ranks together (the dp-cp group, which ZeRO-1 shards over).
 
 ZeRO, over a stage's replicas (a stage without replicas runs unsharded), after the flush (nothing overlaps the
-backward): ZeRO-1 all-reduces the gradients and each replica updates its 1/dp chunk of the rank's flat parameter
-vector, with Adam moments for that chunk only, then the chunks are all-gathered; ZeRO-2 reduce-scatters instead, so a
-rank holds only its chunk of the summed gradient (the local gradients exist until the flush, whole); ZeRO-3 also
+backward): ZeRO-1 reduce-scatters the gradients and each replica updates its 1/dp chunk of the rank's flat parameter
+vector, with Adam moments for that chunk only, then the chunks are all-gathered; ZeRO-2 runs the same (a rank holds
+only its chunk of the summed gradient; the local gradients exist until the flush, whole); ZeRO-3 also
 keeps only that chunk of the weights, gathering each layer's in turn while it computes (runtime/zero.py), and
 skips the all-gather after the update.
 """
@@ -183,7 +183,7 @@ def _build(rank: int, job: RunJob, role: Role, comm: Communicator) -> RankState:
     optimizer = FlatAdam(bounds, dtype, settings)
     across = None
     if len(strategy.pipelines) > 1:
-        across = CrossFamilySync(model, strategy, group_offsets(cluster), rank, dp_group, zero_stage >= 1)
+        across = CrossFamilySync(model, strategy, group_offsets(cluster), rank, dp_group)
     sample = torch.randn(role.pipeline.micro_batch_size, job.seq_length // cp_size, model.hidden_size, dtype=dtype)
     layers = [layer for module in modules for layer in module.layers]
     speed = cluster.group(stage.group).emulate_speed
@@ -412,12 +412,13 @@ def _step(rank: int, job: RunJob, role: Role, state: RankState, comm: Communicat
 def _synced_gradients(state: RankState, comm: Communicator, capture: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The gradient summed over the replicas (and families) for the elements [lo, hi) the optimizer updates, and
     the whole summed vector when `capture` (parity tests). The local gradients are dropped once flattened; under
-    ZeRO-2/3 they are reduce-scattered, so only the shard of the sum is ever held."""
+    ZeRO they are reduce-scattered, so only the shard of the sum is ever held (ZeRO-1 as Megatron's distributed
+    optimizer and the cost model have it: an all-reduce would move twice the bytes on NCCL)."""
     params, dp, optimizer = state.params, state.dp_group, state.optimizer
     grads = flat([p.grad if p.grad is not None else torch.zeros_like(p) for p in params])
     for p in params:
         p.grad = None
-    if state.zero_stage >= 2:
+    if state.zero_stage >= 1:
         if state.across is not None:
             shard = state.across.summed_chunk(grads, comm)
         else:
@@ -426,7 +427,7 @@ def _synced_gradients(state: RankState, comm: Communicator, capture: bool) -> tu
     if state.across is None:
         comm.all_reduce(grads, dp)
     else:
-        grads = state.across.sync(grads, comm, full=capture)
+        grads = state.across.sync(grads, comm)
     return grads[optimizer.lo : optimizer.hi], grads if capture else None
 
 

@@ -6,8 +6,8 @@ the family's sum (ZeRO-1's chunk). Across families, each element of the model is
 with each device of another family whose owned elements meet its chunk exactly those elements (by their positions in
 the whole model's flat vector, runtime.model.shard_positions) and adds what it receives: its chunk then holds the sum
 over all families, having sent and received only its 1/replicas shard per other family. An all-gather over the
-replicas gives every replica the full gradient back (skipped under ZeRO-1, whose update needs only its chunk; ZeRO-2/3
-keep only the chunk: `summed_chunk`). With context parallelism the "replicas" here are the dp-cp group's members,
+replicas gives every replica the full gradient back (skipped under ZeRO, whose update needs only its chunk:
+`summed_chunk`). With context parallelism the "replicas" here are the dp-cp group's members,
 replica r's CP rank c being r * cp + c.
 """
 
@@ -85,9 +85,7 @@ class Swap:
 class CrossFamilySync:
     """This rank's part of the sharded sync (see the module text)."""
 
-    def __init__(
-        self, model: ModelSpec, strategy: Strategy, offsets: dict[str, int], rank: int, dp: CommGroup, zero: bool
-    ) -> None:
+    def __init__(self, model: ModelSpec, strategy: Strategy, offsets: dict[str, int], rank: int, dp: CommGroup) -> None:
         families = family_holdings(model, strategy, offsets)
         mine_family = next(f for f, held in enumerate(families) if any(h.rank == rank for h in held))
         mine = next(h for h in families[mine_family] if h.rank == rank)
@@ -101,20 +99,12 @@ class CrossFamilySync:
                 if send.any() or receive.any():
                     swap = Swap(other.rank, _by_position(mine.positions, send), _by_position(mine.positions, receive))
                     self.swaps.append(swap)
-        self.dp, self.rank, self.zero = dp, rank, zero
+        self.dp, self.rank = dp, rank
         self.index, self.count = dp.ranks.index(rank), len(dp.ranks)
 
-    def sync(self, grads: torch.Tensor, comm: Communicator, full: bool) -> torch.Tensor:
-        """The gradient summed over the replicas and the families: the whole vector, or (ZeRO-1 and not `full`) only
-        this replica's chunk filled in."""
-        numel = grads.numel()
-        total = self.summed_chunk(grads, comm)
-        lo, hi = chunk_bounds(numel, self.index, self.count)
-        if self.zero and not full:
-            out = torch.zeros_like(grads)
-            out[lo:hi] = total
-            return out
-        return all_gathered(total, numel, comm, self.dp)
+    def sync(self, grads: torch.Tensor, comm: Communicator) -> torch.Tensor:
+        """The whole gradient summed over the replicas and the families (ZeRO-0; ZeRO keeps `summed_chunk`)."""
+        return all_gathered(self.summed_chunk(grads, comm), grads.numel(), comm, self.dp)
 
     def summed_chunk(self, grads: torch.Tensor, comm: Communicator) -> torch.Tensor:
         """This replica's chunk of the gradient summed over the replicas and the families (ZeRO-2/3 keep only it)."""

@@ -227,6 +227,42 @@ def test_interleaved_families_one_stage_at_tp2_and_two_stages_match_one_process(
     _check(Strategy((fast, slow), "selective", 0, virtual_stages=2), tmp_path)
 
 
+def test_zero_syncs_gradients_with_a_reduce_scatter_as_the_cost_model_counts_them(monkeypatch):
+    """ZeRO-1 and 2 reduce-scatter the gradients (half an all-reduce's bytes on NCCL; predictor/sharding.py counts a
+    reduce-scatter), ZeRO-0 all-reduces them; each rank's optimizer gets the sum over its elements."""
+    from types import SimpleNamespace
+
+    import runtime.execute as execute
+
+    class Recording:
+        """Two replicas whose gradients are equal: a sum doubles them."""
+
+        def __init__(self) -> None:
+            self.calls: list[str] = []
+
+        def reduce_scatter(self, tensor: torch.Tensor, group: CommGroup) -> torch.Tensor:
+            self.calls.append("reduce_scatter")
+            return tensor.chunk(len(group.ranks))[group.ranks.index(1)] * 2
+
+        def all_reduce(self, tensor: torch.Tensor, group: CommGroup) -> torch.Tensor:
+            self.calls.append("all_reduce")
+            return tensor.mul_(2)
+
+    monkeypatch.setattr(execute.dist, "get_rank", lambda: 1)
+    for zero_stage, collective, (lo, hi) in ((0, "all_reduce", (0, 8)), (1, "reduce_scatter", (4, 8)),
+                                             (2, "reduce_scatter", (4, 8))):  # fmt: skip
+        params = [torch.nn.Parameter(torch.zeros(n)) for n in (3, 5)]
+        for p, grad in zip(params, torch.arange(8.0).split([3, 5]), strict=True):
+            p.grad = grad.clone()
+        state = SimpleNamespace(params=params, dp_group=CommGroup((0, 1), {"cpu": (0, 1)}), across=None,
+                                optimizer=SimpleNamespace(lo=lo, hi=hi), zero_stage=zero_stage)  # fmt: skip
+        comm = Recording()
+        mine, _ = execute._synced_gradients(state, comm, capture=False)  # type: ignore[arg-type]
+        assert comm.calls == [collective], zero_stage
+        assert torch.equal(mine, torch.arange(8.0)[lo:hi] * 2), zero_stage
+        assert all(p.grad is None for p in params)
+
+
 def test_cross_family_sync_moves_each_devices_shard_once_per_other_family():
     """Every element of a rank's chunk (its 1/replicas of its gradient) arrives once from each other family; what it
     sends is its own chunk (plus the few replicated elements a TP peer needs too): shards, not whole segments."""
@@ -239,7 +275,7 @@ def test_cross_family_sync_moves_each_devices_shard_once_per_other_family():
     offsets = group_offsets(CLUSTER)
     for rank, dp_ranks, family, tp_rank in ((0, (0, 1), 0, 0), (1, (0, 1), 0, 0), (2, (2,), 1, 0), (3, (3,), 1, 1)):
         dp = CommGroup(dp_ranks, {"cpu": dp_ranks})
-        sync = CrossFamilySync(MODEL, strategy, offsets, rank, dp, zero=False)
+        sync = CrossFamilySync(MODEL, strategy, offsets, rank, dp)
         positions = rank_positions(MODEL, strategy, family, 0, tp_rank)
         lo, hi = chunk_bounds(positions.numel(), dp_ranks.index(rank), len(dp_ranks))
         received = torch.cat([s.receive for s in sync.swaps])
