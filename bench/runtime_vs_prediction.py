@@ -325,8 +325,7 @@ def main() -> None:
                 continue
             records[case.slug] = extra
             run_once(case, extra[-1], f"{count}: the runs so far spread {spread(measured):.0%}")
-    run_s = time.monotonic() - started
-    load_after = load_average()
+    metadata = run_metadata(work, loads, load_before, time.monotonic() - started)
     profile_files = [directory / "cpu.json" for directory in profile_dirs.values()]
     loo = leave_one_out(cases, records, profile_files, links)
     rows = []
@@ -367,10 +366,7 @@ def main() -> None:
         )
     result = {
         "host": {"machine": platform.machine(), "cores": len(os.sched_getaffinity(0)), "node": platform.node()},
-        "load_average_before": load_before,
-        "load_average_after": load_after,
-        "runs_s": run_s,
-        "load_average_at_each_run": loads,
+        **metadata,
         "steps": args.steps,
         "repeats": args.repeats,
         "max_repeats": args.max_repeats,
@@ -378,9 +374,26 @@ def main() -> None:
         "rows": rows,
     }
     print_table(rows)
-    print(f"machine load (1/5/15 min) before {load_before}, after {load_after}; runs took {run_s:.0f} s")
+    before, after = metadata["load_average_before"], metadata["load_average_after"]
+    print(f"machine load (1/5/15 min) before {before}, after {after}; runs took {metadata['runs_s']:.0f} s")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+
+
+def run_metadata(work: Path, loads: list[str], load_before: str, runs_s: float) -> dict[str, Any]:
+    """The machine's load around the runs and how long they took: as measured now when this invocation ran cases
+    (kept in WORK/runs-metadata.json), else (`--reuse`, nothing run) as the invocation that ran them wrote it."""
+    path = work / "runs-metadata.json"
+    if not loads and path.exists():
+        return dict(json.loads(path.read_text(encoding="utf-8")))
+    metadata = {
+        "load_average_before": load_before,
+        "load_average_after": load_average(),
+        "runs_s": runs_s,
+        "load_average_at_each_run": loads,
+    }
+    path.write_text(json.dumps(metadata, indent=1) + "\n", encoding="utf-8")
+    return metadata
 
 
 def print_table(rows: list[dict[str, Any]], write: Callable[[str], None] = print) -> None:
