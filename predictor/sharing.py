@@ -3,17 +3,18 @@
 Every (family, stage, replica) of the strategy is an actor of TP processes that runs, in the runtime's order
 (predictor.schedule.stage_order), its forward and backward passes; each pass computes (busy), then, on a group that
 emulates a slower device, keeps computing for (1/speed - 1) times the wall time that took (the runtime's emulator is
-timed by the wall clock), then waits for its TP collectives (asleep). A forward waits for the previous stage's
-forward of the same micro-batch plus the boundary transfer, a backward for the next stage's backward. Each step starts
-with making the batch (busy) and ends with the actor's exposed DP sync (its host work around a sync across families
-busy, its transfers asleep) and its optimizer step (busy); an actor starts its sync once the actors it syncs with have
-finished their passes: those holding some of the same layers (the replicas of its stage, and stages of other families
-over common layers; with interleaving, the layers its chunks hold), as a rank's gradient collectives wait for their
-partners only; its sync ends when theirs do (across families, a rank's sum waits for the other families' ranks to
-send it theirs: on the benchmark's two-family runs, the TP pair's sync ended within 8% of a step of the TP 1 ranks',
-where syncing on its own it was simulated to end 12-23% of a step before). (The analytic model, cost_model.evaluate,
-keeps one flush after every family's passes: where the simulation decides a local run's prediction, a stage that
-finishes early syncs and steps early.)
+timed by the wall clock), then waits for its TP collectives (asleep). A forward waits for the previous stage's forward
+of the same micro-batch plus the boundary transfer, a backward for the next stage's backward. Each step starts with
+making the batch (busy) and ends with the actor's exposed DP sync (its host work around a sync across families busy,
+its transfers asleep), its optimizer step (busy) and, under ZeRO-1/2, the gather of the updated weight shards (asleep,
+once its replicas have updated theirs: the runtime gathers after the update); an actor starts its sync once the actors
+it syncs with have finished their passes: those holding some of the same layers (the replicas of its stage, and stages
+of other families over common layers; with interleaving, the layers its chunks hold), as a rank's gradient collectives
+wait for their partners only; its sync ends when theirs do (across families, a rank's sum waits for the other families'
+ranks to send it theirs: on the benchmark's two-family runs, the TP pair's sync ended within 8% of a step of the TP 1
+ranks', where syncing on its own it was simulated to end 12-23% of a step before). (The analytic model,
+cost_model.evaluate, keeps one flush after every family's passes: where the simulation decides a local run's
+prediction, a stage that finishes early syncs and steps early.)
 
 A wait on the links (TP collectives, DP sync transfers) takes the time of the load while it waits: a link's time is
 linear in the processes computing per core (Link.under_load, measured with busy processes beside the ranks), so the
@@ -68,7 +69,8 @@ class Phase:
     spin_factor: float = 0.0
     sleep_s: float = 0.0
     unloaded_share: float | None = None  # a wait on the links: its time unloaded / with every process busy
-    barrier: str = ""  # "passes": waits for its partners' passes; "synced": for their syncs
+    barrier: str = ""  # "passes": waits for its partners' passes; "synced": for their syncs; "updated": for its
+    # replicas' optimizer steps
     after: tuple[object, ...] | None = None
     delay_s: float = 0.0
     finishes: tuple[object, ...] | None = None
@@ -96,7 +98,7 @@ class Actor:
     link_cpu_share: float = 0.0  # the share of its links' unloaded time a collective computes (Link.cpu_share)
 
     def reached(self, barrier: str) -> bool:
-        """It is at that barrier or past it (finished its passes, or its sync)."""
+        """It is at that barrier or past it (finished its passes, its sync or its optimizer step)."""
         return self.state == "done" or any(phase.barrier == barrier for phase in self.phases[: self.position + 1])
 
 
@@ -165,12 +167,18 @@ def _actors(
                 sync = len(phases)
                 phases.append(Phase(barrier="passes", kind="dp_sync", event=sync))
                 phases.append(Phase(busy_s=evaluated.sync_host_time_s, kind="dp_sync", event=sync))  # indexing, copies
-                exposed = evaluated.dp_exposed_time_s - evaluated.sync_host_time_s
-                exposed_share = _share(alone.dp_exposed_time_s - alone.sync_host_time_s, exposed)
+                gather = evaluated.gather_exposed_time_s
+                exposed = evaluated.dp_exposed_time_s - evaluated.sync_host_time_s - gather
+                exposed_share = _share(alone.dp_exposed_time_s - alone.sync_host_time_s - alone.gather_exposed_time_s,
+                                       exposed)  # fmt: skip
                 phases.append(Phase(sleep_s=exposed, unloaded_share=exposed_share, kind="dp_sync", event=sync))
                 # its sync ends with its partners' (across families, it waits for theirs to send it their sums)
                 phases.append(Phase(barrier="synced", kind="dp_sync", event=sync))
                 phases.append(Phase(busy_s=evaluated.optimizer_time_s, kind="optimizer", event=sync + 1))
+                if gather > EPSILON_S:  # ZeRO-1/2: the updated shards gathered once its replicas have updated theirs
+                    phases.append(Phase(barrier="updated", kind="optimizer", event=sync + 1))
+                    gather_share = _share(alone.gather_exposed_time_s, gather)
+                    phases.append(Phase(sleep_s=gather, unloaded_share=gather_share, kind="optimizer", event=sync + 1))
                 actor = Actor(evaluated.stage.tp, actor_shares_host, phases, prompt, held[position])
                 actor.where = (family, position, replica)
                 actor.link_cpu_share = link_cpu_share if actor_shares_host else 0.0
@@ -240,7 +248,10 @@ def simulate_step(
         while actor.position < len(actor.phases):
             phase = actor.phases[actor.position]
             if phase.barrier:
-                if not all(actors[j].reached(phase.barrier) for j in actor.partners):  # once reached, for good
+                # once reached, for good; a weight gather waits for the replicas only (other families hold theirs)
+                family = actor.where[0]
+                waits_for = [j for j in actor.partners if phase.barrier != "updated" or actors[j].where[0] == family]
+                if not all(actors[j].reached(phase.barrier) for j in waits_for):
                     actor.state = "waiting"
                     return
             elif phase.after is not None:

@@ -401,6 +401,28 @@ def test_a_sync_across_families_ends_for_each_when_it_ends_for_all():
     assert pair[-2][0] == "dp_sync" and pair[-2][2] == pytest.approx(0.026)
 
 
+def test_zeros_weight_gather_follows_the_optimizer_step_and_waits_for_the_replicas_only():
+    """The families above (passes done at 16 ms). The left replicas (ZeRO-1) wait 6 ms on the gradients' transfers,
+    then gather their updated shards for 4 ms after their (instant) optimizer step, as the runtime does; the right pair
+    syncs in 2 ms and steps for 20 ms. Both syncs end at 22 ms; the left replicas' gather ends at 26 ms and the step at
+    42 ms. With the gather in the sync the pair would step from 26 ms (46 ms); waiting for the pair's optimizer step
+    too, the left ones would gather from 42 ms (46 ms)."""
+    ctx = quiet_context(0.006 / 4, 0.01 / 4, global_batch_size=3)
+    unstretched = evaluate(loaded(ctx, 2.0, 1.0), two_families())
+    stages = tuple(
+        replace(s, dp_exposed_time_s=0.002, gather_exposed_time_s=0.0, optimizer_time_s=0.02)
+        if s.family
+        else replace(s, dp_exposed_time_s=0.01, gather_exposed_time_s=0.004, optimizer_time_s=0.0)
+        for s in unstretched.stages
+    )
+    simulated = simulate_step(ctx, replace(unstretched, stages=stages), QUIET, 0.0, trace=True)
+    assert simulated.time_s == pytest.approx(0.042)
+    for left in simulated.timeline[:2]:
+        sync, update = left["events"][-2:]
+        assert (sync[0], update[0]) == ("dp_sync", "optimizer")
+        assert sync[2] == pytest.approx(0.022) and update[2] == pytest.approx(0.026)
+
+
 def test_the_analytic_evaluation_is_stretched_to_the_simulated_step_even_when_not_linear_in_the_stretch():
     """The families above simulate to 16 ms; an analytic evaluation growing with the square of the stretch (10 ms
     unstretched) is stretched by secants until it is within the tolerance of it, where one secant stops 10% short."""

@@ -104,7 +104,6 @@ def test_link_fit_recovers_alpha_beta_and_group_size_growth():
     assert all_reduce_time_s(2**28, 8, link) / (2 * 7 / 8) > all_reduce_time_s(2**28, 2, link)
 
 
-
 def test_link_fit_gives_each_collective_its_own_bandwidth():
     """Gloo between local processes moves a reduce-scatter's bus bytes 3x slower than an all-reduce's, an all-gather's
     1.5x: one bandwidth for all read a 4 MiB reduce-scatter 40% short; each its own recovers all three."""
@@ -130,6 +129,7 @@ def test_link_fit_gives_each_collective_its_own_bandwidth():
     link, _ = fit_link("host", one_size)
     assert link.all_gather_extra_s_per_byte == 0.0
     assert reduce_scatter_time_s(size, 2, link) == pytest.approx(alpha + size / 2 * 3.0e-9, rel=0.01)
+
 
 def _synthetic_runs(true_values):
     """Iteration times of a few A100 strategies under known calibration values: the 'measurements'."""
