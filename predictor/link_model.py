@@ -6,9 +6,9 @@ class a positive linear model (scikit-learn, fitted for relative error) learns
 over all collectives and group sizes (nccl-tests conventions: factor 2(n-1)/n for all-reduce, (n-1)/n for
 reduce-scatter / all-gather; steps 2(n-1) or n-1), so busbw = 1/beta_c at two ranks and the per-byte time grows by
 gamma/beta per doubling of ranks. Each collective measured at two sizes or more gets its own beta_c (the link's
-bandwidth is all-reduce's, the others' differences `*_extra_s_per_byte`): one beta for all read Gloo's 4 MiB
-reduce-scatter between two local processes 40% short and its all-reduce 15% long. Send/recv points get their own
-alpha and bandwidth.
+bandwidth is all-reduce's, the others' differences `*_extra_s_per_byte`): in three link profiles of this project's
+2-core host, one beta for all read Gloo's 4 MiB reduce-scatter between two local processes 37-48% short and its
+all-reduce 22-38% long. Send/recv points get their own alpha and bandwidth.
 
 Points measured with their mean time (what a rank waits per operation on average, which is what a step sums) are
 fitted on it, else on the median. Points measured between local processes record how many processes computed per
@@ -109,14 +109,14 @@ def fit_link(link_class: LinkClass, points: Sequence[LinkPoint], source: str = "
     own = [c for c in COLLECTIVES if len({p.size_bytes for p in collective if p.collective == c}) >= 2]
     design, coefficients = _collective_fit(collective, times, own)
     zero = [c for c, beta in zip(own, coefficients[1 : 1 + len(own)], strict=True) if beta <= 0]
-    if own and len(zero) < len(own) and zero:  # a collective measured only where latency rules: the others' bytes
+    if zero and len(zero) < len(own):  # a collective measured only where latency rules: the others' bytes
         own = [c for c in own if c not in zero]
         design, coefficients = _collective_fit(collective, times, own)
     alpha, *betas, gamma, load_alpha, load_beta = coefficients
     beta = betas[0]
     if beta <= 0:
         raise SpecError(source, "points", "the points show no size dependence: measure larger messages")
-    extra = {c: float(b - beta) for c, b in zip(own or [COLLECTIVES[0]], betas, strict=True)}
+    extra = {c: float(b - beta) for c, b in zip(own, betas, strict=False)}  # none when one beta is all
     errors = list(np.abs(design @ coefficients - times) / times)
     p2p_alpha = p2p_bw = None
     p2p_load_alpha = p2p_load_beta = 0.0

@@ -99,8 +99,7 @@ class CrossFamilySync:
                 if send.any() or receive.any():
                     swap = Swap(other.rank, _by_position(mine.positions, send), _by_position(mine.positions, receive))
                     self.swaps.append(swap)
-        self.dp, self.rank = dp, rank
-        self.index, self.count = dp.ranks.index(rank), len(dp.ranks)
+        self.dp, self.index = dp, dp.ranks.index(rank)
 
     def sync(self, grads: torch.Tensor, comm: Communicator) -> torch.Tensor:
         """The whole gradient summed over the replicas and the families (ZeRO-0; ZeRO keeps `summed_chunk`)."""
