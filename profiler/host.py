@@ -118,13 +118,20 @@ def _busy_helper(
 
 
 def concurrency(
-    model: ModelSpec, micro_batch_size: int, seq_length: int, dtype: torch.dtype, cores: int, min_time_s: float = 0.5
+    model: ModelSpec,
+    micro_batch_size: int,
+    seq_length: int,
+    dtype: torch.dtype,
+    cores: int,
+    min_time_s: float = 0.5,
+    only_cores: bool = False,
 ) -> list[ConcurrencyPoint]:
     """The layer's busy-time stretch with N processes computing it at once (N = 2, the cores and twice the cores, at
-    most MAX_CONCURRENT_PROCESSES): this process times its busy (CPU) time per pass while N - 1 helpers compute the
-    same layer. Busy time leaves out the waits for a core (time slicing, which the cost model adds from the core
-    count) and whatever else the machine runs meanwhile."""
-    levels = sorted({n for n in (2, cores, 2 * cores) if 2 <= n <= MAX_CONCURRENT_PROCESSES})
+    most MAX_CONCURRENT_PROCESSES; `only_cores`: N = the cores): this process times its busy (CPU) time per pass
+    while N - 1 helpers compute the same layer. Busy time leaves out the waits for a core (time slicing, which the
+    cost model adds from the core count) and whatever else the machine runs meanwhile."""
+    wanted = (cores,) if only_cores else (2, cores, 2 * cores)
+    levels = sorted({n for n in wanted if 2 <= n <= MAX_CONCURRENT_PROCESSES})
     if not levels:
         return [ConcurrencyPoint(processes=1, busy_stretch=1.0)]
     threads = torch.get_num_threads()

@@ -224,7 +224,13 @@ def speed_lines(record: Mapping[str, Any]) -> list[str]:
     layer = f"the profile's reference layer ({speed['layer']})"
     timings = f"{speed['profiled_s'] * 1e3:.1f} ms when profiled, {around_s * 1e3:.1f} ms around the run"
     verdict = f"x{speed['slowdown']:.2f}): predicted at this speed {at_speed:.3f} s ({against_prediction(error)})"
-    return [f"machine speed: {layer} took {timings} ({verdict}"]
+    lines = [f"machine speed: {layer} took {timings} ({verdict}"]
+    if "cores_slowdown" in speed:  # records from before the all-cores check have none
+        lines.append(
+            f"all {speed['cores']} cores computing it at once: each {speed['busy_stretch_now']:.2f}x its time alone, "
+            f"{speed['busy_stretch_profiled']:.2f}x when profiled (x{speed['cores_slowdown']:.2f})"
+        )
+    return lines
 
 
 def comm_bench_table(result: Mapping[str, Any], islands: Sequence[str]) -> Table:

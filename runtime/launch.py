@@ -27,7 +27,7 @@ from predictor.host import local_run_context, on_host
 from predictor.run_terms import predicted_stage_terms, side_by_side
 from predictor.runs import RUN_SCHEMA
 from profiler.comm_bench import free_port, run_processes
-from profiler.host import layer_time_s
+from profiler.host import concurrency, layer_time_s
 from profiler.profile import DeviceProfile, ProfileEntry, ScaledLayerCosts
 from runtime.execute import TORCH_DTYPES, RunJob, RunSettings, gathered_results, spawned_rank, synthetic_batch
 from runtime.model import ReferenceModel, check_tp
@@ -371,8 +371,9 @@ def with_speed_check(ctx: CostContext, run: Callable[[], T]) -> tuple[T, dict[st
     if reference is None:
         return run(), {"checked": False, "why": "the prediction's costs are not a measured profile of this host"}
     before_s = reference_time_s(ctx, *reference)
+    cores = cores_check(ctx, *reference)
     result = run()
-    return result, speed_check(reference, before_s, reference_time_s(ctx, *reference))
+    return result, speed_check(reference, before_s, reference_time_s(ctx, *reference), cores)
 
 
 def speed_reference(ctx: CostContext) -> tuple[DeviceProfile, ProfileEntry] | None:
@@ -399,11 +400,32 @@ def reference_time_s(ctx: CostContext, profile: DeviceProfile, entry: ProfileEnt
     return layer_time_s(ctx.model, entry.micro_batch_size, profile.seq_length, dtype, threads)
 
 
-def speed_check(reference: tuple[DeviceProfile, ProfileEntry], before_s: float, after_s: float) -> dict[str, Any]:
+CORES_CHECK_S = 0.25  # of layer passes timed (with the helpers' start, about 3 s a run on a 2-core machine)
+
+
+def cores_check(ctx: CostContext, profile: DeviceProfile, entry: ProfileEntry) -> dict[str, Any]:
+    """The reference layer's busy stretch with a process per core computing it at once, measured now as the profile
+    measured its own (profiler.host.concurrency), against the profile's (`cores_slowdown`: now over profiled); empty
+    off a multi-core host or for a profile without host costs."""
+    cores = len(os.sched_getaffinity(0))
+    if profile.host is None or cores < 2:
+        return {}
+    dtype = TORCH_DTYPES.get(profile.dtype, torch.float32)
+    now = concurrency(ctx.model, entry.micro_batch_size, profile.seq_length, dtype, cores, CORES_CHECK_S, True)[-1]
+    profiled = profile.host.busy_stretch(cores)
+    return {"cores": cores, "busy_stretch_profiled": profiled, "busy_stretch_now": now.busy_stretch,
+            "cores_slowdown": now.busy_stretch / profiled}  # fmt: skip
+
+
+def speed_check(
+    reference: tuple[DeviceProfile, ProfileEntry], before_s: float, after_s: float, cores: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """The machine-speed check of a run: the reference layer as profiled, timed before and after the run, and the
     slowdown (the lower of the two over the profiled time; 1.1: the machine ran 10% slower than when profiled). The
     lower, because a check only ever reads slow when disturbed: right after a run, its processes exiting beside it
-    made the layer read up to 45% slower than right before."""
+    made the layer read up to 45% slower than right before. And `cores` (cores_check, before the run): one process
+    alone can run at its profiled speed while the cores together do not (this 2-core VM ran a tiny PP 2 plan 50%
+    slower than an hour before, its ranks' CPU time per step 50% higher, with the one-process check at 1.00)."""
     profile, entry = reference
     profiled_s = (entry.forward_time_s or 0.0) + (entry.backward_time_s or 0.0)
     return {
@@ -414,6 +436,7 @@ def speed_check(reference: tuple[DeviceProfile, ProfileEntry], before_s: float, 
         "before_run_s": before_s,
         "after_run_s": after_s,
         "slowdown": min(before_s, after_s) / profiled_s,
+        **(cores or {}),
     }
 
 

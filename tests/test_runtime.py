@@ -227,6 +227,40 @@ def test_interleaved_families_one_stage_at_tp2_and_two_stages_match_one_process(
     _check(Strategy((fast, slow), "selective", 0, virtual_stages=2), tmp_path)
 
 
+def test_the_speed_check_sets_every_core_computing_beside_the_profiles_measurement(tmp_path):
+    """Before a run, a process per core computes the reference layer at once; their busy stretch over the profile's
+    is the cores' slowdown (a profile that read 3x with every core busy: this machine reads under 2x, so the check
+    says the cores run faster together now)."""
+    import os
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from profiler.profile import DeviceProfile, HostCosts, ProfileEntry
+    from report.measurements import speed_lines
+    from runtime.launch import cores_check, speed_check
+
+    cores = len(os.sched_getaffinity(0))
+    if cores < 2:
+        pytest.skip("the all-cores check needs two cores")
+    host = HostCosts(cores=cores, concurrency=[{"processes": cores, "busy_stretch": 3.0}], optimizer_s_per_param=0.0,
+                     flatten_s_per_param=0.0, microbatch_overhead_s=0.0, layer_overhead_s=0.0, batch_s=0.0,
+                     batch_s_per_sample=0.0)  # fmt: skip
+    entry = ProfileEntry(layer="decoder", micro_batch_size=1, tp=1, recompute="none", forward_time_s=1e-3,
+                         backward_time_s=2e-3, activation_bytes=0)  # fmt: skip
+    profile = DeviceProfile(source="measured", device={"key": "cpu"}, model={}, dtype="fp32", seq_length=16,
+                            entries=[entry], host=host)  # fmt: skip
+    ctx = SimpleNamespace(model=MODEL)  # the check reads the model only
+    checked = cores_check(ctx, profile, entry)  # type: ignore[arg-type]
+    assert checked["cores"] == cores and checked["busy_stretch_profiled"] == 3.0
+    assert 0.8 < checked["busy_stretch_now"] < 2.0, checked
+    assert checked["cores_slowdown"] == pytest.approx(checked["busy_stretch_now"] / 3.0)
+    speed = speed_check((profile, entry), 3e-3, 3e-3, checked)
+    record = {"measurements": {"machine_speed": speed, "prediction_error_at_run_speed": 0.0},
+              "predicted_at_run_speed_s": 1.0}  # fmt: skip
+    assert f"all {cores} cores computing it at once" in speed_lines(record)[1]
+    assert cores_check(ctx, replace(profile, host=None), entry) == {}  # type: ignore[arg-type]
+
+
 def test_zero_syncs_gradients_with_a_reduce_scatter_as_the_cost_model_counts_them(monkeypatch):
     """ZeRO-1 and 2 reduce-scatter the gradients (half an all-reduce's bytes on NCCL; predictor/sharding.py counts a
     reduce-scatter), ZeRO-0 all-reduces them; each rank's optimizer gets the sum over its elements."""

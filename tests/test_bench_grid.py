@@ -1,0 +1,33 @@
+"""The runtime-vs-prediction bench's choice of runs: a run the machine checks read as disturbed is left out."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+import runtime_vs_prediction as bench
+
+
+def run(step_s: float, slowdown: float = 1.0, cores_slowdown: float | None = None) -> dict:
+    speed = {"checked": True} | ({"cores_slowdown": cores_slowdown} if cores_slowdown is not None else {})
+    return {"measured_iteration_time_s": step_s, "machine_slowdown": slowdown, "measurements": {"machine_speed": speed}}
+
+
+def test_disturbed_runs_leave_the_median_unless_every_run_was(tmp_path):
+    quiet, slow_cores, slow_alone = run(0.11), run(0.17, cores_slowdown=1.4), run(0.2, slowdown=1.3)
+    assert [bench.was_disturbed(r) for r in (quiet, slow_cores, slow_alone)] == [False, True, True]
+    assert not bench.was_disturbed(run(0.11, cores_slowdown=bench.DISTURBED_LIMIT))  # at the limit: counted
+    assert bench.counted([slow_cores, quiet, slow_alone]) == [quiet]
+    assert bench.counted([slow_cores, slow_alone]) == [slow_cores, slow_alone]  # all disturbed: all counted
+    assert bench.cores_slowdown(run(0.1)) == 1.0  # a record from before the all-cores check
+    paths = []
+    for index, record in enumerate((slow_cores, quiet, run(0.12), slow_alone, run(0.13))):
+        paths.append(tmp_path / f"run-{index}.json")
+        paths[-1].write_text(json.dumps(record), encoding="utf-8")
+    assert bench.median_run(paths) == paths[2]  # 0.12 of the counted 0.11, 0.12, 0.13 (with all five: 0.13)
