@@ -411,7 +411,10 @@ def cores_check(ctx: CostContext, profile: DeviceProfile, entry: ProfileEntry) -
     if profile.host is None or cores < 2:
         return {}
     dtype = TORCH_DTYPES.get(profile.dtype, torch.float32)
-    now = concurrency(ctx.model, entry.micro_batch_size, profile.seq_length, dtype, cores, CORES_CHECK_S, True)[-1]
+    model, micro_batch_size = ctx.model, entry.micro_batch_size
+    now = concurrency(model, micro_batch_size, profile.seq_length, dtype, cores, CORES_CHECK_S, only_cores=True)[-1]
+    if now.processes != cores:  # more cores than the concurrency measurement starts processes for
+        return {}
     profiled = profile.host.busy_stretch(cores)
     return {"cores": cores, "busy_stretch_profiled": profiled, "busy_stretch_now": now.busy_stretch,
             "cores_slowdown": now.busy_stretch / profiled}  # fmt: skip
@@ -425,7 +428,7 @@ def speed_check(
     lower, because a check only ever reads slow when disturbed: right after a run, its processes exiting beside it
     made the layer read up to 45% slower than right before. And `cores` (cores_check, before the run): one process
     alone can run at its profiled speed while the cores together do not (this 2-core VM ran a tiny PP 2 plan 50%
-    slower than an hour before, its ranks' CPU time per step 50% higher, with the one-process check at 1.00)."""
+    slower than an hour before, its ranks' CPU time per step 50% higher, with the one-process check at 1.00-1.11)."""
     profile, entry = reference
     profiled_s = (entry.forward_time_s or 0.0) + (entry.backward_time_s or 0.0)
     return {
