@@ -27,7 +27,7 @@ except ImportError as err:  # pragma: no cover - exercised only without torch
     raise TorchMissingError("`hetplan profile`") from err
 
 from profiler.data import synthetic_batch
-from profiler.host_tp import tp_collective_costs
+from profiler.host_tp import TP_TIMINGS, fit_tp_collective_costs, time_tp_collectives
 from profiler.layers import (
     DecoderLayer,
     Embedding,
@@ -467,27 +467,43 @@ def measure_host(
     cores = host_cores()
     # the family sync's memory-bound copies, timed at three moments of the measurement (median): timed once, the
     # runtime benchmark's tiny model read 7.3 ns per parameter in one profile, 4.4-5.0 ns in seven others and in eight
-    # repeats on a quiet machine
+    # repeats on a quiet machine. The TP collectives too (profiler/host_tp.py: they differ more from one launch to
+    # the next than within one)
     family_sync_s = [family_sync_cost(model, dtype, FAMILY_SYNC_MIN_S)]
+    tp_timings: list[dict] = []
+    tp_failure = ""
+
+    def time_tp(moment: int) -> None:
+        nonlocal tp_failure
+        if tp_failure:
+            return
+        progress(f"host: TP collectives between layers ({moment} of {TP_TIMINGS})")
+        try:
+            timing = time_tp_collectives(model, micro_batch_size, seq_length, dtype)
+        except HetplanError as err:  # the layers and the other host costs stay measured
+            progress(f"host: {err}; local runs' TP collectives will use the link profile's")
+            tp_failure = str(err)
+            return
+        if timing is not None:
+            tp_timings.append(timing)
+
+    time_tp(1)
     progress("host: processes computing at once")
     points = concurrency(model, micro_batch_size, seq_length, dtype, cores)
     progress("host: a stage as one module")
     per_microbatch, per_layer = stage_overheads(model, micro_batch_size, seq_length, dtype)
     family_sync_s.append(family_sync_cost(model, dtype, FAMILY_SYNC_MIN_S))
-    progress("host: TP collectives between layers")
-    try:
-        tp = tp_collective_costs(model, micro_batch_size, seq_length, dtype)
-    except HetplanError as err:  # the layers and the other host costs stay measured
-        progress(f"host: {err}; local runs' TP collectives will use the link profile's")
-        tp = None
+    time_tp(2)
     progress("host: passes after another process used the core")
     cold_forward_s, cold_backward_s = cold_pass_costs(model, micro_batch_size, seq_length, dtype)
     progress("host: optimizer step")
     per_shard_param, per_held_param, per_gathered_param = optimizer_costs(model, micro_batch_size, seq_length, dtype)
     progress("host: syncing gradients across families")
     family_sync_s.append(family_sync_cost(model, dtype, FAMILY_SYNC_MIN_S))
+    time_tp(3)
     progress("host: making batches")
     batch_s, batch_s_per_sample = batch_costs(model, seq_length)
+    tp = fit_tp_collective_costs(tp_timings) if tp_timings and not tp_failure else None
     return HostCosts(
         cores=cores,
         concurrency=points,

@@ -10,6 +10,7 @@ import math
 import statistics
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -25,12 +26,18 @@ from specs.model import ModelSpec
 TP_LAYERS = 2  # decoder layers of the chain the TP collective overhead is timed on (at most the model's)
 TP_COLLECTIVES_PER_LAYER = 4  # 2 in the forward, 2 in the backward (Megatron's f and g at attention and MLP)
 TP_TIMEOUT_S = 120.0
+TP_MIN_TIME_S = 0.5  # of each timing (a profile makes TP_TIMINGS)
+TP_TIMINGS = 3  # at three moments of the profile (median)
 TP_PASSES = 3  # interleaved passes over the sizes (a drifting machine spreads over all of them)
 # the activation sizes TP collectives are timed at, times the profile's micro-batch: at 1, 2 and 4 a tiny model's
 # all-reduces are all latency, and four fits of the line on this 2-core host read 0.7-10000 GB/s; at 1, 4 and 16:
 # 0.6-1.1 GB/s
 TP_SIZE_FACTORS = (1, 4, 16)
 MIN_S_PER_BYTE = 1e-13  # a fitted all-reduce no faster than 10 TB/s (a flat line through noisy points)
+MIN_STANDARD_ERROR_S = 1e-7  # a point's standard error no smaller (a weight stays finite when samples agree exactly)
+# the standard error of a median of n samples from a normal spread: sqrt(pi / 2) sigma / sqrt(n), and sigma from the
+# median absolute deviation: 1.4826 MAD
+MEDIAN_SE_PER_MAD = math.sqrt(math.pi / 2) * 1.4826
 
 
 @dataclass(frozen=True)
@@ -39,6 +46,28 @@ class TpCollectiveCosts:
     overhead_s_per_byte: float  # and per byte of the activation it reduces
     all_reduce_alpha_s: float  # the 2-rank all-reduce's per-step latency
     all_reduce_bw_bytes_per_s: float  # and bus bandwidth
+
+
+def median_standard_error_s(samples: list[float]) -> float:
+    """The standard error of the median of `samples` (seconds), from their median absolute deviation."""
+    middle = statistics.median(samples)
+    mad = statistics.median(abs(sample - middle) for sample in samples)
+    return max(MEDIAN_SE_PER_MAD * mad / math.sqrt(len(samples)), MIN_STANDARD_ERROR_S)
+
+
+def weighted_line(
+    xs: list[float], ys: list[float], standard_errors: list[float], min_slope: float
+) -> tuple[float, float]:
+    """(intercept, slope) of the line through (x, y) points weighted by 1 / standard error squared, the slope at
+    least `min_slope` (then the intercept is the best one for that slope)."""
+    weights = [1.0 / se**2 for se in standard_errors]
+    total = sum(weights)
+    x_mean = sum(w * x for w, x in zip(weights, xs, strict=True)) / total
+    y_mean = sum(w * y for w, y in zip(weights, ys, strict=True)) / total
+    spread = sum(w * (x - x_mean) ** 2 for w, x in zip(weights, xs, strict=True))
+    slope = sum(w * (x - x_mean) * (y - y_mean) for w, x, y in zip(weights, xs, ys, strict=True)) / spread
+    slope = max(slope, min_slope)
+    return y_mean - slope * x_mean, slope
 
 
 class _TimedCollectives:
@@ -124,7 +153,11 @@ def _tp_collective_worker(
                     times["with_s"].append(compute)
                     times["comm_s"].append(comm)
         points = [
-            {"size_bytes": x.numel() * x.element_size(), **{key: statistics.median(v) for key, v in times.items()}}
+            {
+                "size_bytes": x.numel() * x.element_size(),
+                **{key: statistics.median(v) for key, v in times.items()},
+                **{key.removesuffix("_s") + "_se_s": median_standard_error_s(v) for key, v in times.items()},
+            }
             for (x, _, _), times in zip(sizes, timed, strict=True)
         ]
         if rank == 0:
@@ -133,18 +166,18 @@ def _tp_collective_worker(
         dist.destroy_process_group()
 
 
-def tp_collective_costs(
-    model: ModelSpec, micro_batch_size: int, seq_length: int, dtype: torch.dtype, min_time_s: float = 1.5
-) -> TpCollectiveCosts | None:
-    """TP collectives as a training step meets them on this host. Two processes compute a chain of TP 2 layer shards
-    with real Gloo all-reduces at their boundaries and without, at 1, 4 and 16 times the micro-batch size, timed as
-    the runtime's timers split a step (the time inside the all-reduces is the TP term). Lines through the three
-    sizes give what a rank computes around each collective beyond the collective itself (waking from it with cold
-    caches, the autograd boundary, the copy it reduces) and the all-reduce's own time. The all-reduces are timed
-    between layers (activations fresh from compute) rather than back to back as `profile-comm` times them: on a
-    2-core host the host link fitted from `profile-comm` gave 1.7 ms for a 128 KiB all-reduce and 2.2 ms for 512 KiB,
-    and between layers they took 1.1 ms and 2.3-2.7 ms. None when the model cannot split in two (it has no TP
-    collectives to pay for)."""
+def time_tp_collectives(
+    model: ModelSpec, micro_batch_size: int, seq_length: int, dtype: torch.dtype, min_time_s: float = TP_MIN_TIME_S
+) -> dict | None:
+    """One timing of TP collectives as a training step meets them on this host (`fit_tp_collective_costs` turns
+    timings into costs). Two processes compute a chain of TP 2 layer shards with real Gloo all-reduces at their
+    boundaries and without, at 1, 4 and 16 times the micro-batch size, timed as the runtime's timers split a step
+    (the time inside the all-reduces is the TP term). The all-reduces are timed between layers (activations fresh
+    from compute) rather than back to back as `profile-comm` times them: on a 2-core host the host link fitted from
+    `profile-comm` gave 1.7 ms for a 128 KiB all-reduce and 2.2 ms for 512 KiB, and between layers they took 1.1 ms
+    and 2.3-2.7 ms. Returns {"layers": chain length, "points": per size its median seconds with, without and inside
+    the collectives, and their standard errors}; None when the model cannot split in two (it has no TP collectives
+    to pay for)."""
     if model.num_kv_heads % 2 or model.ffn_hidden_size % 2 or model.num_attention_heads % 2:
         return None
     with tempfile.TemporaryDirectory(prefix="hetplan-tp-") as scratch:
@@ -153,18 +186,48 @@ def tp_collective_costs(
         sizes = [micro_batch_size * factor for factor in TP_SIZE_FACTORS]
         args = (free_port(), model, sizes, seq_length, torch_dtype, min_time_s, str(out))
         run_processes(_tp_collective_worker, args, 2, TP_TIMEOUT_S * 2, "timing TP collectives on this host")
-        measured = json.loads(out.read_text(encoding="utf-8"))
-    collectives = TP_COLLECTIVES_PER_LAYER * measured["layers"]
-    size_bytes = [float(point["size_bytes"]) for point in measured["points"]]
-    overhead = statistics.linear_regression(
-        size_bytes, [(point["with_s"] - point["without_s"]) / collectives for point in measured["points"]]
+        return json.loads(out.read_text(encoding="utf-8"))
+
+
+def fit_tp_collective_costs(timings: Sequence[dict]) -> TpCollectiveCosts:
+    """Per collective, what a rank computes around it beyond the collective itself (waking from it with cold caches,
+    the autograd boundary, the copy it reduces) and the all-reduce's own time: lines through the timed sizes, each
+    point the median over the timings (launches at different moments of the profile) and weighted by its standard
+    error. The timings differ from one launch to the next by more than within one: five launches on this 2-core host
+    read the small runtime-benchmark model's all-reduce at its micro-batch 1.0-1.45 ms and the work around it
+    0.27-0.56 ms. And the largest size takes a few passes only: its points spread 3x within a launch, and an
+    unweighted line through it moved the intercept by up to 0.2 ms."""
+    layers = {timing["layers"] for timing in timings}
+    if len(layers) != 1:
+        raise ValueError(f"TP timings of different chain lengths: {sorted(layers)}")
+    collectives = TP_COLLECTIVES_PER_LAYER * layers.pop()
+    per_size = list(zip(*(timing["points"] for timing in timings), strict=True))
+    size_bytes = [float(points[0]["size_bytes"]) for points in per_size]
+
+    def median(points: tuple[dict, ...], key: str) -> float:
+        return statistics.median(point[key] for point in points) / collectives
+
+    def standard_error(points: tuple[dict, ...], *keys: str) -> float:
+        """Of the median over the timings, taken as their mean's."""
+        squares = sum(point[key] ** 2 for point in points for key in keys)
+        return math.sqrt(squares) / len(points) / collectives
+
+    overhead_intercept, overhead_slope = weighted_line(
+        size_bytes,
+        [median(points, "with_s") - median(points, "without_s") for points in per_size],
+        [standard_error(points, "with_se_s", "without_se_s") for points in per_size],
+        min_slope=0.0,
     )
-    comm = statistics.linear_regression(size_bytes, [point["comm_s"] / collectives for point in measured["points"]])
+    comm_intercept, comm_slope = weighted_line(
+        size_bytes,
+        [median(points, "comm_s") for points in per_size],
+        [standard_error(points, "comm_se_s") for points in per_size],
+        min_slope=MIN_S_PER_BYTE,
+    )
     # a 2-rank all-reduce of S bytes: 2 latency steps and S bytes at the bus bandwidth (comm_model.all_reduce_time_s)
-    s_per_byte = max(comm.slope, MIN_S_PER_BYTE)
     return TpCollectiveCosts(
-        overhead_s=overhead.intercept,
-        overhead_s_per_byte=max(0.0, overhead.slope),
-        all_reduce_alpha_s=max(0.0, comm.intercept / 2),
-        all_reduce_bw_bytes_per_s=1.0 / s_per_byte,
+        overhead_s=overhead_intercept,
+        overhead_s_per_byte=overhead_slope,
+        all_reduce_alpha_s=max(0.0, comm_intercept / 2),
+        all_reduce_bw_bytes_per_s=1.0 / comm_slope,
     )
