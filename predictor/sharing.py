@@ -34,7 +34,11 @@ host with four ranks, a tiny stage's passes took 15% more CPU time than with two
 TP ranks are served first (`prompt`): they sleep in a collective after every fraction of a millisecond of compute,
 so the scheduler owes them time and runs them ahead of the processes that never sleep, through their optimizer step
 and sync too (the time owed carries over); prompt processes share the cores among themselves and the
-others share what they leave. (On the benchmark's tiny two-family run, four processes on two cores, the TP pair's
+others share what they leave. Not while they spin for a slower device's emulation: the emulator never sleeps, so it
+is owed nothing and shares the cores with the others (on the benchmark's emulated two-family runs, the TP 1 ranks
+computed their first forward at about half a core while the pair spun: 38 ms for 18 ms alone; served first, the
+spinning pair left them no core for its whole first pass, 56 ms, and the small model's step was simulated 18-29%
+above the measured). (On the benchmark's tiny two-family run, four processes on two cores, the TP pair's
 compute took about 1.6x its time alone and the TP 1 ranks beside it about 2.1x: fair shares would slow both 2x.
 Over the benchmark's six two-family cases, serving the pair first put the predictions within 12% of the measured
 steps; fair shares, up to 26% below; serving it first only while it computes its passes, up to 17% below.) This is
@@ -332,7 +336,8 @@ def _speeds(active: list[Actor], cores: int, stretch: float, full_load: float) -
     left); waits on the links by the load (`_wait_speed`); other sleeps and spins at 1."""
     sharing = [a for a in active if a.state in ("busy", "spin") and a.shares_host]
     computing = sum(a.processes for a in sharing)
-    first = sum(a.processes for a in sharing if a.prompt)
+    served_first = [a.prompt and a.state == "busy" for a in active]  # a spinning emulator is owed nothing
+    first = sum(a.processes for a, is_first in zip(active, served_first, strict=True) if is_first and a.shares_host)
     on_links = [a for a in active if a.shares_host and a.state == "sleep" and a.unloaded_share is not None]
     load = max(1.0, (computing + sum(a.processes for a in on_links)) / cores)
     waits = {id(a): _wait_speed(a, load, full_load) for a in active if a.state != "busy" or not a.shares_host}
@@ -341,7 +346,10 @@ def _speeds(active: list[Actor], cores: int, stretch: float, full_load: float) -
     prompt_rate = min(1.0, cores / first) / stretch if first else 1.0
     left = max(0.0, cores - first - in_collectives)
     rest_rate = min(1.0, left / (computing - first)) / stretch if computing > first else 1.0
-    return [waits.get(id(a), prompt_rate if a.prompt else rest_rate) for a in active]
+    return [
+        waits.get(id(a), prompt_rate if is_first else rest_rate)
+        for a, is_first in zip(active, served_first, strict=True)
+    ]
 
 
 def _wait_speed(actor: Actor, load: float, full_load: float) -> float:

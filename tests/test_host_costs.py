@@ -581,6 +581,18 @@ def test_a_sync_across_families_on_a_profiled_host_adds_its_measured_work_per_pa
     )
 
 
+def test_a_tp_pair_spinning_for_a_slower_devices_emulation_shares_the_cores_with_the_others():
+    """Two cores, two TP 1 ranks computing beside a TP pair: while the pair computes its layers it is served first
+    (it is owed the time it slept in its collectives) and the TP 1 ranks wait; while it spins for its group's
+    emulated speed it never sleeps, so it is owed nothing and the four processes share the two cores."""
+    from predictor.sharing import Actor, _speeds
+
+    ranks = [Actor(1, True, [], state="busy"), Actor(1, True, [], state="busy")]
+    assert _speeds([*ranks, Actor(2, True, [], prompt=True, state="busy")], 2, 1.0, 2.0) == [0.0, 0.0, 1.0]
+    # the spin's own speed is the wall clock's (it spins for a wall time); it takes its half of the cores
+    assert _speeds([*ranks, Actor(2, True, [], prompt=True, state="spin")], 2, 1.0, 2.0) == [0.5, 0.5, 1.0]
+
+
 def test_tp_ranks_waking_from_their_collectives_take_the_cores_first_in_the_step_simulation():
     """Two families on two cores: 2 TP 1 processes of 4 ms work each, and a TP 2 pair of 4 layers whose 16 decoder
     collectives per micro-batch take 2 ms each (measured between layers on this host: HostCosts.tp_all_reduce_*) and
