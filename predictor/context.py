@@ -20,9 +20,19 @@ from specs.training import TrainingSpec
 
 
 @functools.lru_cache(maxsize=256)
-def _measured(link: Link, alpha_s: float, bw_bytes_per_s: float) -> Link:
-    """`link` with a measured latency and bandwidth (made once: the cost model asks for it for every collective)."""
-    return replace(link, alpha_s=alpha_s, bw_bytes_per_s=bw_bytes_per_s)
+def _measured(
+    link: Link,
+    alpha_s: float,
+    bw_bytes_per_s: float,
+    load_alpha_s: float | None = None,
+    load_s_per_byte: float | None = None,
+) -> Link:
+    """`link` with a measured latency and bandwidth, and load terms where measured too (made once: the cost model
+    asks for it for every collective)."""
+    measured = replace(link, alpha_s=alpha_s, bw_bytes_per_s=bw_bytes_per_s)
+    if load_alpha_s is None or load_s_per_byte is None:
+        return measured
+    return replace(measured, load_alpha_s=load_alpha_s, load_s_per_byte=load_s_per_byte)
 
 
 @dataclass(frozen=True)
@@ -126,13 +136,19 @@ class CostContext:
 
     def tp_link(self, group: DeviceGroup) -> Link:
         """The link a group's TP collectives run over: inside the node, or, on a host whose profile timed TP
-        all-reduces between layers (HostCosts.tp_all_reduce_*), those measured latency and bandwidth under the host
-        link's load of processes per core."""
+        all-reduces between layers (HostCosts.tp_all_reduce_*), those measured latency and bandwidth under the
+        context's load of processes per core (by the load terms timed with them, else the host link's)."""
         host = self.host.get(group.device.key)
         if host is None or host.tp_all_reduce_alpha_s is None or host.tp_all_reduce_bw_bytes_per_s is None:
             return self.in_node_link(group)
         link = self.links.get(f"{group.device.key}/host") or in_node_link(group)
-        measured = _measured(link, host.tp_all_reduce_alpha_s, host.tp_all_reduce_bw_bytes_per_s)
+        measured = _measured(
+            link,
+            host.tp_all_reduce_alpha_s,
+            host.tp_all_reduce_bw_bytes_per_s,
+            host.tp_all_reduce_load_alpha_s,
+            host.tp_all_reduce_load_s_per_byte,
+        )
         return measured.under_load(self.processes_per_core)
 
     def rail_link(self, group: DeviceGroup) -> Link:

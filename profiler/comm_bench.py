@@ -20,6 +20,7 @@ the 2-core benchmark host: 40-70% of their time, 0.6 over the sizes of one link 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -29,7 +30,7 @@ import platform
 import socket
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from multiprocessing.synchronize import Event
@@ -299,12 +300,7 @@ def run_local(
     """Spawn `ranks` local processes (Gloo on loopback), bounded by `timeout_s` per operation, with `busy_processes`
     background processes computing beside them."""
     out = scratch / f"points-{ranks}-{busy_processes}.json"
-    context = multiprocessing.get_context("spawn")
-    stop = context.Event()
-    spinners = [context.Process(target=_spin, args=(stop,), daemon=True) for _ in range(busy_processes)]
-    for spinner in spinners:
-        spinner.start()
-    try:
+    with computing_beside(busy_processes):
         run_processes(
             _worker,
             (
@@ -322,13 +318,26 @@ def run_local(
             timeout_s * (len(sizes) * len(collectives) + 2),
             f"profile-comm with {ranks} processes",
         )
+    return [CommPoint(**p) for p in json.loads(out.read_text(encoding="utf-8"))]
+
+
+@contextlib.contextmanager
+def computing_beside(busy_processes: int) -> Iterator[None]:
+    """`busy_processes` background processes computing (sharing the cores with what runs inside) until the block
+    ends."""
+    context = multiprocessing.get_context("spawn")
+    stop = context.Event()
+    spinners = [context.Process(target=_spin, args=(stop,), daemon=True) for _ in range(busy_processes)]
+    for spinner in spinners:
+        spinner.start()
+    try:
+        yield
     finally:
         stop.set()
         for spinner in spinners:
             spinner.join(timeout=GRACE_S)
             if spinner.is_alive():
                 spinner.kill()
-    return [CommPoint(**p) for p in json.loads(out.read_text(encoding="utf-8"))]
 
 
 def launched_by_torchrun() -> bool:

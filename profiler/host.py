@@ -462,8 +462,8 @@ def batch_costs(model: ModelSpec, seq_length: int, min_time_s: float = 0.2) -> t
 def measure_host(
     model: ModelSpec, seq_length: int, dtype: torch.dtype, micro_batch_size: int, progress: Callable[[str], None]
 ) -> HostCosts:
-    """Every host cost of a CPU profile (on this 2-core machine about 28 s for the runtime benchmark's tiny model,
-    62 s for its 10x one)."""
+    """Every host cost of a CPU profile (on this 2-core machine about 40 s for the runtime benchmark's tiny model,
+    80 s for its 10x one)."""
     cores = host_cores()
     # the family sync's memory-bound copies, timed at three moments of the measurement (median): timed once, the
     # runtime benchmark's tiny model read 7.3 ns per parameter in one profile, 4.4-5.0 ns in seven others and in eight
@@ -501,9 +501,19 @@ def measure_host(
     progress("host: syncing gradients across families")
     family_sync_s.append(family_sync_cost(model, dtype, FAMILY_SYNC_MIN_S))
     time_tp(3)
+    tp_loaded: list[dict] = []
+    beside = 2 * cores - 2  # two processes per core with the two ranks, as a 2-family run on two cores
+    if tp_timings and not tp_failure and 2 + beside <= MAX_CONCURRENT_PROCESSES:
+        progress("host: TP collectives between layers with processes computing beside them")
+        try:
+            timing = time_tp_collectives(model, micro_batch_size, seq_length, dtype, busy_processes=beside)
+        except HetplanError as err:  # the unloaded timings stand; the host link's load terms load them
+            progress(f"host: {err}; local runs' TP collectives under load will use the link profile's load terms")
+        else:
+            tp_loaded = [timing] if timing is not None else []
     progress("host: making batches")
     batch_s, batch_s_per_sample = batch_costs(model, seq_length)
-    tp = fit_tp_collective_costs(tp_timings) if tp_timings and not tp_failure else None
+    tp = fit_tp_collective_costs(tp_timings, tp_loaded) if tp_timings and not tp_failure else None
     return HostCosts(
         cores=cores,
         concurrency=points,
@@ -516,6 +526,8 @@ def measure_host(
         tp_collective_overhead_s_per_byte=tp.overhead_s_per_byte if tp else 0.0,
         tp_all_reduce_alpha_s=tp.all_reduce_alpha_s if tp else None,
         tp_all_reduce_bw_bytes_per_s=tp.all_reduce_bw_bytes_per_s if tp else None,
+        tp_all_reduce_load_alpha_s=tp.all_reduce_load_alpha_s if tp else None,
+        tp_all_reduce_load_s_per_byte=tp.all_reduce_load_s_per_byte if tp else None,
         family_sync_s_per_param=statistics.median(family_sync_s),
         cold_forward_s=cold_forward_s,
         cold_backward_s=cold_backward_s,

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from profiler.comm_bench import free_port, run_processes
+from profiler.comm_bench import computing_beside, free_port, host_cores, run_processes
 from profiler.layers import DecoderLayer, EnterTensorParallel, LeaveTensorParallel, no_boundary
 from profiler.measure import keep_freed_host_memory
 from specs.model import ModelSpec
@@ -46,6 +46,8 @@ class TpCollectiveCosts:
     overhead_s_per_byte: float  # and per byte of the activation it reduces
     all_reduce_alpha_s: float  # the 2-rank all-reduce's per-step latency
     all_reduce_bw_bytes_per_s: float  # and bus bandwidth
+    all_reduce_load_alpha_s: float | None = None  # per busy process per core beyond one: added to the latency
+    all_reduce_load_s_per_byte: float | None = None  # and to the time per byte (None: not timed under load)
 
 
 def median_standard_error_s(samples: list[float]) -> float:
@@ -167,7 +169,12 @@ def _tp_collective_worker(
 
 
 def time_tp_collectives(
-    model: ModelSpec, micro_batch_size: int, seq_length: int, dtype: torch.dtype, min_time_s: float = TP_MIN_TIME_S
+    model: ModelSpec,
+    micro_batch_size: int,
+    seq_length: int,
+    dtype: torch.dtype,
+    min_time_s: float = TP_MIN_TIME_S,
+    busy_processes: int = 0,
 ) -> dict | None:
     """One timing of TP collectives as a training step meets them on this host (`fit_tp_collective_costs` turns
     timings into costs). Two processes compute a chain of TP 2 layer shards with real Gloo all-reduces at their
@@ -176,8 +183,9 @@ def time_tp_collectives(
     from compute) rather than back to back as `profile-comm` times them: on a 2-core host the host link fitted from
     `profile-comm` gave 1.7 ms for a 128 KiB all-reduce and 2.2 ms for 512 KiB, and between layers they took 1.1 ms
     and 2.3-2.7 ms. Returns {"layers": chain length, "points": per size its median seconds with, without and inside
-    the collectives, and their standard errors}; None when the model cannot split in two (it has no TP collectives
-    to pay for)."""
+    the collectives, and their standard errors, and "processes_per_core" they ran at}; None when the model cannot
+    split in two (it has no TP collectives to pay for). `busy_processes`: that many processes compute beside the two
+    ranks (the load of a local run with more ranks than cores)."""
     if model.num_kv_heads % 2 or model.ffn_hidden_size % 2 or model.num_attention_heads % 2:
         return None
     with tempfile.TemporaryDirectory(prefix="hetplan-tp-") as scratch:
@@ -185,49 +193,69 @@ def time_tp_collectives(
         torch_dtype = str(dtype).removeprefix("torch.")
         sizes = [micro_batch_size * factor for factor in TP_SIZE_FACTORS]
         args = (free_port(), model, sizes, seq_length, torch_dtype, min_time_s, str(out))
-        run_processes(_tp_collective_worker, args, 2, TP_TIMEOUT_S * 2, "timing TP collectives on this host")
-        return json.loads(out.read_text(encoding="utf-8"))
+        with computing_beside(busy_processes):
+            run_processes(_tp_collective_worker, args, 2, TP_TIMEOUT_S * 2, "timing TP collectives on this host")
+        timing = json.loads(out.read_text(encoding="utf-8"))
+    return {**timing, "processes_per_core": max(1.0, (2 + busy_processes) / host_cores())}
 
 
-def fit_tp_collective_costs(timings: Sequence[dict]) -> TpCollectiveCosts:
+def fit_tp_collective_costs(timings: Sequence[dict], loaded: Sequence[dict] = ()) -> TpCollectiveCosts:
     """Per collective, what a rank computes around it beyond the collective itself (waking from it with cold caches,
     the autograd boundary, the copy it reduces) and the all-reduce's own time: lines through the timed sizes, each
     point the median over the timings (launches at different moments of the profile) and weighted by its standard
     error. The timings differ from one launch to the next by more than within one: five launches on this 2-core host
     read the small runtime-benchmark model's all-reduce at its micro-batch 1.0-1.45 ms and the work around it
     0.27-0.56 ms. And the largest size takes a few passes only: its points spread 3x within a launch, and an
-    unweighted line through it moved the intercept by up to 0.2 ms."""
-    layers = {timing["layers"] for timing in timings}
-    if len(layers) != 1:
-        raise ValueError(f"TP timings of different chain lengths: {sorted(layers)}")
-    collectives = TP_COLLECTIVES_PER_LAYER * layers.pop()
-    per_size = list(zip(*(timing["points"] for timing in timings), strict=True))
-    size_bytes = [float(points[0]["size_bytes"]) for points in per_size]
+    unweighted line through it moved the intercept by up to 0.2 ms.
 
-    def median(points: tuple[dict, ...], key: str) -> float:
-        return statistics.median(point[key] for point in points) / collectives
-
-    def standard_error(points: tuple[dict, ...], *keys: str) -> float:
-        """Of the median over the timings, taken as their mean's."""
-        squares = sum(point[key] ** 2 for point in points for key in keys)
-        return math.sqrt(squares) / len(points) / collectives
-
-    overhead_intercept, overhead_slope = weighted_line(
-        size_bytes,
-        [median(points, "with_s") - median(points, "without_s") for points in per_size],
-        [standard_error(points, "with_se_s", "without_se_s") for points in per_size],
-        min_slope=0.0,
-    )
-    comm_intercept, comm_slope = weighted_line(
-        size_bytes,
-        [median(points, "comm_s") for points in per_size],
-        [standard_error(points, "comm_se_s") for points in per_size],
-        min_slope=MIN_S_PER_BYTE,
-    )
+    `loaded`: timings with processes computing beside the ranks (more busy processes than cores): the all-reduce's
+    line under that load, less the unloaded one, per busy process per core beyond one, is what the load adds to its
+    latency and time per byte. Two ranks between layers wait less for a core than `profile-comm`'s back-to-back loop
+    under the same load (they sleep in every collective, so the scheduler serves them first on waking): on this
+    2-core host with two processes computing beside them, the tiny model's TP all-reduce at its micro-batch took
+    2.3-2.4 ms against 1.0-1.1 ms unloaded, where the host link's load terms made it 3.4 ms."""
+    overhead_intercept, overhead_slope = _line(timings, "with_s", "without_s", min_slope=0.0)
+    comm_intercept, comm_slope = _line(timings, "comm_s", min_slope=MIN_S_PER_BYTE)
+    load_alpha = load_per_byte = None
+    if loaded:
+        excess = statistics.median(timing["processes_per_core"] for timing in loaded) - 1.0
+        if excess <= 0:
+            raise ValueError("loaded TP timings must have more busy processes than cores")
+        loaded_intercept, loaded_slope = _line(loaded, "comm_s", min_slope=MIN_S_PER_BYTE)
+        load_alpha = max(0.0, (loaded_intercept - comm_intercept) / 2 / excess)
+        load_per_byte = max(0.0, (loaded_slope - comm_slope) / excess)
     # a 2-rank all-reduce of S bytes: 2 latency steps and S bytes at the bus bandwidth (comm_model.all_reduce_time_s)
     return TpCollectiveCosts(
         overhead_s=overhead_intercept,
         overhead_s_per_byte=overhead_slope,
         all_reduce_alpha_s=max(0.0, comm_intercept / 2),
         all_reduce_bw_bytes_per_s=1.0 / comm_slope,
+        all_reduce_load_alpha_s=load_alpha,
+        all_reduce_load_s_per_byte=load_per_byte,
+    )
+
+
+def _line(timings: Sequence[dict], key: str, minus: str = "", *, min_slope: float) -> tuple[float, float]:
+    """(intercept, slope) per collective of `key` (less `minus`) against the activation size: through each size's
+    median over the timings, weighted by its standard error."""
+    layers = {timing["layers"] for timing in timings}
+    if len(layers) != 1:
+        raise ValueError(f"TP timings of different chain lengths: {sorted(layers)}")
+    collectives = TP_COLLECTIVES_PER_LAYER * layers.pop()
+    per_size = list(zip(*(timing["points"] for timing in timings), strict=True))
+
+    def median(points: tuple[dict, ...], field: str) -> float:
+        return statistics.median(point[field] for point in points) / collectives if field else 0.0
+
+    def standard_error(points: tuple[dict, ...]) -> float:
+        """Of the median over the timings, taken as their mean's."""
+        fields = [f.removesuffix("_s") + "_se_s" for f in (key, minus) if f]
+        squares = sum(point[field] ** 2 for point in points for field in fields)
+        return math.sqrt(squares) / len(points) / collectives
+
+    return weighted_line(
+        [float(points[0]["size_bytes"]) for points in per_size],
+        [median(points, key) - median(points, minus) for points in per_size],
+        [standard_error(points) for points in per_size],
+        min_slope=min_slope,
     )

@@ -139,6 +139,9 @@ class HostCosts(BaseModel):
     tp_all_reduce_alpha_s, tp_all_reduce_bw_bytes_per_s  those all-reduces' per-step latency and bus bandwidth, fitted
                              at three activation sizes between layers (caches cold, unlike `profile-comm`'s back-to-back
                              loop): the TP collectives of local runs use them (none: the link profile's);
+    tp_all_reduce_load_alpha_s, tp_all_reduce_load_s_per_byte  what each busy process per core beyond one adds to
+                             those all-reduces' latency and time per byte, timed with processes computing beside the
+                             two ranks (none: the host link's load terms);
     family_sync_s_per_param  the work around the collectives when gradients meet across pipeline families (padding,
                              indexing the chunk to swap, adding what comes back), per parameter held;
     cold_forward_s, cold_backward_s  what a stage's forward and backward take beyond back to back when another
@@ -162,6 +165,8 @@ class HostCosts(BaseModel):
     tp_collective_overhead_s_per_byte: float = Field(default=0.0, ge=0)
     tp_all_reduce_alpha_s: float | None = Field(default=None, ge=0)
     tp_all_reduce_bw_bytes_per_s: float | None = Field(default=None, gt=0)
+    tp_all_reduce_load_alpha_s: float | None = Field(default=None, ge=0)
+    tp_all_reduce_load_s_per_byte: float | None = Field(default=None, ge=0)
     family_sync_s_per_param: float = Field(default=0.0, ge=0)
     cold_forward_s: float = Field(default=0.0, ge=0)
     cold_backward_s: float = Field(default=0.0, ge=0)

@@ -642,3 +642,19 @@ def test_a_run_predicted_from_measured_profiles_says_the_predictors_calibration_
     assert from_profiles.terms == EndToEndTerms()  # as they are
     assert "its calibration not applied" in from_profiles.predictor_identity
     assert "not applied" not in run_context(plan, Predictor(), {})(cluster).predictor_identity
+
+
+def test_tp_collectives_under_load_take_the_load_terms_timed_with_them_else_the_host_links():
+    """The host link loads every collective by 1 ms per latency step per busy process per core beyond one; a profile
+    that timed its TP all-reduces with processes computing beside them (0.2 ms per step) loads its TP link by that."""
+    host_link = Link("host", 1e9, 1e-4, load_alpha_s=1e-3)
+    measured = QUIET.model_copy(update={"tp_all_reduce_alpha_s": 5e-4, "tp_all_reduce_bw_bytes_per_s": 1e18})
+    loaded_terms = measured.model_copy(
+        update={"tp_all_reduce_load_alpha_s": 2e-4, "tp_all_reduce_load_s_per_byte": 0.0}
+    )
+    ctx = replace(quiet_context(0.01, 0.01), links={"cpu/host": host_link})
+    group = ctx.cluster.group("left")
+    for costs, alpha_s in ((measured, 5e-4 + 1e-3), (loaded_terms, 5e-4 + 2e-4)):
+        at = loaded(replace(ctx, host={"cpu": costs}), 2.0, 1.0)
+        assert at.tp_link(group).alpha_s == pytest.approx(alpha_s)
+        assert loaded(replace(ctx, host={"cpu": costs}), 1.0, 1.0).tp_link(group).alpha_s == pytest.approx(5e-4)

@@ -224,7 +224,7 @@ def _tp_timing(overhead_s: float, per_byte_s: float, comm_s: float, comm_per_byt
             }
         )
     points[-1].update(noisy_largest)
-    return {"layers": host_tp.TP_LAYERS, "points": points}
+    return {"layers": host_tp.TP_LAYERS, "points": points, "processes_per_core": 1.0}
 
 
 def test_tp_collective_costs_are_lines_through_the_timed_sizes():
@@ -256,16 +256,24 @@ def test_tp_collective_costs_weigh_points_by_their_standard_error_and_take_the_m
 
 
 def test_tp_collectives_are_timed_by_two_processes_at_the_micro_batch_times_the_size_factors(monkeypatch):
+    import contextlib
     import json
     from pathlib import Path
 
     def run_processes(worker, args, nprocs, deadline_s, what):
         assert worker is host_tp._tp_collective_worker and nprocs == 2
         assert args[2] == [2 * factor for factor in host_tp.TP_SIZE_FACTORS]
-        Path(args[-1]).write_text(json.dumps(_tp_timing(1e-4, 1e-9, 3e-4, 2e-9)))
+        timing = _tp_timing(1e-4, 1e-9, 3e-4, 2e-9)
+        del timing["processes_per_core"]  # the worker writes the points; the load is the caller's
+        Path(args[-1]).write_text(json.dumps(timing))
 
+    beside = []
     monkeypatch.setattr(host_tp, "run_processes", run_processes)
+    monkeypatch.setattr(host_tp, "computing_beside", lambda count: beside.append(count) or contextlib.nullcontext())
+    monkeypatch.setattr(host_tp, "host_cores", lambda: 2)
     assert host_tp.time_tp_collectives(MODEL, 2, 16, torch.float32) == _tp_timing(1e-4, 1e-9, 3e-4, 2e-9)
+    loaded = host_tp.time_tp_collectives(MODEL, 2, 16, torch.float32, busy_processes=2)
+    assert loaded is not None and loaded["processes_per_core"] == 2.0 and beside == [0, 2]
     odd = MODEL.model_copy(update={"num_kv_heads": 1, "num_attention_heads": 3})
     assert host_tp.time_tp_collectives(odd, 2, 16, torch.float32) is None  # no TP 2, no collectives to time
 
@@ -330,12 +338,31 @@ def test_host_costs_fit_the_tp_timings_made_at_three_moments(monkeypatch):
     monkeypatch.setattr(host, "family_sync_cost", lambda *a, **k: 4e-9)
     monkeypatch.setattr(host, "batch_costs", lambda *a, **k: (1e-3, 1e-5))
     monkeypatch.setattr(host, "cold_pass_costs", lambda *a, **k: (5e-4, 1e-3))
+    loaded = {**_tp_timing(0.0, 0.0, 5e-4, 3e-9), "processes_per_core": 2.0}
     timings = iter(
-        [_tp_timing(1e-4, 1e-9, 3e-4, 2e-9), _tp_timing(3e-4, 3e-9, 9e-4, 6e-9), _tp_timing(1e-4, 1e-9, 3e-4, 2e-9)]
+        [
+            _tp_timing(1e-4, 1e-9, 3e-4, 2e-9),
+            _tp_timing(3e-4, 3e-9, 9e-4, 6e-9),
+            _tp_timing(1e-4, 1e-9, 3e-4, 2e-9),
+            loaded,
+        ]
     )
-    monkeypatch.setattr(host, "time_tp_collectives", lambda *a, **k: next(timings))
+    busy = []
+    monkeypatch.setattr(host, "host_cores", lambda: 2)
+    monkeypatch.setattr(
+        host, "time_tp_collectives", lambda *a, busy_processes=0, **k: busy.append(busy_processes) or next(timings)
+    )
     costs = host.measure_host(MODEL, 16, torch.float32, 2, lambda line: None)
-    assert next(timings, None) is None  # all three made
+    assert busy == [0, 0, 0, 2]  # three unloaded at three moments, one with a process per core computing beside
     assert costs.tp_collective_overhead_s == pytest.approx(1e-4) and costs.tp_all_reduce_alpha_s == pytest.approx(
         1.5e-4
     )
+    # the loaded line (0.5 ms + 3 ns/byte) less the unloaded one (0.3 ms + 2 ns/byte), at one process per core more
+    assert costs.tp_all_reduce_load_alpha_s == pytest.approx(1e-4)  # per latency step: 2 of them
+    assert costs.tp_all_reduce_load_s_per_byte == pytest.approx(1e-9)
+    # 17 cores would take 34 processes for two per core, beyond the concurrency measurement's 32: no loaded timing
+    timings = iter([_tp_timing(1e-4, 1e-9, 3e-4, 2e-9)] * 3)
+    busy.clear()
+    monkeypatch.setattr(host, "host_cores", lambda: 17)
+    costs = host.measure_host(MODEL, 16, torch.float32, 2, lambda line: None)
+    assert busy == [0, 0, 0] and costs.tp_all_reduce_load_alpha_s is None
