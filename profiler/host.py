@@ -502,8 +502,10 @@ def measure_host(
     family_sync_s.append(family_sync_cost(model, dtype, FAMILY_SYNC_MIN_S))
     time_tp(3)
     tp_loaded: list[dict] = []
-    beside = 2 * cores - 2  # two processes per core with the two ranks, as a 2-family run on two cores
-    if tp_timings and not tp_failure and 2 + beside <= MAX_CONCURRENT_PROCESSES:
+    # two processes per core with the two ranks, as a 2-family run on two cores (one core: the unloaded timings
+    # already ran at two per core)
+    beside = 2 * cores - 2
+    if tp_timings and not tp_failure and 0 < beside <= MAX_CONCURRENT_PROCESSES - 2:
         progress("host: TP collectives between layers with processes computing beside them")
         try:
             timing = time_tp_collectives(model, micro_batch_size, seq_length, dtype, busy_processes=beside)

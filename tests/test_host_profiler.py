@@ -366,3 +366,9 @@ def test_host_costs_fit_the_tp_timings_made_at_three_moments(monkeypatch):
     monkeypatch.setattr(host, "host_cores", lambda: 17)
     costs = host.measure_host(MODEL, 16, torch.float32, 2, lambda line: None)
     assert busy == [0, 0, 0] and costs.tp_all_reduce_load_alpha_s is None
+    # one core: the two ranks alone are two per core already, no loaded timing either
+    timings = iter([_tp_timing(1e-4, 1e-9, 3e-4, 2e-9)] * 3)
+    busy.clear()
+    monkeypatch.setattr(host, "host_cores", lambda: 1)
+    costs = host.measure_host(MODEL, 16, torch.float32, 2, lambda line: None)
+    assert busy == [0, 0, 0] and costs.tp_all_reduce_load_alpha_s is None
