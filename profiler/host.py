@@ -43,6 +43,7 @@ MAX_CONCURRENT_PROCESSES = 32
 HELPER_START_S = 120.0  # a spawned helper imports torch and builds its layer within this
 PASSES = 3  # interleaved passes over the chain timings (a drifting machine spreads over all of them)
 CONCURRENCY_ROUNDS = 4  # rounds of the busy-stretch timing (each: every level of processes, then this one alone)
+CONCURRENCY_MOMENTS = 3  # busy-stretch timings at the start, middle and end of the host section (median per level)
 STAGE_LAYERS = 4  # the longer chain of the stage overhead measurement (at most the model's layers)
 BATCHES = (8, 32)  # global batch sizes the batch making is timed at
 OPTIMIZER_WARMUP_STEPS = 2  # untimed optimizer steps first (the allocator and the moments settle)
@@ -184,6 +185,23 @@ def _concurrency_at(
             process.join(timeout=10)
             if process.is_alive():
                 process.kill()
+
+
+def median_points(readings: list[list[ConcurrencyPoint]]) -> list[ConcurrencyPoint]:
+    """Each level's busy stretch as the median of its readings at several moments of the profile: a neighbour that
+    takes the machine's shared caches or cores for a few seconds moves one reading, not the median (on a shared
+    2-core host the runtime benchmark's tiny model read 1.76 for two processes during one such spell, where its runs
+    around it read 0.99-1.16)."""
+    levels = sorted({point.processes for reading in readings for point in reading})
+    return [
+        ConcurrencyPoint(
+            processes=level,
+            busy_stretch=statistics.median(
+                p.busy_stretch for reading in readings for p in reading if p.processes == level
+            ),
+        )
+        for level in levels
+    ]
 
 
 def busy_stretch(alone_s: list[float], together_s: list[float]) -> float:
@@ -468,7 +486,7 @@ def measure_host(
     # the family sync's memory-bound copies, timed at three moments of the measurement (median): timed once, the
     # runtime benchmark's tiny model read 7.3 ns per parameter in one profile, 4.4-5.0 ns in seven others and in eight
     # repeats on a quiet machine. The TP collectives too (profiler/host_tp.py: they differ more from one launch to
-    # the next than within one)
+    # the next than within one), and processes computing at once (`median_points`)
     family_sync_s = [family_sync_cost(model, dtype, FAMILY_SYNC_MIN_S)]
     tp_timings: list[dict] = []
     tp_failure = ""
@@ -487,13 +505,19 @@ def measure_host(
         if timing is not None:
             tp_timings.append(timing)
 
+    concurrency_readings: list[list[ConcurrencyPoint]] = []
+
+    def time_concurrency(moment: int) -> None:
+        progress(f"host: processes computing at once ({moment} of {CONCURRENCY_MOMENTS})")
+        concurrency_readings.append(concurrency(model, micro_batch_size, seq_length, dtype, cores))
+
     time_tp(1)
-    progress("host: processes computing at once")
-    points = concurrency(model, micro_batch_size, seq_length, dtype, cores)
+    time_concurrency(1)
     progress("host: a stage as one module")
     per_microbatch, per_layer = stage_overheads(model, micro_batch_size, seq_length, dtype)
     family_sync_s.append(family_sync_cost(model, dtype, FAMILY_SYNC_MIN_S))
     time_tp(2)
+    time_concurrency(2)
     progress("host: passes after another process used the core")
     cold_forward_s, cold_backward_s = cold_pass_costs(model, micro_batch_size, seq_length, dtype)
     progress("host: optimizer step")
@@ -501,6 +525,7 @@ def measure_host(
     progress("host: syncing gradients across families")
     family_sync_s.append(family_sync_cost(model, dtype, FAMILY_SYNC_MIN_S))
     time_tp(3)
+    time_concurrency(3)
     tp_loaded: list[dict] = []
     # two processes per core with the two ranks, as a 2-family run on two cores (one core: the unloaded timings
     # already ran at two per core)
@@ -518,7 +543,7 @@ def measure_host(
     tp = fit_tp_collective_costs(tp_timings, tp_loaded) if tp_timings and not tp_failure else None
     return HostCosts(
         cores=cores,
-        concurrency=points,
+        concurrency=median_points(concurrency_readings),
         optimizer_s_per_param=per_shard_param,
         flatten_s_per_param=per_held_param,
         gather_s_per_param=per_gathered_param,

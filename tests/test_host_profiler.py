@@ -372,3 +372,30 @@ def test_host_costs_fit_the_tp_timings_made_at_three_moments(monkeypatch):
     monkeypatch.setattr(host, "host_cores", lambda: 1)
     costs = host.measure_host(MODEL, 16, torch.float32, 2, lambda line: None)
     assert busy == [0, 0, 0] and costs.tp_all_reduce_load_alpha_s is None
+
+
+def test_processes_computing_at_once_are_timed_at_three_moments_and_each_level_takes_the_median(monkeypatch):
+    """A spell of a neighbour on a shared host during one reading (two processes 1.76x alone) leaves the median of
+    three: the profile keeps 1.02 at two processes and 1.1 at four."""
+    from profiler.profile import ConcurrencyPoint
+
+    readings = iter(
+        [
+            [ConcurrencyPoint(processes=2, busy_stretch=1.76), ConcurrencyPoint(processes=4, busy_stretch=1.62)],
+            [ConcurrencyPoint(processes=2, busy_stretch=1.02), ConcurrencyPoint(processes=4, busy_stretch=1.1)],
+            [ConcurrencyPoint(processes=2, busy_stretch=0.99), ConcurrencyPoint(processes=4, busy_stretch=1.08)],
+        ]
+    )
+    calls = []
+    monkeypatch.setattr(host, "concurrency", lambda *a, **k: calls.append(a) or next(readings))
+    monkeypatch.setattr(host, "stage_overheads", lambda *a, **k: (1e-3, 1e-4))
+    monkeypatch.setattr(host, "optimizer_costs", lambda *a, **k: (1e-9, 2e-9, 3e-9))
+    monkeypatch.setattr(host, "family_sync_cost", lambda *a, **k: 4e-9)
+    monkeypatch.setattr(host, "batch_costs", lambda *a, **k: (1e-3, 1e-5))
+    monkeypatch.setattr(host, "cold_pass_costs", lambda *a, **k: (5e-4, 1e-3))
+    monkeypatch.setattr(host, "time_tp_collectives", lambda *a, **k: None)
+    said: list[str] = []
+    costs = host.measure_host(MODEL, 16, torch.float32, 1, said.append)
+    assert len(calls) == 3 and sum("processes computing at once" in line for line in said) == 3
+    assert [(p.processes, p.busy_stretch) for p in costs.concurrency] == [(2, 1.02), (4, 1.1)]
+    assert costs.busy_stretch(2) == pytest.approx(1.02)
