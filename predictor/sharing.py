@@ -183,10 +183,17 @@ def _actors(
                     phases.append(Phase(barrier="updated", kind="optimizer", event=sync + 1))
                     gather_share = _share(alone.gather_exposed_time_s, gather)
                     phases.append(Phase(sleep_s=gather, unloaded_share=gather_share, kind="optimizer", event=sync + 1))
-                actor = Actor(evaluated.stage.tp, actor_shares_host, phases, prompt, held[position])
-                actor.where = (family, position, replica)
-                actor.link_cpu_share = link_cpu_share if actor_shares_host else 0.0
-                actors.append(actor)
+                actors.append(
+                    Actor(
+                        evaluated.stage.tp,
+                        actor_shares_host,
+                        phases,
+                        prompt,
+                        held[position],
+                        where=(family, position, replica),
+                        link_cpu_share=link_cpu_share if actor_shares_host else 0.0,
+                    )
+                )
     for actor in actors:
         actor.partners = tuple(j for j, other in enumerate(actors) if actor.layers & other.layers)
     return actors
@@ -340,14 +347,17 @@ def _speeds(active: list[Actor], cores: int, stretch: float, full_load: float) -
     first = sum(a.processes for a, is_first in zip(active, served_first, strict=True) if is_first and a.shares_host)
     on_links = [a for a in active if a.shares_host and a.state == "sleep" and a.unloaded_share is not None]
     load = max(1.0, (computing + sum(a.processes for a in on_links)) / cores)
-    waits = {id(a): _wait_speed(a, load, full_load) for a in active if a.state != "busy" or not a.shares_host}
     # a collective computes its link's CPU share of its unloaded time, spread over the time it takes now
-    in_collectives = sum(a.processes * a.link_cpu_share * (a.unloaded_share or 0.0) * waits[id(a)] for a in on_links)
+    in_collectives = sum(
+        a.processes * a.link_cpu_share * (a.unloaded_share or 0.0) * _wait_speed(a, load, full_load) for a in on_links
+    )
     prompt_rate = min(1.0, cores / first) / stretch if first else 1.0
     left = max(0.0, cores - first - in_collectives)
     rest_rate = min(1.0, left / (computing - first)) / stretch if computing > first else 1.0
     return [
-        waits.get(id(a), prompt_rate if is_first else rest_rate)
+        (prompt_rate if is_first else rest_rate)
+        if a.state == "busy" and a.shares_host
+        else _wait_speed(a, load, full_load)
         for a, is_first in zip(active, served_first, strict=True)
     ]
 
