@@ -27,10 +27,7 @@ from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from predictor.comm_model import (
-    all_reduce_time_s,
-    reduce_scatter_time_s,
-)
+from predictor.comm_model import all_gather_time_s, all_reduce_time_s, reduce_scatter_time_s
 from predictor.context_parallel import ring_bytes_per_microbatch
 from predictor.cost_model import GRAD_BYTES_PER_PARAM, CostContext, stage_params
 from specs.layout import Axis, PipelineStrategy, Strategy, dp_layout, group_offsets, stage_rank
@@ -169,15 +166,19 @@ def _family_traffic(
             inner, outer = ctx.in_node_link(group), ctx.rail_link(group)
             grads = params * GRAD_BYTES_PER_PARAM
             weights = params * ctx.training.dtype_bytes
-            # (array bytes, ring volume factor: 2 for all-reduce, 1 for reduce-scatter or all-gather)
+            # (array bytes, ring volume factor: 2 for all-reduce, 1 for reduce-scatter or all-gather, its time; its
+            # two-level form's inner phases move factor x a reduce-scatter's volume, an all-gather's for the weights)
             sharded = strategy.family_zero_stage(pipeline) >= 1
-            arrays = [(grads, 1.0), (weights, 1.0)] if sharded else [(grads, 2.0)]
-            for size, factor in arrays:
-                collective = all_reduce_time_s if factor == 2.0 else reduce_scatter_time_s
+            arrays = (
+                [(grads, 1.0, reduce_scatter_time_s), (weights, 1.0, all_gather_time_s)]
+                if sharded
+                else [(grads, 2.0, all_reduce_time_s)]
+            )
+            for size, factor, collective in arrays:
                 flat_time = collective(size, per_node * node_count, outer)
+                inner_collective = all_gather_time_s if collective is all_gather_time_s else reduce_scatter_time_s
                 two_level_time = (
-                    factor * reduce_scatter_time_s(size, per_node, inner)
-                    + collective(size / per_node, node_count, outer)
+                    factor * inner_collective(size, per_node, inner) + collective(size / per_node, node_count, outer)
                     if node_count > 1
                     else 0.0
                 )

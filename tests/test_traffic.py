@@ -59,6 +59,29 @@ def test_dp_bytes_per_rank_reproduce_the_cost_models_sync_time(zero_stage):
         assert sent["in_node"] == pytest.approx(2 * (per_node - 1) / per_node * grads)
 
 
+def test_zero_weight_gathers_take_the_layout_their_own_time_picks():
+    """Under ZeRO-1 the gradients' reduce-scatter and the weights' all-gather each take the faster of a flat ring and
+    the two-level form by their own times: with the in-node all-gather made slow, the weights go flat (rank 0 sends
+    them to rank 1 only) while the gradients stay two-level (rank 0's rail partner gets its share of them only)."""
+    ctx = _a100_context(1)
+    strategy = megatron_strategy(
+        ctx.cluster, ctx.model, ctx.training, group="a100", tp=1, pp=1, dp=16, micro_batch_size=1, recompute="none"
+    )
+    group = ctx.cluster.groups[0]
+    per_node, nodes = dp_layout(group, 1, 16)
+    partner = per_node  # rank 0's peer on its rail, in the next node
+    params = stage_params(ctx.model, ctx.model.num_layers, True, True, 1)
+    grads, weights = params * GRAD_BYTES_PER_PARAM, params * ctx.training.dtype_bytes
+    rail_share = (nodes - 1) / nodes / per_node
+    both = strategy_traffic(ctx, strategy).pairs["dp"][(0, partner)]
+    assert both == pytest.approx(rail_share * (grads + weights))
+    slow_gather = dataclasses.replace(ctx.in_node_link(group), all_gather_extra_s_per_byte=1e-6)
+    ctx = dataclasses.replace(ctx, links={**ctx.links, f"{group.device.key}/in_node": slow_gather})
+    pairs = strategy_traffic(ctx, strategy).pairs["dp"]
+    assert pairs[(0, partner)] == pytest.approx(rail_share * grads)
+    assert pairs[(0, 1)] == pytest.approx((per_node - 1) / per_node * grads + 15 / 16 * weights)
+
+
 def test_tp_and_pp_bytes_follow_the_scheduled_collectives():
     ctx = _a100_context(1)
     strategy = megatron_strategy(
