@@ -480,8 +480,8 @@ def batch_costs(model: ModelSpec, seq_length: int, min_time_s: float = 0.2) -> t
 def measure_host(
     model: ModelSpec, seq_length: int, dtype: torch.dtype, micro_batch_size: int, progress: Callable[[str], None]
 ) -> HostCosts:
-    """Every host cost of a CPU profile (on this 2-core machine about 40 s for the runtime benchmark's tiny model,
-    80 s for its 10x one)."""
+    """Every host cost of a CPU profile (on this 2-core machine the runtime benchmark's tiny and 10x models took 81 s
+    and 193 s to profile with them, most of it here)."""
     cores = host_cores()
     # the family sync's memory-bound copies, timed at three moments of the measurement (median): timed once, the
     # runtime benchmark's tiny model read 7.3 ns per parameter in one profile, 4.4-5.0 ns in seven others and in eight

@@ -248,6 +248,23 @@ def profile_layer(
     ).summary()
 
 
+def pass_speeds(per_pass_s: dict[int, list[float]]) -> list[float]:
+    """How long each pass over the entries took against the entries' medians over the passes (the median over the
+    entries timed in every pass): about 1 in every pass on a quiet machine. On a shared host whose speed moves by
+    tens of percent over seconds, the passes disagree, and each entry's median is only as good as the quietest
+    passes ([] with fewer than two passes)."""
+    count = max((len(times) for times in per_pass_s.values()), default=0)
+    complete = [times for times in per_pass_s.values() if len(times) == count]
+    if count < 2 or not complete:
+        return []
+    return [statistics.median(times[i] / statistics.median(times) for times in complete) for i in range(count)]
+
+
+def pass_drift(speeds: Sequence[float]) -> float:
+    """The slowest pass over the fastest, less 1 (0 without passes)."""
+    return max(speeds) / min(speeds) - 1.0 if speeds and min(speeds) > 0 else 0.0
+
+
 def _is_out_of_memory(err: BaseException) -> bool:
     return isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()
 
@@ -344,6 +361,7 @@ def profile_model(
     # Several interleaved passes: a drift of the machine's speed (shared hosts drift by tens of percent over
     # seconds) spreads over all entries instead of biasing whichever entry ran during it.
     samples: dict[int, _Samples] = {}
+    per_pass_s: dict[int, list[float]] = {}  # per entry, each pass's forward + backward (medians of that pass)
     no_fit: set[int] = set()
     steps = passes * len(plan)
     reached = 0  # the timings made (the progress counts timings: every entry once per pass)
@@ -373,6 +391,9 @@ def profile_model(
                 raise
             no_fit.add(index)
             continue
+        per_pass_s.setdefault(index, []).append(
+            statistics.median(taken.forward_s) + statistics.median(taken.backward_s)
+        )
         if index in samples:
             samples[index].forward_s += taken.forward_s
             samples[index].backward_s += taken.backward_s
@@ -395,6 +416,7 @@ def profile_model(
             "min_time_s": min_time_s,
             "interrupted": interrupted,
             "host_allocator": allocator or "default",
+            "pass_speeds": [round(speed, 3) for speed in pass_speeds(per_pass_s)],
         }
     )
     return DeviceProfile(

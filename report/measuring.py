@@ -37,6 +37,10 @@ from report.cli_flags import (
     written,
 )
 
+# a profile whose slowest pass over the layers took this much longer than its fastest says so (on a shared host whose
+# one-process speed read 1.14-1.71x a profile's within minutes, a tiny model's four passes read 0.78-1.10: 41%)
+DRIFT_WARNING = 0.15
+
 
 # ---- measuring and fitting --------------------------------------------------------------------------------------
 def profile(
@@ -72,7 +76,7 @@ def profile(
     modes = flags.choices(recompute, RECOMPUTE_MODES, "--recompute")
     model_spec = load_model(model)
     require_torch("profile")
-    from profiler.measure import profile_model, profile_target
+    from profiler.measure import pass_drift, profile_model, profile_target
 
     torch_device, chosen_dtype, key = profile_target(device, dtype, as_device, threads)
     training_spec = flags.training(None, dtype=chosen_dtype, seq_length=seq_len)
@@ -91,9 +95,18 @@ def profile(
             except KeyboardInterrupt:  # the layers are measured: keep them, without the host section
                 result.environment["interrupted"] = True
     result.save(out)
+    drift = pass_drift(result.environment.get("pass_speeds", []))
+    if drift > DRIFT_WARNING and not quiet:
+        print(
+            f"note: the slowest pass over the layers took {drift:.0%} longer than the fastest: the machine's speed "
+            "moved while it was profiled (a shared or busy host); each entry keeps its median over the passes, and "
+            "a profile made on a quiet machine gives costs to trust closer than that",
+            file=sys.stderr,
+        )
     interrupted = bool(result.environment.get("interrupted"))
     skipped = sum(not entry.fits for entry in result.entries)
-    body = {"out": str(out), "entries": len(result.entries), "did_not_fit": skipped, "interrupted": interrupted}
+    body = {"out": str(out), "entries": len(result.entries), "did_not_fit": skipped, "interrupted": interrupted,
+            "pass_drift": round(drift, 3)}  # fmt: skip
     note = " (interrupted: partial profile)" if interrupted else ""
     show(as_json, body, f"{len(result.entries)} entries ({skipped} did not fit) written to {out}{note}")
     if interrupted:

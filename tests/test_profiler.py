@@ -259,3 +259,45 @@ def test_processes_that_are_timed_reuse_freed_host_memory_instead_of_faulting_in
         pytest.skip(f"this C library keeps only smaller blocks ({policy or 'no mallopt'})")
     default = faults("default")[1]
     assert default > 5 * 3 * 8192 * 0.9 and kept < default / 3, (policy, kept, default)
+
+
+def test_pass_speeds_read_each_pass_against_the_entries_medians():
+    """Three entries over four passes, the third pass 1.4x slower for all of them: the passes read 1, 1, 1.4, 1 (each
+    entry against its own median over the passes), and the drift is 40%; entries missing a pass do not count."""
+    per_pass = {0: [1.0, 1.0, 1.4, 1.0], 1: [2.0, 2.0, 2.8, 2.0], 2: [5.0, 5.0, 7.0, 5.0], 3: [9.0]}
+    speeds = measure.pass_speeds(per_pass)
+    assert speeds == pytest.approx([1.0, 1.0, 1.4, 1.0])
+    assert measure.pass_drift(speeds) == pytest.approx(0.4)
+    assert measure.pass_speeds({0: [1.0]}) == [] and measure.pass_drift([]) == 0.0
+
+
+def test_cli_profile_says_when_the_machine_drifted_between_passes(tmp_path, monkeypatch, capsys):
+    """A machine 1.5x slower from the second of four passes on: the profile is written with its pass speeds, and the
+    command says that the machine's speed moved (in one line, on stderr); a steady machine gets no such line."""
+    import cli
+    from report.failures import exit_status
+
+    real = measure._sample_layer
+    calls = {"n": 0}
+
+    def drifting(*args, **kwargs):
+        calls["n"] += 1
+        taken = real(*args, **kwargs)
+        if calls["n"] > 4:  # the warm-up and a pass over the three entries, then the slow passes
+            taken.forward_s = [1.5 * t for t in taken.forward_s]
+            taken.backward_s = [1.5 * t for t in taken.backward_s]
+        return taken
+
+    monkeypatch.setattr(measure, "_sample_layer", drifting)
+    out = tmp_path / "cpu.json"
+    args = ["profile", "--model", str(EXAMPLES / "models" / "tiny-llama.yaml"), "--device", "cpu", "--out", str(out)]
+    args += ["--micro-batches", "1", "--tp", "1", "--recompute", "none", "--repeats", "2", "--no-host"]
+    assert exit_status(cli.app, args) == 0
+    speeds = load_profile(out).environment["pass_speeds"]
+    assert len(speeds) == 4 and measure.pass_drift(speeds) > 0.15
+    notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note: the slowest pass")]
+    assert len(notes) == 1 and "the machine's speed moved while it was profiled" in notes[0]
+    monkeypatch.setattr(measure, "_sample_layer", real)
+    monkeypatch.setattr(measure, "pass_speeds", lambda per_pass: [1.0, 1.02, 0.99, 1.01])
+    assert exit_status(cli.app, args) == 0
+    assert "note: the slowest pass" not in capsys.readouterr().err
