@@ -19,8 +19,12 @@ up to --max-repeats (default 5): one slow run of three moves a median of three a
 So does a case with a run the machine checks read as disturbed (one process or every core computing at once more
 than DISTURBED_LIMIT slower than profiled); such runs are left out of the case's median unless all its runs are.
 
+Before it profiles, the bench times the tiny model's layer ten times over 20 s and stops when the slowest took more
+than STEADINESS_LIMIT longer than the fastest (a shared host's neighbours moving its speed): --anyway runs it.
+
 Run: python bench/runtime_vs_prediction.py [--steps 6] [--repeats 3] [--max-repeats 5] [--work DIR] [--reuse]
-(--work keeps the profiles and run records; --reuse predicts the records already there again without running)
+[--anyway] (--work keeps the profiles and run records; --reuse predicts the records already there again without
+running)
 """
 
 from __future__ import annotations
@@ -72,6 +76,14 @@ LOO_WORKERS = 2
 DISTURBED_LIMIT = 1.15
 CHILD_STOP_S = 30.0  # an interrupted hetplan command's time to stop its own processes
 LOO_TIMEOUT_S = 3600.0  # every leave-one-out fit together (about 5 minutes here)
+# before anything runs, the tiny model's layer is timed STEADINESS_SAMPLES times STEADINESS_GAP_S apart; slowest over
+# fastest beyond STEADINESS_LIMIT stops the bench (--anyway runs it): in grid 25, on a quiet machine, the runs' own
+# one-process checks read 0.90-1.08 over the whole grid; on a shared host whose layer read 1.12-1.89x its profiled
+# time within 30 s, two grids were stopped in their first two rounds: 25 of the first round's 30 runs took 10-34%
+# longer than predicted, and 10 of them read past DISTURBED_LIMIT
+STEADINESS_SAMPLES = 10
+STEADINESS_GAP_S = 2.0
+STEADINESS_LIMIT = 0.3
 
 
 @dataclass(frozen=True)
@@ -298,6 +310,26 @@ def run_paths(work: Path, case: Case, count: int) -> list[Path]:
     return [work / "runs" / f"{case.slug}-{r}.json" for r in range(count)]
 
 
+def steadiness(time_layer: Callable[[], float], samples: int, gap_s: float) -> float:
+    """The slowest of `samples` timings of a layer, `gap_s` apart, over the fastest, less 1: how much the machine's
+    speed moves over tens of seconds (the scale on which a profile and the runs it predicts follow each other)."""
+    times = []
+    for index in range(samples):
+        if index:
+            time.sleep(gap_s)
+        times.append(time_layer())
+    return max(times) / min(times) - 1.0
+
+
+def tiny_layer_time_s() -> float:
+    """The tiny model's decoder layer, forward and backward, as a run's machine-speed check times it."""
+    import torch
+
+    from profiler.host import layer_time_s
+
+    return layer_time_s(model_spec("tiny"), 1, SEQ_LENGTH, torch.float32, 1)
+
+
 def load_average() -> str:
     return Path("/proc/loadavg").read_text(encoding="utf-8").strip() if Path("/proc/loadavg").exists() else "?"
 
@@ -317,7 +349,18 @@ def main() -> None:
     parser.add_argument("--reuse", action="store_true", help="predict the records already in --work, run nothing")
     parser.add_argument("--only", default="", help="run only the cases whose name contains this")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "runtime_vs_prediction.json")
+    parser.add_argument("--anyway", action="store_true", help="run on a machine whose speed moves (see STEADINESS_*)")
     args = parser.parse_args()
+    if not args.reuse:
+        moved = steadiness(tiny_layer_time_s, STEADINESS_SAMPLES, STEADINESS_GAP_S)
+        print(f"machine steadiness: the slowest of {STEADINESS_SAMPLES} layer timings took {moved:.0%} longer than the "
+              "fastest", flush=True)  # fmt: skip
+        if moved > STEADINESS_LIMIT and not args.anyway:
+            sys.exit(
+                f"runtime_vs_prediction: the machine's speed moves by {moved:.0%} over "
+                f"{STEADINESS_SAMPLES * STEADINESS_GAP_S:.0f} s (limit {STEADINESS_LIMIT:.0%}): the grid would measure "
+                "the machine, not the model; run it on a quiet machine, or pass --anyway"
+            )
     work = args.work or Path(tempfile.mkdtemp(prefix="hetplan-runtime-grid-"))
     work.mkdir(parents=True, exist_ok=True)
     load_before, started = load_average(), time.monotonic()

@@ -31,3 +31,19 @@ def test_disturbed_runs_leave_the_median_unless_every_run_was(tmp_path):
         paths.append(tmp_path / f"run-{index}.json")
         paths[-1].write_text(json.dumps(record), encoding="utf-8")
     assert bench.median_run(paths) == paths[2]  # 0.12 of the counted 0.11, 0.12, 0.13 (with all five: 0.13)
+
+
+def test_steadiness_is_the_slowest_timing_over_the_fastest():
+    timings = iter([1.0, 1.1, 1.5, 1.2])
+    assert bench.steadiness(lambda: next(timings), samples=4, gap_s=0.0) == pytest.approx(0.5)
+
+
+def test_the_bench_stops_before_profiling_on_a_machine_whose_speed_moves(monkeypatch, tmp_path, capsys):
+    """One line says why, before ten minutes of profiles and an hour of runs measure the machine instead."""
+    monkeypatch.setattr(bench, "steadiness", lambda *args: 0.69)
+    monkeypatch.setattr(bench, "measure_links", lambda *args: pytest.fail("profiled on an unsteady machine"))
+    monkeypatch.setattr(sys, "argv", ["runtime_vs_prediction.py", "--work", str(tmp_path)])
+    with pytest.raises(SystemExit) as stopped:
+        bench.main()
+    assert "the machine's speed moves by 69% over 20 s (limit 30%)" in str(stopped.value.code)
+    assert "or pass --anyway" in str(stopped.value.code)
