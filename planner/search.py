@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import heapq
 import math
 from collections.abc import Callable, Sequence
@@ -61,13 +62,28 @@ class SearchResult:
     configurations: int
     evaluated: int
     memory_infeasible: int
-    smallest_shortfall_bytes: float
-    smallest_shortfall_where: str
+    # where nothing fits: finds the candidate needing the least extra memory per device (bytes, its description),
+    # asked for only when the whole plan fails: a search over every ZeRO stage, CP degree and family partition has
+    # many sub-searches where nothing fits, and finding their closest misfits took a third of its time
+    find_misfit: Callable[[], tuple[float, str]] | None
     # smallest lower bound over the whole search space (the root relaxation; only when asked: options.root_bound)
     lower_bound_s: float | None = None
     per_stage_recompute_solved: int = 0  # candidates re-solved with a recompute mode per stage
     family_partitions: int = 0  # partitions of the groups into pipeline families tried (`families: search`)
     note: str = ""  # one line on what the search did not cover (merged groups, a candidate budget), if anything
+
+    @functools.cached_property
+    def closest_misfit(self) -> tuple[float, str]:
+        """(extra bytes per device, description) of the closest misfit; (0, "") when there is none to name."""
+        return self.find_misfit() if self.find_misfit is not None else (0.0, "")
+
+    @property
+    def smallest_shortfall_bytes(self) -> float:
+        return self.closest_misfit[0]
+
+    @property
+    def smallest_shortfall_where(self) -> str:
+        return self.closest_misfit[1]
 
 
 def merge_results(
@@ -77,16 +93,19 @@ def merge_results(
     searches win ties), the counts summed, the closest misfit, a root bound only when every search proved one."""
     plans = {id(e): e for result in results for e in result.evaluations if keep(e)}
     ranked = sorted(plans.values(), key=lambda e: e.iteration_time_s)  # stable: ties keep the searches' order
-    misfits = [r for r in results if r.smallest_shortfall_where]
-    closest = min(misfits, key=lambda r: r.smallest_shortfall_bytes) if misfits else None
+
+    def closest() -> tuple[float, str]:
+        misfits = [r.closest_misfit for r in results if r.find_misfit is not None]
+        named = [misfit for misfit in misfits if misfit[1]]
+        return min(named, key=lambda misfit: misfit[0]) if named else (0.0, "")
+
     bounds = [r.lower_bound_s for r in results if r.lower_bound_s is not None]
     return SearchResult(
         ranked[:top_k],
         sum(r.configurations for r in results),
         sum(r.evaluated for r in results),
         sum(r.memory_infeasible for r in results),
-        closest.smallest_shortfall_bytes if closest else 0.0,
-        closest.smallest_shortfall_where if closest else "",
+        closest,
         min(bounds) if bounds and len(bounds) == len(results) else None,
         sum(r.per_stage_recompute_solved for r in results),
         sum(r.family_partitions for r in results),
@@ -171,9 +190,8 @@ class _Search:
         if self.splitter is None and searches_families(ctx):
             partitions, families_bound_s = self.add_families()
             root_bound_s = min(root_bound_s, families_bound_s)
-        shortfall, shortfall_where = math.inf, ""
-        if not self.best:
-            shortfall, shortfall_where = closest_misfit(ctx, options, self.terms)
+        terms = self.terms
+        find_misfit = None if self.best else functools.partial(closest_misfit, ctx, options, terms)
         note = ""
         if math.isfinite(self.stopped_s):
             ranked = self.best.ranked()
@@ -188,8 +206,7 @@ class _Search:
             sum(self.candidates),
             self.evaluated,
             self.infeasible,
-            shortfall,
-            shortfall_where,
+            find_misfit,
             root_bound_s if options.root_bound or note else None,
             refined,
             partitions,

@@ -131,6 +131,27 @@ network: {topology: clos, inter_group_gbps: 100}
     assert 0 < caught.value.shortfall_bytes < 200 * 2**30
 
 
+def test_the_closest_misfit_is_found_only_when_asked(write, monkeypatch):
+    """A search where nothing fits leaves its closest misfit to be found when a message needs it, once: a search over
+    ZeRO stages, CP degrees and family partitions has many such sub-searches, and most plans fit in the end."""
+    import planner.search as search_module
+    from predictor.cost_model import build_context
+
+    calls = []
+    real = search_module.closest_misfit
+    monkeypatch.setattr(search_module, "closest_misfit", lambda *args: calls.append(1) or real(*args))
+    cluster = load_cluster(write("t4.yaml", ONE_T4_NODE))
+    ctx = build_context(cluster, load_model("llama2-70b"), load_training(None, {"dtype": "fp16"}))
+    result = search_module.search(ctx)
+    assert not result.evaluations and calls == []
+    shortfall_bytes, where = result.smallest_shortfall_bytes, result.smallest_shortfall_where
+    assert shortfall_bytes > 0 and where and len(calls) == 1
+    merged = search_module.merge_results([result, result], 1)
+    assert len(calls) == 1  # merging finds nothing either
+    assert (merged.smallest_shortfall_bytes, merged.smallest_shortfall_where) == (shortfall_bytes, where)
+    assert len(calls) == 1  # each search's misfit is found once
+
+
 def test_bf16_on_a_device_without_bf16_is_a_clear_error():
     cluster = load_cluster(EXAMPLES / "a100-v100-32.yaml")
     with pytest.raises(Exception, match="v100 has no bf16: train in fp16"):
