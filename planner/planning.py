@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 from planner.engine_space import engine_search, engine_training, engine_zero_stage
 from planner.options import ProgressCallback, SearchOptions
 from planner.plan import Bounds, Plan
-from planner.search import SearchResult, fastest, merge_results, search, searches_families
+from planner.search import BlockScans, SearchResult, fastest, merge_results, search, searches_families
 from planner.yardsticks import compute_bound_tokens_per_s, group_alone_tokens_per_s
 from predictor.cost_model import (
     CostContext,
@@ -160,6 +160,7 @@ def _search_layout_options(
     layouts = [(d, s, h) for d in degrees for s in dict.fromkeys(stages) for h in dict.fromkeys(shards)]
     layouts = [(d, s, h) for d, s, h in layouts if s or h == shards[0]]  # ZeRO-0 shards nothing: one shard group
     results: list[SearchResult] = []
+    block_scans = BlockScans()  # the family searches' block scans, shared by every layout's search
     by_stage: Times = {}
     by_cp: Times = {}
     by_shard: Times = {}
@@ -170,7 +171,7 @@ def _search_layout_options(
         adapted = [s for s in (at_degree(staged, lead, degree) for lead in leaders) if s is not None]
         warm = [e for s in adapted if (e := evaluate(staged, _at_stage(s, stage, shard))).fits]
         if engine is None:
-            found = search(staged, options, progress, warm_start=warm)
+            found = search(staged, options, progress, warm_start=warm, block_scans=block_scans)
         else:
             found = engine_search(staged, engine, options, progress)
         layout = (stage, shard, degree)
@@ -188,7 +189,7 @@ def _search_layout_options(
             ranked = merge_results(results, 1).evaluations
             warm = [e for e in ranked if _layout(e.strategy)[1:] == (shard, degree)]
             per_family = replace(options, family_zero_stages=tuple(dict.fromkeys(stages)))
-            found = search(staged, per_family, progress, warm_start=warm)
+            found = search(staged, per_family, progress, warm_start=warm, block_scans=block_scans)
             mixed = [e.iteration_time_s for e in found.evaluations if _layout(e.strategy)[0] < 0]
             if mixed:
                 by_stage["per family"] = _least(by_stage.get("per family"), mixed[0])

@@ -67,3 +67,24 @@ def test_at_zero_3_the_splits_memory_line_is_exact_from_the_gathered_layers_on_a
     z3 = plan(cluster, model, load_training(overrides={"zero_stage": 3}))
     z2_at_3 = evaluate(z3.context, replace(z2.strategy, zero_stage=3))
     assert not z2_at_3.fits or z3.evaluation.iteration_time_s <= z2_at_3.iteration_time_s + 1e-9
+
+
+def test_the_searches_over_zero_stages_share_their_family_block_scans_and_plan_the_same(monkeypatch):
+    """The per-stage searches and the per-family search scan the same blocks at the same stages: shared, each block
+    is scanned once, and the plan is the one the searches find apart."""
+    import planner.planning as planning
+    import planner.search as search_module
+
+    cluster, model = load_cluster(EXAMPLES / "h100-mi300x.yaml"), load_model("llama3-70b")
+    runs = []
+    real_run = search_module._Search.run
+    monkeypatch.setattr(search_module._Search, "run", lambda self: runs.append(1) or real_run(self))
+    shared = plan(cluster, model, load_training(), zero_stages=(1, 2))
+    shared_runs = len(runs)
+    runs.clear()
+    real_search = planning.search
+    monkeypatch.setattr(planning, "search", lambda *args, block_scans=None, **kwargs: real_search(*args, **kwargs))
+    apart = plan(cluster, model, load_training(), zero_stages=(1, 2))
+    assert shared.strategy == apart.strategy
+    assert shared.evaluation.iteration_time_s == apart.evaluation.iteration_time_s
+    assert shared_runs < len(runs)
