@@ -192,8 +192,7 @@ class _Search:
         if self.splitter is None and searches_families(ctx):
             partitions, families_bound_s = self.add_families()
             root_bound_s = min(root_bound_s, families_bound_s)
-        terms = self.terms
-        find_misfit = None if self.best else functools.partial(closest_misfit, ctx, options, terms)
+        find_misfit = None if self.best else functools.partial(closest_misfit, ctx, options, self.terms)
         note = ""
         if math.isfinite(self.stopped_s):
             ranked = self.best.ranked()
@@ -362,8 +361,8 @@ class BlockScans:
     the refinement round at the same share only adds the per-stage recompute step (a search with it is that scan
     and then that step). One plan's searches over ZeRO stages, shard groups and CP degrees can share one: a block's
     scan depends on the block, its share, stage, shard group and degree only, and the per-family search of a degree
-    scans the blocks at every stage the per-stage searches scanned them at (the all-options plan of Llama-3-70B
-    scanned 318 blocks, half of them twice)."""
+    scans the blocks at every stage the per-stage searches scanned them at (the all-options plan of Llama-3-70B at 8K
+    tokens made 241 block scans with one of these per search, 130 with one shared)."""
 
     def __init__(self) -> None:
         self.scans: dict[tuple[tuple[DeviceGroup, ...], int, int, str, int, SearchOptions], _Search] = {}
