@@ -250,9 +250,9 @@ def profile_layer(
 
 def pass_speeds(per_pass_s: dict[int, list[float]]) -> list[float]:
     """How long each pass over the entries took against the entries' medians over the passes (the median over the
-    entries timed in every pass): about 1 in every pass on a quiet machine. On a shared host whose speed moves by
-    tens of percent over seconds, the passes disagree, and each entry's median is only as good as the quietest
-    passes ([] with fewer than two passes)."""
+    entries timed in every pass; [] with fewer than two passes). Where the machine's speed moves by tens of percent
+    over seconds, the passes disagree: on one shared host the runtime benchmark's tiny model's four passes (a few
+    seconds each) read 0.78-1.10, its 10x model's (a minute) 0.97-1.03."""
     count = max((len(times) for times in per_pass_s.values()), default=0)
     complete = [times for times in per_pass_s.values() if len(times) == count]
     if count < 2 or not complete:

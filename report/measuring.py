@@ -38,7 +38,7 @@ from report.cli_flags import (
 )
 
 # a profile whose slowest pass over the layers took this much longer than its fastest says so (on a shared host whose
-# one-process speed read 1.14-1.71x a profile's within minutes, a tiny model's four passes read 0.78-1.10: 41%)
+# one-process speed read 1.12-1.89x a profile's within minutes, a tiny model's four passes read 0.78-1.10: 41%)
 DRIFT_WARNING = 0.15
 
 
