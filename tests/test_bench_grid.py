@@ -38,7 +38,7 @@ def test_steadiness_is_the_slowest_timing_over_the_fastest():
     assert bench.steadiness(lambda: next(timings), samples=4, gap_s=0.0) == pytest.approx(0.5)
 
 
-def test_the_bench_stops_before_profiling_on_a_machine_whose_speed_moves(monkeypatch, tmp_path, capsys):
+def test_the_bench_stops_before_profiling_on_a_machine_whose_speed_moves(monkeypatch, tmp_path):
     """One line says why, before ten minutes of profiles and an hour of runs measure the machine instead."""
     monkeypatch.setattr(bench, "steadiness", lambda *args: 0.69)
     monkeypatch.setattr(bench, "measure_links", lambda *args: pytest.fail("profiled on an unsteady machine"))
