@@ -79,8 +79,8 @@ LOO_TIMEOUT_S = 3600.0  # every leave-one-out fit together (about 5 minutes here
 # before anything runs, the tiny model's layer is timed STEADINESS_SAMPLES times STEADINESS_GAP_S apart; slowest over
 # fastest beyond STEADINESS_LIMIT stops the bench (--anyway runs it): in grid 25, on a quiet machine, the runs' own
 # one-process checks read 0.90-1.08 over the whole grid; on a shared host whose layer read 1.12-1.89x its profiled
-# time within 30 s, two grids were stopped in their first two rounds: 25 of the first round's 30 runs took 10-34%
-# longer than predicted, and 10 of them read past DISTURBED_LIMIT
+# time within 30 s, two grids were stopped in their first two rounds: 25 of the first round's 30 runs measured
+# 11-52% above their predictions, and 10 of them read past DISTURBED_LIMIT
 STEADINESS_SAMPLES = 10
 STEADINESS_GAP_S = 2.0
 STEADINESS_LIMIT = 0.3
