@@ -248,6 +248,21 @@ def profile_layer(
     ).summary()
 
 
+def _entries(
+    plan: Sequence[tuple[LayerKind, int, int, Recompute]], samples: dict[int, _Samples], no_fit: set[int]
+) -> list[ProfileEntry]:
+    """The profile's entries in `plan`'s order: the measured ones summarised, those that ran out of memory as such
+    (an interrupted profile leaves the rest out)."""
+    entries = []
+    for index, (layer, size, tp, mode) in enumerate(plan):
+        if index in no_fit:
+            entries.append(ProfileEntry(layer=layer, micro_batch_size=size, tp=tp, recompute=mode, fits=False))
+        elif index in samples:
+            measured = samples[index].summary()
+            entries.append(ProfileEntry(layer=layer, micro_batch_size=size, tp=tp, recompute=mode, **measured.__dict__))
+    return entries
+
+
 def pass_speeds(per_pass_s: dict[int, list[float]]) -> list[float]:
     """How long each pass over the entries took against the entries' medians over the passes (the median over the
     entries timed in every pass; [] with fewer than two passes). Where the machine's speed moves by tens of percent
@@ -351,7 +366,6 @@ def profile_model(
         for size in micro_batch_sizes:
             plan += [("decoder", size, tp, mode) for mode in recompute_modes]
             plan += [("embedding", size, tp, "none"), ("lm_head", size, tp, "none")]
-    entries: list[ProfileEntry] = []
     interrupted = False
     torch_dtype = TORCH_DTYPES[dtype]
     if plan:  # wake up thread pools, allocators and kernel caches before the first timed entry
@@ -399,12 +413,7 @@ def profile_model(
             samples[index].backward_s += taken.backward_s
         else:
             samples[index] = taken
-    for index, (layer, size, tp, mode) in enumerate(plan):
-        if index in no_fit:
-            entries.append(ProfileEntry(layer=layer, micro_batch_size=size, tp=tp, recompute=mode, fits=False))
-        elif index in samples:
-            measured = samples[index].summary()
-            entries.append(ProfileEntry(layer=layer, micro_batch_size=size, tp=tp, recompute=mode, **measured.__dict__))
+    entries = _entries(plan, samples, no_fit)
     if progress is not None:
         progress(reached if interrupted else steps, steps, "interrupted" if interrupted else "layers done")
     env = environment(device, dtype)
