@@ -41,6 +41,7 @@ from specs.model import ModelSpec
 
 MAX_CONCURRENT_PROCESSES = 32
 HELPER_START_S = 120.0  # a spawned helper imports torch and builds its layer within this
+HELPER_IDLE_WAKE_S = 1.0  # an idle helper looks whether it should stop this often (told to compute, it starts at once)
 PASSES = 3  # interleaved passes over the chain timings (a drifting machine spreads over all of them)
 CONCURRENCY_ROUNDS = 4  # rounds of the busy-stretch timing (each: every level of processes, then this one alone)
 CONCURRENCY_MOMENTS = 3  # busy-stretch timings at the start, middle and end of the host section (median per level)
@@ -114,8 +115,76 @@ def _busy_helper(
     run()
     ready.set()
     while not stop.is_set():
-        if go.wait(timeout=0.1):
+        if go.wait(timeout=HELPER_IDLE_WAKE_S) and not stop.is_set():
             run()
+
+
+class BusyHelpers:
+    """`count` background processes that compute the layer (tp 1, no recompute) while asked to: the concurrency
+    timing's helpers, started once and kept for all its moments (each helper imports torch as it starts: three of
+    them took 3-4 s to start on this 2-core machine, once per moment before)."""
+
+    def __init__(self, model: ModelSpec, micro_batch_size: int, seq_length: int, dtype: torch.dtype, count: int):
+        self._args = (model, micro_batch_size, seq_length, str(dtype).removeprefix("torch."))
+        self.count = count
+        self._helpers: list[tuple[mp.Process, Event, Event]] = []
+        self._stop: Event | None = None
+
+    def __enter__(self) -> BusyHelpers:
+        return self
+
+    def start(self) -> None:
+        """Start the helpers (once; they start on first use, so a section that times nothing with them starts none)
+        and wait until each has built its layer."""
+        if self._stop is not None:
+            return
+        context = mp.get_context("spawn")
+        self._stop = context.Event()
+        try:
+            for _ in range(self.count):
+                go, ready = context.Event(), context.Event()
+                process = context.Process(target=_busy_helper, args=(*self._args, go, self._stop, ready), daemon=True)
+                process.start()
+                self._helpers.append((process, go, ready))
+            deadline = time.monotonic() + HELPER_START_S
+            for process, _, ready in self._helpers:
+                while not ready.wait(timeout=0.2):
+                    if not process.is_alive() or time.monotonic() > deadline:
+                        raise RuntimeError(f"a concurrency helper process did not start (exit code {process.exitcode})")
+        except BaseException:
+            self.close()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def pids(self) -> list[int]:
+        """The helper processes running now (none before the first use and after `close`)."""
+        return [process.pid for process, _, _ in self._helpers if process.pid is not None]
+
+    def compute(self, count: int) -> None:
+        """The first `count` helpers compute (each finishes its pass in hand when told to stop), the rest idle."""
+        for index, (_, go, _) in enumerate(self._helpers):
+            go.set() if index < count else go.clear()
+
+    def close(self) -> None:
+        if self._stop is not None:
+            self._stop.set()
+        for process, go, _ in self._helpers:
+            go.set()  # wakes an idle helper to see the stop
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+        self._helpers = []
+        self._stop = None
+
+
+def concurrency_levels(cores: int, only_cores: bool = False) -> list[int]:
+    """The process counts the busy stretch is timed at: 2, the cores and twice the cores (`only_cores`: the cores),
+    at most MAX_CONCURRENT_PROCESSES; none on one core with `only_cores`."""
+    wanted = (cores,) if only_cores else (2, cores, 2 * cores)
+    return sorted({n for n in wanted if 2 <= n <= MAX_CONCURRENT_PROCESSES})
 
 
 def concurrency(
@@ -126,65 +195,53 @@ def concurrency(
     cores: int,
     min_time_s: float = 0.5,
     only_cores: bool = False,
+    helpers: BusyHelpers | None = None,
 ) -> list[ConcurrencyPoint]:
-    """The layer's busy-time stretch with N processes computing it at once (N = 2, the cores and twice the cores, at
-    most MAX_CONCURRENT_PROCESSES; `only_cores`: N = the cores): this process times its busy (CPU) time per pass
-    while N - 1 helpers compute the same layer. Busy time leaves out the waits for a core (time slicing, which the
-    cost model adds from the core count) and whatever else the machine runs meanwhile."""
-    wanted = (cores,) if only_cores else (2, cores, 2 * cores)
-    levels = sorted({n for n in wanted if 2 <= n <= MAX_CONCURRENT_PROCESSES})
+    """The layer's busy-time stretch with N processes computing it at once (`concurrency_levels`): this process times
+    its busy (CPU) time per pass while N - 1 helpers compute the same layer. Busy time leaves out the waits for a core
+    (time slicing, which the cost model adds from the core count) and whatever else the machine runs meanwhile.
+    `helpers`: started ones to use (at least the largest level less one; else this starts its own)."""
+    levels = concurrency_levels(cores, only_cores)
     if not levels:
         return [ConcurrencyPoint(processes=1, busy_stretch=1.0)]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the helpers and the ranks run (more threads would count their spinning as busy)
     try:
-        return _concurrency_at(model, micro_batch_size, seq_length, dtype, levels, min_time_s)
+        if helpers is not None and helpers.count >= levels[-1] - 1:
+            return _concurrency_at(model, micro_batch_size, seq_length, dtype, levels, min_time_s, helpers)
+        with BusyHelpers(model, micro_batch_size, seq_length, dtype, levels[-1] - 1) as own:
+            return _concurrency_at(model, micro_batch_size, seq_length, dtype, levels, min_time_s, own)
     finally:
         torch.set_num_threads(threads)
 
 
 def _concurrency_at(
-    model: ModelSpec, micro_batch_size: int, seq_length: int, dtype: torch.dtype, levels: list[int], min_time_s: float
+    model: ModelSpec,
+    micro_batch_size: int,
+    seq_length: int,
+    dtype: torch.dtype,
+    levels: list[int],
+    min_time_s: float,
+    helpers: BusyHelpers,
 ) -> list[ConcurrencyPoint]:
-    context = mp.get_context("spawn")
-    stop = context.Event()
-    helpers = []
-    for _ in range(levels[-1] - 1):
-        go, ready = context.Event(), context.Event()
-        args = (model, micro_batch_size, seq_length, str(dtype).removeprefix("torch."), go, stop, ready)
-        process = context.Process(target=_busy_helper, args=args, daemon=True)
-        process.start()
-        helpers.append((process, go, ready))
+    helpers.start()
+    run = _layer_pass(model, micro_batch_size, seq_length, dtype)
+
+    def busy_s(level: int) -> float:
+        """This process's busy seconds per pass with `level` processes (itself included) computing."""
+        helpers.compute(level - 1)
+        return median_time_s(run, min_time_s / CONCURRENCY_ROUNDS, clock=time.process_time)
+
     try:
-        deadline = time.monotonic() + HELPER_START_S
-        for process, _, ready in helpers:
-            while not ready.wait(timeout=0.2):
-                if not process.is_alive() or time.monotonic() > deadline:
-                    raise RuntimeError(f"a concurrency helper process did not start (exit code {process.exitcode})")
-        run = _layer_pass(model, micro_batch_size, seq_length, dtype)
-
-        def busy_s(level: int) -> float:
-            """This process's busy seconds per pass with `level` processes (itself included) computing."""
-            for index, (_, go, _) in enumerate(helpers):
-                go.set() if index < level - 1 else go.clear()
-            return median_time_s(run, min_time_s / CONCURRENCY_ROUNDS, clock=time.process_time)
-
         alone = [busy_s(1)]
         together: dict[int, list[float]] = {level: [] for level in levels}
         for _ in range(CONCURRENCY_ROUNDS):  # alone, every level, alone, ...: each level between two alone times
             for level in levels:
                 together[level].append(busy_s(level))
             alone.append(busy_s(1))
-        return [
-            ConcurrencyPoint(processes=level, busy_stretch=busy_stretch(alone, together[level])) for level in levels
-        ]
     finally:
-        stop.set()
-        for process, go, _ in helpers:
-            go.clear()
-            process.join(timeout=10)
-            if process.is_alive():
-                process.kill()
+        helpers.compute(0)
+    return [ConcurrencyPoint(processes=level, busy_stretch=busy_stretch(alone, together[level])) for level in levels]
 
 
 def median_points(readings: list[list[ConcurrencyPoint]]) -> list[ConcurrencyPoint]:
@@ -507,25 +564,31 @@ def measure_host(
 
     concurrency_readings: list[list[ConcurrencyPoint]] = []
 
-    def time_concurrency(moment: int) -> None:
+    def time_concurrency(moment: int, helpers: BusyHelpers) -> None:
         progress(f"host: processes computing at once ({moment} of {CONCURRENCY_MOMENTS})")
-        concurrency_readings.append(concurrency(model, micro_batch_size, seq_length, dtype, cores))
+        readings = concurrency(model, micro_batch_size, seq_length, dtype, cores, helpers=helpers)
+        concurrency_readings.append(readings)
 
-    time_tp(1)
-    time_concurrency(1)
-    progress("host: a stage as one module")
-    per_microbatch, per_layer = stage_overheads(model, micro_batch_size, seq_length, dtype)
-    family_sync_s.append(family_sync_cost(model, dtype, FAMILY_SYNC_MIN_S))
-    time_tp(2)
-    time_concurrency(2)
-    progress("host: passes after another process used the core")
-    cold_forward_s, cold_backward_s = cold_pass_costs(model, micro_batch_size, seq_length, dtype)
-    progress("host: optimizer step")
-    per_shard_param, per_held_param, per_gathered_param = optimizer_costs(model, micro_batch_size, seq_length, dtype)
-    progress("host: syncing gradients across families")
-    family_sync_s.append(family_sync_cost(model, dtype, FAMILY_SYNC_MIN_S))
-    time_tp(3)
-    time_concurrency(3)
+    # the concurrency helpers start at the first moment and stay until the last (idle in between)
+    helpers_needed = max(concurrency_levels(cores), default=1) - 1
+    with BusyHelpers(model, micro_batch_size, seq_length, dtype, helpers_needed) as helpers:
+        time_tp(1)
+        time_concurrency(1, helpers)
+        progress("host: a stage as one module")
+        per_microbatch, per_layer = stage_overheads(model, micro_batch_size, seq_length, dtype)
+        family_sync_s.append(family_sync_cost(model, dtype, FAMILY_SYNC_MIN_S))
+        time_tp(2)
+        time_concurrency(2, helpers)
+        progress("host: passes after another process used the core")
+        cold_forward_s, cold_backward_s = cold_pass_costs(model, micro_batch_size, seq_length, dtype)
+        progress("host: optimizer step")
+        per_shard_param, per_held_param, per_gathered_param = optimizer_costs(
+            model, micro_batch_size, seq_length, dtype
+        )
+        progress("host: syncing gradients across families")
+        family_sync_s.append(family_sync_cost(model, dtype, FAMILY_SYNC_MIN_S))
+        time_tp(3)
+        time_concurrency(3, helpers)
     tp_loaded: list[dict] = []
     # two processes per core with the two ranks, as a 2-family run on two cores (one core: the unloaded timings
     # already ran at two per core)

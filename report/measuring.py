@@ -60,7 +60,8 @@ def profile(
         opt(
             "--host/--no-host",
             help="On the CPU, also measure the host's step costs besides the layers (processes computing at once, "
-            "optimizer step, stage and batch overheads; ~10 s), which local runs are predicted with.",
+            "TP collectives between layers, optimizer step, stage and batch overheads), which local runs are predicted "
+            "with; it launches processes to time them: 1-3 minutes on a 2-core machine.",
         ),
     ] = True,
     quiet: QuietOpt = False,

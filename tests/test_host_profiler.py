@@ -139,6 +139,25 @@ def test_concurrency_is_measured_with_helper_processes_computing_beside():
 
 
 @pytest.mark.slow
+def test_concurrency_helpers_started_once_serve_every_moment_and_stop_with_the_section():
+    """The profile times the busy stretch at three moments with the same helpers (each start imports torch anew);
+    helpers nobody used were never started."""
+    import os
+
+    with host.BusyHelpers(MODEL, 1, 16, torch.float32, count=1) as unused:
+        assert unused.pids == []
+    with host.BusyHelpers(MODEL, 1, 16, torch.float32, count=1) as helpers:
+        first = host.concurrency(MODEL, 1, 16, torch.float32, cores=1, min_time_s=0.05, helpers=helpers)
+        started = helpers.pids
+        second = host.concurrency(MODEL, 1, 16, torch.float32, cores=1, min_time_s=0.05, helpers=helpers)
+        assert len(started) == 1 and helpers.pids == started
+        assert [p.processes for p in first] == [p.processes for p in second] == [2]
+    assert helpers.pids == []
+    with pytest.raises(ProcessLookupError):
+        os.kill(started[0], 0)  # joined: the process is gone
+
+
+@pytest.mark.slow
 def test_cold_passes_are_timed_with_a_partner_process_on_the_same_core():
     """Measured for real on a tiny model: two non-negative costs well under a pass, and the process's own affinity
     and thread count are restored afterwards."""

@@ -158,6 +158,8 @@ def test_cli_profile_then_plan_uses_the_measurements(tmp_path):
         "none,full",
         "--repeats",
         "2",
+        "--seq-len",
+        "32",  # a quarter of the model's: the host section's chains and TP timings take seconds, not minutes
         "--out",
         str(out),
         torch_allowed=True,
@@ -172,7 +174,14 @@ def test_cli_profile_then_plan_uses_the_measurements(tmp_path):
 
     cluster = load_cluster(EXAMPLES / "cpu-2x2.yaml")
     training = load_training(
-        None, {"dtype": "fp32", "global_batch_size": 8, "recompute": ["none", "full"], "micro_batch_sizes": [1, 2]}
+        None,
+        {
+            "dtype": "fp32",
+            "global_batch_size": 8,
+            "seq_length": 32,
+            "recompute": ["none", "full"],
+            "micro_batch_sizes": [1, 2],
+        },
     )
     measured = plan(cluster, TINY_GPT, training, {"cpu": profile})
     simulated = plan(cluster, TINY_GPT, training)
