@@ -35,6 +35,7 @@ from specs.cluster import ClusterSpec
 from specs.errors import SpecError
 from specs.layout import Strategy
 from specs.loading import read_mapping
+from specs.model import ModelSpec
 
 __all__ = ["execute", "execute_in_job", "launch_commands", "prediction_context", "run_in_job", "run_plan"]
 MAX_LOCAL_RANKS = 16
@@ -370,10 +371,10 @@ def with_speed_check(ctx: CostContext, run: Callable[[], T]) -> tuple[T, dict[st
     reference = speed_reference(ctx)
     if reference is None:
         return run(), {"checked": False, "why": "the prediction's costs are not a measured profile of this host"}
-    before_s = reference_time_s(ctx, *reference)
-    cores = cores_check(ctx, *reference)
+    before_s = reference_time_s(ctx.model, *reference)
+    cores = cores_check(ctx.model, *reference)
     result = run()
-    return result, speed_check(reference, before_s, reference_time_s(ctx, *reference), cores)
+    return result, speed_check(reference, before_s, reference_time_s(ctx.model, *reference), cores)
 
 
 def speed_reference(ctx: CostContext) -> tuple[DeviceProfile, ProfileEntry] | None:
@@ -393,17 +394,17 @@ def speed_reference(ctx: CostContext) -> tuple[DeviceProfile, ProfileEntry] | No
     return None
 
 
-def reference_time_s(ctx: CostContext, profile: DeviceProfile, entry: ProfileEntry) -> float:
+def reference_time_s(model: ModelSpec, profile: DeviceProfile, entry: ProfileEntry) -> float:
     """The reference layer (`speed_reference`) timed now in this process, as the profile timed it."""
     threads = int(profile.environment.get("threads", 1))
     dtype = TORCH_DTYPES.get(profile.dtype, torch.float32)
-    return layer_time_s(ctx.model, entry.micro_batch_size, profile.seq_length, dtype, threads)
+    return layer_time_s(model, entry.micro_batch_size, profile.seq_length, dtype, threads)
 
 
 CORES_CHECK_S = 0.25  # of layer passes timed (with the helpers' start, about 3 s a run on a 2-core machine)
 
 
-def cores_check(ctx: CostContext, profile: DeviceProfile, entry: ProfileEntry) -> dict[str, Any]:
+def cores_check(model: ModelSpec, profile: DeviceProfile, entry: ProfileEntry) -> dict[str, Any]:
     """The reference layer's busy stretch with a process per core computing it at once, measured now as the profile
     measured its own (profiler.host.concurrency), against the profile's (`cores_slowdown`: now over profiled); empty
     off a multi-core host or for a profile without host costs."""
@@ -411,8 +412,8 @@ def cores_check(ctx: CostContext, profile: DeviceProfile, entry: ProfileEntry) -
     if profile.host is None or cores < 2:
         return {}
     dtype = TORCH_DTYPES.get(profile.dtype, torch.float32)
-    model, micro_batch_size = ctx.model, entry.micro_batch_size
-    now = concurrency(model, micro_batch_size, profile.seq_length, dtype, cores, CORES_CHECK_S, only_cores=True)[-1]
+    measured = concurrency(model, entry.micro_batch_size, profile.seq_length, dtype, cores, CORES_CHECK_S, True)
+    now = measured[-1]
     if now.processes != cores:  # more cores than the concurrency measurement starts processes for
         return {}
     profiled = profile.host.busy_stretch(cores)

@@ -233,7 +233,6 @@ def test_the_speed_check_sets_every_core_computing_beside_the_profiles_measureme
     says the cores run faster together now)."""
     import os
     from dataclasses import replace
-    from types import SimpleNamespace
 
     from profiler.profile import DeviceProfile, HostCosts, ProfileEntry
     from report.measurements import speed_lines
@@ -249,8 +248,7 @@ def test_the_speed_check_sets_every_core_computing_beside_the_profiles_measureme
                          backward_time_s=2e-3, activation_bytes=0)  # fmt: skip
     profile = DeviceProfile(source="measured", device={"key": "cpu"}, model={}, dtype="fp32", seq_length=16,
                             entries=[entry], host=host)  # fmt: skip
-    ctx = SimpleNamespace(model=MODEL)  # the check reads the model only
-    checked = cores_check(ctx, profile, entry)  # type: ignore[arg-type]
+    checked = cores_check(MODEL, profile, entry)
     assert checked["cores"] == cores and checked["busy_stretch_profiled"] == 3.0
     assert 0.8 < checked["busy_stretch_now"] < 2.0, checked
     assert checked["cores_slowdown"] == pytest.approx(checked["busy_stretch_now"] / 3.0)
@@ -258,7 +256,7 @@ def test_the_speed_check_sets_every_core_computing_beside_the_profiles_measureme
     record = {"measurements": {"machine_speed": speed, "prediction_error_at_run_speed": 0.0},
               "predicted_at_run_speed_s": 1.0}  # fmt: skip
     assert f"all {cores} cores computing it at once" in speed_lines(record)[1]
-    assert cores_check(ctx, replace(profile, host=None), entry) == {}  # type: ignore[arg-type]
+    assert cores_check(MODEL, replace(profile, host=None), entry) == {}
 
 
 def test_zero_syncs_gradients_with_a_reduce_scatter_as_the_cost_model_counts_them(monkeypatch):
