@@ -412,9 +412,8 @@ def cores_check(model: ModelSpec, profile: DeviceProfile, entry: ProfileEntry) -
     if profile.host is None or cores < 2:
         return {}
     dtype = TORCH_DTYPES.get(profile.dtype, torch.float32)
-    now = concurrency(model, entry.micro_batch_size, profile.seq_length, dtype, cores, CORES_CHECK_S, only_cores=True)[
-        -1
-    ]
+    size, seq_length = entry.micro_batch_size, profile.seq_length
+    now = concurrency(model, size, seq_length, dtype, cores, CORES_CHECK_S, only_cores=True)[-1]
     if now.processes != cores:  # more cores than the concurrency measurement starts processes for
         return {}
     profiled = profile.host.busy_stretch(cores)
