@@ -55,7 +55,7 @@ from predictor.cost_model import CostContext, Evaluation, evaluate  # noqa: E402
 from predictor.predictor import Predictor, fit_predictor  # noqa: E402
 from predictor.run_terms import predicted_stage_terms, side_by_side  # noqa: E402
 from runtime.execute import RunSettings  # noqa: E402
-from runtime.launch import execute, prediction_context  # noqa: E402
+from runtime.launch import execute, predicted_timeline, prediction_context  # noqa: E402
 from specs import load_cluster, load_training  # noqa: E402
 from specs.layout import PipelineStrategy, StageStrategy, Strategy  # noqa: E402
 from specs.model import ModelSpec  # noqa: E402
@@ -410,7 +410,8 @@ def main() -> None:
         predicted = evaluation.iteration_time_s
         middle = sorted(runs, key=median_step)[(len(runs) - 1) // 2]
         # the median run's terms against this prediction (a record's own were predicted from the profiles of its day)
-        terms = side_by_side(middle["measurements"]["stages"], predicted_stage_terms(ctx, evaluation))
+        simulated = predicted_timeline(ctx, evaluation.strategy)
+        terms = side_by_side(middle["measurements"]["stages"], predicted_stage_terms(ctx, evaluation), simulated)
         gap = largest_difference(terms)
         rows.append(
             {

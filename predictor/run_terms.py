@@ -68,9 +68,18 @@ def predicted_stage_terms(ctx: CostContext, evaluation: Evaluation) -> list[dict
     return out
 
 
-def side_by_side(measured: Sequence[Mapping[str, Any]], predicted: Sequence[Mapping[str, Any]]) -> list[dict]:
-    """Per stage: each term measured and predicted (None where the runtime does not time it apart), and the step."""
+def side_by_side(
+    measured: Sequence[Mapping[str, Any]],
+    predicted: Sequence[Mapping[str, Any]],
+    simulated: Mapping[str, Any] | None = None,
+) -> list[dict]:
+    """Per stage: each term measured and predicted (None where the runtime does not time it apart), and the step;
+    the measured rank's CPU time beside the CPU time the step simulation gives a process of its replica (`simulated`:
+    the run record's predicted timeline; None without one, or for records that did not say the rank's replica)."""
     by_stage = {(p["family"], p["stage"]): p for p in predicted}
+    simulated_cpu = {
+        (a["family"], a["stage"], a["replica"]): a.get("cpu_s") for a in (simulated or {}).get("actors", [])
+    }
     rows = []
     for stage in measured:
         expected = by_stage.get((stage["family"], stage["stage"]))
@@ -88,6 +97,7 @@ def side_by_side(measured: Sequence[Mapping[str, Any]], predicted: Sequence[Mapp
                 "terms": terms,
                 "step": {"measured_s": stage["step_s"], "predicted_s": expected["step"]},
                 "cpu_s": stage.get("cpu_s"),  # measured CPU time of the step and of its waiting terms, if timed
+                "predicted_cpu_s": simulated_cpu.get((stage["family"], stage["stage"], stage.get("replica"))),
             }
         )
     return rows

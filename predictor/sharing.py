@@ -49,7 +49,7 @@ unstretched (per micro-batch costs, transfers and syncs). Torch-free.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from predictor.context import CostContext
@@ -60,6 +60,7 @@ if TYPE_CHECKING:
     from predictor.evaluation import Evaluation
 
 EPSILON_S = 1e-12
+CPU_TERMS = ("tp_comm", "dp_sync", "optimizer")  # the measured CPU terms the simulation also accounts apart
 
 
 @dataclass
@@ -100,6 +101,7 @@ class Actor:
     started_s: float = 0.0
     unloaded_share: float | None = None  # of the sleep it is in (Phase.unloaded_share; None: not on the links)
     link_cpu_share: float = 0.0  # the share of its links' unloaded time a collective computes (Link.cpu_share)
+    cpu_s: dict[str, float] = field(default_factory=dict)  # CPU seconds per process, by the run record's CPU terms
 
     def reached(self, barrier: str) -> bool:
         """It is at that barrier or past it (finished its passes, its sync or its optimizer step)."""
@@ -317,9 +319,13 @@ def simulate_step(
         computing = sum(a.processes for a in active if a.state in ("busy", "spin") and a.shares_host)
         if computing not in stretches:
             stretches[computing] = host.busy_stretch(computing) if computing else 1.0
-        speeds = _speeds(active, host.cores, stretches[computing], full_load)
+        speeds, cores_used = _speeds(active, host.cores, stretches[computing], full_load)
         step = min(a.remaining_s / speed for a, speed in zip(active, speeds, strict=True) if speed > 0)
         busy_integral += computing * step
+        for actor, used in zip(active, cores_used, strict=True):
+            if used > 0:
+                term = _cpu_term(actor)
+                actor.cpu_s[term] = actor.cpu_s.get(term, 0.0) + used * step
         if trace:
             for actor, events in zip(actors, traced, strict=True):
                 _extend(events, _event_of(actor), clock["now"], clock["now"] + step)
@@ -337,10 +343,12 @@ def simulate_step(
     return StepSimulation(now, busy_integral / now if now > 0 else 0.0, timeline)
 
 
-def _speeds(active: list[Actor], cores: int, stretch: float, full_load: float) -> list[float]:
-    """How fast each active actor's piece goes: busy ones at their share of the cores slowed by the busy `stretch`
-    (prompt actors take the cores first, then the ranks in a collective what it computes, the others share what is
-    left); waits on the links by the load (`_wait_speed`); other sleeps and spins at 1."""
+def _speeds(active: list[Actor], cores: int, stretch: float, full_load: float) -> tuple[list[float], list[float]]:
+    """How fast each active actor's piece goes, and the share of a core each of its processes takes meanwhile: busy
+    ones at their share of the cores slowed by the busy `stretch` (prompt actors take the cores first, then the ranks
+    in a collective what it computes, the others share what is left); waits on the links by the load
+    (`_wait_speed`), computing their link's CPU share; other sleeps and spins at 1 (a spinning emulator takes its
+    share of the cores as the other busy ones)."""
     sharing = [a for a in active if a.state in ("busy", "spin") and a.shares_host]
     computing = sum(a.processes for a in sharing)
     served_first = [a.prompt and a.state == "busy" for a in active]  # a spinning emulator is owed nothing
@@ -348,18 +356,38 @@ def _speeds(active: list[Actor], cores: int, stretch: float, full_load: float) -
     on_links = [a for a in active if a.shares_host and a.state == "sleep" and a.unloaded_share is not None]
     load = max(1.0, (computing + sum(a.processes for a in on_links)) / cores)
     # a collective computes its link's CPU share of its unloaded time, spread over the time it takes now
-    in_collectives = sum(
-        a.processes * a.link_cpu_share * (a.unloaded_share or 0.0) * _wait_speed(a, load, full_load) for a in on_links
-    )
-    prompt_rate = min(1.0, cores / first) / stretch if first else 1.0
+    in_collectives = sum(a.processes * _collective_cpu(a, load, full_load) for a in on_links)
+    prompt_share = min(1.0, cores / first) if first else 1.0
     left = max(0.0, cores - first - in_collectives)
-    rest_rate = min(1.0, left / (computing - first)) / stretch if computing > first else 1.0
-    return [
-        (prompt_rate if is_first else rest_rate)
-        if a.state == "busy" and a.shares_host
-        else _wait_speed(a, load, full_load)
-        for a, is_first in zip(active, served_first, strict=True)
-    ]
+    rest_share = min(1.0, left / (computing - first)) if computing > first else 1.0
+    speeds, cores_used = [], []
+    for actor, is_first in zip(active, served_first, strict=True):
+        core_share = prompt_share if is_first else rest_share
+        if actor.shares_host and actor.state == "busy":
+            speeds.append(core_share / stretch)
+            cores_used.append(core_share)
+        else:
+            speeds.append(_wait_speed(actor, load, full_load))
+            spinning = actor.shares_host and actor.state == "spin"
+            cores_used.append(core_share if spinning else _collective_cpu(actor, load, full_load))
+    return speeds, cores_used
+
+
+def _collective_cpu(actor: Actor, load: float, full_load: float) -> float:
+    """The share of a core each process of an actor waiting on the links computes (Gloo's reductions and copies):
+    its link's CPU share of the wait's unloaded time, spread over the time the wait takes under `load`."""
+    if not actor.shares_host or actor.state != "sleep" or actor.unloaded_share is None:
+        return 0.0
+    return actor.link_cpu_share * actor.unloaded_share * _wait_speed(actor, load, full_load)
+
+
+def _cpu_term(actor: Actor) -> str:
+    """The run record's CPU term (runtime/launch.py `_measured_cpu`) the actor's CPU time falls in now: `tp_comm`,
+    `dp_sync`, `optimizer`, or `compute` (the passes and making the batch)."""
+    phase = actor.phases[actor.position]
+    if phase.kind in ("forward", "backward") and actor.state == "sleep" and actor.unloaded_share is not None:
+        return "tp_comm"
+    return phase.kind if phase.kind in ("dp_sync", "optimizer") else "compute"
 
 
 def _wait_speed(actor: Actor, load: float, full_load: float) -> float:
@@ -384,6 +412,8 @@ def _timeline(
             "stage": actor.where[1],
             "replica": actor.where[2],
             "events": [[kind, start, end] for (kind, _), start, end in events],
+            # per process, as the run record's measured CPU terms: the whole step and the terms the simulation has
+            "cpu_s": {"step": sum(actor.cpu_s.values())} | {t: actor.cpu_s.get(t, 0.0) for t in CPU_TERMS},
         }
         for actor, events in zip(actors, traced, strict=True)
     )

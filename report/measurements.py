@@ -152,13 +152,14 @@ def run_terms_table(record: Mapping[str, Any]) -> Table | None:
     stages = record["measurements"].get("terms")
     if not stages:
         return None
-    columns = ("stage", "term", "measured s", "predicted s", "difference s", "of the step", "cpu s")
+    columns = ("stage", "term", "measured s", "predicted s", "difference s", "of the step", "cpu s (simulated)")
     table = titled_table("Where the step goes: measured vs predicted per stage", columns, left=("stage", "term"))
     families = len({stage["family"] for stage in stages})
     for stage in stages:
         name = f"{stage['family']}.{stage['stage']}" if families > 1 else str(stage["stage"])
         step = stage["step"]["measured_s"]
         cpu = stage.get("cpu_s") or {}  # the process's CPU time in the term: near its wall time, a busy core
+        simulated = stage.get("predicted_cpu_s") or {}  # a process's in the step simulation of the cores' sharing
         rows = [*stage["terms"].items(), ("step", stage["step"])]
         for index, (term, values) in enumerate(rows):
             measured, predicted = values["measured_s"], values["predicted_s"]
@@ -170,10 +171,19 @@ def run_terms_table(record: Mapping[str, Any]) -> Table | None:
                 f"{predicted:.3f}",
                 f"{difference:+.3f}",
                 f"{difference / step:+.0%}" if step > 0 else "",
-                f"{cpu[term]:.3f}" if term in cpu else "",
+                cpu_cell(cpu.get(term), simulated.get(term)),
                 end_section=term == "step",
             )
     return table
+
+
+def cpu_cell(measured_s: float | None, simulated_s: float | None) -> str:
+    """A term's measured CPU seconds and, in brackets, the simulated ones (either may be missing)."""
+    parts = [
+        f"{measured_s:.3f}" if measured_s is not None else "",
+        f"({simulated_s:.3f})" if simulated_s is not None else "",
+    ]
+    return " ".join(part for part in parts if part)
 
 
 def run_lines(record: Mapping[str, Any], steps: int) -> list[str]:

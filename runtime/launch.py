@@ -130,6 +130,7 @@ def run_in_job(
 def summarize(results: list[dict[str, Any]], steps: int) -> dict[str, Any]:
     """Iteration time per step = the slowest rank's; the measurement is the median after the first (warm-up) step."""
     active = [r for r in results if not r.get("idle")]
+    replica_of = {r["rank"]: r["replica"] for r in active}
     step_times = [max(r["steps"][s]["time_s"] for r in active) for s in range(steps)]
     measured_steps = step_times[1:] if steps > 1 else step_times
     losses = [sum(r["loss_contributions"][s] for r in active if r["last_stage"]) for s in range(steps)]
@@ -168,6 +169,7 @@ def summarize(results: list[dict[str, Any]], steps: int) -> dict[str, Any]:
                 "emulation_s": max(entry["emulation_s_per_rank"]),
                 "wait_s": max(entry["wait_s_per_rank"]),
                 "rank": rank,
+                "replica": replica_of[rank],
                 "step_s": step_s,
                 "terms": terms,
                 "cpu_s": _measured_cpu(entry["cpu_per_rank"][entry["ranks"].index(rank)]),
@@ -184,7 +186,7 @@ def summarize(results: list[dict[str, Any]], steps: int) -> dict[str, Any]:
     }
 
 
-def _predicted_timeline(ctx: CostContext, strategy: Strategy) -> dict[str, Any] | None:
+def predicted_timeline(ctx: CostContext, strategy: Strategy) -> dict[str, Any] | None:
     """The step as the prediction's simulation of the processes sharing the cores lays it out, per (family, stage,
     replica) in the measured timeline's terms ([kind, start s, end s]; a row stands for the stage's TP and CP ranks,
     events that take no time are left out); its step is the simulated one the predicted iteration is stretched
@@ -277,6 +279,7 @@ def run_record(
     slowdown = speed["slowdown"] if speed["checked"] else 1.0
     # the terms' layer costs at the plan's CP degree, as evaluate() takes them (per CP rank, ring included)
     terms = predicted_stage_terms(ctx, evaluation)
+    simulated = predicted_timeline(ctx, plan.strategy)
     written = evaluation_dict(ctx, evaluation)
     layout = {
         key: written[key] for key in ("recompute", "zero_stage", "zero_shard", "virtual_stages", "sequence_parallel")
@@ -321,9 +324,9 @@ def run_record(
             "prediction_error": summary["measured_iteration_time_s"] / predicted - 1.0,
             "prediction_error_at_run_speed": summary["measured_iteration_time_s"] / (predicted * slowdown) - 1.0,
             "machine_speed": speed,
-            "terms": side_by_side(summary["stages"], terms),
+            "terms": side_by_side(summary["stages"], terms, simulated),
             "timeline": summary["timeline"],
-            "predicted_timeline": _predicted_timeline(ctx, plan.strategy),
+            "predicted_timeline": simulated,
             "core_sharing": sharing,
             "emulated_groups": emulated,
             "emulation": "ranks of emulated groups repeat their stage's layer math, then spin, until each pass "

@@ -33,7 +33,7 @@ from predictor.host import (
 )
 from predictor.link_model import LinkPoint, fit_link
 from predictor.predictor import Predictor, fit_predictor
-from predictor.run_terms import predicted_stage_terms
+from predictor.run_terms import predicted_stage_terms, side_by_side
 from predictor.schedule import forward_share
 from predictor.sharing import _actors, held_layers, simulate_step
 from profiler.collectives import bus_factor, latency_steps
@@ -269,7 +269,7 @@ def test_a_traced_step_simulation_lays_out_each_actors_events_as_a_run_record_do
 def test_a_run_records_the_simulated_step_of_its_prediction_as_json():
     """The record's predicted timeline is the simulation behind evaluate(): the same step, at the strategy's own
     ZeRO stage too, and plain JSON; a context without host costs has none."""
-    from runtime.launch import _predicted_timeline
+    from runtime.launch import predicted_timeline
 
     ctx = quiet_context(0.01, 0.03)
     stages = (StageStrategy("left", 0, 2, 1), StageStrategy("right", 2, 4, 1))
@@ -282,10 +282,20 @@ def test_a_run_records_the_simulated_step_of_its_prediction_as_json():
     assert simulated_step(ctx, zero3) == simulated_step(
         replace(ctx, training=ctx.training.model_copy(update={"zero_stage": 3})), zero3
     )
-    record = json.loads(json.dumps(_predicted_timeline(ctx, strategy)))
+    record = json.loads(json.dumps(predicted_timeline(ctx, strategy)))
     assert record["step_s"] == pytest.approx(simulated.time_s) and len(record["actors"]) == 2
     assert record["actors"][1]["events"][0][0] == "wait"
-    assert _predicted_timeline(replace(ctx, host={}), strategy) is None
+    assert predicted_timeline(replace(ctx, host={}), strategy) is None
+    # a stage's measured row gets the simulated CPU time of a process of the measured rank's replica
+    second = record["actors"][1]["cpu_s"]
+    assert second["step"] == pytest.approx(8 * 2 * 0.03)  # 8 micro-batches of its 2 layers, nothing shared
+    measured = {"family": 0, "stage": 1, "group": "right", "rank": 1, "replica": 0, "step_s": 0.6,
+                "terms": {"forward": 0.2, "backward": 0.3}, "cpu_s": {"step": 0.55}}  # fmt: skip
+    predicted = predicted_stage_terms(ctx, evaluate(ctx, strategy))
+    (row,) = side_by_side([measured], predicted, record)
+    assert row["predicted_cpu_s"] == second and row["cpu_s"] == {"step": 0.55}
+    (older,) = side_by_side([{k: v for k, v in measured.items() if k != "replica"}], predicted, record)
+    assert older["predicted_cpu_s"] is None  # a record from before the rows said their replica
 
 
 def test_a_stage_syncs_and_steps_as_soon_as_its_own_replicas_are_done():
@@ -341,6 +351,25 @@ def test_processes_that_finish_early_give_their_cores_to_the_others():
     assert evaluate(ctx, strategy).iteration_time_s == pytest.approx(0.016, rel=1e-6)
 
 
+def test_the_step_simulation_counts_each_processs_cpu_time_as_a_run_record_measures_it():
+    """The two families above: each process's CPU time is its work (6 ms, 6 ms, 10 ms), however the cores were
+    shared; the four ran at half a core while all computed, so the CPU the step used fills the two cores until 12 ms.
+    With a pair whose collectives compute half their time, that part of its CPU is its `tp_comm`."""
+    ctx = quiet_context(0.006 / 4, 0.01 / 4)
+    ctx = replace(ctx, training=ctx.training.model_copy(update={"global_batch_size": 3}))
+    unstretched = evaluate(loaded(ctx, 2.0, 1.0), two_families())
+    traced = simulate_step(ctx, unstretched, QUIET, 0.0, trace=True)
+    assert [a["cpu_s"]["step"] for a in traced.timeline] == pytest.approx([0.006, 0.006, 0.010])
+    assert all(a["cpu_s"]["tp_comm"] == a["cpu_s"]["dp_sync"] == 0.0 for a in traced.timeline)
+    # the pair waits 4 ms per micro-batch in collectives that compute half of it: 2 ms more of CPU, as tp_comm
+    stages = tuple(replace(s, tp_comm_time_s=0.004, compute_time_s=s.compute_time_s + 0.004) if s.family else s
+                   for s in unstretched.stages)  # fmt: skip
+    pair_links = replace(ctx, links={"cpu/host": replace(INSTANT, cpu_share=0.5)})
+    traced = simulate_step(pair_links, replace(unstretched, stages=stages), QUIET, 0.0, trace=True)
+    pair = traced.timeline[2]["cpu_s"]
+    assert pair["tp_comm"] == pytest.approx(0.002) and pair["step"] == pytest.approx(0.012)
+
+
 def test_a_wait_on_the_links_takes_the_time_of_the_load_while_it_waits():
     """The families above, the TP pair waiting 4 ms on its links after each pass with every process busy (two per
     core) and 1 ms unloaded. The pair computes its forward first (3.3 ms; it is served first), waits 4 ms while the
@@ -377,8 +406,10 @@ def test_ranks_in_a_collective_take_its_cpu_share_of_the_cores_from_the_others()
         return made
 
     computing = [actor(1, "busy"), actor(1, "busy")]
-    assert _speeds([*computing, actor(2, "sleep", 1.0)], 2, 1.0, 2.0)[:2] == [0.5, 0.5]
-    assert _speeds([*computing, actor(2, "sleep")], 2, 1.0, 2.0)[:2] == [1.0, 1.0]  # a wait for a neighbour
+    speeds, cores_used = _speeds([*computing, actor(2, "sleep", 1.0)], 2, 1.0, 2.0)
+    assert speeds[:2] == [0.5, 0.5] and cores_used == [0.5, 0.5, 0.5]  # per process: the pair's two take one core
+    speeds, cores_used = _speeds([*computing, actor(2, "sleep")], 2, 1.0, 2.0)  # a wait for a neighbour
+    assert speeds[:2] == [1.0, 1.0] and cores_used == [1.0, 1.0, 0.0]
     # the actors take their link's CPU share from the context's host link
     ctx = replace(quiet_context(0.01, 0.01), links={"cpu/host": replace(INSTANT, cpu_share=0.5)})
     actors = _actors(ctx, evaluate(ctx, two_families()), 0.0)
@@ -588,9 +619,11 @@ def test_a_tp_pair_spinning_for_a_slower_devices_emulation_shares_the_cores_with
     from predictor.sharing import Actor, _speeds
 
     ranks = [Actor(1, True, [], state="busy"), Actor(1, True, [], state="busy")]
-    assert _speeds([*ranks, Actor(2, True, [], prompt=True, state="busy")], 2, 1.0, 2.0) == [0.0, 0.0, 1.0]
+    pair_computing = _speeds([*ranks, Actor(2, True, [], prompt=True, state="busy")], 2, 1.0, 2.0)
+    assert pair_computing == ([0.0, 0.0, 1.0], [0.0, 0.0, 1.0])  # speeds, and the share of a core per process
     # the spin's own speed is the wall clock's (it spins for a wall time); it takes its half of the cores
-    assert _speeds([*ranks, Actor(2, True, [], prompt=True, state="spin")], 2, 1.0, 2.0) == [0.5, 0.5, 1.0]
+    pair_spinning = _speeds([*ranks, Actor(2, True, [], prompt=True, state="spin")], 2, 1.0, 2.0)
+    assert pair_spinning == ([0.5, 0.5, 1.0], [0.5, 0.5, 0.5])
 
 
 def test_tp_ranks_waking_from_their_collectives_take_the_cores_first_in_the_step_simulation():

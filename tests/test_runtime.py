@@ -380,6 +380,7 @@ def test_hetplan_run_plans_trains_records_and_feeds_fit(tmp_path):
     assert all(row["events"][-1][0] == "optimizer" for row in timeline["ranks"])
     # the simulated step beside it comes with measured host costs; this profile is simulated, without them
     assert record["measurements"]["predicted_timeline"] is None
+    assert all(stage["predicted_cpu_s"] is None for stage in terms)
     for stage in record["measurements"]["stages"]:
         assert stage["compute_s"] > 0
         # the CPU time of the median step and of its waits, syncs and update: each a part of the step's
