@@ -1,6 +1,8 @@
 # `make demo` and `make test` set everything up on a fresh machine (a local .venv) and run.
 # demo needs only the planner (no torch, no engines); test installs the rest.
 PYTHON ?= python3
+# e.g. https://download.pytorch.org/whl/cpu, where the registry's torch wheel is the CUDA build
+TORCH_INDEX ?=
 VENV ?= .venv
 BIN := $(VENV)/bin
 PLANNER_STAMP := $(VENV)/.hetplan-planner
@@ -16,7 +18,7 @@ $(PLANNER_STAMP): pyproject.toml
 
 $(FULL_STAMP): $(PLANNER_STAMP)
 	# the CPU build of torch first: a bare `torch` requirement would pull the multi-GB CUDA build
-	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	DS_BUILD_OPS=0 $(BIN)/python -m pip install --quiet -e '.[torch,dev,engines]'
 	touch $(FULL_STAMP)
 

@@ -107,6 +107,8 @@ def plan(
     given |= {"virtual_stages": flags.int_list(virtual_stages, "--virtual-stages")}
     given |= {"context_parallel": flags.int_list(cp, "--cp")}
     training_spec = on_cluster(flags.training(training, **given), cluster_spec)
+    cp_named = ("--cp", "") if cp else (str(training), "context_parallel")
+    training_spec.check_context_parallel(training_spec.seq_length or model_spec.seq_length, *cp_named)
     inputs = (cluster_spec, model_spec, training_spec, load_profiles(profiles, model_spec))
     chosen_engine = get_engine(engine, "--engine") if engine else None
     options = {

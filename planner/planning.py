@@ -153,6 +153,7 @@ def _search_layout_options(
     training = ctx.training
     stages = [engine_zero_stage(s, engine) if engine else s for s in choices.zero_stages] or [training.zero_stage]
     shards = list(choices.zero_shards) or [training.zero_shard]
+    training.check_context_parallel(ctx.seq_length)
     degrees = training.context_parallel_degrees(ctx.seq_length)
     if engine is not None:
         degrees = degrees if engine.context_parallel else (1,)

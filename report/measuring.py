@@ -42,6 +42,9 @@ from report.cli_flags import (
 DRIFT_WARNING = 0.15
 
 
+PROFILE_DTYPES = ("auto", "bf16", "fp16", "fp32")  # what `hetplan profile` times layers in
+
+
 # ---- measuring and fitting --------------------------------------------------------------------------------------
 def profile(
     model: ModelOpt,
@@ -75,6 +78,7 @@ def profile(
     flags.output_file(out, "--out")
     sizes, degrees = flags.int_list(micro_batches, "--micro-batches"), flags.int_list(tp, "--tp")
     modes = flags.choices(recompute, RECOMPUTE_MODES, "--recompute")
+    flags.choice(dtype, PROFILE_DTYPES, "--dtype")  # fp8 runs in Transformer Engine's GEMMs, which this does not time
     model_spec = load_model(model)
     require_torch("profile")
     from profiler.measure import pass_drift, profile_model, profile_target

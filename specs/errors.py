@@ -31,6 +31,6 @@ class TorchMissingError(HetplanError):
 
     def __init__(self, what: str) -> None:
         super().__init__(
-            f"{what} needs PyTorch, which is not installed: pip install 'hetplan[torch]' "
-            "(on a CPU-only machine first: pip install torch==2.13.0)"
+            f"{what} needs PyTorch, which is not installed: pip install 'hetplan[torch]' (from a clone: make test; "
+            "CPU-only, first: pip install torch --index-url https://download.pytorch.org/whl/cpu)"
         )

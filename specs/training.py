@@ -7,6 +7,7 @@ from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from specs.errors import SpecError
 from specs.loading import StrictFloat, StrictInt, read_mapping, validate
 from specs.model import RECOMPUTE_MODES, Recompute
 
@@ -146,16 +147,32 @@ class TrainingSpec(BaseModel):
         return None if value is None else tuple(sorted(set(value)))
 
     def context_parallel_degrees(self, seq_length: int) -> tuple[int, ...]:
-        """The CP degrees to search: the chosen ones, or by sequence length (see the field)."""
+        """The CP degrees to search: the chosen ones, or by sequence length (see the field), of those the sequence
+        splits into 2 x degree equal chunks for (causal load balance)."""
         if self.context_parallel is not None:
             return self.context_parallel
         if seq_length < AUTO_CONTEXT_PARALLEL_FROM_TOKENS:
             return (1,)
         degrees, degree = [], 1
         while degree <= AUTO_MAX_CONTEXT_PARALLEL and seq_length // degree >= AUTO_LEAST_TOKENS_PER_CP_RANK:
-            degrees.append(degree)
+            if degree == 1 or seq_length % (2 * degree) == 0:
+                degrees.append(degree)
             degree *= 2
         return tuple(degrees)
+
+    def check_context_parallel(
+        self, seq_length: int, source: str = "training", field: str = "context_parallel"
+    ) -> None:
+        """A chosen CP degree must cut the sequence into 2 x degree equal chunks (causal load balance: every rank
+        holds chunks i and 2cp-1-i), as the runtime and every command that evaluates a plan require."""
+        for degree in self.context_parallel or ():
+            if degree > 1 and seq_length % (2 * degree):
+                raise SpecError(
+                    source,
+                    field,
+                    f"context parallel {degree} cuts each sequence into 2 x {degree} equal chunks (causal load "
+                    f"balance), which {seq_length} tokens do not make: choose degrees whose double divides it",
+                )
 
     @field_validator("micro_batch_sizes", "virtual_stages")
     @classmethod

@@ -196,3 +196,20 @@ def test_replan_searches_the_context_parallel_degrees_again():
     without_cp = plan(smaller, model, training.model_copy(update={"context_parallel": (1,)}))
     assert again.plan.strategy.context_parallel > 1
     assert again.plan.evaluation.iteration_time_s < without_cp.evaluation.iteration_time_s
+
+
+def test_a_cp_degree_the_sequence_cannot_split_evenly_is_refused_before_the_search(tmp_path):
+    """CP cuts each sequence into 2 x degree equal chunks: `plan --cp 3` at 8192 tokens once wrote a plan every
+    other command refused; now the flag is named in one line before any search, and the library refuses it too. The
+    degrees searched by default are those the sequence splits for."""
+    result = hetplan("plan", "--cluster", str(EXAMPLES / "cpu-2x2.yaml"), "--model", str(TINY), "--cp", "3",
+                     "--dtype", "fp32", "--out", str(tmp_path / "plan.json"))  # fmt: skip
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert "--cp: context parallel 3 cuts each sequence into 2 x 3 equal chunks" in result.stderr
+    assert not (tmp_path / "plan.json").exists()
+    training = load_training(None, {"context_parallel": [3], "global_batch_size": 8})
+    with pytest.raises(SpecError, match="training: context_parallel: context parallel 3"):
+        plan(load_cluster(EXAMPLES / "cpu-2x2.yaml"), load_model(str(TINY)), training)
+    by_default = load_training(None, {})
+    assert by_default.context_parallel_degrees(32768) == (1, 2, 4, 8)
+    assert by_default.context_parallel_degrees(32770) == (1,)  # 2 x 2 does not divide it, nor any larger degree's

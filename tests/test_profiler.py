@@ -200,6 +200,14 @@ def test_profile_without_torch_is_a_clear_error():
     assert "needs PyTorch" in result.stderr and "pip install" in result.stderr
 
 
+def test_profile_refuses_a_dtype_it_cannot_time_before_anything_else(tmp_path):
+    """fp8 is a planning dtype (Transformer Engine's GEMMs): the profiler says so in one line, as a flag error (it was
+    an internal KeyError once the layers were built)."""
+    result = hetplan("profile", "--model", "llama2-7b", "--dtype", "fp8", "--out", str(tmp_path / "x.json"))
+    assert result.returncode == 2 and result.stderr.count("\n") == 1
+    assert "--dtype: expected one of auto, bf16, fp16, fp32, got 'fp8'" in result.stderr
+
+
 def test_profile_target_defaults_to_fp32_on_the_cpu_and_the_catalog_key_asked_for():
     assert measure.profile_target("cpu", "auto", None) == (CPU, "fp32", "cpu")
     assert measure.profile_target("cpu", "bf16", "a100") == (CPU, "bf16", "a100-80gb")
