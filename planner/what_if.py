@@ -55,6 +55,18 @@ def plan_on_cluster(plan_file: str | Path, cluster_file: str | Path) -> tuple[Lo
     return plan, cluster
 
 
+# the layout fields the Megatron-style flags of `hetplan predict` set (megatron_strategy)
+FLAG_OF_LAYOUT_FIELD = {
+    "tp": "--tp",
+    "num_layers": "--pp",
+    "replicas": "--dp",
+    "micro_batch_size": "--micro-batch",
+    "recompute": "--recompute",
+    "virtual_stages": "--virtual-stages",
+    "context_parallel": "--cp",
+}
+
+
 def what_if(
     cluster: ClusterSpec,
     cluster_file: str | Path,
@@ -90,7 +102,13 @@ def predicted(
     from planner.planning import predict
 
     ctx = predictor.context(cluster, chosen.model, chosen.training, profiles)
-    evaluation = predict(ctx, chosen.strategy, chosen.source)
+    try:
+        evaluation = predict(ctx, chosen.strategy, chosen.source)
+    except SpecError as err:
+        flag = FLAG_OF_LAYOUT_FIELD.get(err.field.rsplit(".", 1)[-1]) if chosen.source == "flags" else None
+        if flag is None:
+            raise
+        raise SpecError(flag, "", err.expectation) from None  # the layout field a Megatron-style flag set
     base = predictor.base_context(cluster, chosen.model, chosen.training, profiles)
     return ctx, evaluation, predictor.interval(base, chosen.strategy)
 

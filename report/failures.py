@@ -30,13 +30,23 @@ def failure_line(err: BaseException) -> tuple[str, int]:
     if hasattr(err, "format_message") and hasattr(err, "exit_code"):
         context = getattr(err, "ctx", None)
         command = getattr(context, "command_path", "") or "hetplan"
-        return f"hetplan: error: {one_line(err.format_message())} (see '{command} --help')", 2
+        return f"hetplan: error: {one_line(_usage_message(err))} (see '{command} --help')", 2
     if isinstance(err, OSError):
         where = f"{err.filename}: " if err.filename else ""
         return f"hetplan: error: {where}{one_line(err.strerror or str(err))}", 2
     if isinstance(err, MemoryError):
         return "hetplan: error: out of memory (the input asks for more than this machine has)", 2
     return f"hetplan: internal error: {type(err).__name__}: {one_line(str(err), 200)} ({DEBUG_HINT})", 1
+
+
+def _usage_message(err: BaseException) -> str:
+    """A usage error's message; a flag's bad value as the project's errors put it, `--flag: what is wrong` (click
+    says "Invalid value for '--flag': ...")."""
+    flags = [name for name in getattr(getattr(err, "param", None), "opts", []) if name.startswith("--")]
+    message = str(getattr(err, "message", ""))
+    if type(err).__name__ == "BadParameter" and flags and message:
+        return f"{flags[0]}: {message[:1].lower()}{message[1:]}"
+    return str(err.format_message())  # type: ignore[attr-defined]
 
 
 def exit_status(app: typer.Typer, args: list[str]) -> int:

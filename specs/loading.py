@@ -7,6 +7,7 @@ values, no duplicate keys, no non-finite numbers. Messages quote at most QUOTE_C
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import math
@@ -197,29 +198,44 @@ def field_path(loc: tuple[int | str, ...]) -> str:
     return out
 
 
+def _field_loc(loc: tuple[int | str, ...]) -> tuple[int | str, ...]:
+    """A pydantic error location without its validators' own steps."""
+    return tuple(
+        p
+        for p in loc
+        if not (isinstance(p, str) and (p.startswith("function-") or p in ("constrained-int", "constrained-float")))
+    )
+
+
 def validate(model: type[ModelT], data: dict[str, Any], source: str, prefix: str = "") -> ModelT:
     """Validate data against a pydantic model; the first error becomes a SpecError naming the field."""
     try:
         return model.model_validate(data)
     except ValidationError as err:
-        first = err.errors()[0]
-        loc = tuple(
-            p
-            for p in first["loc"]
-            if not (isinstance(p, str) and (p.startswith("function-") or p in ("constrained-int", "constrained-float")))
-        )
+        errors = err.errors()
+        # a misspelt field also leaves the field it meant missing: the misspelling is the error to name
+        first = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
+        loc = _field_loc(first["loc"])
         field = field_path(loc)
         if prefix:
             field = f"{prefix}.{field}" if field else prefix
         message = first["msg"]
+        meant: list[str] = []
         if first["type"] == "extra_forbidden":
-            message = "unknown field (check the spelling; see the README for the format)"
+            missing = [str(_field_loc(e["loc"])[-1]) for e in errors if e["type"] == "missing"
+                       and _field_loc(e["loc"])[:-1] == loc[:-1]]  # fmt: skip
+            meant = difflib.get_close_matches(str(loc[-1]), missing, n=1) if loc else []
+            message = (
+                f"unknown field: did you mean {meant[0]} (required, missing)?"
+                if meant
+                else "unknown field (check the spelling; see the README for the format)"
+            )
         elif first["type"] == "missing":
             message = "required field is missing"
         elif "input" in first and first["type"] != "value_error":
             message = f"{message}, got {quote(first['input'])}"
         message = message.removeprefix("Value error, ")
-        more = len(err.errors()) - 1
+        more = len(errors) - 1 - len(meant)  # the missing field a misspelling meant is the same error
         if more:
             message += f" (and {more} more error{'s' if more > 1 else ''})"
         raise SpecError(source, field, message) from None

@@ -85,9 +85,9 @@ PLAN = ("plan", "--cluster", str(CPU), "--model", TINY)
         (("bogus",), "No such command 'bogus'"),
         (("plan", "--bogus"), "No such option: --bogus"),
         (("plan", "--cluster", str(CPU)), "Missing option '--model'"),
-        ((*PLAN, "--top-k", "0"), "Invalid value for '--top-k'"),
-        ((*PLAN, "--global-batch", "1e3"), "Invalid value for '--global-batch'"),
-        ((*PLAN, "--seq-len", "0"), "Invalid value for '--seq-len'"),  # not silently the model's
+        ((*PLAN, "--top-k", "0"), "--top-k: input should be greater than or equal to 1 (see"),
+        ((*PLAN, "--global-batch", "1e3"), "--global-batch: input should be a valid integer"),
+        ((*PLAN, "--seq-len", "0"), "--seq-len: "),  # not silently the model's
         ((*PLAN, "--zero-stage", "4"), "--zero-stage: Input should be 0, 1, 2 or 3"),
         ((*PLAN, "--uneven-batch", "always"), "--uneven-batch: Input should be 'off', 'refine' or 'exhaustive'"),
         ((*PLAN, "--micro-batch-sizes", "1,x"), "--micro-batch-sizes: expected integers >= 1"),
@@ -112,7 +112,7 @@ PLAN = ("plan", "--cluster", str(CPU), "--model", TINY)
                 "--seq-len",
                 "0",
             ),
-            "Invalid value for '--seq-len'",
+            "--seq-len: ",
         ),
         (("simulate-profile", "--device", "h100", "-m", "llama3-8b", "--tp", "0", "--out", "x.json"), "--tp: expected"),
         (
@@ -128,7 +128,7 @@ PLAN = ("plan", "--cluster", str(CPU), "--model", TINY)
         (("profile-comm", "--world", "1", "--out", "l.json"), "--world: expected process counts >= 2"),
         (("profile-comm", "--timeout", "nan", "--out", "l.json"), "--timeout: expected a finite number > 0"),
         (("comm-bench", "--sizes", "1e30"), "--sizes: expected a size"),
-        (("comm-bench", "--world", "100000"), "Invalid value for '--world'"),
+        (("comm-bench", "--world", "100000"), "--world: "),
     ],
 )
 def test_usage_and_flag_errors_are_one_line_and_exit_2(capsys, tmp_path, monkeypatch, args, expected):
@@ -169,7 +169,9 @@ def test_traffic_checks_the_plan_and_its_flags(capsys, tmp_path, monkeypatch, pl
         (("explain", "{good}", "-c", str(CPU), "--html", "x.png"), "--html: x.png: expected a file name ending in"),
         (("explain", "{tp3}", "-c", str(CPU)), "stages[0].tp: expected a divisor"),
         (("predict", "-c", str(CPU), "--strategy", "{other-cluster}"), "the plan is for cluster 'elsewhere'"),
-        (("predict", "-c", str(CPU), "--strategy", "{good}", "--seq-len", "0"), "Invalid value for '--seq-len'"),
+        (("predict", "-c", str(CPU), "--strategy", "{good}", "--seq-len", "0"), "--seq-len: "),
+        # a Megatron-style flag's layout the cluster cannot run is named as the flag (was "flags: pipelines[0]...")
+        (("predict", "-c", str(CPU), "--model", "llama2-7b", "--dtype", "fp32", "--tp", "3"), "error: --tp: expected"),
         (("export", "{reversed}", "-c", str(CPU), "-f", "megatron", "--out", "e"), "stages[0].layers: expected"),
         (("export", "{good}", "-c", str(CPU), "-f", "megatron", "--out", "{good}"), "exists and is not a directory"),
         (

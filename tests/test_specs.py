@@ -61,6 +61,8 @@ def test_cluster_json_equals_yaml(write):
             "groups[1].nic_gpbs",
             "unknown field",
         ),
+        # a misspelt required field is named as the misspelling, not as the field it left missing
+        (lambda t: t.replace("nodes: 2", "node: 2"), "groups[0].node", "unknown field: did you mean nodes (required"),
         (lambda t: t.replace("name: slow", "name: fast"), "groups", "used twice"),
         (lambda t: t.replace("topology: rail-optimized", "topology: torus"), "network.topology", "rail-only"),
         (lambda t: t.replace("  inter_group_gbps: 100\n", ""), "network.inter_group_gbps", "required field is missing"),
