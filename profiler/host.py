@@ -51,6 +51,7 @@ OPTIMIZER_WARMUP_STEPS = 2  # untimed optimizer steps first (the allocator and t
 OPTIMIZER_STEPS = 7  # optimizer steps timed after a pass each (at least; more while under min_time_s)
 MAX_OPTIMIZER_STEPS = 40
 FAMILY_SYNC_MIN_S = 0.1  # of each of the three family sync timings
+HOST_PARTS = 11  # the host section's timings, the TP collectives under load besides (progress lines)
 COLD_ROUNDS = 15  # at least, of the cold pass measurement (each: a pass back to back and one after the partner's)
 
 
@@ -540,6 +541,17 @@ def measure_host(
     """Every host cost of a CPU profile (on this 2-core machine the runtime benchmark's tiny and 10x models took 81 s
     and 193 s to profile with them, most of it here)."""
     cores = host_cores()
+    # two processes per core with the two TP ranks, as a 2-family run on two cores (one core: the unloaded timings
+    # already ran at two per core)
+    beside = 2 * cores - 2
+    loaded_tp = 0 < beside <= MAX_CONCURRENT_PROCESSES - 2
+    total = HOST_PARTS + (1 if loaded_tp else 0)
+    parts = iter(range(1, total + 1))
+
+    def say(part: str) -> None:
+        """A progress line of the host section's parts, counted (they take minutes, the layers' count is done)."""
+        progress(f"host {next(parts, total)}/{total}: {part}")
+
     # the family sync's memory-bound copies, timed at three moments of the measurement (median): timed once, the
     # runtime benchmark's tiny model read 7.3 ns per parameter in one profile, 4.4-5.0 ns in seven others and in eight
     # repeats on a quiet machine. The TP collectives too (profiler/host_tp.py: they differ more from one launch to
@@ -551,8 +563,9 @@ def measure_host(
     def time_tp(moment: int) -> None:
         nonlocal tp_failure
         if tp_failure:
+            next(parts, None)  # not tried again: the count goes on
             return
-        progress(f"host: TP collectives between layers ({moment} of {TP_TIMINGS})")
+        say(f"TP collectives between layers ({moment} of {TP_TIMINGS})")
         try:
             timing = time_tp_collectives(model, micro_batch_size, seq_length, dtype)
         except HetplanError as err:  # the layers and the other host costs stay measured
@@ -565,7 +578,7 @@ def measure_host(
     concurrency_readings: list[list[ConcurrencyPoint]] = []
 
     def time_concurrency(moment: int, helpers: BusyHelpers) -> None:
-        progress(f"host: processes computing at once ({moment} of {CONCURRENCY_MOMENTS})")
+        say(f"processes computing at once ({moment} of {CONCURRENCY_MOMENTS})")
         readings = concurrency(model, micro_batch_size, seq_length, dtype, cores, helpers=helpers)
         concurrency_readings.append(readings)
 
@@ -574,34 +587,33 @@ def measure_host(
     with BusyHelpers(model, micro_batch_size, seq_length, dtype, helpers_needed) as helpers:
         time_tp(1)
         time_concurrency(1, helpers)
-        progress("host: a stage as one module")
+        say("a stage as one module")
         per_microbatch, per_layer = stage_overheads(model, micro_batch_size, seq_length, dtype)
         family_sync_s.append(family_sync_cost(model, dtype, FAMILY_SYNC_MIN_S))
         time_tp(2)
         time_concurrency(2, helpers)
-        progress("host: passes after another process used the core")
+        say("passes after another process used the core")
         cold_forward_s, cold_backward_s = cold_pass_costs(model, micro_batch_size, seq_length, dtype)
-        progress("host: optimizer step")
+        say("optimizer step")
         per_shard_param, per_held_param, per_gathered_param = optimizer_costs(
             model, micro_batch_size, seq_length, dtype
         )
-        progress("host: syncing gradients across families")
+        say("syncing gradients across families")
         family_sync_s.append(family_sync_cost(model, dtype, FAMILY_SYNC_MIN_S))
         time_tp(3)
         time_concurrency(3, helpers)
     tp_loaded: list[dict] = []
-    # two processes per core with the two ranks, as a 2-family run on two cores (one core: the unloaded timings
-    # already ran at two per core)
-    beside = 2 * cores - 2
-    if tp_timings and not tp_failure and 0 < beside <= MAX_CONCURRENT_PROCESSES - 2:
-        progress("host: TP collectives between layers with processes computing beside them")
+    if tp_timings and not tp_failure and loaded_tp:
+        say("TP collectives between layers with processes computing beside them")
         try:
             timing = time_tp_collectives(model, micro_batch_size, seq_length, dtype, busy_processes=beside)
         except HetplanError as err:  # the unloaded timings stand; the host link's load terms load them
             progress(f"host: {err}; local runs' TP collectives under load will use the link profile's load terms")
         else:
             tp_loaded = [timing] if timing is not None else []
-    progress("host: making batches")
+    elif loaded_tp:
+        next(parts, None)  # not timed without unloaded timings to set it against: the count goes on
+    say("making batches")
     batch_s, batch_s_per_sample = batch_costs(model, seq_length)
     tp = fit_tp_collective_costs(tp_timings, tp_loaded) if tp_timings and not tp_failure else None
     return HostCosts(

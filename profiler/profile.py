@@ -268,7 +268,8 @@ class DeviceProfile:
             raise SpecError(
                 self.path or "profile",
                 "entries",
-                f"no {layer} entry for tp={tp}, recompute={mode}; profiled (tp, recompute): {have}",
+                f"no {layer} entry for tp={tp}, recompute={mode}; profiled (tp, recompute): {have} (profile it, "
+                f"hetplan profile --tp {tp} --recompute {mode}, or plan within what was profiled: --recompute)",
             )
         for point in points:
             if point.micro_batch_size == micro_batch_size:

@@ -346,6 +346,10 @@ def test_a_failed_timing_of_tp_collectives_keeps_the_other_host_costs_and_says_s
     assert (costs.cold_forward_s, costs.cold_backward_s) == (5e-4, 1e-3)
     assert any("connection refused; local runs' TP collectives will use the link profile's" in line for line in said)
     assert len(attempts) == 1  # not tried again at the later moments
+    # the parts are counted in the progress lines (the layers' count is done by then), the skipped ones too
+    total = 12 if 0 < 2 * host.host_cores() - 2 <= host.MAX_CONCURRENT_PROCESSES - 2 else 11
+    assert said[0] == f"host 1/{total}: TP collectives between layers (1 of 3)"
+    assert said[-1] == f"host {total}/{total}: making batches"
 
 
 def test_host_costs_fit_the_tp_timings_made_at_three_moments(monkeypatch):
