@@ -253,55 +253,11 @@ def simulate_step(
     full_load = ctx.processes_per_core
     traced: list[list[tuple[tuple[str, int], float, float]]] = [[] for _ in actors]
     done: dict[tuple[object, ...], float] = {}
-    clock = {"now": 0.0}
-
-    def advance(actor: Actor) -> None:
-        """Start the actor's next piece of work, sleep or wait, skipping what is finished."""
-        now = clock["now"]
-        while actor.position < len(actor.phases):
-            phase = actor.phases[actor.position]
-            if phase.barrier:
-                # once reached, for good; a weight gather waits for the replicas only (other families hold theirs)
-                family = actor.where[0]
-                waits_for = [j for j in actor.partners if phase.barrier != "updated" or actors[j].where[0] == family]
-                if not all(actors[j].reached(phase.barrier) for j in waits_for):
-                    actor.state = "waiting"
-                    return
-            elif phase.after is not None:
-                if phase.after not in done:
-                    actor.state = "waiting"
-                    return
-                ready = done[phase.after] + phase.delay_s
-                phase.after = None
-                if ready > now + EPSILON_S:
-                    actor.state, actor.remaining_s, actor.unloaded_share = "sleep", ready - now, None
-                    return
-                continue
-            elif phase.busy_s > EPSILON_S:
-                actor.state, actor.remaining_s, actor.started_s = "busy", phase.busy_s, now
-                phase.busy_s = 0.0
-                return
-            elif phase.spin_factor > 0:
-                wall = actor.phases[actor.position - 1].wall_s * phase.spin_factor
-                phase.spin_factor = 0.0
-                if wall > EPSILON_S:
-                    actor.state, actor.remaining_s = "spin", wall
-                    return
-                continue
-            elif phase.sleep_s > EPSILON_S:
-                actor.state, actor.remaining_s = "sleep", phase.sleep_s
-                actor.unloaded_share = phase.unloaded_share
-                phase.sleep_s = 0.0
-                return
-            if phase.finishes is not None:
-                done[phase.finishes] = now
-            actor.position += 1
-        actor.state = "done"
-
+    now = 0.0
     busy_integral = 0.0
     stretches: dict[int, float] = {}  # busy stretch by processes computing at once
     for actor in actors:
-        advance(actor)
+        _advance(actor, actors, done, now)
     while True:
         moved = True
         while moved:  # a finished pass or an opened barrier may let waiting actors go on, and those others
@@ -309,7 +265,7 @@ def simulate_step(
             for actor in actors:
                 if actor.state == "waiting":
                     where = actor.position
-                    advance(actor)
+                    _advance(actor, actors, done, now)
                     moved = moved or actor.position != where or actor.state != "waiting"
         active = [a for a in actors if a.state in ("busy", "spin", "sleep")]
         if not active:
@@ -328,19 +284,62 @@ def simulate_step(
                 actor.cpu_s[term] = actor.cpu_s.get(term, 0.0) + used * step
         if trace:
             for actor, events in zip(actors, traced, strict=True):
-                _extend(events, _event_of(actor), clock["now"], clock["now"] + step)
-        clock["now"] += step
+                _extend(events, _event_of(actor), now, now + step)
+        now += step
         for actor, speed in zip(active, speeds, strict=True):
             actor.remaining_s -= step * speed
         for actor in active:
             if actor.remaining_s <= EPSILON_S:
                 if actor.state == "busy":
-                    actor.phases[actor.position].wall_s = clock["now"] - actor.started_s
+                    actor.phases[actor.position].wall_s = now - actor.started_s
                 actor.state = "ready"
-                advance(actor)
-    now = clock["now"]
+                _advance(actor, actors, done, now)
     timeline = _timeline(actors, traced) if trace else ()
     return StepSimulation(now, busy_integral / now if now > 0 else 0.0, timeline)
+
+
+def _advance(actor: Actor, actors: list[Actor], done: dict[tuple[object, ...], float], now: float) -> None:
+    """Start the actor's next piece of work, sleep or wait at `now`, skipping what is finished (`done`: when each
+    finished pass ended)."""
+    while actor.position < len(actor.phases):
+        phase = actor.phases[actor.position]
+        if phase.barrier:
+            # once reached, for good; a weight gather waits for the replicas only (other families hold theirs)
+            family = actor.where[0]
+            waits_for = [j for j in actor.partners if phase.barrier != "updated" or actors[j].where[0] == family]
+            if not all(actors[j].reached(phase.barrier) for j in waits_for):
+                actor.state = "waiting"
+                return
+        elif phase.after is not None:
+            if phase.after not in done:
+                actor.state = "waiting"
+                return
+            ready = done[phase.after] + phase.delay_s
+            phase.after = None
+            if ready > now + EPSILON_S:
+                actor.state, actor.remaining_s, actor.unloaded_share = "sleep", ready - now, None
+                return
+            continue
+        elif phase.busy_s > EPSILON_S:
+            actor.state, actor.remaining_s, actor.started_s = "busy", phase.busy_s, now
+            phase.busy_s = 0.0
+            return
+        elif phase.spin_factor > 0:
+            wall = actor.phases[actor.position - 1].wall_s * phase.spin_factor
+            phase.spin_factor = 0.0
+            if wall > EPSILON_S:
+                actor.state, actor.remaining_s = "spin", wall
+                return
+            continue
+        elif phase.sleep_s > EPSILON_S:
+            actor.state, actor.remaining_s = "sleep", phase.sleep_s
+            actor.unloaded_share = phase.unloaded_share
+            phase.sleep_s = 0.0
+            return
+        if phase.finishes is not None:
+            done[phase.finishes] = now
+        actor.position += 1
+    actor.state = "done"
 
 
 def _speeds(active: list[Actor], cores: int, stretch: float, full_load: float) -> tuple[list[float], list[float]]:

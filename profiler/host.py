@@ -27,7 +27,7 @@ except ImportError as err:  # pragma: no cover - exercised only without torch
     raise TorchMissingError("`hetplan profile`") from err
 
 from profiler.data import synthetic_batch
-from profiler.host_tp import TP_TIMINGS, fit_tp_collective_costs, time_tp_collectives
+from profiler.host_tp import TP_TIMINGS, fit_tp_collective_costs, time_tp_collectives, time_tp_under_load
 from profiler.layers import (
     DecoderLayer,
     Embedding,
@@ -51,7 +51,7 @@ OPTIMIZER_WARMUP_STEPS = 2  # untimed optimizer steps first (the allocator and t
 OPTIMIZER_STEPS = 7  # optimizer steps timed after a pass each (at least; more while under min_time_s)
 MAX_OPTIMIZER_STEPS = 40
 FAMILY_SYNC_MIN_S = 0.1  # of each of the three family sync timings
-HOST_PARTS = 11  # the host section's timings, the TP collectives under load besides (progress lines)
+HOST_PARTS = 13  # the host section's timings, the TP collectives under load besides (progress lines)
 COLD_ROUNDS = 15  # at least, of the cold pass measurement (each: a pass back to back and one after the partner's)
 
 
@@ -555,7 +555,9 @@ def measure_host(
     # the family sync's memory-bound copies, timed at three moments of the measurement (median): timed once, the
     # runtime benchmark's tiny model read 7.3 ns per parameter in one profile, 4.4-5.0 ns in seven others and in eight
     # repeats on a quiet machine. The TP collectives too (profiler/host_tp.py: they differ more from one launch to
-    # the next than within one), and processes computing at once (`median_points`)
+    # the next than within one), processes computing at once (`median_points`), and a stage as one module (six
+    # readings in a row on a shared host: per layer -0.72 to +0.03 ms, per micro-batch -0.33 to +0.87 ms, where the
+    # tiny model's layer takes 5.5 ms)
     family_sync_s = [family_sync_cost(model, dtype, FAMILY_SYNC_MIN_S)]
     tp_timings: list[dict] = []
     tp_failure = ""
@@ -576,22 +578,22 @@ def measure_host(
             tp_timings.append(timing)
 
     concurrency_readings: list[list[ConcurrencyPoint]] = []
+    stage_readings: list[tuple[float, float]] = []
 
-    def time_concurrency(moment: int, helpers: BusyHelpers) -> None:
+    def time_concurrency_and_stage(moment: int, helpers: BusyHelpers) -> None:
         say(f"processes computing at once ({moment} of {CONCURRENCY_MOMENTS})")
-        readings = concurrency(model, micro_batch_size, seq_length, dtype, cores, helpers=helpers)
-        concurrency_readings.append(readings)
+        concurrency_readings.append(concurrency(model, micro_batch_size, seq_length, dtype, cores, helpers=helpers))
+        say(f"a stage as one module ({moment} of {CONCURRENCY_MOMENTS})")
+        stage_readings.append(stage_overheads(model, micro_batch_size, seq_length, dtype))
 
     # the concurrency helpers start at the first moment and stay until the last (idle in between)
     helpers_needed = max(concurrency_levels(cores), default=1) - 1
     with BusyHelpers(model, micro_batch_size, seq_length, dtype, helpers_needed) as helpers:
         time_tp(1)
-        time_concurrency(1, helpers)
-        say("a stage as one module")
-        per_microbatch, per_layer = stage_overheads(model, micro_batch_size, seq_length, dtype)
+        time_concurrency_and_stage(1, helpers)
         family_sync_s.append(family_sync_cost(model, dtype, FAMILY_SYNC_MIN_S))
         time_tp(2)
-        time_concurrency(2, helpers)
+        time_concurrency_and_stage(2, helpers)
         say("passes after another process used the core")
         cold_forward_s, cold_backward_s = cold_pass_costs(model, micro_batch_size, seq_length, dtype)
         say("optimizer step")
@@ -601,21 +603,17 @@ def measure_host(
         say("syncing gradients across families")
         family_sync_s.append(family_sync_cost(model, dtype, FAMILY_SYNC_MIN_S))
         time_tp(3)
-        time_concurrency(3, helpers)
+        time_concurrency_and_stage(3, helpers)
     tp_loaded: list[dict] = []
     if tp_timings and not tp_failure and loaded_tp:
         say("TP collectives between layers with processes computing beside them")
-        try:
-            timing = time_tp_collectives(model, micro_batch_size, seq_length, dtype, busy_processes=beside)
-        except HetplanError as err:  # the unloaded timings stand; the host link's load terms load them
-            progress(f"host: {err}; local runs' TP collectives under load will use the link profile's load terms")
-        else:
-            tp_loaded = [timing] if timing is not None else []
+        tp_loaded = time_tp_under_load(model, micro_batch_size, seq_length, dtype, beside, progress)
     elif loaded_tp:
         next(parts, None)  # not timed without unloaded timings to set it against: the count goes on
     say("making batches")
     batch_s, batch_s_per_sample = batch_costs(model, seq_length)
     tp = fit_tp_collective_costs(tp_timings, tp_loaded) if tp_timings and not tp_failure else None
+    per_microbatch, per_layer = (statistics.median(parts) for parts in zip(*stage_readings, strict=True))
     return HostCosts(
         cores=cores,
         concurrency=median_points(concurrency_readings),

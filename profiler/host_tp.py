@@ -10,7 +10,7 @@ import math
 import statistics
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -21,6 +21,7 @@ import torch.distributed as dist
 from profiler.comm_bench import computing_beside, free_port, host_cores, run_processes
 from profiler.layers import DecoderLayer, EnterTensorParallel, LeaveTensorParallel, no_boundary
 from profiler.measure import keep_freed_host_memory
+from specs.errors import HetplanError
 from specs.model import ModelSpec
 
 TP_LAYERS = 2  # decoder layers of the chain the TP collective overhead is timed on (at most the model's)
@@ -197,6 +198,24 @@ def time_tp_collectives(
             run_processes(_tp_collective_worker, args, 2, TP_TIMEOUT_S * 2, "timing TP collectives on this host")
         timing = json.loads(out.read_text(encoding="utf-8"))
     return {**timing, "processes_per_core": max(1.0, (2 + busy_processes) / host_cores())}
+
+
+def time_tp_under_load(
+    model: ModelSpec,
+    micro_batch_size: int,
+    seq_length: int,
+    dtype: torch.dtype,
+    busy_processes: int,
+    progress: Callable[[str], None],
+) -> list[dict]:
+    """The TP collectives timed with `busy_processes` computing beside the ranks ([] when that fails: the unloaded
+    timings stand, and the host link's load terms load them)."""
+    try:
+        timing = time_tp_collectives(model, micro_batch_size, seq_length, dtype, busy_processes=busy_processes)
+    except HetplanError as err:
+        progress(f"host: {err}; local runs' TP collectives under load will use the link profile's load terms")
+        return []
+    return [timing] if timing is not None else []
 
 
 def fit_tp_collective_costs(timings: Sequence[dict], loaded: Sequence[dict] = ()) -> TpCollectiveCosts:
