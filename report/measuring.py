@@ -273,9 +273,9 @@ def _run_settings(
     failure = None
     if inject_failure is not None:
         rank_text, _, step_text = inject_failure.partition(":")
-        if not (rank_text.isdigit() and step_text.isdigit()):
-            raise SpecError("--inject-failure", inject_failure, "expected RANK:STEP, e.g. 3:4")
-        failure = (int(rank_text), int(step_text))
+        if not (rank_text.isdigit() and step_text.isdigit() and int(step_text) >= 1):
+            raise SpecError("--inject-failure", inject_failure, "expected RANK:STEP (steps counted from 1), e.g. 3:4")
+        failure = (int(rank_text), int(step_text) - 1)  # the runtime counts steps from 0
     if checkpoint_every and checkpoint_dir is None:
         raise SpecError("--checkpoint-every", str(checkpoint_every), "saves need --checkpoint-dir")
     if (max_restarts or failure) and checkpoint_dir is None:
@@ -324,7 +324,8 @@ def run(
         opt("--max-restarts", min=0, help="Local runs: when ranks die, re-plan for the rest and resume (this often)."),
     ] = 0,
     inject_failure: Annotated[
-        Optional[str], opt("--inject-failure", help="Testing: RANK:STEP, that rank kills itself as the step starts.")
+        Optional[str],
+        opt("--inject-failure", help="Testing: RANK:STEP, that rank kills itself as step STEP (from 1) begins."),
     ] = None,
     dtype: Annotated[
         Optional[str],

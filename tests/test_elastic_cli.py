@@ -48,7 +48,7 @@ def test_hetplan_run_survives_a_lost_rank_and_refuses_bad_resumes_in_one_line(tm
     record_path, root = tmp_path / "run.json", tmp_path / "ck"
     ran = hetplan("run", str(plan), "--cluster", str(cluster), "--steps", "4", "--out", str(record_path),
                   "--checkpoint-dir", str(root), "--checkpoint-every", "2", "--max-restarts", "1",
-                  "--inject-failure", "1:3", "--timeout", "60", "--quiet", torch_allowed=True)  # fmt: skip
+                  "--inject-failure", "1:4", "--timeout", "60", "--quiet", torch_allowed=True)  # fmt: skip
     assert ran.returncode == 0, ran.stderr
     record = json.loads(record_path.read_text())
     (event,) = record["elastic"]["interruptions"]
