@@ -77,6 +77,15 @@ def plan(
     top_k: Annotated[int, opt(min=1, help="Also list the next best alternatives.")] = 1,
     predictor: PredictorOpt = None,
     lower_bound: LowerBoundOpt = False,
+    max_candidates: Annotated[
+        Optional[int],
+        opt(
+            "--max-candidates",
+            min=1,
+            help="Candidates a search solves before it stops and reports how far below the plan the least bound "
+            "left lies (default 2,000; exact when it does not stop).",
+        ),
+    ] = None,
     engine: Annotated[Optional[str], opt(help="Only plans this engine runs as planned: " + ENGINES + ".")] = None,
     zero_stages: Annotated[Optional[str], opt(help="ZeRO stages to search, e.g. 1,2,3 (fastest wins).")] = None,
     cp: Annotated[
@@ -117,6 +126,8 @@ def plan(
         "lower_bound": lower_bound,
         "engine": chosen_engine,
     }
+    if max_candidates is not None:
+        options["max_candidates"] = max_candidates
     options["zero_stages"] = flags.zero_stages(zero_stages)
     options["zero_shards"] = flags.choices(zero_shard, ("dp", "node"), "--zero-shard") if zero_shard else []
     try:

@@ -34,7 +34,8 @@ class SearchOptions:
     order_bound_steps: int = 20
     root_bound_steps: int = 10  # the root bound's memory bisection: to 2^-10 of the bottleneck (it only reports)
     # candidates solved before the branch and bound stops and reports the least bound left (SearchResult.note): many
-    # distinct groups have orders by the k! with bounds too alike to prune (the bench examples solve at most 1,249)
+    # distinct groups have orders by the k! with bounds too alike to prune (`plan --max-candidates`; of the bench
+    # examples, four-vendor-256 / Llama-3-70B needs 2,551 to finish, the others at most 685)
     max_candidates: int = 2_000
     misfit_candidates: int = 20_000  # when nothing fits: candidates (best time bound first) searched for the closest
     # pipeline families (planner.families)

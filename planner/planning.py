@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from planner.engine_space import engine_search, engine_training, engine_zero_stage
-from planner.options import ProgressCallback, SearchOptions
+from planner.options import DEFAULT_OPTIONS, ProgressCallback, SearchOptions
 from planner.plan import Bounds, Plan
 from planner.search import BlockScans, SearchResult, fastest, merge_results, search, searches_families
 from planner.yardsticks import compute_bound_tokens_per_s, group_alone_tokens_per_s
@@ -55,6 +55,7 @@ def plan(
     engine: Engine | None = None,
     zero_stages: Sequence[int] = (),
     zero_shards: Sequence[str] = (),
+    max_candidates: int = DEFAULT_OPTIONS.max_candidates,
 ) -> Plan:
     """The fastest strategy that fits memory, with its metrics, yardsticks and a 90% interval on its iteration
     time; raises DoesNotFitError. `predictor` defaults to the shipped one (`default_predictor()`). `lower_bound`:
@@ -64,7 +65,8 @@ def plan(
     each of these ZeRO stages (the training's own when empty) and keep the fastest plan; the search statistics give
     each stage's best time. `zero_shards` ("dp", "node": hybrid sharding), likewise for every stage that shards.
     Context-parallel degrees come from the training (`context_parallel_degrees`: by sequence
-    length unless chosen), one search each, likewise."""
+    length unless chosen), one search each, likewise. `max_candidates`: the candidates a search solves before it
+    stops and reports the least bound left (SearchOptions.max_candidates)."""
     predictor = predictor or default_predictor()
     engine_changes: list[str] = []
     if engine is not None:
@@ -72,7 +74,7 @@ def plan(
     base = predictor.base_context(cluster, model, training, profiles)
     ctx = predictor.context(cluster, model, training, profiles)
     started = time.perf_counter()
-    options = SearchOptions(top_k=max(1, top_k), root_bound=lower_bound)
+    options = SearchOptions(top_k=max(1, top_k), root_bound=lower_bound, max_candidates=max(1, max_candidates))
     choices = _LayoutChoices(zero_stages, zero_shards)
     result, by_stage, by_cp, by_shard = _search_layout_options(ctx, choices, options, progress, engine)
     search_time_s = time.perf_counter() - started

@@ -200,7 +200,7 @@ class _Search:
             below = f", {1 - self.stopped_s / ranked[0].iteration_time_s:.1%} below this plan" if ranked else ""
             note = (
                 f"stopped after {options.max_candidates:,} candidates: no plan left is faster than "
-                f"{self.stopped_s:.3f} s{below}"
+                f"{self.stopped_s:.3f} s{below} (a larger --max-candidates searches on)"
             )
         return SearchResult(
             self.best.ranked(),

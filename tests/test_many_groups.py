@@ -57,3 +57,19 @@ def test_more_kinds_than_the_search_covers_are_refused_in_one_line():
     ctx = build_context(cluster, load_model("llama2-7b"), load_training(None, {"global_batch_size": 64}))
     with pytest.raises(SpecError, match=f"at most {MAX_KINDS} kinds of group"):
         search(ctx)
+
+
+def test_plan_and_its_command_take_the_candidate_budget():
+    """`plan --max-candidates N` (and plan(max_candidates=N)) sets the budget the note reports, and says how to
+    search on; the default budget plans this cluster exactly (no note)."""
+    from planner import plan
+    from tests.conftest import hetplan
+
+    cluster = _cluster(KINDS, 1, 4)
+    model, training = load_model("llama2-70b"), load_training(None, {"global_batch_size": 1024})
+    assert "note" not in plan(cluster, model, training).search_stats
+    cut = plan(cluster, model, training, max_candidates=2)
+    assert cut.search_stats["note"].startswith("stopped after 2 candidates")
+    assert cut.search_stats["note"].endswith("(a larger --max-candidates searches on)")
+    refused = hetplan("plan", "--cluster", "x.yaml", "--model", "llama2-70b", "--max-candidates", "0")
+    assert refused.returncode == 2 and "--max-candidates: input should be greater than or equal to 1" in refused.stderr
