@@ -118,6 +118,20 @@ def profile(
         raise KeyboardInterrupt  # what was measured is written; the exit status still says it was cut short
 
 
+def check_fits(profile: dict, max_size: str) -> None:
+    """A link profile that `fit`, `plan --profiles` and `run` would refuse is not written: say why, now."""
+    from predictor.link_model import fit_link, link_points
+    from specs.errors import SpecError
+
+    try:
+        _, link_class, points = link_points(profile, "the link profile")
+        fit_link(link_class, points, "the link profile")
+    except SpecError as err:
+        raise SpecError(
+            "--max-size", "", f"{max_size}: {err.expectation}, e.g. --max-size 16MiB (nothing was written)"
+        ) from None
+
+
 def profile_comm(
     out: Annotated[Path, opt(help="Link profile JSON to write.")],
     world: Annotated[str, opt(help="Local process counts to launch, e.g. 2,4.")] = "2,4",
@@ -196,6 +210,7 @@ def profile_comm(
                     progress.update(index, len(loads), f"({ranks} processes, {busy} computing beside them)")
                     points += run_local(ranks, sizes, chosen, repeats, Path(scratch), timeout_s, gap_s, busy)
     profile = link_profile(points, link_class, "gloo", device_key, gap_s)
+    check_fits(profile, max_size)
     write_json(out, profile)
     show(as_json, profile, *link_profile_tables(profile, link_class), *written("link profile", out))
 

@@ -691,3 +691,16 @@ def test_tp_collectives_under_load_take_the_load_terms_timed_with_them_else_the_
         at = loaded(replace(ctx, host={"cpu": costs}), 2.0, 1.0)
         assert at.tp_link(group).alpha_s == pytest.approx(alpha_s)
         assert loaded(replace(ctx, host={"cpu": costs}), 1.0, 1.0).tp_link(group).alpha_s == pytest.approx(5e-4)
+
+
+def test_profile_comm_refuses_to_write_a_link_profile_that_fit_and_plan_would_refuse(tmp_path):
+    """Messages too small to show the link's bandwidth (all latency): profile-comm says so as it ends, rather than
+    writing a file `plan --profiles` refuses later; a profile that fits passes."""
+    from report.measuring import check_fits
+
+    links_file(tmp_path / "good.json")
+    good = json.loads((tmp_path / "good.json").read_text())
+    check_fits(good, "1MiB")
+    flat = {**good, "points": [{**p, "time_s": 1e-3, "mean_time_s": 1e-3} for p in good["points"]]}
+    with pytest.raises(SpecError, match=r"--max-size: 64KiB: the points show no size dependence.*nothing was written"):
+        check_fits(flat, "64KiB")
