@@ -100,10 +100,12 @@ def plan_costs_said(loaded: LoadedPlan, predictor: Path | None, profiles: Path |
 
 
 def on_cluster(training: TrainingSpec, cluster: ClusterSpec) -> TrainingSpec:
-    """The training on this cluster: fp32 on CPU devices unless a dtype was chosen (a note on stderr says so)."""
+    """The training on this cluster: fp32 on CPU devices, fp16 where some devices have no bf16, unless a dtype was
+    chosen (a note on stderr says so)."""
     from specs.training import on_devices
 
-    chosen, note = on_devices(training, {group.device.vendor for group in cluster.groups})
+    without_bf16 = sorted({group.device.key for group in cluster.groups if not group.device.supports_bf16})
+    chosen, note = on_devices(training, {group.device.vendor for group in cluster.groups}, without_bf16)
     if note:
         sys.stderr.write(note + "\n")
     return chosen

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal, get_args
 
@@ -197,11 +198,18 @@ def load_training(path: str | Path | None = None, overrides: dict[str, Any] | No
     return validate(TrainingSpec, data, source)
 
 
-def on_devices(training: TrainingSpec, vendors: set[str]) -> tuple[TrainingSpec, str]:
-    """Training on a cluster of only CPU devices (`vendors` of its groups) is fp32 unless the training file or a flag
-    chose a dtype (CPUs have no fast 16-bit matmuls, and the runtime computes in fp32 there); the note says so
-    ("" when nothing changed)."""
-    if "dtype" in training.model_fields_set or vendors != {"cpu"} or training.dtype == "fp32":
+def on_devices(training: TrainingSpec, vendors: set[str], without_bf16: Sequence[str] = ()) -> tuple[TrainingSpec, str]:
+    """The training's dtype on a cluster of these device `vendors`, unless the training file or a flag chose one:
+    fp32 on only CPU devices (CPUs have no fast 16-bit matmuls, and the runtime computes in fp32 there), fp16 where
+    some devices have no bf16 (`without_bf16`: their keys), as mixed-precision training on them runs; the note says
+    so ("" when nothing changed)."""
+    if "dtype" in training.model_fields_set:
         return training, ""
-    note = "note: training in fp32 on cpu devices (CPUs run 16-bit matmuls slowly); set dtype or --dtype to choose"
-    return TrainingSpec.model_validate({**training.model_dump(exclude_unset=True), "dtype": "fp32"}), note
+    if vendors == {"cpu"} and training.dtype != "fp32":
+        dtype, why = "fp32", "on cpu devices (CPUs run 16-bit matmuls slowly)"
+    elif without_bf16 and training.dtype == "bf16":
+        dtype, why = "fp16", f"({', '.join(without_bf16)} {'has' if len(without_bf16) == 1 else 'have'} no bf16)"
+    else:
+        return training, ""
+    note = f"note: training in {dtype} {why}; set dtype or --dtype to choose"
+    return TrainingSpec.model_validate({**training.model_dump(exclude_unset=True), "dtype": dtype}), note

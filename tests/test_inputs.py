@@ -238,3 +238,7 @@ def test_training_on_cpu_devices_defaults_to_fp32_unless_a_dtype_is_chosen(tmp_p
     written = tmp_path / "t.yaml"
     written.write_text("dtype: fp16\n")
     assert on_devices(load_training(written), {"cpu"})[0].dtype == "fp16"
+    # devices without bf16 (V100 beside A100): fp16, said; a chosen dtype stays (the planner names what it lacks)
+    chosen, note = on_devices(default, {"nvidia"}, ["v100"])
+    assert chosen.dtype == "fp16" and note.startswith("note: training in fp16 (v100 has no bf16)")
+    assert on_devices(asked, {"nvidia"}, ["v100"]) == (asked, "")
