@@ -4,14 +4,12 @@ and only the commands that draw need it."""
 
 from __future__ import annotations
 
-import os
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from predictor.schedule import stage_label
-from specs.errors import SpecError
+from specs.outputs import write_atomic
 
 if TYPE_CHECKING:
     from predictor.cost_model import Evaluation
@@ -76,16 +74,7 @@ def explain_figure(evaluation: Evaluation, blocks: Sequence[Block], title: str, 
 def save_figure(figure: Any, path: Path) -> None:
     """The figure as a PNG, through a temporary file in the same directory and a rename: a reader never sees half
     a picture, and a failed write (a full disk) names the file."""
-    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".png", dir=path.parent)
-    os.close(handle)
-    try:
-        figure.savefig(temporary, format="png")
-        os.replace(temporary, path)
-    except OSError as err:
-        raise SpecError(str(path), "", f"cannot write: {err.strerror or err}") from None
-    finally:
-        if os.path.exists(temporary):
-            os.unlink(temporary)
+    write_atomic(path, lambda temporary: figure.savefig(temporary, format="png"), suffix=".png")
 
 
 def _every(count: int) -> int:

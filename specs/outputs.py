@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from specs.errors import SpecError
@@ -35,15 +36,27 @@ def write_text_atomic(path: str | Path, text: str) -> None:
     if path.exists() and not path.is_file():
         _write_direct(path, text)
         return
-    directory = path.parent if str(path.parent) else Path(".")
-    handle, temporary = None, None
-    try:
-        handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
-        with os.fdopen(handle, "w", encoding="utf-8") as out:
-            handle = None
+
+    def write(temporary: Path) -> None:
+        with open(temporary, "w", encoding="utf-8") as out:
             out.write(text)
             out.flush()
             os.fsync(out.fileno())
+
+    write_atomic(path, write)
+
+
+def write_atomic(path: Path, write: Callable[[Path], None], suffix: str = ".tmp") -> None:
+    """`write(temporary)` into a temporary file beside `path`, then the rename over it: the file's mode is the old
+    file's, or a new file's under the umask (not the temporary's 0600); a failure names `path` and leaves the
+    previous file in place."""
+    directory = path.parent if str(path.parent) else Path(".")
+    temporary = None
+    try:
+        handle, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix, dir=directory)
+        os.close(handle)
+        temporary = Path(name)
+        write(temporary)
         if path.exists():
             os.chmod(temporary, path.stat().st_mode & 0o777)
         else:
@@ -55,10 +68,8 @@ def write_text_atomic(path: str | Path, text: str) -> None:
     except OSError as err:
         raise SpecError(str(path), "", f"cannot write: {err.strerror or err}") from None
     finally:
-        if handle is not None:
-            os.close(handle)
-        if temporary is not None and os.path.exists(temporary):
-            os.unlink(temporary)
+        if temporary is not None and temporary.exists():
+            temporary.unlink()
 
 
 def _write_direct(path: Path, text: str) -> None:

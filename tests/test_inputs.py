@@ -113,6 +113,29 @@ def test_atomic_writes_keep_the_old_file_on_failure_and_outputs_are_checked_firs
         check_writable(tmp_path)
 
 
+def test_every_atomic_write_gets_a_files_mode_and_names_its_file_when_it_fails(tmp_path):
+    """Pictures go through the same temporary-file-and-rename as JSON (explain --png was written 0600, the
+    temporary's mode, and a failure named the temporary)."""
+    import os
+
+    from specs.outputs import write_atomic
+
+    umask = os.umask(0o022)
+    try:
+        picture = tmp_path / "plan.png"
+        write_atomic(picture, lambda temporary: temporary.write_bytes(b"png"), suffix=".png")
+        assert picture.read_bytes() == b"png" and picture.stat().st_mode & 0o777 == 0o644
+        picture.chmod(0o640)
+        write_atomic(picture, lambda temporary: temporary.write_bytes(b"again"), suffix=".png")
+        assert picture.stat().st_mode & 0o777 == 0o640  # an existing file keeps its mode
+    finally:
+        os.umask(umask)
+    missing = tmp_path / "no" / "such" / "dir" / "x.png"
+    with pytest.raises(SpecError, match=f"^{missing}: cannot write: No such file or directory$"):
+        write_atomic(missing, lambda temporary: temporary.write_bytes(b"x"))
+    assert [p.name for p in tmp_path.iterdir()] == ["plan.png"]  # no temporary left
+
+
 def _mutations(text: str, rng: random.Random) -> str:
     """One random edit of a spec file's text: a value, a key, a byte, nesting or a truncation."""
     lines = text.splitlines()
