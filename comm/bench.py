@@ -37,7 +37,7 @@ def check_islands(islands: Sequence[str], world: int) -> list[str]:
         raise SpecError("--islands", "", f"expected {world} islands (one per rank), got {len(islands)}")
     unknown = sorted(set(islands) - set(VENDORS))
     if unknown:
-        raise SpecError("--islands", "", f"unknown vendor(s) {unknown}; known: {', '.join(VENDORS)}")
+        raise SpecError("--islands", "", f"unknown vendor(s) {', '.join(unknown)}; known: {', '.join(VENDORS)}")
     return list(islands)
 
 

@@ -54,6 +54,8 @@ def changed_cluster(cluster: ClusterSpec, without: list[str], add: list[str]) ->
                 raise SpecError(flag, item, f"no group {name!r}; groups: {', '.join(nodes)}")
             if match["node"] is not None and int(match["node"]) >= group.nodes:
                 raise SpecError(flag, item, f"group {name!r} has nodes 0..{group.nodes - 1}")
+            if match["node"] is None and int(match["count"]) < 1:
+                raise SpecError(flag, item, "expected a count of nodes of at least 1")
             nodes[name] += sign * (1 if match["node"] is not None else int(match["count"]))
             if nodes[name] < 0:
                 raise SpecError(flag, item, f"group {name!r} has only {group.nodes} nodes")

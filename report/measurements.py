@@ -212,7 +212,8 @@ def run_lines(record: Mapping[str, Any], steps: int) -> list[str]:
     elif "cpu_share" in sharing and sharing["cpu_share"] < 1:
         lines.append(f"cores shared as assumed: each rank computes at {sharing['cpu_share']:g} of a core")
     if details["emulation"]:
-        lines.append(f"emulated: {details['emulated_groups']}: {details['emulation']}")
+        speeds = ", ".join(f"{name} at {speed:g}x" for name, speed in details["emulated_groups"].items())
+        lines.append(f"emulated: {speeds}: {details['emulation']}")
     return lines
 
 

@@ -129,6 +129,10 @@ PLAN = ("plan", "--cluster", str(CPU), "--model", TINY)
         (("profile-comm", "--timeout", "nan", "--out", "l.json"), "--timeout: expected a finite number > 0"),
         (("comm-bench", "--sizes", "1e30"), "--sizes: expected a size"),
         (("comm-bench", "--world", "100000"), "--world: "),
+        (
+            ("simulate-profile", "--device", "h100", "--model", "llama2-7b", "--tp", "3", "--out", "sp.json"),
+            "--tp: 3 must divide the model's 32 kv heads and ffn size",
+        ),
     ],
 )
 def test_usage_and_flag_errors_are_one_line_and_exit_2(capsys, tmp_path, monkeypatch, args, expected):
@@ -179,6 +183,7 @@ def test_traffic_checks_the_plan_and_its_flags(capsys, tmp_path, monkeypatch, pl
             "--without: node:cpu/node1: names the node 'node:cpu/1' already named",
         ),
         (("replan", "{good}", "-c", str(CPU)), "--without/--add: say what changed"),
+        (("replan", "{good}", "-c", str(CPU), "--add", "group:cpu:0"), "--add: group:cpu:0: expected a count of"),
         (("replan", "{replicas}", "-c", str(CPU), "--without", "node:cpu/1"), "total_microbatches"),
         (("run", "{other-cluster}", "-c", str(CPU), "--out", "r.json"), "the plan is for cluster 'elsewhere'"),
         (("launch", "{fp8}", "-c", str(CPU)), "training.dtype: hetplan's runtime has no FP8 GEMMs"),

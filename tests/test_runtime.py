@@ -374,6 +374,7 @@ def test_hetplan_run_plans_trains_records_and_feeds_fit(tmp_path):
     slowest = max(stage["step"]["predicted_s"] for stage in terms)
     assert slowest == pytest.approx(record["predicted_iteration_time_s"])
     assert "Where the step goes" in ran.stdout
+    assert "emulated: slow at 0.5x:" in ran.stdout  # in words, not a Python dict
     # one step laid out rank by rank (tested in detail on a pipeline above)
     timeline = record["measurements"]["timeline"]
     assert timeline["step"] == 1 and len(timeline["ranks"]) == 2
