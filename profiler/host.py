@@ -134,6 +134,9 @@ class BusyHelpers:
     def __enter__(self) -> BusyHelpers:
         return self
 
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def start(self) -> None:
         """Start the helpers (once; they start on first use, so a section that times nothing with them starts none)
         and wait until each has built its layer."""
@@ -155,9 +158,6 @@ class BusyHelpers:
         except BaseException:
             self.close()
             raise
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     @property
     def pids(self) -> list[int]:
