@@ -43,8 +43,10 @@ compute took about 1.6x its time alone and the TP 1 ranks beside it about 2.1x: 
 Over the benchmark's six two-family cases, serving the pair first put the predictions within 12% of the measured
 steps; fair shares, up to 26% below; serving it first only while it computes its passes, up to 17% below.) This is
 what the analytic 1F1B formula cannot see: a rank that finishes early gives its core to those still computing, and
-ranks that compute at the same time slow each other. Inputs are an evaluation of the strategy with its compute
-unstretched (per micro-batch costs, transfers and syncs). Torch-free.
+ranks that compute at the same time slow each other. Each actor's CPU time is counted as a run record measures a
+rank's (per process: its share of a core while it computes or spins, its collectives' CPU share while it waits on the
+links), so that a CPU-bound run's disagreement with the simulation has an address in CPU time too. Inputs are an
+evaluation of the strategy with its compute unstretched (per micro-batch costs, transfers and syncs). Torch-free.
 """
 
 from __future__ import annotations
