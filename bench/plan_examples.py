@@ -64,6 +64,7 @@ def main() -> None:
                 "fraction_of_compute_bound": body["fraction_of_compute_bound"],
                 "upper_bound_scaled_groups": body["upper_bound_scaled_groups"],
                 "strategy": describe_strategy(result.strategy),
+                "search_note": body["search"].get("note", ""),  # e.g. the candidate budget it stopped at
             }
         )
     header = (
@@ -78,6 +79,8 @@ def main() -> None:
             f"{r['plan_wall_time_s']:>7.2f} {r['evaluated']:>6} {r['iteration_time_s']:>7.2f} {r['mfu']:>6.1%} "
             f"{r['fraction_of_upper_bound']:>6.1%} {r['fraction_of_compute_bound']:>6.1%} {r['families']:>3}"
         )
+        if r["search_note"]:
+            print(f"  search note: {r['search_note']}")
     for r in rows:
         print(
             f"  {r['cluster']} / {r['model']}: {r['strategy']}"
