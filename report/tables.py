@@ -4,6 +4,7 @@ traffic. The CLI prints what these return; units are converted here, at the edge
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Collection, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -92,10 +93,23 @@ def summary_rows(ctx: CostContext, evaluation: Evaluation, extra_rows: list[Row]
             f"{evaluation.tokens_per_s:,.0f} tokens/s, {evaluation.samples_per_s:.2f} samples/s, "
             f"MFU {evaluation.mfu:.1%}",
         ),
+        *local_run_rows(ctx, evaluation),
         *extra_rows,
         ("predictor", escape(ctx.predictor_identity)),
         ("fits", "yes" if evaluation.fits else f"NO: short by {gib(evaluation.shortfall_bytes)} GiB per device"),
     ]
+
+
+def local_run_rows(ctx: CostContext, evaluation: Evaluation) -> list[Row]:
+    """On a cluster of CPU devices whose plan uses more of them than this machine has cores, costed without measured
+    host costs (which simulate the sharing): the plan's times are for a core per device, where `hetplan run` here
+    shares the cores (and predicts the run so: cpu-2x2's tiny plan 1.0 s planned, 2.3 s predicted for the run)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    groups = ctx.cluster.groups
+    if any(g.device.vendor != "cpu" or g.device.key in ctx.host for g in groups) or evaluation.devices_used <= cores:
+        return []
+    note = f"times are for a core per cpu device: its {evaluation.devices_used} ranks share {cores} cores here"
+    return [("on this machine", f"{note}, which `hetplan run` predicts")]
 
 
 def stage_table(ctx: CostContext, evaluation: Evaluation) -> Table:

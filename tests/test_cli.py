@@ -203,3 +203,20 @@ def test_a_cpu_cluster_of_two_lines_plans_in_fp32_and_the_plan_records_what_was_
                      "--json", "-q")  # fmt: skip
     assert chosen.returncode == 0, chosen.stderr
     assert json.loads(chosen.stdout)["training"]["dtype"] == "bf16" and "note" not in chosen.stderr
+
+
+def test_a_cpu_plan_says_when_its_ranks_would_share_this_machines_cores():
+    """cpu-2x2's plan is timed at a core per device; where it uses more devices than this machine has cores, the
+    summary says `hetplan run` here shares them (a newcomer saw 1.0 s planned and 2.3 s predicted for the run)."""
+    import os
+    import re
+
+    tiny = str(EXAMPLES / "models" / "tiny-llama.yaml")
+    result = hetplan("plan", "--cluster", str(EXAMPLES / "cpu-2x2.yaml"), "--model", tiny, "--dtype", "fp32",
+                     "--global-batch", "8")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    used = int(re.search(r"\((\d+) devices, (\d+) used\)", result.stdout).group(2))
+    cores = len(os.sched_getaffinity(0))
+    assert ("on this machine" in result.stdout) == (used > cores)
+    if used > cores:
+        assert f"its {used} ranks share {cores} cores here" in " ".join(result.stdout.split())
