@@ -52,7 +52,7 @@ def test_cli_profile_comm_writes_a_link_profile(tmp_path):
         "--world",
         "2",
         "--max-size",
-        "64KiB",
+        "4MiB",  # enough for a bandwidth to show: profile-comm refuses a profile of latencies alone
         "--ops",
         "all_reduce,send_recv",
         "--repeats",
@@ -89,7 +89,7 @@ def test_profile_comm_under_torchrun(tmp_path):
         "cli",
         "profile-comm",
         "--max-size",
-        "16KiB",
+        "4MiB",
         "--ops",
         "all_reduce",
         "--repeats",
