@@ -25,6 +25,17 @@ def check_writable(path: str | Path, flag: str = "--out") -> Path:
         raise SpecError(flag, str(path), f"directory {directory} is not writable")
     if path.exists() and not os.access(path, os.W_OK):
         raise SpecError(flag, str(path), "exists and is not writable")
+    # what the permission bits do not tell (root passes them; /proc refuses anyway): try, leaving nothing behind
+    try:
+        if path.is_file():
+            with open(path, "ab"):
+                pass
+        elif not path.exists():
+            handle, probe = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".probe", dir=directory)
+            os.close(handle)
+            os.unlink(probe)
+    except OSError as err:
+        raise SpecError(flag, str(path), f"cannot write: {err.strerror or err}") from None
     return path
 
 

@@ -111,6 +111,14 @@ def test_atomic_writes_keep_the_old_file_on_failure_and_outputs_are_checked_firs
     assert check_writable(tmp_path / "new" / "dir" / "x.json").parent.is_dir()
     with pytest.raises(SpecError, match="is a directory"):
         check_writable(tmp_path)
+    existing = tmp_path / "plan.json"
+    assert check_writable(existing) == existing and existing.read_text(encoding="utf-8") == "second"  # untouched
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["new", "plan.json"]  # the probe left nothing
+    if Path("/proc/version").is_file():  # permission bits let root write where the kernel refuses: tried first
+        with pytest.raises(SpecError, match="--out: /proc/version: cannot write"):
+            check_writable("/proc/version")
+        with pytest.raises(SpecError, match="--png: /proc/x.png: cannot write"):
+            check_writable("/proc/x.png", "--png")
 
 
 def test_every_atomic_write_gets_a_files_mode_and_names_its_file_when_it_fails(tmp_path):
