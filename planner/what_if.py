@@ -15,7 +15,7 @@ from specs.cluster import ClusterSpec, load_cluster
 from specs.errors import SpecError
 from specs.layout import Strategy, check_strategy, megatron_strategy
 from specs.model import ModelSpec, load_model
-from specs.training import TrainingSpec, load_training
+from specs.training import TrainingSpec, load_training, splits_for_context_parallel
 
 if TYPE_CHECKING:
     from predictor.calibration import Interval
@@ -145,7 +145,7 @@ def check_runtime_layout(plan: LoadedPlan) -> None:
         )
     cp = plan.strategy.context_parallel
     seq_length = plan.training.seq_length or plan.model.seq_length
-    if cp > 1 and seq_length % (2 * cp):
+    if not splits_for_context_parallel(seq_length, cp):
         raise SpecError(
             plan.source,
             "pipelines.context_parallel",

@@ -16,7 +16,7 @@ from specs.cluster import ClusterSpec, DeviceGroup
 from specs.errors import SpecError
 from specs.layout import Strategy, check_strategy
 from specs.model import ModelSpec
-from specs.training import TrainingSpec
+from specs.training import TrainingSpec, splits_for_context_parallel
 
 
 @functools.lru_cache(maxsize=256)
@@ -116,7 +116,7 @@ class CostContext:
         that splits into the 2 * cp chunks of causal load balancing."""
         check_strategy(strategy, self.cluster, self.model, self.training.global_batch_size, source)
         cp = strategy.context_parallel
-        if cp > 1 and self.seq_length % (2 * cp):
+        if not splits_for_context_parallel(self.seq_length, cp):
             raise SpecError(
                 source,
                 "pipelines.context_parallel",

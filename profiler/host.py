@@ -26,6 +26,7 @@ except ImportError as err:  # pragma: no cover - exercised only without torch
 
     raise TorchMissingError("`hetplan profile`") from err
 
+from profiler.comm_bench import host_cores
 from profiler.data import synthetic_batch
 from profiler.host_tp import TP_TIMINGS, fit_tp_collective_costs, time_tp_collectives, time_tp_under_load
 from profiler.layers import (
@@ -53,11 +54,6 @@ MAX_OPTIMIZER_STEPS = 40
 FAMILY_SYNC_MIN_S = 0.1  # of each of the three family sync timings
 HOST_PARTS = 13  # the host section's timings, the TP collectives under load besides (progress lines)
 COLD_ROUNDS = 15  # at least, of the cold pass measurement (each: a pass back to back and one after the partner's)
-
-
-def host_cores() -> int:
-    """The cores this process may run on (its affinity), which the local ranks share."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def median_time_s(

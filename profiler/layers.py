@@ -184,7 +184,7 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, model: ModelSpec, tp: int = 1, recompute: Recompute = "none") -> None:
         super().__init__()
-        if model.num_kv_heads % tp or model.ffn_hidden_size % tp:
+        if not model.splits_for_tp(tp):
             raise ValueError(f"tp {tp} must divide kv heads {model.num_kv_heads} and ffn {model.ffn_hidden_size}")
         self.llama = model.mlp == "swiglu"
         self.recompute = recompute

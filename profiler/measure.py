@@ -358,9 +358,7 @@ def profile_model(
 ) -> DeviceProfile:
     """Measure every (layer, micro-batch, TP, recompute) entry; Ctrl-C stops and keeps what was measured."""
     allocator = keep_freed_host_memory() if device.type == "cpu" else ""
-    for tp in tp_degrees:
-        if model.num_kv_heads % tp or model.ffn_hidden_size % tp:
-            raise SpecError("--tp", "", f"{tp} must divide the model's {model.num_kv_heads} kv heads and ffn size")
+    model.check_tp_degrees(tp_degrees)
     plan: list[tuple[LayerKind, int, int, Recompute]] = []
     for tp in tp_degrees:
         for size in micro_batch_sizes:

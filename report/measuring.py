@@ -469,7 +469,6 @@ def simulate_profile(
     from profiler.simulated import SimulatedDevice
     from specs import flags
     from specs.device import get_device
-    from specs.errors import SpecError
     from specs.model import load_model
 
     flags.output_file(out, "--out")
@@ -477,11 +476,7 @@ def simulate_profile(
     model_spec = load_model(model)
     training_spec = flags.training(None, dtype=dtype, seq_length=seq_len)
     spec = get_device(device, "--device")
-    for degree in degrees:  # as `hetplan profile` and the planner require (specs.layout: TP splits the kv heads)
-        if model_spec.num_kv_heads % degree or model_spec.ffn_hidden_size % degree:
-            raise SpecError(
-                "--tp", "", f"{degree} must divide the model's {model_spec.num_kv_heads} kv heads and ffn size"
-            )
+    model_spec.check_tp_degrees(degrees)  # as `hetplan profile` requires
     seq_length = training_spec.seq_length or model_spec.seq_length
     simulated = SimulatedDevice(spec, model_spec, seq_length, training_spec.dtype, noise=noise, seed=seed)
     profile = simulated.to_profile(tuple(sizes), tuple(degrees))

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from comm.backend import CommError
 from profiler.layers import DecoderLayer
 from specs.model import ModelSpec, Recompute
+from specs.training import splits_for_context_parallel
 
 
 def chunk_positions(seq_length: int, cp: int, cp_rank: int) -> torch.Tensor:
@@ -38,7 +39,7 @@ def chunk_positions(seq_length: int, cp: int, cp_rank: int) -> torch.Tensor:
     whole sequence without context parallelism)."""
     if cp == 1:
         return torch.arange(seq_length)
-    if seq_length % (2 * cp):
+    if not splits_for_context_parallel(seq_length, cp):
         raise ValueError(f"a sequence of {seq_length} tokens does not cut into 2 x {cp} equal chunks")
     chunk = seq_length // (2 * cp)
     first, second = cp_rank * chunk, (2 * cp - 1 - cp_rank) * chunk

@@ -9,6 +9,7 @@ causal flash kernels execute half of it). Backward is 2x forward. For GPT (f=4h,
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -54,6 +55,16 @@ class ModelSpec(BaseModel):
         return self
 
     # ---- shapes -------------------------------------------------------------------------------------------
+    def splits_for_tp(self, tp: int) -> bool:
+        """Whether TP `tp` splits the layer: its kv heads and its ffn."""
+        return self.num_kv_heads % tp == 0 and self.ffn_hidden_size % tp == 0
+
+    def check_tp_degrees(self, degrees: Iterable[int], flag: str = "--tp") -> None:
+        """Each TP degree (of a profile to measure or simulate) splits the layer, or a one-line error."""
+        for tp in degrees:
+            if not self.splits_for_tp(tp):
+                raise SpecError(flag, "", f"{tp} must divide the model's {self.num_kv_heads} kv heads and ffn size")
+
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads

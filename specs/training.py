@@ -156,7 +156,7 @@ class TrainingSpec(BaseModel):
             return (1,)
         degrees, degree = [], 1
         while degree <= AUTO_MAX_CONTEXT_PARALLEL and seq_length // degree >= AUTO_LEAST_TOKENS_PER_CP_RANK:
-            if degree == 1 or seq_length % (2 * degree) == 0:
+            if splits_for_context_parallel(seq_length, degree):
                 degrees.append(degree)
             degree *= 2
         return tuple(degrees)
@@ -167,7 +167,7 @@ class TrainingSpec(BaseModel):
         """A chosen CP degree must cut the sequence into 2 x degree equal chunks (causal load balance: every rank
         holds chunks i and 2cp-1-i), as the runtime and every command that evaluates a plan require."""
         for degree in self.context_parallel or ():
-            if degree > 1 and seq_length % (2 * degree):
+            if not splits_for_context_parallel(seq_length, degree):
                 raise SpecError(
                     source,
                     field,
@@ -196,6 +196,12 @@ def load_training(path: str | Path | None = None, overrides: dict[str, Any] | No
             data[field] = value
             source = f"{source} (with flags)" if "flags" not in source else source
     return validate(TrainingSpec, data, source)
+
+
+def splits_for_context_parallel(seq_length: int, cp: int) -> bool:
+    """Whether a sequence cuts into the 2 x cp equal chunks of causal load balancing (every CP rank holds chunks i
+    and 2cp-1-i); CP 1 cuts nothing."""
+    return cp == 1 or seq_length % (2 * cp) == 0
 
 
 def on_devices(training: TrainingSpec, vendors: set[str], without_bf16: Sequence[str] = ()) -> tuple[TrainingSpec, str]:
