@@ -298,11 +298,13 @@ def test_cli_profile_says_when_the_machine_drifted_between_passes(tmp_path, monk
     calls = {"n": 0}
 
     def drifting(*args, **kwargs):
+        # The timings are set, not measured: on a shared host a real pass can itself be 1.35x slow (a clean clone's CI
+        # read pass speeds 0.904, 1.0, 0.99, 1.01 under a 1.5x injected drift).
         calls["n"] += 1
         taken = real(*args, **kwargs)
-        if calls["n"] > 4:  # the warm-up and a pass over the three entries, then the slow passes
-            taken.forward_s = [1.5 * t for t in taken.forward_s]
-            taken.backward_s = [1.5 * t for t in taken.backward_s]
+        slowdown = 1.5 if calls["n"] > 4 else 1.0  # the warm-up and a pass over the three entries, then slow passes
+        taken.forward_s = [0.010 * slowdown for _ in taken.forward_s]
+        taken.backward_s = [0.020 * slowdown for _ in taken.backward_s]
         return taken
 
     monkeypatch.setattr(measure, "_sample_layer", drifting)
@@ -311,7 +313,7 @@ def test_cli_profile_says_when_the_machine_drifted_between_passes(tmp_path, monk
     args += ["--micro-batches", "1", "--tp", "1", "--recompute", "none", "--repeats", "2", "--no-host"]
     assert exit_status(cli.app, args) == 0
     speeds = load_profile(out).environment["pass_speeds"]
-    assert len(speeds) == 4 and measure.pass_drift(speeds) > 0.15
+    assert speeds == pytest.approx([1 / 1.5, 1.0, 1.0, 1.0], abs=1e-3)
     notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note: the slowest pass")]
     assert len(notes) == 1 and "the machine's speed moved while it was profiled" in notes[0]
     monkeypatch.setattr(measure, "_sample_layer", real)
