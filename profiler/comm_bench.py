@@ -49,6 +49,7 @@ except ImportError as err:  # pragma: no cover - exercised only without torch
     raise TorchMissingError("`hetplan profile-comm`") from err
 
 from profiler.collectives import bus_factor, latency_steps
+from profiler.machine import host_cores
 from profiler.measure import keep_freed_host_memory
 from specs.errors import HetplanError
 
@@ -280,11 +281,6 @@ def run_processes(
         finally:
             stop_processes(context.processes)
             spawn_log.setLevel(level)
-
-
-def host_cores() -> int:
-    """The cores this process may run on, which local ranks share."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def run_local(

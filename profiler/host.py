@@ -26,7 +26,6 @@ except ImportError as err:  # pragma: no cover - exercised only without torch
 
     raise TorchMissingError("`hetplan profile`") from err
 
-from profiler.comm_bench import host_cores
 from profiler.data import synthetic_batch
 from profiler.host_tp import TP_TIMINGS, fit_tp_collective_costs, time_tp_collectives, time_tp_under_load
 from profiler.layers import (
@@ -35,6 +34,7 @@ from profiler.layers import (
     LMHead,
     adamw_update,
 )
+from profiler.machine import host_cores
 from profiler.measure import build_layer, keep_freed_host_memory, layer_clock, profile_layer
 from profiler.profile import ConcurrencyPoint, HostCosts
 from specs.errors import HetplanError

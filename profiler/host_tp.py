@@ -18,8 +18,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from profiler.comm_bench import computing_beside, free_port, host_cores, run_processes
+from profiler.comm_bench import computing_beside, free_port, run_processes
 from profiler.layers import DecoderLayer, EnterTensorParallel, LeaveTensorParallel, no_boundary
+from profiler.machine import host_cores
 from profiler.measure import keep_freed_host_memory
 from specs.errors import HetplanError
 from specs.model import ModelSpec

@@ -182,12 +182,12 @@ def profile_comm(
     require_torch("profile-comm")
     from profiler.comm_bench import (
         COLLECTIVES,
-        host_cores,
         launched_by_torchrun,
         link_profile,
         run_in_job,
         run_local,
     )
+    from profiler.machine import host_cores
 
     chosen = flags.choices(ops, COLLECTIVES, "--ops")
     gap_s = gap_ms / 1000

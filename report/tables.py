@@ -4,13 +4,14 @@ traffic. The CLI prints what these return; units are converted here, at the edge
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Collection, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rich.markup import escape
 from rich.table import Table
+
+from profiler.machine import host_cores
 
 if TYPE_CHECKING:
     from planner.export import Export
@@ -104,7 +105,7 @@ def local_run_rows(ctx: CostContext, evaluation: Evaluation) -> list[Row]:
     """On a cluster of CPU devices whose plan uses more of them than this machine has cores, costed without measured
     host costs (which simulate the sharing): the plan's times are for a core per device, where `hetplan run` here
     shares the cores (and predicts the run so: cpu-2x2's tiny plan 1.0 s planned, 2.3 s predicted for the run)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = host_cores()
     groups = ctx.cluster.groups
     if any(g.device.vendor != "cpu" or g.device.key in ctx.host for g in groups) or evaluation.devices_used <= cores:
         return []

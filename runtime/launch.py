@@ -28,6 +28,7 @@ from predictor.run_terms import predicted_stage_terms, side_by_side
 from predictor.runs import RUN_SCHEMA
 from profiler.comm_bench import free_port, run_processes
 from profiler.host import concurrency, layer_time_s
+from profiler.machine import host_cores
 from profiler.profile import DeviceProfile, ProfileEntry, ScaledLayerCosts
 from runtime.execute import TORCH_DTYPES, RunJob, RunSettings, gathered_results, spawned_rank, synthetic_batch
 from runtime.model import ReferenceModel, check_tp
@@ -244,7 +245,7 @@ def reference_check(plan: LoadedPlan, settings: RunSettings, measured_loss: floa
     if model.total_params() > REFERENCE_MAX_PARAMS:
         return {"checked": False, "why": f"the model has {model.total_params():,} parameters: too big for one process"}
     seq_length = plan.training.seq_length or model.seq_length
-    torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
+    torch.set_num_threads(host_cores())
     reference = ReferenceModel(model, settings.seed).to(TORCH_DTYPES[settings.dtype])
     tokens = synthetic_batch(model, plan.training.global_batch_size, seq_length, settings.seed, 0)
     with torch.no_grad():
@@ -299,7 +300,7 @@ def run_record(
     return {
         "schema": RUN_SCHEMA,
         "name": f"{Path(plan.source).stem} on {cluster.name}",
-        "source": f"hetplan run on {platform.node()} ({platform.machine()}, {len(os.sched_getaffinity(0))} cores)",
+        "source": f"hetplan run on {platform.node()} ({platform.machine()}, {host_cores()} cores)",
         "cluster": read_mapping(Path(cluster_path)),
         "model": plan.model.model_dump(mode="json"),
         "training": ctx.training.model_dump(mode="json"),  # as the runtime ran it (planner.what_if.run_context)
@@ -339,7 +340,7 @@ def run_record(
 
 def cpu_share(cluster: ClusterSpec) -> float:
     """The share of a core each local rank gets when the ranks outnumber this machine's cores."""
-    return min(1.0, len(os.sched_getaffinity(0)) / cluster.num_devices)
+    return min(1.0, host_cores() / cluster.num_devices)
 
 
 def prediction_context(
@@ -411,7 +412,7 @@ def cores_check(model: ModelSpec, profile: DeviceProfile, entry: ProfileEntry) -
     """The reference layer's busy stretch with a process per core computing it at once, measured now as the profile
     measured its own (profiler.host.concurrency), against the profile's (`cores_slowdown`: now over profiled); empty
     off a multi-core host or for a profile without host costs."""
-    cores = len(os.sched_getaffinity(0))
+    cores = host_cores()
     if profile.host is None or cores < 2:
         return {}
     dtype = TORCH_DTYPES.get(profile.dtype, torch.float32)
@@ -479,7 +480,7 @@ def execute_in_job(
     """`hetplan run` as one rank of a torchrun job: the run record on rank 0 (None on the other ranks, which must
     write nothing); the prediction's cluster shares this node's cores among its local ranks."""
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    share = min(1.0, len(os.sched_getaffinity(0)) / local_ranks)
+    share = min(1.0, host_cores() / local_ranks)
     ctx = prediction_context(cluster, context, share)
     ctx.check_strategy(plan.strategy, plan.source)
     if os.environ.get("RANK") == "0":

@@ -107,7 +107,7 @@ def test_profile_comm_under_torchrun(tmp_path):
 def test_points_record_mean_waits_and_the_processes_per_core_with_busy_processes_beside(tmp_path):
     """The ranks compute between operations and a background process computes beside them: each point records the
     mean wait (what a step sums) and (ranks + 1) / cores processes per core."""
-    from profiler.comm_bench import host_cores
+    from profiler.machine import host_cores
 
     points = run_local(2, [4096], ["all_reduce", "send_recv"], 2, tmp_path, 60, gap_s=0.001, busy_processes=1)
     assert [p.collective for p in points] == ["all_reduce", "send_recv"]
