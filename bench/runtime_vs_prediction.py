@@ -20,7 +20,8 @@ So does a case with a run the machine checks read as disturbed (one process or e
 than DISTURBED_LIMIT slower than profiled); such runs are left out of the case's median unless all its runs are.
 
 Before it profiles, the bench times the tiny model's layer ten times over 20 s and stops when the slowest took more
-than STEADINESS_LIMIT longer than the fastest (a shared host's neighbours moving its speed): --anyway runs it.
+than STEADINESS_LIMIT longer than the fastest (a shared host's neighbours moving its speed), and after each round
+when more than DISTURBED_ROUND_LIMIT of its runs were disturbed (a host that slowed later): --anyway runs on.
 
 Run: python bench/runtime_vs_prediction.py [--steps 6] [--repeats 3] [--max-repeats 5] [--work DIR] [--reuse]
 [--anyway] (--work keeps the profiles and run records; --reuse predicts the records already there again without
@@ -84,6 +85,9 @@ LOO_TIMEOUT_S = 3600.0  # every leave-one-out fit together (about 5 minutes here
 STEADINESS_SAMPLES = 10
 STEADINESS_GAP_S = 2.0
 STEADINESS_LIMIT = 0.3
+# a host can slow after the steadiness check: grid 28 read 8% there, then 12 of its first round's 30 runs and 20 of the
+# second's were disturbed (grid 25: none). A round with more than this share of disturbed runs stops the bench.
+DISTURBED_ROUND_LIMIT = 0.25
 
 
 @dataclass(frozen=True)
@@ -254,6 +258,18 @@ def was_disturbed(run: dict[str, Any]) -> bool:
     return max(run.get("machine_slowdown", 1.0), cores_slowdown(run)) > DISTURBED_LIMIT
 
 
+def disturbed_round(paths: list[Path], label: str) -> str | None:
+    """Why the bench stops after a round of runs (more than DISTURBED_ROUND_LIMIT of them disturbed), or None."""
+    disturbed = sum(was_disturbed(json.loads(path.read_text(encoding="utf-8"))) for path in paths)
+    if disturbed <= DISTURBED_ROUND_LIMIT * len(paths):
+        return None
+    return (
+        f"runtime_vs_prediction: {disturbed} of round {label}'s {len(paths)} runs ran on a machine more than "
+        f"{DISTURBED_LIMIT - 1:.0%} slower than profiled (limit: {DISTURBED_ROUND_LIMIT:.0%} of a round): the grid "
+        "would measure the machine, not the model; run it on a quiet machine, or pass --anyway"
+    )
+
+
 def counted(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The runs a case's measurement is the median of: those the machine did not disturb, or every run when it
     disturbed all of them."""
@@ -381,6 +397,9 @@ def main() -> None:
     for repeat in range(args.repeats):  # round by round: a drift of the machine's load spreads over every case
         for case in cases:
             run_once(case, records[case.slug][repeat], f"{repeat + 1}/{args.repeats}")
+        stop = disturbed_round([records[case.slug][repeat] for case in cases], f"{repeat + 1}")
+        if stop and not args.anyway and not args.reuse:
+            sys.exit(f"{stop} (the records so far: {work / 'runs'})")
     for count in range(args.repeats + 1, args.max_repeats + 1):  # the cases whose runs disagree: a round more
         for case in cases:
             runs = [json.loads(path.read_text(encoding="utf-8")) for path in records[case.slug]]

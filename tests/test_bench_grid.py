@@ -47,3 +47,33 @@ def test_the_bench_stops_before_profiling_on_a_machine_whose_speed_moves(monkeyp
         bench.main()
     assert "the machine's speed moves by 69% over 20 s (limit 30%)" in str(stopped.value.code)
     assert "or pass --anyway" in str(stopped.value.code)
+
+
+def test_the_bench_stops_after_a_round_the_machine_disturbed(monkeypatch, tmp_path):
+    """A host that slows after the steadiness check (grid 28: 12 of its first round's 30 runs disturbed) stops the
+    bench after that round, in one line; a round with a quarter or fewer disturbed goes on."""
+    paths = []
+    for index in range(8):
+        paths.append(tmp_path / f"run-{index}.json")
+        paths[-1].write_text(json.dumps(run(0.1, slowdown=1.3 if index < 3 else 1.0)), encoding="utf-8")
+    stop = bench.disturbed_round(paths, "1")
+    assert stop is not None and "3 of round 1's 8 runs ran on a machine more than 15% slower than profiled" in stop
+    quiet = tmp_path / "run-quiet.json"
+    quiet.write_text(json.dumps(run(0.1)), encoding="utf-8")
+    assert bench.disturbed_round([*paths[1:], quiet], "1") is None  # 2 of 8: a quarter
+    monkeypatch.setattr(bench, "steadiness", lambda *args: 0.05)
+    monkeypatch.setattr(bench, "measure_links", lambda work, reuse: work / "links.json")
+    monkeypatch.setattr(bench, "measure_profiles", lambda work, reuse, links: {size: work for size in bench.MODELS})
+    ran: list[str] = []
+
+    def disturbed_run(case, profiles, settings, out):
+        ran.append(case.name)
+        out.write_text(json.dumps(run(0.1, slowdown=1.3)), encoding="utf-8")
+
+    monkeypatch.setattr(bench, "run_case", disturbed_run)
+    monkeypatch.setattr(sys, "argv", ["runtime_vs_prediction.py", "--work", str(tmp_path)])
+    with pytest.raises(SystemExit) as stopped:
+        bench.main()
+    assert len(ran) == len(bench.grid())  # one round, then the stop
+    message = str(stopped.value.code)
+    assert f"{len(ran)} of round 1's {len(ran)} runs" in message and "--anyway" in message
