@@ -534,7 +534,7 @@ def block_curve(ctx: CostContext, block: tuple[DeviceGroup, ...], options: Searc
         level = layers / (counts / a).sum(axis=1)
         caps = np.floor(rows.usable[None, :, None] / (state[..., None] + activation))  # one micro-batch in flight
         early = _least_bottleneck_s(a_modes, caps, counts, level * (1 - 1e-9), layers)
-        boundaries_s = rows._boundaries_s(b, tps, stages)
+        boundaries_s = rows._boundaries_s(b, tps, counts)
         for v in ctx.training.virtual_stages:
             late = early
             saturated = np.ones_like(stages)

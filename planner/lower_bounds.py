@@ -14,7 +14,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -112,6 +112,90 @@ class MixedTail:
         bottleneck = np.asarray(bottleneck_s, dtype=float)[..., None]
         coupled = weight * np.maximum(bottleneck, self.fullest_time_s[rows]) + self.fullest_tail_s[rows]
         return bound_s - self.tail_s[rows] - weight * least_bottleneck_s + coupled.min(axis=-1)
+
+
+def least_bottleneck_and_tail_s(
+    per_layer_s: Sequence[float],
+    tail_per_layer_s: Sequence[float],
+    counts: Sequence[int],
+    num_layers: int,
+    weight: float,
+    least_bottleneck_s: float,
+    least_tail_s: float,
+) -> float:
+    """The least weight * M + T over the (fractional) layer splits of a row: every stage of group g holds l_g layers
+    with l_g * a_g <= M (the bottleneck, at least `least_bottleneck_s`) and l_g * r_g <= T (the fullest tail, at
+    least `least_tail_s`), sum_g counts_g * l_g = L. The pipeline bound takes the two apart, each at its own least
+    split: a group whose DP sync the backward cannot hide (r_g hundreds of times the others') then costs nothing,
+    where a split that gives it fewer layers raises the bottleneck instead. The region
+    {h(M, T) = sum_g counts_g * min(M / a_g, T / r_g) >= L} is convex with straight edges between the rays
+    T = (r_g / a_g) M, so the least lies on such a ray or where the region meets a floor; inf when no split fits."""
+    groups = list(zip(per_layer_s, tail_per_layer_s, counts, strict=True))
+
+    def layers(bottleneck_s: float, tail_s: float) -> float:
+        return sum(c * min(bottleneck_s / a, tail_s / r if r > 0 else math.inf) for a, r, c in groups)
+
+    def least(fixed_s: float, scale: Callable[[float], float]) -> float:
+        """The least free value v with layers(scale(v)) >= L at the fixed one (bisected down to a bound)."""
+        high = num_layers * max(max(a, r) for a, r, _ in groups) + 1.0
+        if layers(*scale(high)) < num_layers:
+            return math.inf
+        low = 0.0
+        for _ in range(40):
+            middle = (low + high) / 2
+            low, high = (low, middle) if layers(*scale(middle)) >= num_layers else (middle, high)
+        return low
+
+    at_least_tail = least(least_tail_s, lambda m: (m, least_tail_s))
+    at_least_bottleneck = least(least_bottleneck_s, lambda t: (least_bottleneck_s, t))
+    found = [
+        weight * max(least_bottleneck_s, bottleneck_s) + least_tail_s
+        for bottleneck_s in (at_least_tail,)
+        if math.isfinite(bottleneck_s)
+    ]
+    if math.isfinite(at_least_bottleneck):
+        found.append(weight * least_bottleneck_s + max(least_tail_s, at_least_bottleneck))
+    for ratio in {0.0, *(r / a for a, r, _ in groups)}:
+        per_bottleneck = layers(1.0, ratio)
+        if per_bottleneck > 0:
+            bottleneck_s = num_layers / per_bottleneck
+            if bottleneck_s >= least_bottleneck_s and ratio * bottleneck_s >= least_tail_s:
+                found.append(weight * bottleneck_s + ratio * bottleneck_s)
+    return min(found, default=math.inf) * (1 - 1e-9)
+
+
+def least_bottleneck_and_stage_sum_s(
+    per_layer_s: Sequence[float],
+    counts: Sequence[int],
+    num_layers: int,
+    weight: float,
+    virtual: int,
+    least_bottleneck_s: float,
+) -> float:
+    """The least weight * M + S / v over the (fractional) layer splits of a row whose stages hold at least v layers
+    each, l_g * a_g <= M (at least `least_bottleneck_s`), S = sum_g counts_g * l_g * a_g the stage-time sum (edges
+    apart). The pipeline bound takes S at its least over every split (the rest of the layers on the fastest group),
+    which a balanced split is far from: with M balanced every stage takes about M, and S about p * M, where the
+    fastest group's per-layer time times L may be half that. At a given M the least S fills the fastest groups first
+    up to M; the sum is convex and piecewise linear in M, with corners where one more group fills up."""
+    order = sorted(zip(per_layer_s, counts, strict=True))
+    spare = num_layers - virtual * sum(counts)  # layers above the v every stage holds
+    base_s = virtual * sum(a * c for a, c in order)
+
+    def stage_sum_s(bottleneck_s: float) -> float:
+        left, total = spare, base_s
+        for a, c in order:
+            taken = min(left, c * max(0.0, bottleneck_s / a - virtual))
+            total, left = total + taken * a, left - taken
+        return total if left <= 1e-9 * num_layers else math.inf
+
+    corners = [least_bottleneck_s]
+    filled_layers = filled_rate = 0.0
+    for a, c in order:
+        filled_layers, filled_rate = filled_layers + virtual * c, filled_rate + c / a
+        corners.append((spare + filled_layers) / filled_rate)
+    least = min(weight * m + stage_sum_s(m) / virtual for m in corners if m >= least_bottleneck_s)
+    return least * (1 - 1e-9)
 
 
 def whole_layer_bottleneck_s(per_layer_s: Sequence[float], counts: Sequence[int], num_layers: int) -> float:

@@ -31,6 +31,8 @@ from planner.candidates import (
 from planner.lower_bounds import (
     MixedTail,
     PipelineBound,
+    least_bottleneck_and_stage_sum_s,
+    least_bottleneck_and_tail_s,
     memory_bottleneck_s,
     orders_within_memory,
     per_stage_memory_bottleneck_s,
@@ -183,6 +185,7 @@ class TpRowBatch:
     least_bottleneck_s: np.ndarray  # (rows,) the bottleneck bound_s assumed
     fill_and_drain_s: np.ndarray  # (rows,) the point-to-point part of bound_s
     tail: MixedTail
+    tail_per_layer_s: np.ndarray  # a stage's tail bound per layer it holds (cost_model.tail_per_layer_lower_bound_s)
     memory: RowMemory | None  # None: memory bounds off (the search for the closest misfit)
 
     @cached_property
@@ -318,7 +321,19 @@ class RowBound:
             least = float(batch.least_bottleneck_s[row])
             self._bottleneck_s = max(least, whole_layer_bottleneck_s(a, counts, batch.num_layers))
             weight = batch.microbatches - 1 / batch.virtual_stages
-            self._value = float(batch.bound_s[row]) + (self._bottleneck_s - least) * weight
+            bound, v, num_layers = float(batch.bound_s[row]), batch.virtual_stages, batch.num_layers
+            # the bottleneck of one split together with its fullest tail, or with its stage-time sum (each stage
+            # holds at least v layers), in place of each at its own least split
+            rates = batch.tail_per_layer_s[row].tolist()
+            tail = float(batch.tail.tail_s[row])
+            least_tail = max(tail, v * max(rates))
+            bottleneck = self._bottleneck_s
+            with_tail = least_bottleneck_and_tail_s(a, rates, counts, num_layers, weight, bottleneck, least_tail)
+            layer_time_sum = sum(x * c for x, c in zip(a, counts, strict=True))
+            stage_sum = v * layer_time_sum + (num_layers - v * sum(counts)) * min(a)  # as the row's bound took it
+            with_sum = least_bottleneck_and_stage_sum_s(a, counts, num_layers, weight, v, bottleneck)
+            raised = max(bottleneck * weight, with_tail - tail, with_sum - stage_sum / v) - least * weight
+            self._value = bound + raised
         return self._value
 
     def root_s(self, memory: bool = False, steps: int = DEFAULT_OPTIONS.root_bound_steps) -> float:
@@ -362,9 +377,9 @@ class SubsetRows:
         self.devices = np.array([part_devices(g) for g in subset], dtype=np.int64)  # of one part (merged groups)
         self.parts = np.array([group_parts(g) for g in subset], dtype=np.int64)
         self.usable = np.array([usable_memory_bytes(ctx, g) for g in subset])
-        # point-to-point links a pipeline over these groups may cross: inside a group (in-node or rail), and between
-        # two groups; each crossing sends (micro-batch activations) / (the smaller TP of its two stages) bytes
-        self.inside = [link for g in subset for link in (ctx.in_node_link(g), ctx.rail_link(g))]
+        # point-to-point links a pipeline over these groups may cross: inside each group (in-node or rail), and
+        # between two groups; each crossing sends (micro-batch activations) / (the smaller TP of its two stages) bytes
+        self.inside = [[ctx.in_node_link(g), ctx.rail_link(g)] for g in subset]
         self.across = [ctx.cross_group_link(g, h) for g, h in itertools.permutations(subset, 2)]
         self._tables: dict[tuple[int, Recompute], tuple[np.ndarray, ...]] = {}
         self._edge_bytes: dict[tuple[int, Recompute, int], tuple[np.ndarray, np.ndarray]] = {}
@@ -449,15 +464,21 @@ class SubsetRows:
             if valid.any():
                 yield ReplicaRows(replicas, self.tp_rows[valid], counts[valid], self.tp_positions[valid])
 
-    def _boundaries_s(self, b: int, tps: np.ndarray, stages: np.ndarray) -> np.ndarray:
+    def _boundaries_s(self, b: int, tps: np.ndarray, counts: np.ndarray) -> np.ndarray:
         """Per row: one direction of the fill and drain point-to-point at its least (every pipeline over the k
-        groups crosses k - 1 group boundaries and p - k inside groups)."""
+        groups crosses k - 1 group boundaries and counts_g - 1 inside each group g)."""
         ctx = self.costs.ctx
-        crossing_bytes = b * ctx.seq_length * ctx.model.hidden_size * ctx.training.dtype_bytes / ctx.context_parallel
-        crossing_bytes = crossing_bytes / tps.max(axis=1)
-        boundaries_s = (stages - len(self.subset)) * self._fastest_p2p_s(self.inside, crossing_bytes)
+        activation_bytes = b * ctx.seq_length * ctx.model.hidden_size * ctx.training.dtype_bytes
+        activation_bytes /= ctx.context_parallel
+        # a group's stages sit together along the pipe: counts - 1 crossings between two of its stages, each over its
+        # own links at its own TP; the crossings between groups at the row's largest TP over the fastest link
+        boundaries_s = np.zeros(len(tps))
+        for j, links in enumerate(self.inside):
+            inside_s = self._fastest_p2p_s(links, activation_bytes / tps[:, j])
+            boundaries_s += (counts[:, j] - 1) * inside_s
         if len(self.subset) > 1:
-            boundaries_s += (len(self.subset) - 1) * self._fastest_p2p_s(self.across, crossing_bytes)
+            across_s = self._fastest_p2p_s(self.across, activation_bytes / tps.max(axis=1))
+            boundaries_s += (len(self.subset) - 1) * across_s
         return boundaries_s
 
     def least_bounds_s(
@@ -476,7 +497,7 @@ class SubsetRows:
         owner = np.repeat(np.arange(len(replica_rows)), sizes)
         m = np.repeat(np.asarray(microbatches, dtype=float), sizes)
         stages = counts.sum(axis=1)
-        boundaries_s = self._boundaries_s(b, tps, stages)
+        boundaries_s = self._boundaries_s(b, tps, counts)
         fullest = (-(-num_layers // stages))[:, None]
         least = np.full(len(replica_rows), np.inf)
         for rc in modes:
@@ -504,7 +525,7 @@ class SubsetRows:
         modes = list(training.recompute)
         columns, positions, tps, d = self.columns, rows.positions, rows.tps, rows.replicas
         stages = rows.counts.sum(axis=1)
-        boundaries_s = self._boundaries_s(b, tps, stages)
+        boundaries_s = self._boundaries_s(b, tps, rows.counts)
         # every mode's per-layer time and activation, for the root bound of per-stage recompute plans
         mode_time = np.stack([self.tables(b, r)[0][columns, positions] for r in modes], axis=-1)
         mode_activation = np.stack([self.tables(b, r)[1][columns, positions] for r in modes], axis=-1)
@@ -549,6 +570,7 @@ class SubsetRows:
                     least_bottleneck_s=least_bottleneck,
                     fill_and_drain_s=fill_and_drain,
                     tail=tail,
+                    tail_per_layer_s=self.tail_rates(b, rc, d)[columns, positions],
                     memory=memory,
                 )
 

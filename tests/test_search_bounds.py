@@ -20,7 +20,7 @@ import pytest
 
 from planner.best_first import outer_configs, tp_row_batches
 from planner.candidates import PER_STAGE, OuterConfig, group_orders, permutation_index
-from planner.lower_bounds import work_bound_s
+from planner.lower_bounds import least_bottleneck_and_stage_sum_s, least_bottleneck_and_tail_s, work_bound_s
 from planner.options import SearchOptions
 from planner.search import search
 from planner.solve import StageTerms, build_strategy, candidate_strategy
@@ -284,3 +284,57 @@ def test_a_batch_source_waits_below_every_candidate_it_holds(seed: int, context_
                 assert source.least_s <= RowBound(batch, int(row))() * SLACK
                 checked += 1
     assert checked > 0
+
+
+def _least_by_linear_program(
+    per_layer_s: list[float], counts: list[int], num_layers: int, objective: str, weight: float, virtual: int,
+    least_bottleneck_s: float, tail_per_layer_s: list[float] | None = None, least_tail_s: float = 0.0,
+) -> float:  # fmt: skip
+    """The same least by scipy's linear program over (M, T, l_g): weight * M + T ("tail") or weight * M + S / v
+    ("sum"), a_g l_g <= M, r_g l_g <= T, sum_g c_g l_g = L; l_g >= v for the sum (the tail bound's floors stand in)."""
+    from scipy.optimize import linprog
+
+    groups = len(per_layer_s)
+    rates = tail_per_layer_s or [0.0] * groups
+    if objective == "tail":
+        cost = [weight, 1.0, *([0.0] * groups)]
+        least_layers = 0.0
+    else:
+        cost = [weight, 0.0, *(c * a / virtual for a, c in zip(per_layer_s, counts))]
+        least_layers = virtual
+    upper = []
+    for g in range(groups):
+        upper.append([-1.0, 0.0, *(per_layer_s[g] if j == g else 0.0 for j in range(groups))])
+        upper.append([0.0, -1.0, *(rates[g] if j == g else 0.0 for j in range(groups))])
+    bounds = [(least_bottleneck_s, None), (least_tail_s, None), *([(least_layers, None)] * groups)]
+    found = linprog(cost, A_ub=upper, b_ub=[0.0] * len(upper), A_eq=[[0.0, 0.0, *counts]], b_eq=[num_layers],
+                    bounds=bounds)  # fmt: skip
+    assert found.status == 0
+    return float(found.fun)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_a_row_bounds_bottleneck_with_tail_or_stage_sum_is_the_linear_programs_least(seed: int) -> None:
+    """The closed forms RowBound adds (the bottleneck with the fullest tail, or with the stage-time sum, of one
+    split) equal the least of their linear program, and stay below it: a bound is only worth the candidates it
+    prunes, and one above the least would prune the plan that reaches it. Groups whose tails differ by 100x
+    (a DP sync the backward cannot hide on one of them) as on four-vendor-256."""
+    rng = random.Random(seed)
+    groups = rng.randint(1, 4)
+    per_layer_s = [rng.uniform(0.01, 0.05) for _ in range(groups)]
+    counts = [rng.randint(1, 3) for _ in range(groups)]
+    rates = [rng.choice([0.0, rng.uniform(1e-4, 1e-3), rng.uniform(0.05, 0.15)]) for _ in range(groups)]
+    virtual = rng.choice([1, 2])
+    num_layers = virtual * sum(counts) + rng.randint(0, 40)
+    weight = rng.randint(1, 32) - 1 / virtual
+    water_level_s = num_layers / sum(c / a for a, c in zip(per_layer_s, counts))
+    least_s = max(water_level_s, virtual * max(per_layer_s)) * rng.choice([1.0, 1.2])
+    least_tail_s = virtual * max(rates)
+    with_tail = least_bottleneck_and_tail_s(per_layer_s, rates, counts, num_layers, weight, least_s, least_tail_s)
+    by_program = _least_by_linear_program(
+        per_layer_s, counts, num_layers, "tail", weight, virtual, least_s, rates, least_tail_s
+    )
+    assert with_tail == pytest.approx(by_program, rel=1e-7) and with_tail <= by_program * SLACK
+    with_sum = least_bottleneck_and_stage_sum_s(per_layer_s, counts, num_layers, weight, virtual, least_s)
+    by_program = _least_by_linear_program(per_layer_s, counts, num_layers, "sum", weight, virtual, least_s)
+    assert with_sum == pytest.approx(by_program, rel=1e-7) and with_sum <= by_program * SLACK
