@@ -14,7 +14,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -135,24 +135,12 @@ def least_bottleneck_and_tail_s(
     def layers(bottleneck_s: float, tail_s: float) -> float:
         return sum(c * min(bottleneck_s / a, tail_s / r if r > 0 else math.inf) for a, r, c in groups)
 
-    def least(fixed_s: float, scale: Callable[[float], float]) -> float:
-        """The least free value v with layers(scale(v)) >= L at the fixed one (bisected down to a bound)."""
-        high = num_layers * max(max(a, r) for a, r, _ in groups) + 1.0
-        if layers(*scale(high)) < num_layers:
-            return math.inf
-        low = 0.0
-        for _ in range(40):
-            middle = (low + high) / 2
-            low, high = (low, middle) if layers(*scale(middle)) >= num_layers else (middle, high)
-        return low
-
-    at_least_tail = least(least_tail_s, lambda m: (m, least_tail_s))
-    at_least_bottleneck = least(least_bottleneck_s, lambda t: (least_bottleneck_s, t))
-    found = [
-        weight * max(least_bottleneck_s, bottleneck_s) + least_tail_s
-        for bottleneck_s in (at_least_tail,)
-        if math.isfinite(bottleneck_s)
-    ]
+    # at the least tail, the least bottleneck holding every layer, and the other way round
+    at_least_tail = least_level(num_layers, [(a, c, least_tail_s / r if r > 0 else math.inf) for a, r, c in groups])
+    at_least_bottleneck = least_level(num_layers, [(r, c, least_bottleneck_s / a) for a, r, c in groups])
+    found = []
+    if math.isfinite(at_least_tail):
+        found.append(weight * max(least_bottleneck_s, at_least_tail) + least_tail_s)
     if math.isfinite(at_least_bottleneck):
         found.append(weight * least_bottleneck_s + max(least_tail_s, at_least_bottleneck))
     for ratio in {0.0, *(r / a for a, r, _ in groups)}:
@@ -162,6 +150,33 @@ def least_bottleneck_and_tail_s(
             if bottleneck_s >= least_bottleneck_s and ratio * bottleneck_s >= least_tail_s:
                 found.append(weight * bottleneck_s + ratio * bottleneck_s)
     return min(found, default=math.inf) * (1 - 1e-9)
+
+
+def least_level(num_layers: int, groups: Sequence[tuple[float, int, float]]) -> float:
+    """The least level x at which stages hold every layer, when each of a group's `count` stages holds
+    min(x / per_layer, cap) layers ((per_layer, count, cap) per group; per_layer 0: the cap at any level); inf when
+    the caps do not add up to the layers. Exact: the layers held grow linearly between the levels where a group
+    reaches its cap."""
+    need = float(num_layers)
+    rate = 0.0  # layers per unit of level, over the groups below their cap
+    saturating: list[tuple[float, float, float]] = []  # (level where the group is full, its layers, its rate)
+    for per_layer, count, cap in groups:
+        if per_layer <= 0:
+            need -= count * cap
+        else:
+            rate += count / per_layer
+            saturating.append((cap * per_layer, count * cap, count / per_layer))
+    if need <= 0:
+        return 0.0
+    saturating.sort()
+    for full_at, full_layers, group_rate in saturating:
+        if rate <= 0:
+            break
+        level = need / rate
+        if level <= full_at:
+            return level
+        need, rate = need - full_layers, rate - group_rate
+    return need / rate if rate > 0 and need > 0 else (0.0 if need <= 0 else math.inf)
 
 
 def least_bottleneck_and_stage_sum_s(
@@ -174,20 +189,22 @@ def least_bottleneck_and_stage_sum_s(
 ) -> float:
     """The least weight * M + S / v over the (fractional) layer splits of a row whose stages hold at least v layers
     each, l_g * a_g <= M (at least `least_bottleneck_s`), S = sum_g counts_g * l_g * a_g the stage-time sum (edges
-    apart). The pipeline bound takes S at its least over every split (the rest of the layers on the fastest group),
-    which a balanced split is far from: with M balanced every stage takes about M, and S about p * M, where the
-    fastest group's per-layer time times L may be half that. At a given M the least S fills the fastest groups first
-    up to M; the sum is convex and piecewise linear in M, with corners where one more group fills up."""
+    apart). The pipeline bound takes S at its least over every split (the spare layers on the fastest group), which a
+    balanced split is far from: with M balanced every stage takes about M, and S about p * M, where the fastest
+    group's per-layer time times L may be half that. At a given M the least S fills the fastest groups first up to M;
+    weight * M + S / v is convex and piecewise linear in M, with corners where one more group fills up, so its least
+    is at M's floor or at a corner."""
     order = sorted(zip(per_layer_s, counts, strict=True))
     spare = num_layers - virtual * sum(counts)  # layers above the v every stage holds
     base_s = virtual * sum(a * c for a, c in order)
 
     def stage_sum_s(bottleneck_s: float) -> float:
+        """The least S within the bottleneck (inf: the stages cannot hold the layers)."""
         left, total = spare, base_s
         for a, c in order:
             taken = min(left, c * max(0.0, bottleneck_s / a - virtual))
             total, left = total + taken * a, left - taken
-        return total if left <= 1e-9 * num_layers else math.inf
+        return total if left <= 1e-9 * num_layers else math.inf  # short by rounding only: S stays a bound
 
     corners = [least_bottleneck_s]
     filled_layers = filled_rate = 0.0
@@ -276,21 +293,33 @@ def orders_within_memory(
 
 
 def memory_bottleneck_s(
-    per_layer_s: np.ndarray, fixed_s: np.ndarray, caps: np.ndarray, num_layers: int, least_layers: int, steps: int
+    per_layer_s: np.ndarray,
+    fixed_s: np.ndarray,
+    caps: np.ndarray,
+    num_layers: int,
+    least_layers: int,
+    steps: int,
+    known_s: float = 0.0,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Per pipeline order (rows of the (orders, stages) arrays): the smallest bottleneck M with sum over stages of
     min(cap_s, floor((M - e_s) / a_s)) >= L, bisected `steps` times keeping the side known too small (so a bound after
-    any number of steps), and whether the caps can hold the model at all."""
+    any number of steps), and whether the caps can hold the model at all. `known_s`: a bottleneck every order
+    reaches (the row's without memory): the bisection starts there, and ends at once where the caps do not bind;
+    above, every stage at its cap holds the model, so the range is up to the slowest stage at its cap."""
     a, edge = per_layer_s, fixed_s
     feasible = (caps >= least_layers).all(axis=1) & (caps.sum(axis=1) >= num_layers)
-    low = (a * least_layers + edge).max(axis=1)
-    high = low + a.max(axis=1) * num_layers
+    low = np.maximum((a * least_layers + edge).max(axis=1), known_s)
+    at_caps = np.where(feasible, (a * caps + edge).max(axis=1), low + a.max(axis=1) * num_layers)
+    high = np.maximum(low, at_caps)
+    binding = np.flatnonzero(np.minimum(caps, np.floor((low[:, None] - edge) / a)).sum(axis=1) < num_layers)
+    low_binding, high_binding = low[binding], high[binding]
+    caps, a, edge = caps[binding], a[binding], edge[binding]
     for _ in range(steps):
-        middle = (low + high) / 2
-        layers = np.minimum(caps, np.floor((middle[:, None] - edge) / a))
-        enough = layers.sum(axis=1) >= num_layers
-        high = np.where(enough, middle, high)
-        low = np.where(enough, low, middle)
+        middle = (low_binding + high_binding) / 2
+        enough = np.minimum(caps, np.floor((middle[:, None] - edge) / a)).sum(axis=1) >= num_layers
+        high_binding = np.where(enough, middle, high_binding)
+        low_binding = np.where(enough, low_binding, middle)
+    low[binding] = low_binding
     return low * (1 - 1e-9), feasible
 
 

@@ -29,13 +29,14 @@ class SearchOptions:
     # up to this many stages (deeper pipelines have long per-replica shares, where whole micro-batches round off little)
     uneven_max_stages_per_group: int = 8
     uneven_candidates: int = 8  # `uneven_batch: refine`: the best even candidates tried at nearby uneven replica counts
-    # the per-order memory bounds are bisected keeping the side known infeasible (valid after any number of steps);
-    # they need less precision than they cost: 2^-20 of the bracket
-    order_bound_steps: int = 20
+    # the per-order memory bounds are bisected keeping the side known infeasible (valid after any number of steps),
+    # from the row's bottleneck to the slowest stage at its cap: 2^-12 of that bracket prunes as 2^-20 did (640 vs 638
+    # candidates on four-vendor-256 / Llama-3-70B) at 0.7x the time on 8! orders
+    order_bound_steps: int = 12
     root_bound_steps: int = 10  # the root bound's memory bisection: to 2^-10 of the bottleneck (it only reports)
     # candidates solved before the branch and bound stops and reports the least bound left (SearchResult.note): many
     # distinct groups have orders by the k! with bounds too alike to prune (`plan --max-candidates`; of the bench
-    # examples, four-vendor-256 / Llama-3-70B needs 2,551 to finish, the others at most 685)
+    # examples, four-vendor-256 / Llama-3-70B needs 640 to finish, the others at most 122)
     max_candidates: int = 2_000
     misfit_candidates: int = 20_000  # when nothing fits: candidates (best time bound first) searched for the closest
     # pipeline families (planner.families)

@@ -283,7 +283,8 @@ class TpRowBatch:
         )
         caps = np.floor((memory.usable_bytes[row][stage_group] - fixed_bytes) / per_layer_bytes)
         a = self.per_layer_s[row][stage_group]
-        bottleneck, feasible = memory_bottleneck_s(a, edge, caps, self.num_layers, v, steps)
+        known = float(self.least_bottleneck_s[row])
+        bottleneck, feasible = memory_bottleneck_s(a, edge, caps, self.num_layers, v, steps, known)
         extra = np.maximum(0.0, bottleneck - self.least_bottleneck_s[row]) * (self.microbatches - 1 / v)
         return np.where(feasible, extra, np.inf)
 
