@@ -179,6 +179,13 @@ def least_level(num_layers: int, groups: Sequence[tuple[float, int, float]]) -> 
     return need / rate if rate > 0 and need > 0 else (0.0 if need <= 0 else math.inf)
 
 
+def least_stage_sum_s(per_layer_s: Sequence[float], counts: Sequence[int], num_layers: int, virtual: int) -> float:
+    """The stage-time sum PipelineBound takes for a row (edges apart): v layers on every stage, the spare layers on
+    the fastest group."""
+    spare = num_layers - virtual * sum(counts)
+    return virtual * sum(a * c for a, c in zip(per_layer_s, counts, strict=True)) + spare * min(per_layer_s)
+
+
 def least_bottleneck_and_stage_sum_s(
     per_layer_s: Sequence[float],
     counts: Sequence[int],

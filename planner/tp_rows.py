@@ -33,6 +33,7 @@ from planner.lower_bounds import (
     PipelineBound,
     least_bottleneck_and_stage_sum_s,
     least_bottleneck_and_tail_s,
+    least_stage_sum_s,
     memory_bottleneck_s,
     orders_within_memory,
     per_stage_memory_bottleneck_s,
@@ -330,8 +331,7 @@ class RowBound:
             least_tail = max(tail, v * max(rates))
             bottleneck = self._bottleneck_s
             with_tail = least_bottleneck_and_tail_s(a, rates, counts, num_layers, weight, bottleneck, least_tail)
-            layer_time_sum = sum(x * c for x, c in zip(a, counts, strict=True))
-            stage_sum = v * layer_time_sum + (num_layers - v * sum(counts)) * min(a)  # as the row's bound took it
+            stage_sum = least_stage_sum_s(a, counts, num_layers, v)  # as the row's bound took it
             with_sum = least_bottleneck_and_stage_sum_s(a, counts, num_layers, weight, v, bottleneck)
             raised = max(bottleneck * weight, with_tail - tail, with_sum - stage_sum / v) - least * weight
             self._value = bound + raised
@@ -348,8 +348,20 @@ class RowBound:
             bottleneck = batch.per_stage_recompute_bottleneck_s(row, bottleneck, steps)
             if math.isinf(bottleneck):
                 return math.inf
-        bound = float(batch.bound_s[row])
-        return float(batch.tail.root_s(row, bound, batch.least_bottleneck_s[row], bottleneck, weight))
+        bound, least = float(batch.bound_s[row]), float(batch.least_bottleneck_s[row])
+        plain = float(batch.tail.root_s(row, bound, least, bottleneck, weight))
+        # the same with the bottleneck and stage-time sum of one split (the row's per-layer times are the fastest
+        # mode's for the plans only it covers): per fullest stage g in mode r, its time T_gr floors the bottleneck
+        a, counts, v = batch.per_layer_s[row].tolist(), batch.counts[row].tolist(), batch.virtual_stages
+        stage_sum = least_stage_sum_s(a, counts, batch.num_layers, v)
+        floors = np.maximum(bottleneck, batch.tail.fullest_time_s[row])
+        with_sum = {
+            floor: least_bottleneck_and_stage_sum_s(a, counts, batch.num_layers, weight, v, floor)
+            for floor in set(floors.tolist())
+        }
+        coupled = min(with_sum[f] + t for f, t in zip(floors.tolist(), batch.tail.fullest_tail_s[row].tolist()))
+        together = bound - float(batch.tail.tail_s[row]) - weight * least - stage_sum / v + coupled
+        return max(plain, together)
 
 
 @dataclass(frozen=True)
