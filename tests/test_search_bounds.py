@@ -205,6 +205,7 @@ def test_every_search_bound_is_below_every_plan_it_covers(seed: int, context_par
         assert batch.bound_s[row] <= whole_s <= time_s * SLACK
         if order in group_orders(batch.subset):
             assert batch.possible_orders[row, permutation_index(order)], "the memory screen dropped an order that fits"
+            assert batch.possible_orders_of(row, np.array([order]))[0], "the one-row screen dropped it"
             increase = batch.order_bound_increase_s(row, [order], options.order_bound_steps)[0]
             assert max(float(batch.bound_s[row]) + increase, whole_s) <= time_s * SLACK
     assert fitting > mixed_fitting > 0
