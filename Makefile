@@ -7,19 +7,22 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PLANNER_STAMP := $(VENV)/.hetplan-planner
 FULL_STAMP := $(VENV)/.hetplan-full
+# setuptools' notice on every editable install (folders named like the package take precedence: here they are the
+# package) is 10 lines of noise before the demo's output
+EDITABLE_QUIET := PYTHONWARNINGS="ignore:Editable installation:UserWarning"
 
 .PHONY: demo test lint bench clean
 
 $(PLANNER_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e .
+	$(EDITABLE_QUIET) $(BIN)/python -m pip install --quiet -e .
 	touch $(PLANNER_STAMP)
 
 $(FULL_STAMP): $(PLANNER_STAMP)
 	# the CPU build of torch first: a bare `torch` requirement would pull the multi-GB CUDA build
 	$(BIN)/python -m pip install --quiet torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
-	DS_BUILD_OPS=0 $(BIN)/python -m pip install --quiet -e '.[torch,dev,engines]'
+	DS_BUILD_OPS=0 $(EDITABLE_QUIET) $(BIN)/python -m pip install --quiet -e '.[torch,dev,engines]'
 	touch $(FULL_STAMP)
 
 demo: $(PLANNER_STAMP)
