@@ -170,13 +170,12 @@ def least_level(num_layers: int, groups: Sequence[tuple[float, int, float]]) -> 
         return 0.0
     saturating.sort()
     for full_at, full_layers, group_rate in saturating:
-        if rate <= 0:
-            break
-        level = need / rate
-        if level <= full_at:
-            return level
+        if need <= rate * full_at:  # the groups below their cap take the rest before this one fills
+            return min(need / rate, full_at)
         need, rate = need - full_layers, rate - group_rate
-    return need / rate if rate > 0 and need > 0 else (0.0 if need <= 0 else math.inf)
+        if need <= 1e-9 * num_layers:  # held exactly as this group fills (rounding apart: a level can only be lower)
+            return full_at
+    return math.inf
 
 
 def least_stage_sum_s(per_layer_s: Sequence[float], counts: Sequence[int], num_layers: int, virtual: int) -> float:

@@ -20,7 +20,12 @@ import pytest
 
 from planner.best_first import outer_configs, tp_row_batches
 from planner.candidates import PER_STAGE, OuterConfig, group_orders, permutation_index
-from planner.lower_bounds import least_bottleneck_and_stage_sum_s, least_bottleneck_and_tail_s, work_bound_s
+from planner.lower_bounds import (
+    least_bottleneck_and_stage_sum_s,
+    least_bottleneck_and_tail_s,
+    least_level,
+    work_bound_s,
+)
 from planner.options import SearchOptions
 from planner.search import search
 from planner.solve import StageTerms, build_strategy, candidate_strategy
@@ -339,3 +344,15 @@ def test_a_row_bounds_bottleneck_with_tail_or_stage_sum_is_the_linear_programs_l
     with_sum = least_bottleneck_and_stage_sum_s(per_layer_s, counts, num_layers, weight, virtual, least_s)
     by_program = _least_by_linear_program(per_layer_s, counts, num_layers, "sum", weight, virtual, least_s)
     assert with_sum == pytest.approx(by_program, rel=1e-7) and with_sum <= by_program * SLACK
+
+
+def test_the_least_level_holding_every_layer_is_exact_where_groups_fill_up() -> None:
+    """least_level (the tail bound's floors): where the layers are held exactly as a group fills up, the level is that
+    group's full level (it read 0 there, a bound too loose to prune); a group with no per-layer cost holds its cap at
+    any level; caps short of the layers: inf."""
+    assert least_level(6, [(0.1, 2, 1.0), (0.3, 1, 4.0)]) == pytest.approx(1.2)  # 2 + 4 layers as the second fills
+    assert least_level(3, [(0.7, 3, 1.0)]) == pytest.approx(0.7)
+    assert least_level(3, [(0.1, 1, 1.0), (0.2, 1, 1.0), (0.3, 1, 1.0)]) == pytest.approx(0.3)
+    assert least_level(2, [(0.1, 1, 5.0)]) == pytest.approx(0.2)  # below the cap
+    assert least_level(2, [(0.0, 1, 1.0), (0.5, 1, 9.0)]) == pytest.approx(0.5)  # one layer held at any level
+    assert least_level(7, [(0.1, 2, 1.0), (0.3, 1, 4.0)]) == math.inf
