@@ -176,6 +176,7 @@ class _Search:
         self.candidates: list[int] = []  # per scan: candidates generated
         self.scanned = self.evaluated = self.infeasible = 0
         self.stopped_s = math.inf  # the least bound left when options.max_candidates stopped the scan
+        self.idle_bound_s = math.inf  # when it stopped: the least work bound of the group subsets not scanned
 
     def run(self) -> SearchResult:
         """The scans, then the refinement steps and the family search, then the closest misfit if nothing fits."""
@@ -196,12 +197,18 @@ class _Search:
         note = ""
         if math.isfinite(self.stopped_s):
             ranked = self.best.ranked()
-            root_bound_s = min(root_bound_s, self.stopped_s, *(e.iteration_time_s for e in ranked[:1]))
-            below = f", {1 - self.stopped_s / ranked[0].iteration_time_s:.1%} below this plan" if ranked else ""
+            least_s = min(self.stopped_s, self.idle_bound_s)
+            root_bound_s = min(root_bound_s, least_s, *(e.iteration_time_s for e in ranked[:1]))
             note = (
                 f"stopped after {options.max_candidates:,} candidates: no plan left is faster than "
-                f"{self.stopped_s:.3f} s{below} (a larger --max-candidates searches on)"
+                f"{_bound_text(least_s, ranked)}"
             )
+            if self.idle_bound_s < self.stopped_s:  # the two kinds of plan left are bounded far apart: say both
+                note += (
+                    f" (pipelines over every group: {_bound_text(self.stopped_s, ranked, '')}; plans leaving a group "
+                    f"idle, not searched: {self.idle_bound_s:.3f} s by their work alone)"
+                )
+            note += " (a larger --max-candidates searches on)"
         return SearchResult(
             self.best.ranked(),
             sum(self.candidates),
@@ -226,7 +233,7 @@ class _Search:
             incumbent_s = self.best.kth_s(self.options.gap)
             bounds = {s: work_bound_s(self.ctx, s) for s in smaller}
             if math.isfinite(self.stopped_s):  # out of candidates: the subsets left are bounded by their work
-                self.stopped_s = min([self.stopped_s, *(b for b in bounds.values() if b < incumbent_s)])
+                self.idle_bound_s = min((b for b in bounds.values() if b < incumbent_s), default=math.inf)
                 return math.inf
             self.scan([s for s in smaller if bounds[s] < incumbent_s])
             root_bound_s = min([root_bound_s, *(b for b in bounds.values() if b >= incumbent_s)])
@@ -344,6 +351,12 @@ class _Search:
         stages = self.options.family_zero_stages or (ctx.training.zero_stage,)  # a bound for each family's stage
         staged = [dataclasses.replace(ctx, training=ctx.training.model_copy(update={"zero_stage": s})) for s in stages]
         return families.partitions, min(family_bound_s(c, self.options) for c in staged)
+
+
+def _bound_text(bound_s: float, ranked: list[Evaluation], below_what: str = " this plan") -> str:
+    """A bound on the plans left, with how far below the best plan it lies (when there is one)."""
+    below = f", {1 - bound_s / ranked[0].iteration_time_s:.1%} below{below_what}" if ranked else ""
+    return f"{bound_s:.3f} s{below}"
 
 
 def _nearby_replica_counts(config: OuterConfig, context_parallel: int) -> list[int]:

@@ -3,6 +3,8 @@ the candidate budget stops with a bound, and more kinds than the search covers a
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from planner import build_context
@@ -49,6 +51,27 @@ def test_the_candidate_budget_stops_with_a_bound_below_the_plan():
     assert cut.note.startswith(f"stopped after {budget} candidates")
     assert cut.lower_bound_s is not None
     assert cut.lower_bound_s <= full.evaluations[0].iteration_time_s <= cut.evaluations[0].iteration_time_s
+
+
+def test_a_stopped_note_bounds_the_pipelines_over_every_group_apart_from_the_idle_groups_work():
+    """Stopped in the scan over every group, the subsets left (a group idle) are bounded by their work alone, far
+    below the next pipeline over every group: the note gives both, the least of them as the search's bound."""
+    cluster = _cluster([*KINDS, "v100"], 1, 2)
+    training = load_training(None, {"global_batch_size": 1024, "dtype": "fp16"})
+    ctx = build_context(cluster, load_model("llama2-70b"), training)
+    full = search(ctx)
+    cut = search(ctx, SearchOptions(max_candidates=3))
+    found = re.search(
+        r"pipelines over every group: ([\d.]+) s, .*; plans leaving a group idle, not searched: ([\d.]+) s", cut.note
+    )
+    assert found is not None, cut.note
+    every_group_s, idle_s = float(found[1]), float(found[2])
+    assert cut.lower_bound_s == pytest.approx(idle_s, abs=1e-3) and idle_s < every_group_s
+    assert f"no plan left is faster than {idle_s:.3f} s" in cut.note
+    assert cut.lower_bound_s <= full.evaluations[0].iteration_time_s <= cut.evaluations[0].iteration_time_s
+    # the bound over every group's pipelines holds for the full search's plans that use every group
+    every_group = [e for e in full.evaluations if len(devices_per_group(e.strategy)) == len(cluster.groups)]
+    assert every_group and all(e.iteration_time_s >= every_group_s - 1e-3 for e in every_group)
 
 
 def test_more_kinds_than_the_search_covers_are_refused_in_one_line():
