@@ -32,6 +32,7 @@ import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -42,7 +43,6 @@ from comm.plan_groups import plan_groups, rank_islands, stage_chunks
 from profiler.data import synthetic_batch
 from profiler.layers import DecoderLayer, adamw_update
 from profiler.measure import keep_freed_host_memory
-from runtime import checkpoint
 from runtime.context_parallel import ContextParallel
 from runtime.model import StageModule, seeded_pieces
 from runtime.pipeline import Emulator, Role, StageRunner
@@ -265,6 +265,14 @@ def _maybe_die(rank: int, job: RunJob, step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _checkpoint_module() -> ModuleType:
+    """runtime/checkpoint.py, imported by the ranks of runs that save or resume only: DCP's import (DTensor, sympy)
+    costs a rank about a second of CPU at start, four of them on two cores two seconds of a run's wall time."""
+    from runtime import checkpoint
+
+    return checkpoint
+
+
 class _Keeper:
     """A rank's checkpoints: resume from `settings.resume_from` at the start, save every `checkpoint_every` steps
     and after the last one (runtime/checkpoint.py); `state` None for an idle rank, which takes part in DCP's
@@ -277,17 +285,18 @@ class _Keeper:
         settings = job.settings
         if state is not None and role is not None and (settings.checkpoint_dir or settings.resume_from or
                                                        settings.dump_state):  # fmt: skip
-            optimizer = state.optimizer
+            optimizer, checkpoint = state.optimizer, _checkpoint_module()
             self.table = checkpoint.global_tensors(job.model)
             self.holdings = checkpoint.rank_holdings(
                 job.model, job.strategy, role.family, role.stage_index, role.dp_index, role.tp_rank,
                 (optimizer.lo, optimizer.hi), state.zero_stage >= 1, state.sharded is not None,
             )  # fmt: skip
-        self.saver = checkpoint.Saver(settings.checkpoint_async) if settings.checkpoint_dir else None
+        self.saver = _checkpoint_module().Saver(settings.checkpoint_async) if settings.checkpoint_dir else None
         self.first_step = 0
         if settings.resume_from:
             started = time.perf_counter()
-            resumed = checkpoint.load_rank(Path(settings.resume_from), self.table, self.holdings, *self._tensors())
+            load = _checkpoint_module().load_rank
+            resumed = load(Path(settings.resume_from), self.table, self.holdings, *self._tensors())
             if state is not None:
                 state.optimizer.steps = resumed.optimizer_steps
             self.first_step = resumed.step
@@ -315,7 +324,7 @@ class _Keeper:
             return
         if done % settings.checkpoint_every and done != settings.steps:
             return
-        samples = done * job.global_batch
+        samples, checkpoint = done * job.global_batch, _checkpoint_module()
         info = checkpoint.describe(done, samples, job.model, job.strategy, job.global_batch, job.seq_length,
                                    settings.seed, settings.dtype, dist.get_world_size(), job.cluster.name)  # fmt: skip
         params, exp_avg, exp_avg_sq = self._tensors()
