@@ -70,6 +70,7 @@ class _Queue:
         self.queue: list[tuple[float, int, tuple[_Orders, int] | _Row]] = []
         self.arrival = 0  # the tie order of queued items (each row reserves one place per order)
         self.popped_roots: dict[_Row, float] = {}  # rows that came up: their root bound with whole layers
+        self.raised_rows: set[_Row] = set()  # rows queued again with the least memory bound over their orders
         if pruning.root_bound:  # the root bound needs every row
             self.unbuilt.clear()
             for index in range(len(sources)):
@@ -138,7 +139,7 @@ class _Queue:
     def ready(self, below_s: float) -> Iterator[OuterConfig]:
         """The queued candidates whose bound is below `below_s`, best first, while they can beat the incumbent."""
         while self.queue and self.queue[0][0] <= below_s:
-            key_s, _, item = heapq.heappop(self.queue)
+            key_s, arrival, item = heapq.heappop(self.queue)
             if key_s >= self.pruning.limit_s:
                 self.queue.clear()  # the rest are no better
                 return
@@ -147,6 +148,14 @@ class _Queue:
                 at = int(line.sequence[position])
                 self.push_next(line, position + 1)
                 yield line.batch.candidate(line.row, line.orders[int(line.numbers[at])], key_s)
+            elif self.memory_bounds and item not in self.raised_rows:
+                # first up: the row waits again with the least memory bound over its orders, if that is higher (on
+                # many device kinds most rows are raised past the final incumbent by it and never expand into k!
+                # orders)
+                self.raised_rows.add(item)  # type: ignore[arg-type]
+                batch, row = self.batches[item[0]], item[1]  # type: ignore[index]
+                memory_s = float(batch.bound_s[row]) + batch.least_order_increase_s(row, self.options.order_bound_steps)
+                heapq.heappush(self.queue, (max(key_s, memory_s), arrival, item))
             else:
                 self.expand(item, key_s)  # type: ignore[arg-type]
 

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from planner.best_first import outer_configs, tp_row_batches
-from planner.candidates import PER_STAGE, OuterConfig, group_orders, permutation_index
+from planner.candidates import PER_STAGE, OuterConfig, group_order_array, group_orders, permutation_index
 from planner.lower_bounds import (
     least_bottleneck_and_stage_sum_s,
     least_bottleneck_and_tail_s,
@@ -213,10 +213,30 @@ def test_every_search_bound_is_below_every_plan_it_covers(seed: int, context_par
             assert batch.possible_orders_of(row, np.array([order]))[0], "the one-row screen dropped it"
             increase = batch.order_bound_increase_s(row, [order], options.order_bound_steps)[0]
             assert max(float(batch.bound_s[row]) + increase, whole_s) <= time_s * SLACK
+            # the row's least memory bound over its orders (the key it waits with before it expands)
+            least = batch.least_order_increase_s(row, options.order_bound_steps)
+            assert float(batch.bound_s[row]) + least <= time_s * SLACK
     assert fitting > mixed_fitting > 0
     assert _check_candidates(ctx) > 0
     lower_bound_s = search(ctx, SearchOptions(root_bound=True)).lower_bound_s
     assert lower_bound_s is not None and lower_bound_s <= best_s * SLACK
+
+
+def test_a_rows_least_memory_bound_is_below_each_of_its_orders() -> None:
+    """The key a row waits with before it expands (its least memory bound over the pipeline orders, from one relaxed
+    order) is at most every order's own memory bound, bisected finely; and it rises on some rows (else the search
+    would gain nothing from it)."""
+    raised = checked = 0
+    for seed, context_parallel in INSTANCES:
+        for batch in tp_row_batches(_instance(seed, context_parallel), SearchOptions()):
+            orders = group_order_array(batch.subset)
+            for row in range(len(batch.tps)):
+                least = batch.least_order_increase_s(row, SearchOptions().order_bound_steps)
+                each = batch.order_bound_increase_s(row, orders, 40)
+                assert least <= each.min() + 1e-9 * float(batch.bound_s[row])
+                raised += bool(least > 0)
+                checked += 1
+    assert checked > 0 and raised > 0
 
 
 def _least_family_time_s(ctx: CostContext, group: DeviceGroup, share: int) -> float:
