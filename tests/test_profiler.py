@@ -159,14 +159,15 @@ def test_cli_profile_then_plan_uses_the_measurements(tmp_path):
         "--repeats",
         "2",
         "--seq-len",
-        "32",  # a quarter of the model's: the host section's chains and TP timings take seconds, not minutes
+        "32",
+        "--no-host",  # measured by default; the next test follows it there (profiler/host.py has its own tests)
         "--out",
         str(out),
         torch_allowed=True,
     )
     assert result.returncode == 0, result.stderr
     profile = load_profile(out)
-    assert profile.source == "measured" and profile.dtype == "fp32"
+    assert profile.source == "measured" and profile.dtype == "fp32" and profile.host is None
     assert profile.environment["torch"].startswith("2.") and profile.environment["threads"] >= 1
     assert len(profile.entries) == 2 * 2 * (2 + 2)
     body = json.loads(out.read_text())
@@ -192,6 +193,42 @@ def test_cli_profile_then_plan_uses_the_measurements(tmp_path):
     stage = measured.evaluation.stages[0]
     layer = profile.layer_cost("decoder", pipeline.micro_batch_size, stage.stage.tp, measured.strategy.recompute)
     assert stage.compute_time_s >= stage.stage.num_layers * layer.time_s
+
+
+def test_cli_profile_measures_the_host_by_default_at_the_profiles_shape(tmp_path, monkeypatch, capsys):
+    """On the CPU the profile's host section is measured unless --no-host: with the profile's sequence, dtype and
+    smallest micro-batch, and written beside the layers. (The measurement itself, 1-3 minutes of processes timing
+    each other, is tests/test_host_profiler.py's; here it stands in.)"""
+    import cli
+    from profiler import host
+    from profiler.profile import ConcurrencyPoint, HostCosts
+    from report.failures import exit_status
+
+    measured = HostCosts(
+        cores=2,
+        concurrency=[ConcurrencyPoint(processes=2, busy_stretch=1.1)],
+        optimizer_s_per_param=1e-9,
+        flatten_s_per_param=2e-9,
+        microbatch_overhead_s=1e-3,
+        layer_overhead_s=0.0,
+        batch_s=2e-3,
+        batch_s_per_sample=0.0,
+    )
+    asked: list[tuple[object, ...]] = []
+
+    def stand_in(model, seq_length, dtype, micro_batch_size, say):  # type: ignore[no-untyped-def]
+        asked.append((model.name, seq_length, dtype, micro_batch_size))
+        return measured
+
+    monkeypatch.setattr(host, "measure_host", stand_in)
+    args = ["profile", "--model", str(EXAMPLES / "models" / "tiny-llama.yaml"), "--device", "cpu", "--seq-len", "16"]
+    args += ["--micro-batches", "4,2", "--tp", "1", "--recompute", "none", "--repeats", "1", "--quiet"]
+    assert exit_status(cli.app, [*args, "--out", str(tmp_path / "cpu.json")]) == 0
+    assert asked == [(TINY_LLAMA.name, 16, torch.float32, 2)]
+    assert load_profile(tmp_path / "cpu.json").host == measured
+    assert exit_status(cli.app, [*args, "--no-host", "--out", str(tmp_path / "layers.json")]) == 0
+    assert len(asked) == 1 and load_profile(tmp_path / "layers.json").host is None
+    capsys.readouterr()
 
 
 def test_profile_without_torch_is_a_clear_error():
