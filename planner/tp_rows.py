@@ -485,10 +485,10 @@ class SubsetRows:
             if self.devices.min() < replicas:
                 break
             widths = self.tp_rows * ctx.context_parallel  # devices of one replica of a stage
-            counts = self.parts[None, :] * (self.devices[None, :] // (replicas * widths))
+            counts = self._stage_counts(replicas, widths, model.num_layers)
             total_state = model.total_params() * state_bytes_per_param(ctx, replicas)
             even = not every_count and global_batch % replicas == 0
-            fewer = self.parts[None, :] * (self.devices[None, :] // ((replicas + 1) * widths))
+            fewer = self._stage_counts(replicas + 1, widths, model.num_layers)
             worth = even or (fewer < counts).any(axis=1)
             valid = (
                 worth
@@ -498,6 +498,16 @@ class SubsetRows:
             )
             if valid.any():
                 yield ReplicaRows(replicas, self.tp_rows[valid], counts[valid], self.tp_positions[valid])
+
+    def _stage_counts(self, replicas: int, widths: np.ndarray, num_layers: int) -> np.ndarray:
+        """(rows, groups) stages per group: each group's devices in replicas of stages of these widths. A lone group
+        with more such stages than the model has layers holds as many as there are layers (whole parts, for merged
+        groups), its other devices idle: the only plans on it (33 nodes of 8 at TP 8 for 32 layers, one replica),
+        where a pipeline over several groups leaves whole groups idle instead (another subset)."""
+        counts = self.parts[None, :] * (self.devices[None, :] // (replicas * widths))
+        if len(self.subset) == 1:
+            counts = np.minimum(counts, num_layers // self.parts[0] * self.parts[0])
+        return counts
 
     def _boundaries_s(self, b: int, tps: np.ndarray, counts: np.ndarray) -> np.ndarray:
         """Per row: one direction of the fill and drain point-to-point at its least (every pipeline over the k

@@ -100,6 +100,21 @@ def test_plan_equals_exhaustive_search_on_a_small_homogeneous_cluster():
     assert compared > 0
 
 
+def test_a_group_with_more_stages_than_layers_plans_on_as_many_as_there_are_layers(write):
+    """33 nodes of 8 for a 32-layer model at global batch 1 (one replica): every TP degree gives the group more
+    stages than layers; it holds 32 and leaves the rest idle (it used to be "no strategy", with every constraint the
+    message named met)."""
+    group = "groups:\n  - {name: c, device: h100, nodes: 33, devices_per_node: 8, nics_per_node: 8, nic_gbps: 400}\n"
+    cluster = load_cluster(write("k33.yaml", "name: k33\n" + group))
+    model = load_model("llama3-8b")
+    result = plan(cluster, model, load_training(None, {"global_batch_size": 1}))
+    (pipeline,) = result.strategy.pipelines
+    assert pipeline.replicas == 1 and len(pipeline.stages) == model.num_layers
+    assert result.evaluation.fits and result.evaluation.devices_used == 256
+    again = evaluate(result.context, result.strategy)
+    assert again.iteration_time_s == pytest.approx(result.evaluation.iteration_time_s, rel=1e-12)
+
+
 def test_memory_infeasible_cluster_reports_smallest_shortfall(write):
     path = write(
         "t4.yaml",
