@@ -17,6 +17,8 @@ import typer
 from report import measuring
 from report.cli_flags import (
     ENGINES,
+    MEGATRON_DEFAULTS,
+    MEGATRON_FLAG_NAMES,
     MEGATRON_FLAGS,
     ClusterOpt,
     DtypeOpt,
@@ -35,7 +37,6 @@ from report.cli_flags import (
     ProfilesOpt,
     QuietOpt,
     SeqLenOpt,
-    SequenceParallelOpt,
     TrainingOpt,
     UnevenOpt,
     ZeroOpt,
@@ -149,14 +150,18 @@ def predict(
     model: Annotated[Optional[str], opt("--model", "-m", help="Model (default: the plan's).")] = None,
     strategy: Annotated[Optional[Path], opt(help="Evaluate this plan JSON (any plan in the schema).")] = None,
     group: Annotated[Optional[str], opt(help="Group to use with Megatron-style flags.")] = None,
-    tp: Annotated[int, opt(min=1, help="Tensor-parallel degree.")] = 1,
-    pp: Annotated[int, opt(min=1, help="Pipeline stages (even layer split).")] = 1,
-    dp: Annotated[int, opt(min=1, help="Data-parallel replicas.")] = 1,
-    micro_batch: Annotated[int, opt(min=1, help="Micro-batch size.")] = 1,
-    recompute: Annotated[str, opt(help="none, selective or full.")] = "none",
-    sequence_parallel: SequenceParallelOpt = True,
-    virtual_stages: Annotated[int, opt(min=1, help="Interleaving chunks per stage.")] = 1,
-    cp: Annotated[int, opt("--cp", min=1, help="Context-parallel degree (sequences split over ranks).")] = 1,
+    tp: Annotated[Optional[int], opt(min=1, help="Tensor-parallel degree [default: 1].")] = None,
+    pp: Annotated[Optional[int], opt(min=1, help="Pipeline stages (even layer split) [default: 1].")] = None,
+    dp: Annotated[Optional[int], opt(min=1, help="Data-parallel replicas [default: 1].")] = None,
+    micro_batch: Annotated[Optional[int], opt(min=1, help="Micro-batch size [default: 1].")] = None,
+    recompute: Annotated[Optional[str], opt(help="none, selective or full [default: none].")] = None,
+    sequence_parallel: Annotated[
+        Optional[bool], opt("--sequence-parallel/--no-sequence-parallel", help="Megatron's SP [default: on].")
+    ] = None,
+    virtual_stages: Annotated[Optional[int], opt(min=1, help="Interleaving chunks per stage [default: 1].")] = None,
+    cp: Annotated[
+        Optional[int], opt("--cp", min=1, help="Context-parallel degree (sequences split over ranks) [default: 1].")
+    ] = None,
     training: TrainingOpt = None,
     global_batch: GlobalBatchOpt = None,
     seq_len: SeqLenOpt = None,
@@ -186,13 +191,22 @@ def predict(
         global_batch_size=global_batch, seq_length=seq_len, dtype=dtype, zero_stage=zero_stage, attention=attention
     )
     overrides["zero_shard"] = flags.choice(zero_shard, ("dp", "node"), "--zero-shard") if zero_shard else None
-    given = (group, tp, pp, dp, micro_batch, recompute, virtual_stages, sequence_parallel, cp)
-    if strategy is not None and cp != 1:
+    layout = dict(
+        zip(MEGATRON_FLAGS, (group, tp, pp, dp, micro_batch, recompute, virtual_stages, sequence_parallel, cp))
+    )
+    if strategy is not None:  # a plan sets its own layout and training: a flag that would change them is refused
         from specs.errors import SpecError
 
-        raise SpecError("--cp", "", "goes with the Megatron-style flags; a plan (--strategy) sets its own layout")
+        named = dict(zip(MEGATRON_FLAGS, MEGATRON_FLAG_NAMES)) | {"training": "--training"}
+        for field, value in {**layout, "training": training}.items():
+            if value is not None:
+                raise SpecError(
+                    named[field], "", "goes with the Megatron-style flags; a plan (--strategy) sets its own layout "
+                    "and training (change its training with --global-batch, --seq-len, --dtype, --zero-stage)"
+                )  # fmt: skip
+    layout = {field: MEGATRON_DEFAULTS[field] if value is None else value for field, value in layout.items()}
     flags.training(None, **overrides)  # a bad flag is named as the flag, before a plan's training is read
-    chosen = what_if(cluster_spec, cluster, strategy, model, training, overrides, dict(zip(MEGATRON_FLAGS, given)))
+    chosen = what_if(cluster_spec, cluster, strategy, model, training, overrides, layout)
     chosen = replace(chosen, training=on_cluster(chosen.training, cluster_spec))
     if strategy is not None:
         costs = plan_costs_said(load_plan(strategy), predictor, profiles, chosen.model)

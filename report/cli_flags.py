@@ -74,11 +74,16 @@ FAMILIES = "Pipeline families of different device mixes: auto (default: clusters
 FamiliesOpt = Annotated[Optional[str], opt("--families", help=FAMILIES)]
 LOWER = "Also bound how fast any plan of the search space could be (the gap; about a second search)."
 LowerBoundOpt = Annotated[bool, opt("--lower-bound", help=LOWER)]
-SequenceParallelOpt = Annotated[bool, opt("--sequence-parallel/--no-sequence-parallel", help="Megatron's SP.")]
 MEGATRON_FLAGS = (
     "group", "tp", "pp", "dp", "micro_batch_size", "recompute", "virtual_stages", "sequence_parallel",
     "context_parallel",
 )  # fmt: skip
+MEGATRON_FLAG_NAMES = (
+    "--group", "--tp", "--pp", "--dp", "--micro-batch", "--recompute", "--virtual-stages", "--sequence-parallel",
+    "--cp",
+)  # fmt: skip
+# what `predict`'s Megatron-style flags are when not given (None for --group: the cluster's only group, else asked)
+MEGATRON_DEFAULTS = dict(zip(MEGATRON_FLAGS, (None, 1, 1, 1, 1, "none", 1, True, 1)))
 
 
 def predictor_from(path: Path | None) -> Predictor:

@@ -174,6 +174,10 @@ def test_traffic_checks_the_plan_and_its_flags(capsys, tmp_path, monkeypatch, pl
         (("explain", "{tp3}", "-c", str(CPU)), "stages[0].tp: expected a divisor"),
         (("predict", "-c", str(CPU), "--strategy", "{other-cluster}"), "the plan is for cluster 'elsewhere'"),
         (("predict", "-c", str(CPU), "--strategy", "{good}", "--seq-len", "0"), "--seq-len: "),
+        # a plan's layout and training are its own: a flag that would change them is refused (they were dropped)
+        (("predict", "-c", str(CPU), "--strategy", "{good}", "--tp", "1"), "--tp: goes with the Megatron-style flags"),
+        (("predict", "-c", str(CPU), "--strategy", "{good}", "--recompute", "full"), "--recompute: goes with the"),
+        (("predict", "-c", str(CPU), "--strategy", "{good}", "--training", "t.yaml"), "--training: goes with the"),
         # a Megatron-style flag's layout the cluster cannot run is named as the flag (was "flags: pipelines[0]...")
         (("predict", "-c", str(CPU), "--model", "llama2-7b", "--dtype", "fp32", "--tp", "3"), "error: --tp: expected"),
         (("export", "{reversed}", "-c", str(CPU), "-f", "megatron", "--out", "e"), "stages[0].layers: expected"),
