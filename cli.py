@@ -367,7 +367,7 @@ def traffic(
     plan_file: PlanArg,
     cluster: PlanClusterOpt,
     tokens: Annotated[Optional[float], opt(callback=finite(), help="Dataset tokens per epoch (for totals).")] = None,
-    epochs: Annotated[float, opt(callback=finite(), help="Epochs (with --tokens).")] = 1.0,
+    epochs: Annotated[Optional[float], opt(callback=finite(), help="Epochs (with --tokens) [default: 1].")] = None,
     png: Annotated[Optional[Path], opt(help="Write the per-pair traffic heatmap here (.png).")] = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -376,8 +376,12 @@ def traffic(
     from planner.what_if import plan_on_cluster
     from report import traffic as plan_traffic
     from report.tables import traffic_table
+    from specs.errors import SpecError
     from specs.flags import output_file
 
+    if epochs is not None and tokens is None:
+        raise SpecError("--epochs", "", "counts epochs of --tokens: give the dataset's tokens per epoch too")
+    epochs = 1.0 if epochs is None else epochs
     output_file(png, "--png", (".png",))
     loaded, cluster_spec = plan_on_cluster(plan_file, cluster)
     result = plan_traffic(loaded, cluster_spec, tokens=tokens, epochs=epochs, png=png)

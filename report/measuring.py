@@ -475,7 +475,7 @@ def simulate_profile(
     sizes, degrees = flags.int_list(micro_batches, "--micro-batches") or [], flags.int_list(tp, "--tp") or []
     model_spec = load_model(model)
     training_spec = flags.training(None, dtype=dtype, seq_length=seq_len)
-    spec = get_device(device, "--device")
+    spec = get_device(device, "--device", "")
     model_spec.check_tp_degrees(degrees)  # as `hetplan profile` requires
     seq_length = training_spec.seq_length or model_spec.seq_length
     simulated = SimulatedDevice(spec, model_spec, seq_length, training_spec.dtype, noise=noise, seed=seed)

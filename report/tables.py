@@ -282,15 +282,23 @@ def traffic_table(report: TrafficReport) -> Table:
     return out
 
 
+def _bytes_text(value: float) -> str:
+    """Bytes in PB, or in the largest unit that shows them (a short run sends far less than a petabyte)."""
+    units = (("PB", 1e15), ("TB", 1e12), ("GB", 1e9), ("MB", 1e6))
+    unit, size = next(((unit, size) for unit, size in units if value >= size), ("kB", 1e3))
+    return f"{value / size:,.2f} {unit}"
+
+
 def traffic_calc_lines(body: Mapping[str, Any], global_batch: int, seq_length: int) -> list[str]:
     """`traffic-calc` for the terminal: the run in a line, then PB sent per rank and in all per parallel style."""
-    gpus = body["ranks"]
+    gpus, steps = body["ranks"], body["steps"]
+    steps_text = f"{steps:,.0f}" if steps >= 100 else f"{steps:.3g}"  # fewer tokens than a step: a fraction of one
     lines = [
-        f"{body['model']}: {params(body['params'])} params, {body['tokens']:,.0f} tokens = {body['steps']:,.0f} "
+        f"{body['model']}: {params(body['params'])} params, {body['tokens']:,.0f} tokens = {steps_text} "
         f"steps of {global_batch} x {seq_length} tokens, {gpus} ranks"
     ]
     for name, value in body["bytes_per_rank"].items():
-        lines.append(f"  {name:<5} {value / 1e15:,.2f} PB sent per rank ({value * gpus / 1e15:,.2f} PB in all)")
+        lines.append(f"  {name:<5} {_bytes_text(value)} sent per rank ({_bytes_text(value * gpus)} in all)")
     return lines
 
 

@@ -29,8 +29,8 @@ def int_list(text: str | None, flag: str, low: int = 1, what: str = "integers") 
     (the flag was not given)."""
     if text is None:
         return None
-    try:
-        values = [int(part) for part in text.split(",") if part.strip()]
+    try:  # every item an integer: '1,,4' is a slip, not 1 and 4
+        values = [int(part) for part in text.split(",")]
     except ValueError:
         values = []
     if not values or min(values) < low:

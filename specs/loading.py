@@ -182,8 +182,12 @@ def read_mapping(path: Path) -> dict[str, Any]:
         where = f"line {mark.line + 1}" if mark is not None else ""
         problem = getattr(err, "problem", None) or "invalid YAML"
         raise SpecError(source, where, f"invalid YAML: {problem}") from None
+    if data is None:  # nothing but blanks or comments
+        raise SpecError(source, "", "the file is empty: expected a mapping at the top level")
     if not isinstance(data, dict):
-        raise SpecError(source, "", f"expected a mapping at the top level, got {type(data).__name__}")
+        kinds = {list: "a list", str: "a string", int: "a number", float: "a number", bool: "true/false"}
+        kind = kinds.get(type(data), type(data).__name__)
+        raise SpecError(source, "", f"expected a mapping at the top level, got {kind}")
     return data
 
 

@@ -121,6 +121,7 @@ PLAN = ("plan", "--cluster", str(CPU), "--model", TINY)
         ),
         (("simulate-profile", "--device", "h100", "-m", "llama3-8b", "--noise", "inf", "--out", "x.json"), "--noise"),
         (("profile", "-m", TINY, "--micro-batches", "0", "--out", "p.json"), "--micro-batches: expected integers"),
+        (("profile", "-m", TINY, "--micro-batches", "1,,4", "--out", "p.json"), "expected integers >= 1 (comma"),
         (("profile", "-m", TINY, "--recompute", "some", "--out", "p.json"), "--recompute: expected some of none"),
         (("profile-comm", "--max-size", "inf", "--out", "l.json"), "--max-size: expected a size from 4B to 16GiB"),
         (("profile-comm", "--min-size", "1MiB", "--max-size", "4KiB", "--out", "l.json"), "min-size <= max-size"),
@@ -156,6 +157,7 @@ def test_help_and_listings_are_successes(capsys):
         ("other-cluster", (), "the plan is for cluster 'elsewhere', got 'cpu-2x2'"),
         ("good", ("--tokens", "nan"), "--tokens: expected a finite number > 0, got nan"),
         ("good", ("--epochs", "inf", "--tokens", "1e9"), "--epochs: expected a finite number > 0, got inf"),
+        ("good", ("--epochs", "2"), "--epochs: counts epochs of --tokens"),  # it was dropped without a word
         ("good", ("--png", "heatmap.txt"), "--png: heatmap.txt: expected a file name ending in .png"),
     ],
 )

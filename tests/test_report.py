@@ -16,7 +16,7 @@ from profiler.simulated import SimulatedDevice
 from report import explain, rail_only, traffic, traffic_calc
 from report.figures import HEATMAP_MAX_DEVICES, traffic_matrix
 from report.replanning import replan_lines
-from report.tables import STAGE_COLUMNS, plan_rows, stage_table
+from report.tables import STAGE_COLUMNS, plan_rows, stage_table, traffic_calc_lines
 from specs import load_cluster, load_model, load_training
 from specs.cluster import ClusterSpec
 from specs.device import get_device
@@ -175,6 +175,12 @@ def test_traffic_calc_is_the_textbook_volume_over_the_run():
     assert traffic_calc(model, 156e9, 2048, 8, seq_length=model.seq_length // 2)["steps"] == pytest.approx(
         2 * body["steps"]
     )
+    # in words: the steps whole, the bytes in petabytes; fewer tokens than a step show its fraction and the bytes
+    # in a unit that shows them (they read "0 steps" and "0.00 PB")
+    first, dp_line, *_ = traffic_calc_lines(body, 2048, model.seq_length)
+    assert "156,000,000,000 tokens = 9,298 steps" in first and dp_line.endswith("PB in all)")
+    first, dp_line, *_ = traffic_calc_lines(traffic_calc(model, 1, 2048, 8), 2048, model.seq_length)
+    assert "1 tokens = 5.96e-08 steps" in first and " kB sent per rank" in dp_line
 
 
 def _save_profile(path: Path, device: str, model: str) -> None:

@@ -84,8 +84,10 @@ def test_unreadable_files_give_one_line(write, tmp_path):
         load_cluster(tmp_path / "missing.yaml")
     with pytest.raises(SpecError, match=r"broken.yaml: line 3: invalid YAML"):
         load_cluster(write("broken.yaml", "name: x\ngroups: [\n"))
-    with pytest.raises(SpecError, match="expected a mapping at the top level, got list"):
+    with pytest.raises(SpecError, match="expected a mapping at the top level, got a list"):
         load_cluster(write("list.yaml", "- 1\n- 2\n"))
+    with pytest.raises(SpecError, match=r"empty.yaml: the file is empty: expected a mapping"):
+        load_cluster(write("empty.yaml", "# nothing yet\n"))
     with pytest.raises(SpecError, match="invalid JSON"):
         load_cluster(write("broken.json", "{"))
 
