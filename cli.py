@@ -45,6 +45,7 @@ from report.cli_flags import (
     opt,
     plan_costs_said,
     predictor_from,
+    profiles_said,
     progress_on_stderr,
     show,
     written,
@@ -101,7 +102,6 @@ def plan(
 ) -> None:
     """Search for the fastest plan that fits memory."""
     from planner import plan as make_plan
-    from profiler.profiles import load_profiles
     from report.tables import alternatives_lines, evaluation_tables, fit_advice, hint_lines, plan_rows
     from specs import flags
     from specs.cluster import load_cluster
@@ -119,7 +119,8 @@ def plan(
     training_spec = on_cluster(flags.training(training, **given), cluster_spec)
     cp_named = ("--cp", "") if cp else (str(training), "context_parallel")
     training_spec.check_context_parallel(training_spec.seq_length or model_spec.seq_length, *cp_named)
-    inputs = (cluster_spec, model_spec, training_spec, load_profiles(profiles, model_spec))
+    devices = [group.device.key for group in cluster_spec.groups]
+    inputs = (cluster_spec, model_spec, training_spec, profiles_said(profiles, model_spec, devices, quiet))
     chosen_engine = get_engine(engine, "--engine") if engine else None
     options = {
         "top_k": top_k,
@@ -181,7 +182,6 @@ def predict(
 
     from planner.plan import evaluation_dict, header_dict, interval_dict, load_plan
     from planner.what_if import predicted, what_if
-    from profiler.profiles import load_profiles
     from report.tables import evaluation_tables, interval_row
     from specs import flags
     from specs.cluster import load_cluster
@@ -212,7 +212,8 @@ def predict(
         costs = plan_costs_said(load_plan(strategy), predictor, profiles, chosen.model)
         chosen_predictor, measured = costs.predictor, costs.profiles
     else:
-        chosen_predictor, measured = predictor_from(predictor), load_profiles(profiles, chosen.model)
+        devices = [group.device.key for group in cluster_spec.groups]
+        chosen_predictor, measured = predictor_from(predictor), profiles_said(profiles, chosen.model, devices)
     ctx, evaluation, interval = predicted(chosen, cluster_spec, chosen_predictor, measured)
     body = {
         **header_dict(ctx),

@@ -93,6 +93,20 @@ def predictor_from(path: Path | None) -> Predictor:
     return load_predictor(path) if path is not None else default_predictor()
 
 
+def profiles_said(directory: Path | None, model: Any, devices: list[str], quiet: bool = False) -> dict[str, Any]:
+    """The profiles of `--profiles` (none without it); when it names a directory that leaves some of the cluster's
+    devices without a profile, says on stderr that theirs are the datasheet's costs (an empty directory: all)."""
+    from profiler.profiles import load_profiles
+
+    profiles = load_profiles(directory, model)
+    missing = [device for device in dict.fromkeys(devices) if device not in profiles]
+    if directory is not None and missing and not quiet:
+        whose = "its" if len(missing) == 1 else "their"
+        print(f"note: --profiles {directory} has no profile of {', '.join(missing)}: {whose} costs are the "
+              "datasheet's (simulated)", file=sys.stderr)  # fmt: skip
+    return profiles
+
+
 def plan_costs_said(loaded: LoadedPlan, predictor: Path | None, profiles: Path | None, model: Any = None) -> PlanCosts:
     """The costs to evaluate a saved plan with (the ones it records unless a flag names others), said on stderr in
     one line, plus a line per recorded file that changed since the plan was made."""

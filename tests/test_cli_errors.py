@@ -142,6 +142,32 @@ def test_usage_and_flag_errors_are_one_line_and_exit_2(capsys, tmp_path, monkeyp
     assert not list(tmp_path.iterdir()), "nothing is written when a flag is wrong"
 
 
+def test_a_profiles_directory_without_some_devices_profiles_says_whose_costs_are_the_datasheets(capsys, tmp_path):
+    """`--profiles` that leaves a device of the cluster unprofiled (an empty directory: every device) plans on its
+    datasheet costs and says so in one line; a directory that covers every device says nothing."""
+    profiles = tmp_path / "profiles"
+    profiles.mkdir()
+    two_kinds = ("--cluster", str(EXAMPLES / "h100-mi300x.yaml"), "--model", "llama3-8b")
+    code, lines, _ = run(capsys, "plan", *two_kinds, "--profiles", str(profiles))
+    assert code == 0 and lines == [
+        f"note: --profiles {profiles} has no profile of h100, mi300x: their costs are the datasheet's (simulated)"
+    ]
+    assert (
+        run(capsys, "simulate-profile", "--device", "h100", "-m", "llama3-8b", "--out", str(profiles / "h.json"))[0]
+        == 0
+    )
+    code, lines, _ = run(capsys, "plan", *two_kinds, "--profiles", str(profiles))
+    assert code == 0 and lines == [
+        f"note: --profiles {profiles} has no profile of mi300x: its costs are the datasheet's (simulated)"
+    ]
+    assert (
+        run(capsys, "simulate-profile", "--device", "mi300x", "-m", "llama3-8b", "--out", str(profiles / "m.json"))[0]
+        == 0
+    )
+    code, lines, _ = run(capsys, "plan", *two_kinds, "--profiles", str(profiles))
+    assert code == 0 and lines == []
+
+
 def test_help_and_listings_are_successes(capsys):
     for args in (("--help",), ("plan", "--help"), ("devices",), ("models", "--json")):
         code, lines, out = run(capsys, *args)
