@@ -147,25 +147,23 @@ def test_a_profiles_directory_without_some_devices_profiles_says_whose_costs_are
     datasheet costs and says so in one line; a directory that covers every device says nothing."""
     profiles = tmp_path / "profiles"
     profiles.mkdir()
-    two_kinds = ("--cluster", str(EXAMPLES / "h100-mi300x.yaml"), "--model", "llama3-8b")
-    code, lines, _ = run(capsys, "plan", *two_kinds, "--profiles", str(profiles))
-    assert code == 0 and lines == [
-        f"note: --profiles {profiles} has no profile of h100, mi300x: their costs are the datasheet's (simulated)"
-    ]
-    assert (
-        run(capsys, "simulate-profile", "--device", "h100", "-m", "llama3-8b", "--out", str(profiles / "h.json"))[0]
-        == 0
+    plan = (
+        "plan",
+        "--cluster",
+        str(EXAMPLES / "h100-mi300x.yaml"),
+        "--model",
+        "llama3-8b",
+        "--profiles",
+        str(profiles),
     )
-    code, lines, _ = run(capsys, "plan", *two_kinds, "--profiles", str(profiles))
-    assert code == 0 and lines == [
-        f"note: --profiles {profiles} has no profile of mi300x: its costs are the datasheet's (simulated)"
-    ]
-    assert (
-        run(capsys, "simulate-profile", "--device", "mi300x", "-m", "llama3-8b", "--out", str(profiles / "m.json"))[0]
-        == 0
-    )
-    code, lines, _ = run(capsys, "plan", *two_kinds, "--profiles", str(profiles))
-    assert code == 0 and lines == []
+    said = f"note: --profiles {profiles} has no profile of "
+    expected = [[said + "h100, mi300x: their costs are the datasheet's (simulated)"]]
+    expected += [[said + "mi300x: its costs are the datasheet's (simulated)"], []]
+    for lines, profiled in zip(expected, ("h100", "mi300x", None), strict=True):
+        assert run(capsys, *plan)[:2] == (0, lines)
+        if profiled is not None:  # one more device's profile for the next plan
+            out = str(profiles / f"{profiled}.json")
+            assert run(capsys, "simulate-profile", "--device", profiled, "-m", "llama3-8b", "--out", out)[0] == 0
 
 
 def test_help_and_listings_are_successes(capsys):
