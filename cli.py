@@ -343,8 +343,8 @@ def replan(
     from specs.flags import output_file
 
     output_file(out, "--out")
-    check_changes(without or [], add or [])
     loaded, original = plan_on_cluster(plan_file, cluster)
+    check_changes(without or [], add or [], original)
     engine = get_engine(loaded.engine, str(plan_file), "search.engine") if loaded.engine else None
     new_cluster = changed_cluster(original, without or [], add or [])
     costs = plan_costs_said(loaded, predictor, profiles)

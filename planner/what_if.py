@@ -176,13 +176,14 @@ def run_context(
     return context
 
 
-def check_changes(without: Sequence[str], add: Sequence[str]) -> None:
-    """`replan`'s change list: something changed, and no node is named lost twice (node:ascend/1 and
-    node:ascend/node01 are one node; removing it twice would remove two)."""
+def check_changes(without: Sequence[str], add: Sequence[str], cluster: ClusterSpec) -> None:
+    """`replan`'s change list: something changed (the example names the cluster's own last node), and no node is
+    named lost twice (node:ascend/1 and node:ascend/node01 are one node; removing it twice would remove two)."""
     from planner.replan import CHANGE
 
     if not without and not add:
-        raise SpecError("--without/--add", "", "say what changed, e.g. --without node:ascend/17")
+        group = cluster.groups[-1]
+        raise SpecError("--without/--add", "", f"say what changed, e.g. --without node:{group.name}/{group.nodes - 1}")
     seen: dict[tuple[str, int], str] = {}
     for item in without:
         match = CHANGE.match(item)
