@@ -276,7 +276,7 @@ def export(
     from specs.flags import output_directory
 
     output_directory(out, "--out", "export.json")
-    get_engine(format)  # an unknown format is named before anything is said about costs
+    format = get_engine(format).key  # named as the registry does ('Megatron' is megatron); an unknown one first
     loaded, cluster_spec = plan_on_cluster(plan_file, cluster)
     costs = plan_costs_said(loaded, predictor, profiles)
     ctx = costs.predictor.context(cluster_spec, loaded.model, loaded.training, costs.profiles)
