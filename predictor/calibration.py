@@ -70,8 +70,8 @@ def source_kind(source: LayerCostSource) -> str:
         return source_kind(source.inner)
     if isinstance(source, SimulatedDevice):
         return "simulated"
-    if isinstance(source, DeviceProfile):
-        return "measured"
+    if isinstance(source, DeviceProfile):  # a saved simulation (simulate-profile) is the datasheet's costs: theirs
+        return "simulated" if source.source == "simulated" else "measured"
     return "learned"
 
 

@@ -86,3 +86,23 @@ def test_a100_over_v100_layer_time_follows_the_tensor_core_peaks(a100_dtype, v10
         ctx = default_predictor().context(alone, model, training)
         times[name] = ctx.source(name).layer_cost("decoder", 8, 1, "none").time_s
     assert times["a100"] / times["v100"] == pytest.approx(peak_ratio, rel=0.25)
+
+
+def test_a_saved_simulated_profile_is_calibrated_as_the_datasheet_simulation_it_saves(tmp_path):
+    """The shipped predictor's calibration scales the datasheet simulation per vendor, generation and device; a
+    simulated profile file (simulate-profile) holds those same costs, so a plan from it takes the same scales and
+    the same time (it took none, and planned H100 + MI300X 19% faster than the datasheet it saved)."""
+    from planner import plan
+    from profiler.profiles import load_profiles
+    from specs import load_cluster, load_training
+
+    cluster = load_cluster(EXAMPLES / "h100-mi300x.yaml")
+    model, training = load_model("llama3-8b"), load_training(None, {})
+    for device in ("h100", "mi300x"):
+        SimulatedDevice(get_device(device), model, model.seq_length, "bf16").to_profile(
+            (1, 2, 4, 8), (1, 2, 4, 8)
+        ).save(tmp_path / f"{device}.json")
+    datasheet = plan(cluster, model, training)
+    saved = plan(cluster, model, training, load_profiles(tmp_path, model))
+    assert "simulated profile" in saved.context.predictor_identity and " x1." in saved.context.predictor_identity
+    assert saved.evaluation.iteration_time_s == pytest.approx(datasheet.evaluation.iteration_time_s, rel=1e-9)
