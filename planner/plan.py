@@ -307,11 +307,42 @@ class LoadedPlan:
     engine: str | None = None  # the engine it was planned for (`plan --engine`), by its registry key
 
 
+def _check_summaries(
+    data: dict[str, Any], model: ModelSpec, training: TrainingSpec, strategy: Strategy, source: str
+) -> None:
+    """The figures a plan file repeats for its readers (the batch, the sequence, CP, each family's samples per
+    replica) agree with the training and layout they summarise: edited by hand they would change nothing, so a
+    disagreement is named rather than ignored."""
+    # (the mapping the figure is written in, its key, its name in the message, the value, what decides it)
+    figures: list[tuple[Any, str, str, object, str]] = [
+        (data, "global_batch_size", "global_batch_size", training.global_batch_size, "training.global_batch_size"),
+        (
+            data,
+            "seq_length",
+            "seq_length",
+            training.seq_length or model.seq_length,
+            "training.seq_length (or the model's)",
+        ),
+        (data, "context_parallel", "context_parallel", strategy.context_parallel, "pipelines[].context_parallel"),
+    ]
+    for index, (written, pipeline) in enumerate(zip(data.get("pipelines") or [], strategy.pipelines, strict=False)):
+        name = f"pipelines[{index}]"
+        by = f"{name}'s micro-batch size and counts"
+        figures.append(
+            (written, "samples_per_replica", f"{name}.samples_per_replica", pipeline.samples_per_replica, by)
+        )
+    for mapping, key, name, value, by in figures:
+        written = mapping.get(key) if isinstance(mapping, dict) else None
+        if written is not None and written != value:
+            raise SpecError(source, name, f"{written!r} disagrees with {by}, {value!r}, which decides it (edit that)")
+
+
 def load_plan(path: str | Path) -> LoadedPlan:
     """Read any plan in the plan schema back into a strategy, model and training spec."""
     path = Path(path)
     source = str(path)
-    parsed = validate(_PlanFile, read_mapping(path), source)
+    data = read_mapping(path)
+    parsed = validate(_PlanFile, data, source)
     model = validate(ModelSpec, parsed.model, source, prefix="model")
     training = validate(TrainingSpec, parsed.training, source, prefix="training")
     pipelines = pipelines_from_files(parsed.pipelines, parsed.recompute, parsed.zero_stage)
@@ -323,6 +354,7 @@ def load_plan(path: str | Path) -> LoadedPlan:
         parsed.sequence_parallel,
         parsed.zero_shard,
     )
+    _check_summaries(data, model, training, strategy, source)
     engine = parsed.search.get("engine")
     if engine is not None and not isinstance(engine, str):
         raise SpecError(source, "search.engine", f"expected an engine name, got {engine!r}")

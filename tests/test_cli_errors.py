@@ -50,6 +50,9 @@ def plans(tmp_path_factory) -> dict[str, Path]:
         "reversed": lambda b: b["pipelines"][0]["stages"][0].update(layers=[4, 0]),
         "fp8": lambda b: b["training"].update(dtype="fp8"),
         "per-node": lambda b: b.update(zero_shard="node"),
+        # figures the plan repeats for its readers, edited by hand (they changed nothing, without a word)
+        "batch-summary": lambda b: b.update(global_batch_size=1000),
+        "samples-summary": lambda b: b["pipelines"][0].update(samples_per_replica=31),
     }
     for name, change in breaks.items():
         broken = json.loads(good.read_text())
@@ -198,6 +201,8 @@ def test_traffic_checks_the_plan_and_its_flags(capsys, tmp_path, monkeypatch, pl
         (("explain", "{good}", "-c", str(CPU), "--png", "x.txt"), "--png: x.txt: expected a file name ending in .png"),
         (("explain", "{good}", "-c", str(CPU), "--html", "x.png"), "--html: x.png: expected a file name ending in"),
         (("explain", "{tp3}", "-c", str(CPU)), "stages[0].tp: expected a divisor"),
+        (("explain", "{batch-summary}", "-c", str(CPU)), "global_batch_size: 1000 disagrees with training.global_"),
+        (("export", "{samples-summary}", "-c", str(CPU), "-f", "megatron"), "pipelines[0].samples_per_replica: 31 dis"),
         (("predict", "-c", str(CPU), "--strategy", "{other-cluster}"), "the plan is for cluster 'elsewhere'"),
         (("predict", "-c", str(CPU), "--strategy", "{good}", "--seq-len", "0"), "--seq-len: "),
         # a plan's layout and training are its own: a flag that would change them is refused (they were dropped)
