@@ -85,7 +85,8 @@ def plan(
             "--max-candidates",
             min=1,
             help="Candidates a search solves before it stops and reports how far below the plan the least bound "
-            "left lies (default 2,000; exact when it does not stop).",
+            "left lies (default 2,000; exact when it does not stop); stopped over every group, the plans that "
+            "leave a group idle get as many again.",
         ),
     ] = None,
     engine: Annotated[Optional[str], opt(help="Only plans this engine runs as planned: " + ENGINES + ".")] = None,

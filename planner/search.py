@@ -176,7 +176,10 @@ class _Search:
         self.candidates: list[int] = []  # per scan: candidates generated
         self.scanned = self.evaluated = self.infeasible = 0
         self.stopped_s = math.inf  # the least bound left when options.max_candidates stopped the scan
-        self.idle_bound_s = math.inf  # when it stopped: the least work bound of the group subsets not scanned
+        # stopped over every group: the subsets that leave a group idle, searched with a budget of their own (the
+        # candidates they took, None before; the least bound left among them, inf when searched to the end)
+        self.idle_candidates: int | None = None
+        self.idle_bound_s = math.inf
 
     def run(self) -> SearchResult:
         """The scans, then the refinement steps and the family search, then the closest misfit if nothing fits."""
@@ -203,11 +206,14 @@ class _Search:
                 f"stopped after {options.max_candidates:,} candidates: no plan left is faster than "
                 f"{_bound_text(least_s, ranked)}"
             )
-            if self.idle_bound_s < self.stopped_s:  # the two kinds of plan left are bounded far apart: say both
-                note += (
-                    f" (pipelines over every group: {_bound_text(self.stopped_s, ranked, '')}; plans leaving a group "
-                    f"idle, not searched: {self.idle_bound_s:.3f} s by their work alone)"
-                )
+            if self.idle_candidates is not None:  # the two scans stopped apart: say where each stopped
+                idle = "searched to the end"
+                if math.isfinite(self.idle_bound_s):
+                    idle = (
+                        f"stopped after {self.idle_candidates:,} more at {_bound_text(self.idle_bound_s, ranked, '')}"
+                    )
+                every_group = _bound_text(self.stopped_s, ranked, "")
+                note += f" (pipelines over every group: {every_group}; plans leaving a group idle: {idle})"
             note += " (a larger --max-candidates searches on)"
         return SearchResult(
             self.best.ranked(),
@@ -232,20 +238,25 @@ class _Search:
             smaller = group_subsets(groups, range(1, len(groups)))
             incumbent_s = self.best.kth_s(self.options.gap)
             bounds = {s: work_bound_s(self.ctx, s) for s in smaller}
-            if math.isfinite(self.stopped_s):  # out of candidates: the subsets left are bounded by their work
-                self.idle_bound_s = min((b for b in bounds.values() if b < incumbent_s), default=math.inf)
+            if math.isfinite(self.stopped_s):  # out of candidates over every group: the subsets get a budget too
+                every_group_s, self.stopped_s, before = self.stopped_s, math.inf, self.evaluated
+                self.scan([s for s in smaller if bounds[s] < incumbent_s], before + self.options.max_candidates)
+                self.idle_bound_s, self.stopped_s = self.stopped_s, every_group_s
+                self.idle_candidates = self.evaluated - before
                 return math.inf
             self.scan([s for s in smaller if bounds[s] < incumbent_s])
             root_bound_s = min([root_bound_s, *(b for b in bounds.values() if b >= incumbent_s)])
         return min(root_bound_s, self.pruning.least_root_s)
 
-    def scan(self, subsets: list[tuple[DeviceGroup, ...]]) -> None:
+    def scan(self, subsets: list[tuple[DeviceGroup, ...]], budget: int | None = None) -> None:
         """Branch and bound over the candidates on these group subsets (best bound first; the generator stops
-        once no candidate left can beat the incumbent)."""
+        once no candidate left can beat the incumbent, or when `budget` candidates have been solved in all:
+        default options.max_candidates)."""
         ctx, gap = self.ctx, self.options.gap
+        budget = self.options.max_candidates if budget is None else budget
         configs = outer_configs(ctx, self.options, self.candidates, subsets=subsets, pruning=self.pruning)
         for index, config in enumerate(configs, self.scanned):
-            if self.evaluated >= self.options.max_candidates:
+            if self.evaluated >= budget:
                 self.stopped_s = min(self.stopped_s, config.order_bound_s)  # best first: no candidate left is below
                 break
             self.scanned = index + 1
