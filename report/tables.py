@@ -348,6 +348,10 @@ def fit_advice(message: str, training: TrainingSpec) -> str:
         remedies.append("allow full recompute (--recompute none,selective,full)")
     if training.zero_stage == 0:
         remedies.append("use ZeRO-1 (--zero-stage 1)")
+    if training.zero_stage < 3:  # the search plans the training's stage only: ZeRO-3 shards the weights too
+        remedies.append("shard gradients and weights too (--zero-stage 3)")
+    if training.dtype == "fp32":  # the CPU's default: half the bytes per value
+        remedies.append("train in 16 bits (--dtype bf16)")
     if min(training.micro_batch_sizes) > 1:
         remedies.append("allow micro-batch 1 (--micro-batch-sizes 1,...)")
     remedies.append("shorten the sequence (--seq-len)")

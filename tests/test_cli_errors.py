@@ -372,7 +372,7 @@ def test_does_not_fit_advice_names_only_what_the_training_does_not_allow(capsys,
 
     cluster = str(write("t4.yaml", ONE_T4_NODE))
     line = one_error(capsys, "plan", "--cluster", cluster, "--model", "llama2-7b", "--dtype", "fp16", "--quiet")
-    assert "GiB more per device; add devices or shorten the sequence (--seq-len)" in line
+    assert "GiB more per device; add devices, shard gradients and weights too (--zero-stage 3) or shorten" in line
     narrow = ("--recompute", "none", "--zero-stage", "0", "--quiet")
     line = one_error(capsys, "plan", "--cluster", cluster, "--model", "llama2-7b", "--dtype", "fp16", *narrow)
     assert "allow full recompute (--recompute none,selective,full), use ZeRO-1 (--zero-stage 1)" in line

@@ -363,7 +363,11 @@ def test_hints_name_uneven_batches_for_a_prime_batch_and_advice_skips_what_is_al
     message = f"llama2-70b does not fit: the closest strategy needs 3.0 GiB more per device; {PLANNER_REMEDIES}"
     defaults = load_training()  # full recompute and ZeRO-1 already allowed
     advice = fit_advice(message, defaults)
-    assert advice.endswith("; add devices or shorten the sequence (--seq-len)")
+    assert advice.endswith(
+        "; add devices, shard gradients and weights too (--zero-stage 3) or shorten the sequence (--seq-len)"
+    )
+    assert "--dtype bf16" in fit_advice(message, load_training(None, {"dtype": "fp32"}))
+    assert "--zero-stage 3" not in fit_advice(message, load_training(None, {"zero_stage": 3}))
     narrow = load_training(None, {"recompute": ["none"], "zero_stage": 0, "micro_batch_sizes": [2, 4]})
     assert "allow full recompute" in fit_advice(message, narrow) and "ZeRO-1 (--zero-stage 1)" in fit_advice(
         message, narrow
