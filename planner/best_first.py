@@ -13,7 +13,8 @@ import numpy as np
 
 from planner.candidates import OuterConfig, group_order_array, group_orders, group_subsets
 from planner.options import DEFAULT_OPTIONS, SearchOptions
-from planner.tp_rows import ReplicaRows, RowBound, SubsetRows, TpRowBatch, row_tables
+from planner.row_batch import RowBound, TpRowBatch
+from planner.tp_rows import ReplicaRows, SubsetRows, row_tables
 from predictor.cost_model import CostContext
 from specs.cluster import DeviceGroup
 from specs.layout import split_batch

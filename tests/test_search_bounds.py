@@ -27,9 +27,9 @@ from planner.lower_bounds import (
     work_bound_s,
 )
 from planner.options import SearchOptions
+from planner.row_batch import RowBound, TpRowBatch
 from planner.search import search
 from planner.solve import StageTerms, build_strategy, candidate_strategy
-from planner.tp_rows import RowBound, TpRowBatch
 from predictor.cost_model import CostContext, EndToEndTerms, StageCache, build_context, evaluate
 from specs import load_model, load_training
 from specs.cluster import ClusterSpec, DeviceGroup
