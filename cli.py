@@ -158,7 +158,8 @@ def predict(
     micro_batch: Annotated[Optional[int], opt(min=1, help="Micro-batch size [default: 1].")] = None,
     recompute: Annotated[Optional[str], opt(help="none, selective or full [default: none].")] = None,
     sequence_parallel: Annotated[
-        Optional[bool], opt("--sequence-parallel/--no-sequence-parallel", help="Megatron's SP [default: on].")
+        Optional[bool],
+        opt("--sequence-parallel/--no-sequence-parallel", help="Megatron's SP [default: the training's, on]."),
     ] = None,
     virtual_stages: Annotated[Optional[int], opt(min=1, help="Interleaving chunks per stage [default: 1].")] = None,
     cp: Annotated[

@@ -66,8 +66,9 @@ class _Queue:
         # per batch built, its next row in bound order: (bound, rank, row, batch, position in the order)
         self.cursors: list[tuple[float, tuple[int, int], int, int, int]] = []
         self.row_orders: list[np.ndarray] = []
-        # (bound, arrival, a candidate or a row to expand into its orders): a row waits with its whole-layer bound
-        # (its orders' bounds are at least that), so rows that cannot beat the final incumbent are never expanded
+        # (bound, arrival, a candidate or a row to expand into its orders): a row waits with its whole-layer bound,
+        # then again with the least memory bound over its orders (its orders' bounds are at least both), so rows that
+        # cannot beat the final incumbent are never expanded
         self.queue: list[tuple[float, int, tuple[_Orders, int] | _Row]] = []
         self.arrival = 0  # the tie order of queued items (each row reserves one place per order)
         self.popped_roots: dict[_Row, float] = {}  # rows that came up: their root bound with whole layers
@@ -156,13 +157,15 @@ class _Queue:
                 self.raised_rows.add(item)  # type: ignore[arg-type]
                 batch, row = self.batches[item[0]], item[1]  # type: ignore[index]
                 memory_s = float(batch.bound_s[row]) + batch.least_order_increase_s(row, self.options.order_bound_steps)
-                heapq.heappush(self.queue, (max(key_s, memory_s), arrival, item))
+                if memory_s < self.pruning.limit_s:  # else no order of it fits, or none can beat the incumbent
+                    heapq.heappush(self.queue, (max(key_s, memory_s), arrival, item))
             else:
                 self.expand(item, key_s)  # type: ignore[arg-type]
 
-    def expand(self, item: _Row, whole_s: float) -> None:
-        """Queue a row's pipeline orders that may fit memory, each with its own bound: the best first, each next one
-        when the one before comes up (the queue never holds a row's k! orders at once)."""
+    def expand(self, item: _Row, floor_s: float) -> None:
+        """Queue a row's pipeline orders that may fit memory, each with its own bound (at least `floor_s`, the key
+        the row came up with): the best first, each next one when the one before comes up (the queue never holds a
+        row's k! orders at once)."""
         batch, row = self.batches[item[0]], item[1]
         bound = float(batch.bound_s[row])
         orders = group_orders(batch.subset)
@@ -177,7 +180,7 @@ class _Queue:
             if not len(numbers):
                 return
             increase = batch.order_bound_increase_s(row, order_array[numbers], self.options.order_bound_steps)
-            keys = np.maximum(bound + increase, whole_s)
+            keys = np.maximum(bound + increase, floor_s)
         line = _Orders(batch, row, orders, numbers, keys, np.lexsort((numbers, keys)), base)
         self.push_next(line, 0)
 

@@ -187,7 +187,10 @@ def part_devices(group: DeviceGroup) -> int:
     return group.num_devices // group_parts(group)
 
 
-def stage_count(group: DeviceGroup, replicas: int, width: int) -> int:
+def stage_count(group: DeviceGroup, replicas: int, width: int, lone_of_layers: int | None = None) -> int:
     """Stages the group holds with `replicas` replicas of `width` devices each (tp x cp; in whole parts of a merged
-    group)."""
-    return group_parts(group) * (part_devices(group) // (replicas * width))
+    group). `lone_of_layers`: the group is a pipeline's only one, of this many layers: it holds at most as many stages
+    (whole parts), its other devices idle (tp_rows.SubsetRows holds its rows to the same)."""
+    parts = group_parts(group)
+    count = parts * (part_devices(group) // (replicas * width))
+    return count if lone_of_layers is None else min(count, lone_of_layers // parts * parts)

@@ -37,8 +37,8 @@ class SearchOptions:
     # candidates solved before the branch and bound stops and reports the least bound left (SearchResult.note): many
     # distinct groups have orders by the k! with bounds too alike to prune (`plan --max-candidates`; of the bench
     # examples, four-vendor-256 / Llama-3-70B needs 640 to finish, the others at most 122). Stopped over every group,
-    # the subsets that leave a group idle get as many again (four-vendor-256 / GPT-3 6.7B: its exact plan, idle-group,
-    # after 18 more, where the work bound alone left 24.9% unproven)
+    # the subsets that leave a group idle get as many again (four-vendor-256 / GPT-3 6.7B: the exact search's plan,
+    # idle-group, after 18 more, where the work bound alone left 24.9% unproven)
     max_candidates: int = 2_000
     misfit_candidates: int = 20_000  # when nothing fits: candidates (best time bound first) searched for the closest
     # pipeline families (planner.families)

@@ -175,9 +175,9 @@ class _Search:
         self.tried: list[_Tried] = []
         self.candidates: list[int] = []  # per scan: candidates generated
         self.scanned = self.evaluated = self.infeasible = 0
-        self.stopped_s = math.inf  # the least bound left when options.max_candidates stopped the scan
-        # stopped over every group: the subsets that leave a group idle, searched with a budget of their own (the
-        # candidates they took, None before; the least bound left among them, inf when searched to the end)
+        self.stopped_s = math.inf  # the least bound left where options.max_candidates stopped the scan over every group
+        # the subsets that leave a group idle, searched after it with a budget of their own: the candidates they took
+        # (None: no such subset could beat the incumbent), the least bound left among them (inf: searched to the end)
         self.idle_candidates: int | None = None
         self.idle_bound_s = math.inf
 
@@ -198,21 +198,24 @@ class _Search:
             root_bound_s = min(root_bound_s, families_bound_s)
         find_misfit = None if self.best else functools.partial(closest_misfit, ctx, options, self.terms)
         note = ""
-        if math.isfinite(self.stopped_s):
+        # a bound left that reaches the incumbent (a later scan, the refinements or the families found a plan at
+        # least as fast) leaves nothing unproven there
+        incumbent_s = self.best.kth_s(options.gap)
+        every_group_s = self.stopped_s if self.stopped_s < incumbent_s else math.inf
+        idle_s = self.idle_bound_s if self.idle_bound_s < incumbent_s else math.inf
+        if math.isfinite(min(every_group_s, idle_s)):
             ranked = self.best.ranked()
-            least_s = min(self.stopped_s, self.idle_bound_s)
+            least_s = min(every_group_s, idle_s)
             root_bound_s = min(root_bound_s, least_s, *(e.iteration_time_s for e in ranked[:1]))
             note = (
                 f"stopped after {options.max_candidates:,} candidates: no plan left is faster than "
                 f"{_bound_text(least_s, ranked)}"
             )
-            if self.idle_candidates is not None:  # the two scans stopped apart: say where each stopped
-                idle = "searched to the end"
-                if math.isfinite(self.idle_bound_s):
-                    idle = (
-                        f"stopped after {self.idle_candidates:,} more at {_bound_text(self.idle_bound_s, ranked, '')}"
-                    )
-                every_group = _bound_text(self.stopped_s, ranked, "")
+            if self.idle_candidates is not None:  # the two scans stop apart: say where each did
+                every_group = _bound_text(every_group_s, ranked, "") if math.isfinite(every_group_s) else _TO_THE_END
+                idle = _TO_THE_END
+                if math.isfinite(idle_s):
+                    idle = f"stopped after {self.idle_candidates:,} more at {_bound_text(idle_s, ranked, '')}"
                 note += f" (pipelines over every group: {every_group}; plans leaving a group idle: {idle})"
             note += " (a larger --max-candidates searches on)"
         return SearchResult(
@@ -238,13 +241,12 @@ class _Search:
             smaller = group_subsets(groups, range(1, len(groups)))
             incumbent_s = self.best.kth_s(self.options.gap)
             bounds = {s: work_bound_s(self.ctx, s) for s in smaller}
-            if math.isfinite(self.stopped_s):  # out of candidates over every group: the subsets get a budget too
+            idle = [s for s in smaller if bounds[s] < incumbent_s]
+            if idle:  # with a budget of their own, whether or not the scan over every group used up its
                 every_group_s, self.stopped_s, before = self.stopped_s, math.inf, self.evaluated
-                self.scan([s for s in smaller if bounds[s] < incumbent_s], before + self.options.max_candidates)
+                self.scan(idle, before + self.options.max_candidates)
                 self.idle_bound_s, self.stopped_s = self.stopped_s, every_group_s
                 self.idle_candidates = self.evaluated - before
-                return math.inf
-            self.scan([s for s in smaller if bounds[s] < incumbent_s])
             root_bound_s = min([root_bound_s, *(b for b in bounds.values() if b >= incumbent_s)])
         return min(root_bound_s, self.pruning.least_root_s)
 
@@ -301,7 +303,8 @@ class _Search:
             for replicas in _nearby_replica_counts(config, cp):
                 if global_batch % replicas == 0 or split_batch(global_batch, replicas, config.micro_batch_size) is None:
                     continue  # even splits were searched already
-                counts = tuple(stage_count(g, replicas, t * cp) for g, t in zip(config.groups, config.tps))
+                lone = num_layers if len(config.groups) == 1 else None
+                counts = tuple(stage_count(g, replicas, t * cp, lone) for g, t in zip(config.groups, config.tps))
                 stages = sum(counts)
                 v = config.virtual_stages if stages > 1 else 1  # a single stage cannot interleave
                 if min(counts) < 1 or stages * v > num_layers:
@@ -362,6 +365,9 @@ class _Search:
         stages = self.options.family_zero_stages or (ctx.training.zero_stage,)  # a bound for each family's stage
         staged = [dataclasses.replace(ctx, training=ctx.training.model_copy(update={"zero_stage": s})) for s in stages]
         return families.partitions, min(family_bound_s(c, self.options) for c in staged)
+
+
+_TO_THE_END = "searched to the end"
 
 
 def _bound_text(bound_s: float, ranked: list[Evaluation], below_what: str = " this plan") -> str:

@@ -89,7 +89,7 @@ def what_if(
         raise SpecError("--model", "", "required with Megatron-style flags (or pass --strategy plan.json)")
     flags = dict(megatron)
     model_spec = load_model(model)
-    training = load_training(training_file, {**given, "sequence_parallel": flags.pop("sequence_parallel", True)})
+    training = load_training(training_file, {**given, "sequence_parallel": flags.pop("sequence_parallel", None)})
     strategy = megatron_strategy(cluster, model_spec, training, **flags, source="--tp/--pp/--dp flags")
     return WhatIf(model_spec, training, strategy, "flags")
 

@@ -82,8 +82,9 @@ MEGATRON_FLAG_NAMES = (
     "--group", "--tp", "--pp", "--dp", "--micro-batch", "--recompute", "--virtual-stages", "--sequence-parallel",
     "--cp",
 )  # fmt: skip
-# what `predict`'s Megatron-style flags are when not given (None for --group: the cluster's only group, else asked)
-MEGATRON_DEFAULTS = dict(zip(MEGATRON_FLAGS, (None, 1, 1, 1, 1, "none", 1, True, 1)))
+# what `predict`'s Megatron-style flags are when not given (None: --group, the cluster's only group, else asked;
+# --sequence-parallel, the training's)
+MEGATRON_DEFAULTS = dict(zip(MEGATRON_FLAGS, (None, 1, 1, 1, 1, "none", 1, None, 1)))
 
 
 def predictor_from(path: Path | None) -> Predictor:

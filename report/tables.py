@@ -351,7 +351,7 @@ def fit_advice(message: str, training: TrainingSpec) -> str:
     if training.zero_stage < 3:  # the search plans the training's stage only: ZeRO-3 shards the weights too
         remedies.append("shard gradients and weights too (--zero-stage 3)")
     if training.dtype == "fp32":  # the CPU's default: half the bytes per value
-        remedies.append("train in 16 bits (--dtype bf16)")
+        remedies.append("train in 16 bits (--dtype bf16, or fp16)")
     if min(training.micro_batch_sizes) > 1:
         remedies.append("allow micro-batch 1 (--micro-batch-sizes 1,...)")
     remedies.append("shorten the sequence (--seq-len)")

@@ -169,6 +169,15 @@ def test_a_profiles_directory_without_some_devices_profiles_says_whose_costs_are
             assert run(capsys, "simulate-profile", "--device", profiled, "-m", "llama3-8b", "--out", out)[0] == 0
 
 
+def test_predict_takes_sequence_parallelism_from_the_training_file_unless_the_flag_says(capsys, write):
+    """Megatron-style flags: --sequence-parallel defaulted to on over a training file's `sequence_parallel: false`."""
+    training = str(write("sp.yaml", "sequence_parallel: false\n"))
+    flags = ("predict", "-c", str(EXAMPLES / "a100-v100-32.yaml"), "-m", "gpt3-6.7b", "--group", "a100", "--tp", "8")
+    for extra, expected in (((), False), (("--sequence-parallel",), True)):
+        code, _, out = run(capsys, *flags, "--training", training, "--dtype", "fp16", *extra, "--json")
+        assert code == 0 and json.loads(out)["sequence_parallel"] is expected
+
+
 def test_help_and_listings_are_successes(capsys):
     for args in (("--help",), ("plan", "--help"), ("devices",), ("models", "--json")):
         code, lines, out = run(capsys, *args)
