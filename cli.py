@@ -214,7 +214,8 @@ def predict(
         costs = plan_costs_said(load_plan(strategy), predictor, profiles, chosen.model)
         chosen_predictor, measured = costs.predictor, costs.profiles
     else:
-        devices = [group.device.key for group in cluster_spec.groups]
+        used = {stage.group for pipeline in chosen.strategy.pipelines for stage in pipeline.stages}
+        devices = [group.device.key for group in cluster_spec.groups if group.name in used]  # --group's, not all
         chosen_predictor, measured = predictor_from(predictor), profiles_said(profiles, chosen.model, devices)
     ctx, evaluation, interval = predicted(chosen, cluster_spec, chosen_predictor, measured)
     body = {

@@ -169,6 +169,19 @@ def test_a_profiles_directory_without_some_devices_profiles_says_whose_costs_are
             assert run(capsys, "simulate-profile", "--device", profiled, "-m", "llama3-8b", "--out", out)[0] == 0
 
 
+def test_predict_with_megatron_flags_notes_only_its_groups_unprofiled_device(capsys, tmp_path):
+    """`predict --group` runs on one group: the --profiles note names that group's device if unprofiled, not the
+    cluster's other devices."""
+    out = str(tmp_path / "h100.json")
+    assert run(capsys, "simulate-profile", "--device", "h100", "-m", "llama3-8b", "--out", out)[0] == 0
+    flags = ("predict", "-c", str(EXAMPLES / "h100-mi300x.yaml"), "-m", "llama3-8b", "--profiles", str(tmp_path))
+    assert run(capsys, *flags, "--group", "h100", "--tp", "8", "--json")[:2] == (0, [])
+    code, lines, _ = run(capsys, *flags, "--group", "mi300x", "--json")
+    assert code == 0 and lines == [
+        f"note: --profiles {tmp_path} has no profile of mi300x: its costs are the datasheet's (simulated)"
+    ]
+
+
 def test_predict_takes_sequence_parallelism_from_the_training_file_unless_the_flag_says(capsys, write):
     """Megatron-style flags: --sequence-parallel defaulted to on over a training file's `sequence_parallel: false`."""
     training = str(write("sp.yaml", "sequence_parallel: false\n"))
