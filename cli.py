@@ -17,8 +17,6 @@ import typer
 from report import measuring
 from report.cli_flags import (
     ENGINES,
-    MEGATRON_DEFAULTS,
-    MEGATRON_FLAG_NAMES,
     MEGATRON_FLAGS,
     ClusterOpt,
     DtypeOpt,
@@ -199,14 +197,14 @@ def predict(
     if strategy is not None:  # a plan sets its own layout and training: a flag that would change them is refused
         from specs.errors import SpecError
 
-        named = dict(zip(MEGATRON_FLAGS, MEGATRON_FLAG_NAMES)) | {"training": "--training"}
+        named = {field: flag for field, (flag, _) in MEGATRON_FLAGS.items()} | {"training": "--training"}
         for field, value in {**layout, "training": training}.items():
             if value is not None:
                 raise SpecError(
                     named[field], "", "goes with the Megatron-style flags; a plan (--strategy) sets its own layout "
                     "and training (change its training with --global-batch, --seq-len, --dtype, --zero-stage)"
                 )  # fmt: skip
-    layout = {field: MEGATRON_DEFAULTS[field] if value is None else value for field, value in layout.items()}
+    layout = {field: MEGATRON_FLAGS[field][1] if value is None else value for field, value in layout.items()}
     flags.training(None, **overrides)  # a bad flag is named as the flag, before a plan's training is read
     chosen = what_if(cluster_spec, cluster, strategy, model, training, overrides, layout)
     chosen = replace(chosen, training=on_cluster(chosen.training, cluster_spec))

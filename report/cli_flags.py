@@ -74,17 +74,19 @@ FAMILIES = "Pipeline families of different device mixes: auto (default: clusters
 FamiliesOpt = Annotated[Optional[str], opt("--families", help=FAMILIES)]
 LOWER = "Also bound how fast any plan of the search space could be (the gap; about a second search)."
 LowerBoundOpt = Annotated[bool, opt("--lower-bound", help=LOWER)]
-MEGATRON_FLAGS = (
-    "group", "tp", "pp", "dp", "micro_batch_size", "recompute", "virtual_stages", "sequence_parallel",
-    "context_parallel",
-)  # fmt: skip
-MEGATRON_FLAG_NAMES = (
-    "--group", "--tp", "--pp", "--dp", "--micro-batch", "--recompute", "--virtual-stages", "--sequence-parallel",
-    "--cp",
-)  # fmt: skip
-# what `predict`'s Megatron-style flags are when not given (None: --group, the cluster's only group, else asked;
-# --sequence-parallel, the training's)
-MEGATRON_DEFAULTS = dict(zip(MEGATRON_FLAGS, (None, 1, 1, 1, 1, "none", 1, None, 1)))
+# `predict`'s Megatron-style flags: the layout field each sets, the flag, and its value when not given (None:
+# --group, the cluster's only group, else asked; --sequence-parallel, the training's)
+MEGATRON_FLAGS: dict[str, tuple[str, object]] = {
+    "group": ("--group", None),
+    "tp": ("--tp", 1),
+    "pp": ("--pp", 1),
+    "dp": ("--dp", 1),
+    "micro_batch_size": ("--micro-batch", 1),
+    "recompute": ("--recompute", "none"),
+    "virtual_stages": ("--virtual-stages", 1),
+    "sequence_parallel": ("--sequence-parallel", None),
+    "context_parallel": ("--cp", 1),
+}
 
 
 def predictor_from(path: Path | None) -> Predictor:
