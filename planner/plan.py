@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from predictor.calibration import Interval
 from predictor.cost_model import CostContext, Evaluation
 from specs.errors import SpecError
-from specs.layout import PipelineFile, PipelineStrategy, Strategy, pipelines_from_files
+from specs.layout import PipelineFile, PipelineStrategy, Strategy, pipelines_from_files, without_figures
 from specs.loading import read_mapping, validate
 from specs.model import ModelSpec, Recompute
 from specs.outputs import write_text_atomic
@@ -126,7 +126,7 @@ def evaluation_dict(ctx: CostContext, evaluation: Evaluation) -> dict[str, Any]:
         "recompute_summary": strategy.recompute_summary,
         "zero_stage": strategy.zero_stage,
         "zero_shard": strategy.zero_shard,
-        "schedule": "1f1b" if strategy.virtual_stages == 1 else "interleaved-1f1b",
+        "schedule": schedule_name(strategy.virtual_stages),
         "virtual_stages": strategy.virtual_stages,
         "context_parallel": strategy.context_parallel,
         "sequence_parallel": strategy.sequence_parallel,
@@ -137,6 +137,10 @@ def evaluation_dict(ctx: CostContext, evaluation: Evaluation) -> dict[str, Any]:
         },
         "pipelines": pipelines,
     }
+
+
+def schedule_name(virtual_stages: int) -> str:
+    return "1f1b" if virtual_stages == 1 else "interleaved-1f1b"
 
 
 def _replica_batches(ctx: CostContext, pipeline: PipelineStrategy) -> list[dict[str, Any]]:
@@ -280,8 +284,42 @@ class CostSource(BaseModel):
     profiles: list[ProfileSource] = Field(default_factory=list)
 
 
+# what a plan file writes beside its settings for its readers (header_dict, evaluation_dict, plan_dict, to_dict and
+# predict's interval): read back they are skipped (_check_summaries checks the ones a reader could mistake for
+# settings); any other key is an error, since a misspelt setting would otherwise change nothing
+PLAN_FIGURES = frozenset(
+    {
+        "global_batch_size",
+        "seq_length",
+        "predictor",
+        "cluster_defaults",
+        "iteration_time_s",
+        "tokens_per_s",
+        "samples_per_s",
+        "mfu",
+        "fits",
+        "devices_used",
+        "recompute_summary",
+        "schedule",
+        "context_parallel",
+        "time_breakdown_s",
+        "upper_bound_tokens_per_s",
+        "fraction_of_upper_bound",
+        "compute_bound_tokens_per_s",
+        "fraction_of_compute_bound",
+        "upper_bound_by_group_tokens_per_s",
+        "upper_bound_scaled_groups",
+        "search_time_s",
+        "alternatives",
+        "iteration_time_interval_s",
+        "iteration_time_lower_bound_s",
+        "gap_to_lower_bound",
+    }
+)
+
+
 class _PlanFile(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     schema_: str = Field(alias="schema", pattern=r"^hetplan\.plan/1$")
     cluster: str = ""
     model: dict[str, Any]
@@ -295,6 +333,11 @@ class _PlanFile(BaseModel):
     cost_source: CostSource | None = None  # plans made before hetplan recorded it have none
     search: dict[str, Any] = Field(default_factory=dict)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _skip_figures(cls, data: object) -> object:
+        return without_figures(data, PLAN_FIGURES)
+
 
 @dataclass(frozen=True)
 class LoadedPlan:
@@ -305,6 +348,8 @@ class LoadedPlan:
     cluster_name: str = ""
     cost_source: CostSource | None = None
     engine: str | None = None  # the engine it was planned for (`plan --engine`), by its registry key
+    # each family's stages' `device` as written ("" where not): planner.what_if checks them against the cluster
+    written_devices: tuple[tuple[str, ...], ...] = ()
 
 
 def _check_summaries(
@@ -324,6 +369,7 @@ def _check_summaries(
             "training.seq_length (or the model's)",
         ),
         (data, "context_parallel", "context_parallel", strategy.context_parallel, "pipelines[].context_parallel"),
+        (data, "schedule", "schedule", schedule_name(strategy.virtual_stages), "virtual_stages"),
     ]
     for index, (written, pipeline) in enumerate(zip(data.get("pipelines") or [], strategy.pipelines, strict=False)):
         name = f"pipelines[{index}]"
@@ -331,10 +377,19 @@ def _check_summaries(
         figures.append(
             (written, "samples_per_replica", f"{name}.samples_per_replica", pipeline.samples_per_replica, by)
         )
+        figures.append((written, "family_samples", f"{name}.family_samples", pipeline.samples, by))
+        stages = written.get("stages") if isinstance(written, dict) else None
+        for number, (stage_written, stage) in enumerate(zip(stages or [], pipeline.stages, strict=False)):
+            devices_by = f"{name}'s replicas x its context_parallel x the stage's tp"
+            devices = pipeline.stage_devices(stage)
+            figures.append((stage_written, "devices", f"{name}.stages[{number}].devices", devices, devices_by))
     for mapping, key, name, value, by in figures:
         written = mapping.get(key) if isinstance(mapping, dict) else None
         if written is not None and written != value:
-            raise SpecError(source, name, f"{written!r} disagrees with {by}, {value!r}, which decides it (edit that)")
+            raise SpecError(
+                source, name, f"{written!r} disagrees with {by}, {value!r}, which decides it (edit that; a figure "
+                "written for readers changes nothing: make it agree or delete it)"
+            )  # fmt: skip
 
 
 def load_plan(path: str | Path) -> LoadedPlan:
@@ -358,4 +413,8 @@ def load_plan(path: str | Path) -> LoadedPlan:
     engine = parsed.search.get("engine")
     if engine is not None and not isinstance(engine, str):
         raise SpecError(source, "search.engine", f"expected an engine name, got {engine!r}")
-    return LoadedPlan(strategy, model, training, source, parsed.cluster, parsed.cost_source, engine)
+    written_devices = tuple(
+        tuple(str(stage.get("device", "")) if isinstance(stage, dict) else "" for stage in pipeline.get("stages", []))
+        for pipeline in data["pipelines"]
+    )
+    return LoadedPlan(strategy, model, training, source, parsed.cluster, parsed.cost_source, engine, written_devices)

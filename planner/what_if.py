@@ -35,13 +35,25 @@ class WhatIf:
 
 
 def check_cluster_name(plan: LoadedPlan, cluster: ClusterSpec, cluster_file: str | Path) -> None:
-    """Refuse a plan made for a cluster of another name (its devices and offsets would mean other hardware)."""
+    """Refuse a plan made for a cluster of another name (its devices and offsets would mean other hardware), and a
+    stage whose written `device` is not its group's (the cluster decides a group's device: an edited `device` would
+    change nothing)."""
     if plan.cluster_name and cluster.name != plan.cluster_name:
         raise SpecError(
             str(cluster_file),
             "name",
             f"the plan is for cluster {plan.cluster_name!r}, got {cluster.name!r}",
         )
+    devices = {group.name: group.device.key for group in cluster.groups}
+    for family, (pipeline, written) in enumerate(zip(plan.strategy.pipelines, plan.written_devices, strict=False)):
+        for number, (stage, device) in enumerate(zip(pipeline.stages, written, strict=False)):
+            if device and stage.group in devices and device != devices[stage.group]:
+                raise SpecError(
+                    plan.source,
+                    f"pipelines[{family}].stages[{number}].device",
+                    f"{device!r} is not group {stage.group!r}'s device in {cluster_file}, {devices[stage.group]!r} "
+                    "(the cluster decides a group's device: edit the stage's group or the cluster)",
+                )
 
 
 def plan_on_cluster(plan_file: str | Path, cluster_file: str | Path) -> tuple[LoadedPlan, ClusterSpec]:
@@ -76,14 +88,17 @@ def what_if(
     overrides: Mapping[str, Any],
     megatron: Mapping[str, Any],
 ) -> WhatIf:
-    """`plan_file`'s strategy (its model unless `model` names another, its training under the training file and
-    the `overrides`), or the Megatron-style strategy of `megatron` (group, tp, pp, dp, micro_batch_size, recompute,
-    virtual_stages, sequence_parallel) for `model`. None values in `overrides` are not given."""
+    """`plan_file`'s strategy (its model unless `model` names another, its training under the `overrides`; a plan
+    brings its own training, so `training_file` goes with the Megatron-style strategy only), or the Megatron-style
+    strategy of `megatron` (group, tp, pp, dp, micro_batch_size, recompute, virtual_stages, sequence_parallel) for
+    `model`. None values in `overrides` are not given."""
     given = {key: value for key, value in overrides.items() if value is not None}
     if plan_file is not None:
+        if training_file is not None:
+            raise SpecError("--training", "", "goes with the Megatron-style flags; a plan sets its own training")
         plan = load_plan(plan_file)
         check_cluster_name(plan, cluster, cluster_file)
-        training = load_training(training_file, {**plan.training.model_dump(), **given})
+        training = load_training(None, {**plan.training.model_dump(), **given})
         return WhatIf(load_model(model) if model else plan.model, training, plan.strategy, str(plan_file))
     if model is None:
         raise SpecError("--model", "", "required with Megatron-style flags (or pass --strategy plan.json)")

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from enum import Enum
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from specs.cluster import ClusterSpec, DeviceGroup
 from specs.errors import SpecError
@@ -406,17 +406,47 @@ def _check_pipeline(
 
 
 # ---- the strategy part of plan files (and of run records that carry a whole plan's layout) --------------------
+# what a plan file writes beside a stage's and a family's layout for its readers (planner/plan.py evaluation_dict):
+# read back they are skipped (planner/plan.py checks the ones a reader could mistake for settings against what
+# decides them); any other key is an error, since a misspelt setting would otherwise change nothing
+STAGE_FIGURES = frozenset(
+    {
+        "device",
+        "devices",
+        "compute_time_s",
+        "p2p_time_s",
+        "dp_sync_time_s",
+        "memory_bytes",
+        "memory_capacity_bytes",
+        "memory_usable_bytes",
+        "memory_breakdown_bytes",
+        "fits",
+    }
+)
+PIPELINE_FIGURES = frozenset({"samples_per_replica", "batch_weight", "family_samples", "replica_batches"})
+
+
+def without_figures(data: object, figures: frozenset[str]) -> object:
+    """A written mapping without the figures a plan file writes for its readers."""
+    return {key: value for key, value in data.items() if key not in figures} if isinstance(data, dict) else data
+
+
 class StageFile(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     group: str
     layers: tuple[int, int]
     tp: int = Field(ge=1)
     device_offset: int = Field(default=0, ge=0)
     recompute: Recompute | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _skip_figures(cls, data: object) -> object:
+        return without_figures(data, STAGE_FIGURES)
+
 
 class PipelineFile(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     replicas: int = Field(ge=1)
     micro_batch_size: int = Field(ge=1)
     num_microbatches: int = Field(ge=1)
@@ -424,6 +454,11 @@ class PipelineFile(BaseModel):
     context_parallel: int = Field(default=1, ge=1)
     zero_stage: int | None = Field(default=None, ge=0, le=3)  # the family's own; None: the plan's
     stages: list[StageFile] = Field(min_length=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _skip_figures(cls, data: object) -> object:
+        return without_figures(data, PIPELINE_FIGURES)
 
 
 def pipelines_from_files(

@@ -45,14 +45,25 @@ def plans(tmp_path_factory) -> dict[str, Path]:
     files = {"good": good}
     breaks = {
         "other-cluster": lambda b: b.update(cluster="elsewhere"),
-        "tp3": lambda b: b["pipelines"][0]["stages"][0].update(tp=3),
-        "replicas": lambda b: b["pipelines"][0].update(replicas=10**9),
+        "tp3": lambda b: b["pipelines"][0]["stages"][0].update(tp=3, devices=6),  # the figure made to agree
+        "replicas": lambda b: (
+            b["pipelines"][0].update(replicas=10**9),
+            [stage.update(devices=10**9) for stage in b["pipelines"][0]["stages"]],  # the figures made to agree
+        ),
         "reversed": lambda b: b["pipelines"][0]["stages"][0].update(layers=[4, 0]),
         "fp8": lambda b: b["training"].update(dtype="fp8"),
         "per-node": lambda b: b.update(zero_shard="node"),
         # figures the plan repeats for its readers, edited by hand (they changed nothing, without a word)
         "batch-summary": lambda b: b.update(global_batch_size=1000),
         "samples-summary": lambda b: b["pipelines"][0].update(samples_per_replica=31),
+        "family-samples": lambda b: b["pipelines"][0].update(family_samples=4),
+        "stage-devices": lambda b: b["pipelines"][0]["stages"][1].update(devices=4),
+        "schedule": lambda b: b.update(schedule="interleaved-1f1b"),
+        "stage-device": lambda b: b["pipelines"][0]["stages"][0].update(device="h100"),
+        # a misspelt setting (it was ignored: the default ran instead)
+        "typo": lambda b: b.update(virtual_stage=2),
+        "stage-typo": lambda b: b["pipelines"][0]["stages"][1].update(device_ofset=1),
+        "pipeline-typo": lambda b: b["pipelines"][0].update(context_paralel=2),
     }
     for name, change in breaks.items():
         broken = json.loads(good.read_text())
@@ -225,6 +236,14 @@ def test_traffic_checks_the_plan_and_its_flags(capsys, tmp_path, monkeypatch, pl
         (("explain", "{tp3}", "-c", str(CPU)), "stages[0].tp: expected a divisor"),
         (("explain", "{batch-summary}", "-c", str(CPU)), "global_batch_size: 1000 disagrees with training.global_"),
         (("export", "{samples-summary}", "-c", str(CPU), "-f", "megatron"), "pipelines[0].samples_per_replica: 31 dis"),
+        (("explain", "{family-samples}", "-c", str(CPU)), "pipelines[0].family_samples: 4 disagrees with"),
+        (("explain", "{stage-devices}", "-c", str(CPU)), "pipelines[0].stages[1].devices: 4 disagrees with"),
+        (("predict", "-c", str(CPU), "--strategy", "{schedule}"), "schedule: 'interleaved-1f1b' disagrees with"),
+        (("explain", "{stage-device}", "-c", str(CPU)), "pipelines[0].stages[0].device: 'h100' is not group 'cpu'"),
+        (("predict", "-c", str(CPU), "--strategy", "{stage-device}"), "stages[0].device: 'h100' is not group 'cpu'"),
+        (("explain", "{typo}", "-c", str(CPU)), "typo.json: virtual_stage: unknown field"),
+        (("export", "{stage-typo}", "-c", str(CPU), "-f", "megatron"), "pipelines[0].stages[1].device_ofset: unknown"),
+        (("run", "{pipeline-typo}", "-c", str(CPU), "--out", "r.json"), "pipelines[0].context_paralel: unknown field"),
         (("predict", "-c", str(CPU), "--strategy", "{other-cluster}"), "the plan is for cluster 'elsewhere'"),
         (("predict", "-c", str(CPU), "--strategy", "{good}", "--seq-len", "0"), "--seq-len: "),
         # a plan's layout and training are its own: a flag that would change them is refused (they were dropped)
