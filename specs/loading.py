@@ -239,7 +239,11 @@ def validate(model: type[ModelT], data: dict[str, Any], source: str, prefix: str
         elif "input" in first and first["type"] != "value_error":
             message = f"{message}, got {quote(first['input'])}"
         message = message.removeprefix("Value error, ")
-        more = len(errors) - 1 - len(meant)  # the missing field a misspelling meant is the same error
-        if more:
-            message += f" (and {more} more error{'s' if more > 1 else ''})"
+        # the others by field (the missing field a misspelling meant is the same error)
+        others = [e for e in errors if e is not first and not (meant and str(_field_loc(e["loc"])[-1]) == meant[0])]
+        fields = list(dict.fromkeys(field_path(_field_loc(e["loc"])) or "(top level)" for e in others))
+        if fields:
+            shown = ", ".join((f"{prefix}.{name}" if prefix else name) for name in fields[:3])
+            rest = f" and {len(fields) - 3} more" if len(fields) > 3 else ""
+            message += f" (also wrong: {shown}{rest})"
         raise SpecError(source, field, message) from None

@@ -79,6 +79,17 @@ def test_bad_cluster_names_file_field_and_expectation(write, edit, field, expect
     assert "\n" not in message
 
 
+def test_every_wrong_field_is_named_on_the_one_line(write):
+    """A file with several mistakes names the first with its expectation and the others by field (it said "(and 1
+    more error)", leaving the user to find it by running again)."""
+    path = write("bad.yaml", GOOD_CLUSTER.replace("nodes: 2", "nodes: 0").replace("nic_gbps: 100", "nic_gbps: x"))
+    with pytest.raises(SpecError) as caught:
+        load_cluster(path)
+    message = str(caught.value)
+    assert message.startswith(f"{path}: groups[0].nodes: "), message
+    assert message.endswith("(also wrong: groups[1].nic_gbps)"), message
+
+
 def test_unreadable_files_give_one_line(write, tmp_path):
     with pytest.raises(SpecError, match="file not found"):
         load_cluster(tmp_path / "missing.yaml")
