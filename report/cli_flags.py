@@ -144,15 +144,20 @@ def require_torch(command: str) -> None:
 
 
 # ---- printing ---------------------------------------------------------------------------------------------------
+PIPED_WIDTH_COLUMNS = 10_000  # tables take their natural width (none expands), lines are never wrapped
+
+
 def show(as_json: bool, body: Any, *renderables: Any) -> None:
     """What a command found: its JSON body (indented, alone on stdout) with --json, else its tables and lines (rich
-    markup) at least 100 columns wide (readable when piped)."""
+    markup): on a terminal at least 100 columns wide; piped or written to a file, each table at its own width and
+    each line whole (rich's 80 columns would cut a table's cells and wrap lines that grep should find whole)."""
     from rich.console import Console
 
     if as_json:
         sys.stdout.write(json.dumps(body, indent=2) + "\n")
         return
-    console = Console(width=max(100, Console().width))
+    terminal = Console()
+    console = Console(width=max(100, terminal.width) if terminal.is_terminal else PIPED_WIDTH_COLUMNS)
     for renderable in renderables:
         console.print(renderable)
 

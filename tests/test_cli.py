@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -132,6 +133,13 @@ def test_catalog_listings():
     assert {"h100", "mi300x", "ascend-910b", "cpu"} <= {d["key"] for d in json.loads(devices.stdout)}
     models = hetplan("models")
     assert models.returncode == 0 and "llama-140b" in models.stdout and "139.8B" in models.stdout
+    # piped, every cell is whole (rich cut the aliases column at 100 columns: "h100-sxm, h100-sxm5, h…")
+    table = hetplan("devices")
+    assert table.returncode == 0
+    rows = {cells[1]: cells for cells in (re.split(r"\s*[│|]\s*", line) for line in table.stdout.splitlines())
+            if len(cells) > 2}  # fmt: skip
+    for device in json.loads(devices.stdout):
+        assert rows[device["key"]][-2] == ", ".join(device["aliases"]), rows[device["key"]]
 
 
 def test_simulate_profile_writes_a_loadable_profile(tmp_path):
