@@ -271,7 +271,8 @@ def tp_row_sources(
             valid = [(i, split[0]) for i, split in splits if split is not None]
             if valid:
                 chosen = [replica_rows[i] for i, _ in valid]
-                least[b] = source.least_bounds_s(chosen, b, [q for _, q in valid], memory_bounds)
+                steps = options.whole_layer_steps if memory_bounds else 0
+                least[b] = source.least_bounds_s(chosen, b, [q for _, q in valid], steps)
                 found += [(i, b, q, position) for position, (i, q) in enumerate(valid)]
         found.sort(key=lambda item: (item[0], training.micro_batch_sizes.index(item[1])))  # enumeration order
         for i, b, q, position in found:

@@ -236,18 +236,12 @@ def whole_layer_bottleneck_s(per_layer_s: Sequence[float], counts: Sequence[int]
     return level * (1 - 1e-9)
 
 
-# bisection steps of the sources' whole-layer bottleneck (each keeps the side known too small, so a bound after any
-# number): 12, to 2^-12 of a layer's time, proves the bench plans with the candidates 24 did, the eight kinds' 19
-# idle-group subsets' sources in 0.8x the time
-WHOLE_LAYER_STEPS = 12
-
-
-def whole_layer_bottlenecks_s(per_layer_s: np.ndarray, counts: np.ndarray, num_layers: int) -> np.ndarray:
-    """whole_layer_bottleneck_s of every row of (rows, groups) arrays, bisected keeping the side known too small
-    (at most the exact one, which it rounds down the same way)."""
+def whole_layer_bottlenecks_s(per_layer_s: np.ndarray, counts: np.ndarray, num_layers: int, steps: int) -> np.ndarray:
+    """whole_layer_bottleneck_s of every row of (rows, groups) arrays, bisected `steps` times keeping the side known
+    too small (so a bound after any number; at most the exact one, which it rounds down the same way)."""
     low = num_layers / (counts / per_layer_s).sum(axis=1)  # the fractional level: whole layers cannot go below it
     high = low + per_layer_s.max(axis=1)  # every group one more layer per stage than the level: enough
-    for _ in range(WHOLE_LAYER_STEPS):
+    for _ in range(steps):
         middle = (low + high) / 2
         enough = (counts * np.floor(middle[:, None] / per_layer_s)).sum(axis=1) >= num_layers
         high, low = np.where(enough, middle, high), np.where(enough, low, middle)

@@ -34,6 +34,10 @@ class SearchOptions:
     # candidates on four-vendor-256 / Llama-3-70B) at 0.7x the time on 8! orders
     order_bound_steps: int = 12
     root_bound_steps: int = 10  # the root bound's memory bisection: to 2^-10 of the bottleneck (it only reports)
+    # the sources' whole-layer bottleneck, bisected keeping the side known too small (0: not tightened): 12, to 2^-12
+    # of a layer's time, proves the bench plans with the candidates 24 did, the eight kinds' 19 idle-group subsets'
+    # sources in 0.8x the time
+    whole_layer_steps: int = 12
     # candidates solved before the branch and bound stops and reports the least bound left (SearchResult.note): many
     # distinct groups have orders by the k! with bounds too alike to prune (`plan --max-candidates`; of the bench
     # examples, four-vendor-256 / Llama-3-70B needs 640 to finish, the others at most 122). Stopped over every group,

@@ -267,12 +267,13 @@ class SubsetRows:
         return boundaries_s
 
     def least_bounds_s(
-        self, replica_rows: Sequence[ReplicaRows], b: int, microbatches: Sequence[int], whole_layers: bool = True
+        self, replica_rows: Sequence[ReplicaRows], b: int, microbatches: Sequence[int], whole_layer_steps: int
     ) -> np.ndarray:
         """Per replica count: the least bound of its rows at micro-batch b over recompute modes and interleaving
         depths (inf: none), as `batches` computes them but vectorised over the replica counts, so the search can
-        build a count's batches only when its rows' candidates can come up; `whole_layers`: tightened as RowBound
-        tightens a row when it comes up (the key its candidates wait with)."""
+        build a count's batches only when its rows' candidates can come up; tightened as RowBound tightens a row
+        when it comes up (the key its candidates wait with) by a whole-layer bisection of `whole_layer_steps`
+        (0: not tightened)."""
         ctx = self.costs.ctx
         modes, num_layers, columns = list(ctx.training.recompute), ctx.model.num_layers, self.columns
         sizes = [len(rows.tps) for rows in replica_rows]
@@ -293,8 +294,9 @@ class SubsetRows:
             tail_s = (fullest * rates).min(axis=1) + ctx.terms.iteration_overhead_s
             pipeline = PipelineBound.of(num_layers, a, e_first, e_last, counts)
             whole = np.zeros(len(counts))
-            if whole_layers and len(counts) <= WHOLE_LAYER_ROWS:  # past that the bisection costs more than it saves
-                whole = whole_layer_bottlenecks_s(a, counts, num_layers)
+            # past WHOLE_LAYER_ROWS rows the bisection costs more than it saves
+            if whole_layer_steps and len(counts) <= WHOLE_LAYER_ROWS:
+                whole = whole_layer_bottlenecks_s(a, counts, num_layers, whole_layer_steps)
             for virtual in ctx.training.virtual_stages:
                 found = pipeline.bound_s(m, virtual, tail_s, fill_and_drain_time_s(virtual, boundaries_s))  # type: ignore[arg-type]
                 if found is not None:

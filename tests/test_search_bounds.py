@@ -304,8 +304,11 @@ def test_a_batch_source_waits_below_every_candidate_it_holds(seed: int, context_
         for batch in source.build(True):
             rows = np.flatnonzero(np.isfinite(batch.bound_s))
             exact = [whole_layer_bottleneck_s(batch.per_layer_s[r], batch.counts[r], batch.num_layers) for r in rows]
-            vectorised = whole_layer_bottlenecks_s(batch.per_layer_s[rows], batch.counts[rows], batch.num_layers)
-            assert (vectorised <= np.array(exact) * SLACK).all()
+            for steps in (1, SearchOptions().whole_layer_steps, 40):  # a bound after any number of steps
+                vectorised = whole_layer_bottlenecks_s(
+                    batch.per_layer_s[rows], batch.counts[rows], batch.num_layers, steps
+                )
+                assert (vectorised <= np.array(exact) * SLACK).all()
             for row in rows:
                 assert source.least_s <= RowBound(batch, int(row))() * SLACK
                 checked += 1
