@@ -100,14 +100,25 @@ def loss_collectives_time_s(ctx: CostContext, group: DeviceGroup, micro_batch_si
 
 def edge_time_s(ctx: CostContext, group: DeviceGroup, micro_batch_size: int, tp: int, first: bool, last: bool) -> float:
     """Embedding (first stage) and final norm + LM head + loss (last stage) per micro-batch, with their TP
-    collectives (the embedding's partial lookups; the head's input gradient and the loss's)."""
+    collectives (edge_collectives_time_s)."""
     source = ctx.source(group)
-    time_s = 0.0
+    time_s = edge_collectives_time_s(ctx, group, micro_batch_size, tp, first, last)
     if first:
         time_s += source.layer_cost("embedding", micro_batch_size, tp, "none").time_s
-        time_s += tp_collective_time_s(ctx, group, micro_batch_size, tp)
     if last:
         time_s += source.layer_cost("lm_head", micro_batch_size, tp, "none").time_s
+    return time_s
+
+
+def edge_collectives_time_s(
+    ctx: CostContext, group: DeviceGroup, micro_batch_size: int, tp: int, first: bool, last: bool
+) -> float:
+    """The embedding's and the head's TP collectives per micro-batch: the embedding's partial lookups (first
+    stage); the head's input gradient and the loss's (last stage). 0 at TP 1."""
+    if tp <= 1:
+        return 0.0
+    time_s = tp_collective_time_s(ctx, group, micro_batch_size, tp) if first else 0.0
+    if last:
         time_s += tp_collective_time_s(ctx, group, micro_batch_size, tp)
         time_s += loss_collectives_time_s(ctx, group, micro_batch_size, tp)
     return time_s
@@ -377,7 +388,10 @@ def _evaluate_stage(
         memory_capacity_bytes=group.device.memory_bytes,
         memory_usable_bytes=usable_memory_bytes(ctx, group),
         family=family,
-        tp_comm_time_s=stage.num_layers * (layer_time_s - layer_cost.time_s),
+        # the decoder layers' TP collectives and the edges' (the runtime times them all as TP collectives; a rank
+        # waits in them, which predictor/sharing.py counts as asleep rather than computing)
+        tp_comm_time_s=stage.num_layers * (layer_time_s - layer_cost.time_s)
+        + edge_collectives_time_s(ctx, group, b, stage.tp, first, last),
         sharded_exposed_time_s=sharded,
         overhead_time_s=overhead,
         sync_host_time_s=min(host_work, exposed),
