@@ -42,8 +42,10 @@ def failure_line(err: BaseException) -> tuple[str, int]:
 def _usage_message(err: BaseException) -> str:
     """A usage error's message; a flag's bad value as the project's errors put it, `--flag: what is wrong` (click
     says "Invalid value for '--flag': ...")."""
+    from specs.errors import expected_wording
+
     flags = [name for name in getattr(getattr(err, "param", None), "opts", []) if name.startswith("--")]
-    message = str(getattr(err, "message", ""))
+    message = expected_wording(str(getattr(err, "message", "")))
     if type(err).__name__ == "BadParameter" and flags and message:
         return f"{flags[0]}: {message[:1].lower()}{message[1:]}"
     return str(err.format_message())  # type: ignore[attr-defined]

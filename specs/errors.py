@@ -2,6 +2,34 @@
 
 from __future__ import annotations
 
+import re
+
+# pydantic's phrasing of a value's expectation ("Input should be ...", also in typer's flag errors) and the house's
+# ("expected ..."), in the order tried
+_EXPECTATIONS = (
+    (re.compile(r"^input should be greater than or equal to (.+)$", re.I), r"expected a value >= \1"),
+    (re.compile(r"^input should be greater than (.+)$", re.I), r"expected a value > \1"),
+    (re.compile(r"^input should be less than or equal to (.+)$", re.I), r"expected a value <= \1"),
+    (re.compile(r"^input should be less than (.+)$", re.I), r"expected a value < \1"),
+    (re.compile(r"^input should be a valid integer\b.*$", re.I), "expected an integer"),
+    (re.compile(r"^input should be a valid number\b.*$", re.I), "expected a number"),
+    (re.compile(r"^input should be a valid boolean\b.*$", re.I), "expected true or false"),
+    (re.compile(r"^input should be a valid string\b.*$", re.I), "expected text"),
+    (re.compile(r"^input should be a valid list\b.*$", re.I), "expected a list"),
+    (re.compile(r"^input should be a valid dictionary\b.*$", re.I), "expected a mapping"),
+    (re.compile(r"^input should be a finite number$", re.I), "expected a finite number"),
+    (re.compile(r"^input should be (.+)$", re.I), r"expected \1"),  # a choice: 'off', 'refine' or 'exhaustive'
+)
+
+
+def expected_wording(message: str) -> str:
+    """A validation message in the house's words: "Input should be a valid integer, unable to parse ..." ->
+    "expected an integer"; a message in no known phrasing is returned as it is."""
+    for pattern, replacement in _EXPECTATIONS:
+        if pattern.match(message):
+            return pattern.sub(replacement, message)
+    return message
+
 
 class HetplanError(Exception):
     """A failure the user can act on; the CLI prints its message on one line and exits 2."""

@@ -18,7 +18,7 @@ from typing import Annotated, Any, TypeVar
 import yaml
 from pydantic import BaseModel, Field, Strict, ValidationError
 
-from specs.errors import SpecError
+from specs.errors import SpecError, expected_wording
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
 
@@ -223,7 +223,7 @@ def validate(model: type[ModelT], data: dict[str, Any], source: str, prefix: str
         field = field_path(loc)
         if prefix:
             field = f"{prefix}.{field}" if field else prefix
-        message = first["msg"]
+        message = expected_wording(first["msg"])
         meant: list[str] = []
         if first["type"] == "extra_forbidden":
             missing = [str(_field_loc(e["loc"])[-1]) for e in errors if e["type"] == "missing"

@@ -120,7 +120,7 @@ def test_a_catalog_is_read_once_and_answers_to_keys_and_aliases():
 @pytest.mark.parametrize(
     ("text", "field", "expected"),
     [
-        ("tiny:\n" + TINY.replace("hidden_size: 64", "hidden_size: wide"), "tiny.hidden_size", "valid integer"),
+        ("tiny:\n" + TINY.replace("hidden_size: 64", "hidden_size: wide"), "tiny.hidden_size", "expected an integer"),
         ("tiny:\n" + TINY.replace("  mlp: gelu\n", ""), "tiny.mlp", "required field is missing"),
         ("tiny:\n" + TINY + "  heads: 4\n", "tiny.heads", "unknown field"),
         ("tiny:\n  key: tiny\n" + TINY, "tiny.key", "remove this field"),

@@ -95,7 +95,7 @@ network: {topology: rail-optimized, inter_group_gbps: 200}
         (("plan", "--cluster", "examples/hethub-768.yaml", "--model", "gpt5"), "unknown model 'gpt5'"),
         (
             ("plan", "--cluster", "examples/hethub-768.yaml", "--model", "llama2-7b", "--zero-stage", "5"),
-            "--zero-stage: Input should be 0, 1, 2 or 3",
+            "--zero-stage: expected 0, 1, 2 or 3",
         ),
         (
             ("predict", "--cluster", "examples/hethub-768.yaml", "--model", "llama2-7b", "--tp", "8"),

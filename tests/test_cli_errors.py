@@ -99,11 +99,11 @@ PLAN = ("plan", "--cluster", str(CPU), "--model", TINY)
         (("bogus",), "No such command 'bogus'"),
         (("plan", "--bogus"), "No such option: --bogus"),
         (("plan", "--cluster", str(CPU)), "Missing option '--model'"),
-        ((*PLAN, "--top-k", "0"), "--top-k: input should be greater than or equal to 1 (see"),
-        ((*PLAN, "--global-batch", "1e3"), "--global-batch: input should be a valid integer"),
+        ((*PLAN, "--top-k", "0"), "--top-k: expected a value >= 1 (see"),
+        ((*PLAN, "--global-batch", "1e3"), "--global-batch: expected an integer"),
         ((*PLAN, "--seq-len", "0"), "--seq-len: "),  # not silently the model's
-        ((*PLAN, "--zero-stage", "4"), "--zero-stage: Input should be 0, 1, 2 or 3"),
-        ((*PLAN, "--uneven-batch", "always"), "--uneven-batch: Input should be 'off', 'refine' or 'exhaustive'"),
+        ((*PLAN, "--zero-stage", "4"), "--zero-stage: expected 0, 1, 2 or 3"),
+        ((*PLAN, "--uneven-batch", "always"), "--uneven-batch: expected 'off', 'refine' or 'exhaustive'"),
         ((*PLAN, "--micro-batch-sizes", "1,x"), "--micro-batch-sizes: expected integers >= 1"),
         ((*PLAN, "--out", "/proc/no/such/plan.json"), "--out: /proc/no/such/plan.json: cannot create its directory"),
         (

@@ -101,4 +101,4 @@ def test_plan_and_its_command_take_the_candidate_budget():
     assert cut.search_stats["note"].startswith("stopped after 2 candidates")
     assert cut.search_stats["note"].endswith("(a larger --max-candidates searches on)")
     refused = hetplan("plan", "--cluster", "x.yaml", "--model", "llama2-70b", "--max-candidates", "0")
-    assert refused.returncode == 2 and "--max-candidates: input should be greater than or equal to 1" in refused.stderr
+    assert refused.returncode == 2 and "--max-candidates: expected a value >= 1" in refused.stderr

@@ -53,8 +53,8 @@ def test_cluster_json_equals_yaml(write):
 @pytest.mark.parametrize(
     ("edit", "field", "expectation"),
     [
-        (lambda t: t.replace("nodes: 2", "nodes: 0"), "groups[0].nodes", "greater than or equal to 1"),
-        (lambda t: t.replace("nodes: 2", "nodes: two"), "groups[0].nodes", "valid integer"),
+        (lambda t: t.replace("nodes: 2", "nodes: 0"), "groups[0].nodes", "expected a value >= 1, got 0"),
+        (lambda t: t.replace("nodes: 2", "nodes: two"), "groups[0].nodes", "expected an integer, got 'two'"),
         (lambda t: t.replace("device: v100", "device: v1000"), "groups[1].device", "unknown device 'v1000'"),
         (
             lambda t: t.replace("    nic_gbps: 100\n", "    nic_gbps: 100\n    nic_gpbs: 1\n", 1),
