@@ -49,6 +49,8 @@ from report.cli_flags import (
     written,
 )
 
+PIPED_HELP_WIDTH_COLUMNS = 120  # rich's 80 columns cut --help's long flag names ("--sequence-par…") when piped
+
 app = typer.Typer(
     name="hetplan",
     help="Plan large-model training on clusters that mix accelerator types and vendors.",
@@ -419,8 +421,14 @@ app.command("simulate-profile")(measuring.simulate_profile)
 def main() -> None:
     """Console entry point: user errors (usage errors included) print one line and exit 2, Ctrl-C prints
     'interrupted' and exits 130, anything else one line and exit 1; never a traceback unless HETPLAN_DEBUG=1."""
+    import os
+
     from report.failures import exit_status
 
+    if not sys.stdout.isatty() and not os.environ.get("TERMINAL_WIDTH"):  # piped --help: typer's TERMINAL_WIDTH
+        import typer.rich_utils
+
+        typer.rich_utils.MAX_WIDTH = PIPED_HELP_WIDTH_COLUMNS
     sys.exit(exit_status(app, sys.argv[1:]))
 
 

@@ -34,8 +34,9 @@ def finite(low: float = 0.0, inclusive: bool = False) -> Callable[..., float | N
 
 
 def opt(*names: str, help: str, **kwargs: Any) -> Any:
-    """typer.Option with the help text required (every flag says what it means in --help)."""
-    return typer.Option(*names, help=help, **kwargs)
+    """typer.Option with the help text required (every flag says what it means in --help); its square brackets are
+    text, not rich markup (typer's help took "[default: 1]" for a markup tag and printed nothing of it)."""
+    return typer.Option(*names, help=help.replace("[", "\\["), **kwargs)
 
 
 ClusterOpt = Annotated[Path, opt("--cluster", "-c", help="Cluster YAML/JSON file.")]

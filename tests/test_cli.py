@@ -228,3 +228,13 @@ def test_a_cpu_plan_says_when_its_ranks_would_share_this_machines_cores():
     assert ("on this machine" in result.stdout) == (used > cores)
     if used > cores:
         assert f"its {used} ranks share {cores} cores here" in " ".join(result.stdout.split())
+
+
+def test_piped_help_keeps_flag_names_and_bracketed_defaults():
+    """Piped, --help is 120 columns wide (at 80 rich cut '--no-sequence-parallel'), and a help text's '[default: 1]'
+    is text (typer's rich markup took it for a tag and printed nothing of it)."""
+    result = hetplan("predict", "--help")
+    assert result.returncode == 0, result.stderr
+    assert "--no-sequence-parallel" in result.stdout
+    assert "Tensor-parallel degree [default: 1]." in result.stdout
+    assert max(len(line) for line in result.stdout.splitlines()) <= 120
