@@ -425,10 +425,8 @@ def main() -> None:
 
     from report.failures import exit_status
 
-    if not sys.stdout.isatty() and not os.environ.get("TERMINAL_WIDTH"):  # piped --help: typer's TERMINAL_WIDTH
-        import typer.rich_utils
-
-        typer.rich_utils.MAX_WIDTH = PIPED_HELP_WIDTH_COLUMNS
+    if not sys.stdout.isatty():  # piped --help: typer reads TERMINAL_WIDTH when it formats help
+        os.environ.setdefault("TERMINAL_WIDTH", str(PIPED_HELP_WIDTH_COLUMNS))
     sys.exit(exit_status(app, sys.argv[1:]))
 
 

@@ -414,7 +414,7 @@ def load_plan(path: str | Path) -> LoadedPlan:
     if engine is not None and not isinstance(engine, str):
         raise SpecError(source, "search.engine", f"expected an engine name, got {engine!r}")
     written_devices = tuple(
-        tuple(str(stage.get("device", "")) if isinstance(stage, dict) else "" for stage in pipeline.get("stages", []))
+        tuple(str(stage.get("device") or "") if isinstance(stage, dict) else "" for stage in pipeline.get("stages", []))
         for pipeline in data["pipelines"]
     )
     return LoadedPlan(strategy, model, training, source, parsed.cluster, parsed.cost_source, engine, written_devices)

@@ -47,13 +47,23 @@ def check_cluster_name(plan: LoadedPlan, cluster: ClusterSpec, cluster_file: str
     devices = {group.name: group.device.key for group in cluster.groups}
     for family, (pipeline, written) in enumerate(zip(plan.strategy.pipelines, plan.written_devices, strict=False)):
         for number, (stage, device) in enumerate(zip(pipeline.stages, written, strict=False)):
-            if device and stage.group in devices and device != devices[stage.group]:
+            if device and stage.group in devices and _device_key(device) != devices[stage.group]:
                 raise SpecError(
                     plan.source,
                     f"pipelines[{family}].stages[{number}].device",
                     f"{device!r} is not group {stage.group!r}'s device in {cluster_file}, {devices[stage.group]!r} "
                     "(the cluster decides a group's device: edit the stage's group or the cluster)",
                 )
+
+
+def _device_key(name: str) -> str:
+    """A written device's catalog key (by key or alias, any case), or the name itself when the catalog has none."""
+    from specs.device import get_device
+
+    try:
+        return get_device(name).key
+    except SpecError:
+        return name
 
 
 def plan_on_cluster(plan_file: str | Path, cluster_file: str | Path) -> tuple[LoadedPlan, ClusterSpec]:

@@ -11,6 +11,7 @@ import difflib
 import hashlib
 import json
 import math
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
@@ -202,12 +203,24 @@ def field_path(loc: tuple[int | str, ...]) -> str:
     return out
 
 
+_UNION_BRANCH = re.compile(r"^[A-Z][A-Za-z0-9]*$")  # a union's branch in a location: its model's class name
+
+
+def _branches(loc: tuple[int | str, ...]) -> set[str]:
+    """The union branches a pydantic error location passes through."""
+    return {p for p in loc if isinstance(p, str) and _UNION_BRANCH.match(p)}
+
+
 def _field_loc(loc: tuple[int | str, ...]) -> tuple[int | str, ...]:
-    """A pydantic error location without its validators' own steps."""
+    """A pydantic error location without its validators' own steps and its unions' branch names (fields are
+    snake_case)."""
     return tuple(
         p
         for p in loc
-        if not (isinstance(p, str) and (p.startswith("function-") or p in ("constrained-int", "constrained-float")))
+        if not (
+            isinstance(p, str)
+            and (p.startswith("function-") or p in ("constrained-int", "constrained-float") or _UNION_BRANCH.match(p))
+        )
     )
 
 
@@ -217,8 +230,10 @@ def validate(model: type[ModelT], data: dict[str, Any], source: str, prefix: str
         return model.model_validate(data)
     except ValidationError as err:
         errors = err.errors()
-        # a misspelt field also leaves the field it meant missing: the misspelling is the error to name
-        first = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
+        # a misspelt field also leaves the field it meant missing: the misspelling is the error to name; the deepest
+        # one, since a union's other branches refuse the whole mapping's keys (a run record's plan layout)
+        misspelt = [e for e in errors if e["type"] == "extra_forbidden"]
+        first = max(misspelt, key=lambda e: len(_field_loc(e["loc"]))) if misspelt else errors[0]
         loc = _field_loc(first["loc"])
         field = field_path(loc)
         if prefix:
@@ -240,7 +255,11 @@ def validate(model: type[ModelT], data: dict[str, Any], source: str, prefix: str
             message = f"{message}, got {quote(first['input'])}"
         message = message.removeprefix("Value error, ")
         # the others by field (the missing field a misspelling meant is the same error)
-        others = [e for e in errors if e is not first and not (meant and str(_field_loc(e["loc"])[-1]) == meant[0])]
+        # and a union's branches other than the one named (which refuse what the named one accepts)
+        same = (*loc[:-1], meant[0]) if meant else None
+        branches = _branches(first["loc"])
+        others = [e for e in errors if e is not first and _branches(e["loc"]) <= branches
+                  and not (e["type"] == "missing" and _field_loc(e["loc"]) == same)]  # fmt: skip
         fields = list(dict.fromkeys(field_path(_field_loc(e["loc"])) or "(top level)" for e in others))
         if fields:
             shown = ", ".join((f"{prefix}.{name}" if prefix else name) for name in fields[:3])

@@ -60,6 +60,7 @@ def plans(tmp_path_factory) -> dict[str, Path]:
         "stage-devices": lambda b: b["pipelines"][0]["stages"][1].update(devices=4),
         "schedule": lambda b: b.update(schedule="interleaved-1f1b"),
         "stage-device": lambda b: b["pipelines"][0]["stages"][0].update(device="h100"),
+        "stage-device-alias": lambda b: b["pipelines"][0]["stages"][0].update(device="CPU"),  # the same device
         # a misspelt setting (it was ignored: the default ran instead)
         "typo": lambda b: b.update(virtual_stage=2),
         "stage-typo": lambda b: b["pipelines"][0]["stages"][1].update(device_ofset=1),
@@ -226,6 +227,12 @@ def test_traffic_checks_the_plan_and_its_flags(capsys, tmp_path, monkeypatch, pl
     StopIteration, or count a reversed plan); every flag is checked before counting."""
     monkeypatch.chdir(tmp_path)
     assert expected in one_error(capsys, "traffic", str(plans[plan]), "--cluster", str(CPU), *extra)
+
+
+def test_a_stage_device_written_by_alias_or_another_case_is_the_groups(capsys, tmp_path, monkeypatch, plans):
+    monkeypatch.chdir(tmp_path)
+    code, lines, _ = run(capsys, "explain", str(plans["stage-device-alias"]), "-c", str(CPU))
+    assert code == 0, lines
 
 
 @pytest.mark.parametrize(

@@ -237,6 +237,24 @@ def test_run_record_errors_name_the_file_and_field(tmp_path):
         load_runs(path)
 
 
+def test_a_misspelt_key_in_a_run_records_plan_layout_is_named_where_it_is(tmp_path):
+    """A run record's strategy is Megatron-style flags or a plan's layout (a union): a misspelt stage key is named in
+    the plan layout, not drowned by the flags' branch refusing every key of a plan layout."""
+    from predictor.runs import RunRecord
+    from specs.loading import validate
+
+    stage = {"group": "cpu", "layers": [0, 2], "tp": 1, "device_ofset": 1}
+    pipeline = {"replicas": 1, "micro_batch_size": 1, "num_microbatches": 2, "stages": [stage]}
+    record = {"name": "r", "source": "s", "cluster": "c.yaml", "model": "tiny", "measured_iteration_time_s": 1.0,
+              "strategy": {"recompute": "none", "zero_stage": 1, "pipelines": [pipeline]}}  # fmt: skip
+    with pytest.raises(SpecError) as caught:
+        validate(RunRecord, record, "run.json")
+    assert str(caught.value) == (
+        "run.json: strategy.pipelines[0].stages[0].device_ofset: unknown field (check the spelling; see the README for "
+        "the format)"
+    )
+
+
 def test_predictor_without_layer_models_leaves_profiles_and_simulation_alone():
     cluster = load_cluster(EXAMPLES / "cpu-2x2.yaml")
     model = load_model(str(EXAMPLES / "models" / "tiny-llama.yaml"))

@@ -88,6 +88,12 @@ def test_every_wrong_field_is_named_on_the_one_line(write):
     message = str(caught.value)
     assert message.startswith(f"{path}: groups[0].nodes: "), message
     assert message.endswith("(also wrong: groups[1].nic_gbps)"), message
+    # a misspelling's missing field is the same error, in its own group only
+    path = write("typo.yaml", GOOD_CLUSTER.replace("nodes: 2", "nodse: 2").replace("nodes: 1", "nodes: 0"))
+    with pytest.raises(SpecError) as caught:
+        load_cluster(path)
+    assert str(caught.value).startswith(f"{path}: groups[0].nodse: unknown field: did you mean nodes")
+    assert str(caught.value).endswith("(also wrong: groups[1].nodes)")
 
 
 def test_unreadable_files_give_one_line(write, tmp_path):
