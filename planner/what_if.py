@@ -34,7 +34,7 @@ class WhatIf:
     source: str
 
 
-def check_cluster_name(plan: LoadedPlan, cluster: ClusterSpec, cluster_file: str | Path) -> None:
+def check_plan_against_cluster(plan: LoadedPlan, cluster: ClusterSpec, cluster_file: str | Path) -> None:
     """Refuse a plan made for a cluster of another name (its devices and offsets would mean other hardware), and a
     stage whose written `device` is not its group's (the cluster decides a group's device: an edited `device` would
     change nothing)."""
@@ -72,7 +72,7 @@ def plan_on_cluster(plan_file: str | Path, cluster_file: str | Path) -> tuple[Lo
     before anything sizes arrays or walks stages by it."""
     plan = load_plan(plan_file)
     cluster = load_cluster(cluster_file)
-    check_cluster_name(plan, cluster, cluster_file)
+    check_plan_against_cluster(plan, cluster, cluster_file)
     check_strategy(plan.strategy, cluster, plan.model, plan.training.global_batch_size, plan.source)
     return plan, cluster
 
@@ -107,7 +107,7 @@ def what_if(
         if training_file is not None:
             raise SpecError("--training", "", "goes with the Megatron-style flags; a plan sets its own training")
         plan = load_plan(plan_file)
-        check_cluster_name(plan, cluster, cluster_file)
+        check_plan_against_cluster(plan, cluster, cluster_file)
         training = load_training(None, {**plan.training.model_dump(), **given})
         return WhatIf(load_model(model) if model else plan.model, training, plan.strategy, str(plan_file))
     if model is None:
