@@ -413,8 +413,5 @@ def load_plan(path: str | Path) -> LoadedPlan:
     engine = parsed.search.get("engine")
     if engine is not None and not isinstance(engine, str):
         raise SpecError(source, "search.engine", f"expected an engine name, got {engine!r}")
-    written_devices = tuple(
-        tuple(str(stage.get("device") or "") if isinstance(stage, dict) else "" for stage in pipeline.get("stages", []))
-        for pipeline in data["pipelines"]
-    )
+    written_devices = tuple(tuple(stage.device or "" for stage in pipeline.stages) for pipeline in parsed.pipelines)
     return LoadedPlan(strategy, model, training, source, parsed.cluster, parsed.cost_source, engine, written_devices)

@@ -411,7 +411,6 @@ def _check_pipeline(
 # decides them); any other key is an error, since a misspelt setting would otherwise change nothing
 STAGE_FIGURES = frozenset(
     {
-        "device",
         "devices",
         "compute_time_s",
         "p2p_time_s",
@@ -438,6 +437,7 @@ class StageFile(BaseModel):
     tp: int = Field(ge=1)
     device_offset: int = Field(default=0, ge=0)
     recompute: Recompute | None = None
+    device: str | None = None  # a figure too, checked against the cluster's group (planner/what_if.py)
 
     @model_validator(mode="before")
     @classmethod
