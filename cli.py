@@ -417,6 +417,18 @@ app.command("comm-bench")(measuring.comm_bench)
 app.command("simulate-profile")(measuring.simulate_profile)
 
 
+def one_line_summaries(commands: list[typer.models.CommandInfo]) -> None:
+    """Give each command its docstring's first paragraph as one line for the command list of `hetplan --help`: in
+    rich markup mode typer keeps the docstring's line breaks there, so the summaries broke mid-sentence."""
+    for command in commands:
+        if command.short_help is None and command.callback is not None:
+            first_paragraph = (command.callback.__doc__ or "").split("\n\n")[0]
+            command.short_help = " ".join(first_paragraph.split())
+
+
+one_line_summaries(app.registered_commands)
+
+
 # ---- the entry point ----------------------------------------------------------------------------------------------
 def main() -> None:
     """Console entry point: user errors (usage errors included) print one line and exit 2, Ctrl-C prints

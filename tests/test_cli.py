@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 
@@ -238,3 +239,18 @@ def test_piped_help_keeps_flag_names_and_bracketed_defaults():
     assert "--no-sequence-parallel" in result.stdout
     assert "Tensor-parallel degree [default: 1]." in result.stdout
     assert max(len(line) for line in result.stdout.splitlines()) <= 120
+
+
+def test_command_list_summaries_run_on_without_the_docstrings_line_breaks():
+    """`hetplan --help` lists each command with its docstring's first paragraph as one flowing text: typer's rich
+    mode kept the docstring's line breaks there, so 'predict' read '... plan.json (with the' and its next line
+    'costs ...' with the rest of the row blank."""
+    result = hetplan("--help")
+    assert result.returncode == 0, result.stderr
+    summaries = " ".join(line.strip(" │") for line in result.stdout.splitlines())
+    assert "--strategy plan.json (with the costs the plan records" in " ".join(summaries.split())
+    rows = [line for line in result.stdout.splitlines() if line.startswith("│ ")]
+    for row, following in itertools.pairwise(rows):
+        # a row ends short only where its summary ends (the next row names a command) or its panel does
+        if len(row.rstrip(" │")) < 80 and following.startswith("│" + " " * 18):
+            raise AssertionError(f"a summary broke early:\n{row}\n{following}")
