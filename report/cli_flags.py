@@ -33,10 +33,15 @@ def finite(low: float = 0.0, inclusive: bool = False) -> Callable[..., float | N
     return check
 
 
+# whether typer formats help with rich (TYPER_USE_RICH=0 turns it off; older typer has no such switch)
+RICH_HELP: bool = getattr(typer.core, "HAS_RICH", True)
+
+
 def opt(*names: str, help: str, **kwargs: Any) -> Any:
     """typer.Option with the help text required (every flag says what it means in --help); its square brackets are
-    text, not rich markup (typer's help took "[default: 1]" for a markup tag and printed nothing of it)."""
-    return typer.Option(*names, help=help.replace("[", "\\["), **kwargs)
+    text, not rich markup (typer's help took "[default: 1]" for a markup tag and printed nothing of it; without rich
+    the escape would show)."""
+    return typer.Option(*names, help=help.replace("[", "\\[") if RICH_HELP else help, **kwargs)
 
 
 ClusterOpt = Annotated[Path, opt("--cluster", "-c", help="Cluster YAML/JSON file.")]

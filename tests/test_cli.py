@@ -254,3 +254,13 @@ def test_command_list_summaries_run_on_without_the_docstrings_line_breaks():
         # a row ends short only where its summary ends (the next row names a command) or its panel does
         if len(row.rstrip(" │")) < 80 and following.startswith("│" + " " * 18):
             raise AssertionError(f"a summary broke early:\n{row}\n{following}")
+
+
+def test_help_without_rich_shows_bracketed_defaults_as_written(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With typer's rich help off (TYPER_USE_RICH=0), '[default: 1]' is printed as written: the escape that keeps rich
+    from reading it as a markup tag showed as a backslash there."""
+    monkeypatch.setenv("TYPER_USE_RICH", "0")
+    result = hetplan("predict", "--help")
+    assert result.returncode == 0, result.stderr
+    assert "Tensor-parallel degree [default: 1]." in result.stdout
+    assert "\\[" not in result.stdout
