@@ -95,7 +95,8 @@ def plan(
         Optional[str], opt("--cp", help="Context-parallel degrees to search, e.g. 1,2,4 (default: by sequence length).")
     ] = None,
     zero_shard: Annotated[
-        Optional[str], opt("--zero-shard", help="Where ZeRO shards, to search: dp (whole group), node (hybrid), both.")
+        Optional[str],
+        opt("--zero-shard", help="Where ZeRO shards, to search: dp (whole group), node (hybrid) or dp,node (both)."),
     ] = None,
     out: PlanOutOpt = None,
     quiet: QuietOpt = False,
@@ -204,7 +205,7 @@ def predict(
             if value is not None:
                 raise SpecError(
                     named[field], "", "goes with the Megatron-style flags; a plan (--strategy) sets its own layout "
-                    "and training (change its training with --global-batch, --seq-len, --dtype, --zero-stage)"
+                    "and training (change its training with --seq-len, --dtype, --zero-stage)"
                 )  # fmt: skip
     layout = {field: MEGATRON_FLAGS[field][1] if value is None else value for field, value in layout.items()}
     flags.training(None, **overrides)  # a bad flag is named as the flag, before a plan's training is read

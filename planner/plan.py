@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from predictor.calibration import Interval
 from predictor.cost_model import CostContext, Evaluation
@@ -240,6 +241,13 @@ def describe_strategy(strategy: Strategy) -> str:
 
 
 # ---- reading a plan back (predict --strategy) -------------------------------------------------------------
+def sha256_digest(value: str, what: str) -> str:
+    """A recorded file hash: empty (never saved) or 64 hex digits."""
+    if value and not re.fullmatch(r"[0-9a-f]{64}", value):
+        raise ValueError(f"expected the {what} file's SHA-256: 64 hex digits (0-9, a-f), got {value!r}")
+    return value
+
+
 class PredictorSource(BaseModel):
     """The predictor a plan was made with: the shipped one (its cache key), a file (path, SHA-256) or one fitted in
     the planning process and never saved (its name)."""
@@ -250,6 +258,8 @@ class PredictorSource(BaseModel):
     path: str = ""
     sha256: str = ""
     name: str = ""
+
+    _hex_digest = field_validator("sha256")(lambda value: sha256_digest(value, "predictor"))
 
     @model_validator(mode="after")
     def _complete(self) -> PredictorSource:
@@ -267,7 +277,9 @@ class ProfileSource(BaseModel):
     model_config = ConfigDict(extra="forbid")
     device: str
     path: str = ""
-    sha256: str = Field(default="", pattern=r"^([0-9a-f]{64})?$")
+    sha256: str = ""
+
+    _hex_digest = field_validator("sha256")(lambda value: sha256_digest(value, "profile"))
 
     @model_validator(mode="after")
     def _both_or_neither(self) -> ProfileSource:
@@ -320,7 +332,7 @@ PLAN_FIGURES = frozenset(
 
 class _PlanFile(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    schema_: str = Field(alias="schema", pattern=r"^hetplan\.plan/1$")
+    schema_: Literal["hetplan.plan/1"] = Field(alias="schema")
     cluster: str = ""
     model: dict[str, Any]
     training: dict[str, Any]

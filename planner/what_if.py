@@ -108,8 +108,16 @@ def what_if(
             raise SpecError("--training", "", "goes with the Megatron-style flags; a plan sets its own training")
         plan = load_plan(plan_file)
         check_plan_against_cluster(plan, cluster, cluster_file)
+        batch = plan.training.global_batch_size
+        if given.get("global_batch_size", batch) != batch:  # the stages' micro-batches add up to the plan's batch
+            raise SpecError("--global-batch", "", f"the plan's micro-batches add up to {batch} sequences per "
+                            f"iteration: re-plan for {given['global_batch_size']} (or leave the flag out)")  # fmt: skip
+        other = load_model(model) if model else plan.model
+        if other.num_layers != plan.model.num_layers:
+            raise SpecError("--model", model or "", f"has {other.num_layers} layers, the plan's stages hold "
+                            f"{plan.model.num_layers}: expected a model of as many layers (or re-plan)")  # fmt: skip
         training = load_training(None, {**plan.training.model_dump(), **given})
-        return WhatIf(load_model(model) if model else plan.model, training, plan.strategy, str(plan_file))
+        return WhatIf(other, training, plan.strategy, str(plan_file))
     if model is None:
         raise SpecError("--model", "", "required with Megatron-style flags (or pass --strategy plan.json)")
     flags = dict(megatron)

@@ -198,6 +198,13 @@ def build_context(
 ) -> CostContext:
     """Use a measured profile for each device type that has one (by device key), simulated ones elsewhere."""
     seq_length = training.seq_length or model.seq_length
+    if model.learned_positions and seq_length > model.seq_length:  # the run would fail at its first step
+        raise SpecError(
+            "training",
+            "seq_length",
+            f"expected at most {model.seq_length} tokens: {model.name} learns "
+            f"one position embedding for each of its {model.seq_length} positions, got {seq_length}",
+        )
     for group in cluster.groups:
         if group.device.runs_dtype(training.dtype) == "bf16" and not group.device.supports_bf16:
             raise SpecError(

@@ -50,12 +50,21 @@ class LayerMeasurement:
     repeats: int
 
 
+# device types torch knows only once a vendor package is installed (cuda and xpu are always known)
+DEVICE_PACKAGES = {"npu": "Ascend NPUs need torch_npu installed"}
+
+
 def resolve_device(name: str) -> torch.device:
     """'auto' picks the first accelerator torch can see (CUDA/ROCm, XPU, Ascend NPU), else the CPU."""
     if name != "auto":
         try:
             device = torch.device(name)
         except RuntimeError:
+            kind = name.split(":")[0]
+            if kind in DEVICE_PACKAGES:
+                raise SpecError(
+                    "--device", "", f"{name!r} is not available on this machine ({DEVICE_PACKAGES[kind]})"
+                ) from None
             raise SpecError("--device", "", f"expected auto, cpu, cuda:N, xpu:N or npu:N, got {name!r}") from None
         backend = getattr(torch, device.type, None)
         if device.type != "cpu" and not (backend is not None and backend.is_available()):

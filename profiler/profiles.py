@@ -13,7 +13,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from profiler.profile import DeviceProfile, LinkFileRecord, ProfileEntry, load_profile
+from profiler.profile import PROFILE_SCHEMA, DeviceProfile, LinkFileRecord, ProfileEntry, load_profile
 from specs.errors import SpecError
 from specs.loading import file_sha256, read_mapping
 from specs.model import ModelSpec
@@ -64,10 +64,21 @@ def check_profile(profile: DeviceProfile, model: ModelSpec | None = None) -> Non
 
 
 def _json_files(directory: Path) -> list[Path]:
-    """The *.json files of a directory, sorted (deterministic order); refused when it is not a directory."""
+    """The *.json files of a directory, sorted (deterministic order), but for the project's other documents kept
+    beside the profiles (a plan, a run record: their `schema` says what they are); refused when it is not a
+    directory."""
     if not directory.is_dir():
         raise SpecError(str(directory), "", "expected a directory of profile JSON files")
-    return sorted(directory.glob("*.json"))
+    return [path for path in sorted(directory.glob("*.json")) if not _another_document(path)]
+
+
+def _another_document(path: Path) -> bool:
+    """Whether a JSON file is one of the project's documents that is neither a profile nor a link profile."""
+    try:
+        schema = read_mapping(path).get("schema")
+    except SpecError:
+        return False  # read again as a profile, it says what is wrong with it
+    return isinstance(schema, str) and schema.startswith("hetplan.") and schema not in (PROFILE_SCHEMA, LINKS_SCHEMA)
 
 
 def is_link_profile(path: Path) -> bool:

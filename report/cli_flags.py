@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 
+from report import said
+
 if TYPE_CHECKING:
     from planner.cost_source import PlanCosts
     from planner.plan import LoadedPlan
@@ -68,7 +70,7 @@ PlanProfilesOpt = Annotated[
 PlanArg = Annotated[Path, typer.Argument(help="Plan JSON (from `hetplan plan --out`).", metavar="PLAN")]
 PlanClusterOpt = Annotated[Path, opt("--cluster", "-c", help="Cluster file the plan was made for.")]
 MicroBatchesOpt = Annotated[str, opt("--micro-batches", help="Micro-batch sizes, e.g. 1,2,4,8.")]
-TpListOpt = Annotated[str, opt("--tp", help="TP degrees (the shard one rank computes).")]
+
 TimeoutOpt = Annotated[float, opt("--timeout", callback=finite(), help="Seconds any one operation may take.")]
 RepeatsOpt = Annotated[int, opt("--repeats", min=1, help="Timed runs per point.")]
 PlanOutOpt = Annotated[Optional[Path], opt("--out", help="Write the plan JSON here.")]
@@ -111,8 +113,8 @@ def profiles_said(directory: Path | None, model: Any, devices: list[str], quiet:
     missing = [device for device in dict.fromkeys(devices) if device not in profiles]
     if directory is not None and missing and not quiet:
         whose = "its" if len(missing) == 1 else "their"
-        print(f"note: --profiles {directory} has no profile of {', '.join(missing)}: {whose} costs are the "
-              "datasheet's (simulated)", file=sys.stderr)  # fmt: skip
+        said.say(f"note: --profiles {directory} has no profile of {', '.join(missing)}: {whose} costs are the "
+                 "datasheet's (simulated)")  # fmt: skip
     return profiles
 
 
@@ -123,7 +125,7 @@ def plan_costs_said(loaded: LoadedPlan, predictor: Path | None, profiles: Path |
 
     costs = plan_costs(loaded, predictor, profiles, model)
     for line in costs.lines:
-        sys.stderr.write(line + "\n")
+        said.say(line)
     return costs
 
 
@@ -135,7 +137,7 @@ def on_cluster(training: TrainingSpec, cluster: ClusterSpec) -> TrainingSpec:
     without_bf16 = sorted({group.device.key for group in cluster.groups if not group.device.supports_bf16})
     chosen, note = on_devices(training, {group.device.vendor for group in cluster.groups}, without_bf16)
     if note:
-        sys.stderr.write(note + "\n")
+        said.say(note)
     return chosen
 
 
@@ -159,6 +161,7 @@ def show(as_json: bool, body: Any, *renderables: Any) -> None:
     each line whole (rich's 80 columns would cut a table's cells and wrap lines that grep should find whole)."""
     from rich.console import Console
 
+    said.flush()
     if as_json:
         sys.stdout.write(json.dumps(body, indent=2) + "\n")
         return

@@ -11,6 +11,8 @@ import traceback
 import click
 import typer
 
+from report import said
+
 DEBUG_HINT = "re-run with HETPLAN_DEBUG=1 for the traceback"
 
 
@@ -63,13 +65,19 @@ def exit_status(app: typer.Typer, args: list[str]) -> int:
         try:
             code = app(args=args, prog_name="hetplan", standalone_mode=False)
         except (KeyboardInterrupt, click.exceptions.Abort, typer.Abort):  # Ctrl-C, or EOF at a prompt
+            said.drop()
             code = 130
         except Exception as err:  # the one place every failure becomes a line
+            said.drop()
             if os.environ.get("HETPLAN_DEBUG", "") not in ("", "0"):
                 traceback.print_exc()
             line, code = failure_line(err)
             print(line, file=sys.stderr)
             return code
+        if code in (None, 0):
+            said.flush()  # a success that showed nothing (--quiet, files only) says its notes at the end
+        else:
+            said.drop()
         if code == 130:
             print("hetplan: interrupted", file=sys.stderr)
         return code if isinstance(code, int) else 0

@@ -26,7 +26,6 @@ from report.cli_flags import (
     RepeatsOpt,
     SeqLenOpt,
     TimeoutOpt,
-    TpListOpt,
     finite,
     opt,
     plan_costs_said,
@@ -43,6 +42,9 @@ DRIFT_WARNING = 0.15
 
 
 PROFILE_DTYPES = ("auto", "bf16", "fp16", "fp32")  # what `hetplan profile` times layers in
+# `profile-comm --world` launches at most this many local processes per core (each loads torch; its runs with shared
+# cores use two per core): a thousand on two cores held the load average above 100 and measured the scheduler
+LOCAL_RANKS_PER_CORE = 4
 
 
 # ---- measuring and fitting --------------------------------------------------------------------------------------
@@ -52,7 +54,10 @@ def profile(
     device: Annotated[str, opt(help="auto, cpu, cuda:N (also ROCm), xpu:N or npu:N.")] = "auto",
     as_device: Annotated[Optional[str], opt(help="Catalog key the profile stands for (default: the device).")] = None,
     micro_batches: MicroBatchesOpt = "1,2,4,8",
-    tp: TpListOpt = "1,2,4",
+    tp: Annotated[
+        Optional[str],
+        opt(help="TP degrees (the shard one rank computes) [default: those of 1,2,4 that split the model]."),
+    ] = None,
     recompute: Annotated[str, opt(help="Recompute modes to time.")] = "none,selective,full",
     seq_len: SeqLenOpt = None,
     dtype: Annotated[str, opt(help="auto (fp32 on CPU, bf16 elsewhere), bf16, fp16 or fp32.")] = "auto",
@@ -76,10 +81,11 @@ def profile(
     from specs.model import RECOMPUTE_MODES, load_model
 
     flags.output_file(out, "--out")
-    sizes, degrees = flags.int_list(micro_batches, "--micro-batches"), flags.int_list(tp, "--tp")
+    sizes = flags.int_list(micro_batches, "--micro-batches")
     modes = flags.choices(recompute, RECOMPUTE_MODES, "--recompute")
     flags.choice(dtype, PROFILE_DTYPES, "--dtype")  # fp8 runs in Transformer Engine's GEMMs, which this does not time
     model_spec = load_model(model)
+    degrees = flags.tp_degrees(tp, model_spec, (1, 2, 4))
     require_torch("profile")
     from profiler.measure import pass_drift, profile_model, profile_target
 
@@ -177,7 +183,12 @@ def profile_comm(
 
     flags.output_file(out, "--out")
     flags.choice(link_class, ("auto", "in_node", "rail", "cross_group", "host"), "--link-class")
-    sizes, worlds = flags.message_sizes(min_size, max_size), flags.int_list(world, "--world", 2, "process counts") or []
+    from profiler.machine import host_cores
+
+    sizes = flags.message_sizes(min_size, max_size)
+    most = LOCAL_RANKS_PER_CORE * host_cores()
+    why = f"; at most {LOCAL_RANKS_PER_CORE} local processes per core: more time the scheduler, not the links"
+    worlds = flags.int_list(world, "--world", 2, "process counts", high=most, why=why) or []
     device_key = get_device(as_device, "--as-device", "").key
     require_torch("profile-comm")
     from profiler.comm_bench import (
@@ -187,7 +198,6 @@ def profile_comm(
         run_in_job,
         run_local,
     )
-    from profiler.machine import host_cores
 
     chosen = flags.choices(ops, COLLECTIVES, "--ops")
     gap_s = gap_ms / 1000
@@ -279,6 +289,7 @@ def _run_settings(
     max_restarts: int,
     inject_failure: str | None,
     under_torchrun: bool,
+    world: int,
 ) -> RunSettings:
     """`hetplan run`'s flags as the runtime's settings, each combination it cannot honour refused in one line; a
     checkpoint to resume that cannot be resumed is refused before anything else is said or started."""
@@ -291,6 +302,9 @@ def _run_settings(
         if not (rank_text.isdigit() and step_text.isdigit() and int(step_text) >= 1):
             raise SpecError("--inject-failure", inject_failure, "expected RANK:STEP (steps counted from 1), e.g. 3:4")
         failure = (int(rank_text), int(step_text) - 1)  # the runtime counts steps from 0
+        if failure[0] >= world or failure[1] >= steps:  # a failure that never happens would test nothing
+            raise SpecError("--inject-failure", inject_failure, f"expected a rank below {world} (the cluster's "
+                            f"devices) and a step up to --steps, {steps}")  # fmt: skip
     if checkpoint_every and checkpoint_dir is None:
         raise SpecError("--checkpoint-every", str(checkpoint_every), "saves need --checkpoint-dir")
     if (max_restarts or failure) and checkpoint_dir is None:
@@ -298,6 +312,10 @@ def _run_settings(
     if max_restarts and under_torchrun:
         raise SpecError("--max-restarts", "", "re-planning restarts are for local runs; under torchrun checkpoint "
                         "with --checkpoint-dir and restart the job with --resume on the devices left")  # fmt: skip
+    if checkpoint_dir is not None:  # a file in its place failed the first save, after the processes had started
+        from specs import flags
+
+        flags.output_directory(checkpoint_dir, "--checkpoint-dir", "step")
     settings = RunSettings(
         steps=steps, seed=seed, dtype=loaded.training.dtype, timeout_s=timeout,
         checkpoint_dir=str(checkpoint_dir or ""), checkpoint_every=checkpoint_every or steps,
@@ -377,7 +395,7 @@ def run(
     under_torchrun = launched_by_torchrun()
     settings = _run_settings(
         loaded, steps, seed, timeout, checkpoint_dir, checkpoint_every, async_save, resume, max_restarts,
-        inject_failure, under_torchrun,
+        inject_failure, under_torchrun, cluster_spec.num_devices,
     )  # fmt: skip
     costs = plan_costs_said(loaded, predictor, profiles)
     predictor_object = costs.predictor
@@ -458,7 +476,10 @@ def simulate_profile(
     model: ModelOpt,
     out: ProfileOutOpt,
     micro_batches: MicroBatchesOpt = "1,2,4,8",
-    tp: TpListOpt = "1,2,4,8",
+    tp: Annotated[
+        Optional[str],
+        opt(help="TP degrees (the shard one rank computes) [default: those of 1,2,4,8 that split the model]."),
+    ] = None,
     seq_len: SeqLenOpt = None,
     dtype: Annotated[str, opt(help="bf16, fp16 or fp32.")] = "bf16",
     noise: Annotated[float, opt(callback=finite(0.0, inclusive=True), help="Log-normal sigma of noise.")] = 0.0,
@@ -472,11 +493,11 @@ def simulate_profile(
     from specs.model import load_model
 
     flags.output_file(out, "--out")
-    sizes, degrees = flags.int_list(micro_batches, "--micro-batches") or [], flags.int_list(tp, "--tp") or []
+    sizes = flags.int_list(micro_batches, "--micro-batches") or []
     model_spec = load_model(model)
     training_spec = flags.training(None, dtype=dtype, seq_length=seq_len)
     spec = get_device(device, "--device", "")
-    model_spec.check_tp_degrees(degrees)  # as `hetplan profile` requires
+    degrees = flags.tp_degrees(tp, model_spec, (1, 2, 4, 8))  # as `hetplan profile` takes them
     seq_length = training_spec.seq_length or model_spec.seq_length
     simulated = SimulatedDevice(spec, model_spec, seq_length, training_spec.dtype, noise=noise, seed=seed)
     profile = simulated.to_profile(tuple(sizes), tuple(degrees))

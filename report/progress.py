@@ -14,6 +14,8 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any, TextIO
 
+from report import said
+
 
 def default_interval_s() -> float:
     """Seconds between progress lines off a terminal: HETPLAN_PROGRESS_SECONDS when it is a number > 0, else 5."""
@@ -102,6 +104,7 @@ class Progress:
             self.total = total if total is not None else self.total
             self.what = what or self.what
         if self._bar is not None:
+            said.flush()
             description = f"{self.task}: {self.what}" if self.what else self.task
             self._bar.update(self._task_id, completed=done, total=self.total, description=description)
         else:
@@ -153,6 +156,7 @@ class Progress:
             self.tick()
 
     def _write(self, text: str) -> None:
+        said.flush()  # the command's notes first: it got past its checks
         try:
             self.stream.write(text + "\n")
             self.stream.flush()

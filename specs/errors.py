@@ -18,8 +18,24 @@ _EXPECTATIONS = (
     (re.compile(r"^input should be a valid list\b.*$", re.I), "expected a list"),
     (re.compile(r"^input should be a valid dictionary\b.*$", re.I), "expected a mapping"),
     (re.compile(r"^input should be a finite number$", re.I), "expected a finite number"),
+    (re.compile(r"^input should be a valid tuple\b.*$", re.I), "expected a list"),
+    (
+        re.compile(r"^\w+ should have at least (\d+) items? after validation.*$", re.I),
+        lambda m: _counted("at least", m),
+    ),
+    (re.compile(r"^\w+ should have at most (\d+) items? after validation.*$", re.I), lambda m: _counted("at most", m)),
+    (
+        re.compile(r"^string should have at least (\d+) characters?$", re.I),
+        lambda m: _counted("at least", m, "character"),
+    ),
+    (re.compile(r"^string should match pattern '(.+)'$", re.I), r"expected text matching \1"),
     (re.compile(r"^input should be (.+)$", re.I), r"expected \1"),  # a choice: 'off', 'refine' or 'exhaustive'
 )
+
+
+def _counted(bound: str, match: re.Match[str], thing: str = "item") -> str:
+    count = int(match[1])
+    return f"expected {bound} {count} {thing}{'' if count == 1 else 's'}"
 
 
 def expected_wording(message: str) -> str:

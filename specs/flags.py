@@ -7,12 +7,15 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from specs.errors import SpecError
 from specs.loading import QUOTE_CHARS
 from specs.outputs import check_writable
 from specs.training import TrainingSpec, load_training
+
+if TYPE_CHECKING:
+    from specs.model import ModelSpec
 
 SIZE_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
 MAX_MESSAGE_BYTES = 16 * 2**30  # a collective's buffer beyond this is no benchmark a host can run
@@ -24,18 +27,30 @@ def _given(text: str) -> str:
     return repr(text[:QUOTE_CHARS])
 
 
-def int_list(text: str | None, flag: str, low: int = 1, what: str = "integers") -> list[int] | None:
-    """'1,2,4' -> [1, 2, 4], at least one, each at least `low` (`what` they are, for the message); None stays None
-    (the flag was not given)."""
+def int_list(
+    text: str | None, flag: str, low: int = 1, what: str = "integers", high: int | None = None, why: str = ""
+) -> list[int] | None:
+    """'1,2,4' -> [1, 2, 4], at least one, each at least `low` and at most `high` (`what` they are and `why` the
+    bound, for the message); None stays None (the flag was not given)."""
     if text is None:
         return None
     try:  # every item an integer: '1,,4' is a slip, not 1 and 4
         values = [int(part) for part in text.split(",")]
     except ValueError:
         values = []
-    if not values or min(values) < low:
-        raise SpecError(flag, "", f"expected {what} >= {low} (comma-separated), got {_given(text)}")
+    if not values or min(values) < low or (high is not None and max(values) > high):
+        bounds = f">= {low}" if high is None else f"from {low} to {high}"
+        raise SpecError(flag, "", f"expected {what} {bounds} (comma-separated{why}), got {_given(text)}")
     return values
+
+
+def tp_degrees(text: str | None, model: ModelSpec, defaults: tuple[int, ...]) -> list[int]:
+    """`--tp` of a profile: the degrees given (each must split the model's layer), or those of `defaults` that do."""
+    if text is None:
+        return [tp for tp in defaults if model.splits_for_tp(tp)]
+    degrees = int_list(text, "--tp") or []
+    model.check_tp_degrees(degrees)
+    return degrees
 
 
 def zero_stages(text: str | None) -> list[int]:

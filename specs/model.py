@@ -84,6 +84,12 @@ class ModelSpec(BaseModel):
         """GPT-style layers carry biases and LayerNorm shifts; Llama-style layers do not."""
         return self.mlp == "gelu"
 
+    @property
+    def learned_positions(self) -> bool:
+        """GPT-style models learn an embedding for each position up to their seq_length, so they train no longer
+        sequences; Llama-style models rotate (RoPE) and have no such table."""
+        return self.mlp == "gelu"
+
     def max_tp(self) -> int:
         """Tensor parallelism splits heads: the degree must divide the kv heads."""
         return self.num_kv_heads
@@ -97,7 +103,7 @@ class ModelSpec(BaseModel):
         return weights + 2 * h  # two RMSNorm scales
 
     def embedding_params(self) -> int:
-        positions = self.seq_length * self.hidden_size if self.mlp == "gelu" else 0  # GPT: learned positions
+        positions = self.seq_length * self.hidden_size if self.learned_positions else 0
         return self.vocab_size * self.hidden_size + positions
 
     def lm_head_params(self) -> int:

@@ -141,7 +141,9 @@ PLAN = ("plan", "--cluster", str(CPU), "--model", TINY)
         (("profile-comm", "--max-size", "inf", "--out", "l.json"), "--max-size: expected a size from 4B to 16GiB"),
         (("profile-comm", "--min-size", "1MiB", "--max-size", "4KiB", "--out", "l.json"), "min-size <= max-size"),
         (("profile-comm", "--link-class", "spine", "--out", "l.json"), "--link-class: expected one of auto, in_node"),
-        (("profile-comm", "--world", "1", "--out", "l.json"), "--world: expected process counts >= 2"),
+        (("profile-comm", "--world", "1", "--out", "l.json"), "--world: expected process counts from 2 to"),
+        (("profile-comm", "--world", "2,1000", "--out", "l.json"), "local processes per core"),  # not 1000 processes
+        (("profile", "-m", TINY, "--device", "npu:0", "--out", "p.json"), "'npu:0' is not available on this machine"),
         (("profile-comm", "--timeout", "nan", "--out", "l.json"), "--timeout: expected a finite number > 0"),
         (("comm-bench", "--sizes", "1e30"), "--sizes: expected a size"),
         (("comm-bench", "--world", "100000"), "--world: "),
@@ -424,3 +426,93 @@ def test_does_not_fit_advice_names_only_what_the_training_does_not_allow(capsys,
     narrow = ("--recompute", "none", "--zero-stage", "0", "--quiet")
     line = one_error(capsys, "plan", "--cluster", cluster, "--model", "llama2-7b", "--dtype", "fp16", *narrow)
     assert "allow full recompute (--recompute none,selective,full), use ZeRO-1 (--zero-stage 1)" in line
+
+
+def test_pydantic_counts_and_patterns_are_in_the_houses_words(capsys, tmp_path, plans):
+    """An empty list, a too-long pair, a wrong schema and a malformed profile hash say what was expected in the
+    house's words (pydantic's "List should have at least 1 item after validation, not 0" leaked through)."""
+    cluster = tmp_path / "empty.yaml"
+    cluster.write_text("name: empty\ngroups: []\n")
+    assert one_error(capsys, *PLAN[:1], "--cluster", str(cluster), "--model", TINY).endswith(
+        "empty.yaml: groups: expected at least 1 item, got []"
+    )
+    good = json.loads(plans["good"].read_text())
+    for name, change, expected in [
+        ("schema", lambda b: b.update(schema="hetplan.plan/2"), "schema: expected 'hetplan.plan/1', got"),
+        ("layers", lambda b: b["pipelines"][0]["stages"][0].update(layers=[0, 2, 3]), "expected at most 2 items"),
+        (
+            "hash",
+            lambda b: b.update(
+                cost_source={
+                    "predictor": {"kind": "unsaved", "name": "fitted here"},
+                    "profiles": [{"device": "cpu", "path": "cpu.json", "sha256": "abc"}],
+                }
+            ),
+            "sha256: expected the profile file's SHA-256: 64 hex digits (0-9, a-f), got 'abc'",
+        ),
+    ]:
+        broken = json.loads(json.dumps(good))
+        change(broken)
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(broken))
+        line = one_error(capsys, "explain", str(path), "--cluster", str(CPU))
+        assert expected in line, line
+        assert "should" not in line, line
+
+
+def test_flags_a_plan_cannot_honour_are_named_before_anything_runs(capsys, tmp_path, plans):
+    """predict --strategy: a global batch the plan's micro-batches do not make and a model of other depth are the
+    flags' mistakes (they were reported as the plan's); run: a file where the checkpoints go and a failure that
+    would never happen are refused before the ranks start (the first failed after ~30 s inside rank 0)."""
+    good = str(plans["good"])
+    predict = ("predict", "--cluster", str(CPU), "--strategy", good)
+    line = one_error(capsys, *predict, "--global-batch", "7")
+    assert "--global-batch: the plan's micro-batches add up to 8 sequences per iteration: re-plan for 7" in line
+    assert "--model: llama2-7b: has 32 layers, the plan's stages hold 8" in one_error(
+        capsys, *predict, "-m", "llama2-7b"
+    )
+    in_the_way = tmp_path / "checkpoints"
+    in_the_way.write_text("")
+    run_args = ("run", good, "--cluster", str(CPU), "--out", str(tmp_path / "r.json"), "--steps", "2")
+    line = one_error(capsys, *run_args, "--checkpoint-dir", str(in_the_way))
+    assert "--checkpoint-dir: " in line and "exists and is not a directory" in line
+    checkpoints = ("--checkpoint-dir", str(tmp_path / "ck"))
+    for failure in ("9:2", "1:3"):
+        line = one_error(capsys, *run_args, *checkpoints, "--inject-failure", failure)
+        assert "expected a rank below 4 (the cluster's devices) and a step up to --steps, 2" in line
+
+
+def test_a_gpt_trains_no_longer_sequences_than_its_learned_positions(capsys):
+    """tiny-gpt learns 128 positions: a 256-token training is refused when planned (the run failed at its first
+    step: 'The size of tensor a (256) must match the size of tensor b (128)')."""
+    gpt = str(EXAMPLES / "models" / "tiny-gpt.yaml")
+    line = one_error(capsys, "plan", "--cluster", str(CPU), "--model", gpt, "--seq-len", "256")
+    assert line.endswith("seq_length: expected at most 128 tokens: tiny-gpt learns one position embedding for each "
+                         "of its 128 positions, got 256")  # fmt: skip
+
+
+def test_profile_tp_defaults_are_the_degrees_that_split_the_model(capsys, tmp_path):
+    """simulate-profile's default TP degrees are those of 1,2,4,8 that split the model (tiny-llama's 4 kv heads:
+    1, 2, 4); its default used to fail on a bundled model with '--tp: 8 must divide ...', a flag not given."""
+    out = tmp_path / "cpu.json"
+    code, lines, _ = run(capsys, "simulate-profile", "--device", "cpu", "--model", TINY, "--out", str(out))
+    assert code == 0, lines
+    assert sorted({entry["tp"] for entry in json.loads(out.read_text())["entries"]}) == [1, 2, 4]
+    line = one_error(capsys, "simulate-profile", "--device", "cpu", "--model", TINY, "--tp", "8", "--out", str(out))
+    assert "--tp: 8 must divide the model's 4 kv heads" in line
+
+
+def test_a_plan_kept_beside_the_profiles_is_not_read_as_one(capsys, tmp_path, plans):
+    """`--profiles DIR` holding a plan beside the profile (a plan saved next to the profiles it was made from) plans
+    from the profile (it failed on the plan: 'cluster: unknown field ...'); a JSON file of no known kind still fails."""
+    directory = tmp_path / "profiles"
+    out = directory / "cpu.json"
+    made = ("simulate-profile", "--device", "cpu", "--model", TINY, "--dtype", "fp32", "--seq-len", "128")
+    code, lines, _ = run(capsys, *made, "--out", str(out))
+    assert code == 0, lines
+    (directory / "plan.json").write_text(plans["good"].read_text())
+    planned = ("plan", "--cluster", str(CPU), "--model", TINY, "--seq-len", "128", "--profiles", str(directory))
+    code, lines, _ = run(capsys, *planned, "--quiet")
+    assert code == 0, lines
+    (directory / "notes.json").write_text('{"what": "my notes"}')
+    assert "notes.json" in one_error(capsys, *planned)
