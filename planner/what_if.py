@@ -35,9 +35,9 @@ class WhatIf:
 
 
 def check_plan_against_cluster(plan: LoadedPlan, cluster: ClusterSpec, cluster_file: str | Path) -> None:
-    """Refuse a plan made for a cluster of another name (its devices and offsets would mean other hardware), and a
-    stage whose written `device` is not its group's (the cluster decides a group's device: an edited `device` would
-    change nothing)."""
+    """Refuse a plan made for a cluster of another name (its devices and offsets would mean other hardware), a stage
+    on a group the cluster does not have, and a stage whose written `device` is not its group's (the cluster decides
+    a group's device: an edited `device` would change nothing)."""
     if plan.cluster_name and cluster.name != plan.cluster_name:
         raise SpecError(
             str(cluster_file),
@@ -45,6 +45,14 @@ def check_plan_against_cluster(plan: LoadedPlan, cluster: ClusterSpec, cluster_f
             f"the plan is for cluster {plan.cluster_name!r}, got {cluster.name!r}",
         )
     devices = {group.name: group.device.key for group in cluster.groups}
+    for family, pipeline in enumerate(plan.strategy.pipelines):
+        for number, stage in enumerate(pipeline.stages):
+            if stage.group not in devices:  # the plan's mistake (or the wrong cluster file): named in the plan
+                raise SpecError(
+                    plan.source,
+                    f"pipelines[{family}].stages[{number}].group",
+                    f"expected a group of {cluster_file} ({', '.join(devices)}), got {stage.group!r}",
+                )
     for family, (pipeline, written) in enumerate(zip(plan.strategy.pipelines, plan.written_devices, strict=False)):
         for number, (stage, device) in enumerate(zip(pipeline.stages, written, strict=False)):
             if device and stage.group in devices and _device_key(device) != devices[stage.group]:

@@ -61,6 +61,7 @@ def plans(tmp_path_factory) -> dict[str, Path]:
         "schedule": lambda b: b.update(schedule="interleaved-1f1b"),
         "stage-device": lambda b: b["pipelines"][0]["stages"][0].update(device="h100"),
         "stage-device-alias": lambda b: b["pipelines"][0]["stages"][0].update(device="CPU"),  # the same device
+        "stage-group": lambda b: b["pipelines"][0]["stages"][1].update(group="cpuu"),
         # a misspelt setting (it was ignored: the default ran instead)
         "typo": lambda b: b.update(virtual_stage=2),
         "stage-typo": lambda b: b["pipelines"][0]["stages"][1].update(device_ofset=1),
@@ -254,6 +255,8 @@ def test_a_stage_device_written_by_alias_or_another_case_is_the_groups(capsys, t
         (("export", "{stage-typo}", "-c", str(CPU), "-f", "megatron"), "pipelines[0].stages[1].device_ofset: unknown"),
         (("run", "{pipeline-typo}", "-c", str(CPU), "--out", "r.json"), "pipelines[0].context_paralel: unknown field"),
         (("predict", "-c", str(CPU), "--strategy", "{other-cluster}"), "the plan is for cluster 'elsewhere'"),
+        # a stage's group the cluster has not is the plan's field (the line named the cluster file)
+        (("explain", "{stage-group}", "-c", str(CPU)), "stage-group.json: pipelines[0].stages[1].group: expected a g"),
         (("predict", "-c", str(CPU), "--strategy", "{good}", "--seq-len", "0"), "--seq-len: "),
         # a plan's layout and training are its own: a flag that would change them is refused (they were dropped)
         (("predict", "-c", str(CPU), "--strategy", "{good}", "--tp", "1"), "--tp: goes with the Megatron-style flags"),
