@@ -114,7 +114,7 @@ def plan(
     flags.output_file(out, "--out")
     cluster_spec, model_spec = load_cluster(cluster), load_model(model)
     given = {"global_batch_size": global_batch, "seq_length": seq_len, "dtype": dtype, "zero_stage": zero_stage}
-    given |= {"recompute": flags.names(recompute) if recompute else None, "uneven_batch": uneven_batch}
+    given |= {"recompute": flags.names(recompute) if recompute is not None else None, "uneven_batch": uneven_batch}
     given |= {"micro_batch_sizes": flags.int_list(micro_batch_sizes, "--micro-batch-sizes"), "families": families}
     given |= {"virtual_stages": flags.int_list(virtual_stages, "--virtual-stages")}
     given |= {"context_parallel": flags.int_list(cp, "--cp")}
@@ -123,7 +123,7 @@ def plan(
     training_spec.check_context_parallel(training_spec.seq_length or model_spec.seq_length, *cp_named)
     devices = [group.device.key for group in cluster_spec.groups]
     inputs = (cluster_spec, model_spec, training_spec, profiles_said(profiles, model_spec, devices, quiet))
-    chosen_engine = get_engine(engine, "--engine") if engine else None
+    chosen_engine = get_engine(engine, "--engine") if engine is not None else None
     options = {
         "top_k": top_k,
         "predictor": predictor_from(predictor),
@@ -133,7 +133,7 @@ def plan(
     if max_candidates is not None:
         options["max_candidates"] = max_candidates
     options["zero_stages"] = flags.zero_stages(zero_stages)
-    options["zero_shards"] = flags.choices(zero_shard, ("dp", "node"), "--zero-shard") if zero_shard else []
+    options["zero_shards"] = flags.choices(zero_shard, ("dp", "node"), "--zero-shard") if zero_shard is not None else []
     try:
         with progress_on_stderr("plan", quiet, unit="candidates") as progress:
             result = make_plan(*inputs, progress=progress.counter("searched"), **options)
@@ -193,7 +193,9 @@ def predict(
     overrides = dict(
         global_batch_size=global_batch, seq_length=seq_len, dtype=dtype, zero_stage=zero_stage, attention=attention
     )
-    overrides["zero_shard"] = flags.choice(zero_shard, ("dp", "node"), "--zero-shard") if zero_shard else None
+    overrides["zero_shard"] = (
+        flags.choice(zero_shard, ("dp", "node"), "--zero-shard") if zero_shard is not None else None
+    )
     layout = dict(
         zip(MEGATRON_FLAGS, (group, tp, pp, dp, micro_batch, recompute, virtual_stages, sequence_parallel, cp))
     )

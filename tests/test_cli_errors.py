@@ -107,6 +107,10 @@ PLAN = ("plan", "--cluster", str(CPU), "--model", TINY)
         ((*PLAN, "--zero-stage", "4"), "--zero-stage: expected 0, 1, 2 or 3"),
         ((*PLAN, "--uneven-batch", "always"), "--uneven-batch: expected 'off', 'refine' or 'exhaustive'"),
         ((*PLAN, "--micro-batch-sizes", "1,x"), "--micro-batch-sizes: expected integers >= 1"),
+        # an empty value is a value (it was taken for the flag left out)
+        ((*PLAN, "--engine", ""), "--engine: unknown engine ''"),
+        ((*PLAN, "--zero-shard", ""), "--zero-shard: expected some of dp, node, got ''"),
+        ((*PLAN, "--recompute", ""), "--recompute: allow at least one recompute mode"),
         ((*PLAN, "--out", "/proc/no/such/plan.json"), "--out: /proc/no/such/plan.json: cannot create its directory"),
         (
             ("traffic-calc", "-m", "llama3-8b", "--tokens", "1e9", "--global-batch", "0", "--gpus", "8"),
