@@ -112,7 +112,7 @@ def evaluation_dict(ctx: CostContext, evaluation: Evaluation) -> dict[str, Any]:
                 "total_microbatches": pipeline.microbatch_total,
                 "context_parallel": pipeline.context_parallel,
                 "zero_stage": strategy.family_zero_stage(pipeline),
-                "replica_batches": _replica_batches(ctx, pipeline),
+                "replica_batches": _replica_batches(pipeline, ctx.training.global_batch_size),
                 "stages": stages,
             }
         )
@@ -144,7 +144,7 @@ def schedule_name(virtual_stages: int) -> str:
     return "1f1b" if virtual_stages == 1 else "interleaved-1f1b"
 
 
-def _replica_batches(ctx: CostContext, pipeline: PipelineStrategy) -> list[dict[str, Any]]:
+def _replica_batches(pipeline: PipelineStrategy, global_batch_size: int) -> list[dict[str, Any]]:
     """How the global batch is split: replicas with the same share, their samples and gradient weight."""
     counts = pipeline.replica_microbatches()
     out = []
@@ -155,7 +155,7 @@ def _replica_batches(ctx: CostContext, pipeline: PipelineStrategy) -> list[dict[
                 "replicas": counts.count(microbatches),
                 "first_replica": counts.index(microbatches),
                 "samples": samples,
-                "gradient_weight": _round(samples / ctx.training.global_batch_size),
+                "gradient_weight": _round(samples / global_batch_size),
             }
         )
     return out
@@ -368,8 +368,8 @@ def _check_summaries(
     data: dict[str, Any], model: ModelSpec, training: TrainingSpec, strategy: Strategy, source: str
 ) -> None:
     """The figures a plan file repeats for its readers (the batch, the sequence, CP, each family's samples per
-    replica) agree with the training and layout they summarise: edited by hand they would change nothing, so a
-    disagreement is named rather than ignored."""
+    replica, its share of the batch and its replicas' split of it) agree with the training and layout they
+    summarise: edited by hand they would change nothing, so a disagreement is named rather than ignored."""
     # (the mapping the figure is written in, its key, its name in the message, the value, what decides it)
     figures: list[tuple[Any, str, str, object, str]] = [
         (data, "global_batch_size", "global_batch_size", training.global_batch_size, "training.global_batch_size"),
@@ -390,6 +390,10 @@ def _check_summaries(
             (written, "samples_per_replica", f"{name}.samples_per_replica", pipeline.samples_per_replica, by)
         )
         figures.append((written, "family_samples", f"{name}.family_samples", pipeline.samples, by))
+        weight = _round(pipeline.samples_per_replica / training.global_batch_size)
+        figures.append((written, "batch_weight", f"{name}.batch_weight", weight, by))
+        split = _replica_batches(pipeline, training.global_batch_size)
+        figures.append((written, "replica_batches", f"{name}.replica_batches", split, by))
         stages = written.get("stages") if isinstance(written, dict) else None
         for number, (stage_written, stage) in enumerate(zip(stages or [], pipeline.stages, strict=False)):
             devices_by = f"{name}'s replicas x its context_parallel x the stage's tp"
@@ -397,11 +401,27 @@ def _check_summaries(
             figures.append((stage_written, "devices", f"{name}.stages[{number}].devices", devices, devices_by))
     for mapping, key, name, value, by in figures:
         written = mapping.get(key) if isinstance(mapping, dict) else None
+        if isinstance(written, list) and isinstance(value, list) and len(written) == len(value):
+            name, written, value = _first_difference(name, written, value)
         if written is not None and written != value:
             raise SpecError(
                 source, name, f"{written!r} disagrees with {by}, {value!r}, which decides it (edit that; a figure "
                 "written for readers changes nothing: make it agree or delete it)"
             )  # fmt: skip
+
+
+def _first_difference(name: str, written: list[Any], value: list[Any]) -> tuple[str, Any, Any]:
+    """The first entry (or an entry's field) where a written list of figures differs from its value, named:
+    ("replica_batches[0].samples", -40, 40); the whole lists when no entry differs by itself."""
+    for index, (entry, expected) in enumerate(zip(written, value, strict=True)):
+        if entry == expected:
+            continue
+        if isinstance(entry, dict) and isinstance(expected, dict):
+            for field in expected:
+                if entry.get(field) != expected[field]:
+                    return f"{name}[{index}].{field}", entry.get(field), expected[field]
+        return f"{name}[{index}]", entry, expected
+    return name, written, value
 
 
 def load_plan(path: str | Path) -> LoadedPlan:

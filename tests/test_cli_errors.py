@@ -49,6 +49,7 @@ def plans(tmp_path_factory) -> dict[str, Path]:
         "replicas": lambda b: (
             b["pipelines"][0].update(replicas=10**9),
             [stage.update(devices=10**9) for stage in b["pipelines"][0]["stages"]],  # the figures made to agree
+            b["pipelines"][0].pop("replica_batches"),  # a figure may be left out
         ),
         "reversed": lambda b: b["pipelines"][0]["stages"][0].update(layers=[4, 0]),
         "fp8": lambda b: b["training"].update(dtype="fp8"),
@@ -62,6 +63,8 @@ def plans(tmp_path_factory) -> dict[str, Path]:
         "stage-device": lambda b: b["pipelines"][0]["stages"][0].update(device="h100"),
         "stage-device-alias": lambda b: b["pipelines"][0]["stages"][0].update(device="CPU"),  # the same device
         "stage-group": lambda b: b["pipelines"][0]["stages"][1].update(group="cpuu"),
+        "replica-split": lambda b: b["pipelines"][0]["replica_batches"][0].update(samples=-40),
+        "batch-weight": lambda b: b["pipelines"][0].update(batch_weight=0.25),
         # a misspelt setting (it was ignored: the default ran instead)
         "typo": lambda b: b.update(virtual_stage=2),
         "stage-typo": lambda b: b["pipelines"][0]["stages"][1].update(device_ofset=1),
@@ -252,6 +255,8 @@ def test_a_stage_device_written_by_alias_or_another_case_is_the_groups(capsys, t
         (("export", "{samples-summary}", "-c", str(CPU), "-f", "megatron"), "pipelines[0].samples_per_replica: 31 dis"),
         (("explain", "{family-samples}", "-c", str(CPU)), "pipelines[0].family_samples: 4 disagrees with"),
         (("explain", "{stage-devices}", "-c", str(CPU)), "pipelines[0].stages[1].devices: 4 disagrees with"),
+        (("explain", "{replica-split}", "-c", str(CPU)), "pipelines[0].replica_batches[0].samples: -40 disagrees w"),
+        (("predict", "-c", str(CPU), "--strategy", "{batch-weight}"), "pipelines[0].batch_weight: 0.25 disagrees"),
         (("predict", "-c", str(CPU), "--strategy", "{schedule}"), "schedule: 'interleaved-1f1b' disagrees with"),
         (("explain", "{stage-device}", "-c", str(CPU)), "pipelines[0].stages[0].device: 'h100' is not group 'cpu'"),
         (("predict", "-c", str(CPU), "--strategy", "{stage-device}"), "stages[0].device: 'h100' is not group 'cpu'"),
