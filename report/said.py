@@ -16,11 +16,16 @@ def say(line: str) -> None:
 
 def flush() -> None:
     """Print what was held (the command's checks passed: it works or shows its result now)."""
+    if not _held:
+        return
     lines = list(_held)
     _held.clear()
-    for line in lines:
-        sys.stderr.write(line + "\n")
-    sys.stderr.flush()
+    try:
+        for line in lines:
+            sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+    except (OSError, ValueError):  # a closed or full stderr must not fail the command (as report.progress)
+        pass
 
 
 def drop() -> None:
