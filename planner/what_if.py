@@ -55,7 +55,7 @@ def check_plan_against_cluster(plan: LoadedPlan, cluster: ClusterSpec, cluster_f
                 )
     for family, (pipeline, written) in enumerate(zip(plan.strategy.pipelines, plan.written_devices, strict=False)):
         for number, (stage, device) in enumerate(zip(pipeline.stages, written, strict=False)):
-            if device and stage.group in devices and _device_key(device) != devices[stage.group]:
+            if device and _device_key(device) != devices[stage.group]:  # every group is the cluster's (above)
                 raise SpecError(
                     plan.source,
                     f"pipelines[{family}].stages[{number}].device",
