@@ -57,7 +57,33 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
+
+
+def installed_version() -> str:
+    """hetplan's version as installed (pyproject.toml's), or as the source tree says when run uninstalled."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("hetplan")
+    except PackageNotFoundError:
+        return "unknown (not installed: pip install -e .)"
+
+
+def _print_version(wanted: bool) -> None:
+    if wanted:
+        typer.echo(f"hetplan {installed_version()}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_print_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
+) -> None:
+    """Plan large-model training on clusters that mix accelerator types and vendors."""
 
 
 # ---- planning ---------------------------------------------------------------------------------------------------

@@ -41,6 +41,35 @@ def failure_line(err: BaseException) -> tuple[str, int]:
     return f"hetplan: internal error: {type(err).__name__}: {one_line(str(err), 200)} ({DEBUG_HINT})", 1
 
 
+def _remove_created_directories() -> None:
+    """The output directories a failed command created and left empty (specs.outputs: imported by then if any)."""
+    outputs = sys.modules.get("specs.outputs")
+    if outputs is not None:
+        outputs.remove_created_directories()
+
+
+def empty_argument(app: typer.Typer, args: list[str]) -> str | None:
+    """The flag (or argument) given an empty value, else None: click reads `--cluster ''` as the path '.' (the
+    current directory) and an empty name as a name; an empty value is never meant."""
+    if "" not in args and not any(a.endswith("=") for a in args):
+        return None
+    command = typer.main.get_command(app)
+    sub = getattr(command, "commands", {}).get(args[0], command) if args else command
+    options = [p for p in sub.params if p.param_type_name == "option"]
+    long_name = {o: next((n for n in p.opts if n.startswith("--")), o) for p in options for o in p.opts}
+    switches = {o for p in options if getattr(p, "is_flag", False) for o in (*p.opts, *p.secondary_opts)}
+    arguments = [(p.metavar or p.name or "").upper() for p in sub.params if p.param_type_name == "argument"]
+    for index, token in enumerate(args):
+        if token.endswith("=") and token[:-1] in long_name:
+            return long_name[token[:-1]]
+        if token == "":
+            before = args[index - 1] if index else ""
+            if before in long_name and before not in switches:
+                return long_name[before]
+            return arguments[0] if arguments else None  # an extra argument: click names it
+    return None
+
+
 def _usage_message(err: BaseException) -> str:
     """A usage error's message; a flag's bad value as the project's errors put it, `--flag: what is wrong` (click
     says "Invalid value for '--flag': ...")."""
@@ -63,12 +92,17 @@ def exit_status(app: typer.Typer, args: list[str]) -> int:
             print(f"hetplan: error: missing command: one of {names} (see 'hetplan --help')", file=sys.stderr)
             return 2
         try:
+            empty = empty_argument(app, args)
+            if empty is not None:
+                print(f"hetplan: error: {empty}: expected a value, got '' (an empty argument)", file=sys.stderr)
+                return 2
             code = app(args=args, prog_name="hetplan", standalone_mode=False)
         except (KeyboardInterrupt, click.exceptions.Abort, typer.Abort):  # Ctrl-C, or EOF at a prompt
             said.drop()
             code = 130
         except Exception as err:  # the one place every failure becomes a line
             said.drop()
+            _remove_created_directories()
             if os.environ.get("HETPLAN_DEBUG", "") not in ("", "0"):
                 traceback.print_exc()
             line, code = failure_line(err)
@@ -78,6 +112,7 @@ def exit_status(app: typer.Typer, args: list[str]) -> int:
             said.flush()  # a success that showed nothing (--quiet, files only) says its notes at the end
         else:
             said.drop()
+            _remove_created_directories()
         if code == 130:
             print("hetplan: interrupted", file=sys.stderr)
         return code if isinstance(code, int) else 0

@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 from specs.errors import SpecError
+
+CREATED_DIRECTORIES: list[Path] = []  # by check_writable in this process (absolute)
+
+
+def remove_created_directories() -> None:
+    """Remove the directories check_writable created that are still empty, deepest first (a command that failed
+    leaves nothing behind but what it wrote)."""
+    for directory in sorted(set(CREATED_DIRECTORIES), key=lambda d: len(d.parts), reverse=True):
+        with contextlib.suppress(OSError):  # not empty, or gone
+            directory.rmdir()
+    CREATED_DIRECTORIES.clear()
 
 
 def check_writable(path: str | Path, flag: str = "--out") -> Path:
@@ -17,10 +29,12 @@ def check_writable(path: str | Path, flag: str = "--out") -> Path:
     if path.is_dir():
         raise SpecError(flag, str(path), "is a directory; expected a file name")
     directory = path.parent
+    missing = [d for d in (directory.absolute(), *directory.absolute().parents) if not d.exists()]
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise SpecError(flag, str(path), f"cannot create its directory: {err.strerror or err}") from None
+    CREATED_DIRECTORIES.extend(missing)  # deepest first
     if not os.access(directory, os.W_OK | os.X_OK):
         raise SpecError(flag, str(path), f"directory {directory} is not writable")
     if path.exists() and not os.access(path, os.W_OK):

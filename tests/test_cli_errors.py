@@ -110,10 +110,15 @@ PLAN = ("plan", "--cluster", str(CPU), "--model", TINY)
         ((*PLAN, "--zero-stage", "4"), "--zero-stage: expected 0, 1, 2 or 3"),
         ((*PLAN, "--uneven-batch", "always"), "--uneven-batch: expected 'off', 'refine' or 'exhaustive'"),
         ((*PLAN, "--micro-batch-sizes", "1,x"), "--micro-batch-sizes: expected integers >= 1"),
-        # an empty value is a value (it was taken for the flag left out)
-        ((*PLAN, "--engine", ""), "--engine: unknown engine ''"),
-        ((*PLAN, "--zero-shard", ""), "--zero-shard: expected some of dp, node, got ''"),
-        ((*PLAN, "--recompute", ""), "--recompute: allow at least one recompute mode"),
+        # an empty value is refused (it was taken for the flag left out, or a path for the current directory)
+        ((*PLAN, "--engine", ""), "--engine: expected a value, got '' (an empty argument)"),
+        ((*PLAN, "--zero-shard", ""), "--zero-shard: expected a value, got ''"),
+        ((*PLAN, "--recompute="), "--recompute: expected a value, got ''"),
+        (("plan", "-c", "", "-m", TINY), "--cluster: expected a value, got ''"),
+        (("plan", "-c", str(CPU), "--model="), "--model: expected a value, got ''"),
+        (("export", "", "--out", "x"), "PLAN: expected a value, got ''"),
+        ((*PLAN, "--bogus="), "No such option: --bogus"),
+        ((*PLAN, "--json", ""), "unexpected extra argument"),
         ((*PLAN, "--out", "/proc/no/such/plan.json"), "--out: /proc/no/such/plan.json: cannot create its directory"),
         (
             ("traffic-calc", "-m", "llama3-8b", "--tokens", "1e9", "--global-batch", "0", "--gpus", "8"),
@@ -214,9 +219,16 @@ def test_predict_takes_sequence_parallelism_from_the_training_file_unless_the_fl
 
 
 def test_help_and_listings_are_successes(capsys):
-    for args in (("--help",), ("plan", "--help"), ("devices",), ("models", "--json")):
+    for args in (("--help",), ("-h",), ("plan", "--help"), ("plan", "-h"), ("devices",), ("models", "--json")):
         code, lines, out = run(capsys, *args)
         assert code == 0 and not lines and out
+
+
+def test_version_is_the_installed_one(capsys):
+    from importlib.metadata import version
+
+    code, lines, out = run(capsys, "--version")
+    assert code == 0 and not lines and out.strip() == f"hetplan {version('hetplan')}"
 
 
 @pytest.mark.parametrize(
@@ -528,3 +540,18 @@ def test_a_plan_kept_beside_the_profiles_is_not_read_as_one(capsys, tmp_path, pl
     assert code == 0, lines
     (directory / "notes.json").write_text('{"what": "my notes"}')
     assert "notes.json" in one_error(capsys, *planned)
+
+
+def test_a_failed_command_leaves_no_output_directory_it_created(capsys, tmp_path):
+    """`--out new/dirs/plan.json` creates the directories when the flag is checked, before the search; a search
+    that then fails removed nothing, and the user found empty directories."""
+    out = tmp_path / "new" / "dirs" / "plan.json"
+    no_strategy = ("--global-batch", "7", "--micro-batch-sizes", "64")
+    assert "no strategy" in one_error(capsys, *PLAN, *no_strategy, "--out", str(out))
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "kept").mkdir()
+    (tmp_path / "kept" / "mine.txt").write_text("a user's file")
+    out = tmp_path / "kept" / "new" / "plan.json"
+    one_error(capsys, *PLAN, *no_strategy, "--out", str(out))
+    assert [p.name for p in (tmp_path / "kept").iterdir()] == ["mine.txt"]  # only what it created went
+    assert run(capsys, *PLAN, "--global-batch", "8", "--out", str(out), "--json")[0] == 0 and out.is_file()
