@@ -32,6 +32,7 @@ def replan_summary(before: ClusterSpec, after: ClusterSpec, old: Evaluation, res
         "cluster_devices": {"before": before.num_devices, "after": after.num_devices},
         "old": _side(old),
         "old_adapted": _side(result.adapted) if result.adapted else None,
+        "old_not_adapted": result.not_adapted if result.adapted is None else "",
         "new": _side(new),
         "throughput_change": new.tokens_per_s / old.tokens_per_s - 1,
         "replan_time_s": round(result.replan_time_s, 3),
@@ -55,7 +56,8 @@ def replan_lines(body: Mapping[str, Any], replan_time_s: float) -> list[str]:
             f"tokens/s  {escape(adapted['summary'])}"
         )
     else:
-        lines.append("old plan shrunk to fit: cannot run on the changed cluster")
+        why = body.get("old_not_adapted")
+        lines.append(f"old plan shrunk to fit: cannot run on the changed cluster{': ' + escape(why) if why else ''}")
     lines += [
         f"after:   {new['iteration_time_s']:.3f} s, {new['tokens_per_s']:,.0f} tokens/s",
         f"         {escape(new['summary'])}",

@@ -244,6 +244,7 @@ def test_replan_lines_say_when_the_old_plan_cannot_run_any_more():
         "cluster_devices": {"before": 16, "after": 8},
         "old": side,
         "old_adapted": None,
+        "old_not_adapted": "group [fast] has no nodes left and the old plan has stages there",
         "new": {**side, "iteration_time_s": 4.0, "tokens_per_s": 500.0},
         "throughput_change": -0.5,
         "replan_time_s": 0.1,
@@ -251,7 +252,10 @@ def test_replan_lines_say_when_the_old_plan_cannot_run_any_more():
     }
     lines = replan_lines(body, 0.123)
     assert lines[0] == "cluster: 16 -> 8 devices"
-    assert "old plan shrunk to fit: cannot run on the changed cluster" in lines
+    assert (
+        "old plan shrunk to fit: cannot run on the changed cluster: group \\[fast] has no nodes left and the old "
+        "plan has stages there" in lines
+    )  # why not, escaped
     assert lines[2].strip() == "\\[a] 2 stages"  # escaped for rich markup
     assert lines[-1] == "throughput -50.0%; re-planned in 0.12 s"
 
