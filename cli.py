@@ -240,7 +240,7 @@ def predict(
     chosen = what_if(cluster_spec, cluster, strategy, model, training, overrides, layout)
     chosen = replace(chosen, training=on_cluster(chosen.training, cluster_spec))
     if strategy is not None:
-        costs = plan_costs_said(load_plan(strategy), predictor, profiles, chosen.model)
+        costs = plan_costs_said(load_plan(strategy), predictor, profiles, cluster_spec, model=chosen.model)
         chosen_predictor, measured = costs.predictor, costs.profiles
     else:
         used = {stage.group for pipeline in chosen.strategy.pipelines for stage in pipeline.stages}
@@ -310,7 +310,7 @@ def export(
     output_directory(out, "--out", "export.json")
     format = get_engine(format).key  # named as the registry does ('Megatron' is megatron); an unknown one first
     loaded, cluster_spec = plan_on_cluster(plan_file, cluster)
-    costs = plan_costs_said(loaded, predictor, profiles)
+    costs = plan_costs_said(loaded, predictor, profiles, cluster_spec)
     ctx = costs.predictor.context(cluster_spec, loaded.model, loaded.training, costs.profiles)
     exported = export_plan(ctx, loaded.strategy, format)
     summary = {**exported.summary(), "exported_strategy": describe_strategy(exported.strategy)}
@@ -337,7 +337,7 @@ def explain(
     output_file(png, "--png", (".png",))
     output_file(html, "--html", (".html", ".htm"))
     loaded, cluster_spec = plan_on_cluster(plan_file, cluster)
-    costs = plan_costs_said(loaded, predictor, profiles)
+    costs = plan_costs_said(loaded, predictor, profiles, cluster_spec)
     with progress_on_stderr("explain", quiet, unit="steps") as progress:
         outputs = {"png": png, "html": html, "progress": progress.step, "profiles": costs.profiles}
         result = explain_plan(loaded, cluster_spec, costs.predictor, **outputs)
@@ -379,7 +379,7 @@ def replan(
     check_changes(without or [], add or [], original)
     engine = get_engine(loaded.engine, str(plan_file), "search.engine") if loaded.engine else None
     new_cluster = changed_cluster(original, without or [], add or [])
-    costs = plan_costs_said(loaded, predictor, profiles)
+    costs = plan_costs_said(loaded, predictor, profiles, original, new_cluster)
     chosen, measured = costs.predictor, costs.profiles
     with progress_on_stderr("replan", quiet, unit="steps") as progress:
         progress.step("evaluating the old plan", 2)

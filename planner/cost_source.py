@@ -15,6 +15,8 @@ from specs.loading import file_sha256
 from specs.model import ModelSpec
 
 if TYPE_CHECKING:
+    from collections.abc import Collection
+
     from predictor.predictor import Predictor
     from profiler.profile import DeviceProfile
 
@@ -122,10 +124,12 @@ def plan_costs(
     predictor_file: Path | None = None,
     profiles_dir: Path | None = None,
     model: ModelSpec | None = None,
+    devices: Collection[str] | None = None,
 ) -> PlanCosts:
     """The predictor and profiles to evaluate `plan` with: the ones it records unless a flag names others (`model`:
     the model evaluated when it is not the plan's, e.g. `predict --strategy --model`; the plan's profiles time
-    another layer then, so only the predictor is reused)."""
+    another layer then, so only the predictor is reused). `devices`: the cluster's device keys, whose profiles
+    `profiles_dir` is read for (None: all)."""
     from predictor.predictor import default_predictor, load_predictor
     from profiler.profiles import SHAPE_FIELDS, load_profiles
 
@@ -144,7 +148,7 @@ def plan_costs(
         said = describe_predictor(recorded.predictor) + " (as recorded in the plan)"
     recorded_paths = {entry.device: entry.path for entry in recorded.profiles} if recorded else {}
     if profiles_dir is not None:
-        profiles = load_profiles(profiles_dir, model)
+        profiles = load_profiles(profiles_dir, model, devices)
         said += f", {describe_profiles({k: p.path for k, p in profiles.items()})} from --profiles {profiles_dir}"
         if recorded is not None:
             said += f" (the plan was made with {describe_profiles(recorded_paths)})"

@@ -9,6 +9,7 @@ no device could reach (they would make every plan look impossibly fast). Link pr
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -110,17 +111,23 @@ def checked_profile_files(directory: Path) -> list[Path]:
     return paths
 
 
-def load_profiles(directory: Path | None, model: ModelSpec) -> dict[str, DeviceProfile]:
-    """Measured (or saved simulated) profiles by device key; each must describe this model's layer shape."""
+def load_profiles(
+    directory: Path | None, model: ModelSpec, devices: Collection[str] | None = None
+) -> dict[str, DeviceProfile]:
+    """Measured (or saved simulated) profiles by device key; each must describe this model's layer shape. With
+    `devices` (the cluster's device keys), profiles of other devices are left out unchecked: a directory can keep
+    the profiles of devices (and models) the cluster does not have."""
     if directory is None:
         return {}
-    return load_profile_files(_json_files(directory), model, f"in {directory}")
+    return load_profile_files(_json_files(directory), model, f"in {directory}", devices)
 
 
-def load_profile_files(paths: list[Path], model: ModelSpec, where: str = "") -> dict[str, DeviceProfile]:
+def load_profile_files(
+    paths: list[Path], model: ModelSpec, where: str = "", devices: Collection[str] | None = None
+) -> dict[str, DeviceProfile]:
     """These profile files by device key (at most one per device), each checked against this model's layer shape
     (`where` the files are, for the message about a second profile of one device); link profiles among them are
-    attached to their device's profile."""
+    attached to their device's profile. With `devices`, only those devices' profiles (and link profiles)."""
     profiles: dict[str, DeviceProfile] = {}
     links: list[tuple[Path, dict]] = []
     for path in paths:
@@ -129,6 +136,8 @@ def load_profile_files(paths: list[Path], model: ModelSpec, where: str = "") -> 
             links.append((path, data))
             continue
         profile = load_profile(path)
+        if devices is not None and str(profile.device.get("key", "")) not in devices:
+            continue
         for field in SHAPE_FIELDS:
             if profile.model.get(field) != getattr(model, field):
                 raise SpecError(
@@ -146,6 +155,8 @@ def load_profile_files(paths: list[Path], model: ModelSpec, where: str = "") -> 
 
         named = data.get("device") or ("cpu" if data.get("backend") == "gloo" else None)
         key = get_device(str(named), str(path), "device").key if named else ""
+        if devices is not None and key not in devices:
+            continue
         if key not in profiles:
             raise SpecError(
                 str(path), "device", f"a link profile of device {key!r} needs that device's profile beside it {where}"

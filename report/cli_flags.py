@@ -109,7 +109,7 @@ def profiles_said(directory: Path | None, model: Any, devices: list[str], quiet:
     devices without a profile, says on stderr that theirs are the datasheet's costs (an empty directory: all)."""
     from profiler.profiles import load_profiles
 
-    profiles = load_profiles(directory, model)
+    profiles = load_profiles(directory, model, devices)
     missing = [device for device in dict.fromkeys(devices) if device not in profiles]
     if directory is not None and missing and not quiet:
         whose = "its" if len(missing) == 1 else "their"
@@ -118,12 +118,16 @@ def profiles_said(directory: Path | None, model: Any, devices: list[str], quiet:
     return profiles
 
 
-def plan_costs_said(loaded: LoadedPlan, predictor: Path | None, profiles: Path | None, model: Any = None) -> PlanCosts:
-    """The costs to evaluate a saved plan with (the ones it records unless a flag names others), said on stderr in
-    one line, plus a line per recorded file that changed since the plan was made."""
+def plan_costs_said(
+    loaded: LoadedPlan, predictor: Path | None, profiles: Path | None, *clusters: ClusterSpec, model: Any = None
+) -> PlanCosts:
+    """The costs to evaluate a saved plan on `clusters` with (the ones it records unless a flag names others; the
+    profiles of a `profiles` directory for the clusters' devices), said on stderr in one line, plus a line per
+    recorded file that changed since the plan was made."""
     from planner.cost_source import plan_costs
 
-    costs = plan_costs(loaded, predictor, profiles, model)
+    devices = {group.device.key for cluster in clusters for group in cluster.groups}
+    costs = plan_costs(loaded, predictor, profiles, model, devices=devices)
     for line in costs.lines:
         said.say(line)
     return costs

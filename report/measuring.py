@@ -397,7 +397,7 @@ def run(
         loaded, steps, seed, timeout, checkpoint_dir, checkpoint_every, async_save, resume, max_restarts,
         inject_failure, under_torchrun, cluster_spec.num_devices,
     )  # fmt: skip
-    costs = plan_costs_said(loaded, predictor, profiles)
+    costs = plan_costs_said(loaded, predictor, profiles, cluster_spec)
     predictor_object = costs.predictor
     context = run_context(loaded, predictor_object, costs.profiles)
     with progress_on_stderr("run", quiet) as progress:  # under torchrun: this process is one rank, rank 0 writes

@@ -555,3 +555,21 @@ def test_a_failed_command_leaves_no_output_directory_it_created(capsys, tmp_path
     one_error(capsys, *PLAN, *no_strategy, "--out", str(out))
     assert [p.name for p in (tmp_path / "kept").iterdir()] == ["mine.txt"]  # only what it created went
     assert run(capsys, *PLAN, "--global-batch", "8", "--out", str(out), "--json")[0] == 0 and out.is_file()
+
+
+def test_profiles_of_devices_the_cluster_has_not_are_left_unchecked(capsys, tmp_path):
+    """A profiles directory kept for several clusters: a profile of a device this cluster has not (of another model)
+    failed every command ("model.hidden_size: profiled 4096, the model to plan has ..."); it is left out now, while
+    one of the cluster's devices is still checked against the model."""
+    profiles = tmp_path / "profiles"
+    made = run(capsys, "simulate-profile", "--device", "a100", "-m", "gpt3-1.7b", "--out", str(profiles / "a100.json"))
+    assert made[0] == 0
+    cluster = str(EXAMPLES / "h100-mi300x.yaml")
+    plan_path = str(tmp_path / "plan.json")
+    flags = ("--cluster", cluster, "--model", "llama3-8b", "--profiles", str(profiles))
+    assert run(capsys, "plan", *flags, "--out", plan_path, "--json")[0] == 0
+    assert run(capsys, "explain", plan_path, "--cluster", cluster, "--profiles", str(profiles), "--json")[0] == 0
+    made = run(capsys, "simulate-profile", "--device", "h100", "-m", "gpt3-1.7b", "--out", str(profiles / "h100.json"))
+    assert made[0] == 0
+    assert "model." in one_error(capsys, "plan", *flags)
+    assert "model." in one_error(capsys, "explain", plan_path, "--cluster", cluster, "--profiles", str(profiles))
