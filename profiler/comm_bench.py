@@ -258,10 +258,16 @@ def stop_processes(processes: Sequence[mp.Process]) -> None:
 
 
 def run_processes(
-    worker: Callable[..., None], args: tuple[Any, ...], nprocs: int, deadline_s: float, what: str
+    worker: Callable[..., None],
+    args: tuple[Any, ...],
+    nprocs: int,
+    deadline_s: float,
+    what: str,
+    meanwhile: Callable[[], None] | None = None,
 ) -> None:
     """Spawn `nprocs` local processes running worker(rank, *args); a failure or the deadline is a one-line error,
-    peers stopped within seconds, their warnings kept out of the terminal."""
+    peers stopped within seconds, their warnings kept out of the terminal. `meanwhile()` is called about every
+    second while they run (e.g. to report their progress)."""
     spawn_log = logging.getLogger("torch.multiprocessing.spawn")
     level = spawn_log.level
     spawn_log.setLevel(logging.ERROR)  # its "Terminating process ... via SIGTERM" lines
@@ -274,6 +280,8 @@ def run_processes(
             while not context.join(timeout=1.0, grace_period=GRACE_S):
                 if time.monotonic() > deadline:
                     raise HetplanError(f"{what} did not finish in {deadline_s:g} s")
+                if meanwhile is not None:
+                    meanwhile()
         except mp.ProcessRaisedException as err:
             raise HetplanError(f"{what} failed: {str(err).strip().splitlines()[-1]}") from None
         except mp.ProcessExitedException as err:

@@ -400,15 +400,18 @@ def run(
     costs = plan_costs_said(loaded, predictor, profiles, cluster_spec)
     predictor_object = costs.predictor
     context = run_context(loaded, predictor_object, costs.profiles)
-    with progress_on_stderr("run", quiet) as progress:  # under torchrun: this process is one rank, rank 0 writes
+    # under torchrun: this process is one rank, rank 0 writes
+    with progress_on_stderr("run", quiet, unit="" if under_torchrun else "steps") as progress:
         if checkpoint_dir and not under_torchrun:
             from runtime.elastic import execute_elastic
 
             record = execute_elastic(loaded, cluster_spec, str(cluster), context, settings, max_restarts,
-                                     predictor_object, progress=progress.say, profiles=costs.profiles)  # fmt: skip
+                                     predictor_object, progress=progress.say, profiles=costs.profiles,
+                                     steps_done=progress)  # fmt: skip
+        elif under_torchrun:
+            record = execute_in_job(loaded, cluster_spec, str(cluster), context, settings, progress=progress.say)
         else:
-            runner = execute_in_job if under_torchrun else execute
-            record = runner(loaded, cluster_spec, str(cluster), context, settings, progress=progress.say)
+            record = execute(loaded, cluster_spec, str(cluster), context, settings, progress.say, steps_done=progress)
     if record is None:
         return
     from report.elastic import elastic_lines

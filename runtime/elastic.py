@@ -35,7 +35,7 @@ from predictor.predictor import Predictor
 from profiler.comm_bench import captured_rank, free_port, last_words, stop_processes
 from profiler.profile import DeviceProfile
 from runtime import checkpoint
-from runtime.execute import RunJob, RunSettings, spawned_rank
+from runtime.execute import RunJob, RunSettings, completed_steps, spawned_rank
 from specs.cluster import ClusterSpec
 from specs.errors import HetplanError, SpecError
 from specs.layout import group_offsets
@@ -53,9 +53,11 @@ class Lost:
     terminated: int
 
 
-def supervise(job: RunJob, world: int, deadline_s: float, what: str) -> Lost | None:
+def supervise(
+    job: RunJob, world: int, deadline_s: float, what: str, meanwhile: Callable[[], None] | None = None
+) -> Lost | None:
     """Run the job's ranks; None when every rank finishes, a Lost when some die by a signal; a HetplanError (one
-    line) when a rank fails by itself or the deadline passes."""
+    line) when a rank fails by itself or the deadline passes. `meanwhile()` is called about every second."""
     with tempfile.TemporaryDirectory(prefix="hetplan-logs-") as log_dir:
         context = mp.start_processes(
             captured_rank, args=(spawned_rank, log_dir, world, free_port(), job), nprocs=world, join=False,
@@ -74,6 +76,8 @@ def supervise(job: RunJob, world: int, deadline_s: float, what: str) -> Lost | N
                 if time.monotonic() > deadline:
                     raise HetplanError(f"{what} did not finish in {deadline_s:g} s")
                 multiprocessing.connection.wait(running, timeout=min(1.0, max(0.0, deadline - time.monotonic())))
+                if meanwhile is not None:
+                    meanwhile()
         finally:
             stop_processes(processes)
 
@@ -166,10 +170,11 @@ def run_elastic(
     out_dir: str | None = None,
     progress: Callable[[str], None] = lambda _: None,
     profiles: Mapping[str, DeviceProfile] | None = None,
+    steps_done: Callable[[int, int], None] | None = None,
 ) -> ElasticRun:
     """Train `plan` on local processes, checkpointing to settings.checkpoint_dir; after each lost device (at most
     `max_restarts` times) re-plan (with the plan's own costs: `predictor` and measured `profiles`) and resume from the
-    latest complete checkpoint."""
+    latest complete checkpoint. `steps_done(done, steps)` is told every second how many steps the ranks finished."""
     from planner.replan import replan
     from runtime.launch import _job, check_runnable
 
@@ -180,13 +185,14 @@ def run_elastic(
     with tempfile.TemporaryDirectory(prefix="hetplan-elastic-") as scratch:
         out = Path(out_dir or scratch)
         out.mkdir(parents=True, exist_ok=True)
-        current, where, now = plan, cluster, dataclasses.replace(settings, progress_lines=True)
+        current, where, now = plan, cluster, dataclasses.replace(settings, progress_dir=str(out))
         while True:
             check_runnable(current, where, now.dtype)
             job = _job(current, where, now, str(out))
             world = where.num_devices
             attempt_started = time.time()
-            lost = supervise(job, world, now.timeout_s * (now.steps + 3), f"hetplan run with {world} processes")
+            watch = (lambda: steps_done(completed_steps(out), settings.steps)) if steps_done else None
+            lost = supervise(job, world, now.timeout_s * (now.steps + 3), f"hetplan run with {world} processes", watch)
             lines = _progress_lines(out)
             fresh: dict[int, float] = {}
             for line in lines:  # the loss of a step is the sum of the last stages' contributions
@@ -304,6 +310,7 @@ def execute_elastic(
     predictor: Predictor | None = None,
     progress: Callable[[str], None] = print,
     profiles: Mapping[str, DeviceProfile] | None = None,
+    steps_done: Callable[[int, int], None] | None = None,
 ) -> dict[str, Any]:
     """`hetplan run` with checkpoints and restarts: the run record of the last attempt (its cluster is what was left,
     its prediction for that cluster and plan) with `elastic`: every interruption and the loss of every step."""
@@ -315,7 +322,10 @@ def execute_elastic(
     progress(f"running {plan.source} on {cluster.num_devices} local processes for {settings.steps} steps, "
              f"checkpoints in {settings.checkpoint_dir} every {settings.checkpoint_every} ...")  # fmt: skip
     run, speed = with_speed_check(
-        ctx, lambda: run_elastic(plan, cluster, settings, max_restarts, predictor, progress=progress, profiles=profiles)
+        ctx,
+        lambda: run_elastic(
+            plan, cluster, settings, max_restarts, predictor, None, progress, profiles, steps_done=steps_done
+        ),
     )
     share = cpu_share(run.cluster)
     record = _recorded(run.plan, run.cluster, cluster_path, prediction_context(run.cluster, context), settings,

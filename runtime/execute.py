@@ -70,7 +70,7 @@ class RunSettings:
     checkpoint_keep: int = 2  # complete checkpoints left after each save (0: all)
     checkpoint_async: bool = False  # write in a background thread (DCP async_save), committed at the next save
     resume_from: str = ""  # a complete checkpoint to continue from (any plan's: it is resharded to this one)
-    progress_lines: bool = False  # each rank appends every step to progress-RANK.jsonl in out_dir (elastic runs)
+    progress_dir: str = ""  # each training rank appends every step to progress-RANK.jsonl here (completed_steps)
     fail_at: tuple[int, int] | None = None  # (rank, step): that rank dies by SIGKILL as the step starts (elastic tests)
     dump_state: bool = False  # write each rank's parameters and moments with their positions (checkpoint tests)
 
@@ -315,10 +315,10 @@ class _Keeper:
         """Note the step in progress-RANK.jsonl (what a supervisor reads of a run that dies before its results) and
         save after `done` completed steps when it is time."""
         settings, job = self.job.settings, self.job
-        if settings.progress_lines and self.state is not None:
+        if settings.progress_dir and self.state is not None:
             line = {"step": done, "time_s": self.state.runner.times.per_step[-1]["time_s"], "loss": loss,
                     "unix_time_s": time.time()}  # fmt: skip
-            with open(Path(job.out_dir, f"progress-{self.rank}.jsonl"), "a", encoding="utf-8") as out:
+            with open(Path(settings.progress_dir, f"progress-{self.rank}.jsonl"), "a", encoding="utf-8") as out:
                 out.write(json.dumps(line) + "\n")
         if self.saver is None or not settings.checkpoint_every:
             return
@@ -494,6 +494,17 @@ def gathered_results(rank: int, job: RunJob) -> list[dict[str, Any]] | None:
     everyone: list[dict[str, Any]] | None = [{} for _ in range(dist.get_world_size())] if rank == 0 else None
     dist.gather_object(result, everyone, dst=0)
     return everyone
+
+
+def completed_steps(progress_dir: Path) -> int:
+    """The steps every training rank has finished, as their progress lines say (the fewest of the ranks that wrote
+    one; 0 before any did; a line being written is not counted)."""
+    counts = []
+    for path in progress_dir.glob("progress-*.jsonl"):
+        text = path.read_text(encoding="utf-8")
+        whole = text[: text.rfind("\n") + 1].splitlines()
+        counts.append(json.loads(whole[-1])["step"] if whole else 0)
+    return min(counts, default=0)
 
 
 def spawned_rank(rank: int, world_size: int, port: int, job: RunJob) -> None:

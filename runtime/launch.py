@@ -12,6 +12,7 @@ import platform
 import statistics
 import tempfile
 from collections.abc import Callable
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, TypeVar
@@ -30,7 +31,15 @@ from profiler.comm_bench import free_port, run_processes
 from profiler.host import concurrency, layer_time_s
 from profiler.machine import host_cores
 from profiler.profile import DeviceProfile, ProfileEntry, ScaledLayerCosts
-from runtime.execute import TORCH_DTYPES, RunJob, RunSettings, gathered_results, spawned_rank, synthetic_batch
+from runtime.execute import (
+    TORCH_DTYPES,
+    RunJob,
+    RunSettings,
+    completed_steps,
+    gathered_results,
+    spawned_rank,
+    synthetic_batch,
+)
 from runtime.model import ReferenceModel, check_tp
 from specs.cluster import ClusterSpec
 from specs.errors import SpecError
@@ -78,8 +87,10 @@ def run_plan(
     cluster: ClusterSpec,
     settings: RunSettings,
     out_dir: str | None = None,
+    steps_done: Callable[[int, int], None] | None = None,
 ) -> list[dict[str, Any]]:
-    """Spawn one local process per cluster device and train; returns every rank's result (gathered by rank 0)."""
+    """Spawn one local process per cluster device and train; returns every rank's result (gathered by rank 0).
+    `steps_done(done, steps)` is told every second how many steps every rank has finished (execute.completed_steps)."""
     check_runnable(plan, cluster, settings.dtype)
     world = cluster.num_devices
     if world > MAX_LOCAL_RANKS:
@@ -89,13 +100,15 @@ def run_plan(
             f"{world} devices: local runs spawn one process per device, at most {MAX_LOCAL_RANKS} (use torchrun)",
         )
     with tempfile.TemporaryDirectory(prefix="hetplan-run-") as scratch:
-        job = _job(plan, cluster, settings, out_dir or scratch)
+        watched = replace(settings, progress_dir=scratch) if steps_done else settings
+        job = _job(plan, cluster, watched, out_dir or scratch)
         run_processes(
             spawned_rank,
             (world, free_port(), job),
             world,
             settings.timeout_s * (settings.steps + 3),
             f"hetplan run with {world} processes",
+            (lambda: steps_done(completed_steps(Path(scratch)), settings.steps)) if steps_done else None,
         )
         path = Path(job.out_dir, "results.json")
         if not path.exists():
@@ -359,14 +372,15 @@ def execute(
     context: Callable[[ClusterSpec], CostContext],
     settings: RunSettings,
     progress: Callable[[str], None] = print,
+    steps_done: Callable[[int, int], None] | None = None,
 ) -> dict[str, Any]:
     """Run the plan locally and return its run record; `context(cluster)` makes the prediction's cost context, asked
-    for the cluster as the local ranks see it (sharing the cores)."""
+    for the cluster as the local ranks see it (sharing the cores); `steps_done(done, steps)`: run_plan's."""
     share = cpu_share(cluster)
     ctx = prediction_context(cluster, context)
     ctx.check_strategy(plan.strategy, plan.source)
     progress(f"running {plan.source} on {cluster.num_devices} local processes for {settings.steps} steps ...")
-    results, speed = with_speed_check(ctx, lambda: run_plan(plan, cluster, settings))
+    results, speed = with_speed_check(ctx, lambda: run_plan(plan, cluster, settings, steps_done=steps_done))
     return _recorded(plan, cluster, cluster_path, ctx, settings, results, share, speed)
 
 

@@ -154,9 +154,27 @@ def test_uneven_stages_and_uneven_batches_with_zero1_match_one_process(tmp_path)
     stages = (StageStrategy("fast", 0, 3, 1, 0), StageStrategy("slow", 3, 5, 1, 0))
     strategy = Strategy((PipelineStrategy(2, 2, 2, stages, total_microbatches=3),), "selective", 1)
     plan, settings = parity_plan(strategy)
-    results = run_plan(plan, CLUSTER, settings, str(tmp_path))
+    told: list[tuple[int, int]] = []
+    results = run_plan(
+        plan, CLUSTER, settings, str(tmp_path), steps_done=lambda done, steps: told.append((done, steps))
+    )
     compare_with_one_process(strategy, results, tmp_path)
     _check_timeline(results)
+    # the progress it told while the ranks ran (about every second): steps done so far, of the run's steps
+    assert told and all(steps == STEPS for _, steps in told), told
+    assert [done for done, _ in told] == sorted(done for done, _ in told) and told[-1][0] <= STEPS
+    assert not list(tmp_path.glob("progress-*.jsonl"))  # kept in a scratch directory, not the run's
+
+
+def test_completed_steps_are_the_fewest_any_rank_finished(tmp_path):
+    from runtime.execute import completed_steps
+
+    assert completed_steps(tmp_path) == 0
+    (tmp_path / "progress-0.jsonl").write_text('{"step": 1}\n{"step": 2}\n{"step": 3}\n')
+    (tmp_path / "progress-2.jsonl").write_text('{"step": 1}\n{"step": 2}\n{"ste')  # a line being written
+    assert completed_steps(tmp_path) == 2
+    (tmp_path / "progress-3.jsonl").write_text('{"st')
+    assert completed_steps(tmp_path) == 0
 
 
 def _check_timeline(results: list[dict]) -> None:
