@@ -408,6 +408,13 @@ def launch_script(launches: list[NodeLaunch], title: str, script: str, args: Arg
     return "\n".join(lines)
 
 
+def runtime_launches(cluster: ClusterSpec) -> list[NodeLaunch]:
+    """The nodes of the cluster in the runtime's rank order (groups in cluster order, node-major)."""
+    return node_launches(
+        cluster, [(group.name, device) for group in cluster.groups for device in range(group.num_devices)]
+    )
+
+
 def launch_commands(
     plan_path: str,
     cluster: ClusterSpec,
@@ -420,8 +427,7 @@ def launch_commands(
     """One torchrun command per node of the cluster that runs `hetplan run` on it as one rank per device: nodes in
     the runtime's rank order (groups in cluster order, node-major; static rendezvous, so node ranks are as listed),
     each node's visible devices from its vendor."""
-    ranks = [(group.name, device) for group in cluster.groups for device in range(group.num_devices)]
-    launches = node_launches(cluster, ranks)
+    launches = runtime_launches(cluster)
     entry = ["--no-python", "hetplan", "run", plan_path, "--cluster", cluster_path, "--out", out, *extra]
     return [torchrun_command(launch, len(launches), entry, master_addr, port) for launch in launches]
 

@@ -428,9 +428,10 @@ def launch(
     out: Annotated[Path, opt(help="Run record the job writes (on the first node).")] = Path("run.json"),
     master_addr: Annotated[str, opt(help="Address of the first node.")] = "$MASTER_ADDR",
     port: Annotated[int, opt(min=1, max=65535, help="Rendezvous port.")] = 29500,
+    as_json: JsonOpt = False,
 ) -> None:
     """Print the torchrun command of every node that runs the plan with `hetplan run` (one line per node)."""
-    from planner.export import launch_commands
+    from planner.export import launch_commands, runtime_launches
     from planner.what_if import check_runtime_layout, plan_on_cluster
     from specs.errors import SpecError
 
@@ -441,7 +442,16 @@ def launch(
             str(plan_file), "training.dtype", "hetplan's runtime has no FP8 GEMMs: plan with --dtype bf16 to launch it "
             "here, or export the fp8 plan to Megatron or torchtitan (hetplan export)",
         )  # fmt: skip
-    for line in launch_commands(str(plan_file), cluster_spec, str(cluster), str(out), master_addr, port):
+    commands = launch_commands(str(plan_file), cluster_spec, str(cluster), str(out), master_addr, port)
+    if as_json:
+        nodes = [
+            {"group": launch.group, "node": launch.node, "node_rank": launch.node_rank, "devices": list(launch.devices),
+             "command": command}
+            for launch, command in zip(runtime_launches(cluster_spec), commands, strict=True)
+        ]  # fmt: skip
+        show(True, {"plan": str(plan_file), "cluster": str(cluster), "record": str(out), "nodes": nodes})
+        return
+    for line in commands:
         sys.stdout.write(line + "\n")
 
 

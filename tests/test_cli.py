@@ -191,6 +191,14 @@ def test_launch_prints_one_torchrun_per_node_that_expands_the_master_address(tmp
     lines = result.stdout.splitlines()
     assert [line.split("--node-rank ")[1].split()[0] for line in lines] == [str(i) for i in range(len(lines))]
     assert all('--master-addr "$MASTER_ADDR"' in line and " hetplan run " in line for line in lines)
+    as_json = hetplan("launch", str(plan), "--cluster", str(EXAMPLES / "cpu-hetero.yaml"), "--json")
+    assert as_json.returncode == 0, as_json.stderr
+    nodes = json.loads(as_json.stdout)["nodes"]
+    assert [node["command"] for node in nodes] == lines  # the same commands, with where each runs
+    assert [(node["group"], node["node_rank"], node["devices"]) for node in nodes] == [
+        ("fast", 0, [0, 1]),
+        ("slow", 1, [0, 1]),
+    ]
 
 
 def test_a_cpu_cluster_of_two_lines_plans_in_fp32_and_the_plan_records_what_was_assumed(tmp_path):
