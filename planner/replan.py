@@ -17,7 +17,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from planner.engine_space import engine_search, engine_training
+from planner.engine_space import engine_lost, engine_search, engine_training
 from planner.families import _block_context, _block_plans, combine, split_batch_across
 from planner.plan import Plan
 from planner.planning import compute_bounds
@@ -172,6 +172,7 @@ class Replan:
     adapted: Evaluation | None  # the old plan on the new cluster, if it could run there
     replan_time_s: float
     not_adapted: str = ""  # why the old plan cannot run on the new cluster (one line; empty when it can)
+    adapted_engine_lost: tuple[str, ...] = ()  # what of the shrunk old plan the plan's engine cannot run
 
 
 def replan(
@@ -235,4 +236,5 @@ def replan(
     interval = predictor.interval(base, best.strategy)
     ctx = ctx.at_context_parallel(best.strategy.context_parallel)
     plan = Plan(ctx, best, compute_bounds(ctx), elapsed, stats, (), interval)
-    return Replan(plan, adapted, elapsed, shrunk.reason)
+    lost = tuple(engine_lost(adapted.strategy, engine)) if engine is not None and adapted is not None else ()
+    return Replan(plan, adapted, elapsed, shrunk.reason, lost)

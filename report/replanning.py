@@ -33,6 +33,7 @@ def replan_summary(before: ClusterSpec, after: ClusterSpec, old: Evaluation, res
         "old": _side(old),
         "old_adapted": _side(result.adapted) if result.adapted else None,
         "old_not_adapted": result.not_adapted if result.adapted is None else "",
+        "old_adapted_engine_cannot_run": list(result.adapted_engine_lost),
         "new": _side(new),
         "throughput_change": new.tokens_per_s / old.tokens_per_s - 1,
         "replan_time_s": round(result.replan_time_s, 3),
@@ -55,6 +56,9 @@ def replan_lines(body: Mapping[str, Any], replan_time_s: float) -> list[str]:
             f"old plan shrunk to fit: {adapted['iteration_time_s']:.3f} s, {adapted['tokens_per_s']:,.0f} "
             f"tokens/s  {escape(adapted['summary'])}"
         )
+        if body.get("old_adapted_engine_cannot_run"):
+            cannot = "; ".join(body["old_adapted_engine_cannot_run"])
+            lines.append(f"         which {body.get('engine')} cannot run as shrunk: {escape(cannot)}")
     else:
         why = body.get("old_not_adapted")
         lines.append(f"old plan shrunk to fit: cannot run on the changed cluster{': ' + escape(why) if why else ''}")

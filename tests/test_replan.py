@@ -68,6 +68,32 @@ def test_a_plan_made_for_an_engine_is_replanned_within_that_engine():
     free = replan(smaller, model, old.context.training, old.strategy)
     assert engine_lost(free.plan.strategy, deepspeed) != []
     assert free.plan.evaluation.iteration_time_s <= kept.plan.evaluation.iteration_time_s
+    # the old plan shrunk to the cluster, shown beside the new one, is said to be one the engine cannot run
+    assert kept.adapted is not None
+    assert list(kept.adapted_engine_lost) == engine_lost(kept.adapted.strategy, deepspeed)
+    assert free.adapted_engine_lost == ()  # no engine to keep to
+
+
+def test_an_engine_plan_shrunk_to_uneven_batches_is_said_to_be_one_the_engine_cannot_run():
+    """Megatron plan on the 768-device example, two AMD nodes lost: the shrunk old plan splits the batch unevenly
+    (28 replicas), which Megatron cannot run; the replan line said nothing, and the shrunk plan looked faster than
+    the engine's new one for no reason given."""
+    from planner.engine_space import engine_lost
+    from report.replanning import replan_lines, replan_summary
+    from specs.engines import get_engine
+
+    cluster = load_cluster(CLUSTER.parent / "hethub-768.yaml")
+    model = load_model("llama2-70b")
+    megatron = get_engine("megatron")
+    old = plan(cluster, model, load_training(None, {"global_batch_size": 768}), engine=megatron)
+    smaller = changed_cluster(cluster, ["group:amd:2"], [])
+    kept = replan(smaller, model, old.context.training, old.strategy, engine=megatron)
+    assert kept.adapted is not None and kept.adapted.strategy.pipelines[0].uneven
+    assert any(line.startswith("uneven batch shares") for line in kept.adapted_engine_lost)
+    assert engine_lost(kept.plan.strategy, megatron) == []
+    lines = replan_lines(replan_summary(cluster, smaller, old.evaluation, kept), kept.replan_time_s)
+    said = next(i for i, line in enumerate(lines) if line.startswith("old plan shrunk to fit"))
+    assert lines[said + 1].strip().startswith("which megatron cannot run as shrunk: uneven batch shares")
 
 
 @pytest.mark.slow
