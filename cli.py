@@ -466,6 +466,12 @@ def main() -> None:
 
     from report.failures import exit_status
 
+    for name in (
+        "stdout",
+        "stderr",
+    ):  # closed by the caller (`2>&-`): Python leaves None, which print() takes as stdout
+        if getattr(sys, name) is None:
+            setattr(sys, name, open(os.devnull, "w", encoding="utf-8"))  # noqa: SIM115 (open for the process's life)
     if not sys.stdout.isatty():  # piped --help: typer reads TERMINAL_WIDTH when it formats help
         os.environ.setdefault("TERMINAL_WIDTH", str(PIPED_HELP_WIDTH_COLUMNS))
     sys.exit(exit_status(app, sys.argv[1:]))

@@ -573,3 +573,19 @@ def test_profiles_of_devices_the_cluster_has_not_are_left_unchecked(capsys, tmp_
     assert made[0] == 0
     assert "model." in one_error(capsys, "plan", *flags)
     assert "model." in one_error(capsys, "explain", plan_path, "--cluster", cluster, "--profiles", str(profiles))
+
+
+@pytest.mark.slow
+def test_a_closed_stderr_discards_messages_instead_of_failing_or_writing_them_to_stdout():
+    """`hetplan plan ... 2>&-`: Python starts with sys.stderr None; the CPU note made `plan` fail (exit 1,
+    "'NoneType' object has no attribute 'isatty'") and print() of the error line wrote it to stdout."""
+
+    def closed_stderr(*args: str) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-c", NO_TORCH, *args]
+        return subprocess.run(command, cwd=ROOT, stdout=subprocess.PIPE, text=True, timeout=120,
+                              preexec_fn=lambda: os.close(2))  # fmt: skip
+
+    planned = closed_stderr(*PLAN, "--global-batch", "8", "--json")
+    assert planned.returncode == 0 and json.loads(planned.stdout)["schema"] == "hetplan.plan/1"
+    refused = closed_stderr("plan", "--cluster", str(CPU), "--model", "no-such-model")
+    assert refused.returncode == 2 and refused.stdout == ""
