@@ -41,11 +41,14 @@ def failure_line(err: BaseException) -> tuple[str, int]:
     return f"hetplan: internal error: {type(err).__name__}: {one_line(str(err), 200)} ({DEBUG_HINT})", 1
 
 
-def _remove_created_directories() -> None:
-    """The output directories a failed command created and left empty (specs.outputs: imported by then if any)."""
+def _remove_created_directories(remove: bool = True) -> None:
+    """The output directories a failed command created and left empty (specs.outputs: imported by then if any);
+    `remove` False forgets them (a command that starts, in a process that ran one before)."""
     outputs = sys.modules.get("specs.outputs")
-    if outputs is not None:
+    if outputs is not None and remove:
         outputs.remove_created_directories()
+    elif outputs is not None:
+        outputs.CREATED_DIRECTORIES.clear()
 
 
 def empty_argument(app: typer.Typer, args: list[str]) -> str | None:
@@ -91,6 +94,7 @@ def exit_status(app: typer.Typer, args: list[str]) -> int:
             names = ", ".join(c.name or getattr(c.callback, "__name__", "") for c in app.registered_commands)
             print(f"hetplan: error: missing command: one of {names} (see 'hetplan --help')", file=sys.stderr)
             return 2
+        _remove_created_directories(remove=False)
         try:
             empty = empty_argument(app, args)
             if empty is not None:
