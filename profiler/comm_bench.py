@@ -21,6 +21,7 @@ the 2-core benchmark host: 40-70% of their time, 0.6 over the sizes of one link 
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import json
 import logging
 import math
@@ -232,16 +233,47 @@ def captured_rank(rank: int, worker: Callable[..., None], log_dir: str, *args: A
     log = os.open(Path(log_dir, f"rank-{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(log, 2)
     os.close(log)
+    faulthandler.enable(all_threads=True)  # a native crash (SIGABRT, SIGSEGV) leaves where Python was in the log
     worker(rank, *args)
 
 
+FAULT_HEADER = "Fatal Python error:"
+
+
 def last_words(log_dir: str, rank: int | None) -> str:
-    """The failing rank's last line of stderr (torch's error, not its warnings), cut to 200 characters."""
+    """The failing rank's last line of stderr (torch's error, not its warnings), cut to 200 characters; for a native
+    crash, the line before faulthandler's dump (e.g. C++'s "terminate called ...") and the innermost Python frame of
+    the crashing thread, else of another (none: the crash came after the interpreter had shut down)."""
     path = Path(log_dir, f"rank-{rank}.log")
     if rank is None or not path.exists():
         return ""
     lines = [line.strip() for line in path.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()]
-    return f" (rank {rank}: {lines[-1][:200]})" if lines else ""
+    fault = next((i for i, line in enumerate(lines) if line.startswith(FAULT_HEADER)), None)
+    if fault is None:
+        return f" (rank {rank}: {lines[-1][:200]})" if lines else ""
+    said = lines[fault - 1] if fault else lines[fault]
+    where = crash_frame(lines[fault + 1 :])
+    return f" (rank {rank}: {said[:200]}; {where})"
+
+
+def crash_frame(dump: list[str]) -> str:
+    """'Python was at runtime/execute.py:515 in spawned_rank' from a faulthandler dump's lines: the crashing thread's
+    innermost frame, else (a thread without Python frames crashed) the first other thread's that has one."""
+    blocks: list[tuple[bool, list[str]]] = []
+    for line in dump:
+        if line.startswith(("Thread 0x", "Current thread 0x")):
+            blocks.append((line.startswith("Current"), []))
+        elif line.startswith("File ") and blocks:
+            blocks[-1][1].append(line)
+    innermost = [(current, frames[0]) for current, frames in sorted(blocks, key=lambda b: not b[0]) if frames]
+    if not innermost:
+        return "no Python frame"
+    current, frame = innermost[0]
+    parts = frame.split('"')
+    file, rest = (parts[1], parts[2]) if len(parts) >= 3 else ("?", frame)
+    line, _, function = rest.removeprefix(", line ").partition(" in ")
+    where = f"{'/'.join(Path(file).parts[-2:])}:{line.strip()} in {function.strip()}"
+    return f"Python was at {where}" if current else f"in a native thread; Python was at {where}"
 
 
 def stop_processes(processes: Sequence[mp.Process]) -> None:

@@ -370,3 +370,37 @@ def test_run_processes_reports_a_failed_or_hung_peer_in_one_line_within_seconds(
     else:
         assert elapsed < deadline_s + 2 * GRACE_S + 5
     assert "warning" not in capfd.readouterr().err  # the children's stderr stays out of the terminal
+
+
+def _aborting_worker(rank: int) -> None:
+    """A native abort as C++ ends a process (its message on stderr, then SIGABRT), in rank 1 only."""
+    if rank == 1:
+        os.write(2, b"terminate called without an active exception\n")
+        os.abort()
+
+
+@pytest.mark.slow
+def test_a_rank_that_crashes_natively_is_told_with_its_message_and_where_python_was():
+    """A rank that aborts (a C++ thread torn down while joinable said only "terminate called without an active
+    exception"): the one line says so, and where the rank's Python was, from faulthandler's dump."""
+    from profiler.comm_bench import run_processes
+    from specs.errors import HetplanError
+
+    with pytest.raises(HetplanError) as caught:
+        run_processes(_aborting_worker, (), 2, 60.0, "test job")
+    message = str(caught.value)
+    assert "\n" not in message and "SIGABRT" in message, message
+    assert "(rank 1: terminate called without an active exception; Python was at tests/test_comm.py:" in message
+    assert message.endswith(" in _aborting_worker)"), message
+
+
+def test_the_crash_frame_is_the_crashing_threads_else_another_threads():
+    from profiler.comm_bench import crash_frame
+
+    dump = ["Thread 0x2 (most recent call first):", 'File "/a/runtime/pipeline.py", line 171 in receive',
+            'File "/a/runtime/pipeline.py", line 200 in forward', "Current thread 0x1 (most recent call first):",
+            'File "/a/runtime/execute.py", line 515 in spawned_rank']  # fmt: skip
+    assert crash_frame(dump) == "Python was at runtime/execute.py:515 in spawned_rank"
+    native = [*dump[:3], "Current thread 0x1 (most recent call first):", "<no Python frame>"]
+    assert crash_frame(native) == "in a native thread; Python was at runtime/pipeline.py:171 in receive"
+    assert crash_frame([]) == "no Python frame"
