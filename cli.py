@@ -62,7 +62,7 @@ app = typer.Typer(
 
 
 def installed_version() -> str:
-    """hetplan's version as installed (pyproject.toml's), or as the source tree says when run uninstalled."""
+    """hetplan's version as installed (pyproject.toml's); 'unknown' when the source tree runs uninstalled."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:

@@ -31,6 +31,7 @@ import platform
 import socket
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
@@ -239,12 +240,18 @@ def captured_rank(rank: int, worker: Callable[..., None], log_dir: str, *args: A
     # Done (results written, process group destroyed): end without the interpreter's teardown. There, about one
     # run in thirty of tests/test_elastic.py aborted a rank after its work ("terminate called without an active
     # exception" with no Python frame left: a C++ thread of torch's destroyed while joinable), failing a finished run.
-    sys.stdout.flush()
-    sys.stderr.flush()
+    # What the teardown would wait for is waited for here: threads still running, buffered output.
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # None, or closed: nothing to lose
+            stream.flush()
     os._exit(0)
 
 
 FAULT_HEADER = "Fatal Python error:"
+NATIVE_LAST_WORDS = ("terminate called", "what():")  # C++'s message right before an abort
 
 
 def last_words(log_dir: str, rank: int | None) -> str:
@@ -258,9 +265,11 @@ def last_words(log_dir: str, rank: int | None) -> str:
     fault = next((i for i, line in enumerate(lines) if line.startswith(FAULT_HEADER)), None)
     if fault is None:
         return f" (rank {rank}: {lines[-1][:200]})" if lines else ""
-    said = lines[fault - 1] if fault else lines[fault]
-    where = crash_frame(lines[fault + 1 :])
-    return f" (rank {rank}: {said[:200]}; {where})"
+    said = lines[fault].removeprefix(FAULT_HEADER).strip()  # "Aborted", "Segmentation fault"
+    before = lines[fault - 1] if fault else ""
+    if before.startswith(NATIVE_LAST_WORDS):  # C++'s own words just before it, not an older warning
+        said = before
+    return f" (rank {rank}: {said[:200]}; {crash_frame(lines[fault + 1 :])})"
 
 
 def crash_frame(dump: list[str]) -> str:

@@ -63,7 +63,7 @@ def empty_argument(app: typer.Typer, args: list[str]) -> str | None:
     switches = {o for p in options if getattr(p, "is_flag", False) for o in (*p.opts, *p.secondary_opts)}
     arguments = [(p.metavar or p.name or "").upper() for p in sub.params if p.param_type_name == "argument"]
     for index, token in enumerate(args):
-        if token.endswith("=") and token[:-1] in long_name:
+        if token.startswith("--") and token.endswith("=") and token[:-1] in long_name and token[:-1] not in switches:
             return long_name[token[:-1]]
         if token == "":
             before = args[index - 1] if index else ""

@@ -35,7 +35,7 @@ from predictor.predictor import Predictor
 from profiler.comm_bench import captured_rank, free_port, last_words, stop_processes
 from profiler.profile import DeviceProfile
 from runtime import checkpoint
-from runtime.execute import RunJob, RunSettings, completed_steps, spawned_rank
+from runtime.execute import RunJob, RunSettings, spawned_rank, tell_steps
 from specs.cluster import ClusterSpec
 from specs.errors import HetplanError, SpecError
 from specs.layout import group_offsets
@@ -191,7 +191,7 @@ def run_elastic(
             job = _job(current, where, now, str(out))
             world = where.num_devices
             attempt_started = time.time()
-            watch = (lambda: steps_done(completed_steps(out), settings.steps)) if steps_done else None
+            watch = (lambda: tell_steps(out, settings.steps, steps_done)) if steps_done else None
             lost = supervise(job, world, now.timeout_s * (now.steps + 3), f"hetplan run with {world} processes", watch)
             lines = _progress_lines(out)
             fresh: dict[int, float] = {}

@@ -29,6 +29,7 @@ import json
 import os
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -496,15 +497,29 @@ def gathered_results(rank: int, job: RunJob) -> list[dict[str, Any]] | None:
     return everyone
 
 
-def completed_steps(progress_dir: Path) -> int:
-    """The steps every training rank has finished, as their progress lines say (the fewest of the ranks that wrote
-    one; 0 before any did; a line being written is not counted)."""
-    counts = []
+def completed_steps(progress_dir: Path) -> tuple[int, int] | None:
+    """The step the ranks' progress lines began after (a resumed checkpoint's; 0 from the start) and the steps every
+    training rank has finished since (the fewest of the ranks that wrote a line); None before any did. A line being
+    written is not counted."""
+    began, counts = None, []
     for path in progress_dir.glob("progress-*.jsonl"):
         text = path.read_text(encoding="utf-8")
         whole = text[: text.rfind("\n") + 1].splitlines()
-        counts.append(json.loads(whole[-1])["step"] if whole else 0)
-    return min(counts, default=0)
+        if not whole:
+            counts.append(0)
+            continue
+        began = json.loads(whole[0])["step"] - 1 if began is None else began
+        counts.append(json.loads(whole[-1])["step"] - began)
+    return None if began is None else (began, min(counts))
+
+
+def tell_steps(progress_dir: Path, steps: int, steps_done: Callable[[int, int], None]) -> None:
+    """steps_done(steps finished, steps to run) of this run (or attempt: after a resume, from its checkpoint on), once
+    a rank has finished one."""
+    found = completed_steps(progress_dir)
+    if found is not None:
+        began, done = found
+        steps_done(done, steps - began)
 
 
 def spawned_rank(rank: int, world_size: int, port: int, job: RunJob) -> None:

@@ -35,10 +35,10 @@ from runtime.execute import (
     TORCH_DTYPES,
     RunJob,
     RunSettings,
-    completed_steps,
     gathered_results,
     spawned_rank,
     synthetic_batch,
+    tell_steps,
 )
 from runtime.model import ReferenceModel, check_tp
 from specs.cluster import ClusterSpec
@@ -108,7 +108,7 @@ def run_plan(
             world,
             settings.timeout_s * (settings.steps + 3),
             f"hetplan run with {world} processes",
-            (lambda: steps_done(completed_steps(Path(scratch)), settings.steps)) if steps_done else None,
+            (lambda: tell_steps(Path(scratch), settings.steps, steps_done)) if steps_done else None,
         )
         path = Path(job.out_dir, "results.json")
         if not path.exists():

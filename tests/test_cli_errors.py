@@ -119,6 +119,7 @@ PLAN = ("plan", "--cluster", str(CPU), "--model", TINY)
         (("export", "", "--out", "x"), "PLAN: expected a value, got ''"),
         ((*PLAN, "--bogus="), "No such option: --bogus"),
         ((*PLAN, "--json", ""), "unexpected extra argument"),
+        ((*PLAN, "--json="), "Option '--json' does not take a value"),  # a switch: click says so
         ((*PLAN, "--out", "/proc/no/such/plan.json"), "--out: /proc/no/such/plan.json: cannot create its directory"),
         (
             ("traffic-calc", "-m", "llama3-8b", "--tokens", "1e9", "--global-batch", "0", "--gpus", "8"),

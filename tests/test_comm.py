@@ -372,10 +372,10 @@ def test_run_processes_reports_a_failed_or_hung_peer_in_one_line_within_seconds(
     assert "warning" not in capfd.readouterr().err  # the children's stderr stays out of the terminal
 
 
-def _aborting_worker(rank: int) -> None:
-    """A native abort as C++ ends a process (its message on stderr, then SIGABRT), in rank 1 only."""
+def _aborting_worker(rank: int, last_words: bytes) -> None:
+    """A native abort as C++ ends a process (`last_words` on stderr, then SIGABRT), in rank 1 only."""
     if rank == 1:
-        os.write(2, b"terminate called without an active exception\n")
+        os.write(2, last_words)
         os.abort()
 
 
@@ -387,11 +387,14 @@ def test_a_rank_that_crashes_natively_is_told_with_its_message_and_where_python_
     from specs.errors import HetplanError
 
     with pytest.raises(HetplanError) as caught:
-        run_processes(_aborting_worker, (), 2, 60.0, "test job")
+        run_processes(_aborting_worker, (b"terminate called without an active exception\n",), 2, 60.0, "test job")
     message = str(caught.value)
     assert "\n" not in message and "SIGABRT" in message, message
     assert "(rank 1: terminate called without an active exception; Python was at tests/test_comm.py:" in message
     assert message.endswith(" in _aborting_worker)"), message
+    with pytest.raises(HetplanError) as caught:  # an older line before the crash is not its message
+        run_processes(_aborting_worker, (b"UserWarning: a harmless warning\n",), 2, 60.0, "test job")
+    assert "(rank 1: Aborted; Python was at tests/test_comm.py:" in str(caught.value), str(caught.value)
 
 
 def test_the_crash_frame_is_the_crashing_threads_else_another_threads():

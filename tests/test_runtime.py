@@ -166,15 +166,22 @@ def test_uneven_stages_and_uneven_batches_with_zero1_match_one_process(tmp_path)
     assert not list(tmp_path.glob("progress-*.jsonl"))  # kept in a scratch directory, not the run's
 
 
-def test_completed_steps_are_the_fewest_any_rank_finished(tmp_path):
-    from runtime.execute import completed_steps
+def test_completed_steps_are_the_fewest_any_rank_finished_since_the_run_began(tmp_path):
+    from runtime.execute import completed_steps, tell_steps
 
-    assert completed_steps(tmp_path) == 0
+    assert completed_steps(tmp_path) is None
     (tmp_path / "progress-0.jsonl").write_text('{"step": 1}\n{"step": 2}\n{"step": 3}\n')
     (tmp_path / "progress-2.jsonl").write_text('{"step": 1}\n{"step": 2}\n{"ste')  # a line being written
-    assert completed_steps(tmp_path) == 2
+    assert completed_steps(tmp_path) == (0, 2)
     (tmp_path / "progress-3.jsonl").write_text('{"st')
-    assert completed_steps(tmp_path) == 0
+    assert completed_steps(tmp_path) == (0, 0)
+    resumed = tmp_path / "resumed"  # from a checkpoint at step 900 of 1000: 2 of the 100 steps to run are done
+    resumed.mkdir()
+    (resumed / "progress-0.jsonl").write_text('{"step": 901}\n{"step": 902}\n')
+    told: list[tuple[int, int]] = []
+    tell_steps(resumed, 1000, lambda done, steps: told.append((done, steps)))
+    tell_steps(tmp_path / "none", 1000, lambda done, steps: told.append((done, steps)))  # nothing finished yet
+    assert told == [(2, 100)]
 
 
 def _check_timeline(results: list[dict]) -> None:
