@@ -256,8 +256,9 @@ NATIVE_LAST_WORDS = ("terminate called", "what():")  # C++'s message right befor
 
 def last_words(log_dir: str, rank: int | None) -> str:
     """The failing rank's last line of stderr (torch's error, not its warnings), cut to 200 characters; for a native
-    crash, the line before faulthandler's dump (e.g. C++'s "terminate called ...") and the innermost Python frame of
-    the crashing thread, else of another (none: the crash came after the interpreter had shut down)."""
+    crash, faulthandler's word for it ("Aborted"; C++'s "terminate called ..." when that line comes right before the
+    dump) and the innermost Python frame of the crashing thread, else of another ("no Python frame": the crash came
+    as the interpreter shut down)."""
     path = Path(log_dir, f"rank-{rank}.log")
     if rank is None or not path.exists():
         return ""

@@ -90,7 +90,8 @@ def run_plan(
     steps_done: Callable[[int, int], None] | None = None,
 ) -> list[dict[str, Any]]:
     """Spawn one local process per cluster device and train; returns every rank's result (gathered by rank 0).
-    `steps_done(done, steps)` is told every second how many steps every rank has finished (execute.completed_steps)."""
+    `steps_done(done, steps)` is told every second how many of its steps (after a resume: of those left) every rank
+    has finished (execute.tell_steps)."""
     check_runnable(plan, cluster, settings.dtype)
     world = cluster.num_devices
     if world > MAX_LOCAL_RANKS:
