@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import sys
 import traceback
+from pathlib import Path
 
 import click
 import typer
@@ -41,14 +42,16 @@ def failure_line(err: BaseException) -> tuple[str, int]:
     return f"hetplan: internal error: {type(err).__name__}: {one_line(str(err), 200)} ({DEBUG_HINT})", 1
 
 
-def _remove_created_directories(remove: bool = True) -> None:
-    """The output directories a failed command created and left empty (specs.outputs: imported by then if any);
-    `remove` False forgets them (a command that starts, in a process that ran one before)."""
+def _created_directories() -> list[Path]:
+    """The output directories this process's commands created (specs.outputs: none before it is imported)."""
     outputs = sys.modules.get("specs.outputs")
-    if outputs is not None and remove:
-        outputs.remove_created_directories()
-    elif outputs is not None:
-        outputs.CREATED_DIRECTORIES.clear()
+    return outputs.CREATED_DIRECTORIES if outputs is not None else []
+
+
+def _remove_created_directories() -> None:
+    """The output directories a failed command created and left empty."""
+    if _created_directories():
+        sys.modules["specs.outputs"].remove_created_directories()
 
 
 def empty_argument(app: typer.Typer, args: list[str]) -> str | None:
@@ -94,7 +97,7 @@ def exit_status(app: typer.Typer, args: list[str]) -> int:
             names = ", ".join(c.name or getattr(c.callback, "__name__", "") for c in app.registered_commands)
             print(f"hetplan: error: missing command: one of {names} (see 'hetplan --help')", file=sys.stderr)
             return 2
-        _remove_created_directories(remove=False)
+        _created_directories().clear()  # an earlier command's (in this process) are not this one's
         try:
             empty = empty_argument(app, args)
             if empty is not None:
