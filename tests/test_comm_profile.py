@@ -52,7 +52,9 @@ def test_cli_profile_comm_writes_a_link_profile(tmp_path):
         "--world",
         "2",
         "--max-size",
-        "4MiB",  # enough for a bandwidth to show: profile-comm refuses a profile of latencies alone
+        # profile-comm refuses a profile of latencies alone: 16 MiB (~30 ms) stands well above the latencies' jitter
+        # on a loaded host, where 4 MiB (~8 ms) once did not (CI)
+        "16MiB",
         "--ops",
         "all_reduce,send_recv",
         "--repeats",
@@ -89,7 +91,7 @@ def test_profile_comm_under_torchrun(tmp_path):
         "cli",
         "profile-comm",
         "--max-size",
-        "4MiB",
+        "16MiB",  # as above
         "--ops",
         "all_reduce",
         "--repeats",
