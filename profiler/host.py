@@ -173,6 +173,7 @@ class BusyHelpers:
             process.join(timeout=10)
             if process.is_alive():
                 process.kill()
+                process.join(timeout=10)  # reaped: no zombie left behind
         self._helpers = []
         self._stop = None
 

@@ -323,7 +323,7 @@ def test_input_files_that_are_not_text_or_are_bombs_are_one_line(capsys, tmp_pat
     for name, expected in (("binary", "not UTF-8"), ("bomb", "aliases expand"), ("inf", "finite")):
         line = one_error(capsys, "plan", "--cluster", str(tmp_path / f"{name}.yaml"), "--model", TINY)
         assert f"{name}.yaml" in line and expected in line
-    assert time.monotonic() - started < 10
+    assert time.monotonic() - started < 30  # a bomb expanded would take minutes; a loaded first import, seconds
 
 
 def _profiles(tmp_path: Path, change) -> Path:
@@ -420,7 +420,7 @@ def test_ctrl_c_during_a_large_plan_exits_130_and_says_interrupted(tmp_path):
         first = _stderr_line(process, 60)
         assert first.startswith("hetplan plan: "), first
         process.send_signal(signal.SIGINT)
-        _, stderr = process.communicate(timeout=10)
+        _, stderr = process.communicate(timeout=30)
     finally:
         process.kill()
     lines = [line for line in stderr.splitlines() if not line.startswith("hetplan plan: ")]

@@ -66,7 +66,7 @@ def test_a_rank_dies_the_job_replans_reshards_and_resumes_on_three_ranks(tmp_pat
     assert event["lost_ranks"] == [3] and event["died_at_step"] == 3
     assert event["devices_before"] == 4 and event["devices_after"] == 3 and run.cluster.num_devices == 3
     assert event["resumed_from_step"] == EVERY and event["steps_lost"] == 1  # step 2 ran, was not saved
-    assert 0 <= event["detect_s"] < 5 and event["stop_survivors_s"] < 10  # nothing waited for Gloo's 60 s timeout
+    assert 0 <= event["detect_s"] < 15 and event["stop_survivors_s"] < 25  # nothing waited for Gloo's 60 s timeout
     assert event["replan_s"] > 0 and 0 < event["reload_s"] < event["respawn_to_loaded_s"]
     assert event["throughput_before_samples_per_s"] > 0 and event["throughput_after_samples_per_s"] > 0
     assert run.plan.strategy != plan.strategy
