@@ -474,7 +474,13 @@ def main() -> None:
             setattr(sys, name, open(os.devnull, "w", encoding="utf-8"))  # noqa: SIM115 (open for the process's life)
     if not sys.stdout.isatty():  # piped --help: typer reads TERMINAL_WIDTH when it formats help
         os.environ.setdefault("TERMINAL_WIDTH", str(PIPED_HELP_WIDTH_COLUMNS))
-    sys.exit(exit_status(app, sys.argv[1:]))
+    code = exit_status(app, sys.argv[1:])
+    if "torch.distributed" in sys.modules:  # a rank's torch may abort its teardown (profiler/comm_bench.py)
+        from profiler.comm_bench import end_rank_without_teardown, launched_by_torchrun
+
+        if launched_by_torchrun():
+            end_rank_without_teardown(code)
+    sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass
 from datetime import timedelta
 from multiprocessing.synchronize import Event
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -237,17 +237,23 @@ def captured_rank(rank: int, worker: Callable[..., None], log_dir: str, *args: A
     os.close(log)
     faulthandler.enable(all_threads=True)  # a native crash (SIGABRT, SIGSEGV) leaves where Python was in the log
     worker(rank, *args)
-    # Done (results written, process group destroyed): end without the interpreter's teardown. There, about one
-    # run in thirty of tests/test_elastic.py aborted a rank after its work ("terminate called without an active
-    # exception" with no Python frame left: a C++ thread of torch's destroyed while joinable), failing a finished run.
-    # What the teardown would wait for is waited for here: threads still running, buffered output.
+    end_rank_without_teardown(0)
+
+
+def end_rank_without_teardown(code: int) -> NoReturn:
+    """End a rank whose work is done (results written, process group destroyed) with exit status `code`, without the
+    interpreter's teardown. There, about one run in thirty of tests/test_elastic.py aborted a rank after its work
+    ("terminate called without an active exception" with no Python frame left: a C++ thread of torch's destroyed
+    while joinable), failing a finished run. What the teardown would wait for is waited for here: threads still
+    running, buffered output and log handlers."""
     for thread in threading.enumerate():
         if thread is not threading.current_thread() and not thread.daemon:
             thread.join()
+    logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):  # None, or closed: nothing to lose
             stream.flush()
-    os._exit(0)
+    os._exit(code)
 
 
 FAULT_HEADER = "Fatal Python error:"
