@@ -59,6 +59,7 @@ class Progress:
         self.done, self.what = 0, ""
         self.total: int | None = None
         self._steps = 0
+        self._first_done: tuple[float, int] | None = None  # (when, count) of the first count above 0: the ETA's rate
         self.started = self.last_line = clock()
         self.lines = 0
         self._lock = threading.Lock()
@@ -101,6 +102,8 @@ class Progress:
         """Record where the work is (`total` None keeps the last total; `what`, when given, names the current part)."""
         with self._lock:
             self.done = done
+            if done > 0 and self._first_done is None:
+                self._first_done = (self.clock(), done)
             self.total = total if total is not None else self.total
             self.what = what or self.what
         if self._bar is not None:
@@ -148,8 +151,16 @@ class Progress:
         doing = " ".join(part for part in (where, self.what) if part) or "working"
         text = f"hetplan {self.task}: {doing}, {duration(elapsed)} elapsed"
         if total and 0 < done < total:
-            text += f", about {duration(elapsed * (total - done) / done)} left"
+            text += f", about {duration(self._seconds_per_unit(now) * (total - done))} left"
         return text
+
+    def _seconds_per_unit(self, now: float) -> float:
+        """The time a unit of work takes: since the first count above 0 once more have been done (the start, e.g. a
+        run's processes starting, is not a unit's), else the time so far over the count."""
+        if self._first_done is not None and self.done > self._first_done[1]:
+            when, count = self._first_done
+            return (now - when) / (self.done - count)
+        return (now - self.started) / self.done
 
     def _beat(self) -> None:
         while not self._stop.wait(min(1.0, self.interval_s)):

@@ -305,6 +305,8 @@ class _Keeper:
                                 "setup_s": time.perf_counter() - started - resumed.load_s,
                                 "loaded_unix_time_s": time.time()})  # fmt: skip
             self.dump("loaded")
+        if settings.progress_dir and state is not None:  # set up: counted, at 0 steps, until it finishes one
+            Path(settings.progress_dir, f"progress-{rank}.jsonl").touch()
 
     def _tensors(self) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
         if self.state is None:
@@ -499,18 +501,34 @@ def gathered_results(rank: int, job: RunJob) -> list[dict[str, Any]] | None:
 
 def completed_steps(progress_dir: Path) -> tuple[int, int] | None:
     """The step the ranks' progress lines began after (a resumed checkpoint's; 0 from the start) and the steps every
-    training rank has finished since (the fewest of the ranks that wrote a line); None before any did. A line being
-    written is not counted."""
+    training rank has finished since (the fewest of the ranks set up: each makes its file before its first step);
+    None before any finished one. A line being written is not counted."""
     began, counts = None, []
     for path in progress_dir.glob("progress-*.jsonl"):
-        text = path.read_text(encoding="utf-8")
-        whole = text[: text.rfind("\n") + 1].splitlines()
-        if not whole:
+        first, last = _first_and_last_lines(path)
+        if first is None or last is None:
             counts.append(0)
             continue
-        began = json.loads(whole[0])["step"] - 1 if began is None else began
-        counts.append(json.loads(whole[-1])["step"] - began)
+        began = json.loads(first)["step"] - 1 if began is None else began
+        counts.append(json.loads(last)["step"] - began)
     return None if began is None else (began, min(counts))
+
+
+PROGRESS_TAIL_BYTES = 4096  # far more than a progress line
+
+
+def _first_and_last_lines(path: Path) -> tuple[str | None, str | None]:
+    """The first and the last whole line of a file being appended to (None: no whole line yet), reading its two
+    ends only (a long run's file is read every second)."""
+    with open(path, "rb") as file:
+        head = file.readline()
+        if not head.endswith(b"\n"):
+            return None, None
+        size = file.seek(0, os.SEEK_END)
+        file.seek(max(0, size - PROGRESS_TAIL_BYTES))
+        tail = file.read()
+    whole = tail[: tail.rfind(b"\n")].rsplit(b"\n", 1)[-1]
+    return head.decode("utf-8"), whole.decode("utf-8")
 
 
 def tell_steps(progress_dir: Path, steps: int, steps_done: Callable[[int, int], None]) -> None:

@@ -311,6 +311,14 @@ def test_progress_of_steps_and_of_work_of_unknown_size():
     assert Progress("fit", stream=io.StringIO(), clock=lambda: 0.0, terminal=False).line(3.0) == (
         "hetplan fit: starting, 3 s elapsed"
     )
+    now = [0.0]
+    steps = Progress("run", unit="steps", stream=io.StringIO(), clock=lambda: now[0], terminal=False)
+    steps(0, 10)
+    now[0] = 30.0  # the processes took 30 s to start; then a step a second
+    steps(1, 10)
+    now[0] = 34.0
+    steps(5, 10)
+    assert steps.line(34.0) == "hetplan run: 5/10 steps (50%), 34 s elapsed, about 5 s left"  # not 34 s: the start
     run = Progress("run", stream=io.StringIO(), clock=lambda: 0.0, terminal=False)
     run.say("running plan.json on 4 local processes for 5 steps ...")
     assert run.line(2.0) == "hetplan run: running plan.json on 4 local processes for 5 steps, 2 s elapsed"

@@ -182,6 +182,25 @@ def test_completed_steps_are_the_fewest_any_rank_finished_since_the_run_began(tm
     tell_steps(resumed, 1000, lambda done, steps: told.append((done, steps)))
     tell_steps(tmp_path / "none", 1000, lambda done, steps: told.append((done, steps)))  # nothing finished yet
     assert told == [(2, 100)]
+    long = tmp_path / "long"  # a long run's file: its two ends are read
+    long.mkdir()
+    (long / "progress-0.jsonl").write_text("".join(f'{{"step": {s}, "loss": 1.0}}\n' for s in range(1, 5001)))
+    assert completed_steps(long) == (0, 5000)
+
+
+def test_a_rank_is_counted_from_its_set_up_so_the_count_does_not_run_ahead_of_a_slow_starter(tmp_path):
+    """A training rank makes its progress file when set up: a peer's first step does not count as every rank's
+    while it is still starting (an idle rank makes none)."""
+    from types import SimpleNamespace
+
+    from runtime.execute import _Keeper, completed_steps
+
+    job = SimpleNamespace(settings=RunSettings(steps=2, progress_dir=str(tmp_path)))
+    _Keeper(1, job, None, object())  # type: ignore[arg-type]
+    _Keeper(2, job, None, None)  # type: ignore[arg-type]
+    assert [p.name for p in tmp_path.iterdir()] == ["progress-1.jsonl"] and completed_steps(tmp_path) is None
+    (tmp_path / "progress-0.jsonl").write_text('{"step": 1}\n')
+    assert completed_steps(tmp_path) == (0, 0)
 
 
 def _check_timeline(results: list[dict]) -> None:
