@@ -18,18 +18,41 @@ Per CP rank and layer, for a micro-batch of b sequences of s tokens:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from predictor.comm_model import Link
 from profiler.profile import LayerCost, LayerCostSource, LayerKind
 from specs.cluster import DeviceGroup
 from specs.model import ModelSpec, Recompute
-
-if TYPE_CHECKING:
-    from predictor.context import CostContext
+from specs.training import TrainingSpec
 
 # K/V send and receive buffers, and their gradients' in the backward, held while a layer computes.
 RING_BUFFERS = 4
+
+
+class NetworkTerms(Protocol):
+    """What the ring reads of the end-to-end terms (predictor.context.EndToEndTerms)."""
+
+    @property
+    def network_scale(self) -> float: ...
+
+
+class RingContext(Protocol):
+    """What the ring's costs read of a cost context (predictor.context.CostContext, which wraps its layer costs in
+    ContextParallelCosts under context parallelism)."""
+
+    @property
+    def context_parallel(self) -> int: ...
+    @property
+    def seq_length(self) -> int: ...
+    @property
+    def model(self) -> ModelSpec: ...
+    @property
+    def training(self) -> TrainingSpec: ...
+    @property
+    def terms(self) -> NetworkTerms: ...
+    def in_node_link(self, group: DeviceGroup) -> Link: ...
+    def rail_link(self, group: DeviceGroup) -> Link: ...
 
 
 def attention_share(model: ModelSpec, seq_length: int) -> float:
@@ -38,20 +61,20 @@ def attention_share(model: ModelSpec, seq_length: int) -> float:
     return attention / (attention + model.layer_gemm_flops(seq_length))
 
 
-def ring_block_bytes(ctx: CostContext, micro_batch_size: float, tp: int) -> float:
+def ring_block_bytes(ctx: RingContext, micro_batch_size: float, tp: int) -> float:
     """One CP rank's K and V block of one layer: 2 * b * (s/cp) * kv_size/tp elements."""
     cp = ctx.context_parallel
     return 2 * micro_batch_size * ctx.seq_length / cp * ctx.model.kv_size / tp * ctx.training.dtype_bytes
 
 
-def ring_link(ctx: CostContext, group: DeviceGroup, tp: int) -> Link:
+def ring_link(ctx: RingContext, group: DeviceGroup, tp: int) -> Link:
     """Inside the node when the ring's tp * cp devices fit in one, else the rails between nodes."""
     if tp * ctx.context_parallel <= group.devices_per_node:
         return ctx.in_node_link(group)
     return ctx.rail_link(group)
 
 
-def ring_step_time_s(ctx: CostContext, group: DeviceGroup, size_bytes: float, tp: int) -> float:
+def ring_step_time_s(ctx: RingContext, group: DeviceGroup, size_bytes: float, tp: int) -> float:
     """One ring step: every rank sends a block to the next and receives one from the previous at once."""
     link = ring_link(ctx, group, tp)
     scale = 1.0 if link.link_class == "in_node" else ctx.terms.network_scale
@@ -69,7 +92,7 @@ class ContextParallelCosts:
     """One group's layer costs per CP rank: the device's costs at micro-batch b/cp plus the ring's exposed transfers
     (in the decoder's forward and backward times)."""
 
-    ctx: CostContext
+    ctx: RingContext
     group: DeviceGroup
     inner: LayerCostSource
     _costs: dict[tuple[str, float, int, str], LayerCost] = field(default_factory=dict, repr=False)
@@ -100,7 +123,7 @@ class ContextParallelCosts:
 
 
 def exposed_ring_time_s(
-    ctx: CostContext, group: DeviceGroup, micro_batch_size: float, tp: int, recompute: Recompute, local: LayerCost
+    ctx: RingContext, group: DeviceGroup, micro_batch_size: float, tp: int, recompute: Recompute, local: LayerCost
 ) -> tuple[float, float]:
     """(forward, backward) seconds of one layer's ring transfers per micro-batch not hidden under its attention."""
     cp = ctx.context_parallel
@@ -116,7 +139,7 @@ def exposed_ring_time_s(
     return forward, backward
 
 
-def ring_bytes_per_microbatch(ctx: CostContext, micro_batch_size: float, tp: int, recompute: Recompute) -> float:
+def ring_bytes_per_microbatch(ctx: RingContext, micro_batch_size: float, tp: int, recompute: Recompute) -> float:
     """Bytes one CP rank sends around its ring per layer and micro-batch (forward, backward, recomputed forward)."""
     forward_rings, backward_blocks = ring_passes(recompute)
     steps = ctx.context_parallel - 1
