@@ -137,8 +137,9 @@ def _progress_lines(out_dir: Path) -> list[dict[str, Any]]:
     lines = []
     for path in sorted(out_dir.glob("progress-*.jsonl")):
         rank = int(path.stem.split("-")[1])
-        for text in path.read_text(encoding="utf-8").splitlines():
-            lines.append({**json.loads(text), "rank": rank})
+        text = path.read_text(encoding="utf-8")
+        for line in text[: text.rfind("\n") + 1].splitlines():  # a rank killed while writing leaves half a line
+            lines.append({**json.loads(line), "rank": rank})
         path.unlink()
     return lines
 

@@ -52,6 +52,16 @@ def test_a_restart_takes_the_latest_complete_checkpoint_else_where_the_run_began
 
 
 @pytest.mark.slow
+def test_the_supervisor_reads_the_whole_progress_lines_of_ranks_that_died_and_clears_them(tmp_path):
+    """A rank killed while writing its progress leaves half a line: the supervisor reads the whole ones."""
+    from runtime.elastic import _progress_lines
+
+    (tmp_path / "progress-0.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo')
+    (tmp_path / "progress-1.jsonl").write_text("")  # set up, no step finished
+    assert _progress_lines(tmp_path) == [{"step": 1, "loss": 2.0, "rank": 0}]
+    assert not list(tmp_path.iterdir())
+
+
 def test_a_rank_dies_the_job_replans_reshards_and_resumes_on_three_ranks(tmp_path):
     first = make_plan(CLUSTER, MODEL, TRAINING)
     plan = LoadedPlan(first.strategy, MODEL, TRAINING, "cpu-hetero plan")
