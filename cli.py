@@ -475,8 +475,8 @@ def main() -> None:
     if not sys.stdout.isatty():  # piped --help: typer reads TERMINAL_WIDTH when it formats help
         os.environ.setdefault("TERMINAL_WIDTH", str(PIPED_HELP_WIDTH_COLUMNS))
     code = exit_status(app, sys.argv[1:])
-    if "torch.distributed" in sys.modules:  # a rank's torch may abort its teardown (profiler/comm_bench.py)
-        from profiler.comm_bench import end_rank_without_teardown, launched_by_torchrun
+    if "torch" in sys.modules:  # a rank's torch may abort its teardown (profiler/machine.py)
+        from profiler.machine import end_rank_without_teardown, launched_by_torchrun
 
         if launched_by_torchrun():
             end_rank_without_teardown(code)

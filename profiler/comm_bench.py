@@ -29,16 +29,14 @@ import multiprocessing
 import os
 import platform
 import socket
-import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from multiprocessing.synchronize import Event
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import numpy as np
 
@@ -52,7 +50,7 @@ except ImportError as err:  # pragma: no cover - exercised only without torch
     raise TorchMissingError("`hetplan profile-comm`") from err
 
 from profiler.collectives import bus_factor, latency_steps
-from profiler.machine import host_cores
+from profiler.machine import end_rank_without_teardown, host_cores
 from profiler.measure import keep_freed_host_memory
 from specs.errors import HetplanError
 
@@ -237,23 +235,7 @@ def captured_rank(rank: int, worker: Callable[..., None], log_dir: str, *args: A
     os.close(log)
     faulthandler.enable(all_threads=True)  # a native crash (SIGABRT, SIGSEGV) leaves where Python was in the log
     worker(rank, *args)
-    end_rank_without_teardown(0)
-
-
-def end_rank_without_teardown(code: int) -> NoReturn:
-    """End a rank whose work is done (results written, process group destroyed) with exit status `code`, without the
-    interpreter's teardown. There, about one run in thirty of tests/test_elastic.py aborted a rank after its work
-    ("terminate called without an active exception" with no Python frame left: a C++ thread of torch's destroyed
-    while joinable), failing a finished run. What the teardown would wait for is waited for here: threads still
-    running, buffered output and log handlers."""
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):  # None, or closed: nothing to lose
-            stream.flush()
-    os._exit(code)
+    end_rank_without_teardown(0)  # its work done: results written and closed, process group destroyed
 
 
 FAULT_HEADER = "Fatal Python error:"
@@ -397,10 +379,6 @@ def computing_beside(busy_processes: int) -> Iterator[None]:
             spinner.join(timeout=GRACE_S)
             if spinner.is_alive():
                 spinner.kill()
-
-
-def launched_by_torchrun() -> bool:
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
 
 
 def run_in_job(

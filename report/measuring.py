@@ -191,13 +191,8 @@ def profile_comm(
     worlds = flags.int_list(world, "--world", 2, "process counts", high=most, why=why) or []
     device_key = get_device(as_device, "--as-device", "").key
     require_torch("profile-comm")
-    from profiler.comm_bench import (
-        COLLECTIVES,
-        launched_by_torchrun,
-        link_profile,
-        run_in_job,
-        run_local,
-    )
+    from profiler.comm_bench import COLLECTIVES, link_profile, run_in_job, run_local
+    from profiler.machine import launched_by_torchrun
 
     chosen = flags.choices(ops, COLLECTIVES, "--ops")
     gap_s = gap_ms / 1000
@@ -385,7 +380,7 @@ def run(
     check_local_run(cluster_spec, cluster)
     check_runtime_layout(loaded)
     require_torch("run")
-    from profiler.comm_bench import launched_by_torchrun
+    from profiler.machine import launched_by_torchrun
     from report.files import write_json
     from report.measurements import run_lines, run_table, run_terms_table
     from runtime.launch import check_dtype, execute, execute_in_job

@@ -70,6 +70,7 @@ class Progress:
 
     def __enter__(self) -> Progress:
         self.started = self.last_line = self.clock()
+        self._first_done = None
         if self.quiet:
             return self
         if self.terminal:
@@ -101,6 +102,9 @@ class Progress:
     def update(self, done: int, total: int | None = None, what: str = "") -> None:
         """Record where the work is (`total` None keeps the last total; `what`, when given, names the current part)."""
         with self._lock:
+            moved_back = self._first_done is not None and done < self._first_done[1]
+            if moved_back or (total is not None and total != self.total):  # another attempt (a resumed run's)
+                self._first_done = None
             self.done = done
             if done > 0 and self._first_done is None:
                 self._first_done = (self.clock(), done)

@@ -514,7 +514,7 @@ def completed_steps(progress_dir: Path) -> tuple[int, int] | None:
     return None if began is None else (began, min(counts))
 
 
-PROGRESS_TAIL_BYTES = 4096  # far more than a progress line
+PROGRESS_TAIL_BYTES = 4096  # far more than a progress line (a longer one widens the window)
 
 
 def _first_and_last_lines(path: Path) -> tuple[str | None, str | None]:
@@ -524,11 +524,16 @@ def _first_and_last_lines(path: Path) -> tuple[str | None, str | None]:
         head = file.readline()
         if not head.endswith(b"\n"):
             return None, None
-        size = file.seek(0, os.SEEK_END)
-        file.seek(max(0, size - PROGRESS_TAIL_BYTES))
-        tail = file.read()
-    whole = tail[: tail.rfind(b"\n")].rsplit(b"\n", 1)[-1]
-    return head.decode("utf-8"), whole.decode("utf-8")
+        size, window = file.seek(0, os.SEEK_END), PROGRESS_TAIL_BYTES
+        while True:
+            start = max(0, size - window)
+            file.seek(start)
+            tail = file.read(size - start)
+            whole = tail[: tail.rfind(b"\n")]  # up to the last line's end (what follows is being written)
+            if start == 0 or b"\n" in whole:  # the last whole line starts inside the window
+                break
+            window *= 2
+    return head.decode("utf-8"), whole.rsplit(b"\n", 1)[-1].decode("utf-8")
 
 
 def tell_steps(progress_dir: Path, steps: int, steps_done: Callable[[int, int], None]) -> None:

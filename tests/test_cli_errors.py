@@ -233,32 +233,33 @@ def test_version_is_the_installed_one(capsys):
 
 
 def test_a_torchrun_rank_ends_with_its_status_after_its_threads_without_the_interpreters_teardown(monkeypatch, capsys):
-    """A rank of a torchrun job (torch.distributed imported) ends by os._exit with its command's status once its
-    threads have ended and its output is flushed: torch's teardown once aborted a finished rank. Elsewhere the usual
+    """A rank of a torchrun job (torch imported) ends by os._exit with its command's status once its threads have
+    ended and its logs and output are flushed: torch's teardown once aborted a finished rank. Elsewhere the usual
     sys.exit."""
+    import logging
     import threading
+    import types
 
-    import torch.distributed  # noqa: F401 (what a rank's command imported)
-
-    ended: list[int] = []
-    threads_done: list[bool] = []
+    ended: list[tuple[int, bool]] = []  # (status, a thread still running then)
+    logs_shut: list[bool] = []
 
     def fake_exit(code: int) -> None:
-        ended.append(code)
+        ended.append((code, late.is_alive()))
         raise SystemExit(code)
 
     monkeypatch.setattr(os, "_exit", fake_exit)
+    monkeypatch.setattr(logging, "shutdown", lambda: logs_shut.append(True))
+    monkeypatch.setitem(sys.modules, "torch", sys.modules.get("torch") or types.ModuleType("torch"))
     for name, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
         monkeypatch.setenv(name, value)
-    late = threading.Thread(target=lambda: (time.sleep(0.3), threads_done.append(True)))
-    late.start()
     for args, code in ((["--version"], 0), (["plan", "--cluster", "missing.yaml", "--model", "tiny"], 2)):
+        late = threading.Thread(target=time.sleep, args=(0.3,))
+        late.start()
         monkeypatch.setattr(sys, "argv", ["hetplan", *args])
         with pytest.raises(SystemExit) as caught:
             cli.main()
-        assert caught.value.code == code and ended[-1] == code
-    assert threads_done == [True]
-    assert capsys.readouterr().out.startswith("hetplan ")
+        assert caught.value.code == code and ended[-1] == (code, False)
+    assert logs_shut == [True, True] and capsys.readouterr().out.startswith("hetplan ")
     monkeypatch.delenv("RANK")
     with pytest.raises(SystemExit) as caught:
         cli.main()

@@ -51,7 +51,6 @@ def test_a_restart_takes_the_latest_complete_checkpoint_else_where_the_run_began
     assert _restart_point(str(tmp_path), "/given/step-00000004") == checkpoint.step_dir(tmp_path, 4)
 
 
-@pytest.mark.slow
 def test_the_supervisor_reads_the_whole_progress_lines_of_ranks_that_died_and_clears_them(tmp_path):
     """A rank killed while writing its progress leaves half a line: the supervisor reads the whole ones."""
     from runtime.elastic import _progress_lines
@@ -62,6 +61,7 @@ def test_the_supervisor_reads_the_whole_progress_lines_of_ranks_that_died_and_cl
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.slow
 def test_a_rank_dies_the_job_replans_reshards_and_resumes_on_three_ranks(tmp_path):
     first = make_plan(CLUSTER, MODEL, TRAINING)
     plan = LoadedPlan(first.strategy, MODEL, TRAINING, "cpu-hetero plan")

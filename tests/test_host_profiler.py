@@ -308,14 +308,13 @@ def test_the_standard_error_of_a_median_follows_the_samples_spread():
 @pytest.mark.slow
 def test_tp_collectives_are_timed_between_layers_by_two_processes_with_real_gloo_all_reduces():
     """Measured for real on a tiny model: a Gloo all-reduce on loopback takes tens of microseconds to tens of
-    milliseconds; the work around one is well under the all-reduce itself."""
+    milliseconds; the work around one is at most the all-reduce's plus 10 ms (a loaded host's wake-ups)."""
     timing = host_tp.time_tp_collectives(MODEL, 1, 16, torch.float32, min_time_s=0.2)
     assert timing is not None
     costs = host_tp.fit_tp_collective_costs([timing])
     size = 16 * MODEL.hidden_size * 4
     all_reduce_s = 2 * costs.all_reduce_alpha_s + size / costs.all_reduce_bw_bytes_per_s
     assert 1e-5 < all_reduce_s < 0.05
-    # a loaded host's wake-ups stretch both timings by milliseconds: the bound tells "around" from "well beyond"
     assert abs(costs.overhead_s + size * costs.overhead_s_per_byte) < all_reduce_s + 10e-3
 
 

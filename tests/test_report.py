@@ -319,6 +319,11 @@ def test_progress_of_steps_and_of_work_of_unknown_size():
     now[0] = 34.0
     steps(5, 10)
     assert steps.line(34.0) == "hetplan run: 5/10 steps (50%), 34 s elapsed, about 5 s left"  # not 34 s: the start
+    now[0] = 60.0  # a rank died; the resumed attempt has 8 steps left, its first seen at 60 s, its third at 62 s
+    steps(1, 8)
+    now[0] = 62.0
+    steps(3, 8)
+    assert steps.line(62.0) == "hetplan run: 3/8 steps (38%), 1 min 02 s elapsed, about 5 s left"
     run = Progress("run", stream=io.StringIO(), clock=lambda: 0.0, terminal=False)
     run.say("running plan.json on 4 local processes for 5 steps ...")
     assert run.line(2.0) == "hetplan run: running plan.json on 4 local processes for 5 steps, 2 s elapsed"

@@ -182,10 +182,14 @@ def test_completed_steps_are_the_fewest_any_rank_finished_since_the_run_began(tm
     tell_steps(resumed, 1000, lambda done, steps: told.append((done, steps)))
     tell_steps(tmp_path / "none", 1000, lambda done, steps: told.append((done, steps)))  # nothing finished yet
     assert told == [(2, 100)]
-    long = tmp_path / "long"  # a long run's file: its two ends are read
+    long = tmp_path / "long"  # a long run's file: its two ends are read, a line longer than the window too
     long.mkdir()
-    (long / "progress-0.jsonl").write_text("".join(f'{{"step": {s}, "loss": 1.0}}\n' for s in range(1, 5001)))
+    lines = "".join(f'{{"step": {s}, "loss": 1.0}}\n' for s in range(1, 5001))
+    (long / "progress-0.jsonl").write_text(lines + '{"step": 5001, "note": "' + "x" * 9000 + '"}\n{"step": 50')
+    (long / "progress-1.jsonl").write_text(lines + '{"ste')
     assert completed_steps(long) == (0, 5000)
+    (long / "progress-1.jsonl").write_text(lines + '{"step": 5001}\n{"step": 5002}\n')
+    assert completed_steps(long) == (0, 5001)
 
 
 def test_a_rank_is_counted_from_its_set_up_so_the_count_does_not_run_ahead_of_a_slow_starter(tmp_path):
@@ -294,7 +298,8 @@ def test_the_speed_check_sets_every_core_computing_beside_the_profiles_measureme
                             entries=[entry], host=host)  # fmt: skip
     checked = cores_check(MODEL, profile, entry)
     assert checked["cores"] == cores and checked["busy_stretch_profiled"] == 3.0
-    # two busy processes on this 2-core host read 0.80-1.76 when disturbed: the band tells a measurement from none
+    # a sanity band: two busy processes on this 2-core host read 0.80-1.76 when disturbed, and the profile's 3.0
+    # stays outside it
     assert 0.5 < checked["busy_stretch_now"] < 2.9, checked
     assert checked["cores_slowdown"] == pytest.approx(checked["busy_stretch_now"] / 3.0)
     speed = speed_check((profile, entry), 3e-3, 3e-3, checked)
