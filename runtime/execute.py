@@ -505,25 +505,25 @@ def completed_steps(progress_dir: Path) -> tuple[int, int] | None:
     None before any finished one. A line being written is not counted."""
     began, counts = None, []
     for path in progress_dir.glob("progress-*.jsonl"):
-        first, last = _first_and_last_lines(path)
-        if first is None or last is None:
+        ends = _first_and_last_lines(path)
+        if ends is None:
             counts.append(0)
             continue
-        began = json.loads(first)["step"] - 1 if began is None else began
-        counts.append(json.loads(last)["step"] - began)
+        began = json.loads(ends[0])["step"] - 1 if began is None else began
+        counts.append(json.loads(ends[1])["step"] - began)
     return None if began is None else (began, min(counts))
 
 
 PROGRESS_TAIL_BYTES = 4096  # far more than a progress line (a longer one widens the window)
 
 
-def _first_and_last_lines(path: Path) -> tuple[str | None, str | None]:
+def _first_and_last_lines(path: Path) -> tuple[str, str] | None:
     """The first and the last whole line of a file being appended to (None: no whole line yet), reading its two
     ends only (a long run's file is read every second)."""
     with open(path, "rb") as file:
         head = file.readline()
         if not head.endswith(b"\n"):
-            return None, None
+            return None
         size, window = file.seek(0, os.SEEK_END), PROGRESS_TAIL_BYTES
         while True:
             start = max(0, size - window)
