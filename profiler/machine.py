@@ -26,10 +26,14 @@ def end_rank_without_teardown(code: int) -> NoReturn:
     teardown. There, about one run in thirty of tests/test_elastic.py aborted a rank after its work ("terminate
     called without an active exception" with no Python frame left: a C++ thread of torch's destroyed while
     joinable), failing a finished run. What the teardown would wait for is waited for here: threads still running,
-    log handlers and buffered output."""
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
+    log handlers and buffered output; a Ctrl-C during the wait ends it with 130."""
+    try:
+        for thread in threading.enumerate():
+            if thread is not threading.current_thread() and not thread.daemon:
+                thread.join()
+    except KeyboardInterrupt:  # Ctrl-C while waiting: the rank ends now, as interrupted (no traceback)
+        print("hetplan: interrupted", file=sys.stderr)
+        code = 130
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):  # None, or closed: nothing to lose

@@ -1,10 +1,15 @@
 """How `hetplan` ends: any failure as one line on stderr and an exit status, 2 for what the user can fix (a
-HetplanError, a usage error of click or typer, a file the system refuses, memory), 130 for Ctrl-C, 1 for a bug (with
-the traceback when HETPLAN_DEBUG is set)."""
+HetplanError, a usage error of click or typer, a file the system refuses, memory), 130 for Ctrl-C, 141 in silence when
+the output's reader went away (`| head -1`, as shell tools end), 1 for a bug (with the traceback when HETPLAN_DEBUG is
+set)."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
+import select
+import stat
 import sys
 import traceback
 from pathlib import Path
@@ -15,6 +20,7 @@ import typer
 from report import said
 
 DEBUG_HINT = "re-run with HETPLAN_DEBUG=1 for the traceback"
+READER_GONE_STATUS = 141  # what a shell reports for a tool ended by SIGPIPE (128 + 13): `cat big | head -1`
 
 
 def one_line(text: str, limit: int = 500) -> str:
@@ -90,8 +96,8 @@ def _usage_message(err: BaseException) -> str:
 
 def exit_status(app: typer.Typer, args: list[str]) -> int:
     """Run the typer `app` on `args` (its own exit handling off) and return the exit status, printing at most one
-    line on stderr: the failure, 'interrupted' (a Ctrl-C anywhere, also one typer turned into exit 130), or, with
-    no arguments, the commands there are."""
+    line on stderr: the failure, 'interrupted' (a Ctrl-C anywhere, also one typer turned into exit 130), with no
+    arguments the commands there are, and nothing when the output's reader went away (141)."""
     try:
         if not args:
             names = ", ".join(c.name or getattr(c.callback, "__name__", "") for c in app.registered_commands)
@@ -107,14 +113,15 @@ def exit_status(app: typer.Typer, args: list[str]) -> int:
         except (KeyboardInterrupt, click.exceptions.Abort, typer.Abort):  # Ctrl-C, or EOF at a prompt
             said.drop()
             code = 130
+        except SystemExit as ended:  # typer ends a command on any broken pipe so, exit 1 in silence
+            broken = ended.__context__
+            if not (isinstance(broken, OSError) and broken.errno == errno.EPIPE):
+                raise
+            if output_reader_gone():
+                raise BrokenPipeError from broken  # the reader's choice, not a failure: below
+            return reported(broken)  # a peer's socket, say
         except Exception as err:  # the one place every failure becomes a line
-            said.drop()
-            _remove_created_directories()
-            if os.environ.get("HETPLAN_DEBUG", "") not in ("", "0"):
-                traceback.print_exc()
-            line, code = failure_line(err)
-            print(line, file=sys.stderr)
-            return code
+            return reported(err)
         if code in (None, 0):
             said.flush()  # a success that showed nothing (--quiet, files only) says its notes at the end
         else:
@@ -122,6 +129,43 @@ def exit_status(app: typer.Typer, args: list[str]) -> int:
             _remove_created_directories()
         if code == 130:
             print("hetplan: interrupted", file=sys.stderr)
+        sys.stdout.flush()  # a piped output's last block: its reader may have gone (below)
         return code if isinstance(code, int) else 0
     except KeyboardInterrupt:  # while printing the line
         return 130
+    except BrokenPipeError:  # the output's reader went away (`hetplan plan ... | head -1`): what is written stays
+        with contextlib.suppress(OSError, ValueError):  # the exit's flush of the rest goes nowhere
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return READER_GONE_STATUS
+
+
+def reported(err: BaseException) -> int:
+    """Report a command's failure `err` in one line (and its traceback with HETPLAN_DEBUG) and undo what it began;
+    its exit status."""
+    said.drop()
+    _remove_created_directories()
+    if os.environ.get("HETPLAN_DEBUG", "") not in ("", "0"):
+        traceback.print_exception(err)
+    line, code = failure_line(err)
+    print(line, file=sys.stderr)
+    return code
+
+
+def output_reader_gone() -> bool:
+    """Standard output is a pipe (or socket) whose reading end is closed, or was one: rich, on a broken pipe, points
+    stdout at the null device (which never breaks). A broken pipe there is the reader's choice, elsewhere (a peer's
+    socket) a failure."""
+    try:
+        output = sys.stdout.fileno()
+        if _is_null_device(output):
+            return True
+        poller = select.poll()
+        poller.register(output, select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # no poll (Windows), or no file behind stdout
+        return False
+
+
+def _is_null_device(descriptor: int) -> bool:
+    found, null = os.fstat(descriptor), os.stat(os.devnull)
+    return stat.S_ISCHR(found.st_mode) and found.st_rdev == null.st_rdev

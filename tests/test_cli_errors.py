@@ -267,6 +267,69 @@ def test_a_torchrun_rank_ends_with_its_status_after_its_threads_without_the_inte
 
 
 @pytest.mark.parametrize(
+    "args", [["--version"], ["plan", "--help"], ["plan", "--cluster", str(CPU), "--model", TINY, "--dtype", "fp32"]]
+)
+def test_an_output_whose_reader_went_away_ends_in_silence_as_shell_tools_do(args):
+    """`hetplan ... | head -1` once `head` has gone: no line, no traceback, the status a shell gives `cat` there
+    (141), whether the project's printing met the closed pipe or rich's (help, which points stdout at /dev/null)."""
+    from report.failures import READER_GONE_STATUS
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader has gone before a byte is written
+    try:
+        command = [sys.executable, "-c", NO_TORCH, *args]
+        ended = subprocess.run(command, cwd=ROOT, stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=300)
+    finally:
+        os.close(write_end)
+    assert (ended.returncode, ended.stderr) == (READER_GONE_STATUS, "")
+
+
+def test_a_broken_pipe_that_is_not_the_outputs_is_a_failure_with_its_line(monkeypatch, capsys):
+    """A peer's socket closing under a command (stdout intact) is reported, not taken for `| head`."""
+    import typer
+
+    app = typer.Typer()
+
+    @app.command()
+    def send() -> None:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    @app.command()
+    def other() -> None:  # two commands: `send` is a subcommand, as hetplan's are
+        pass
+
+    assert exit_status(app, ["send"]) == 2
+    assert capsys.readouterr().err == "hetplan: error: Broken pipe\n"
+
+
+def test_a_ctrl_c_while_a_rank_waits_for_its_threads_ends_it_as_interrupted(monkeypatch, capsys):
+    """A Ctrl-C during a torchrun rank's wait for its threads ends the rank with 130 and one line, no traceback."""
+    import logging
+    import threading
+
+    from profiler.machine import end_rank_without_teardown
+
+    class Interrupted(threading.Thread):
+        def join(self, timeout: float | None = None) -> None:
+            raise KeyboardInterrupt
+
+    ended: list[int] = []
+
+    def fake_exit(code: int) -> None:
+        ended.append(code)
+        raise SystemExit(code)
+
+    monkeypatch.setattr(os, "_exit", fake_exit)
+    monkeypatch.setattr(logging, "shutdown", lambda: None)  # pytest's log capture stays open
+    waiting = Interrupted(target=time.sleep, args=(0.3,))
+    waiting.start()
+    with pytest.raises(SystemExit):
+        end_rank_without_teardown(0)
+    waiting_output = capsys.readouterr()
+    assert ended == [130] and waiting_output.err == "hetplan: interrupted\n"
+
+
+@pytest.mark.parametrize(
     ("plan", "extra", "expected"),
     [
         ("tp3", (), "pipelines[0].stages[0].tp: expected a divisor of 2 devices per node"),
