@@ -14,7 +14,7 @@ from predictor.calibration import Interval
 from predictor.cost_model import CostContext, Evaluation
 from specs.errors import SpecError
 from specs.layout import PipelineFile, PipelineStrategy, Strategy, pipelines_from_files, without_figures
-from specs.loading import read_mapping, validate
+from specs.loading import StrictBool, StrictInt, read_mapping, validate
 from specs.model import ModelSpec, Recompute
 from specs.outputs import write_text_atomic
 from specs.training import TrainingSpec
@@ -337,10 +337,10 @@ class _PlanFile(BaseModel):
     model: dict[str, Any]
     training: dict[str, Any]
     recompute: Recompute
-    zero_stage: int = Field(ge=0, le=3)
+    zero_stage: StrictInt = Field(ge=0, le=3)
     zero_shard: Literal["dp", "node"] = "dp"
-    virtual_stages: int = Field(default=1, ge=1)
-    sequence_parallel: bool = True
+    virtual_stages: StrictInt = Field(default=1, ge=1)
+    sequence_parallel: StrictBool = True
     pipelines: list[PipelineFile] = Field(min_length=1)
     cost_source: CostSource | None = None  # plans made before hetplan recorded it have none
     search: dict[str, Any] = Field(default_factory=dict)
@@ -410,6 +410,24 @@ def _check_summaries(
             )  # fmt: skip
 
 
+def _check_defaults(parsed: _PlanFile, source: str) -> None:
+    """A plan's `zero_stage` and `recompute` are the defaults of the families and stages that do not set their own
+    (a plan writes every one's): where each sets its own, a default none of them has decides nothing, and edited by
+    hand it would change nothing without a word."""
+    families = [pipeline.zero_stage for pipeline in parsed.pipelines]
+    if None not in families and parsed.zero_stage not in families:
+        raise SpecError(
+            source, "zero_stage", f"{parsed.zero_stage} is no family's (each sets its own pipelines[].zero_stage: "
+            f"{', '.join(str(z) for z in families)}): edit those, or make it agree"
+        )  # fmt: skip
+    modes = [stage.recompute for pipeline in parsed.pipelines for stage in pipeline.stages]
+    if None not in modes and parsed.recompute not in modes:
+        raise SpecError(
+            source, "recompute", f"{parsed.recompute!r} is no stage's (each sets its own pipelines[].stages[]."
+            f"recompute: {', '.join(sorted({str(m) for m in modes}))}): edit those, or make it agree"
+        )  # fmt: skip
+
+
 def _first_difference(name: str, written: list[Any], value: list[Any]) -> tuple[str, Any, Any]:
     """The first entry (or an entry's field) where a written list of figures differs from its value, named:
     ("replica_batches[0].samples", -40, 40); the whole lists when no entry differs by itself."""
@@ -432,6 +450,7 @@ def load_plan(path: str | Path) -> LoadedPlan:
     parsed = validate(_PlanFile, data, source)
     model = validate(ModelSpec, parsed.model, source, prefix="model")
     training = validate(TrainingSpec, parsed.training, source, prefix="training")
+    _check_defaults(parsed, source)
     pipelines = pipelines_from_files(parsed.pipelines, parsed.recompute, parsed.zero_stage)
     strategy = Strategy(
         pipelines,

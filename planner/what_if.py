@@ -125,7 +125,7 @@ def what_if(
             raise SpecError("--model", model or "", f"has {other.num_layers} layers, the plan's stages hold "
                             f"{plan.model.num_layers}: expected a model of as many layers (or re-plan)")  # fmt: skip
         training = load_training(None, {**plan.training.model_dump(), **given})
-        return WhatIf(other, training, plan.strategy, str(plan_file))
+        return WhatIf(other, training, with_zero(plan.strategy, given), str(plan_file))
     if model is None:
         raise SpecError("--model", "", "required with Megatron-style flags (or pass --strategy plan.json)")
     flags = dict(megatron)
@@ -133,6 +133,17 @@ def what_if(
     training = load_training(training_file, {**given, "sequence_parallel": flags.pop("sequence_parallel", None)})
     strategy = megatron_strategy(cluster, model_spec, training, **flags, source="--tp/--pp/--dp flags")
     return WhatIf(model_spec, training, strategy, "flags")
+
+
+def with_zero(strategy: Strategy, given: Mapping[str, Any]) -> Strategy:
+    """The strategy under a given ZeRO stage (for every family) and sharding scope (`--zero-stage`, `--zero-shard`):
+    a plan decides them per family, so changing the training alone would change nothing."""
+    if "zero_stage" in given:
+        pipelines = tuple(replace(pipeline, zero_stage=None) for pipeline in strategy.pipelines)
+        strategy = replace(strategy, pipelines=pipelines, zero_stage=given["zero_stage"])
+    if "zero_shard" in given:
+        strategy = replace(strategy, zero_shard=given["zero_shard"])
+    return strategy
 
 
 def predicted(

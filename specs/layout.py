@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from specs.cluster import ClusterSpec, DeviceGroup
 from specs.errors import SpecError
+from specs.loading import StrictInt
 from specs.model import RECOMPUTE_MODES, ModelSpec, Recompute
 from specs.training import TrainingSpec
 
@@ -433,9 +434,9 @@ def without_figures(data: object, figures: frozenset[str]) -> object:
 class StageFile(BaseModel):
     model_config = ConfigDict(extra="forbid")
     group: str
-    layers: tuple[int, int]
-    tp: int = Field(ge=1)
-    device_offset: int = Field(default=0, ge=0)
+    layers: tuple[StrictInt, StrictInt]
+    tp: StrictInt = Field(ge=1)
+    device_offset: StrictInt = Field(default=0, ge=0)
     recompute: Recompute | None = None
     device: str | None = None  # a figure too, checked against the cluster's group (planner/what_if.py)
 
@@ -447,12 +448,12 @@ class StageFile(BaseModel):
 
 class PipelineFile(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    replicas: int = Field(ge=1)
-    micro_batch_size: int = Field(ge=1)
-    num_microbatches: int = Field(ge=1)
-    total_microbatches: int = Field(default=0, ge=0)
-    context_parallel: int = Field(default=1, ge=1)
-    zero_stage: int | None = Field(default=None, ge=0, le=3)  # the family's own; None: the plan's
+    replicas: StrictInt = Field(ge=1)
+    micro_batch_size: StrictInt = Field(ge=1)
+    num_microbatches: StrictInt = Field(ge=1)
+    total_microbatches: StrictInt = Field(default=0, ge=0)
+    context_parallel: StrictInt = Field(default=1, ge=1)
+    zero_stage: StrictInt | None = Field(default=None, ge=0, le=3)  # the family's own; None: the plan's
     stages: list[StageFile] = Field(min_length=1)
 
     @model_validator(mode="before")

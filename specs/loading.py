@@ -30,6 +30,7 @@ QUOTE_CHARS = 200
 
 # Numbers in files: integers must be integers (not `true`, "3" or 3.0) and floats finite numbers (not strings).
 StrictInt = Annotated[int, Strict()]
+StrictBool = Annotated[bool, Strict()]
 PositiveInt = Annotated[int, Strict(), Field(ge=1)]
 StrictFloat = Annotated[float, Strict(), Field(allow_inf_nan=False)]
 

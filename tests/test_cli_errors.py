@@ -69,6 +69,11 @@ def plans(tmp_path_factory) -> dict[str, Path]:
         "typo": lambda b: b.update(virtual_stage=2),
         "stage-typo": lambda b: b["pipelines"][0]["stages"][1].update(device_ofset=1),
         "pipeline-typo": lambda b: b["pipelines"][0].update(context_paralel=2),
+        # defaults every family and stage overrides (a plan writes each one's), and numbers written as text
+        "zero-default": lambda b: b.update(zero_stage=3),
+        "recompute-default": lambda b: b.update(recompute="full"),
+        "replicas-text": lambda b: b["pipelines"][0].update(replicas="2"),
+        "layers-float": lambda b: b["pipelines"][0]["stages"][0].update(layers=[0, 2.0]),
     }
     for name, change in breaks.items():
         broken = json.loads(good.read_text())
@@ -329,6 +334,24 @@ def test_a_ctrl_c_while_a_rank_waits_for_its_threads_ends_it_as_interrupted(monk
     assert ended == [130] and waiting_output.err == "hetplan: interrupted\n"
 
 
+def test_predict_runs_a_plan_at_the_zero_stage_and_shard_its_flags_give(capsys, tmp_path, monkeypatch, plans):
+    """`predict --strategy plan.json --zero-stage N` evaluates every family at stage N (the flag changed the plan's
+    training only, which a plan's families do not read: the same stage and memory were printed)."""
+    monkeypatch.chdir(tmp_path)
+
+    def predicted(*flags: str) -> dict:
+        code, lines, out = run(capsys, "predict", "-c", str(CPU), "--strategy", str(plans["good"]), *flags, "--json")
+        assert code == 0, lines
+        return json.loads(out)
+
+    as_planned, sharded = predicted(), predicted("--zero-stage", "3")
+    assert as_planned["zero_stage"] == 1 and [p["zero_stage"] for p in as_planned["pipelines"]] == [1]
+    assert sharded["zero_stage"] == 3 and [p["zero_stage"] for p in sharded["pipelines"]] == [3]
+    memory = [[stage["memory_bytes"] for stage in b["pipelines"][0]["stages"]] for b in (as_planned, sharded)]
+    assert all(z3 < z1 for z1, z3 in zip(*memory, strict=True))  # weights and gradients sharded too
+    assert predicted("--zero-shard", "node")["zero_shard"] == "node"
+
+
 @pytest.mark.parametrize(
     ("plan", "extra", "expected"),
     [
@@ -374,6 +397,11 @@ def test_a_stage_device_written_by_alias_or_another_case_is_the_groups(capsys, t
         (("export", "{stage-typo}", "-c", str(CPU), "-f", "megatron"), "pipelines[0].stages[1].device_ofset: unknown"),
         (("run", "{pipeline-typo}", "-c", str(CPU), "--out", "r.json"), "pipelines[0].context_paralel: unknown field"),
         (("predict", "-c", str(CPU), "--strategy", "{other-cluster}"), "the plan is for cluster 'elsewhere'"),
+        # a default no family or stage takes, edited by hand, changed nothing; text for a number was taken as one
+        (("explain", "{zero-default}", "-c", str(CPU)), "zero_stage: 3 is no family's (each sets its own pipelines"),
+        (("explain", "{recompute-default}", "-c", str(CPU)), "recompute: 'full' is no stage's (each sets its own"),
+        (("explain", "{replicas-text}", "-c", str(CPU)), "pipelines[0].replicas: expected an integer, got '2'"),
+        (("explain", "{layers-float}", "-c", str(CPU)), "pipelines[0].stages[0].layers[1]: expected an integer"),
         # a stage's group the cluster has not is the plan's field (the line named the cluster file)
         (("explain", "{stage-group}", "-c", str(CPU)), "stage-group.json: pipelines[0].stages[1].group: expected a g"),
         (("predict", "-c", str(CPU), "--strategy", "{good}", "--seq-len", "0"), "--seq-len: "),
