@@ -22,9 +22,10 @@ class SearchOptions:
     gap: float = 0.0
     root_bound: bool = False
     every_group: bool = False
-    # the best distinct candidates re-solved with a recompute mode per stage (0: none; more: same plans on every bench
-    # case, up to 0.7 s more each)
-    per_stage_candidates: int = 1
+    # the best distinct candidates re-solved with a recompute mode per stage (0: none). One missed H100 + MI300X /
+    # Llama-3-70B's best plan: 9 stages with one recomputing (87.04 s), whose uniform-mode solution was the 3rd best
+    # (recomputing everywhere); the search stopped at one candidate found it, the full search kept 87.47 s
+    per_stage_candidates: int = 4
     # `uneven_batch: exhaustive`: replica counts that do not divide the batch are tried where a group fits one more of
     # up to this many stages (deeper pipelines have long per-replica shares, where whole micro-batches round off little)
     uneven_max_stages_per_group: int = 8

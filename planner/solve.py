@@ -120,17 +120,19 @@ class StageTerms:
 def build_strategy(
     ctx: CostContext, config: OuterConfig, layers: tuple[int, ...], modes: tuple[Recompute, ...] | None = None
 ) -> Strategy:
-    """The strategy of a candidate and its layer split; `modes` gives each stage its own recompute mode."""
+    """The strategy of a candidate and its layer split; `modes` gives each stage its own recompute mode (the most
+    common one is the plan's, and its stages keep None, as a plan file reads back)."""
+    default: Recompute = max(modes, key=modes.count) if modes else config.recompute  # type: ignore[assignment]
     stages = []
     start = 0
     for index, ((group, tp), count) in enumerate(zip(config.stage_groups(), layers)):
-        stages.append(StageStrategy(group.name, start, start + count, tp, 0, modes[index] if modes else None))
+        own = modes[index] if modes and modes[index] != default else None
+        stages.append(StageStrategy(group.name, start, start + count, tp, 0, own))
         start += count
     microbatches, total = config_microbatches(ctx, config)
     cp = ctx.context_parallel
     placed = pack_stages(stages, config.replicas, cp)
     pipeline = split_pipeline(config.replicas, config.micro_batch_size, placed, microbatches, total, cp)
-    default: Recompute = max(modes, key=modes.count) if modes else config.recompute  # type: ignore[assignment]
     training = ctx.training
     virtual, shard = config.virtual_stages, training.zero_shard
     return Strategy((pipeline,), default, training.zero_stage, virtual, training.sequence_parallel, shard)

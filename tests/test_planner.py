@@ -347,3 +347,20 @@ def test_zero1_dominates_zero0_in_the_cost_model_so_the_search_keeps_the_trainin
     pinned = plan(ctx.cluster, ctx.model, ctx.training.model_copy(update={"zero_stage": 0}))
     assert pinned.strategy.zero_stage == 0
     assert pinned.evaluation.iteration_time_s > hethub_plan.evaluation.iteration_time_s
+
+
+def test_a_larger_search_budget_never_finds_a_slower_plan():
+    """H100 + MI300X / Llama-3-70B (the shipped predictor, as `hetplan plan` runs it): the search stopped at its first
+    candidate returned 9 stages with one recomputing (87.04 s), the full search 5 stages at 87.47 s: the per-stage
+    recompute step re-solved only the best candidate, whose uniform plan had beaten that one's (recomputing on every
+    stage). Here the full search must match every budget's plan."""
+    from predictor.predictor import default_predictor
+
+    cluster, model = load_cluster(EXAMPLES / "h100-mi300x.yaml"), load_model("llama3-70b")
+    training = load_training(None, {"global_batch_size": 1024, "dtype": "bf16"})
+    predictor = default_predictor()
+    budgets = (1, 2, 2_000)
+    found = [plan(cluster, model, training, predictor=predictor, max_candidates=k).evaluation for k in budgets]
+    times = [evaluation.iteration_time_s for evaluation in found]
+    assert times[-1] <= min(times) * (1 + 1e-9), dict(zip(budgets, times, strict=True))
+    assert found[-1].strategy.recompute_summary.startswith("per-stage")
