@@ -137,7 +137,7 @@ def plan(
     from specs.errors import DoesNotFitError
     from specs.model import load_model
 
-    flags.output_file(out, "--out")
+    flags.output_file(out, "--out", reads={"--cluster": cluster, "--model": model, "--training": training})
     cluster_spec, model_spec = load_cluster(cluster), load_model(model)
     given = {"global_batch_size": global_batch, "seq_length": seq_len, "dtype": dtype, "zero_stage": zero_stage}
     given |= {"recompute": flags.names(recompute) if recompute is not None else None, "uneven_batch": uneven_batch}
@@ -374,7 +374,7 @@ def replan(
     from specs.engines import get_engine
     from specs.flags import output_file
 
-    output_file(out, "--out")
+    output_file(out, "--out", reads={"PLAN": plan_file, "--cluster": cluster})
     loaded, original = plan_on_cluster(plan_file, cluster)
     check_changes(without or [], add or [], original)
     engine = get_engine(loaded.engine, str(plan_file), "search.engine") if loaded.engine else None

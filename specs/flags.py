@@ -5,7 +5,7 @@ that names the flag and what was expected (and quotes at most QUOTE_CHARS charac
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -112,14 +112,25 @@ def finite(value: float | None, flag: str, low: float = 0.0, inclusive: bool = F
     return value
 
 
-def output_file(path: Path | None, flag: str, suffixes: tuple[str, ...] = ()) -> Path | None:
-    """An output file checked before the work starts: its suffix when the format depends on it, then
-    specs.outputs.check_writable (directory created, writable)."""
+def output_file(
+    path: Path | None, flag: str, suffixes: tuple[str, ...] = (), reads: Mapping[str, str | Path | None] | None = None
+) -> Path | None:
+    """An output file checked before the work starts: its suffix when the format depends on it, not one of the files
+    the command `reads` (by the flag or argument that names it: `plan --out cluster.yaml` replaced the cluster with
+    the plan), then specs.outputs.check_writable (directory created, writable)."""
     if path is None:
         return None
     if suffixes and path.suffix.lower() not in suffixes:
         raise SpecError(flag, str(path), f"expected a file name ending in {' or '.join(suffixes)}")
+    for name, read in (reads or {}).items():
+        if read is not None and Path(read).is_file() and _same_file(path, Path(read)):
+            raise SpecError(flag, str(path), f"is the file {name} reads: expected another file (it would be lost)")
     return check_writable(path, flag)
+
+
+def _same_file(path: Path, other: Path) -> bool:
+    """Whether writing `path` would replace `other` (a link to it, or a path through a directory not made yet)."""
+    return path.resolve() == other.resolve() or (path.is_file() and path.samefile(other))
 
 
 def output_directory(path: Path, flag: str, first_file: str) -> Path:

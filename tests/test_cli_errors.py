@@ -715,3 +715,21 @@ def test_a_closed_stderr_discards_messages_instead_of_failing_or_writing_them_to
     assert planned.returncode == 0 and json.loads(planned.stdout)["schema"] == "hetplan.plan/1"
     refused = closed_stderr("plan", "--cluster", str(CPU), "--model", "no-such-model")
     assert refused.returncode == 2 and refused.stdout == ""
+
+
+def test_an_output_that_is_an_input_is_refused_and_the_input_kept(capsys, tmp_path, monkeypatch, plans):
+    """`plan --out cluster.yaml` replaced the cluster file with the plan (exit 0); also through a link or a path via
+    a directory not made yet, and `replan --out` onto the plan it reads."""
+    monkeypatch.chdir(tmp_path)
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text(CPU.read_text())
+    (tmp_path / "link.yaml").symlink_to(cluster)
+    for out in ("cluster.yaml", "link.yaml", "new/../cluster.yaml"):
+        line = one_error(capsys, *PLAN[:1], "--cluster", "cluster.yaml", *PLAN[3:], "--out", out)
+        assert line.endswith(f"--out: {out}: is the file --cluster reads: expected another file (it would be lost)")
+    assert cluster.read_text() == CPU.read_text() and not (tmp_path / "new").exists()
+    before = plans["good"].read_text()
+    line = one_error(
+        capsys, "replan", str(plans["good"]), "-c", str(CPU), "--add", "group:cpu:1", "--out", str(plans["good"])
+    )
+    assert "is the file PLAN reads" in line and plans["good"].read_text() == before
