@@ -231,7 +231,8 @@ def load_model(name_or_path: str) -> ModelSpec:
         raise SpecError("--model", "", f"unknown model {name_or_path!r}; expected a file or one of: {known}")
     data = read_mapping(path)
     if "model_type" in data or "architectures" in data:
-        return _model_from_hf_config(data, str(path), path.parent.name if path.stem == "config" else path.stem)
+        named = path.resolve().parent.name if path.stem == "config" else path.stem  # a checkpoint's directory
+        return _model_from_hf_config(data, str(path), named)
     data.setdefault("key", path.stem)
     data.setdefault("name", path.stem)
     return validate(ModelSpec, data, str(path))

@@ -160,6 +160,20 @@ mlp: swiglu
         )
     )
     assert llama.total_params() == load_model("llama3-8b").total_params()
+    assert llama.key == llama.name == write("x", "").parent.name  # a config.json is named by its directory
+
+
+def test_a_config_json_given_from_its_directory_is_named_by_it(write, monkeypatch):
+    """`--model config.json` in the checkpoint's directory: the model's name was '' (the bare path's parent)."""
+    config = write(
+        "config.json", json.dumps({"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 2, "vocab_size": 100})
+    )
+    monkeypatch.chdir(config.parent)
+    model = load_model("config.json")
+    assert model.key == model.name == config.parent.name != ""
+
+
+def test_gpt2_configs_load(write):
     gpt2 = load_model(
         str(
             write(
