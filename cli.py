@@ -164,7 +164,9 @@ def plan(
         with progress_on_stderr("plan", quiet, unit="candidates") as progress:
             result = make_plan(*inputs, progress=progress.counter("searched"), **options)
     except DoesNotFitError as err:
-        raise DoesNotFitError(fit_advice(str(err), training_spec), err.shortfall_bytes) from None
+        raise DoesNotFitError(
+            fit_advice(str(err), training_spec, options["zero_stages"]), err.shortfall_bytes
+        ) from None
     if out is not None:
         result.save(out)
     body = result.to_dict()

@@ -131,7 +131,16 @@ def what_if(
     flags = dict(megatron)
     model_spec = load_model(model)
     training = load_training(training_file, {**given, "sequence_parallel": flags.pop("sequence_parallel", None)})
-    strategy = megatron_strategy(cluster, model_spec, training, **flags, source="--tp/--pp/--dp flags")
+    try:
+        strategy = megatron_strategy(cluster, model_spec, training, **flags, source="--tp/--pp/--dp flags")
+    except SpecError as err:  # a flag's mistake, named as the flag
+        if err.field in ("pp", "virtual_stages"):
+            raise SpecError("--" + err.field.replace("_", "-"), "", err.expectation) from None
+        if err.field != "group":
+            raise
+        names = ", ".join(group.name for group in cluster.groups)
+        where = f"no group named {flags['group']!r}" if flags.get("group") else "the cluster has several groups"
+        raise SpecError("--group", "", f"{where}: expected one of {names} (cluster {cluster.name!r})") from None
     return WhatIf(model_spec, training, strategy, "flags")
 
 

@@ -489,7 +489,9 @@ def simulate_profile(
         opt(help="TP degrees (the shard one rank computes) [default: those of 1,2,4,8 that split the model]."),
     ] = None,
     seq_len: SeqLenOpt = None,
-    dtype: Annotated[str, opt(help="bf16, fp16 or fp32.")] = "bf16",
+    dtype: Annotated[
+        Optional[str], opt(help="bf16, fp16 or fp32 [default: as plan trains on the device: fp32 on cpu, else bf16].")
+    ] = None,
     noise: Annotated[float, opt(callback=finite(0.0, inclusive=True), help="Log-normal sigma of noise.")] = 0.0,
     seed: Annotated[int, opt(help="Noise seed.")] = 0,
     as_json: JsonOpt = False,
@@ -503,8 +505,10 @@ def simulate_profile(
     flags.output_file(out, "--out")
     sizes = flags.int_list(micro_batches, "--micro-batches") or []
     model_spec = load_model(model)
-    training_spec = flags.training(None, dtype=dtype, seq_length=seq_len)
     spec = get_device(device, "--device", "")
+    if dtype is None:  # as `plan` trains on the device (specs.training.on_devices), so its profile is taken
+        dtype = "fp32" if spec.key == "cpu" else "bf16" if spec.supports_bf16 else "fp16"
+    training_spec = flags.training(None, dtype=dtype, seq_length=seq_len)
     degrees = flags.tp_degrees(tp, model_spec, (1, 2, 4, 8))  # as `hetplan profile` takes them
     seq_length = training_spec.seq_length or model_spec.seq_length
     simulated = SimulatedDevice(spec, model_spec, seq_length, training_spec.dtype, noise=noise, seed=seed)

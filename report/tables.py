@@ -65,7 +65,7 @@ def strategy_summary(evaluation: Evaluation) -> str:
     return (
         " + ".join(
             f"{count(p.replicas, 'replica')} x {count(len(p.stages), 'stage')}, micro-batch {p.micro_batch_size} x "
-            f"{p.num_microbatches}"
+            + (f"{p.num_microbatches - 1}-{p.num_microbatches} (uneven)" if p.uneven else f"{p.num_microbatches}")
             + (f" ({p.micro_batch_size * p.microbatch_total} samples)" if len(families) > 1 else "")
             for p in families
         )
@@ -331,6 +331,8 @@ def hint_lines(ctx: CostContext, evaluation: Evaluation) -> list[str]:
     prime = batch > 3 and all(batch % d for d in range(2, math.isqrt(batch) + 1))
     if prime and max(p.replicas for p in evaluation.strategy.pipelines) == 1:
         return [f"hint: the global batch {batch} is prime, so no replica count above 1 divides it; {flag}"]
+    if prime and len(evaluation.strategy.pipelines) > 1:  # families split it, each family's replicas their share
+        return [f"hint: the global batch {batch} is prime: only the families' shares of it split evenly; {flag}"]
     if idle > 0:
         return [f"hint: {idle:,} of {cluster.num_devices:,} devices are idle; {flag}, which may use them"]
     return []
@@ -340,15 +342,17 @@ def hint_lines(ctx: CostContext, evaluation: Evaluation) -> list[str]:
 PLANNER_REMEDIES = "add devices, allow full recompute or ZeRO-1, or shorten the sequence"
 
 
-def fit_advice(message: str, training: TrainingSpec) -> str:
-    """A does-not-fit message whose advice names only what the training does not already allow (the planner's
-    advice to allow full recompute or ZeRO-1 misleads when both are allowed, as by default)."""
+def fit_advice(message: str, training: TrainingSpec, zero_stages: Collection[int] = ()) -> str:
+    """A does-not-fit message whose advice names only what the training and the search (`zero_stages`, `plan
+    --zero-stages`; none: the training's stage) do not already allow (the planner's advice to allow full recompute
+    or ZeRO-1 misleads when both are allowed, as by default)."""
+    searched = set(zero_stages) or {training.zero_stage}
     remedies = ["add devices"]
     if "full" not in training.recompute:
         remedies.append("allow full recompute (--recompute none,selective,full)")
-    if training.zero_stage == 0:
+    if searched == {0}:
         remedies.append("use ZeRO-1 (--zero-stage 1)")
-    if training.zero_stage < 3:  # the search plans the training's stage only: ZeRO-3 shards the weights too
+    if 3 not in searched:  # ZeRO-3 shards the weights too
         remedies.append("shard gradients and weights too (--zero-stage 3)")
     if training.dtype == "fp32":  # the CPU's default: half the bytes per value
         remedies.append("train in 16 bits (--dtype bf16, or fp16)")

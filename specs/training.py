@@ -206,13 +206,13 @@ def splits_for_context_parallel(seq_length: int, cp: int) -> bool:
 
 def on_devices(training: TrainingSpec, vendors: set[str], without_bf16: Sequence[str] = ()) -> tuple[TrainingSpec, str]:
     """The training's dtype on a cluster of these device `vendors`, unless the training file or a flag chose one:
-    fp32 on only CPU devices (CPUs have no fast 16-bit matmuls, and the runtime computes in fp32 there), fp16 where
+    fp32 on only CPU devices (the runtime computes in fp32 there, and most CPUs have no fast 16-bit matmuls), fp16 where
     some devices have no bf16 (`without_bf16`: their keys), as mixed-precision training on them runs; the note says
     so ("" when nothing changed)."""
     if "dtype" in training.model_fields_set:
         return training, ""
     if vendors == {"cpu"} and training.dtype != "fp32":
-        dtype, why = "fp32", "on cpu devices (CPUs run 16-bit matmuls slowly)"
+        dtype, why = "fp32", "on cpu devices (hetplan's runtime computes in fp32 there)"
     elif without_bf16 and training.dtype == "bf16":
         dtype, why = "fp16", f"({', '.join(without_bf16)} {'has' if len(without_bf16) == 1 else 'have'} no bf16)"
     else:

@@ -100,11 +100,31 @@ network: {topology: rail-optimized, inter_group_gbps: 200}
         ),
         (
             ("predict", "--cluster", "examples/hethub-768.yaml", "--model", "llama2-7b", "--tp", "8"),
-            "several groups (amd, ascend)",
+            "--group: the cluster has several groups: expected one of amd, ascend",
+        ),
+        (  # the flag's mistake, not the cluster file's (the line named the file)
+            ("predict", "--cluster", "examples/hethub-768.yaml", "--model", "llama2-7b", "--group", "nope"),
+            "error: --group: no group named 'nope': expected one of amd, ascend (cluster 'hethub-768')",
         ),
         (
             ("predict", "--cluster", "examples/hethub-768.yaml", "--model", "llama2-7b", "--group", "amd", "--pp", "3"),
-            "32 layers do not split evenly into 3 stages",
+            "error: --pp: 32 layers do not split evenly into 3 stages",
+        ),
+        (  # Megatron's interleaving needs as many layers in each chunk (it was predicted)
+            (
+                "predict",
+                "-c",
+                "examples/hethub-768.yaml",
+                "-m",
+                "llama2-7b",
+                "--group",
+                "amd",
+                "--pp",
+                "2",
+                "--virtual-stages",
+                "3",
+            ),
+            "error: --virtual-stages: 16 layers per stage do not split evenly into 3 chunks",
         ),
     ],
 )

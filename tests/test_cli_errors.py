@@ -648,6 +648,7 @@ def test_profile_tp_defaults_are_the_degrees_that_split_the_model(capsys, tmp_pa
     code, lines, _ = run(capsys, "simulate-profile", "--device", "cpu", "--model", TINY, "--out", str(out))
     assert code == 0, lines
     assert sorted({entry["tp"] for entry in json.loads(out.read_text())["entries"]}) == [1, 2, 4]
+    assert json.loads(out.read_text())["dtype"] == "fp32"  # as `plan` trains on cpu (bf16: plan refused the profile)
     line = one_error(capsys, "simulate-profile", "--device", "cpu", "--model", TINY, "--tp", "8", "--out", str(out))
     assert "--tp: 8 must divide the model's 4 kv heads" in line
 

@@ -385,6 +385,9 @@ def test_hints_name_uneven_batches_for_a_prime_batch_and_advice_skips_what_is_al
     )
     assert "--dtype bf16" in fit_advice(message, load_training(None, {"dtype": "fp32"}))
     assert "--zero-stage 3" not in fit_advice(message, load_training(None, {"zero_stage": 3}))
+    assert "--zero-stage 3" not in fit_advice(message, defaults, zero_stages=[1, 2, 3])  # `plan --zero-stages 1,2,3`
+    assert "--zero-stage 3" not in fit_advice(message, defaults, zero_stages=[0, 3])
+    assert "ZeRO-1 (--zero-stage 1)" not in fit_advice(message, load_training(None, {"zero_stage": 0}), [0, 1])
     narrow = load_training(None, {"recompute": ["none"], "zero_stage": 0, "micro_batch_sizes": [2, 4]})
     assert "allow full recompute" in fit_advice(message, narrow) and "ZeRO-1 (--zero-stage 1)" in fit_advice(
         message, narrow
@@ -429,3 +432,16 @@ def test_dense_schedules_are_summarised_and_many_stage_labels_thinned(tmp_path):
     assert merged_runs(blocks, 1000.0) == [(0.0, 4.0, "mixed"), (9.0, 9.5, "forward")]
     assert merged_runs(blocks[:1], 1000.0) == [(0.0, 0.5, "forward")]
     assert len(range(0, 100, _every(100))) <= MAX_LABELS and _every(26) == 1
+
+
+def test_a_prime_batch_split_by_families_still_hints_at_uneven_shares():
+    """H100 + MI300X / Llama-3-70B at a prime batch (1021): families split it (no replica count divides it), which
+    the hint took for a plan without the constraint; `--uneven-batch exhaustive` plans it 0.9% faster."""
+    from planner import plan
+    from report.tables import hint_lines
+
+    cluster, model = load_cluster(EXAMPLES / "h100-mi300x.yaml"), load_model("llama3-70b")
+    made = plan(cluster, model, load_training(None, {"global_batch_size": 1021, "dtype": "bf16"}))
+    assert len(made.strategy.pipelines) > 1
+    (hint,) = hint_lines(made.context, made.evaluation)
+    assert hint.startswith("hint: the global batch 1021 is prime: only the families' shares") and "exhaustive" in hint

@@ -9,6 +9,7 @@ import json
 import pytest
 
 from planner import load_plan, plan, predict
+from report.tables import strategy_summary
 from specs import load_cluster, load_model, load_training
 from specs.errors import SpecError
 from specs.layout import PipelineStrategy, StageStrategy, Strategy, split_batch
@@ -45,6 +46,8 @@ def test_uneven_split_beats_the_best_even_split_on_24_devices():
     body = uneven.to_dict()["pipelines"][0]
     assert sum(b["replicas"] * b["samples"] for b in body["replica_batches"]) == 64
     assert sum(b["replicas"] * b["gradient_weight"] for b in body["replica_batches"]) == pytest.approx(1.0, abs=1e-5)
+    m = pipeline.num_microbatches  # the one-line summary says so (it read "micro-batch b x m": more than the batch)
+    assert f"x {m - 1}-{m} (uneven)" in strategy_summary(uneven.evaluation)
 
 
 def test_uneven_plan_round_trips_and_predicts_the_same(tmp_path):
