@@ -490,7 +490,8 @@ def simulate_profile(
     ] = None,
     seq_len: SeqLenOpt = None,
     dtype: Annotated[
-        Optional[str], opt(help="bf16, fp16 or fp32 [default: as plan trains on the device: fp32 on cpu, else bf16].")
+        Optional[str],
+        opt(help="bf16, fp16 or fp32 [default: plan's on the device: fp32 on cpu, fp16 without bf16, else bf16]."),
     ] = None,
     noise: Annotated[float, opt(callback=finite(0.0, inclusive=True), help="Log-normal sigma of noise.")] = 0.0,
     seed: Annotated[int, opt(help="Noise seed.")] = 0,
