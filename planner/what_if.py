@@ -88,6 +88,7 @@ def plan_on_cluster(plan_file: str | Path, cluster_file: str | Path) -> tuple[Lo
 # the layout fields the Megatron-style flags of `hetplan predict` set (megatron_strategy)
 FLAG_OF_LAYOUT_FIELD = {
     "tp": "--tp",
+    "pp": "--pp",
     "num_layers": "--pp",
     "replicas": "--dp",
     "micro_batch_size": "--micro-batch",
@@ -131,11 +132,17 @@ def what_if(
     flags = dict(megatron)
     model_spec = load_model(model)
     training = load_training(training_file, {**given, "sequence_parallel": flags.pop("sequence_parallel", None)})
+    pp, chunks = flags["pp"], flags["virtual_stages"]
+    if chunks > 1 and model_spec.num_layers % pp == 0 and (model_spec.num_layers // pp) % chunks:
+        raise SpecError(
+            "--virtual-stages", "", f"{model_spec.num_layers // pp} layers per stage do not split evenly into "
+            f"{chunks} chunks (Megatron requires it); use a plan with uneven stages"
+        )  # fmt: skip
     try:
         strategy = megatron_strategy(cluster, model_spec, training, **flags, source="--tp/--pp/--dp flags")
     except SpecError as err:  # a flag's mistake, named as the flag
-        if err.field in ("pp", "virtual_stages"):
-            raise SpecError("--" + err.field.replace("_", "-"), "", err.expectation) from None
+        if err.field in FLAG_OF_LAYOUT_FIELD:
+            raise SpecError(FLAG_OF_LAYOUT_FIELD[err.field], "", err.expectation) from None
         if err.field != "group":
             raise
         names = ", ".join(group.name for group in cluster.groups)

@@ -278,13 +278,6 @@ def megatron_strategy(
             f"{model.num_layers} layers do not split evenly into {pp} stages (Megatron's default); "
             "use a plan with uneven stages",
         )
-    if virtual_stages > 1 and (model.num_layers // pp) % virtual_stages:
-        raise SpecError(
-            source,
-            "virtual_stages",
-            f"{model.num_layers // pp} layers per stage do not split evenly into {virtual_stages} chunks (Megatron "
-            "requires it); use a plan with uneven stages",
-        )
     cp = context_parallel
     if tp * cp * pp * dp > target.num_devices:
         what, count = ("tp x cp x pp x dp", tp * cp * pp * dp) if cp > 1 else ("tp x pp x dp", tp * pp * dp)
