@@ -447,6 +447,10 @@ def load_plan(path: str | Path) -> LoadedPlan:
     path = Path(path)
     source = str(path)
     data = read_mapping(path)
+    if "schema" not in data:  # a cluster, model or run file given for the plan: its fields all read as misspelt
+        kind = "a cluster file" if "groups" in data else "a model file" if "num_layers" in data else "no schema"
+        raise SpecError(source, "schema", f"expected {PLAN_SCHEMA!r}: a plan, as `hetplan plan --out` writes (got "
+                        f"{kind})")  # fmt: skip
     parsed = validate(_PlanFile, data, source)
     model = validate(ModelSpec, parsed.model, source, prefix="model")
     training = validate(TrainingSpec, parsed.training, source, prefix="training")

@@ -589,6 +589,8 @@ def test_pydantic_counts_and_patterns_are_in_the_houses_words(capsys, tmp_path, 
     good = json.loads(plans["good"].read_text())
     for name, change, expected in [
         ("schema", lambda b: b.update(schema="hetplan.plan/2"), "schema: expected 'hetplan.plan/1', got"),
+        # a cluster file given for the plan read as a plan of misspelt fields ("name: unknown field ...")
+        ("cluster", lambda b: b.clear() or b.update(name="c", groups=[]), "expected 'hetplan.plan/1': a plan, as"),
         ("layers", lambda b: b["pipelines"][0]["stages"][0].update(layers=[0, 2, 3]), "expected at most 2 items"),
         (
             "hash",
