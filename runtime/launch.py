@@ -405,12 +405,16 @@ def speed_reference(ctx: CostContext) -> tuple[DeviceProfile, ProfileEntry] | No
         profile = source.inner if isinstance(source, ScaledLayerCosts) else source
         if not isinstance(profile, DeviceProfile) or profile.source != "measured":
             continue
-        entries = [
-            e for e in profile.entries if e.fits and e.layer == "decoder" and e.tp == 1 and e.recompute == "none"
-        ]
-        if entries:
-            return profile, min(entries, key=lambda e: e.micro_batch_size)
+        entry = reference_entry(profile)
+        if entry is not None:
+            return profile, entry
     return None
+
+
+def reference_entry(profile: DeviceProfile) -> ProfileEntry | None:
+    """A profile's smallest decoder entry at tp 1 without recompute (the layer the machine-speed check times)."""
+    entries = [e for e in profile.entries if e.fits and e.layer == "decoder" and e.tp == 1 and e.recompute == "none"]
+    return min(entries, key=lambda e: e.micro_batch_size) if entries else None
 
 
 def reference_time_s(model: ModelSpec, profile: DeviceProfile, entry: ProfileEntry) -> float:

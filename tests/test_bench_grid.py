@@ -63,7 +63,8 @@ def test_the_bench_stops_after_a_round_the_machine_disturbed(monkeypatch, tmp_pa
     assert bench.disturbed_round([*paths[1:], quiet], "1") is None  # 2 of 8: a quarter
     monkeypatch.setattr(bench, "steadiness", lambda *args: 0.05)
     monkeypatch.setattr(bench, "measure_links", lambda work, reuse: work / "links.json")
-    monkeypatch.setattr(bench, "measure_profiles", lambda work, reuse, links: {size: work for size in bench.MODELS})
+    profiles = ({size: tmp_path for size in bench.MODELS}, {})
+    monkeypatch.setattr(bench, "measure_profiles", lambda work, reuse, links, anyway: profiles)
     ran: list[str] = []
 
     def disturbed_run(case, profiles, settings, out):
@@ -77,3 +78,48 @@ def test_the_bench_stops_after_a_round_the_machine_disturbed(monkeypatch, tmp_pa
     assert len(ran) == len(bench.grid())  # one round, then the stop
     message = str(stopped.value.code)
     assert f"{len(ran)} of round 1's {len(ran)} runs" in message and "--anyway" in message
+
+
+def test_a_profile_its_layer_disagrees_with_right_after_is_taken_again(monkeypatch, tmp_path):
+    """Grid 36's small profile was taken at a slow moment: every small run then timed its layer at 0.71-0.80x the
+    profile. A profile whose check reads beyond the limit is taken again; three such attempts stop the bench."""
+    profiled: list[str] = []
+    monkeypatch.setattr(bench, "hetplan", lambda *arguments: profiled.append(arguments[2]))
+    checks = iter([0.75, 1.02, 1.1, 0.97])  # tiny: slow profile, then agreeing; small: agreeing; 10x: agreeing
+    monkeypatch.setattr(bench, "profile_check", lambda size, path: next(checks))
+    links = tmp_path / "links-cpu.json"
+    links.write_text("{}", encoding="utf-8")
+    directories, read = bench.measure_profiles(tmp_path, False, links, anyway=False)
+    assert read == {"tiny": [0.75, 1.02], "small": [1.1], "10x": [0.97]}
+    assert [Path(model).name for model in profiled] == ["model-tiny.json"] * 2 + ["model-small.json", "model-10x.json"]
+    assert (directories["small"] / links.name).exists()
+    checks = iter([1.3, 0.8, 1.2])
+    with pytest.raises(SystemExit) as stopped:
+        bench.measure_profiles(tmp_path, False, links, anyway=False)
+    assert "the tiny model's profile and its layer timed right after it disagree in 3 attempts" in str(
+        stopped.value.code
+    )
+    assert "1.30, 0.80, 1.20" in str(stopped.value.code)
+    checks = iter([1.3, 0.8, 1.2, 1.0, 1.0])
+    assert bench.measure_profiles(tmp_path, False, links, anyway=True)[1]["tiny"] == [1.3, 0.8, 1.2]
+
+
+def test_the_profile_check_times_the_reference_layer_against_the_profile(monkeypatch, tmp_path):
+    """The check is the runs' own: the fastest of PROFILE_CHECKS timings over the profiled forward + backward."""
+    from profiler.profile import DeviceProfile, ProfileEntry
+
+    def entry(micro_batch_size: int, tp: int, forward_time_s: float) -> ProfileEntry:
+        return ProfileEntry(layer="decoder", micro_batch_size=micro_batch_size, tp=tp, forward_time_s=forward_time_s,
+                            backward_time_s=2 * forward_time_s, activation_bytes=0)  # fmt: skip
+
+    path = tmp_path / "cpu.json"
+    entries = [entry(2, 1, 4e-3), entry(1, 2, 1e-3), entry(1, 1, 2e-3)]
+    DeviceProfile(source="measured", device={"key": "cpu"}, model={}, dtype="fp32", seq_length=16,
+                  entries=entries).save(path)  # fmt: skip
+    profile = bench.load_profile(path)
+    reference = bench.reference_entry(profile)
+    assert (reference.micro_batch_size, reference.tp) == (1, 1)
+    profiled_s = 6e-3
+    timings = iter([3.0, 2.0, 2.5])
+    monkeypatch.setattr(bench, "reference_time_s", lambda model, profile, entry: next(timings) * profiled_s)
+    assert bench.profile_check("tiny", path) == pytest.approx(2.0)
