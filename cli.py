@@ -240,12 +240,12 @@ def predict(
     layout = {field: MEGATRON_FLAGS[field][1] if value is None else value for field, value in layout.items()}
     flags.training(None, **overrides)  # a bad flag is named as the flag, before a plan's training is read
     chosen = what_if(cluster_spec, cluster, strategy, model, training, overrides, layout)
-    chosen = replace(chosen, training=on_cluster(chosen.training, cluster_spec))
+    used = {stage.group for pipeline in chosen.strategy.pipelines for stage in pipeline.stages}
+    chosen = replace(chosen, training=on_cluster(chosen.training, cluster_spec, used))
     if strategy is not None:
         costs = plan_costs_said(load_plan(strategy), predictor, profiles, cluster_spec, model=chosen.model)
         chosen_predictor, measured = costs.predictor, costs.profiles
     else:
-        used = {stage.group for pipeline in chosen.strategy.pipelines for stage in pipeline.stages}
         devices = [group.device.key for group in cluster_spec.groups if group.name in used]  # --group's, not all
         chosen_predictor, measured = predictor_from(predictor), profiles_said(profiles, chosen.model, devices)
     ctx, evaluation, interval = predicted(chosen, cluster_spec, chosen_predictor, measured)

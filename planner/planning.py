@@ -11,6 +11,7 @@ from planner.options import DEFAULT_OPTIONS, ProgressCallback, SearchOptions
 from planner.plan import Bounds, Plan
 from planner.search import BlockScans, SearchResult, fastest, merge_results, search, searches_families
 from planner.yardsticks import compute_bound_tokens_per_s, group_alone_tokens_per_s
+from predictor.context import check_dtype
 from predictor.cost_model import (
     CostContext,
     Evaluation,
@@ -71,6 +72,7 @@ def plan(
     engine_changes: list[str] = []
     if engine is not None:
         training, engine_changes = engine_training(training, engine)
+    check_dtype(cluster, training)  # the search may place stages on every group
     base = predictor.base_context(cluster, model, training, profiles)
     ctx = predictor.context(cluster, model, training, profiles)
     started = time.perf_counter()

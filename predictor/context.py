@@ -4,7 +4,7 @@ calibration learns. Links carry the transport's efficiency and the calibrated ne
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -115,6 +115,7 @@ class CostContext:
         """The layout's structural checks against this context's cluster, model and global batch, and a sequence
         that splits into the 2 * cp chunks of causal load balancing."""
         check_strategy(strategy, self.cluster, self.model, self.training.global_batch_size, source)
+        check_dtype(self.cluster, self.training, {stage.group for p in strategy.pipelines for stage in p.stages})
         cp = strategy.context_parallel
         if not splits_for_context_parallel(self.seq_length, cp):
             raise SpecError(
@@ -188,6 +189,21 @@ def emulated(group: DeviceGroup, source: LayerCostSource) -> LayerCostSource:
     return ScaledLayerCosts(source, 1.0 / group.emulate_speed) if group.emulate_speed != 1.0 else source
 
 
+def check_dtype(cluster: ClusterSpec, training: TrainingSpec, groups: Collection[str] | None = None) -> None:
+    """The training's dtype on every group of `groups` (default: the cluster's): a device without bf16 cannot run
+    bf16 (nor FP8, which falls back to bf16 where a device lacks it). A plan on other groups of the cluster can."""
+    for group in cluster.groups:
+        if groups is not None and group.name not in groups:
+            continue
+        if group.device.runs_dtype(training.dtype) == "bf16" and not group.device.supports_bf16:
+            raise SpecError(
+                cluster.source or "cluster",
+                f"group {group.name}",
+                f"{group.device.key} has no bf16{' (nor FP8)' if training.dtype == 'fp8' else ''}: train in fp16 "
+                "(--dtype fp16)",
+            )
+
+
 def build_context(
     cluster: ClusterSpec,
     model: ModelSpec,
@@ -205,14 +221,6 @@ def build_context(
             f"expected at most {model.seq_length} tokens: {model.name} learns "
             f"one position embedding for each of its {model.seq_length} positions, got {seq_length}",
         )
-    for group in cluster.groups:
-        if group.device.runs_dtype(training.dtype) == "bf16" and not group.device.supports_bf16:
-            raise SpecError(
-                cluster.source or "cluster",
-                f"group {group.name}",
-                f"{group.device.key} has no bf16{' (nor FP8)' if training.dtype == 'fp8' else ''}: train in fp16 "
-                "(--dtype fp16)",
-            )
     sources: dict[str, LayerCostSource] = {}
     host: dict[str, HostCosts] = {}
     links: dict[str, Link] = {}

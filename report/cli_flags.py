@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Optional
 
@@ -133,13 +133,14 @@ def plan_costs_said(
     return costs
 
 
-def on_cluster(training: TrainingSpec, cluster: ClusterSpec) -> TrainingSpec:
-    """The training on this cluster: fp32 on CPU devices, fp16 where some devices have no bf16, unless a dtype was
-    chosen (a note on stderr says so)."""
+def on_cluster(training: TrainingSpec, cluster: ClusterSpec, used: Collection[str] | None = None) -> TrainingSpec:
+    """The training on this cluster's groups (`used`: a strategy's, default every group): fp32 on CPU devices, fp16
+    where some devices have no bf16, unless a dtype was chosen (a note on stderr says so)."""
     from specs.training import on_devices
 
-    without_bf16 = sorted({group.device.key for group in cluster.groups if not group.device.supports_bf16})
-    chosen, note = on_devices(training, {group.device.vendor for group in cluster.groups}, without_bf16)
+    groups = [group for group in cluster.groups if used is None or group.name in used]
+    without_bf16 = sorted({group.device.key for group in groups if not group.device.supports_bf16})
+    chosen, note = on_devices(training, {group.device.vendor for group in groups}, without_bf16)
     if note:
         said.say(note)
     return chosen

@@ -215,6 +215,21 @@ def test_predict_with_megatron_flags_notes_only_its_groups_unprofiled_device(cap
     ]
 
 
+def test_bf16_is_refused_only_on_the_groups_a_strategy_uses(capsys):
+    """A100 beside V100: `predict --group a100` trains in bf16, as on a cluster of A100s alone (the whole cluster was
+    refused: 'group v100: v100 has no bf16'); the V100 group's own prediction says it trains in fp16, and refuses
+    bf16 when asked for, naming the group."""
+    flags = ("predict", "-c", str(EXAMPLES / "a100-v100-32.yaml"), "-m", "gpt3-6.7b", "--tp", "8")
+    for extra in ((), ("--dtype", "bf16")):
+        code, lines, out = run(capsys, *flags, "--group", "a100", *extra, "--json")
+        assert (code, lines) == (0, []) and json.loads(out)["training"]["dtype"] == "bf16"
+    code, lines, out = run(capsys, *flags, "--group", "v100", "--json")
+    assert code == 0 and json.loads(out)["training"]["dtype"] == "fp16"
+    assert lines[0].startswith("note: training in fp16 (v100 has no bf16)")
+    code, lines, _ = run(capsys, *flags, "--group", "v100", "--dtype", "bf16")
+    assert code == 2 and lines[0].endswith("group v100: v100 has no bf16: train in fp16 (--dtype fp16)")
+
+
 def test_predict_takes_sequence_parallelism_from_the_training_file_unless_the_flag_says(capsys, write):
     """Megatron-style flags: --sequence-parallel defaulted to on over a training file's `sequence_parallel: false`."""
     training = str(write("sp.yaml", "sequence_parallel: false\n"))
