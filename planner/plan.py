@@ -410,10 +410,11 @@ def _check_summaries(
             )  # fmt: skip
 
 
-def _check_defaults(parsed: _PlanFile, source: str) -> None:
+def _check_defaults(parsed: _PlanFile, training: TrainingSpec, source: str) -> None:
     """A plan's `zero_stage` and `recompute` are the defaults of the families and stages that do not set their own
     (a plan writes every one's): where each sets its own, a default none of them has decides nothing, and edited by
-    hand it would change nothing without a word."""
+    hand it would change nothing without a word. So would its training's ZeRO stage and sharding scope (the search's,
+    written as the plan's own): they must agree with the plan's."""
     families = [pipeline.zero_stage for pipeline in parsed.pipelines]
     if None not in families and parsed.zero_stage not in families:
         raise SpecError(
@@ -426,6 +427,13 @@ def _check_defaults(parsed: _PlanFile, source: str) -> None:
             source, "recompute", f"{parsed.recompute!r} is no stage's (each sets its own pipelines[].stages[]."
             f"recompute: {', '.join(sorted({str(m) for m in modes}))}): edit those, or make it agree"
         )  # fmt: skip
+    for name in ("zero_stage", "zero_shard"):
+        if getattr(training, name) != getattr(parsed, name):
+            also = " (and pipelines[].zero_stage)" if name == "zero_stage" else ""
+            raise SpecError(
+                source, f"training.{name}", f"{getattr(training, name)} is not the plan's {name} "
+                f"({getattr(parsed, name)}), which its families take: edit {name}{also}, or make this agree"
+            )  # fmt: skip
 
 
 def _first_difference(name: str, written: list[Any], value: list[Any]) -> tuple[str, Any, Any]:
@@ -454,7 +462,7 @@ def load_plan(path: str | Path) -> LoadedPlan:
     parsed = validate(_PlanFile, data, source)
     model = validate(ModelSpec, parsed.model, source, prefix="model")
     training = validate(TrainingSpec, parsed.training, source, prefix="training")
-    _check_defaults(parsed, source)
+    _check_defaults(parsed, training, source)
     pipelines = pipelines_from_files(parsed.pipelines, parsed.recompute, parsed.zero_stage)
     strategy = Strategy(
         pipelines,

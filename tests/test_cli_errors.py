@@ -53,7 +53,7 @@ def plans(tmp_path_factory) -> dict[str, Path]:
         ),
         "reversed": lambda b: b["pipelines"][0]["stages"][0].update(layers=[4, 0]),
         "fp8": lambda b: b["training"].update(dtype="fp8"),
-        "per-node": lambda b: b.update(zero_shard="node"),
+        "per-node": lambda b: (b.update(zero_shard="node"), b["training"].update(zero_shard="node")),
         # figures the plan repeats for its readers, edited by hand (they changed nothing, without a word)
         "batch-summary": lambda b: b.update(global_batch_size=1000),
         "samples-summary": lambda b: b["pipelines"][0].update(samples_per_replica=31),
@@ -72,6 +72,8 @@ def plans(tmp_path_factory) -> dict[str, Path]:
         # defaults every family and stage overrides (a plan writes each one's), and numbers written as text
         "zero-default": lambda b: b.update(zero_stage=3),
         "recompute-default": lambda b: b.update(recompute="full"),
+        "training-zero": lambda b: b["training"].update(zero_stage=3),
+        "training-shard": lambda b: b["training"].update(zero_shard="node"),
         "replicas-text": lambda b: b["pipelines"][0].update(replicas="2"),
         "layers-float": lambda b: b["pipelines"][0]["stages"][0].update(layers=[0, 2.0]),
     }
@@ -415,6 +417,9 @@ def test_a_stage_device_written_by_alias_or_another_case_is_the_groups(capsys, t
         # a default no family or stage takes, edited by hand, changed nothing; text for a number was taken as one
         (("explain", "{zero-default}", "-c", str(CPU)), "zero_stage: 3 is no family's (each sets its own pipelines"),
         (("explain", "{recompute-default}", "-c", str(CPU)), "recompute: 'full' is no stage's (each sets its own"),
+        # the training's ZeRO stage and scope are the search's: the plan's families take their own
+        (("explain", "{training-zero}", "-c", str(CPU)), "training.zero_stage: 3 is not the plan's zero_stage (1)"),
+        (("predict", "-c", str(CPU), "--strategy", "{training-shard}"), "training.zero_shard: node is not the plan's"),
         (("explain", "{replicas-text}", "-c", str(CPU)), "pipelines[0].replicas: expected an integer, got '2'"),
         (("explain", "{layers-float}", "-c", str(CPU)), "pipelines[0].stages[0].layers[1]: expected an integer"),
         # a stage's group the cluster has not is the plan's field (the line named the cluster file)
