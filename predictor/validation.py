@@ -150,10 +150,17 @@ def validation_report(predictor: Predictor, runs: Sequence[Run], held_out: bool)
         "families": [row.to_dict() for row in family_errors(checks)],
         "worst": [check.name for check in sorted(checks, key=lambda c: -abs(c.error))[:WORST_RUNS]],
     }
-    if held_out and len({run.source for run in runs}) > 1:
+    sources = list(dict.fromkeys(run.source for run in runs))
+    if held_out and len(sources) > 1:
         loso = leave_one_source_out(predictor, runs)
         body["leave_one_source_out"] = {
             "runs": [check.to_dict() for check in loso],
             "families": [row.to_dict() for row in family_errors(loso)],
+        }
+    elif held_out and runs:
+        every = f"all {len(runs)} runs have" if len(runs) > 1 else "the run has"
+        body["leave_one_source_out"] = {
+            "not_computed": f"{every} one source ({sources[0]}): without it no run is left "
+            "to calibrate on; give runs of two or more sources"
         }
     return body

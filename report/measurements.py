@@ -108,7 +108,10 @@ def validation_renderables(body: Mapping[str, Any]) -> list[Renderable]:
     out.append("worst: " + "; ".join(f"{r['name']} {r['error']:+.1%} ({r['dominant_term']})" for r in worst))
     if "leave_one_source_out" in body:
         held = body["leave_one_source_out"]
-        out.append(_family_table("Leave one source out (each source predicted from the others)", held["families"]))
+        if "not_computed" in held:
+            out.append(f"leave one source out: not computed: {held['not_computed']}")
+        else:
+            out.append(_family_table("Leave one source out (each source predicted from the others)", held["families"]))
     return out
 
 

@@ -340,6 +340,20 @@ def test_validate_predicts_every_published_run_within_ten_percent_and_names_the_
     assert refused.returncode == 2 and refused.stderr.count("\n") == 1 and "schema" in refused.stderr
 
 
+def test_leave_one_source_out_of_one_source_says_why_there_is_no_table():
+    """`validate --leave-one-source-out` on runs of one source (a user's own run records) printed nothing about it."""
+    from predictor.validation import validation_report
+    from report.measurements import validation_renderables
+
+    runs = load_runs(PUBLISHED_RUNS)
+    own = [run for run in runs if run.source == runs[0].source]
+    body = validation_report(Predictor(), own, held_out=True)
+    why = body["leave_one_source_out"]["not_computed"]
+    assert why.startswith(f"all {len(own)} runs have one source ({runs[0].source})") and "two or more" in why
+    assert f"leave one source out: not computed: {why}" in validation_renderables(body)
+    assert "leave_one_source_out" not in validation_report(Predictor(), own, held_out=False)
+
+
 def test_leave_one_source_out_stays_under_eight_percent_for_families_with_two_sources():
     from predictor.validation import family_errors, leave_one_source_out
 
