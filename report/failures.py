@@ -104,6 +104,7 @@ def exit_status(app: typer.Typer, args: list[str]) -> int:
             print(f"hetplan: error: missing command: one of {names} (see 'hetplan --help')", file=sys.stderr)
             return 2
         _created_directories().clear()  # an earlier command's (in this process) are not this one's
+        null_before = stdout_is_null()  # the caller's `> /dev/null`, not rich's after a broken pipe
         try:
             empty = empty_argument(app, args)
             if empty is not None:
@@ -117,7 +118,7 @@ def exit_status(app: typer.Typer, args: list[str]) -> int:
             broken = ended.__context__
             if not (isinstance(broken, OSError) and broken.errno == errno.EPIPE):
                 raise
-            if output_reader_gone():
+            if output_reader_gone(null_before):
                 raise BrokenPipeError from broken  # the reader's choice, not a failure: below
             return reported(broken)  # a peer's socket, say
         except Exception as err:  # the one place every failure becomes a line
@@ -151,21 +152,24 @@ def reported(err: BaseException) -> int:
     return code
 
 
-def output_reader_gone() -> bool:
+def output_reader_gone(null_before: bool) -> bool:
     """Standard output is a pipe (or socket) whose reading end is closed, or was one: rich, on a broken pipe, points
-    stdout at the null device (which never breaks). A broken pipe there is the reader's choice, elsewhere (a peer's
-    socket) a failure."""
+    stdout at the null device (which never breaks), so stdout there now and not before the command (`null_before`)
+    counts too. A broken pipe there is the reader's choice, elsewhere (a peer's socket) a failure."""
+    if stdout_is_null():
+        return not null_before
     try:
-        output = sys.stdout.fileno()
-        if _is_null_device(output):
-            return True
         poller = select.poll()
-        poller.register(output, select.POLLOUT)
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
         return any(events & select.POLLERR for _, events in poller.poll(0))
     except (AttributeError, OSError, ValueError):  # no poll (Windows), or no file behind stdout
         return False
 
 
-def _is_null_device(descriptor: int) -> bool:
-    found, null = os.fstat(descriptor), os.stat(os.devnull)
+def stdout_is_null() -> bool:
+    """Standard output is the null device (`> /dev/null`, or rich's after a broken pipe)."""
+    try:
+        found, null = os.fstat(sys.stdout.fileno()), os.stat(os.devnull)
+    except (AttributeError, OSError, ValueError):  # no file behind stdout
+        return False
     return stat.S_ISCHR(found.st_mode) and found.st_rdev == null.st_rdev

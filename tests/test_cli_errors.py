@@ -322,6 +322,15 @@ def test_a_broken_pipe_that_is_not_the_outputs_is_a_failure_with_its_line(monkey
 
     assert exit_status(app, ["send"]) == 2
     assert capsys.readouterr().err == "hetplan: error: Broken pipe\n"
+    import report.failures as failures
+
+    monkeypatch.setattr(failures, "stdout_is_null", lambda: True)  # `hetplan ... > /dev/null`: it was silent 141
+    assert exit_status(app, ["send"]) == 2
+    assert capsys.readouterr().err == "hetplan: error: Broken pipe\n"
+    null_now = iter([False, True])  # a pipe before the command, the null device after: rich's, on a broken pipe
+    monkeypatch.setattr(failures, "stdout_is_null", lambda: next(null_now))
+    assert exit_status(app, ["send"]) == failures.READER_GONE_STATUS
+    assert capsys.readouterr().err == ""
 
 
 def test_a_ctrl_c_while_a_rank_waits_for_its_threads_ends_it_as_interrupted(monkeypatch, capsys):
