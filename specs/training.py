@@ -204,11 +204,17 @@ def splits_for_context_parallel(seq_length: int, cp: int) -> bool:
     return cp == 1 or seq_length % (2 * cp) == 0
 
 
-def on_devices(training: TrainingSpec, vendors: set[str], without_bf16: Sequence[str] = ()) -> tuple[TrainingSpec, str]:
+def on_devices(
+    training: TrainingSpec, vendors: set[str], without_bf16: Sequence[str] = (), without_fp8: Sequence[str] = ()
+) -> tuple[TrainingSpec, str]:
     """The training's dtype on a cluster of these device `vendors`, unless the training file or a flag chose one:
     fp32 on only CPU devices (the runtime computes in fp32 there, and most CPUs have no fast 16-bit matmuls), fp16 where
     some devices have no bf16 (`without_bf16`: their keys), as mixed-precision training on them runs; the note says
-    so ("" when nothing changed)."""
+    so ("" when nothing changed). FP8 chosen on devices without it (`without_fp8`) stays, with a note: their GEMMs run
+    bf16 (DeviceSpec.runs_dtype), which a user asking for FP8 would not expect."""
+    if training.dtype == "fp8" and without_fp8:
+        has, its = ("has", "its") if len(without_fp8) == 1 else ("have", "their")
+        return training, f"note: {', '.join(without_fp8)} {has} no FP8: {its} GEMMs run in bf16 (as predicted)"
     if "dtype" in training.model_fields_set:
         return training, ""
     if vendors == {"cpu"} and training.dtype != "fp32":

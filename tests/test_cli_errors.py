@@ -230,6 +230,8 @@ def test_bf16_is_refused_only_on_the_groups_a_strategy_uses(capsys):
     assert lines[0].startswith("note: training in fp16 (v100 has no bf16)")
     code, lines, _ = run(capsys, *flags, "--group", "v100", "--dtype", "bf16")
     assert code == 2 and lines[0].endswith("group v100: v100 has no bf16: train in fp16 (--dtype fp16)")
+    code, lines, out = run(capsys, *flags, "--group", "a100", "--dtype", "fp8", "--json")
+    assert code == 0 and lines == ["note: a100-80gb has no FP8: its GEMMs run in bf16 (as predicted)"]
 
 
 def test_predict_takes_sequence_parallelism_from_the_training_file_unless_the_flag_says(capsys, write):

@@ -273,3 +273,8 @@ def test_training_on_cpu_devices_defaults_to_fp32_unless_a_dtype_is_chosen(tmp_p
     chosen, note = on_devices(default, {"nvidia"}, ["v100"])
     assert chosen.dtype == "fp16" and note.startswith("note: training in fp16 (v100 has no bf16)")
     assert on_devices(asked, {"nvidia"}, ["v100"]) == (asked, "")
+    # FP8 chosen stays, and where a device has none the note says its GEMMs run bf16 (it was taken without a word)
+    fp8 = load_training(None, {"dtype": "fp8"})
+    assert on_devices(fp8, {"cpu"}, [], ["cpu"]) == (fp8, "note: cpu has no FP8: its GEMMs run in bf16 (as predicted)")
+    assert on_devices(fp8, {"nvidia"}, [], ["a100", "v100"])[1].startswith("note: a100, v100 have no FP8: their")
+    assert on_devices(fp8, {"nvidia"}) == (fp8, "")
