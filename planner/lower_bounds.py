@@ -25,6 +25,32 @@ from predictor.cost_model import CostContext, decoder_layer_time_s, in_flight_ta
 from specs.cluster import DeviceGroup
 
 
+def row_min(rows: np.ndarray) -> np.ndarray:
+    """rows.min(axis=1) of a (rows, groups) array, a column at a time: numpy reduces a short last axis slowly (a
+    (138,845, 8) array: 6.8 ms against 1.3 ms; eight device kinds reduce millions of rows per search). Exact."""
+    out = rows[:, 0].copy()
+    for column in range(1, rows.shape[1]):
+        np.minimum(out, rows[:, column], out=out)
+    return out
+
+
+def row_max(rows: np.ndarray) -> np.ndarray:
+    """rows.max(axis=1), as row_min."""
+    out = rows[:, 0].copy()
+    for column in range(1, rows.shape[1]):
+        np.maximum(out, rows[:, column], out=out)
+    return out
+
+
+def row_sum(rows: np.ndarray) -> np.ndarray:
+    """rows.sum(axis=1), as row_min (3.3 ms against 1.1 ms on (138,845, 8)); added in column order, which for eight or
+    more columns may differ from numpy's pairwise sum in the last bit."""
+    out = rows[:, 0].copy()
+    for column in range(1, rows.shape[1]):
+        out += rows[:, column]
+    return out
+
+
 @dataclass(frozen=True)
 class PipelineBound:
     """The pipeline part of a batch of rows' bounds (arrays: (rows, groups), one recompute mode).
@@ -49,19 +75,19 @@ class PipelineBound:
     ) -> PipelineBound:
         """The bound's parts that do not depend on the interleaving depth."""
         a = per_layer_s
-        fixed_ratio = (first_edge_s / a).min(axis=1) + (last_edge_s / a).min(axis=1)
-        level = (num_layers + fixed_ratio) / (counts / a).sum(axis=1)
-        fastest, least_first, least_last = a.min(axis=1), first_edge_s.min(axis=1), last_edge_s.min(axis=1)
+        fixed_ratio = row_min(first_edge_s / a) + row_min(last_edge_s / a)
+        level = (num_layers + fixed_ratio) / row_sum(counts / a)
+        fastest, least_first, least_last = row_min(a), row_min(first_edge_s), row_min(last_edge_s)
         cheapest = num_layers * fastest + least_first + least_last
-        stage_time_sum = (counts * a).sum(axis=1)
+        stage_time_sum = row_sum(counts * a)
         return cls(
             num_layers,
             level,
             cheapest,
-            counts.sum(axis=1),
+            row_sum(counts),
             stage_time_sum,
             fastest,
-            a.max(axis=1),
+            row_max(a),
             least_first,
             least_last,
         )
@@ -239,11 +265,11 @@ def whole_layer_bottleneck_s(per_layer_s: Sequence[float], counts: Sequence[int]
 def whole_layer_bottlenecks_s(per_layer_s: np.ndarray, counts: np.ndarray, num_layers: int, steps: int) -> np.ndarray:
     """whole_layer_bottleneck_s of every row of (rows, groups) arrays, bisected `steps` times keeping the side known
     too small (so a bound after any number; at most the exact one, which it rounds down the same way)."""
-    low = num_layers / (counts / per_layer_s).sum(axis=1)  # the fractional level: whole layers cannot go below it
-    high = low + per_layer_s.max(axis=1)  # every group one more layer per stage than the level: enough
+    low = num_layers / row_sum(counts / per_layer_s)  # the fractional level: whole layers cannot go below it
+    high = low + row_max(per_layer_s)  # every group one more layer per stage than the level: enough
     for _ in range(steps):
         middle = (low + high) / 2
-        enough = (counts * np.floor(middle[:, None] / per_layer_s)).sum(axis=1) >= num_layers
+        enough = row_sum(counts * np.floor(middle[:, None] / per_layer_s)) >= num_layers
         high, low = np.where(enough, middle, high), np.where(enough, low, middle)
     return low * (1 - 1e-9)
 

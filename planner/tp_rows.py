@@ -26,6 +26,8 @@ from planner.candidates import (
 from planner.lower_bounds import (
     MixedTail,
     PipelineBound,
+    row_min,
+    row_sum,
     whole_layer_bottlenecks_s,
 )
 from planner.options import SearchOptions
@@ -282,16 +284,22 @@ class SubsetRows:
         positions = np.concatenate([rows.positions for rows in replica_rows])
         owner = np.repeat(np.arange(len(replica_rows)), sizes)
         m = np.repeat(np.asarray(microbatches, dtype=float), sizes)
-        stages = counts.sum(axis=1)
+        stages = row_sum(counts)
         boundaries_s = self._boundaries_s(b, tps, counts)
         fullest = (-(-num_layers // stages))[:, None]
         least = np.full(len(replica_rows), np.inf)
+        # the tables' entries of every row as one flat gather (np.take): 3x faster than t[columns, positions]
+        flat = columns * self.tables(b, modes[0])[0].shape[1] + positions
+        starts = np.cumsum([0, *sizes])
         for rc in modes:
-            a, _, e_first, e_last = (t[columns, positions] for t in self.tables(b, rc))
+            a, _, e_first, e_last = (np.take(t, flat) for t in self.tables(b, rc))
             rates = np.concatenate(
-                [self.tail_rates(b, rc, rows.replicas)[columns, rows.positions] for rows in replica_rows]
+                [
+                    np.take(self.tail_rates(b, rc, rows.replicas), flat[start:end])
+                    for rows, start, end in zip(replica_rows, starts[:-1], starts[1:])
+                ]
             )
-            tail_s = (fullest * rates).min(axis=1) + ctx.terms.iteration_overhead_s
+            tail_s = row_min(fullest * rates) + ctx.terms.iteration_overhead_s
             pipeline = PipelineBound.of(num_layers, a, e_first, e_last, counts)
             whole = np.zeros(len(counts))
             # past WHOLE_LAYER_ROWS rows the bisection costs more than it saves

@@ -24,6 +24,9 @@ from planner.lower_bounds import (
     least_bottleneck_and_stage_sum_s,
     least_bottleneck_and_tail_s,
     least_level,
+    row_max,
+    row_min,
+    row_sum,
     work_bound_s,
 )
 from planner.options import SearchOptions
@@ -379,3 +382,18 @@ def test_the_least_level_holding_every_layer_is_exact_where_groups_fill_up() -> 
     assert least_level(2, [(0.1, 1, 5.0)]) == pytest.approx(0.2)  # below the cap
     assert least_level(2, [(0.0, 1, 1.0), (0.5, 1, 9.0)]) == pytest.approx(0.5)  # one layer held at any level
     assert least_level(7, [(0.1, 2, 1.0), (0.3, 1, 4.0)]) == math.inf
+
+
+@pytest.mark.parametrize("groups", [1, 3, 8])
+def test_row_reductions_are_numpys_a_column_at_a_time(groups):
+    """The bounds' row reductions (a short last axis reduced column by column, for speed) give numpy's values: min
+    and max exactly, integer sums exactly, float sums to the last bit (numpy adds eight or more pairwise)."""
+    generator = np.random.default_rng(groups)
+    times = generator.random((1000, groups)) * 10.0 ** generator.integers(-6, 2, (1000, groups))
+    counts = generator.integers(0, 40, (1000, groups))
+    assert np.array_equal(row_min(times), times.min(axis=1)) and np.array_equal(row_max(times), times.max(axis=1))
+    assert np.array_equal(row_sum(counts), counts.sum(axis=1)) and row_sum(counts).dtype == counts.dtype
+    np.testing.assert_allclose(row_sum(times), times.sum(axis=1), rtol=4e-16 * groups, atol=0)
+    strided = times[:, ::-1]  # a view, as the search's gathers and slices are: the input stays as it was
+    before = strided.copy()
+    assert np.array_equal(row_min(strided), before.min(axis=1)) and np.array_equal(strided, before)
