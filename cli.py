@@ -134,10 +134,13 @@ def plan(
     from specs import flags
     from specs.cluster import load_cluster
     from specs.engines import get_engine
-    from specs.errors import DoesNotFitError
+    from specs.errors import DoesNotFitError, SpecError
     from specs.model import load_model
 
     flags.output_file(out, "--out", reads={"--cluster": cluster, "--model": model, "--training": training})
+    if zero_stage is not None and zero_stages is not None:  # the search took --zero-stages, dropping --zero-stage
+        raise SpecError("--zero-stage", str(zero_stage), "plans with one ZeRO stage, --zero-stages searches several: "
+                        "pass one of the two")  # fmt: skip
     cluster_spec, model_spec = load_cluster(cluster), load_model(model)
     given = {"global_batch_size": global_batch, "seq_length": seq_len, "dtype": dtype, "zero_stage": zero_stage}
     given |= {"recompute": flags.names(recompute) if recompute is not None else None, "uneven_batch": uneven_batch}
@@ -148,7 +151,7 @@ def plan(
     cp_named = ("--cp", "") if cp else (str(training), "context_parallel")
     training_spec.check_context_parallel(training_spec.seq_length or model_spec.seq_length, *cp_named)
     devices = [group.device.key for group in cluster_spec.groups]
-    inputs = (cluster_spec, model_spec, training_spec, profiles_said(profiles, model_spec, devices, quiet))
+    inputs = (cluster_spec, model_spec, training_spec, profiles_said(profiles, model_spec, devices))
     chosen_engine = get_engine(engine, "--engine") if engine is not None else None
     options = {
         "top_k": top_k,

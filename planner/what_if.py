@@ -133,6 +133,11 @@ def what_if(
     model_spec = load_model(model)
     training = load_training(training_file, {**given, "sequence_parallel": flags.pop("sequence_parallel", None)})
     pp, chunks = flags["pp"], flags["virtual_stages"]
+    if chunks > 1 and pp == 1:  # predicted as plain 1F1B while labelled interleaved
+        raise SpecError(
+            "--virtual-stages", "", f"interleaves the chunks of two or more stages: {chunks} with --pp 1 has none "
+            "to interleave (Megatron refuses it); pass --pp 2 or more, or leave it out"
+        )  # fmt: skip
     if chunks > 1 and model_spec.num_layers % pp == 0 and (model_spec.num_layers // pp) % chunks:
         raise SpecError(
             "--virtual-stages", "", f"{model_spec.num_layers // pp} layers per stage do not split evenly into "

@@ -150,6 +150,8 @@ def validation_report(predictor: Predictor, runs: Sequence[Run], held_out: bool)
         "families": [row.to_dict() for row in family_errors(checks)],
         "worst": [check.name for check in sorted(checks, key=lambda c: -abs(c.error))[:WORST_RUNS]],
     }
+    calibrated_on = {fit.name for fit in predictor.calibration.runs}
+    body["in_sample_runs"] = sum(run.name in calibrated_on for run in runs)  # errors a fit made small, not predicted
     sources = list(dict.fromkeys(run.source for run in runs))
     if held_out and len(sources) > 1:
         loso = leave_one_source_out(predictor, runs)

@@ -104,14 +104,15 @@ def predictor_from(path: Path | None) -> Predictor:
     return load_predictor(path) if path is not None else default_predictor()
 
 
-def profiles_said(directory: Path | None, model: Any, devices: list[str], quiet: bool = False) -> dict[str, Any]:
+def profiles_said(directory: Path | None, model: Any, devices: list[str]) -> dict[str, Any]:
     """The profiles of `--profiles` (none without it); when it names a directory that leaves some of the cluster's
-    devices without a profile, says on stderr that theirs are the datasheet's costs (an empty directory: all)."""
+    devices without a profile, says on stderr that theirs are the datasheet's costs (an empty directory: all), under
+    --quiet too (a note, not progress)."""
     from profiler.profiles import load_profiles
 
     profiles = load_profiles(directory, model, devices)
     missing = [device for device in dict.fromkeys(devices) if device not in profiles]
-    if directory is not None and missing and not quiet:
+    if directory is not None and missing:
         whose = "its" if len(missing) == 1 else "their"
         said.say(f"note: --profiles {directory} has no profile of {', '.join(missing)}: {whose} costs are the "
                  "datasheet's (simulated)")  # fmt: skip

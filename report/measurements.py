@@ -106,6 +106,11 @@ def validation_renderables(body: Mapping[str, Any]) -> list[Renderable]:
     out: list[Renderable] = [table, _family_table("Error per device family", body["families"])]
     worst = [by_name[name] for name in body["worst"]]
     out.append("worst: " + "; ".join(f"{r['name']} {r['error']:+.1%} ({r['dominant_term']})" for r in worst))
+    if body.get("in_sample_runs"):
+        count, every = body["in_sample_runs"], len(body["runs"])
+        which = "these runs" if count == every else f"{count} of these {every} runs"
+        out.append(f"note: the predictor was calibrated on {which}: their errors are in-sample "
+                   "(--leave-one-source-out predicts each source from the others)")  # fmt: skip
     if "leave_one_source_out" in body:
         held = body["leave_one_source_out"]
         if "not_computed" in held:

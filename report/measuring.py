@@ -236,9 +236,13 @@ def fit(
     from predictor.validation import validation_report
     from profiler.profiles import checked_profile_files, link_profile_files
     from report.measurements import fit_renderables, validation_renderables
+    from specs.errors import SpecError
     from specs.flags import output_file
 
     output_file(out, "--out")
+    if profiles is None and not links and not runs and not published_runs:  # it wrote a predictor of nothing
+        raise SpecError("--no-published-runs", "", "leaves nothing to fit: give --profiles, --links or --runs (or "
+                        "keep the published runs)")  # fmt: skip
     with progress_on_stderr("fit", quiet, unit="steps") as progress:
         progress.step("checking the profiles", 2)
         paths = checked_profile_files(profiles) if profiles is not None else []
@@ -491,7 +495,10 @@ def simulate_profile(
     seq_len: SeqLenOpt = None,
     dtype: Annotated[
         Optional[str],
-        opt(help="bf16, fp16 or fp32 [default: plan's on the device: fp32 on cpu, fp16 without bf16, else bf16]."),
+        opt(
+            help="bf16, fp16, fp32 or fp8 (bf16 without FP8) [default: plan's on the device: fp32 on cpu, fp16 "
+            "without bf16, else bf16]."
+        ),
     ] = None,
     noise: Annotated[float, opt(callback=finite(0.0, inclusive=True), help="Log-normal sigma of noise.")] = 0.0,
     seed: Annotated[int, opt(help="Noise seed.")] = 0,
@@ -499,8 +506,10 @@ def simulate_profile(
 ) -> None:
     """Write a simulated device profile (datasheet roofline) in the profile JSON format."""
     from profiler.simulated import SimulatedDevice
+    from report import said
     from specs import flags
     from specs.device import get_device
+    from specs.errors import SpecError
     from specs.model import load_model
 
     flags.output_file(out, "--out")
@@ -510,9 +519,15 @@ def simulate_profile(
     if dtype is None:  # as `plan` trains on the device (specs.training.on_devices), so its profile is taken
         dtype = "fp32" if spec.key == "cpu" else "bf16" if spec.supports_bf16 else "fp16"
     training_spec = flags.training(None, dtype=dtype, seq_length=seq_len)
+    runs = spec.runs_dtype(training_spec.dtype)  # the profile `plan` asks for: fp8 training runs bf16 without FP8
+    if runs == "bf16" and not spec.supports_bf16:  # `plan` refuses bf16 there: a profile of it would be unused
+        raise SpecError("--dtype", dtype, f"{spec.key} has no bf16{' (nor FP8)' if dtype == 'fp8' else ''}: "
+                        "profile it in fp16 (or fp32)")  # fmt: skip
+    if runs != training_spec.dtype:
+        said.say(f"note: {spec.key} has no FP8: the profile is in {runs}, as fp8 training runs there")
     degrees = flags.tp_degrees(tp, model_spec, (1, 2, 4, 8))  # as `hetplan profile` takes them
     seq_length = training_spec.seq_length or model_spec.seq_length
-    simulated = SimulatedDevice(spec, model_spec, seq_length, training_spec.dtype, noise=noise, seed=seed)
+    simulated = SimulatedDevice(spec, model_spec, seq_length, runs, noise=noise, seed=seed)
     profile = simulated.to_profile(tuple(sizes), tuple(degrees))
     profile.save(out)
     show(

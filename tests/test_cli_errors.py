@@ -767,3 +767,34 @@ def test_an_output_that_is_an_input_is_refused_and_the_input_kept(capsys, tmp_pa
         capsys, "replan", str(plans["good"]), "-c", str(CPU), "--add", "group:cpu:1", "--out", str(plans["good"])
     )
     assert "is the file PLAN reads" in line and plans["good"].read_text() == before
+
+
+def test_flags_a_command_dropped_or_guessed_are_refused_or_said(capsys, tmp_path):
+    """From a newcomer's list: --zero-stage beside --zero-stages (the search dropped it), --virtual-stages with --pp 1
+    (predicted as plain 1F1B, labelled interleaved), a bf16 profile of a V100 (which `plan` refuses to train in bf16),
+    fit with nothing to fit (it wrote an empty predictor), an fp8 profile of an A100 (written as fp8 with bf16's times)
+    and the --profiles note under --quiet (it went silent)."""
+    cluster, model = str(EXAMPLES / "a100-v100-32.yaml"), "gpt3-1.7b"
+    line = one_error(capsys, "plan", "-c", cluster, "-m", model, "--dtype", "fp16", "--zero-stage", "3",
+                     "--zero-stages", "1,2")  # fmt: skip
+    assert line.endswith(
+        "--zero-stage: 3: plans with one ZeRO stage, --zero-stages searches several: pass one of the two"
+    )
+    line = one_error(capsys, "predict", "-c", cluster, "-m", model, "--group", "a100", "--pp", "1",
+                     "--virtual-stages", "4")  # fmt: skip
+    assert "--virtual-stages: interleaves the chunks of two or more stages: 4 with --pp 1 has none" in line
+    out = tmp_path / "v100.json"
+    line = one_error(capsys, "simulate-profile", "--device", "v100", "-m", model, "--dtype", "bf16", "--out", str(out))
+    assert line.endswith("--dtype: bf16: v100 has no bf16: profile it in fp16 (or fp32)")
+    line = one_error(capsys, "fit", "--out", str(tmp_path / "f.joblib"), "--no-published-runs")
+    assert "--no-published-runs: leaves nothing to fit: give --profiles, --links or --runs" in line
+    assert not list(tmp_path.iterdir())
+    code, lines, _ = run(
+        capsys, "simulate-profile", "--device", "a100", "-m", model, "--dtype", "fp8", "--out", str(out)
+    )
+    assert code == 0 and lines == ["note: a100-80gb has no FP8: the profile is in bf16, as fp8 training runs there"]
+    assert json.loads(out.read_text())["dtype"] == "bf16"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    code, lines, _ = run(capsys, "plan", "-c", cluster, "-m", model, "--profiles", str(empty), "--quiet", "--json")
+    assert code == 0 and f"note: --profiles {empty} has no profile of a100-80gb, v100: their costs are" in lines[-1]

@@ -334,6 +334,9 @@ def test_validate_predicts_every_published_run_within_ten_percent_and_names_the_
     assert all(abs(run["error"]) < 0.10 for run in body["runs"])
     assert all(run["dominant_term"] in ("compute", "dp_sync", "tp_comm", "bubble") for run in body["runs"])
     assert body["worst"][0] == max(body["runs"], key=lambda run: abs(run["error"]))["name"]
+    assert body["in_sample_runs"] == len(body["runs"])  # the shipped predictor's calibration runs: said so
+    said = hetplan("validate", str(PUBLISHED_RUNS)).stdout
+    assert "note: the predictor was calibrated on these runs: their errors are in-sample" in said
     bad = tmp_path / "runs.json"
     bad.write_text('{"schema": "hetplan.runs/9"}')
     refused = hetplan("validate", str(bad))
