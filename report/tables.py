@@ -80,7 +80,11 @@ def strategy_summary(evaluation: Evaluation) -> str:
 def summary_rows(ctx: CostContext, evaluation: Evaluation, extra_rows: list[Row]) -> list[Row]:
     """The summary of an evaluation, with the command's own rows (interval, bounds, search) before the predictor."""
     return [
-        ("cluster", f"{ctx.cluster.name} ({ctx.cluster.num_devices} devices, {evaluation.devices_used} used)"),
+        (
+            "cluster",
+            f"{ctx.cluster.name} ({ctx.cluster.num_devices} device{'s' if ctx.cluster.num_devices > 1 else ''}, "
+            f"{evaluation.devices_used} used)",
+        ),
         ("model", f"{ctx.model.key} ({params(ctx.model.total_params())} params, {ctx.model.num_layers} layers)"),
         ("batch", f"{ctx.training.global_batch_size} x {ctx.seq_length} tokens, {ctx.training.dtype}"),
         ("strategy", strategy_summary(evaluation)),
@@ -268,7 +272,9 @@ def traffic_table(report: TrafficReport) -> Table:
 
     table = report.by_dimension_and_link
     iterations = report.iterations
-    over = f" (and over {iterations:,.0f} iterations, TB)" if iterations else ""
+    # a dataset of fewer tokens than ten iterations' keeps its figures (it read "over 0 iterations")
+    count = f"{iterations:,.0f}" if iterations and iterations >= 10 else f"{iterations:.2g}"
+    over = f" (and over {count} iterations, TB)" if iterations else ""
     title = f"Traffic per iteration, GB sent, summed over all {len(report.traffic.device_names):,} devices{over}"
     out = titled_table(title, ("dimension", *LINK_CLASSES), left=("dimension",))
     for d in DIMENSIONS:

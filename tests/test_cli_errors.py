@@ -798,3 +798,18 @@ def test_flags_a_command_dropped_or_guessed_are_refused_or_said(capsys, tmp_path
     empty.mkdir()
     code, lines, _ = run(capsys, "plan", "-c", cluster, "-m", model, "--profiles", str(empty), "--quiet", "--json")
     assert code == 0 and f"note: --profiles {empty} has no profile of a100-80gb, v100: their costs are" in lines[-1]
+
+
+def test_a_run_shorter_than_ten_iterations_and_a_one_device_cluster_read_as_they_are(capsys, tmp_path, plans):
+    """`traffic --tokens 1.5` said "over 0 iterations" (the totals were of 1.5 tokens' share of one); a cluster of
+    one device said "1 devices"."""
+    import re
+
+    code, _, out = run(capsys, "traffic", str(plans["good"]), "--cluster", str(CPU), "--tokens", "1.5")
+    assert code == 0 and re.search(r"over (0\.0*[1-9]\d?|\d(\.\d)?e-\d+) iterations", " ".join(out.split())), out[:300]
+    code, _, out = run(capsys, "traffic", str(plans["good"]), "--cluster", str(CPU), "--tokens", "1e9")
+    assert code == 0 and re.search(r"over \d{1,3}(,\d{3})* iterations", " ".join(out.split()))
+    one = tmp_path / "one.yaml"
+    one.write_text("name: one\ngroups:\n  - name: cpu\n    device: cpu\n    nodes: 1\n    devices_per_node: 1\n")
+    code, _, out = run(capsys, "plan", "--cluster", str(one), "--model", TINY, "--global-batch", "4")
+    assert code == 0 and "one (1 device, 1 used)" in out
