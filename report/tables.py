@@ -273,8 +273,10 @@ def traffic_table(report: TrafficReport) -> Table:
     table = report.by_dimension_and_link
     iterations = report.iterations
     # a dataset of fewer tokens than ten iterations' keeps its figures (it read "over 0 iterations")
-    count = f"{iterations:,.0f}" if iterations and iterations >= 10 else f"{iterations:.2g}"
-    over = f" (and over {count} iterations, TB)" if iterations else ""
+    over = ""
+    if iterations:
+        count = f"{iterations:,.0f}" if iterations >= 10 else f"{iterations:.2g}"
+        over = f" (and over {count} iterations, TB)"
     title = f"Traffic per iteration, GB sent, summed over all {len(report.traffic.device_names):,} devices{over}"
     out = titled_table(title, ("dimension", *LINK_CLASSES), left=("dimension",))
     for d in DIMENSIONS:
