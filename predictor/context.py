@@ -195,12 +195,10 @@ def check_dtype(cluster: ClusterSpec, training: TrainingSpec, groups: Collection
     for group in cluster.groups:
         if groups is not None and group.name not in groups:
             continue
-        if group.device.runs_dtype(training.dtype) == "bf16" and not group.device.supports_bf16:
+        lacks = group.device.lacks_dtype(training.dtype)
+        if lacks:
             raise SpecError(
-                cluster.source or "cluster",
-                f"group {group.name}",
-                f"{group.device.key} has no bf16{' (nor FP8)' if training.dtype == 'fp8' else ''}: train in fp16 "
-                "(--dtype fp16)",
+                cluster.source or "cluster", f"group {group.name}", f"{lacks}: train in fp16 (--dtype fp16)"
             )
 
 

@@ -520,9 +520,9 @@ def simulate_profile(
         dtype = "fp32" if spec.key == "cpu" else "bf16" if spec.supports_bf16 else "fp16"
     training_spec = flags.training(None, dtype=dtype, seq_length=seq_len)
     runs = spec.runs_dtype(training_spec.dtype)  # the profile `plan` asks for: fp8 training runs bf16 without FP8
-    if runs == "bf16" and not spec.supports_bf16:  # `plan` refuses bf16 there: a profile of it would be unused
-        raise SpecError("--dtype", dtype, f"{spec.key} has no bf16{' (nor FP8)' if dtype == 'fp8' else ''}: "
-                        "profile it in fp16 (or fp32)")  # fmt: skip
+    lacks = spec.lacks_dtype(training_spec.dtype)
+    if lacks:  # `plan` refuses that dtype there: a profile of it would be unused
+        raise SpecError("--dtype", dtype, f"{lacks}: profile it in fp16 (or fp32)")
     if runs != training_spec.dtype:
         said.say(f"note: {spec.key} has no FP8: the profile is in {runs}, as fp8 training runs there")
     degrees = flags.tp_degrees(tp, model_spec, (1, 2, 4, 8))  # as `hetplan profile` takes them

@@ -83,6 +83,12 @@ class DeviceSpec(BaseModel):
         without FP8 (an old family in a mixed plan)."""
         return "bf16" if dtype == "fp8" and self.peak_fp8_tflops is None else dtype
 
+    def lacks_dtype(self, dtype: str) -> str:
+        """Why this device cannot train in `dtype` ("v100 has no bf16 (nor FP8)"), or "" when it can."""
+        if self.runs_dtype(dtype) != "bf16" or self.supports_bf16:
+            return ""
+        return f"{self.key} has no bf16{' (nor FP8)' if dtype == 'fp8' else ''}"
+
     def peak_flops_for_dtype(self, dtype: str, fp32_matmul: str = "ieee") -> float:
         """Peak matmul FLOP/s for the training dtype. fp32: the TF32/XF32 peak when the training allows it
         (`fp32_matmul: tf32`) and the device has one, else the IEEE fp32 peak, which must be published. fp8: the FP8
