@@ -298,12 +298,21 @@ def export(
     cluster: PlanClusterOpt,
     format: Annotated[str, opt("--format", "-f", help=ENGINES + ".")],
     out: Annotated[Path, opt(help="Directory to write the files into.")] = Path("export"),
+    keep_layout: Annotated[
+        bool,
+        opt(
+            "--keep-layout",
+            help="Where the engine cannot express the plan, replace only those parts, even when the engine's own best "
+            "plan is faster.",
+        ),
+    ] = False,
     predictor: PlanPredictorOpt = None,
     profiles: PlanProfilesOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Write the plan as an engine's arguments/config plus one torchrun command per node; when the engine cannot
-    express the plan, say what is lost and write the closest plan it can run, with that plan's predicted time."""
+    express the plan, say what is lost and write the closest plan it can run (the plan with those parts replaced,
+    or the engine's best plan when faster: a note lists what that changes), with that plan's predicted time."""
     from planner.export import export_plan
     from planner.plan import describe_strategy
     from planner.what_if import plan_on_cluster
@@ -317,7 +326,7 @@ def export(
     loaded, cluster_spec = plan_on_cluster(plan_file, cluster)
     costs = plan_costs_said(loaded, predictor, profiles, cluster_spec)
     ctx = costs.predictor.context(cluster_spec, loaded.model, loaded.training, costs.profiles)
-    exported = export_plan(ctx, loaded.strategy, format)
+    exported = export_plan(ctx, loaded.strategy, format, keep_layout)
     summary = {**exported.summary(), "exported_strategy": describe_strategy(exported.strategy)}
     write_export(exported, summary, out)
     show(as_json, summary, *export_lines(format, exported, summary, out))

@@ -7,7 +7,7 @@ never imports the exporters' files, so the planner can plan for an engine and th
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from planner.baselines import SPLITTERS
@@ -220,16 +220,33 @@ def _fastest_fitting(ctx: CostContext, candidates: list[Strategy]) -> Strategy |
     return best
 
 
-def closest(ctx: CostContext, strategy: Strategy, engine: Engine) -> tuple[Strategy, list[str]]:
-    """The fastest fitting plan the engine can run, and what of the plan it could not express: the plan with those
-    parts replaced, or the planner's best plan within the engine's space, whichever is faster."""
+@dataclass(frozen=True)
+class Closest:
+    """What an engine runs of a plan: `strategy`, the fastest fitting plan it can run; `lost`, what of the plan it
+    could not express; `near`, the plan with only those parts replaced (the fastest such that fits; None when none
+    does). `strategy` is `near`, or the planner's best plan within the engine's space when that is faster."""
+
+    strategy: Strategy
+    lost: list[str]
+    near: Strategy | None
+
+
+def closest(ctx: CostContext, strategy: Strategy, engine: Engine, keep_layout: bool = False) -> Closest:
+    """The plan as the engine can run it (Closest); `keep_layout`: only the plan with the lost parts replaced, never
+    the engine's own best plan (a layout the user has validated stays as it is wherever the engine can express it)."""
     lost = engine_lost(strategy, engine, ctx.training)
     if not engine_lost(strategy, engine):
-        return strategy, lost  # only the dtype is lost: the layout runs as planned
+        return Closest(strategy, lost, strategy)  # only the dtype is lost: the layout runs as planned
+    near = _fastest_fitting(ctx, near_plans(ctx, strategy, engine))
+    if keep_layout:
+        if near is None:
+            why = f"no plan with only the parts the engine cannot express replaced fits memory ({'; '.join(lost)})"
+            raise SpecError("export", "plan", f"{why}: drop --keep-layout (keep_layout) for the engine's own plan")
+        return Closest(near, lost, near)
     searched = engine_plans(ctx.at_context_parallel(1), engine)
     if engine.context_parallel and strategy.context_parallel > 1:  # the engine's space at the plan's CP degree too
         searched += engine_plans(ctx.at_context_parallel(strategy.context_parallel), engine)
-    chosen = _fastest_fitting(ctx, near_plans(ctx, strategy, engine) + searched)
+    chosen = _fastest_fitting(ctx, ([near] if near is not None else []) + searched)
     if chosen is None:
         raise SpecError("export", "plan", "no plan within the engine's limits fits memory: " + "; ".join(lost))
-    return chosen, lost
+    return Closest(chosen, lost, near)

@@ -19,7 +19,8 @@ import shlex
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
-from planner.engine_space import closest
+from planner.engine_space import Closest, closest
+from planner.plan import layout_changes
 from predictor.cost_model import CostContext, evaluate, interleaved_group_size
 from predictor.sharding import shard_ranks
 from specs.cluster import ClusterSpec
@@ -208,7 +209,8 @@ def _deepspeed(ctx: CostContext, strategy: Strategy, plan: Strategy) -> tuple[di
         "zero_optimization": {"stage": strategy.zero_stage, "overlap_comm": ctx.training.overlap_grad_reduce},
         "bf16": {"enabled": ctx.training.dtype in ("bf16", "fp8")},  # FP8: no switch (engine_lost says so)
         "fp16": {"enabled": ctx.training.dtype == "fp16"},
-        "pipeline": {"stages": len(pipeline.stages), "partition_method": "hetplan"},
+        # DeepSpeed's engine reads "stages" only; the boundaries come with the module (hetplan_pipeline.py)
+        "pipeline": {"stages": len(pipeline.stages)},
     }
     if strategy.recompute != "none":
         config["activation_checkpointing"] = {"partition_activations": False, "contiguous_memory_optimization": False}
@@ -217,20 +219,36 @@ def _deepspeed(ctx: CostContext, strategy: Strategy, plan: Strategy) -> tuple[di
     plan_tp = ", ".join(str(t) for t in sorted({s.tp for p in plan.pipelines for s in p.stages}))
     module = f'''"""PipelineModule with hetplan's stage boundaries (DeepSpeed's partition_method has no explicit list).
 
+Build your model with it in place of PipelineModule, e.g. in train.py:
+
+    from hetplan_pipeline import HetplanPipelineModule
+    model = HetplanPipelineModule(layers=[embedding, *decoder_layers, head], loss_fn=loss_fn)
+
+It partitions the layers at the plan's boundaries (partition_method="hetplan", its default) over the plan's
+{len(pipeline.stages)} stages (num_stages, unless you pass a topology); DeepSpeed's own methods ("parameters",
+"uniform", ...) balance by their own rule instead.
 Layers: [embedding, decoder 0 .. {ctx.model.num_layers - 1}, head]; stage i owns layers parts[i]:parts[i+1].
 Tensor parallelism: none (TP 1 on {len(pipeline.stages)} stages x {pipeline.replicas} replicas); the plan used
 TP {plan_tp}. DeepSpeed's pipeline engine has no tensor parallelism of its own, so the export is the fastest TP 1
 plan that fits (export.json: "lost"); Megatron-DeepSpeed adds TP through its model-parallel unit.
 """
 
+from typing import Any
+
 from deepspeed.pipe import PipelineModule
 
 PARTS = {parts}
+STAGES = {len(pipeline.stages)}
 TENSOR_PARALLEL = 1
 PLAN_TENSOR_PARALLEL = "{plan_tp}"
 
 
 class HetplanPipelineModule(PipelineModule):
+    def __init__(self, *args: Any, partition_method: str = "hetplan", **kwargs: Any) -> None:
+        if "topology" not in kwargs:
+            kwargs.setdefault("num_stages", STAGES)
+        super().__init__(*args, partition_method=partition_method, **kwargs)
+
     def _partition_layers(self, method: str = "uniform") -> None:
         if method != "hetplan":
             return super()._partition_layers(method)
@@ -432,20 +450,38 @@ def launch_commands(
     return [torchrun_command(launch, len(launches), entry, master_addr, port) for launch in launches]
 
 
-def export_plan(ctx: CostContext, strategy: Strategy, fmt: str) -> Export:
-    """The plan in an engine's terms (or the closest plan the engine can run), with per-node torchrun commands."""
+def _engine_plan_note(ctx: CostContext, strategy: Strategy, found: Closest) -> str:
+    """Why the files describe the engine's own best plan rather than the plan with only the lost parts replaced, and
+    everything that changes with it."""
+    exported_s = evaluate(ctx, found.strategy).iteration_time_s
+    if found.near is None:
+        why = "no plan with only those parts replaced fits memory"
+    else:
+        why = (
+            f"it is faster ({exported_s:.3f} s) than the plan with only those parts replaced "
+            f"({evaluate(ctx, found.near).iteration_time_s:.3f} s; --keep-layout exports that one)"
+        )
+    return f"the files describe the engine's best plan, not the plan's layout: {why}; it changes " + "; ".join(
+        layout_changes(strategy, found.strategy)
+    )
+
+
+def export_plan(ctx: CostContext, strategy: Strategy, fmt: str, keep_layout: bool = False) -> Export:
+    """The plan in an engine's terms (or the closest plan the engine can run: engine_space.closest, `keep_layout`
+    there), with per-node torchrun commands."""
     engine = get_engine(fmt, "--format")
     writer = WRITERS.get(engine.key)
     if writer is None:
         raise SpecError("--format", "", f"{engine.key} is in the engine registry but has no exporter yet")
     ctx.check_strategy(strategy, "plan")
-    exported, lost = closest(ctx, strategy, engine)
+    found = closest(ctx, strategy, engine, keep_layout)
+    exported, lost = found.strategy, found.lost
     files, args = writer(ctx, exported, strategy)
     launches = node_launches(ctx.cluster, megatron_order(exported))
     what = shlex.split(engine.script)[-1] if engine.script else "your training script"
     title = f"hetplan export --format {engine.key}: one torchrun per node ({len(launches)} nodes)"
     files["launch.sh"] = launch_script(launches, title, engine.script, args, what)
-    notes = []
+    notes = [] if exported == found.near else [_engine_plan_note(ctx, strategy, found)]
     vendors = sorted({ctx.cluster.group(s.group).device.vendor for s in exported.pipelines[0].stages})
     if len(vendors) > 1 and not engine.mixed_vendors:
         notes.append(

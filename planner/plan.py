@@ -220,12 +220,43 @@ def plan_dict(
     return body
 
 
+def describe_stages(pipeline: PipelineStrategy) -> str:
+    """'amd tp8 L0-4 | ascend tp8 L5-14': a family's stages in pipeline order."""
+    return " | ".join(f"{s.group} tp{s.tp} L{s.layer_start}-{s.layer_end - 1}" for s in pipeline.stages)
+
+
+def layout_changes(before: Strategy, after: Strategy) -> list[str]:
+    """What differs between two plans of one cluster, one item per part ('micro-batch 1 -> 2'), for a user told that
+    one stands in for the other (an export's engine's best plan in place of the plan)."""
+    changes: list[str] = []
+
+    def compare(what: str, old: object, new: object) -> None:
+        if old != new:
+            changes.append(f"{what} {old} -> {new}")
+
+    if len(before.pipelines) != len(after.pipelines):
+        compare("pipeline families", len(before.pipelines), len(after.pipelines))
+    else:
+        several = len(before.pipelines) > 1
+        for index, (old, new) in enumerate(zip(before.pipelines, after.pipelines, strict=True)):
+            family = f"family {index}: " if several else ""
+            compare(f"{family}stages", f"[{describe_stages(old)}]", f"[{describe_stages(new)}]")
+            compare(f"{family}replicas", old.replicas, new.replicas)
+            compare(f"{family}micro-batch", old.micro_batch_size, new.micro_batch_size)
+            compare(f"{family}micro-batches per replica", old.num_microbatches, new.num_microbatches)
+    compare("recompute", before.recompute_summary, after.recompute_summary)
+    compare("ZeRO", before.zero_summary.removeprefix("ZeRO-"), after.zero_summary.removeprefix("ZeRO-"))
+    compare("interleaving (virtual stages)", before.virtual_stages, after.virtual_stages)
+    compare("context parallel", before.context_parallel, after.context_parallel)
+    return changes
+
+
 def describe_strategy(strategy: Strategy) -> str:
     """One line: 'dp 8 x [amd tp8 L0-4 | ascend tp8 L5-14 ...], mbs 1, recompute selective, zero 1'; several
     pipeline families are joined with ' + ', each with its share of the batch."""
     families = []
     for pipeline in strategy.pipelines:
-        stages = " | ".join(f"{s.group} tp{s.tp} L{s.layer_start}-{s.layer_end - 1}" for s in pipeline.stages)
+        stages = describe_stages(pipeline)
         microbatches = str(pipeline.num_microbatches)
         if pipeline.uneven:
             microbatches = f"{pipeline.num_microbatches - 1}-{pipeline.num_microbatches} (uneven)"

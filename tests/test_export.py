@@ -12,6 +12,7 @@ import tomllib
 from planner import plan
 from planner.engine_space import closest, engine_plans, near_plans
 from planner.export import WRITERS, export_plan, megatron_layout
+from planner.plan import layout_changes
 from predictor.cost_model import evaluate
 from predictor.predictor import default_predictor
 from specs import engine_catalog, get_engine, load_cluster, load_model, load_training
@@ -159,7 +160,8 @@ def test_an_engines_capability_flags_decide_what_its_export_loses(mixed, key):
     pipeline = strategy.pipelines[0]
     stages = (replace(pipeline.stages[0], recompute="full"), pipeline.stages[1])
     varied = replace(strategy, pipelines=(replace(pipeline, stages=stages),))
-    exported, lost = closest(ctx, varied, engine)
+    found = closest(ctx, varied, engine)
+    exported, lost = found.strategy, found.lost
     assert any("per-stage TP" in item for item in lost) is (engine.tensor_parallel and not engine.per_stage_tp)
     assert any("tensor parallelism (TP 2, 4) -> TP 1" in item for item in lost) is not engine.tensor_parallel
     assert any("uneven batch" in item for item in lost) is not engine.uneven_batch
@@ -170,11 +172,54 @@ def test_an_engines_capability_flags_decide_what_its_export_loses(mixed, key):
 def test_a_flag_set_on_an_engine_keeps_that_part_of_the_plan(mixed):
     ctx, strategy = mixed
     megatron = get_engine("megatron")
-    assert closest(ctx, strategy, megatron)[0] != strategy
-    assert closest(ctx, strategy, megatron.model_copy(update={"per_stage_tp": True, "uneven_batch": True})) == (
-        strategy,
-        [],
-    )
+    assert closest(ctx, strategy, megatron).strategy != strategy
+    found = closest(ctx, strategy, megatron.model_copy(update={"per_stage_tp": True, "uneven_batch": True}))
+    assert (found.strategy, found.lost, found.near) == (strategy, [], strategy)
+
+
+def test_an_engines_own_best_plan_in_place_of_the_plan_is_named_with_all_it_changes(mixed):
+    """Megatron cannot run the mixed plan's per-stage TP and uneven batch; its own best plan (a100 alone, TP 1) is
+    faster than the plan with those two parts replaced, so the files describe that one: the note says so and lists
+    every change (the lost list names only the two parts). --keep-layout exports the plan with them replaced."""
+    ctx, strategy = mixed
+    exported = export_plan(ctx, strategy, "megatron")
+    kept = export_plan(ctx, strategy, "megatron", keep_layout=True)
+    assert exported.lost == kept.lost and len(exported.lost) == 2
+    assert exported.strategy != kept.strategy
+    assert exported.predicted_iteration_time_s < kept.predicted_iteration_time_s
+    [note] = [note for note in exported.notes if "engine's best plan" in note]
+    assert f"({kept.predicted_iteration_time_s:.3f} s; --keep-layout exports that one)" in note
+    assert "stages [a100 tp2 L0-13 | v100 tp4 L14-23] -> [" in note and "replicas 4 -> " in note
+    assert not any("engine's best plan" in note for note in kept.notes)
+    # the kept layout: the plan's stages, groups and layers, one TP degree and an even batch
+    kept_stages = kept.strategy.pipelines[0].stages
+    assert [(s.group, s.layer_start, s.layer_end) for s in kept_stages] == [
+        (s.group, s.layer_start, s.layer_end) for s in strategy.pipelines[0].stages
+    ]
+    assert len({s.tp for s in kept_stages}) == 1 and not kept.strategy.pipelines[0].uneven
+
+
+def test_keeping_a_layout_the_engine_cannot_fit_is_refused_in_one_line(hethub):
+    """The 140B plan's stages at DeepSpeed's TP 1 do not fit memory: kept, there is nothing to export."""
+    ctx, strategy = hethub
+    with pytest.raises(SpecError, match=r"no plan with only the parts .* fits memory .*drop --keep-layout") as caught:
+        export_plan(ctx, strategy, "deepspeed", keep_layout=True)
+    assert "\n" not in str(caught.value)
+
+
+def test_layout_changes_name_each_part_that_differs():
+    stages = (StageStrategy("a", 0, 10, 2, 0), StageStrategy("b", 10, 24, 4, 0))
+    before = Strategy((PipelineStrategy(4, 1, 8, stages),), "selective", 1)
+    swapped = (StageStrategy("b", 0, 12, 4, 0), StageStrategy("a", 12, 24, 2, 0))
+    after = replace(before, pipelines=(PipelineStrategy(2, 2, 8, swapped),), zero_stage=0, virtual_stages=2)
+    assert layout_changes(before, before) == []
+    assert layout_changes(before, after) == [
+        "stages [a tp2 L0-9 | b tp4 L10-23] -> [b tp4 L0-11 | a tp2 L12-23]",
+        "replicas 4 -> 2",
+        "micro-batch 1 -> 2",
+        "ZeRO 1 -> 0",
+        "interleaving (virtual stages) 1 -> 2",
+    ]
 
 
 @pytest.mark.parametrize("key", list(engine_catalog()))
@@ -233,6 +278,33 @@ def test_deepspeed_config_passes_deepspeeds_own_checks(mixed, tmp_path, monkeypa
             config_module.DeepSpeedConfig(wrong, mpu=DataParallel())
     finally:
         dist.destroy_process_group()
+
+
+def test_deepspeeds_pipeline_module_takes_the_plans_boundaries_by_default(mixed, monkeypatch):
+    """DeepSpeed reads no partition from its config (only the pipeline's stage count there): the exported module
+    partitions at the plan's boundaries unless told otherwise, over the plan's stage count."""
+    pipe = pytest.importorskip("deepspeed.pipe")
+    from deepspeed.runtime.config import get_pipeline_config
+
+    ctx, strategy = mixed
+    exported = export_plan(ctx, strategy, "deepspeed", keep_layout=True)
+    config = json.loads(exported.files["ds_config.json"])
+    assert set(config["pipeline"]) <= set(get_pipeline_config({})) and config["pipeline"]["stages"] == 2
+    built: dict[str, object] = {}
+    monkeypatch.setattr(pipe.PipelineModule, "__init__", lambda self, *args, **kwargs: built.update(kwargs))
+    namespace: dict[str, object] = {}
+    exec(compile(exported.files["hetplan_pipeline.py"], "hetplan_pipeline.py", "exec"), namespace)
+    module_class = namespace["HetplanPipelineModule"]
+    module = module_class(layers=[])  # type: ignore[operator]
+    assert built == {"layers": [], "partition_method": "hetplan", "num_stages": 2}
+    built.clear()
+    module_class(layers=[], topology="given", partition_method="parameters")  # type: ignore[operator]
+    assert built == {"layers": [], "partition_method": "parameters", "topology": "given"}
+    bounds: list[tuple[int, int]] = []
+    module.stage_id, module._set_bounds = 1, lambda start, stop: bounds.append((start, stop))
+    module._partition_layers("hetplan")
+    ends = [s.layer_end + 1 for s in exported.strategy.pipelines[0].stages[:-1]]  # the embedding is layer 0
+    assert bounds == [(ends[0], ctx.model.num_layers + 2)]
 
 
 def test_torchtitan_parts_cover_the_model_once_in_order(hethub):
