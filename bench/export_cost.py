@@ -42,6 +42,7 @@ CAPABILITIES = {
     "tensor_parallel": "TP at all",
     "zero_stages": "ZeRO stages",
     "fp8": "FP8",
+    "fp16": "fp16",
     "context_parallel": "CP",
 }
 

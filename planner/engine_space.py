@@ -94,6 +94,12 @@ def engine_lost(strategy: Strategy, engine: Engine, training: TrainingSpec | Non
             f"FP8 GEMMs -> bf16: {engine.key} has no FP8 switch (the export's time is still predicted in FP8; "
             f"`hetplan plan --engine {engine.key}` plans in bf16)"
         )
+    if training is not None and training.dtype == "fp16" and not engine.fp16:
+        lost.append(
+            f"fp16 -> fp32: {engine.key} has no fp16 mixed precision, only bf16 or fp32 (the export's time is still "
+            f"predicted in fp16; `hetplan plan --engine {engine.key}` plans in fp32, or train in bf16 where every "
+            "device has it)"
+        )
     return lost
 
 
@@ -119,7 +125,8 @@ def _layout_update(training: TrainingSpec, engine: Engine) -> dict[str, object]:
 def engine_training(training: TrainingSpec, engine: Engine) -> tuple[TrainingSpec, list[str]]:
     """The training to plan with for an engine: its layout restricted (`_layout_update`), FP8 -> bf16 where the
     engine has no FP8 switch, the engine's kernels where the training does not name them; and what changed that the
-    user chose, one line each (the layout restrictions are the engine's registry entry, not the user's choices)."""
+    user chose, one line each (the layout restrictions are the engine's registry entry, not the user's choices);
+    fp16 -> fp32 where the engine has no fp16 mixed precision."""
     update = _layout_update(training, engine)
     changed: list[str] = []
     if "zero_stage" in update:
@@ -128,6 +135,9 @@ def engine_training(training: TrainingSpec, engine: Engine) -> tuple[TrainingSpe
     if training.dtype == "fp8" and not engine.fp8:
         update["dtype"] = "bf16"
         changed.append(f"FP8 -> bf16 ({engine.key} has no FP8 switch)")
+    if training.dtype == "fp16" and not engine.fp16:
+        update["dtype"] = "fp32"
+        changed.append(f"fp16 -> fp32 ({engine.key} has no fp16 mixed precision: bf16 or fp32)")
     if engine.kernels and "engine" not in training.model_fields_set and training.engine != engine.kernels:
         update["engine"] = engine.kernels
         changed.append(f"predicted with {engine.kernels}'s kernels (training.engine: set it to keep another's)")

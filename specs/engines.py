@@ -27,6 +27,7 @@ class Engine(BaseModel):
     zero_stages: tuple[int, ...]  # the ZeRO stages it runs with pipeline parallelism
     zero_note: str  # how it shards (what a stage it lacks becomes)
     fp8: bool  # an FP8 switch (Transformer-Engine-style FP8 GEMMs)
+    fp16: bool  # fp16 mixed precision (without it an fp16 plan trains in fp32)
     context_parallel: bool  # sequences split over ranks (ring attention)
     hybrid_shard: bool  # ZeRO sharding inside a node, replicated across nodes
     kernels: str  # the training.engine whose kernel efficiency the cost model predicts ("": the training's)

@@ -10,7 +10,7 @@ import pytest
 import tomllib
 
 from planner import plan
-from planner.engine_space import closest, engine_plans, near_plans
+from planner.engine_space import closest, engine_plans, engine_training, near_plans
 from planner.export import WRITERS, export_plan, megatron_layout
 from planner.plan import layout_changes
 from predictor.cost_model import evaluate
@@ -205,6 +205,21 @@ def test_keeping_a_layout_the_engine_cannot_fit_is_refused_in_one_line(hethub):
     with pytest.raises(SpecError, match=r"no plan with only the parts .* fits memory .*drop --keep-layout") as caught:
         export_plan(ctx, strategy, "deepspeed", keep_layout=True)
     assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("key", list(engine_catalog()))
+def test_an_fp16_plan_on_an_engine_without_fp16_is_named_as_trained_in_fp32(mixed, key):
+    """torchtitan's mixed precision is bf16 or fp32: the mixed plan's fp16 becomes fp32 there, in its TOML, in what
+    the export loses and in the training `plan --engine` plans with; engines with fp16 keep it."""
+    ctx, strategy = mixed
+    engine = get_engine(key)
+    exported = export_plan(ctx, strategy, key)
+    assert any(item.startswith("fp16 -> fp32") for item in exported.lost) is not engine.fp16
+    training, changed = engine_training(ctx.training, engine)
+    assert training.dtype == ("fp16" if engine.fp16 else "fp32")
+    assert any(line.startswith("fp16 -> fp32") for line in changed) is not engine.fp16
+    if key == "torchtitan":
+        assert 'mixed_precision_param = "float32"' in exported.files["torchtitan.toml"]
 
 
 def test_layout_changes_name_each_part_that_differs():
