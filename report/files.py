@@ -8,8 +8,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from specs.errors import SpecError
-from specs.outputs import check_writable, write_text_atomic
+from specs.outputs import write_text_atomic
 
 if TYPE_CHECKING:
     from planner.export import Export
@@ -18,15 +17,6 @@ if TYPE_CHECKING:
 def write_json(path: Path, body: Any) -> None:
     """`body` as indented JSON, atomically."""
     write_text_atomic(path, json.dumps(body, indent=2) + "\n")
-
-
-def check_directory(path: Path, flag: str) -> Path:
-    """An output directory, checked before the work: created when missing, refused when a file is in its place or
-    a new file cannot be written in it."""
-    if path.exists() and not path.is_dir():
-        raise SpecError(flag, str(path), "exists and is not a directory; expected a directory to write files into")
-    check_writable(path / ".hetplan-check", flag)
-    return path
 
 
 def write_export(exported: Export, summary: Mapping[str, Any], out: Path) -> None:

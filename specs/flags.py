@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from specs.errors import SpecError
 from specs.loading import QUOTE_CHARS
-from specs.outputs import check_writable
+from specs.outputs import check_no_file_above, check_writable
 from specs.training import TrainingSpec, load_training
 
 if TYPE_CHECKING:
@@ -138,6 +138,7 @@ def output_directory(path: Path, flag: str, first_file: str) -> Path:
     place or `first_file` could not be written in it."""
     if path.exists() and not path.is_dir():
         raise SpecError(flag, str(path), "exists and is not a directory; expected a directory to write files into")
+    check_no_file_above(path, flag)
     check_writable(path / first_file, flag)
     return path
 

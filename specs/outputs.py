@@ -22,12 +22,21 @@ def remove_created_directories() -> None:
     CREATED_DIRECTORIES.clear()
 
 
+def check_no_file_above(path: Path, flag: str) -> None:
+    """Refuse `path` when a directory above it is a regular file (`--out README.md/plan.json`): mkdir said only
+    "File exists", naming neither the file nor what is wrong with it."""
+    file_above = next((directory for directory in path.parents if directory.is_file()), None)
+    if file_above is not None:
+        raise SpecError(flag, str(path), f"{file_above} is a file, not a directory")
+
+
 def check_writable(path: str | Path, flag: str = "--out") -> Path:
     """Fail now, not after minutes of work, when `path` cannot be written: its directory is created if missing and
     must accept a new file; an existing directory or unwritable file at `path` is refused."""
     path = Path(path)
     if path.is_dir():
         raise SpecError(flag, str(path), "is a directory; expected a file name")
+    check_no_file_above(path, flag)
     directory = path.parent
     missing = [d for d in (directory.absolute(), *directory.absolute().parents) if not d.exists()]
     try:

@@ -813,3 +813,34 @@ def test_a_run_shorter_than_ten_iterations_and_a_one_device_cluster_read_as_they
     one.write_text("name: one\ngroups:\n  - name: cpu\n    device: cpu\n    nodes: 1\n    devices_per_node: 1\n")
     code, _, out = run(capsys, "plan", "--cluster", str(one), "--model", TINY, "--global-batch", "4")
     assert code == 0 and "one (1 device, 1 used)" in out
+
+
+@pytest.mark.parametrize(
+    ("args", "flag", "name"),
+    [
+        ((*PLAN, "--out"), "--out", "plan.json"),
+        (("replan", "{good}", "-c", str(CPU), "--add", "group:cpu:1", "--out"), "--out", "plan.json"),
+        (("export", "{good}", "-c", str(CPU), "-f", "megatron", "--out"), "--out", "export"),
+        (("explain", "{good}", "-c", str(CPU), "--png"), "--png", "gantt.png"),
+        (("explain", "{good}", "-c", str(CPU), "--html"), "--html", "report.html"),
+        (("traffic", "{good}", "-c", str(CPU), "--png"), "--png", "heatmap.png"),
+        (("run", "{good}", "-c", str(CPU), "--out"), "--out", "run.json"),
+        (("run", "{good}", "-c", str(CPU), "--out", "run.json", "--checkpoint-dir"), "--checkpoint-dir", "ck"),
+        (("profile", "-m", TINY, "--out"), "--out", "cpu.json"),
+        (("simulate-profile", "--device", "cpu", "-m", TINY, "--out"), "--out", "cpu.json"),
+        (("profile-comm", "--out"), "--out", "links.json"),
+        (("comm-bench", "--links-out"), "--links-out", "links.json"),
+        (("fit", "--out"), "--out", "predictor.joblib"),
+    ],
+)
+def test_an_output_below_a_file_says_the_file_is_not_a_directory(
+    capsys, tmp_path, monkeypatch, plans, args, flag, name
+):
+    """`--out README.md/plan.json` said "cannot create its directory: File exists", naming neither the file in the
+    way nor what is wrong with it; every command that writes a file or a directory says so before any work."""
+    monkeypatch.chdir(tmp_path)
+    Path("notes.txt").write_text("a user's file")
+    filled = [str(plans[arg[1:-1]]) if arg.startswith("{") else arg for arg in args]
+    line = one_error(capsys, *filled, f"notes.txt/new/{name}")
+    assert line == f"hetplan: error: {flag}: notes.txt/new/{name}: notes.txt is a file, not a directory"
+    assert [path.name for path in tmp_path.iterdir()] == ["notes.txt"]
