@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from profiler.profile import DeviceProfile
 
 CHANGE = re.compile(
-    r"^(?:node:(?P<node_group>[\w.-]+)/(?:node)?(?P<node>\d+)|group:(?P<group>[\w.-]+):(?P<count>\d+))$"
+    r"^(?:node:(?P<node_group>[\w.-]+)/(?:node)?(?P<node>-?\d+)|group:(?P<group>[\w.-]+):(?P<count>-?\d+))$"
 )
 
 
@@ -52,10 +52,11 @@ def changed_cluster(cluster: ClusterSpec, without: list[str], add: list[str]) ->
             group = cluster.group(name) if name in nodes else None
             if group is None:
                 raise SpecError(flag, item, f"no group {name!r}; groups: {', '.join(nodes)}")
-            if match["node"] is not None and int(match["node"]) >= group.nodes:
+            if match["node"] is not None and not 0 <= int(match["node"]) < group.nodes:
                 raise SpecError(flag, item, f"group {name!r} has nodes 0..{group.nodes - 1}")
-            if match["node"] is None and int(match["count"]) < 1:
-                raise SpecError(flag, item, "expected a count of nodes of at least 1")
+            if match["node"] is None and int(match["count"]) < 1:  # a sign or a zero is a slip, not a change
+                counts = f"from 1 to {group.nodes} (the nodes group {name!r} has)" if sign < 0 else "of at least 1"
+                raise SpecError(flag, item, f"expected a count of nodes {counts}, got {match['count']}")
             nodes[name] += sign * (1 if match["node"] is not None else int(match["count"]))
             if nodes[name] < 0:
                 raise SpecError(flag, item, f"group {name!r} has only {group.nodes} nodes")

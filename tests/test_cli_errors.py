@@ -450,6 +450,7 @@ def test_a_stage_device_written_by_alias_or_another_case_is_the_groups(capsys, t
         ),
         (("replan", "{good}", "-c", str(CPU)), "--without/--add: say what changed"),
         (("replan", "{good}", "-c", str(CPU), "--add", "group:cpu:0"), "--add: group:cpu:0: expected a count of"),
+        (("replan", "{good}", "-c", str(CPU), "--without", "group:cpu:-1"), "expected a count of nodes from 1 to 2"),
         (("replan", "{replicas}", "-c", str(CPU), "--without", "node:cpu/1"), "total_microbatches"),
         (("run", "{other-cluster}", "-c", str(CPU), "--out", "r.json"), "the plan is for cluster 'elsewhere'"),
         (("launch", "{fp8}", "-c", str(CPU)), "training.dtype: hetplan's runtime has no FP8 GEMMs"),

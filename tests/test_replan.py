@@ -35,6 +35,25 @@ def test_cluster_changes_parse_and_check():
             changed_cluster(cluster, without, add)
 
 
+@pytest.mark.parametrize(
+    ("without", "add", "expected"),
+    [
+        (["group:v100:-1"], [], "--without: group:v100:-1: expected a count of nodes from 1 to 2 (the nodes group "
+         "'v100' has), got -1"),
+        (["group:v100:0"], [], "--without: group:v100:0: expected a count of nodes from 1 to 2 (the nodes group "
+         "'v100' has), got 0"),
+        ([], ["group:v100:-1"], "--add: group:v100:-1: expected a count of nodes of at least 1, got -1"),
+        (["node:v100/-1"], [], "--without: node:v100/-1: group 'v100' has nodes 0..1"),
+    ],
+)  # fmt: skip
+def test_a_negative_or_zero_count_of_nodes_is_named_with_the_counts_expected(without, add, expected):
+    """`--without group:v100:-1` got the form's message ("expected node:GROUP/INDEX or group:NAME:COUNT"), as if
+    the form were wrong rather than the count."""
+    with pytest.raises(SpecError) as caught:
+        changed_cluster(load_cluster(CLUSTER), without, add)
+    assert str(caught.value) == expected
+
+
 def test_replan_after_losing_a_node_equals_a_fresh_plan_and_is_warm_started():
     cluster = load_cluster(CLUSTER)
     model = load_model("gpt3-1.7b")
