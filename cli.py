@@ -14,7 +14,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from report import measuring
+from report import measuring, said
 from report.cli_flags import (
     ENGINES,
     MEGATRON_FLAGS,
@@ -381,7 +381,7 @@ def replan(
     """Re-plan after failures or additions, warm-started from the current plan; show what changed. A plan made for
     an engine (`plan --engine`) is re-planned within what that engine runs as planned."""
     from planner import predict as run_predict
-    from planner.replan import changed_cluster
+    from planner.replan import cancelled_changes, changed_cluster
     from planner.replan import replan as run_replan
     from planner.what_if import check_changes, plan_on_cluster
     from report.replanning import replan_lines, replan_summary
@@ -393,6 +393,8 @@ def replan(
     check_changes(without or [], add or [], original)
     engine = get_engine(loaded.engine, str(plan_file), "search.engine") if loaded.engine else None
     new_cluster = changed_cluster(original, without or [], add or [])
+    for cancelled in cancelled_changes(original, new_cluster, without or [], add or []):
+        said.say(f"note: {cancelled}")
     costs = plan_costs_said(loaded, predictor, profiles, original, new_cluster)
     chosen, measured = costs.predictor, costs.profiles
     with progress_on_stderr("replan", quiet, unit="steps") as progress:

@@ -66,6 +66,29 @@ def changed_cluster(cluster: ClusterSpec, without: list[str], add: list[str]) ->
     return dataclasses.replace(cluster, groups=groups)
 
 
+def cancelled_changes(cluster: ClusterSpec, changed: ClusterSpec, without: list[str], add: list[str]) -> list[str]:
+    """The groups that both --without and --add change and that keep their nodes, one phrase each ("--without
+    group:v100:1 and --add group:v100:1 cancel out (group v100 keeps its 2 nodes)"); changes that leave every group
+    as it was are refused: the cluster is the one the plan was made for, so there is nothing to re-plan."""
+    nodes_after = {group.name: group.nodes for group in changed.groups}
+    phrases = []
+    for group in cluster.groups:
+        removed = [f"--without {item}" for item in without if _group_named(item) == group.name]
+        added = [f"--add {item}" for item in add if _group_named(item) == group.name]
+        if removed and added and nodes_after.get(group.name) == group.nodes:
+            phrases.append(f"{' and '.join(removed + added)} cancel out (group {group.name} keeps its {group.nodes} "
+                           f"node{'s' if group.nodes > 1 else ''})")  # fmt: skip
+    if changed == cluster:
+        raise SpecError("--without/--add", "", f"{'; '.join(phrases)}: the cluster is unchanged (nothing to re-plan)")
+    return phrases
+
+
+def _group_named(change: str) -> str:
+    """The group a change (`node:GROUP/INDEX` or `group:NAME:COUNT`, checked by changed_cluster) names."""
+    match = CHANGE.match(change)
+    return (match["node_group"] or match["group"]) if match is not None else ""
+
+
 @dataclass(frozen=True)
 class Shrunk:
     """The old plan on the changed cluster: its evaluation if it can run there, else why not (one line)."""

@@ -845,3 +845,18 @@ def test_an_output_below_a_file_says_the_file_is_not_a_directory(
     line = one_error(capsys, *filled, f"notes.txt/new/{name}")
     assert line == f"hetplan: error: {flag}: notes.txt/new/{name}: notes.txt is a file, not a directory"
     assert [path.name for path in tmp_path.iterdir()] == ["notes.txt"]
+
+
+def test_replan_changes_that_cancel_out_are_said_or_refused(capsys, tmp_path, plans):
+    """`replan --add group:cpu:1 --without group:cpu:1` re-planned the plan's own cluster without a remark; changes
+    that leave one group of several as it was are said in a note beside the re-plan."""
+    line = one_error(capsys, "replan", str(plans["good"]), "-c", str(CPU), "--add", "group:cpu:1", "--without",
+                     "group:cpu:1")  # fmt: skip
+    assert line == ("hetplan: error: --without/--add: --without group:cpu:1 and --add group:cpu:1 cancel out (group "
+                    "cpu keeps its 2 nodes): the cluster is unchanged (nothing to re-plan)")  # fmt: skip
+    hetero, out = str(EXAMPLES / "cpu-hetero.yaml"), str(tmp_path / "hetero.json")
+    assert run(capsys, "plan", "-c", hetero, "-m", TINY, "--global-batch", "8", "--out", out, "--json")[0] == 0
+    changes = ("--without", "group:fast:1", "--add", "group:fast:1", "--add", "group:slow:1")
+    code, lines, _ = run(capsys, "replan", out, "-c", hetero, *changes, "--quiet", "--json")
+    assert code == 0, lines
+    assert "note: --without group:fast:1 and --add group:fast:1 cancel out (group fast keeps its 1 node)" in lines

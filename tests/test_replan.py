@@ -8,7 +8,7 @@ import json
 import pytest
 
 from planner import plan
-from planner.replan import adapt_strategy, changed_cluster, replan
+from planner.replan import adapt_strategy, cancelled_changes, changed_cluster, replan
 from predictor.predictor import default_predictor
 from specs import load_cluster, load_model, load_training
 from specs.errors import SpecError
@@ -52,6 +52,25 @@ def test_a_negative_or_zero_count_of_nodes_is_named_with_the_counts_expected(wit
     with pytest.raises(SpecError) as caught:
         changed_cluster(load_cluster(CLUSTER), without, add)
     assert str(caught.value) == expected
+
+
+def test_changes_that_cancel_out_are_said_and_a_cluster_left_unchanged_is_refused():
+    """`replan --add group:v100:1 --without group:v100:1` re-planned the very cluster of the plan without a word
+    ("throughput +0.0%"); a failed node replaced by a new one leaves the cluster as it was too."""
+    cluster = load_cluster(CLUSTER)
+    for without, add in ((["group:v100:1"], ["group:v100:1"]), (["node:v100/0"], ["group:v100:1"])):
+        with pytest.raises(SpecError) as caught:
+            cancelled_changes(cluster, changed_cluster(cluster, without, add), without, add)
+        assert str(caught.value) == (
+            f"--without/--add: --without {without[0]} and --add group:v100:1 cancel out (group v100 keeps its 2 "
+            "nodes): the cluster is unchanged (nothing to re-plan)"
+        )
+    without, add = ["group:v100:1", "node:a100/1"], ["group:v100:1"]  # the A100 node's loss stays
+    assert cancelled_changes(cluster, changed_cluster(cluster, without, add), without, add) == [
+        "--without group:v100:1 and --add group:v100:1 cancel out (group v100 keeps its 2 nodes)"
+    ]
+    without, add = ["group:v100:2"], ["group:v100:1"]  # one node fewer: no remark
+    assert cancelled_changes(cluster, changed_cluster(cluster, without, add), without, add) == []
 
 
 def test_replan_after_losing_a_node_equals_a_fresh_plan_and_is_warm_started():
