@@ -17,10 +17,15 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from specs.catalog import Catalog, load_catalog
 from specs.errors import SpecError
-from specs.loading import read_mapping, validate
+from specs.loading import quote, read_mapping, validate
 
 Recompute = Literal["none", "selective", "full"]
 RECOMPUTE_MODES: tuple[Recompute, ...] = ("none", "selective", "full")
+# the Hugging Face config.json `model_type`s translated: Llama-style ones and GPT-2
+HF_MODEL_TYPES = ("llama", "mistral", "qwen", "qwen2", "qwen3", "internlm2", "yi", "baichuan", "gpt2")
+# fields by which a config.json is a Hugging Face one: its own `model_type` and `architectures`, and the layer counts
+# of Llama-style and GPT-2 configs (a config without the first two read as a hetplan model of misspelt fields)
+HF_CONFIG_FIELDS = ("model_type", "architectures", "num_hidden_layers", "n_layer")
 
 
 class ModelSpec(BaseModel):
@@ -165,13 +170,25 @@ class ModelSpec(BaseModel):
         return 4.0 * h, float(h + 2 * kv + h + intermediates)
 
 
+def _hf_model_type(data: dict[str, Any], source: str) -> str:
+    """A Hugging Face config's `model_type`, one that hetplan translates (lower case)."""
+    types = f"{', '.join(HF_MODEL_TYPES[:-1])} or {HF_MODEL_TYPES[-1]}"
+    expected = f"a Llama, Mistral, Qwen or GPT-2 config.json (model_type {types})"
+    if "model_type" not in data:  # it read "got ''", as if the file said so
+        raise SpecError(source, "model_type", f"required field is missing: expected {expected}")
+    model_type = str(data["model_type"]).lower()
+    if model_type not in HF_MODEL_TYPES:
+        raise SpecError(source, "model_type", f"expected {expected}, got {quote(data['model_type'])}")
+    return model_type
+
+
 def _model_from_hf_config(data: dict[str, Any], source: str, stem: str) -> ModelSpec:
     """Translate a Hugging Face config.json (Llama/Mistral/Qwen-style or GPT-2) into a ModelSpec."""
-    model_type = str(data.get("model_type", "")).lower()
+    model_type = _hf_model_type(data, source)
 
     def need(field: str) -> Any:
         if field not in data:
-            raise SpecError(source, field, f"required by a {model_type or 'Hugging Face'} config.json")
+            raise SpecError(source, field, f"required by a {model_type} config.json")
         return data[field]
 
     if model_type == "gpt2":
@@ -187,7 +204,7 @@ def _model_from_hf_config(data: dict[str, Any], source: str, stem: str) -> Model
             "mlp": "gelu",
             "tied_embeddings": True,
         }
-    elif model_type in ("llama", "mistral", "qwen2", "qwen3", "qwen", "internlm2", "yi", "baichuan"):
+    else:  # Llama-style: SwiGLU, RMSNorm, rotary positions
         act = str(data.get("hidden_act", "silu")).lower()
         if act not in ("silu", "swish"):
             raise SpecError(source, "hidden_act", f"expected 'silu' (SwiGLU) for a {model_type} config, got {act!r}")
@@ -203,10 +220,6 @@ def _model_from_hf_config(data: dict[str, Any], source: str, stem: str) -> Model
             "mlp": "swiglu",
             "tied_embeddings": bool(data.get("tie_word_embeddings", False)),
         }
-    else:
-        raise SpecError(
-            source, "model_type", f"expected a Llama, Mistral, Qwen or GPT-2 config.json, got {model_type!r}"
-        )
     fields.update(key=stem, name=stem, source=f"Hugging Face config {source}")
     return validate(ModelSpec, fields, source)
 
@@ -230,7 +243,7 @@ def load_model(name_or_path: str) -> ModelSpec:
         known = ", ".join(model_catalog())
         raise SpecError("--model", "", f"unknown model {name_or_path!r}; expected a file or one of: {known}")
     data = read_mapping(path)
-    if "model_type" in data or "architectures" in data:
+    if any(field in data for field in HF_CONFIG_FIELDS):
         named = path.resolve().parent.name if path.stem == "config" else path.stem  # a checkpoint's directory
         return _model_from_hf_config(data, str(path), named)
     data.setdefault("key", path.stem)

@@ -216,6 +216,26 @@ def test_bad_hf_configs(write, text, field, expectation):
     assert expectation in str(caught.value)
 
 
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2, "hidden_size": 64},
+        {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128},  # read as hetplan's, misspelt
+        {"n_layer": 2, "n_embd": 64},
+    ],
+)
+def test_a_hf_config_without_model_type_says_it_is_missing_and_which_are_translated(write, config):
+    """A config.json without `model_type` said "got ''" (as if the file gave an empty one) or, without
+    `architectures` too, "num_hidden_layers: unknown field: did you mean num_layers"."""
+    path = write("config.json", json.dumps(config))
+    with pytest.raises(SpecError) as caught:
+        load_model(str(path))
+    assert str(caught.value) == (
+        f"{path}: model_type: required field is missing: expected a Llama, Mistral, Qwen or GPT-2 config.json "
+        "(model_type llama, mistral, qwen, qwen2, qwen3, internlm2, yi, baichuan or gpt2)"
+    )
+
+
 def test_unknown_model_lists_catalog():
     with pytest.raises(SpecError, match="unknown model 'gpt5'.*llama-140b"):
         load_model("gpt5")
