@@ -14,7 +14,7 @@ from predictor.calibration import Interval
 from predictor.cost_model import CostContext, Evaluation
 from specs.errors import SpecError
 from specs.layout import PipelineFile, PipelineStrategy, Strategy, pipelines_from_files, without_figures
-from specs.loading import StrictBool, StrictInt, read_mapping, validate
+from specs.loading import PLAN_FILE, StrictBool, StrictInt, file_kind, read_mapping, validate
 from specs.model import ModelSpec, Recompute
 from specs.outputs import write_text_atomic
 from specs.training import TrainingSpec
@@ -486,10 +486,10 @@ def load_plan(path: str | Path) -> LoadedPlan:
     path = Path(path)
     source = str(path)
     data = read_mapping(path)
-    if "schema" not in data:  # a cluster, model or run file given for the plan: its fields all read as misspelt
-        kind = "a cluster file" if "groups" in data else "a model file" if "num_layers" in data else "no schema"
+    kind = file_kind(data)  # a cluster, model or profile given for the plan: its fields all read as misspelt
+    if "schema" not in data or kind not in ("", PLAN_FILE):  # (another schema, or another plan version: validate's)
         raise SpecError(source, "schema", f"expected {PLAN_SCHEMA!r}: a plan, as `hetplan plan --out` writes (got "
-                        f"{kind})")  # fmt: skip
+                        f"{kind or 'no schema'})")  # fmt: skip
     parsed = validate(_PlanFile, data, source)
     model = validate(ModelSpec, parsed.model, source, prefix="model")
     training = validate(TrainingSpec, parsed.training, source, prefix="training")

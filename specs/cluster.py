@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from specs.device import DeviceSpec, get_device
 from specs.errors import SpecError
-from specs.loading import StrictFloat, StrictInt, read_mapping, validate
+from specs.loading import CLUSTER_FILE, StrictFloat, StrictInt, check_file_kind, read_mapping, validate
 from specs.units import gbps_to_bytes_per_s
 
 Topology = Literal["rail-optimized", "rail-only", "clos"]
@@ -241,4 +241,5 @@ def load_cluster(path: str | Path) -> ClusterSpec:
     """Read and validate a cluster YAML/JSON file."""
     path = Path(path)
     data = read_mapping(path)
+    check_file_kind(data, str(path), f"{CLUSTER_FILE} (name, groups, network)", (CLUSTER_FILE,))
     return resolve_cluster(validate(ClusterFile, data, str(path)), str(path))

@@ -193,6 +193,49 @@ def read_mapping(path: Path) -> dict[str, Any]:
     return data
 
 
+# The kinds of file a user gives hetplan, as a message names them, and what marks each: the `schema` a file hetplan
+# writes names (without its version), else a field only that kind has (the first that matches: a Hugging Face config
+# by its layer count too when it lacks model_type, and before a model file, as load_model has always taken it).
+PLAN_FILE, CLUSTER_FILE, MODEL_FILE = "a plan", "a cluster file", "a model file"
+HF_CONFIG, TRAINING_FILE = "a Hugging Face config.json", "a training file"
+KIND_BY_SCHEMA = {
+    "hetplan.plan": PLAN_FILE,
+    "hetplan.profile": "a device profile",
+    "hetplan.host": "a host profile",
+    "hetplan.links": "a link profile",
+    "hetplan.run": "a run record",
+    "hetplan.runs": "a file of run records",
+    "calibration-runs": "a file of calibration runs",
+    "hetplan.predictor": "a predictor",
+    "hetplan.checkpoint": "a checkpoint's metadata",
+}
+KIND_BY_FIELD = (
+    ("groups", CLUSTER_FILE),
+    *((field, HF_CONFIG) for field in ("model_type", "architectures", "num_hidden_layers", "n_layer")),
+    ("num_layers", MODEL_FILE),
+    *((field, TRAINING_FILE) for field in ("global_batch_size", "micro_batch_sizes", "zero_stage", "dtype")),
+    ("exported_strategy", "an export summary (export.json)"),
+)
+
+
+def file_kind(data: dict[str, Any]) -> str:
+    """The kind of file `data` was read from, as a message names it ("a plan", "a cluster file"), by its schema or a
+    field only that kind has; "" when nothing marks it (a file of misspelt fields, say)."""
+    schema = data.get("schema")
+    if isinstance(schema, str):
+        return KIND_BY_SCHEMA.get(schema.split("/")[0], "")
+    return next((kind for field, kind in KIND_BY_FIELD if field in data), "")
+
+
+def check_file_kind(data: dict[str, Any], source: str, expected: str, accepted: tuple[str, ...]) -> None:
+    """Refuse a file of another kind than `accepted` in one line naming what it is and what was `expected`: the
+    fields of a plan given for a cluster all read as misspelt ("schema: unknown field (also wrong: name, groups, ...
+    and 32 more)")."""
+    kind = file_kind(data)
+    if kind and kind not in accepted:
+        raise SpecError(source, "", f"expected {expected}, got {kind}")
+
+
 def field_path(loc: tuple[int | str, ...]) -> str:
     """Render a pydantic location like ('groups', 1, 'nodes') as 'groups[1].nodes'."""
     out = ""

@@ -17,15 +17,12 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from specs.catalog import Catalog, load_catalog
 from specs.errors import SpecError
-from specs.loading import quote, read_mapping, validate
+from specs.loading import HF_CONFIG, MODEL_FILE, check_file_kind, file_kind, quote, read_mapping, validate
 
 Recompute = Literal["none", "selective", "full"]
 RECOMPUTE_MODES: tuple[Recompute, ...] = ("none", "selective", "full")
 # the Hugging Face config.json `model_type`s translated: Llama-style ones and GPT-2
 HF_MODEL_TYPES = ("llama", "mistral", "qwen", "qwen2", "qwen3", "internlm2", "yi", "baichuan", "gpt2")
-# fields by which a config.json is a Hugging Face one: its own `model_type` and `architectures`, and the layer counts
-# of Llama-style and GPT-2 configs (a config without the first two read as a hetplan model of misspelt fields)
-HF_CONFIG_FIELDS = ("model_type", "architectures", "num_hidden_layers", "n_layer")
 
 
 class ModelSpec(BaseModel):
@@ -243,9 +240,10 @@ def load_model(name_or_path: str) -> ModelSpec:
         known = ", ".join(model_catalog())
         raise SpecError("--model", "", f"unknown model {name_or_path!r}; expected a file or one of: {known}")
     data = read_mapping(path)
-    if any(field in data for field in HF_CONFIG_FIELDS):
+    if file_kind(data) == HF_CONFIG:
         named = path.resolve().parent.name if path.stem == "config" else path.stem  # a checkpoint's directory
         return _model_from_hf_config(data, str(path), named)
+    check_file_kind(data, str(path), f"{MODEL_FILE} (num_layers, hidden_size, ...) or {HF_CONFIG}", (MODEL_FILE,))
     data.setdefault("key", path.stem)
     data.setdefault("name", path.stem)
     return validate(ModelSpec, data, str(path))

@@ -9,7 +9,7 @@ from typing import Any, Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from specs.errors import SpecError
-from specs.loading import StrictFloat, StrictInt, read_mapping, validate
+from specs.loading import TRAINING_FILE, StrictFloat, StrictInt, check_file_kind, read_mapping, validate
 from specs.model import RECOMPUTE_MODES, Recompute
 
 Dtype = Literal["bf16", "fp16", "fp32", "fp8"]
@@ -191,6 +191,7 @@ def load_training(path: str | Path | None = None, overrides: dict[str, Any] | No
     """Read an optional training file, then apply flag overrides (None values are ignored)."""
     data: dict[str, Any] = read_mapping(Path(path)) if path is not None else {}
     source = str(path) if path is not None else "training flags"
+    check_file_kind(data, source, f"{TRAINING_FILE} (global_batch_size, dtype, ...)", (TRAINING_FILE,))
     for field, value in (overrides or {}).items():
         if value is not None:
             data[field] = value

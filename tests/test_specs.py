@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from planner.plan import load_plan
 from specs import SpecError, load_cluster, load_model, load_training
 from specs.units import GIB
 from tests.conftest import EXAMPLES
@@ -234,6 +235,38 @@ def test_a_hf_config_without_model_type_says_it_is_missing_and_which_are_transla
         f"{path}: model_type: required field is missing: expected a Llama, Mistral, Qwen or GPT-2 config.json "
         "(model_type llama, mistral, qwen, qwen2, qwen3, internlm2, yi, baichuan or gpt2)"
     )
+
+
+FILES_OF_EACH_KIND = {  # a file of each kind a user may give in the wrong place: its name, its text, what it is
+    "plan": ("plan.json", '{"schema": "hetplan.plan/1", "cluster": "mixed", "pipelines": []}', "a plan"),
+    "profile": ("h100.json", '{"schema": "hetplan.profile/1", "entries": []}', "a device profile"),
+    "cluster": ("cluster.yaml", GOOD_CLUSTER, "a cluster file"),
+    "model": ("model.yaml", (EXAMPLES / "models" / "tiny-gpt.yaml").read_text(), "a model file"),
+    "training": ("training.yaml", (EXAMPLES / "training" / "cpu-run.yaml").read_text(), "a training file"),
+}
+LOADERS = {  # each loader: its message for a file of another kind, and the kinds tried
+    load_cluster: ("expected a cluster file (name, groups, network), got {}", ("plan", "profile", "model", "training")),
+    load_model: (
+        "expected a model file (num_layers, hidden_size, ...) or a Hugging Face config.json, got {}",
+        ("plan", "cluster", "training"),
+    ),
+    load_training: ("expected a training file (global_batch_size, dtype, ...), got {}", ("plan", "cluster", "model")),
+    load_plan: (
+        "schema: expected 'hetplan.plan/1': a plan, as `hetplan plan --out` writes (got {})",
+        ("profile", "training"),
+    ),
+}
+
+
+@pytest.mark.parametrize(("load", "given"), [(load, kind) for load, (_, kinds) in LOADERS.items() for kind in kinds])
+def test_a_file_of_another_kind_is_named_as_what_it_is_and_what_was_expected(write, load, given):
+    """`plan --cluster plan.json` listed the plan's fields as misspelt ("schema: unknown field (also wrong: name,
+    groups, cluster and 32 more)"); so did the model and training loaders for a file of another kind."""
+    name, text, what = FILES_OF_EACH_KIND[given]
+    path = write(name, text)
+    with pytest.raises(SpecError) as caught:
+        load(str(path))
+    assert str(caught.value) == f"{path}: {LOADERS[load][0].format(what)}"
 
 
 def test_unknown_model_lists_catalog():
