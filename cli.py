@@ -25,6 +25,7 @@ from report.cli_flags import (
     JsonOpt,
     LowerBoundOpt,
     ModelOpt,
+    OnceEachCommand,
     PlanArg,
     PlanClusterOpt,
     PlanOutOpt,
@@ -472,6 +473,16 @@ def one_line_summaries(commands: list[typer.models.CommandInfo]) -> None:
 
 
 one_line_summaries(app.registered_commands)
+
+
+def options_once_each(commands: list[typer.models.CommandInfo]) -> None:
+    """Every command refuses an option of one value given twice with different values (report/cli_flags.py)."""
+    for command in commands:
+        if command.cls in (None, typer.core.TyperCommand):  # typer's default (None before typer 0.16)
+            command.cls = OnceEachCommand
+
+
+options_once_each(app.registered_commands)
 
 
 # ---- the entry point ----------------------------------------------------------------------------------------------

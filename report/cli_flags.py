@@ -97,6 +97,51 @@ MEGATRON_FLAGS: dict[str, tuple[str, object]] = {
 }
 
 
+class OnceEachCommand(typer.core.TyperCommand):
+    """A command that refuses an option of one value given more than once with different values: click keeps the
+    last without a word (`plan --dtype fp16 --dtype bf16` planned bf16). Options meant to repeat (`multiple`, such as
+    replan's --without) repeat, and the same value again loses nothing."""
+
+    def parse_args(self, ctx: typer.Context, args: list[str]) -> list[str]:
+        if not ctx.resilient_parsing:  # (shell completion parses half-typed lines)
+            for name, values in repeated_options(self, ctx, args).items():
+                times = "twice" if len(values) == 2 else f"{len(values)} times"
+                listed = f"{', '.join(values[:-1])} and {values[-1]}"
+                ctx.fail(f"{name}: given {times}, {listed}: expected one value (only the last would count)")
+        return super().parse_args(ctx, args)
+
+
+def repeated_options(command: typer.core.TyperCommand, ctx: typer.Context, args: list[str]) -> dict[str, list[str]]:
+    """The options of one value that `args` give different values, by long name, with the values as given (a
+    switch's as the name used: --sequence-parallel, --no-sequence-parallel). `args` are parsed as the command parses
+    them, but with each option of one value collecting its values; what cannot be parsed so is left to the
+    command's own parsing, which says why."""
+    import copy
+
+    single = [p for p in command.params if p.param_type_name == "option" and not p.multiple and not p.count]
+    collecting = copy.copy(command)
+    collecting.params = [copy.copy(p) if p in single else p for p in command.params]
+    for param, original in zip(collecting.params, command.params, strict=True):
+        param.multiple = param.multiple or original in single  # appended, not replaced, by the parser
+    try:
+        given, _, _ = collecting.make_parser(ctx).parse_args(list(args))
+    except Exception:  # an unknown option, a missing value: the command's own parsing names it
+        return {}
+    repeated = {}
+    for option in single:
+        values = [_as_given(option, value) for value in given.get(option.name) or []]
+        if len(set(values)) > 1:
+            repeated[next((n for n in option.opts if n.startswith("--")), option.opts[0])] = values
+    return repeated
+
+
+def _as_given(option: Any, value: Any) -> str:
+    """An option's value as the command line gave it: a switch's name (--no-json), a value quoted, values joined."""
+    if option.is_flag:
+        return option.opts[0] if value or not option.secondary_opts else option.secondary_opts[0]
+    return " ".join(repr(item) for item in value) if isinstance(value, (tuple, list)) else repr(value)
+
+
 def predictor_from(path: Path | None) -> Predictor:
     """The predictor from `hetplan fit`, or the shipped one."""
     from predictor.predictor import default_predictor, load_predictor

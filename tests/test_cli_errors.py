@@ -860,3 +860,35 @@ def test_replan_changes_that_cancel_out_are_said_or_refused(capsys, tmp_path, pl
     code, lines, _ = run(capsys, "replan", out, "-c", hetero, *changes, "--quiet", "--json")
     assert code == 0, lines
     assert "note: --without group:fast:1 and --add group:fast:1 cancel out (group fast keeps its 1 node)" in lines
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        ((*PLAN, "--dtype", "fp16", "--dtype", "bf16"), "--dtype: given twice, 'fp16' and 'bf16': expected one value "
+         "(only the last would count) (see 'hetplan plan --help')"),
+        (("plan", "--cluster", "a.yaml", "-m", TINY, "-c", "b.yaml"), "--cluster: given twice, 'a.yaml' and 'b.yaml'"),
+        ((*PLAN, "--top-k", "1", "--top-k=3", "--top-k", "2"), "--top-k: given 3 times, '1', '3' and '2': expected"),
+        (("predict", "-c", str(CPU), "-m", TINY, "--sequence-parallel", "--no-sequence-parallel"),
+         "--sequence-parallel: given twice, --sequence-parallel and --no-sequence-parallel: expected one value"),
+        (("export", "p.json", "-c", str(CPU), "-f", "megatron", "-f", "deepspeed"), "--format: given twice"),
+    ],
+)  # fmt: skip
+def test_an_option_of_one_value_given_twice_is_refused_naming_its_values(capsys, tmp_path, monkeypatch, args, expected):
+    """click keeps an option's last value without a word: `plan --dtype fp16 --dtype bf16` planned bf16."""
+    monkeypatch.chdir(tmp_path)
+    assert expected in one_error(capsys, *args)
+
+
+def test_options_meant_to_repeat_and_a_value_given_again_are_taken(capsys, plans):
+    """Only different values of an option of one value are refused, in every command: replan's --without repeats,
+    and the same --dtype twice loses nothing."""
+    import typer
+
+    commands = typer.main.get_command(cli.app).commands
+    assert {type(command).__name__ for command in commands.values()} == {"OnceEachCommand"}
+    code, lines, _ = run(capsys, *PLAN, "--dtype", "fp32", "--dtype", "fp32", "--global-batch", "8", "--json")
+    assert (code, lines) == (0, [])
+    changes = ("--without", "node:cpu/1", "--add", "group:cpu:1", "--add", "group:cpu:2")
+    code, lines, _ = run(capsys, "replan", str(plans["good"]), "-c", str(CPU), *changes, "--quiet", "--json")
+    assert code == 0, lines
