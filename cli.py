@@ -329,7 +329,11 @@ def export(
     ctx = costs.predictor.context(cluster_spec, loaded.model, loaded.training, costs.profiles)
     exported = export_plan(ctx, loaded.strategy, format, keep_layout)
     summary = {**exported.summary(), "exported_strategy": describe_strategy(exported.strategy)}
-    write_export(exported, summary, out)
+    removed = write_export(exported, summary, out)
+    if removed:  # another engine's files, as hetplan wrote them: they would mix two engines' launch files
+        said.say(
+            f"note: removed {', '.join(removed)} from {out}: the export there before wrote them, {format}'s does not"
+        )
     show(as_json, summary, *export_lines(format, exported, summary, out))
 
 

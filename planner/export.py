@@ -14,6 +14,7 @@ launched that way and is refused with the stage that breaks it.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shlex
 from collections.abc import Callable, Sequence
@@ -66,6 +67,10 @@ class Export:
             "exported_iteration_time_s": self.predicted_iteration_time_s,
             "slowdown": self.predicted_iteration_time_s / self.plan_iteration_time_s - 1.0,
             "files": sorted(self.files),
+            # what each file held when written: a later export into the directory removes it only when unchanged
+            "files_sha256": {
+                name: hashlib.sha256(self.files[name].encode()).hexdigest() for name in sorted(self.files)
+            },
             "nodes": len(self.nodes),
             "notes": self.notes,
         }

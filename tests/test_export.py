@@ -382,3 +382,45 @@ def test_cli_export_writes_files_and_refuses_an_unknown_format(tmp_path):
     assert summary["exported_iteration_time_s"] >= summary["plan_iteration_time_s"] * (1 - 1e-9)
     bad = hetplan("export", str(plan_file), "--cluster", str(EXAMPLES / "a100-v100-32.yaml"), "--format", "nemo")
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "megatron" in bad.stderr
+
+
+def test_an_export_into_another_engines_export_removes_only_what_that_export_wrote_unchanged(tmp_path, capsys):
+    """megatron exported into a directory of a deepspeed export left ds_config.json and hetplan_pipeline.py beside
+    its launch.sh: two engines' launch files in one directory. The files the earlier export wrote, as it wrote them
+    (export.json records their hashes), are removed and said; a user's own file stays, and one of the earlier
+    export's files changed since refuses the export, which then writes nothing."""
+    import cli
+    from report.failures import exit_status
+
+    def hetplan_here(*args: str) -> tuple[int, str]:
+        code = exit_status(cli.app, list(args))
+        return code, capsys.readouterr().err
+
+    cluster, model = str(EXAMPLES / "cpu-2x2.yaml"), str(EXAMPLES / "models" / "tiny-llama.yaml")
+    plan_file, out = tmp_path / "plan.json", tmp_path / "export"
+    made = hetplan_here("plan", "-c", cluster, "-m", model, "--global-batch", "8", "--out", str(plan_file), "--json")
+    assert made[0] == 0, made
+    export = ("export", str(plan_file), "-c", cluster, "--out", str(out), "--json", "--format")
+    assert hetplan_here(*export, "deepspeed")[0] == 0
+    (out / "mine.txt").write_text("a user's notes")
+    code, said = hetplan_here(*export, "megatron")
+    assert (
+        code == 0
+        and (
+            f"note: removed ds_config.json, hetplan_pipeline.py from {out}: the export there before wrote them, "
+            "megatron's does not"
+        )
+        in said.splitlines()
+    )
+    assert sorted(path.name for path in out.iterdir()) == ["export.json", "launch.sh", "mine.txt"]
+    assert hetplan_here(*export, "deepspeed")[0] == 0
+    with (out / "ds_config.json").open("a") as config:
+        config.write("\n")  # tuned by hand
+    assert hetplan_here(*export, "torchtitan") == (
+        2,
+        f"hetplan: error: --out: {out}: ds_config.json is the earlier deepspeed export's, changed since (or not "
+        "recorded as written), and torchtitan's files would sit beside it: move it away, or choose another --out\n",
+    )
+    kept = ["ds_config.json", "export.json", "hetplan_pipeline.py", "launch.sh", "mine.txt"]
+    assert sorted(path.name for path in out.iterdir()) == kept
+    assert json.loads((out / "export.json").read_text())["format"] == "deepspeed"
