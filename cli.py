@@ -482,7 +482,7 @@ one_line_summaries(app.registered_commands)
 def options_once_each(commands: list[typer.models.CommandInfo]) -> None:
     """Every command refuses an option of one value given twice with different values (report/cli_flags.py)."""
     for command in commands:
-        if command.cls in (None, typer.core.TyperCommand):  # typer's default (None before typer 0.16)
+        if command.cls in (None, typer.core.TyperCommand):  # typer's default (None in older typers)
             command.cls = OnceEachCommand
 
 

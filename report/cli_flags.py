@@ -4,6 +4,7 @@ imports stay inside the functions so `hetplan --help` stays fast."""
 
 from __future__ import annotations
 
+import copy
 import json
 import sys
 from collections.abc import Callable, Collection
@@ -116,13 +117,9 @@ def repeated_options(command: typer.core.TyperCommand, ctx: typer.Context, args:
     switch's as the name used: --sequence-parallel, --no-sequence-parallel). `args` are parsed as the command parses
     them, but with each option of one value collecting its values; what cannot be parsed so is left to the
     command's own parsing, which says why."""
-    import copy
-
     single = [p for p in command.params if p.param_type_name == "option" and not p.multiple and not p.count]
     collecting = copy.copy(command)
-    collecting.params = [copy.copy(p) if p in single else p for p in command.params]
-    for param, original in zip(collecting.params, command.params, strict=True):
-        param.multiple = param.multiple or original in single  # appended, not replaced, by the parser
+    collecting.params = [_collecting(p) if p in single else p for p in command.params]
     try:
         given, _, _ = collecting.make_parser(ctx).parse_args(list(args))
     except Exception:  # an unknown option, a missing value: the command's own parsing names it
@@ -135,8 +132,15 @@ def repeated_options(command: typer.core.TyperCommand, ctx: typer.Context, args:
     return repeated
 
 
+def _collecting(option: Any) -> Any:
+    """A copy of an option of one value that collects every value given (the parser appends instead of replacing)."""
+    collecting = copy.copy(option)
+    collecting.multiple = True
+    return collecting
+
+
 def _as_given(option: Any, value: Any) -> str:
-    """An option's value as the command line gave it: a switch's name (--no-json), a value quoted, values joined."""
+    """An option's value as the command line gave it: a switch's name (--no-sequence-parallel), a value quoted."""
     if option.is_flag:
         return option.opts[0] if value or not option.secondary_opts else option.secondary_opts[0]
     return " ".join(repr(item) for item in value) if isinstance(value, (tuple, list)) else repr(value)
