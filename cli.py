@@ -131,11 +131,11 @@ def plan(
 ) -> None:
     """Search for the fastest plan that fits memory."""
     from planner import plan as make_plan
-    from report.tables import alternatives_lines, evaluation_tables, fit_advice, hint_lines, plan_rows
+    from report.tables import alternatives_lines, evaluation_tables, hint_lines, plan_rows
     from specs import flags
     from specs.cluster import load_cluster
     from specs.engines import get_engine
-    from specs.errors import DoesNotFitError, SpecError
+    from specs.errors import SpecError
     from specs.model import load_model
 
     flags.output_file(out, "--out", reads={"--cluster": cluster, "--model": model, "--training": training})
@@ -164,13 +164,8 @@ def plan(
         options["max_candidates"] = max_candidates
     options["zero_stages"] = flags.zero_stages(zero_stages)
     options["zero_shards"] = flags.choices(zero_shard, ("dp", "node"), "--zero-shard") if zero_shard is not None else []
-    try:
-        with progress_on_stderr("plan", quiet, unit="candidates") as progress:
-            result = make_plan(*inputs, progress=progress.counter("searched"), **options)
-    except DoesNotFitError as err:
-        raise DoesNotFitError(
-            fit_advice(str(err), training_spec, options["zero_stages"]), err.shortfall_bytes
-        ) from None
+    with progress_on_stderr("plan", quiet, unit="candidates") as progress:
+        result = make_plan(*inputs, progress=progress.counter("searched"), **options)
     if out is not None:
         result.save(out)
     body = result.to_dict()

@@ -459,7 +459,9 @@ def _engine_plan_note(ctx: CostContext, strategy: Strategy, found: Closest) -> s
     """Why the files describe the engine's own best plan rather than the plan with only the lost parts replaced, and
     everything that changes with it."""
     exported_s = evaluate(ctx, found.strategy).iteration_time_s
-    if found.near is None:
+    if found.near is None and len(strategy.pipelines) > 1:
+        why = "a plan of several families has no one-family counterpart but the engine's own best plan"
+    elif found.near is None:
         why = "no plan with only those parts replaced fits memory"
     else:
         why = (

@@ -234,16 +234,17 @@ def layout_changes(before: Strategy, after: Strategy) -> list[str]:
         if old != new:
             changes.append(f"{what} {old} -> {new}")
 
-    if len(before.pipelines) != len(after.pipelines):
+    if len(before.pipelines) != len(after.pipelines):  # no part stays in place: the other plan as a whole
         compare("pipeline families", len(before.pipelines), len(after.pipelines))
-    else:
-        several = len(before.pipelines) > 1
-        for index, (old, new) in enumerate(zip(before.pipelines, after.pipelines, strict=True)):
-            family = f"family {index}: " if several else ""
-            compare(f"{family}stages", f"[{describe_stages(old)}]", f"[{describe_stages(new)}]")
-            compare(f"{family}replicas", old.replicas, new.replicas)
-            compare(f"{family}micro-batch", old.micro_batch_size, new.micro_batch_size)
-            compare(f"{family}micro-batches per replica", old.num_microbatches, new.num_microbatches)
+        changes.append(f"now {describe_strategy(after)}")
+        return changes
+    several = len(before.pipelines) > 1
+    for index, (old, new) in enumerate(zip(before.pipelines, after.pipelines, strict=True)):
+        family = f"family {index}: " if several else ""
+        compare(f"{family}stages", f"[{describe_stages(old)}]", f"[{describe_stages(new)}]")
+        compare(f"{family}replicas", old.replicas, new.replicas)
+        compare(f"{family}micro-batch", old.micro_batch_size, new.micro_batch_size)
+        compare(f"{family}micro-batches per replica", old.num_microbatches, new.num_microbatches)
     compare("recompute", before.recompute_summary, after.recompute_summary)
     compare("ZeRO", before.zero_summary.removeprefix("ZeRO-"), after.zero_summary.removeprefix("ZeRO-"))
     compare("interleaving (virtual stages)", before.virtual_stages, after.virtual_stages)

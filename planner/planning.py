@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from planner.engine_space import engine_search, engine_training, engine_zero_stage
@@ -23,11 +23,11 @@ from predictor.cost_model import (
 from predictor.predictor import Predictor, default_predictor
 from profiler.profile import DeviceProfile
 from specs.cluster import ClusterSpec
-from specs.engines import Engine
+from specs.engines import Engine, get_engine
 from specs.errors import DoesNotFitError, SpecError
-from specs.layout import Strategy, split_batch
+from specs.layout import ZERO_SHARDS, ZERO_STAGES, Strategy, split_batch
 from specs.model import ModelSpec
-from specs.training import TrainingSpec
+from specs.training import TrainingSpec, on_groups
 from specs.units import GIB
 
 
@@ -53,7 +53,7 @@ def plan(
     progress: ProgressCallback | None = None,
     predictor: Predictor | None = None,
     lower_bound: bool = False,
-    engine: Engine | None = None,
+    engine: Engine | str | None = None,
     zero_stages: Sequence[int] = (),
     zero_shards: Sequence[str] = (),
     max_candidates: int = DEFAULT_OPTIONS.max_candidates,
@@ -68,7 +68,11 @@ def plan(
     Context-parallel degrees come from the training (`context_parallel_degrees`: by sequence
     length unless chosen), one search each, likewise. `max_candidates`: the candidates a search solves before it
     stops and reports the least bound left (SearchOptions.max_candidates)."""
+    if isinstance(engine, str):
+        engine = get_engine(engine, "plan()", "engine")
+    _check_plan_arguments(cluster, model, training, engine, top_k, max_candidates, zero_stages, zero_shards)
     predictor = predictor or default_predictor()
+    training, training_note = on_groups(training, cluster.groups)  # as `hetplan plan` trains on these devices
     engine_changes: list[str] = []
     if engine is not None:
         training, engine_changes = engine_training(training, engine)
@@ -76,7 +80,7 @@ def plan(
     base = predictor.base_context(cluster, model, training, profiles)
     ctx = predictor.context(cluster, model, training, profiles)
     started = time.perf_counter()
-    options = SearchOptions(top_k=max(1, top_k), root_bound=lower_bound, max_candidates=max(1, max_candidates))
+    options = SearchOptions(top_k=top_k, root_bound=lower_bound, max_candidates=max_candidates)
     choices = _LayoutChoices(zero_stages, zero_shards)
     result, by_stage, by_cp, by_shard = _search_layout_options(ctx, choices, options, progress, engine)
     search_time_s = time.perf_counter() - started
@@ -85,7 +89,7 @@ def plan(
             raise DoesNotFitError(
                 f"{model.key} does not fit on cluster {cluster.name!r}: the closest strategy "
                 f"({result.smallest_shortfall_where}) needs {result.smallest_shortfall_bytes / GIB:.1f} GiB more "
-                "per device; add devices, allow full recompute or ZeRO-1, or shorten the sequence",
+                f"per device; {fit_remedies(training, zero_stages)}",
                 result.smallest_shortfall_bytes,
             )
         state = model.total_params() * state_bytes_per_param(ctx, dp=1)
@@ -113,6 +117,8 @@ def plan(
     }
     if result.note:  # what the search did not cover (merged groups, the candidate budget), in one line
         stats["note"] = result.note
+    if training_note:  # the dtype chosen for these devices (`hetplan plan` says it on stderr)
+        stats["training_note"] = training_note.removeprefix("note: ")
     if engine is not None:
         stats["engine"] = engine.key
         stats["engine_changes"] = engine_changes
@@ -131,6 +137,59 @@ def plan(
     interval = predictor.interval(base, best.strategy)
     alternatives = tuple(result.evaluations[1:])
     return Plan(ctx, best, compute_bounds(ctx), search_time_s, stats, alternatives, interval, result.lower_bound_s)
+
+
+def fit_remedies(training: TrainingSpec, zero_stages: Collection[int] = ()) -> str:
+    """What would let a model fit that the training and the search (`zero_stages`; none: the training's stage) do not
+    already allow, as one clause ('add devices, allow full recompute (--recompute none,selective,full) or shorten the
+    sequence (--seq-len)'): advice to allow full recompute or ZeRO-1 misleads where both are allowed, as by default."""
+    searched = set(zero_stages) or {training.zero_stage}
+    remedies = ["add devices"]
+    if "full" not in training.recompute:
+        remedies.append("allow full recompute (--recompute none,selective,full)")
+    if searched == {0}:
+        remedies.append("use ZeRO-1 (--zero-stage 1)")
+    if 3 not in searched:  # ZeRO-3 shards the weights too
+        remedies.append("shard gradients and weights too (--zero-stage 3)")
+    if training.dtype == "fp32":  # the CPU's default: half the bytes per value
+        remedies.append("train in 16 bits (--dtype bf16, or fp16)")
+    if min(training.micro_batch_sizes) > 1:
+        remedies.append("allow micro-batch 1 (--micro-batch-sizes 1,...)")
+    remedies.append("shorten the sequence (--seq-len)")
+    return ", ".join(remedies[:-1]) + " or " + remedies[-1]
+
+
+def _check_plan_arguments(
+    cluster: object,
+    model: object,
+    training: object,
+    engine: object,
+    top_k: object,
+    max_candidates: object,
+    zero_stages: Sequence[object],
+    zero_shards: Sequence[object],
+) -> None:
+    """plan()'s arguments, each named in one line where it is not what plan() takes (a path where a loaded spec is
+    expected failed deep inside with an AttributeError; zero_stages=[5] planned a 'zero-5' its own loader refuses)."""
+    expected = (
+        ("cluster", cluster, ClusterSpec, "a ClusterSpec: specs.load_cluster(path)"),
+        ("model", model, ModelSpec, "a ModelSpec: specs.load_model(name or path)"),
+        ("training", training, TrainingSpec, "a TrainingSpec: specs.load_training(path or None, overrides)"),
+    )
+    for field, value, kind, what in expected:
+        if not isinstance(value, kind):
+            raise SpecError("plan()", field, f"expected {what}, got {type(value).__name__} {value!r:.60}")
+    if engine is not None and not isinstance(engine, Engine):
+        raise SpecError("plan()", "engine", f"expected an engine name or specs.get_engine(name), got {engine!r:.60}")
+    for field, value in (("top_k", top_k), ("max_candidates", max_candidates)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise SpecError("plan()", field, f"expected a whole number >= 1, got {value!r}")
+    for stage in zero_stages:
+        if stage not in ZERO_STAGES or isinstance(stage, bool):
+            raise SpecError("plan()", "zero_stages", f"expected ZeRO stages among 0, 1, 2, 3, got {stage!r}")
+    for shard in zero_shards:
+        if shard not in ZERO_SHARDS:
+            raise SpecError("plan()", "zero_shards", f"expected some of {', '.join(ZERO_SHARDS)}, got {shard!r}")
 
 
 @dataclass(frozen=True)

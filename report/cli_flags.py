@@ -187,12 +187,9 @@ def on_cluster(training: TrainingSpec, cluster: ClusterSpec, used: Collection[st
     """The training on this cluster's groups (`used`: a strategy's, default every group): fp32 on CPU devices, fp16
     where some devices have no bf16, unless a dtype was chosen (a note on stderr says so); a note where FP8 would run
     bf16."""
-    from specs.training import on_devices
+    from specs.training import on_groups
 
-    groups = [group for group in cluster.groups if used is None or group.name in used]
-    without_bf16 = sorted({group.device.key for group in groups if not group.device.supports_bf16})
-    without_fp8 = sorted({group.device.key for group in groups if group.device.peak_fp8_tflops is None})
-    chosen, note = on_devices(training, {group.device.vendor for group in groups}, without_bf16, without_fp8)
+    chosen, note = on_groups(training, [group for group in cluster.groups if used is None or group.name in used])
     if note:
         said.say(note)
     return chosen

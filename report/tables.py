@@ -20,7 +20,6 @@ if TYPE_CHECKING:
     from report.network import TrafficReport
     from specs.device import DeviceSpec
     from specs.model import ModelSpec
-    from specs.training import TrainingSpec
 
 Row = tuple[str, str]
 STAGE_COLUMNS = ("stage", "group", "device", "layers", "n", "tp", "recompute", "devices", "fwd+bwd/mb ms", "memory GiB")
@@ -344,27 +343,3 @@ def hint_lines(ctx: CostContext, evaluation: Evaluation) -> list[str]:
     if idle > 0:
         return [f"hint: {idle:,} of {cluster.num_devices:,} devices are idle; {flag}, which may use them"]
     return []
-
-
-# the remedies planner.plan names when nothing fits; `fit_advice` keeps those this training does not already use
-PLANNER_REMEDIES = "add devices, allow full recompute or ZeRO-1, or shorten the sequence"
-
-
-def fit_advice(message: str, training: TrainingSpec, zero_stages: Collection[int] = ()) -> str:
-    """A does-not-fit message whose advice names only what the training and the search (`zero_stages`, `plan
-    --zero-stages`; none: the training's stage) do not already allow (the planner's advice to allow full recompute
-    or ZeRO-1 misleads when both are allowed, as by default)."""
-    searched = set(zero_stages) or {training.zero_stage}
-    remedies = ["add devices"]
-    if "full" not in training.recompute:
-        remedies.append("allow full recompute (--recompute none,selective,full)")
-    if searched == {0}:
-        remedies.append("use ZeRO-1 (--zero-stage 1)")
-    if 3 not in searched:  # ZeRO-3 shards the weights too
-        remedies.append("shard gradients and weights too (--zero-stage 3)")
-    if training.dtype == "fp32":  # the CPU's default: half the bytes per value
-        remedies.append("train in 16 bits (--dtype bf16, or fp16)")
-    if min(training.micro_batch_sizes) > 1:
-        remedies.append("allow micro-batch 1 (--micro-batch-sizes 1,...)")
-    remedies.append("shorten the sequence (--seq-len)")
-    return message.replace(PLANNER_REMEDIES, ", ".join(remedies[:-1]) + " or " + remedies[-1])

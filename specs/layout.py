@@ -307,7 +307,9 @@ def check_strategy(
     strategy: Strategy, cluster: ClusterSpec, model: ModelSpec, global_batch: int, source: str = "strategy"
 ) -> None:
     """Structural checks: every family covers the layers once, TP inside a node and dividing heads, devices used by
-    at most one stage of one family, the families' samples add up to the global batch."""
+    at most one stage of one family, the families' samples add up to the global batch; and, first, the values a
+    Strategy built in Python may hold that no plan file can (`_check_values`)."""
+    _check_values(strategy, source)
     if not strategy.pipelines:
         raise SpecError(source, "pipelines", "expected at least one pipeline family")
     degrees = sorted({p.context_parallel for p in strategy.pipelines})
@@ -337,6 +339,41 @@ def check_strategy(
             f"micro-batch x micro-batches over all replicas{' of all families' if field == 'pipelines' else ''} "
             f"= {samples}, expected the global batch {global_batch}",
         )
+
+
+ZERO_STAGES = (0, 1, 2, 3)
+ZERO_SHARDS = ("dp", "node")
+
+
+def _check_values(strategy: Strategy, source: str) -> None:
+    """The kinds and ranges of a strategy's values, as a plan file's schema checks them on load: a Strategy built in
+    Python is a plain dataclass (recompute 'bogus' was evaluated as 'none', ZeRO stage 7 as sharded, TP '8' failed
+    inside the checks with a TypeError)."""
+
+    def whole(value: object, field: str, least: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise SpecError(source, field, f"expected a whole number >= {least}, got {value!r}")
+
+    def one_of(value: object, field: str, known: Sequence[object]) -> None:
+        if value not in known:
+            raise SpecError(source, field, f"expected one of {', '.join(map(str, known))}, got {value!r}")
+
+    one_of(strategy.recompute, "recompute", RECOMPUTE_MODES)
+    one_of(strategy.zero_stage, "zero_stage", ZERO_STAGES)
+    one_of(strategy.zero_shard, "zero_shard", ZERO_SHARDS)
+    whole(strategy.virtual_stages, "virtual_stages", 1)
+    for family, pipeline in enumerate(strategy.pipelines):
+        where = f"pipelines[{family}]"
+        for field in ("replicas", "micro_batch_size", "num_microbatches", "context_parallel"):
+            whole(getattr(pipeline, field), f"{where}.{field}", 1)
+        whole(pipeline.total_microbatches, f"{where}.total_microbatches", 0)
+        if pipeline.zero_stage is not None:
+            one_of(pipeline.zero_stage, f"{where}.zero_stage", ZERO_STAGES)
+        for index, stage in enumerate(pipeline.stages):
+            for field, least in (("layer_start", 0), ("layer_end", 1), ("tp", 1), ("device_offset", 0)):
+                whole(getattr(stage, field), f"{where}.stages[{index}].{field}", least)
+            if stage.recompute is not None:
+                one_of(stage.recompute, f"{where}.stages[{index}].recompute", RECOMPUTE_MODES)
 
 
 def _check_pipeline(

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from specs.errors import SpecError
 from specs.loading import TRAINING_FILE, StrictFloat, StrictInt, check_file_kind, read_mapping, validate
 from specs.model import RECOMPUTE_MODES, Recompute
+
+if TYPE_CHECKING:
+    from specs.cluster import DeviceGroup
 
 Dtype = Literal["bf16", "fp16", "fp32", "fp8"]
 # bytes of a stored weight, activation or transferred value; fp8 training (Transformer Engine) keeps them in bf16 and
@@ -226,3 +229,11 @@ def on_devices(
         return training, ""
     note = f"note: training in {dtype} {why}; set dtype or --dtype to choose"
     return TrainingSpec.model_validate({**training.model_dump(exclude_unset=True), "dtype": dtype}), note
+
+
+def on_groups(training: TrainingSpec, groups: Sequence[DeviceGroup]) -> tuple[TrainingSpec, str]:
+    """The training on these device groups (`on_devices` with their vendors and the devices lacking bf16 or FP8),
+    and its note ("" when there is none): what `hetplan plan` and Python's plan() both train with."""
+    without_bf16 = sorted({group.device.key for group in groups if not group.device.supports_bf16})
+    without_fp8 = sorted({group.device.key for group in groups if group.device.peak_fp8_tflops is None})
+    return on_devices(training, {group.device.vendor for group in groups}, without_bf16, without_fp8)

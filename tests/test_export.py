@@ -12,7 +12,7 @@ import tomllib
 from planner import plan
 from planner.engine_space import closest, engine_plans, engine_training, near_plans
 from planner.export import WRITERS, export_plan, megatron_layout
-from planner.plan import layout_changes
+from planner.plan import describe_strategy, layout_changes
 from predictor.cost_model import evaluate
 from predictor.predictor import default_predictor
 from specs import engine_catalog, get_engine, load_cluster, load_model, load_training
@@ -235,6 +235,8 @@ def test_layout_changes_name_each_part_that_differs():
         "ZeRO 1 -> 0",
         "interleaving (virtual stages) 1 -> 2",
     ]
+    two_families = replace(before, pipelines=(*before.pipelines, *after.pipelines))
+    assert layout_changes(two_families, before) == ["pipeline families 2 -> 1", f"now {describe_strategy(before)}"]
 
 
 @pytest.mark.parametrize("key", list(engine_catalog()))

@@ -11,6 +11,7 @@ from planner import plan
 from planner.candidates import divisors
 from predictor.cost_model import decoder_layer_time_s, evaluate
 from specs import DoesNotFitError, load_cluster, load_model, load_training
+from specs.errors import SpecError
 from tests.conftest import EXAMPLES, ONE_T4_NODE
 
 
@@ -364,3 +365,121 @@ def test_a_larger_search_budget_never_finds_a_slower_plan():
     times = [evaluation.iteration_time_s for evaluation in found]
     assert times[-1] <= min(times) * (1 + 1e-9), dict(zip(budgets, times, strict=True))
     assert found[-1].strategy.recompute_summary.startswith("per-stage")
+
+
+def test_python_plan_trains_on_the_clusters_devices_as_the_cli_does():
+    """plan() without a dtype: fp16 where a group has no bf16, fp32 on CPU devices, each with its note in the search
+    statistics (it planned bf16 on CPUs, and refused the bundled A100 + V100 example); a chosen dtype stays."""
+    a100_v100 = load_cluster(EXAMPLES / "a100-v100-32.yaml")
+    made = plan(a100_v100, load_model("gpt3-1.7b"), load_training(overrides={"global_batch_size": 32}))
+    assert made.context.training.dtype == "fp16" and "v100 has no bf16" in made.search_stats["training_note"]
+    cpu = plan(
+        load_cluster(EXAMPLES / "cpu-2x2.yaml"),
+        load_model(str(EXAMPLES / "models" / "tiny-llama.yaml")),
+        load_training(overrides={"global_batch_size": 8}),
+    )
+    assert cpu.context.training.dtype == "fp32" and "on cpu devices" in cpu.search_stats["training_note"]
+    chosen = load_training(overrides={"global_batch_size": 8, "dtype": "bf16"})
+    kept = plan(
+        load_cluster(EXAMPLES / "cpu-2x2.yaml"), load_model(str(EXAMPLES / "models" / "tiny-llama.yaml")), chosen
+    )
+    assert kept.context.training.dtype == "bf16" and "training_note" not in kept.search_stats
+
+
+@pytest.mark.parametrize(
+    ("arguments", "expected"),
+    [
+        ({"zero_stages": [5]}, "plan(): zero_stages: expected ZeRO stages among 0, 1, 2, 3, got 5"),
+        ({"zero_stages": [-1]}, "plan(): zero_stages: expected ZeRO stages among 0, 1, 2, 3, got -1"),
+        ({"zero_shards": ["rack"]}, "plan(): zero_shards: expected some of dp, node, got 'rack'"),
+        ({"top_k": 0}, "plan(): top_k: expected a whole number >= 1, got 0"),
+        ({"max_candidates": 0}, "plan(): max_candidates: expected a whole number >= 1, got 0"),
+        ({"engine": "megatron-lm"}, "plan(): engine: unknown engine 'megatron-lm'"),
+        (
+            {"cluster": "examples/cpu-2x2.yaml"},
+            "plan(): cluster: expected a ClusterSpec: specs.load_cluster(path), got str",
+        ),
+        ({"training": None}, "plan(): training: expected a TrainingSpec: specs.load_training(path or None, overrides)"),
+    ],
+)
+def test_python_plan_names_an_argument_it_cannot_take(arguments, expected):
+    """Each in one line, before any work (zero_stages=[5] planned a 'zero-5' that its own loader refused)."""
+    given = {
+        "cluster": load_cluster(EXAMPLES / "cpu-2x2.yaml"),
+        "model": load_model(str(EXAMPLES / "models" / "tiny-llama.yaml")),
+        "training": load_training(overrides={"global_batch_size": 8}),
+        **arguments,
+    }
+    with pytest.raises(SpecError) as caught:
+        plan(**given)
+    assert str(caught.value).startswith(expected) and "\n" not in str(caught.value)
+
+
+def test_python_plan_takes_an_engine_by_name():
+    cluster, model = load_cluster(EXAMPLES / "cpu-2x2.yaml"), load_model(str(EXAMPLES / "models" / "tiny-llama.yaml"))
+    made = plan(cluster, model, load_training(overrides={"global_batch_size": 8}), engine="Megatron")
+    assert made.search_stats["engine"] == "megatron"
+
+
+def test_a_model_that_does_not_fit_is_advised_only_what_the_training_does_not_allow():
+    """The library's message named 'allow full recompute or ZeRO-1' when both were allowed (the defaults); the CLI
+    rewrote it, Python callers got it as it was."""
+    tiny = load_cluster(EXAMPLES / "a100-v100-32.yaml")
+    tiny = dataclasses.replace(
+        tiny,
+        groups=tuple(
+            dataclasses.replace(g, device=g.device.model_copy(update={"memory_GB": 1.0})) for g in tiny.groups
+        ),
+    )
+    with pytest.raises(DoesNotFitError) as caught:
+        plan(tiny, load_model("llama3-8b"), load_training(overrides={"global_batch_size": 8, "dtype": "fp16"}))
+    message = str(caught.value)
+    assert "allow full recompute or ZeRO-1" not in message and "allow full recompute (" not in message
+    assert message.endswith(
+        "add devices, shard gradients and weights too (--zero-stage 3) or shorten the sequence (--seq-len)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        ({"recompute": "bogus"}, "strategy: recompute: expected one of none, selective, full, got 'bogus'"),
+        ({"zero_stage": 7}, "strategy: zero_stage: expected one of 0, 1, 2, 3, got 7"),
+        ({"virtual_stages": 0}, "strategy: virtual_stages: expected a whole number >= 1, got 0"),
+        ({"tp": "8"}, "strategy: pipelines[0].stages[0].tp: expected a whole number >= 1, got '8'"),
+        ({"stage_recompute": "most"}, "strategy: pipelines[0].stages[0].recompute: expected one of none, selective"),
+    ],
+)
+def test_predict_names_a_hand_built_strategys_value_no_plan_file_could_hold(change, expected):
+    """A Strategy built in Python is a plain dataclass: recompute 'bogus' was evaluated as 'none', ZeRO-7 as sharded."""
+    from planner import predict
+    from predictor.cost_model import build_context
+    from specs.layout import PipelineStrategy, StageStrategy, Strategy
+
+    cluster, model = load_cluster(EXAMPLES / "cpu-2x2.yaml"), load_model(str(EXAMPLES / "models" / "tiny-llama.yaml"))
+    ctx = build_context(cluster, model, load_training(overrides={"global_batch_size": 8, "dtype": "fp32"}))
+    group = cluster.groups[0].name
+    stage = StageStrategy(group, 0, model.num_layers, change.get("tp", 1), 0, change.get("stage_recompute"))
+    strategy = Strategy((PipelineStrategy(1, 1, 8, (stage,)),), "none", 1)
+    fields = {k: v for k, v in change.items() if k in ("recompute", "zero_stage", "virtual_stages")}
+    with pytest.raises(SpecError) as caught:
+        predict(ctx, dataclasses.replace(strategy, **fields))
+    assert str(caught.value).startswith(expected)
+
+
+def test_the_readmes_python_api_runs_as_written(tmp_path, monkeypatch):
+    """The README's Python API block, run as a user pastes it (from the repository, writing plan.json beside it):
+    the what-if of the plan's own strategy in the plan's context gives the plan's time."""
+    from tests.conftest import ROOT
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme[readme.index("## Python API") :]
+    start = section.index("```python\n") + len("```python\n")
+    code = section[start : section.index("```\n", start)]
+    (tmp_path / "examples").symlink_to(ROOT / "examples")  # the block's relative paths
+    monkeypatch.chdir(tmp_path)
+    namespace: dict[str, object] = {}
+    exec(compile(code, "README.md", "exec"), namespace)
+    result, evaluation = namespace["result"], namespace["evaluation"]
+    assert evaluation.iteration_time_s == pytest.approx(result.evaluation.iteration_time_s)  # type: ignore[attr-defined]
+    assert (tmp_path / "plan.json").exists() and "launch.sh" in namespace["exported"].files  # type: ignore[attr-defined]

@@ -370,28 +370,25 @@ def test_catalog_tables_never_cut_the_key_column():
 
 
 def test_hints_name_uneven_batches_for_a_prime_batch_and_advice_skips_what_is_allowed():
-    from report.tables import PLANNER_REMEDIES, fit_advice, hint_lines
+    from planner.planning import fit_remedies
+    from report.tables import hint_lines
 
     prime = explain(_plan(tp=8, pp=2, dp=1, batch=31), _a100())
     (hint,) = hint_lines(prime.context, prime.evaluation)
     assert hint.startswith("hint: the global batch 31 is prime") and "--uneven-batch exhaustive" in hint
     even = explain(_plan(tp=2, pp=2, dp=4), _a100())
     assert hint_lines(even.context, even.evaluation) == []  # every device used, batch splits evenly
-    message = f"llama2-70b does not fit: the closest strategy needs 3.0 GiB more per device; {PLANNER_REMEDIES}"
     defaults = load_training()  # full recompute and ZeRO-1 already allowed
-    advice = fit_advice(message, defaults)
-    assert advice.endswith(
-        "; add devices, shard gradients and weights too (--zero-stage 3) or shorten the sequence (--seq-len)"
+    assert fit_remedies(defaults) == (
+        "add devices, shard gradients and weights too (--zero-stage 3) or shorten the sequence (--seq-len)"
     )
-    assert "--dtype bf16" in fit_advice(message, load_training(None, {"dtype": "fp32"}))
-    assert "--zero-stage 3" not in fit_advice(message, load_training(None, {"zero_stage": 3}))
-    assert "--zero-stage 3" not in fit_advice(message, defaults, zero_stages=[1, 2, 3])  # `plan --zero-stages 1,2,3`
-    assert "--zero-stage 3" not in fit_advice(message, defaults, zero_stages=[0, 3])
-    assert "ZeRO-1 (--zero-stage 1)" not in fit_advice(message, load_training(None, {"zero_stage": 0}), [0, 1])
+    assert "--dtype bf16" in fit_remedies(load_training(None, {"dtype": "fp32"}))
+    assert "--zero-stage 3" not in fit_remedies(load_training(None, {"zero_stage": 3}))
+    assert "--zero-stage 3" not in fit_remedies(defaults, zero_stages=[1, 2, 3])  # `plan --zero-stages 1,2,3`
+    assert "--zero-stage 3" not in fit_remedies(defaults, zero_stages=[0, 3])
+    assert "ZeRO-1 (--zero-stage 1)" not in fit_remedies(load_training(None, {"zero_stage": 0}), [0, 1])
     narrow = load_training(None, {"recompute": ["none"], "zero_stage": 0, "micro_batch_sizes": [2, 4]})
-    assert "allow full recompute" in fit_advice(message, narrow) and "ZeRO-1 (--zero-stage 1)" in fit_advice(
-        message, narrow
-    )
+    assert "allow full recompute" in fit_remedies(narrow) and "ZeRO-1 (--zero-stage 1)" in fit_remedies(narrow)
 
 
 def test_explain_words_agree_with_the_table_when_families_differ():
