@@ -370,7 +370,7 @@ def _check_values(strategy: Strategy, source: str) -> None:
         if pipeline.zero_stage is not None:
             one_of(pipeline.zero_stage, f"{where}.zero_stage", ZERO_STAGES)
         for index, stage in enumerate(pipeline.stages):
-            for field, least in (("layer_start", 0), ("layer_end", 1), ("tp", 1), ("device_offset", 0)):
+            for field, least in (("layer_start", 0), ("layer_end", 0), ("tp", 1), ("device_offset", 0)):
                 whole(getattr(stage, field), f"{where}.stages[{index}].{field}", least)
             if stage.recompute is not None:
                 one_of(stage.recompute, f"{where}.stages[{index}].recompute", RECOMPUTE_MODES)

@@ -171,9 +171,10 @@ def test_the_closest_misfit_is_found_only_when_asked(write, monkeypatch):
 
 
 def test_bf16_on_a_device_without_bf16_is_a_clear_error():
+    """Chosen, bf16 is refused on a cluster with V100s (unchosen, the training there is fp16: the test below)."""
     cluster = load_cluster(EXAMPLES / "a100-v100-32.yaml")
-    with pytest.raises(Exception, match="v100 has no bf16: train in fp16"):
-        plan(cluster, load_model("gpt3-1.7b"), load_training())
+    with pytest.raises(SpecError, match="v100 has no bf16: train in fp16"):
+        plan(cluster, load_model("gpt3-1.7b"), load_training(overrides={"dtype": "bf16"}))
 
 
 def test_plan_equals_exhaustive_search_on_a_small_heterogeneous_cluster():
