@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from planner.engine_space import Closest, closest
-from planner.plan import layout_changes
+from planner.plan import evaluation_dict, header_dict, layout_changes
 from predictor.cost_model import CostContext, evaluate, interleaved_group_size
 from predictor.sharding import shard_ranks
 from specs.cluster import ClusterSpec
@@ -311,9 +311,14 @@ def _torchtitan(ctx: CostContext, strategy: Strategy, plan: Strategy) -> tuple[d
     return {"torchtitan.toml": toml}, [["--job.config_file", "$here/torchtitan.toml"]]
 
 
+PLAN_FILE = "plan.json"  # the torchrun export's plan, which launch.sh names to every rank in $HETPLAN_PLAN
+
+
 def _launch_only(ctx: CostContext, strategy: Strategy, plan: Strategy) -> tuple[dict[str, str], Args]:
-    """torchrun starts the user's own script: the launch commands are the whole export."""
-    return {}, []
+    """torchrun starts the user's own script, which takes no plan arguments: the plan goes with it as a plan file
+    (hetplan's format, the exported layout: planner.plan.load_plan reads it), named to every rank in $HETPLAN_PLAN."""
+    body = {**header_dict(ctx), **evaluation_dict(ctx, evaluate(ctx, strategy))}
+    return {PLAN_FILE: json.dumps(body, indent=2) + "\n"}, []
 
 
 Writer = Callable[[CostContext, Strategy, Strategy], tuple[dict[str, str], Args]]
@@ -377,15 +382,27 @@ def _shell_word(word: str) -> str:
     return f'"{word}"' if word.startswith("$here/") else shlex.quote(word)
 
 
-def launch_script(launches: list[NodeLaunch], title: str, script: str, args: Args, what: str) -> str:
+def launch_script(
+    launches: list[NodeLaunch], title: str, script: str, args: Args, what: str, plan_file: str = ""
+) -> str:
     """A bash script every node runs: node rank from its argument, $NODE_RANK or $SLURM_NODEID; the node's visible
-    devices exported; torchrun started with the engine's arguments as a bash array (real arguments, no re-parsing)."""
+    devices exported; torchrun started with the engine's arguments as a bash array (real arguments, no re-parsing);
+    `plan_file` (beside the script), when given, named to every rank in $HETPLAN_PLAN."""
     last = len(launches) - 1
     entry = " ".join(shlex.quote(w) for w in shlex.split(script))
+    gets = "the plan's arguments, then EXTRA_ARGS" if args else "EXTRA_ARGS"
     usage = [
         f"usage: launch.sh [NODE_RANK] [EXTRA_ARGS...]   starts torchrun for {what} on this node",
-        f"  {what}: TRAIN_SCRIPT=path overrides{'' if script else ' (required)'}; it gets the plan's arguments, "
-        "then EXTRA_ARGS (data, tokenizer, checkpoints ...)",
+        f"  {what}: TRAIN_SCRIPT=path overrides{'' if script else ' (required)'}; it gets {gets} (data, tokenizer, "
+        "checkpoints ...)",
+        *(
+            [
+                f"  HETPLAN_PLAN: the plan it runs ({plan_file} beside this script: stages, TP, micro-batches; "
+                "planner.plan.load_plan reads it)"
+            ]
+            if plan_file
+            else []
+        ),
         f"  NODE_RANK (0..{last}): the argument, else $NODE_RANK, else $SLURM_NODEID; node rank k must be a node "
         "of the group named on its line in this script",
         "  MASTER_ADDR: node rank 0's address (under SLURM: the job's first host); MASTER_PORT: "
@@ -405,9 +422,10 @@ def launch_script(launches: list[NodeLaunch], title: str, script: str, args: Arg
         f'MASTER_PORT="${{MASTER_PORT:-{MASTER_PORT}}}"',
         *(
             ['here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"']
-            if any("$here/" in w for a in args for w in a)
+            if plan_file or any("$here/" in w for a in args for w in a)
             else []
         ),
+        *([f'export HETPLAN_PLAN="$here/{plan_file}"'] if plan_file else []),
         f"entry=({entry})",
         'if [[ -n ${TRAIN_SCRIPT:-} ]]; then entry=("$TRAIN_SCRIPT"); fi',
         'if [[ ${#entry[@]} -eq 0 ]]; then echo "launch.sh: set TRAIN_SCRIPT to the training script" >&2; exit 2; fi',
@@ -487,7 +505,8 @@ def export_plan(ctx: CostContext, strategy: Strategy, fmt: str, keep_layout: boo
     launches = node_launches(ctx.cluster, megatron_order(exported))
     what = shlex.split(engine.script)[-1] if engine.script else "your training script"
     title = f"hetplan export --format {engine.key}: one torchrun per node ({len(launches)} nodes)"
-    files["launch.sh"] = launch_script(launches, title, engine.script, args, what)
+    plan_file = PLAN_FILE if PLAN_FILE in files else ""
+    files["launch.sh"] = launch_script(launches, title, engine.script, args, what, plan_file)
     notes = [] if exported == found.near else [_engine_plan_note(ctx, strategy, found)]
     vendors = sorted({ctx.cluster.group(s.group).device.vendor for s in exported.pipelines[0].stages})
     if len(vendors) > 1 and not engine.mixed_vendors:
@@ -495,7 +514,7 @@ def export_plan(ctx: CostContext, strategy: Strategy, fmt: str, keep_layout: boo
             f"the plan spans vendors {', '.join(vendors)}: {engine.key} runs one collective library for the whole "
             "job; launch it over the hetplan backend's bridge (comm/) or use FlagScale's hetero mode"
         )
-    if exported.virtual_stages > 1 and engine.interleaving:
+    if exported.virtual_stages > 1 and engine.interleaving and engine.script:  # (not the user's own script)
         notes.append(
             "interleaving keeps each rank's layer count, not its layer ids (the engine deals chunks round-robin)"
         )

@@ -16,7 +16,7 @@ from specs.errors import SpecError
 from specs.layout import PipelineFile, PipelineStrategy, Strategy, pipelines_from_files, without_figures
 from specs.loading import PLAN_FILE, StrictBool, StrictInt, file_kind, read_mapping, validate
 from specs.model import ModelSpec, Recompute
-from specs.outputs import write_text_atomic
+from specs.outputs import check_writable, write_text_atomic
 from specs.training import TrainingSpec
 
 PLAN_SCHEMA = "hetplan.plan/1"
@@ -65,7 +65,9 @@ class Plan:
         return json.dumps(self.to_dict(), indent=2) + "\n"
 
     def save(self, path: str | Path) -> None:
-        write_text_atomic(path, self.to_json())
+        """Write the plan file, creating its directory as `hetplan plan --out` does (a path it cannot write is a
+        one-line SpecError)."""
+        write_text_atomic(check_writable(path, "Plan.save"), self.to_json())
 
 
 def evaluation_dict(ctx: CostContext, evaluation: Evaluation) -> dict[str, Any]:

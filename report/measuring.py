@@ -441,14 +441,16 @@ def launch(
             str(plan_file), "training.dtype", "hetplan's runtime has no FP8 GEMMs: plan with --dtype bf16 to launch it "
             "here, or export the fp8 plan to Megatron or torchtitan (hetplan export)",
         )  # fmt: skip
-    commands = launch_commands(str(plan_file), cluster_spec, str(cluster), str(out), master_addr, port)
+    # absolute paths: each node runs its line from wherever its shell is (a shared filesystem at the same place)
+    paths = [str(path.absolute()) for path in (plan_file, cluster, out)]
+    commands = launch_commands(paths[0], cluster_spec, paths[1], paths[2], master_addr, port)
     if as_json:
         nodes = [
             {"group": launch.group, "node": launch.node, "node_rank": launch.node_rank, "devices": list(launch.devices),
              "command": command}
             for launch, command in zip(runtime_launches(cluster_spec), commands, strict=True)
         ]  # fmt: skip
-        show(True, {"plan": str(plan_file), "cluster": str(cluster), "record": str(out), "nodes": nodes})
+        show(True, {"plan": paths[0], "cluster": paths[1], "record": paths[2], "nodes": nodes})
         return
     for line in commands:
         sys.stdout.write(line + "\n")

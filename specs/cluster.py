@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -237,9 +238,11 @@ def resolve_cluster(spec: ClusterFile, source: str) -> ClusterSpec:
     )
 
 
-def load_cluster(path: str | Path) -> ClusterSpec:
-    """Read and validate a cluster YAML/JSON file."""
-    path = Path(path)
-    data = read_mapping(path)
-    check_file_kind(data, str(path), f"{CLUSTER_FILE} (name, groups, network)", (CLUSTER_FILE,))
-    return resolve_cluster(validate(ClusterFile, data, str(path)), str(path))
+def load_cluster(path: str | Path | Mapping[str, Any]) -> ClusterSpec:
+    """Read and validate a cluster YAML/JSON file, or the mapping such a file holds (a launcher's own dict)."""
+    if isinstance(path, Mapping):
+        data, source = dict(path), "cluster mapping"
+    else:
+        data, source = read_mapping(Path(path)), str(path)
+    check_file_kind(data, source, f"{CLUSTER_FILE} (name, groups, network)", (CLUSTER_FILE,))
+    return resolve_cluster(validate(ClusterFile, data, source), source)

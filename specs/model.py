@@ -9,7 +9,7 @@ causal flash kernels execute half of it). Backward is 2x forward. For GPT (f=4h,
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -230,20 +230,27 @@ def model_catalog() -> dict[str, ModelSpec]:
     return _models().entries
 
 
-def load_model(name_or_path: str) -> ModelSpec:
-    """A catalog key or alias, a model YAML/JSON file, or a Hugging Face config.json."""
-    found = _models().find(name_or_path)
+def load_model(name_or_path: str | Path | Mapping[str, Any]) -> ModelSpec:
+    """A catalog key or alias, a model YAML/JSON file, a Hugging Face config.json, or the mapping such a file holds
+    (a launcher's own dict: its key and name default to 'model')."""
+    if isinstance(name_or_path, Mapping):
+        return _model_from_mapping(dict(name_or_path), "model mapping", "model")
+    found = _models().find(str(name_or_path))
     if found is not None:
         return found
     path = Path(name_or_path)
     if not path.exists() and path.suffix.lower() not in (".yaml", ".yml", ".json"):
         known = ", ".join(model_catalog())
         raise SpecError("--model", "", f"unknown model {name_or_path!r}; expected a file or one of: {known}")
-    data = read_mapping(path)
+    named = path.resolve().parent.name if path.stem == "config" else path.stem  # a checkpoint's directory
+    return _model_from_mapping(read_mapping(path), str(path), named)
+
+
+def _model_from_mapping(data: dict[str, Any], source: str, named: str) -> ModelSpec:
+    """A model file's mapping (hetplan's fields, or a Hugging Face config's), named `named` where it names nothing."""
     if file_kind(data) == HF_CONFIG:
-        named = path.resolve().parent.name if path.stem == "config" else path.stem  # a checkpoint's directory
-        return _model_from_hf_config(data, str(path), named)
-    check_file_kind(data, str(path), f"{MODEL_FILE} (num_layers, hidden_size, ...) or {HF_CONFIG}", (MODEL_FILE,))
-    data.setdefault("key", path.stem)
-    data.setdefault("name", path.stem)
-    return validate(ModelSpec, data, str(path))
+        return _model_from_hf_config(data, source, named)
+    check_file_kind(data, source, f"{MODEL_FILE} (num_layers, hidden_size, ...) or {HF_CONFIG}", (MODEL_FILE,))
+    data.setdefault("key", named)
+    data.setdefault("name", named)
+    return validate(ModelSpec, data, source)

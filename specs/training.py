@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
@@ -190,10 +190,16 @@ class TrainingSpec(BaseModel):
         return DTYPE_BYTES[self.dtype]
 
 
-def load_training(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> TrainingSpec:
-    """Read an optional training file, then apply flag overrides (None values are ignored)."""
-    data: dict[str, Any] = read_mapping(Path(path)) if path is not None else {}
-    source = str(path) if path is not None else "training flags"
+def load_training(
+    path: str | Path | Mapping[str, Any] | None = None, overrides: Mapping[str, Any] | None = None
+) -> TrainingSpec:
+    """Read an optional training file (or the mapping such a file holds), then apply flag overrides (None values are
+    ignored)."""
+    if isinstance(path, Mapping):
+        data, source = dict(path), "training mapping"
+    else:
+        data = read_mapping(Path(path)) if path is not None else {}
+        source = str(path) if path is not None else "training flags"
     check_file_kind(data, source, f"{TRAINING_FILE} (global_batch_size, dtype, ...)", (TRAINING_FILE,))
     for field, value in (overrides or {}).items():
         if value is not None:

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from tests.conftest import EXAMPLES, ONE_T4_NODE, hetplan
+from tests.conftest import EXAMPLES, ONE_T4_NODE, ROOT, hetplan
 
 
 @pytest.fixture(scope="module")
@@ -219,6 +219,11 @@ def test_launch_prints_one_torchrun_per_node_that_expands_the_master_address(tmp
         ("fast", 0, [0, 1]),
         ("slow", 1, [0, 1]),
     ]
+    # paths as given relative to where `launch` ran name the same files from any node's directory
+    relative = hetplan("launch", str(plan), "--cluster", "examples/cpu-hetero.yaml", "--out", "run.json")
+    assert relative.returncode == 0, relative.stderr
+    wanted = f"run {plan} --cluster {EXAMPLES / 'cpu-hetero.yaml'} --out {ROOT / 'run.json'}"
+    assert all(wanted in line for line in relative.stdout.splitlines())
 
 
 def test_a_cpu_cluster_of_two_lines_plans_in_fp32_and_the_plan_records_what_was_assumed(tmp_path):

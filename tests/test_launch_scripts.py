@@ -17,6 +17,7 @@ import tomllib
 
 from planner import plan
 from planner.export import Export, export_plan
+from planner.plan import load_plan
 from predictor.predictor import default_predictor
 from specs import engine_catalog, load_cluster, load_model, load_training
 from specs.vendors import vendor_catalog
@@ -98,6 +99,11 @@ def test_every_launch_script_runs_on_every_node_and_the_engine_accepts_its_argum
         vendor = ctx.cluster.group(launch.group).device.vendor
         expected = {launch.visible_devices_env: launch.visible} if launch.visible_devices_env else {}
         assert {v: env[v] for v in variables if v in env} == expected, (launch, vendor)
+        if fmt == "torchrun":  # the user's own script reads the plan it runs from the file HETPLAN_PLAN names
+            assert env["HETPLAN_PLAN"] == str(folder.resolve() / "plan.json")
+            assert load_plan(env["HETPLAN_PLAN"]).strategy == exported.strategy
+        else:
+            assert "HETPLAN_PLAN" not in env
         rest = argv[10:]
         if extra:
             assert rest[-2:] == extra  # the user's own arguments arrive whole, after the plan's

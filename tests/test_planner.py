@@ -484,3 +484,17 @@ def test_the_readmes_python_api_runs_as_written(tmp_path, monkeypatch):
     result, evaluation = namespace["result"], namespace["evaluation"]
     assert evaluation.iteration_time_s == pytest.approx(result.evaluation.iteration_time_s)  # type: ignore[attr-defined]
     assert (tmp_path / "plan.json").exists() and "launch.sh" in namespace["exported"].files  # type: ignore[attr-defined]
+
+
+def test_a_plan_saved_from_python_creates_its_directory_and_names_a_path_it_cannot_write(tmp_path):
+    cluster = load_cluster(EXAMPLES / "cpu-2x2.yaml")
+    made = plan(
+        cluster,
+        load_model(str(EXAMPLES / "models" / "tiny-llama.yaml")),
+        load_training(overrides={"global_batch_size": 8}),
+    )
+    made.save(tmp_path / "new" / "sub" / "plan.json")
+    assert (tmp_path / "new" / "sub" / "plan.json").exists()
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SpecError, match=r"^Plan.save: .*file/plan.json: .*file is a file, not a directory$"):
+        made.save(tmp_path / "file" / "plan.json")

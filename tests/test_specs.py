@@ -284,3 +284,23 @@ def test_training_flags_override_file(write):
         load_training(write("t.yaml", "zero_stage: 4\n"))
     with pytest.raises(SpecError, match=r"training flags.*: dtype: "):
         load_training(None, {"dtype": "int4"})
+
+
+def test_specs_load_from_a_path_object_or_from_the_mapping_a_file_holds():
+    """A launcher builds its cluster and training in code: load_cluster(dict) and load_training(dict) failed with a
+    TypeError, and load_model(Path) with an AttributeError; a mapping is checked as its file would be."""
+    import yaml
+
+    cluster_file = EXAMPLES / "cpu-2x2.yaml"
+    from_mapping_cluster = load_cluster(yaml.safe_load(cluster_file.read_text()))
+    assert from_mapping_cluster.groups == load_cluster(cluster_file).groups
+    assert from_mapping_cluster.source == "cluster mapping"
+    model_file = EXAMPLES / "models" / "tiny-llama.yaml"
+    assert load_model(model_file) == load_model(str(model_file))
+    from_mapping = load_model(yaml.safe_load(model_file.read_text()))
+    assert from_mapping.key == "model" and from_mapping.num_layers == load_model(model_file).num_layers
+    assert load_training({"global_batch_size": 16}, {"dtype": "fp16"}).dtype == "fp16"
+    with pytest.raises(SpecError, match=r"^cluster mapping: groups: required field is missing$"):
+        load_cluster({"name": "x"})
+    with pytest.raises(SpecError, match=r"^training mapping: global_batch: unknown field"):
+        load_training({"global_batch": 16})
