@@ -14,7 +14,6 @@ launched that way and is refused with the stage that breaks it.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shlex
 from collections.abc import Callable, Sequence
@@ -28,6 +27,7 @@ from specs.cluster import ClusterSpec
 from specs.engines import get_engine
 from specs.errors import SpecError
 from specs.layout import Strategy, chunk_layer_counts
+from specs.loading import text_sha256
 from specs.vendors import get_vendor
 
 MASTER_PORT = 29500
@@ -67,10 +67,8 @@ class Export:
             "exported_iteration_time_s": self.predicted_iteration_time_s,
             "slowdown": self.predicted_iteration_time_s / self.plan_iteration_time_s - 1.0,
             "files": sorted(self.files),
-            # what each file held when written: a later export into the directory removes it only when unchanged
-            "files_sha256": {
-                name: hashlib.sha256(self.files[name].encode()).hexdigest() for name in sorted(self.files)
-            },
+            # what each file held when written: a later export into the directory replaces it only when unchanged
+            "files_sha256": {name: text_sha256(self.files[name]) for name in sorted(self.files)},
             "nodes": len(self.nodes),
             "notes": self.notes,
         }

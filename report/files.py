@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from specs.errors import SpecError
-from specs.loading import file_sha256, read_mapping
+from specs.loading import file_sha256, read_mapping, text_sha256
 from specs.outputs import write_text_atomic
 
 if TYPE_CHECKING:
@@ -24,8 +24,17 @@ def write_json(path: Path, body: Any) -> None:
 def write_export(exported: Export, summary: Mapping[str, Any], out: Path) -> list[str]:
     """The engine's files, `launch.sh` (executable) and `export.json` (the summary) into the directory `out`; the
     files an earlier export there wrote that this one does not (another engine's: deepspeed's ds_config.json beside
-    megatron's launch.sh) are removed once it is written. Returns their names."""
-    stale = stale_export_files(out, exported)
+    megatron's launch.sh) are removed once it is written. Returns their names. Nothing is written where a file would
+    lose the user's work (`changed_by_user`)."""
+    earlier = _earlier_export(out)
+    kept = changed_by_user(out, exported, earlier)
+    if kept:
+        engine = earlier.get("format") or "hetplan"
+        it, is_ = ("them", "are") if len(kept) > 1 else ("it", "is")
+        raise SpecError("--out", str(out), f"{', '.join(kept)} {is_} not as the earlier {engine} export wrote {it} "
+                        f"(changed since, or not written by hetplan), and {exported.format}'s export would overwrite "
+                        f"or sit beside {it}: move {it} away, or choose another --out")  # fmt: skip
+    stale = _earlier_files(out, exported, earlier)
     out.mkdir(parents=True, exist_ok=True)
     for name, content in exported.files.items():
         write_text_atomic(out / name, content)
@@ -36,23 +45,32 @@ def write_export(exported: Export, summary: Mapping[str, Any], out: Path) -> lis
     return stale
 
 
-def stale_export_files(out: Path, exported: Export) -> list[str]:
-    """The files that the export recorded in `out`/export.json wrote and `exported` does not write, each as that
-    export wrote it (the SHA-256 it recorded). One changed since, or from a hetplan that recorded no hashes, may be
-    the user's work: the export is refused, naming it, rather than leave two engines' files mixed or delete it."""
+def _earlier_export(out: Path) -> dict[str, Any]:
+    """The export.json of an earlier export in `out` ({} when there is none hetplan can read)."""
     try:
-        earlier = read_mapping(out / "export.json")
+        return read_mapping(out / "export.json")
     except SpecError:  # no export there (or no file hetplan can read): nothing there is known to be hetplan's
-        return []
+        return {}
+
+
+def _earlier_files(out: Path, exported: Export, earlier: Mapping[str, Any]) -> list[str]:
+    """The files the earlier export recorded and `exported` does not write that are still there (plain names only:
+    none outside `out`)."""
     names = earlier.get("files") if isinstance(earlier.get("files"), list) else []
+    plain = [name for name in names if isinstance(name, str) and name == Path(name).name]
+    return [name for name in plain if name not in exported.files and (out / name).is_file()]
+
+
+def changed_by_user(out: Path, exported: Export, earlier: Mapping[str, Any]) -> list[str]:
+    """The files in `out` an export would overwrite or leave behind that are not as hetplan wrote them: one the
+    earlier export recorded (its SHA-256 in export.json) and that changed since, or one it did not record at all (a
+    user's own launch.sh, a hand-tuned ds_config.json of an export from a hetplan that recorded no hashes). A file
+    already holding what the export writes loses nothing."""
     hashes = earlier.get("files_sha256") if isinstance(earlier.get("files_sha256"), dict) else {}
-    plain = [name for name in names if isinstance(name, str) and name == Path(name).name]  # none outside `out`
-    stale = [name for name in plain if name not in exported.files and (out / name).is_file()]
-    changed = [name for name in stale if hashes.get(name) != file_sha256(out / name)]
-    if changed:
-        engine = earlier.get("format") or "hetplan"
-        it, is_ = ("them", "are") if len(changed) > 1 else ("it", "is")
-        raise SpecError("--out", str(out), f"{', '.join(changed)} {is_} the earlier {engine} export's, changed since "
-                        f"(or not recorded as written), and {exported.format}'s files would sit beside {it}: move {it} "
-                        "away, or choose another --out")  # fmt: skip
-    return stale
+    overwritten = [
+        name
+        for name, content in exported.files.items()
+        if (out / name).is_file() and file_sha256(out / name) not in (hashes.get(name), text_sha256(content))
+    ]
+    left = [name for name in _earlier_files(out, exported, earlier) if hashes.get(name) != file_sha256(out / name)]
+    return sorted(overwritten + left)

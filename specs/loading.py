@@ -40,6 +40,11 @@ def file_sha256(path: str | Path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
+def text_sha256(text: str) -> str:
+    """The SHA-256 (hex) of the file `text` makes when written as UTF-8 (an export records its files' so)."""
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
 def quote(value: Any) -> str:
     """repr of a value, cut to QUOTE_CHARS characters (error messages never echo a whole input)."""
     text = repr(value)

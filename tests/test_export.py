@@ -418,11 +418,23 @@ def test_an_export_into_another_engines_export_removes_only_what_that_export_wro
     assert hetplan_here(*export, "deepspeed")[0] == 0
     with (out / "ds_config.json").open("a") as config:
         config.write("\n")  # tuned by hand
-    assert hetplan_here(*export, "torchtitan") == (
-        2,
-        f"hetplan: error: --out: {out}: ds_config.json is the earlier deepspeed export's, changed since (or not "
-        "recorded as written), and torchtitan's files would sit beside it: move it away, or choose another --out\n",
+    refused = (
+        f"hetplan: error: --out: {out}: ds_config.json is not as the earlier deepspeed export wrote it (changed "
+        "since, or not written by hetplan), and torchtitan's export would overwrite or sit beside it: move it away, "
+        "or choose another --out\n"
     )
+    assert hetplan_here(*export, "torchtitan") == (2, refused)
     kept = ["ds_config.json", "export.json", "hetplan_pipeline.py", "launch.sh", "mine.txt"]
     assert sorted(path.name for path in out.iterdir()) == kept
     assert json.loads((out / "export.json").read_text())["format"] == "deepspeed"
+    # the same engine again: a file it would overwrite, edited by hand, is the user's work too
+    assert hetplan_here(*export, "deepspeed")[0] == 2 and (out / "ds_config.json").read_text().endswith("\n\n")
+    (out / "ds_config.json").unlink()
+    assert hetplan_here(*export, "deepspeed")[0] == 0  # as written (or re-written with the same content): replaced
+    # a user's own launch.sh where no export recorded one
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "launch.sh").write_text("#!/bin/sh\necho my own launcher\n")
+    code, said = hetplan_here(*export[:4], "--out", str(mine), "--format", "torchrun")
+    assert code == 2 and "launch.sh is not as the earlier hetplan export wrote it" in said
+    assert (mine / "launch.sh").read_text() == "#!/bin/sh\necho my own launcher\n"
