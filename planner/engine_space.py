@@ -239,6 +239,16 @@ class Closest:
     strategy: Strategy
     lost: list[str]
     near: Strategy | None
+    no_near: str = ""  # why `near` is None
+
+
+def _no_near_plan(strategy: Strategy, candidates: list[Strategy]) -> str:
+    """Why no plan with only the lost parts replaced runs: none can be built, or none fits memory."""
+    if len(strategy.pipelines) > 1:
+        return "a plan of several families has no one-family counterpart but the engine's own best plan"
+    if not candidates:
+        return "the engine has no stand-in for a part it cannot express (the plan with those parts replaced)"
+    return "no plan with only those parts replaced fits memory"
 
 
 def closest(ctx: CostContext, strategy: Strategy, engine: Engine, keep_layout: bool = False) -> Closest:
@@ -247,11 +257,16 @@ def closest(ctx: CostContext, strategy: Strategy, engine: Engine, keep_layout: b
     lost = engine_lost(strategy, engine, ctx.training)
     if not engine_lost(strategy, engine):
         return Closest(strategy, lost, strategy)  # only the dtype is lost: the layout runs as planned
-    near = _fastest_fitting(ctx, near_plans(ctx, strategy, engine))
+    candidates = near_plans(ctx, strategy, engine)
+    near = _fastest_fitting(ctx, candidates)
+    no_near = "" if near is not None else _no_near_plan(strategy, candidates)
     if keep_layout:
         if near is None:
-            why = f"no plan with only the parts the engine cannot express replaced fits memory ({'; '.join(lost)})"
-            raise SpecError("export", "plan", f"{why}: drop --keep-layout (keep_layout) for the engine's own plan")
+            raise SpecError(
+                "export",
+                "plan",
+                f"{no_near} ({'; '.join(lost)}): drop --keep-layout (keep_layout) for the engine's own plan",
+            )
         return Closest(near, lost, near)
     searched = engine_plans(ctx.at_context_parallel(1), engine)
     if engine.context_parallel and strategy.context_parallel > 1:  # the engine's space at the plan's CP degree too
@@ -259,4 +274,4 @@ def closest(ctx: CostContext, strategy: Strategy, engine: Engine, keep_layout: b
     chosen = _fastest_fitting(ctx, ([near] if near is not None else []) + searched)
     if chosen is None:
         raise SpecError("export", "plan", "no plan within the engine's limits fits memory: " + "; ".join(lost))
-    return Closest(chosen, lost, near)
+    return Closest(chosen, lost, near, no_near)

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from planner.engine_space import Closest, closest
-from planner.plan import evaluation_dict, header_dict, layout_changes
+from planner.plan import describe_strategy, evaluation_dict, header_dict, layout_changes
 from predictor.cost_model import CostContext, evaluate, interleaved_group_size
 from predictor.sharding import shard_ranks
 from specs.cluster import ClusterSpec
@@ -247,10 +247,15 @@ PLAN_TENSOR_PARALLEL = "{plan_tp}"
 
 
 class HetplanPipelineModule(PipelineModule):
-    def __init__(self, *args: Any, partition_method: str = "hetplan", **kwargs: Any) -> None:
-        if "topology" not in kwargs:
-            kwargs.setdefault("num_stages", STAGES)
-        super().__init__(*args, partition_method=partition_method, **kwargs)
+    def __init__(
+        self, layers: Any, num_stages: int | None = None, topology: Any = None, *args: Any,
+        partition_method: str = "hetplan", **kwargs: Any,
+    ) -> None:
+        if num_stages is None and topology is None:
+            num_stages = STAGES
+        if partition_method == "hetplan" and num_stages not in (None, STAGES):
+            raise ValueError(f"the plan's boundaries are for {{STAGES}} stages, got num_stages={{num_stages}}")
+        super().__init__(layers, num_stages, topology, *args, partition_method=partition_method, **kwargs)
 
     def _partition_layers(self, method: str = "uniform") -> None:
         if method != "hetplan":
@@ -309,14 +314,14 @@ def _torchtitan(ctx: CostContext, strategy: Strategy, plan: Strategy) -> tuple[d
     return {"torchtitan.toml": toml}, [["--job.config_file", "$here/torchtitan.toml"]]
 
 
-PLAN_FILE = "plan.json"  # the torchrun export's plan, which launch.sh names to every rank in $HETPLAN_PLAN
+EXPORTED_PLAN_FILE = "plan.json"  # the torchrun export's plan, which launch.sh names to every rank in $HETPLAN_PLAN
 
 
 def _launch_only(ctx: CostContext, strategy: Strategy, plan: Strategy) -> tuple[dict[str, str], Args]:
     """torchrun starts the user's own script, which takes no plan arguments: the plan goes with it as a plan file
     (hetplan's format, the exported layout: planner.plan.load_plan reads it), named to every rank in $HETPLAN_PLAN."""
     body = {**header_dict(ctx), **evaluation_dict(ctx, evaluate(ctx, strategy))}
-    return {PLAN_FILE: json.dumps(body, indent=2) + "\n"}, []
+    return {EXPORTED_PLAN_FILE: json.dumps(body, indent=2) + "\n"}, []
 
 
 Writer = Callable[[CostContext, Strategy, Strategy], tuple[dict[str, str], Args]]
@@ -475,18 +480,15 @@ def _engine_plan_note(ctx: CostContext, strategy: Strategy, found: Closest) -> s
     """Why the files describe the engine's own best plan rather than the plan with only the lost parts replaced, and
     everything that changes with it."""
     exported_s = evaluate(ctx, found.strategy).iteration_time_s
-    if found.near is None and len(strategy.pipelines) > 1:
-        why = "a plan of several families has no one-family counterpart but the engine's own best plan"
-    elif found.near is None:
-        why = "no plan with only those parts replaced fits memory"
+    if found.near is None:
+        why = found.no_near
     else:
         why = (
             f"it is faster ({exported_s:.3f} s) than the plan with only those parts replaced "
             f"({evaluate(ctx, found.near).iteration_time_s:.3f} s; --keep-layout exports that one)"
         )
-    return f"the files describe the engine's best plan, not the plan's layout: {why}; it changes " + "; ".join(
-        layout_changes(strategy, found.strategy)
-    )
+    changes = layout_changes(strategy, found.strategy) or [f"now {describe_strategy(found.strategy)}"]
+    return f"the files describe the engine's best plan, not the plan's layout: {why}; it changes " + "; ".join(changes)
 
 
 def export_plan(ctx: CostContext, strategy: Strategy, fmt: str, keep_layout: bool = False) -> Export:
@@ -503,7 +505,7 @@ def export_plan(ctx: CostContext, strategy: Strategy, fmt: str, keep_layout: boo
     launches = node_launches(ctx.cluster, megatron_order(exported))
     what = shlex.split(engine.script)[-1] if engine.script else "your training script"
     title = f"hetplan export --format {engine.key}: one torchrun per node ({len(launches)} nodes)"
-    plan_file = PLAN_FILE if PLAN_FILE in files else ""
+    plan_file = EXPORTED_PLAN_FILE if EXPORTED_PLAN_FILE in files else ""
     files["launch.sh"] = launch_script(launches, title, engine.script, args, what, plan_file)
     notes = [] if exported == found.near else [_engine_plan_note(ctx, strategy, found)]
     vendors = sorted({ctx.cluster.group(s.group).device.vendor for s in exported.pipelines[0].stages})

@@ -249,8 +249,10 @@ def layout_changes(before: Strategy, after: Strategy) -> list[str]:
         compare(f"{family}micro-batches per replica", old.num_microbatches, new.num_microbatches)
     compare("recompute", before.recompute_summary, after.recompute_summary)
     compare("ZeRO", before.zero_summary.removeprefix("ZeRO-"), after.zero_summary.removeprefix("ZeRO-"))
+    compare("ZeRO sharding over", before.zero_shard, after.zero_shard)
     compare("interleaving (virtual stages)", before.virtual_stages, after.virtual_stages)
     compare("context parallel", before.context_parallel, after.context_parallel)
+    compare("sequence parallel", before.sequence_parallel, after.sequence_parallel)
     return changes
 
 

@@ -25,7 +25,7 @@ from profiler.profile import DeviceProfile
 from specs.cluster import ClusterSpec
 from specs.engines import Engine, get_engine
 from specs.errors import DoesNotFitError, SpecError
-from specs.layout import ZERO_SHARDS, ZERO_STAGES, Strategy, split_batch
+from specs.layout import ZERO_SHARDS, ZERO_STAGES, Strategy, split_batch, whole_number
 from specs.model import ModelSpec
 from specs.training import TrainingSpec, on_groups
 from specs.units import GIB
@@ -71,6 +71,8 @@ def plan(
     if isinstance(engine, str):
         engine = get_engine(engine, "plan()", "engine")
     _check_plan_arguments(cluster, model, training, engine, top_k, max_candidates, zero_stages, zero_shards)
+    top_k, max_candidates = int(top_k), int(max_candidates)  # (numpy's integers as Python's: plans serialise them)
+    zero_stages, zero_shards = [int(stage) for stage in zero_stages], [str(shard) for shard in zero_shards]
     predictor = predictor or default_predictor()
     training, training_note = on_groups(training, cluster.groups)  # as `hetplan plan` trains on these devices
     engine_changes: list[str] = []
@@ -182,10 +184,10 @@ def _check_plan_arguments(
     if engine is not None and not isinstance(engine, Engine):
         raise SpecError("plan()", "engine", f"expected an engine name or specs.get_engine(name), got {engine!r:.60}")
     for field, value in (("top_k", top_k), ("max_candidates", max_candidates)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if whole_number(value) is None or value < 1:  # type: ignore[operator]
             raise SpecError("plan()", field, f"expected a whole number >= 1, got {value!r}")
     for stage in zero_stages:
-        if stage not in ZERO_STAGES or isinstance(stage, bool):
+        if whole_number(stage) not in ZERO_STAGES:  # (numpy's integers too; 1.0 is not a stage)
             raise SpecError("plan()", "zero_stages", f"expected ZeRO stages among 0, 1, 2, 3, got {stage!r}")
     for shard in zero_shards:
         if shard not in ZERO_SHARDS:

@@ -104,7 +104,8 @@ class OnceEachCommand(typer.core.TyperCommand):
     replan's --without) repeat, and the same value again loses nothing."""
 
     def parse_args(self, ctx: typer.Context, args: list[str]) -> list[str]:
-        if not ctx.resilient_parsing:  # (shell completion parses half-typed lines)
+        helping = any(name in args for name in ctx.help_option_names)  # --help answers first, whatever else is given
+        if not ctx.resilient_parsing and not helping:  # (shell completion parses half-typed lines)
             for name, values in repeated_options(self, ctx, args).items():
                 times = "twice" if len(values) == 2 else f"{len(values)} times"
                 listed = f"{', '.join(values[:-1])} and {values[-1]}"
@@ -126,10 +127,20 @@ def repeated_options(command: typer.core.TyperCommand, ctx: typer.Context, args:
         return {}
     repeated = {}
     for option in single:
-        values = [_as_given(option, value) for value in given.get(option.name) or []]
-        if len(set(values)) > 1:
-            repeated[next((n for n in option.opts if n.startswith("--")), option.opts[0])] = values
+        values = given.get(option.name) or []
+        if len({_meaning(option, ctx, value) for value in values}) > 1:  # --top-k 3 --top-k 03: one value
+            name = next((n for n in option.opts if n.startswith("--")), option.opts[0])
+            repeated[name] = [_as_given(option, value) for value in values]
     return repeated
+
+
+def _meaning(option: Any, ctx: typer.Context, value: Any) -> str:
+    """What a value given to an option means, converted as the command converts it (the commands' option callbacks
+    only check values), or the value as given where it does not convert (the command's own parsing then names it)."""
+    try:
+        return repr(option.process_value(ctx, value))
+    except Exception:  # a bad value: compared as given
+        return _as_given(option, value)
 
 
 def _collecting(option: Any) -> Any:

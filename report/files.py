@@ -29,10 +29,14 @@ def write_export(exported: Export, summary: Mapping[str, Any], out: Path) -> lis
     earlier = _earlier_export(out)
     kept = changed_by_user(out, exported, earlier)
     if kept:
+        it, is_, was = ("them", "are", "were") if len(kept) > 1 else ("it", "is", "was")
         engine = earlier.get("format") or "hetplan"
-        it, is_ = ("them", "are") if len(kept) > 1 else ("it", "is")
-        raise SpecError("--out", str(out), f"{', '.join(kept)} {is_} not as the earlier {engine} export wrote {it} "
-                        f"(changed since, or not written by hetplan), and {exported.format}'s export would overwrite "
+        whose = (
+            f"{is_} not as the earlier {engine} export wrote {it} (changed since, or not written by hetplan)"
+            if earlier
+            else f"{was} not written by a hetplan export (no export.json beside {it})"
+        )
+        raise SpecError("--out", str(out), f"{', '.join(kept)} {whose}, and {exported.format}'s export would overwrite "
                         f"or sit beside {it}: move {it} away, or choose another --out")  # fmt: skip
     stale = _earlier_files(out, exported, earlier)
     out.mkdir(parents=True, exist_ok=True)

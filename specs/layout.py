@@ -11,6 +11,7 @@ context-parallel ranks, then replicas (Megatron's order): (replica r, CP rank c,
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from enum import Enum
@@ -342,6 +343,18 @@ def check_strategy(
 
 
 ZERO_STAGES = (0, 1, 2, 3)
+
+
+def whole_number(value: object) -> int | None:
+    """`value` as an int when it is one (numpy's integers too; not a bool, a float or a numeric string), else None."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
 ZERO_SHARDS = ("dp", "node")
 
 
@@ -351,15 +364,15 @@ def _check_values(strategy: Strategy, source: str) -> None:
     inside the checks with a TypeError)."""
 
     def whole(value: object, field: str, least: int) -> None:
-        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        if whole_number(value) is None or value < least:  # type: ignore[operator]
             raise SpecError(source, field, f"expected a whole number >= {least}, got {value!r}")
 
-    def one_of(value: object, field: str, known: Sequence[object]) -> None:
-        if value not in known:
+    def one_of(value: object, field: str, known: Sequence[object], numbers: bool = False) -> None:
+        if (whole_number(value) if numbers else value) not in known:  # (1.0 == 1: a float is not a ZeRO stage)
             raise SpecError(source, field, f"expected one of {', '.join(map(str, known))}, got {value!r}")
 
     one_of(strategy.recompute, "recompute", RECOMPUTE_MODES)
-    one_of(strategy.zero_stage, "zero_stage", ZERO_STAGES)
+    one_of(strategy.zero_stage, "zero_stage", ZERO_STAGES, numbers=True)
     one_of(strategy.zero_shard, "zero_shard", ZERO_SHARDS)
     whole(strategy.virtual_stages, "virtual_stages", 1)
     for family, pipeline in enumerate(strategy.pipelines):
@@ -368,7 +381,7 @@ def _check_values(strategy: Strategy, source: str) -> None:
             whole(getattr(pipeline, field), f"{where}.{field}", 1)
         whole(pipeline.total_microbatches, f"{where}.total_microbatches", 0)
         if pipeline.zero_stage is not None:
-            one_of(pipeline.zero_stage, f"{where}.zero_stage", ZERO_STAGES)
+            one_of(pipeline.zero_stage, f"{where}.zero_stage", ZERO_STAGES, numbers=True)
         for index, stage in enumerate(pipeline.stages):
             for field, least in (("layer_start", 0), ("layer_end", 0), ("tp", 1), ("device_offset", 0)):
                 whole(getattr(stage, field), f"{where}.stages[{index}].{field}", least)

@@ -218,6 +218,7 @@ KIND_BY_FIELD = (
     ("groups", CLUSTER_FILE),
     *((field, HF_CONFIG) for field in ("model_type", "architectures", "num_hidden_layers", "n_layer")),
     ("num_layers", MODEL_FILE),
+    ("pipelines", PLAN_FILE),  # (a plan has a top-level zero_stage too: it is marked before the training fields)
     *((field, TRAINING_FILE) for field in ("global_batch_size", "micro_batch_sizes", "zero_stage", "dtype")),
     ("exported_strategy", "an export summary (export.json)"),
 )

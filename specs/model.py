@@ -242,14 +242,15 @@ def load_model(name_or_path: str | Path | Mapping[str, Any]) -> ModelSpec:
     if not path.exists() and path.suffix.lower() not in (".yaml", ".yml", ".json"):
         known = ", ".join(model_catalog())
         raise SpecError("--model", "", f"unknown model {name_or_path!r}; expected a file or one of: {known}")
-    named = path.resolve().parent.name if path.stem == "config" else path.stem  # a checkpoint's directory
-    return _model_from_mapping(read_mapping(path), str(path), named)
+    checkpoint = path.resolve().parent.name if path.stem == "config" else path.stem  # a HF checkpoint's directory
+    return _model_from_mapping(read_mapping(path), str(path), path.stem, checkpoint)
 
 
-def _model_from_mapping(data: dict[str, Any], source: str, named: str) -> ModelSpec:
-    """A model file's mapping (hetplan's fields, or a Hugging Face config's), named `named` where it names nothing."""
+def _model_from_mapping(data: dict[str, Any], source: str, named: str, checkpoint: str = "") -> ModelSpec:
+    """A model file's mapping (hetplan's fields, or a Hugging Face config's), named `named` where it names nothing
+    (a Hugging Face config: `checkpoint`, when given)."""
     if file_kind(data) == HF_CONFIG:
-        return _model_from_hf_config(data, source, named)
+        return _model_from_hf_config(data, source, checkpoint or named)
     check_file_kind(data, source, f"{MODEL_FILE} (num_layers, hidden_size, ...) or {HF_CONFIG}", (MODEL_FILE,))
     data.setdefault("key", named)
     data.setdefault("name", named)

@@ -889,6 +889,10 @@ def test_options_meant_to_repeat_and_a_value_given_again_are_taken(capsys, plans
     assert {type(command).__name__ for command in commands.values()} == {"OnceEachCommand"}
     code, lines, _ = run(capsys, *PLAN, "--dtype", "fp32", "--dtype", "fp32", "--global-batch", "8", "--json")
     assert (code, lines) == (0, [])
+    code, lines, _ = run(capsys, *PLAN, "--top-k", "2", "--top-k", "02", "--dtype", "fp32", "--global-batch", "8")
+    assert (code, lines) == (0, [])  # one value, written two ways
+    code, lines, out = run(capsys, *PLAN, "--dtype", "fp32", "--dtype", "bf16", "--help")
+    assert code == 0 and "Usage: hetplan plan" in out  # --help answers first
     changes = ("--without", "node:cpu/1", "--add", "group:cpu:1", "--add", "group:cpu:2")
     code, lines, _ = run(capsys, "replan", str(plans["good"]), "-c", str(CPU), *changes, "--quiet", "--json")
     assert code == 0, lines

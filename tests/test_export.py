@@ -308,15 +308,23 @@ def test_deepspeeds_pipeline_module_takes_the_plans_boundaries_by_default(mixed,
     config = json.loads(exported.files["ds_config.json"])
     assert set(config["pipeline"]) <= set(get_pipeline_config({})) and config["pipeline"]["stages"] == 2
     built: dict[str, object] = {}
-    monkeypatch.setattr(pipe.PipelineModule, "__init__", lambda self, *args, **kwargs: built.update(kwargs))
+
+    def record(self: object, layers: object, num_stages: object = None, topology: object = None, **kwargs: object):
+        built.clear()
+        built.update(num_stages=num_stages, topology=topology, **kwargs)
+
+    monkeypatch.setattr(pipe.PipelineModule, "__init__", record)  # DeepSpeed's (layers, num_stages, topology, ...)
     namespace: dict[str, object] = {}
     exec(compile(exported.files["hetplan_pipeline.py"], "hetplan_pipeline.py", "exec"), namespace)
     module_class = namespace["HetplanPipelineModule"]
     module = module_class(layers=[])  # type: ignore[operator]
-    assert built == {"layers": [], "partition_method": "hetplan", "num_stages": 2}
-    built.clear()
+    assert built == {"partition_method": "hetplan", "num_stages": 2, "topology": None}
+    module_class([], 2)  # type: ignore[operator]  # the stage count given as DeepSpeed takes it
+    assert built == {"partition_method": "hetplan", "num_stages": 2, "topology": None}
     module_class(layers=[], topology="given", partition_method="parameters")  # type: ignore[operator]
-    assert built == {"layers": [], "partition_method": "parameters", "topology": "given"}
+    assert built == {"partition_method": "parameters", "num_stages": None, "topology": "given"}
+    with pytest.raises(ValueError, match="the plan's boundaries are for 2 stages, got num_stages=3"):
+        module_class([], num_stages=3)  # type: ignore[operator]
     bounds: list[tuple[int, int]] = []
     module.stage_id, module._set_bounds = 1, lambda start, stop: bounds.append((start, stop))
     module._partition_layers("hetplan")
@@ -436,5 +444,19 @@ def test_an_export_into_another_engines_export_removes_only_what_that_export_wro
     mine.mkdir()
     (mine / "launch.sh").write_text("#!/bin/sh\necho my own launcher\n")
     code, said = hetplan_here(*export[:4], "--out", str(mine), "--format", "torchrun")
-    assert code == 2 and "launch.sh is not as the earlier hetplan export wrote it" in said
+    assert code == 2 and "launch.sh was not written by a hetplan export (no export.json beside it)" in said
     assert (mine / "launch.sh").read_text() == "#!/bin/sh\necho my own launcher\n"
+
+
+def test_keeping_the_layout_of_a_plan_of_several_families_says_why_there_is_none():
+    """The 768-device example's default plan has two families; Megatron runs one, and the only one-family plan is its
+    own: kept, the refusal says so (it blamed memory)."""
+    cluster, model = load_cluster(EXAMPLES / "hethub-768.yaml"), load_model("llama-140b")
+    training = load_training(EXAMPLES / "training" / "hethub-140b.yaml")
+    made = plan(cluster, model, training)
+    assert len(made.strategy.pipelines) == 2
+    with pytest.raises(SpecError, match="a plan of several families has no one-family counterpart") as caught:
+        export_plan(made.context, made.strategy, "megatron", keep_layout=True)
+    assert "memory" not in str(caught.value)
+    exported = export_plan(made.context, made.strategy, "megatron")
+    assert any("several families has no one-family counterpart" in note for note in exported.notes)

@@ -498,3 +498,26 @@ def test_a_plan_saved_from_python_creates_its_directory_and_names_a_path_it_cann
     (tmp_path / "file").write_text("")
     with pytest.raises(SpecError, match=r"^Plan.save: .*file/plan.json: .*file is a file, not a directory$"):
         made.save(tmp_path / "file" / "plan.json")
+
+
+def test_numpy_integers_are_whole_numbers_and_a_float_is_not_a_zero_stage(tmp_path):
+    """A launcher's numbers often come from numpy: np.int64 replicas and top_k ran before the value checks and must
+    still; a float ZeRO stage (1.0 == 1) planned a plan its own loader refused."""
+    import numpy as np
+
+    from planner import predict
+    from planner.plan import load_plan
+    from specs.layout import PipelineStrategy, StageStrategy, Strategy
+
+    cluster, model = load_cluster(EXAMPLES / "cpu-2x2.yaml"), load_model(EXAMPLES / "models" / "tiny-llama.yaml")
+    training = load_training(overrides={"global_batch_size": 8, "dtype": "fp32"})
+    made = plan(cluster, model, training, top_k=np.int64(2), zero_stages=np.array([0, 1]))
+    made.save(tmp_path / "plan.json")
+    assert load_plan(tmp_path / "plan.json").strategy == made.strategy
+    stage = StageStrategy(cluster.groups[0].name, 0, np.int64(model.num_layers), np.int64(1), 0)
+    strategy = Strategy((PipelineStrategy(np.int64(1), 1, 8, (stage,)),), "none", np.int64(1))
+    assert predict(made.context, strategy).iteration_time_s > 0
+    with pytest.raises(SpecError, match=r"^plan\(\): zero_stages: expected ZeRO stages among 0, 1, 2, 3, got 1\.0$"):
+        plan(cluster, model, training, zero_stages=(1.0,))
+    with pytest.raises(SpecError, match=r"^strategy: zero_stage: expected one of 0, 1, 2, 3, got 1\.0$"):
+        predict(made.context, dataclasses.replace(strategy, zero_stage=1.0))

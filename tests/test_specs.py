@@ -304,3 +304,20 @@ def test_specs_load_from_a_path_object_or_from_the_mapping_a_file_holds():
         load_cluster({"name": "x"})
     with pytest.raises(SpecError, match=r"^training mapping: global_batch: unknown field"):
         load_training({"global_batch": 16})
+
+
+def test_a_plan_without_its_schema_is_still_named_a_plan(tmp_path):
+    """A plan has a top-level zero_stage and dtype, a training file's marks: without `schema` it read as a training
+    file ('got a training file') and passed load_training's kind check."""
+    from planner import plan
+
+    made = plan(load_cluster(EXAMPLES / "cpu-2x2.yaml"), load_model(EXAMPLES / "models" / "tiny-llama.yaml"),
+                load_training(overrides={"global_batch_size": 8}))  # fmt: skip
+    written = made.to_dict()
+    del written["schema"]
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(written))
+    with pytest.raises(SpecError, match=r"expected a training file .*, got a plan$"):
+        load_training(path)
+    with pytest.raises(SpecError, match=r"schema"):
+        load_plan(path)
