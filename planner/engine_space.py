@@ -247,7 +247,7 @@ def _no_near_plan(strategy: Strategy, candidates: list[Strategy]) -> str:
     if len(strategy.pipelines) > 1:
         return "a plan of several families has no one-family counterpart but the engine's own best plan"
     if not candidates:
-        return "the engine has no stand-in for a part it cannot express (the plan with those parts replaced)"
+        return "no plan with only those parts replaced can be made (the engine has no stand-in for one of them)"
     return "no plan with only those parts replaced fits memory"
 
 
