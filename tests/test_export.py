@@ -462,3 +462,13 @@ def test_keeping_the_layout_of_a_plan_of_several_families_says_why_there_is_none
     assert "memory" not in str(caught.value)
     exported = export_plan(made.context, made.strategy, "megatron")
     assert any("several families has no one-family counterpart" in note for note in exported.notes)
+
+
+def test_keeping_a_layout_whose_lost_part_has_no_stand_in_says_so():
+    """DeepSpeed splits no sequences over ranks: a long-context plan's CP 8 has no stand-in that keeps its layout."""
+    cluster, model = load_cluster(EXAMPLES / "h100-mi300x.yaml"), load_model("llama3-8b")
+    made = plan(cluster, model, load_training(EXAMPLES / "training" / "long-context-32k.yaml"))
+    assert made.strategy.context_parallel > 1
+    with pytest.raises(SpecError, match=r"can be made \(the engine has no stand-in for one of them\).*CP \d") as caught:
+        export_plan(made.context, made.strategy, "deepspeed", keep_layout=True)
+    assert "memory" not in str(caught.value)
