@@ -110,7 +110,12 @@ class OnceEachCommand(typer.core.TyperCommand):
                 times = "twice" if len(values) == 2 else f"{len(values)} times"
                 listed = f"{', '.join(values[:-1])} and {values[-1]}"
                 ctx.fail(f"{name}: given {times}, {listed}: expected one value (only the last would count)")
-        return super().parse_args(ctx, args)
+        try:
+            return super().parse_args(ctx, args)
+        except Exception as err:  # a value missing after an option: the parser's error knows no command
+            if getattr(err, "ctx", False) is None:
+                err.ctx = ctx  # so its line points at this command's --help, not hetplan's
+            raise
 
 
 def repeated_options(command: typer.core.TyperCommand, ctx: typer.Context, args: list[str]) -> dict[str, list[str]]:

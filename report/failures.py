@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import select
 import stat
 import sys
@@ -91,6 +92,9 @@ def _usage_message(err: BaseException) -> str:
     message = expected_wording(str(getattr(err, "message", "")))
     if type(err).__name__ == "BadParameter" and flags and message:
         return f"{flags[0]}: {message[:1].lower()}{message[1:]}"
+    missing = re.fullmatch(r"Option '(-[\w-]+)' requires an argument\.?", message)
+    if missing:  # the option was the last word, or another option followed it
+        return f"{missing[1]}: expected a value after it"
     return str(err.format_message())  # type: ignore[attr-defined]
 
 

@@ -896,3 +896,13 @@ def test_options_meant_to_repeat_and_a_value_given_again_are_taken(capsys, plans
     changes = ("--without", "node:cpu/1", "--add", "group:cpu:1", "--add", "group:cpu:2")
     code, lines, _ = run(capsys, "replan", str(plans["good"]), "-c", str(CPU), *changes, "--quiet", "--json")
     assert code == 0, lines
+
+
+def test_an_option_without_its_value_is_named_with_its_commands_help(capsys):
+    """click said "Option '--dtype' requires an argument." and pointed at hetplan's help, not the command's."""
+    assert one_error(capsys, *PLAN, "--dtype") == (
+        "hetplan: error: --dtype: expected a value after it (see 'hetplan plan --help')"
+    )
+    assert one_error(capsys, "export", "plan.json", "-c") == (
+        "hetplan: error: -c: expected a value after it (see 'hetplan export --help')"
+    )
