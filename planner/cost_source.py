@@ -146,7 +146,9 @@ def plan_costs(
     else:
         predictor = _recorded_predictor(plan, recorded.predictor, notes)
         said = describe_predictor(recorded.predictor) + " (as recorded in the plan)"
-    recorded_paths = {entry.device: entry.path for entry in recorded.profiles} if recorded else {}
+    recorded_paths: dict[str, str] = {}
+    for entry in recorded.profiles if recorded else ():  # a device's layer profile first, then its link profiles
+        recorded_paths.setdefault(entry.device, entry.path)
     if profiles_dir is not None:
         profiles = load_profiles(profiles_dir, model, devices)
         said += f", {describe_profiles({k: p.path for k, p in profiles.items()})} from --profiles {profiles_dir}"

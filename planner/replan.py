@@ -59,7 +59,9 @@ def changed_cluster(cluster: ClusterSpec, without: list[str], add: list[str]) ->
                 raise SpecError(flag, item, f"expected a count of nodes {counts}, got {match['count']}")
             nodes[name] += sign * (1 if match["node"] is not None else int(match["count"]))
             if nodes[name] < 0:
-                raise SpecError(flag, item, f"group {name!r} has only {group.nodes} nodes")
+                raise SpecError(
+                    flag, item, f"group {name!r} has only {group.nodes} node{'s' if group.nodes > 1 else ''}"
+                )
     groups = tuple(group.with_nodes(nodes[group.name]) for group in cluster.groups if nodes[group.name] > 0)
     if not groups:
         raise SpecError("--without", "", "no nodes would be left")
@@ -175,7 +177,7 @@ def shrink(ctx: CostContext, strategy: Strategy) -> Shrunk:
         samples = pipeline.samples
         shrunk = next(_shrunk_pipelines(ctx, strategy, index, samples, reasons), None)
         if shrunk is None:
-            return Shrunk(None, f"family {index + 1}: {reasons[-1]}")
+            return Shrunk(None, f"family {index}: {reasons[-1]}")  # numbered from 0, as plan and explain do
         pipelines.append(shrunk)
     plans = _block_plans(_family_models(ctx, dataclasses.replace(strategy, pipelines=tuple(pipelines))))
     split = split_batch_across(batch, [[plan] for plan in plans])

@@ -80,7 +80,7 @@ def profile(
     from specs import flags
     from specs.model import RECOMPUTE_MODES, load_model
 
-    flags.output_file(out, "--out")
+    flags.output_file(out, "--out", reads={"--model": model})
     sizes = flags.int_list(micro_batches, "--micro-batches")
     modes = flags.choices(recompute, RECOMPUTE_MODES, "--recompute")
     flags.choice(dtype, PROFILE_DTYPES, "--dtype")  # fp8 runs in Transformer Engine's GEMMs, which this does not time
@@ -239,7 +239,7 @@ def fit(
     from specs.errors import SpecError
     from specs.flags import output_file
 
-    output_file(out, "--out")
+    output_file(out, "--out", reads={"--links": links or [], "--runs": runs or []})
     if profiles is None and not links and not runs and not published_runs:  # it wrote a predictor of nothing
         raise SpecError("--no-published-runs", "", "leaves nothing to fit: give --profiles, --links or --runs (or "
                         "keep the published runs)")  # fmt: skip
@@ -373,7 +373,7 @@ def run(
     from planner.what_if import check_local_run, check_runtime_layout, plan_on_cluster, run_context
     from specs.flags import output_file
 
-    output_file(out, "--out")
+    output_file(out, "--out", reads={"PLAN": plan_file, "--cluster": cluster})
     loaded, cluster_spec = plan_on_cluster(plan_file, cluster)
     if dtype is not None:
         from dataclasses import replace
@@ -514,7 +514,7 @@ def simulate_profile(
     from specs.errors import SpecError
     from specs.model import load_model
 
-    flags.output_file(out, "--out")
+    flags.output_file(out, "--out", reads={"--model": model})
     sizes = flags.int_list(micro_batches, "--micro-batches") or []
     model_spec = load_model(model)
     spec = get_device(device, "--device", "")

@@ -5,7 +5,7 @@ that names the flag and what was expected (and quotes at most QUOTE_CHARS charac
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -112,19 +112,27 @@ def finite(value: float | None, flag: str, low: float = 0.0, inclusive: bool = F
     return value
 
 
+Read = str | Path | None
+
+
 def output_file(
-    path: Path | None, flag: str, suffixes: tuple[str, ...] = (), reads: Mapping[str, str | Path | None] | None = None
+    path: Path | None,
+    flag: str,
+    suffixes: tuple[str, ...] = (),
+    reads: Mapping[str, Read | Sequence[Read]] | None = None,
 ) -> Path | None:
     """An output file checked before the work starts: its suffix when the format depends on it, not one of the files
-    the command `reads` (by the flag or argument that names it: `plan --out cluster.yaml` replaced the cluster with
-    the plan), then specs.outputs.check_writable (directory created, writable)."""
+    the command `reads` (by the flag or argument that names it, a repeated flag's files as a list: `plan --out
+    cluster.yaml` replaced the cluster with the plan, `fit --runs run.json --out run.json` the run with the
+    predictor), then specs.outputs.check_writable (directory created, writable)."""
     if path is None:
         return None
     if suffixes and path.suffix.lower() not in suffixes:
         raise SpecError(flag, str(path), f"expected a file name ending in {' or '.join(suffixes)}")
-    for name, read in (reads or {}).items():
-        if read is not None and Path(read).is_file() and _same_file(path, Path(read)):
-            raise SpecError(flag, str(path), f"is the file {name} reads: expected another file (it would be lost)")
+    for name, given in (reads or {}).items():
+        for read in given if isinstance(given, (list, tuple)) else [given]:
+            if read is not None and Path(read).is_file() and _same_file(path, Path(read)):
+                raise SpecError(flag, str(path), f"is the file {name} reads: expected another file (it would be lost)")
     return check_writable(path, flag)
 
 

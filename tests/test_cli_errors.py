@@ -906,3 +906,17 @@ def test_an_option_without_its_value_is_named_with_its_commands_help(capsys):
     assert one_error(capsys, "export", "plan.json", "-c") == (
         "hetplan: error: -c: expected a value after it (see 'hetplan export --help')"
     )
+
+
+def test_run_and_fit_refuse_to_write_over_a_file_they_read(capsys, plans, tmp_path):
+    """fit --runs r.json --out r.json replaced the run record with the predictor; run --out plan.json would have
+    replaced the plan with the run record."""
+    record = tmp_path / "r.json"
+    record.write_text("{}")
+    assert one_error(capsys, "fit", "--runs", str(record), "--out", str(record)) == (
+        f"hetplan: error: --out: {record}: is the file --runs reads: expected another file (it would be lost)"
+    )
+    assert record.read_text() == "{}"
+    plan = plans["good"]
+    line = one_error(capsys, "run", str(plan), "--cluster", str(CPU), "--out", str(plan))
+    assert line == f"hetplan: error: --out: {plan}: is the file PLAN reads: expected another file (it would be lost)"

@@ -201,3 +201,20 @@ def test_replan_and_export_use_the_recorded_profiles_too(profiled_plan, tmp_path
     assert exported.returncode == 0, exported.stderr
     assert json.loads(exported.stdout)["plan_iteration_time_s"] == pytest.approx(body["iteration_time_s"], rel=1e-5)
     assert f"profiles cpu={profile.resolve()} (as recorded in the plan)" in exported.stderr
+
+
+def test_a_directory_with_a_link_profile_beside_the_layers_is_said_by_its_layer_profile(tmp_path):
+    """The plan records a device's layer profile, then its link profiles; the costs line kept the last file per
+    device and named the link profile as the cpu profile."""
+    from tests.conftest import ROOT
+
+    profile = _slow_profile(tmp_path / "profiles", 3.0)
+    (profile.parent / "links.json").write_bytes((ROOT / "bench" / "results" / "links-cpu.json").read_bytes())
+    plan = tmp_path / "plan.json"
+    made = hetplan("plan", "-c", CLUSTER, "-m", MODEL, "--training", TRAINING, "--profiles", str(profile.parent),
+                   "--out", str(plan), "-q")  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    assert len(json.loads(plan.read_text())["cost_source"]["profiles"]) == 2  # both recorded
+    done, _ = _predict(plan)
+    assert done.returncode == 0, done.stderr
+    assert f"profiles cpu={profile.resolve()} (as recorded in the plan)" in done.stderr
