@@ -174,6 +174,8 @@ def read_mapping(path: Path) -> dict[str, Any]:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as err:
+        if b"hetplan.predictor/" in raw[:256]:  # (its schema, near the start of the pickle)
+            raise SpecError(source, "", "expected YAML or JSON text, got a predictor (from hetplan fit)") from None
         raise SpecError(source, "", f"not UTF-8 text (byte 0x{raw[err.start]:02x} at offset {err.start})") from None
     try:
         data = _load_json(text) if path.suffix.lower() == ".json" else _load_yaml(text)

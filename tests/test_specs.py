@@ -321,3 +321,17 @@ def test_a_plan_without_its_schema_is_still_named_a_plan(tmp_path):
         load_training(path)
     with pytest.raises(SpecError, match=r"schema"):
         load_plan(path)
+
+
+def test_a_predictor_file_where_a_spec_is_expected_is_named(tmp_path):
+    """`hetplan explain p.joblib` said 'not UTF-8 text (byte 0x80 at offset 0)'."""
+    from predictor.predictor import default_predictor, save_predictor
+
+    saved = tmp_path / "p.joblib"
+    save_predictor(default_predictor(), saved)
+    with pytest.raises(
+        SpecError, match=r"p\.joblib: expected YAML or JSON text, got a predictor \(from hetplan fit\)$"
+    ):
+        load_cluster(saved)
+    with pytest.raises(SpecError, match=r"got a predictor"):
+        load_plan(saved)
