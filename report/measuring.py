@@ -389,6 +389,8 @@ def run(
     from report.measurements import run_lines, run_table, run_terms_table
     from runtime.launch import check_dtype, execute, execute_in_job
 
+    if dtype is not None:  # the flag named as what was given (the plan's training may say fp32)
+        check_dtype(dtype, "--dtype", "")
     check_dtype(loaded.training.dtype, loaded.source)  # before the costs line: a refusal is the only line
 
     under_torchrun = launched_by_torchrun()

@@ -64,17 +64,18 @@ def check_runnable(plan: LoadedPlan, cluster: ClusterSpec, dtype: str) -> None:
         check_tp(plan.model, stage.tp, plan.source)
 
 
-def check_dtype(dtype: str, source: str) -> None:
+def check_dtype(dtype: str, source: str, field: str = "training.dtype") -> None:
     """The runtime computes on the CPU in the precisions torch has there; FP8 training is refused, saying where it
-    runs and how to run the plan's layout here anyway."""
+    runs and how to run the plan's layout here anyway. `source`, `field`: where the dtype was given (the plan's
+    training, or `--dtype` and no field)."""
     if dtype == "fp8":
         raise SpecError(
-            source, "training.dtype", "fp8 training needs FP8 GEMMs, which need an FP8-capable accelerator "
+            source, field, "fp8 training needs FP8 GEMMs, which need an FP8-capable accelerator "
             f"({FP8_ACCELERATORS}); this runtime computes on the CPU: run the plan's layout in bf16 or fp32 with "
             "`hetplan run ... --dtype bf16` (or --dtype fp32)",
         )  # fmt: skip
     if dtype not in TORCH_DTYPES:
-        raise SpecError(source, "training.dtype", f"the runtime runs {', '.join(TORCH_DTYPES)}, not {dtype!r}")
+        raise SpecError(source, field, f"the runtime runs {', '.join(TORCH_DTYPES)}, not {dtype!r}")
 
 
 def _job(plan: LoadedPlan, cluster: ClusterSpec, settings: RunSettings, out_dir: str) -> RunJob:

@@ -454,6 +454,7 @@ def test_a_stage_device_written_by_alias_or_another_case_is_the_groups(capsys, t
         (("replan", "{replicas}", "-c", str(CPU), "--without", "node:cpu/1"), "total_microbatches"),
         (("run", "{other-cluster}", "-c", str(CPU), "--out", "r.json"), "the plan is for cluster 'elsewhere'"),
         (("launch", "{fp8}", "-c", str(CPU)), "training.dtype: hetplan's runtime has no FP8 GEMMs"),
+        (("run", "{good}", "-c", str(CPU), "--out", "r.json", "--dtype", "fp8"), "error: --dtype: fp8 training needs"),
         (("launch", "{per-node}", "-c", str(CPU)), "zero_shard: the local runtime shards ZeRO over the whole"),
         (("run", "{per-node}", "-c", str(CPU), "--out", "r.json"), "plan with --zero-shard dp to run it"),
     ],
