@@ -17,12 +17,18 @@ Parameters (log-scales unless said otherwise), each with a Gaussian prior centre
   dp_overlap                fraction of the backward / forward that overlapped DP traffic hides behind, in [0, 1]
                             (prior 1, sd 0.3)
   iteration_overhead_s      fixed seconds per iteration, >= 0 (prior 0, sd 0.05 s)
-  iteration_overhead_s:host the same for local runs whose host the profile measured (predictor/host.py: making the
-                            batch, the optimizer step and the overheads around the layers are measured costs, so
-                            what is left per step is the runtime's own bookkeeping, well under a millisecond):
-                            prior 0, sd 5 ms. A fixed cost shared with engine runs of 5-60 s steps would let 0.1-1 s
-                            local steps buy 15-18 ms of it (seen in the runtime-vs-prediction bench's leave-one-out
-                            fits) for misses that grow with the work, not with the step count.
+  host:runtime_overhead_s   in place of iteration_overhead_s for local runs whose host the profile measured
+                            (predictor/host.py: making the batch, the optimizer step and the overheads around the
+                            layers are measured costs, so what is left per step is the runtime's own bookkeeping, well
+                            under a millisecond): prior 0, sd 5 ms. A fixed cost shared with engine runs of 5-60 s
+                            steps would let 0.1-1 s local steps buy 15-18 ms of it (seen in the runtime-vs-prediction
+                            bench's leave-one-out fits) for misses that grow with the work, not with the step count.
+Local runs on this machine's CPU processes share no term with accelerator runs: a CPU group's compute scales, and
+every end-to-end term of a context whose groups are all CPUs, are named with the prefix `host:` (host:compute:...,
+host:network, host:optimizer, ...; same priors). Physically nothing is shared (a CPU's roofline efficiency, loopback
+Gloo, an optimizer step in host memory say nothing of an accelerator's kernels, fabric or HBM), and one local run
+fitted beside the published runs moved the root `compute:simulated` by +0.13 (and every vendor level to cancel it):
+a Gaudi2 prediction, which no run covers, moved 13% on one CPU run's word.
 The fit is the maximum a-posteriori estimate (scipy least squares on log-time residuals / run noise and prior
 residuals); only parameters some run is sensitive to move. Its Gauss-Newton covariance, with the priors of
 parameters no run informed, gives each prediction an interval: var(log t) = g' S g + run noise^2.
@@ -48,7 +54,8 @@ from specs.layout import Strategy
 from specs.vendors import find_vendor
 
 DEFAULT_RUN_NOISE = 0.03
-HOST_OVERHEAD = "iteration_overhead_s:host"
+HOST_SCOPE = "host:"  # the prefix of local runs' own terms (CPU processes on this machine)
+HOST_OVERHEAD = HOST_SCOPE + "runtime_overhead_s"
 HOST_OVERHEAD_PRIOR_SD_S = 0.005
 MIN_RUN_NOISE = 0.01
 Z_90 = 1.6448536269514722  # two-sided 90% interval of a normal
@@ -83,24 +90,36 @@ IN_NODE_PRIOR_SD = 0.25
 REFERENCE_ENGINE = "megatron"  # the engine whose kernels the layer models describe (no term of its own)
 
 
+def is_host(group: DeviceGroup) -> bool:
+    """Whether the group's devices are this machine's CPU processes (a local run's)."""
+    return group.device.key == "cpu"
+
+
+def scope(ctx: CostContext) -> str:
+    """The prefix of the context's end-to-end terms: `host:` when all its groups are CPUs (a local run)."""
+    return HOST_SCOPE if all(is_host(group) for group in ctx.cluster.groups) else ""
+
+
 def compute_parameter_names(ctx: CostContext, group_name: str) -> list[str]:
     """The compute scales that apply to a group's layer times, outermost first (the engine's last)."""
     group = ctx.cluster.group(group_name)
     kind = source_kind(ctx.source(group_name))
+    prefix = HOST_SCOPE if is_host(group) else ""
     engine = ctx.training.engine
-    engines = [] if engine == REFERENCE_ENGINE else [f"engine:{engine}"]
+    engines = [] if engine == REFERENCE_ENGINE else [f"{prefix}engine:{engine}"]
     if kind != "simulated":  # measured or learned costs: one scale per device type on top of the kind's
-        return [f"compute:{kind}", f"compute:{kind}:{group.device.key}", *engines]
+        return [f"{prefix}compute:{kind}", f"{prefix}compute:{kind}:{group.device.key}", *engines]
     labels = {
         "vendor": vendor_key(group),
         "generation": group.device.generation,
         "device": group.device.key,
     }
-    levels = [f"compute:{kind}:{level}:{labels[level]}" for level, _ in COMPUTE_LEVELS]
-    return [f"compute:{kind}", *levels, *engines]
+    levels = [f"{prefix}compute:{kind}:{level}:{labels[level]}" for level, _ in COMPUTE_LEVELS]
+    return [f"{prefix}compute:{kind}", *levels, *engines]
 
 
 def _compute_prior_sd(name: str) -> float:
+    name = name.removeprefix(HOST_SCOPE)
     if name.startswith("engine:"):
         return ENGINE_PRIOR_SD
     parts = name.split(":")
@@ -123,19 +142,25 @@ def parameters_for(ctx: CostContext) -> list[Parameter]:
         for name in compute_parameter_names(ctx, group.name):
             names.setdefault(name, Parameter(name, 0.0, _compute_prior_sd(name)))
     for group in ctx.cluster.groups:
-        name = f"in_node:{group.device.generation}"
+        name = in_node_name(group)
         names.setdefault(name, Parameter(name, 0.0, IN_NODE_PRIOR_SD))
-    transports = [Parameter("transport:tcp", 0.0, 0.4)] if any(g.transport == "tcp" for g in ctx.cluster.groups) else []
+    prefix = scope(ctx)
+    tcp = any(g.transport == "tcp" for g in ctx.cluster.groups)
+    transports = [Parameter(f"{prefix}transport:tcp", 0.0, 0.4)] if tcp else []
     return [
         *names.values(),
-        Parameter("network", 0.0, 0.3),
+        Parameter(f"{prefix}network", 0.0, 0.3),
         *transports,
-        Parameter("optimizer", 0.0, 0.5),
-        Parameter("dp_overlap", 1.0, 0.3, 0.0, 1.0),
+        Parameter(f"{prefix}optimizer", 0.0, 0.5),
+        Parameter(f"{prefix}dp_overlap", 1.0, 0.3, 0.0, 1.0),
         Parameter(HOST_OVERHEAD, 0.0, HOST_OVERHEAD_PRIOR_SD_S, 0.0)
         if models_host(ctx)
-        else Parameter("iteration_overhead_s", 0.0, 0.05, 0.0),
+        else Parameter(f"{prefix}iteration_overhead_s", 0.0, 0.05, 0.0),
     ]
+
+
+def in_node_name(group: DeviceGroup) -> str:
+    return f"{HOST_SCOPE if is_host(group) else ''}in_node:{group.device.generation}"
 
 
 def apply(ctx: CostContext, values: Mapping[str, float]) -> CostContext:
@@ -149,14 +174,15 @@ def apply(ctx: CostContext, values: Mapping[str, float]) -> CostContext:
         source = ctx.source(group)
         log_factor = sum(value(name) for name in compute_parameter_names(ctx, group.name))
         sources[group.name] = ScaledLayerCosts(source, math.exp(log_factor)) if log_factor else source
-    generations = sorted({group.device.generation for group in ctx.cluster.groups})
+    in_node = {group.device.generation: value(in_node_name(group)) for group in ctx.cluster.groups}
+    prefix = scope(ctx)
     terms = EndToEndTerms(
-        in_node_scale=tuple((g, math.exp(value(f"in_node:{g}"))) for g in generations if value(f"in_node:{g}")),
-        network_scale=math.exp(value("network")),
-        tcp_scale=math.exp(value("transport:tcp")),
-        optimizer_scale=math.exp(value("optimizer")),
-        dp_overlap=value("dp_overlap", 1.0),
-        iteration_overhead_s=value(HOST_OVERHEAD if models_host(ctx) else "iteration_overhead_s"),
+        in_node_scale=tuple((g, math.exp(log_scale)) for g, log_scale in sorted(in_node.items()) if log_scale),
+        network_scale=math.exp(value(f"{prefix}network")),
+        tcp_scale=math.exp(value(f"{prefix}transport:tcp")),
+        optimizer_scale=math.exp(value(f"{prefix}optimizer")),
+        dp_overlap=value(f"{prefix}dp_overlap", 1.0),
+        iteration_overhead_s=value(HOST_OVERHEAD if models_host(ctx) else f"{prefix}iteration_overhead_s"),
     )
     return replace(ctx, sources=sources, terms=terms)
 

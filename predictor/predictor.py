@@ -38,7 +38,7 @@ from specs.training import TrainingSpec
 if TYPE_CHECKING:  # scikit-learn costs a second to import: only fitting and learned layer models need it
     from predictor.layer_model import LayerCostModel
 
-PREDICTOR_SCHEMA = "hetplan.predictor/2"  # 2: local runs calibrate their own iteration_overhead_s:host
+PREDICTOR_SCHEMA = "hetplan.predictor/3"  # 3: local runs on CPUs calibrate terms of their own (host:...)
 PUBLISHED_RUNS = Path(__file__).parent / "data" / "published-runs.json"
 
 

@@ -103,6 +103,7 @@ class Run:
     measured_iteration_time_s: float
     path: str
     cpu_share: float = 1.0  # a local run's assumed share of a core per rank (predictor.host.local_run_context)
+    machine_slowdown: float = 1.0  # the record's: how much slower the machine ran than when profiled
 
 
 def _resolve(record: RunRecord, path: Path, where: str) -> Run:
@@ -145,6 +146,7 @@ def _resolve(record: RunRecord, path: Path, where: str) -> Run:
         record.measured_iteration_time_s,
         str(path),
         record.cpu_share,
+        record.machine_slowdown,
     )
 
 

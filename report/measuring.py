@@ -4,6 +4,7 @@ simulate-profile); cli.py registers them on its app beside the planning commands
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Optional
 
@@ -11,6 +12,7 @@ import typer
 
 if TYPE_CHECKING:
     from planner.plan import LoadedPlan
+    from predictor.runs import Run
     from runtime.execute import RunSettings
 
 from report.cli_flags import (
@@ -251,10 +253,27 @@ def fit(
         fitted = fit_predictor(paths, link_paths, runs or [], published_runs=published_runs, name=out.name)
         progress.step("leaving one source out at a time", 3)
         body = fitted.describe()
-        body["validation"] = validation_report(fitted, calibration_runs(runs or [], published_runs), held_out=True)
+        fitted_runs = calibration_runs(runs or [], published_runs)
+        body["validation"] = validation_report(fitted, fitted_runs, held_out=True)
     save_predictor(fitted, out)
+    body["notes"] = slow_machine_notes(fitted_runs)
     renderables = validation_renderables(body["validation"]) if body["validation"]["runs"] else []
-    show(as_json, body, *fit_renderables(body), *renderables, *written("predictor", out))
+    show(as_json, body, *fit_renderables(body), *renderables, *body["notes"], *written("predictor", out))
+
+
+SLOW_MACHINE = 1.15  # a run whose machine ran its profiled layer this much slower than profiled is named by `fit`
+
+
+def slow_machine_notes(runs: Sequence[Run]) -> list[str]:
+    """One line per run measured on a machine markedly slower than when its profile was taken (its record's
+    machine_slowdown): calibration learns that time as it is, so the user should know which runs carry it."""
+    return [
+        f"note: run {run.name!r} ({run.path}) ran on a machine {run.machine_slowdown:.2f}x slower than when profiled "
+        "(its record's machine_slowdown): calibration learns its time as measured; rerun it on a quiet machine or "
+        "leave it out"
+        for run in runs
+        if run.machine_slowdown >= SLOW_MACHINE
+    ]
 
 
 def validate(

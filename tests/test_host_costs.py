@@ -656,13 +656,16 @@ def test_tp_ranks_waking_from_their_collectives_take_the_cores_first_in_the_step
 def test_local_runs_calibrate_a_fixed_step_cost_of_their_own_with_a_prior_of_milliseconds():
     host_ctx = quiet_context(0.01, 0.03)
     names = {p.name: p for p in parameters_for(host_ctx)}
-    assert "iteration_overhead_s" not in names
-    assert names["iteration_overhead_s:host"].prior_sd == pytest.approx(0.005)
-    assert apply(host_ctx, {"iteration_overhead_s:host": 0.003}).terms.iteration_overhead_s == pytest.approx(0.003)
-    engine_ctx = replace(host_ctx, host={})  # no measured host: an engine's run, whose fixed cost is its own
-    names = {p.name: p for p in parameters_for(engine_ctx)}
-    assert "iteration_overhead_s:host" not in names and names["iteration_overhead_s"].prior_sd == pytest.approx(0.05)
-    assert apply(engine_ctx, {"iteration_overhead_s:host": 0.003}).terms.iteration_overhead_s == 0.0
+    assert not any(name.endswith("iteration_overhead_s") for name in names)
+    assert names["host:runtime_overhead_s"].prior_sd == pytest.approx(0.005)
+    assert apply(host_ctx, {"host:runtime_overhead_s": 0.003}).terms.iteration_overhead_s == pytest.approx(0.003)
+    unprofiled = replace(host_ctx, host={})  # no measured host: the overheads around the layers are not modelled
+    names = {p.name: p for p in parameters_for(unprofiled)}
+    assert "host:runtime_overhead_s" not in names
+    assert names["host:iteration_overhead_s"].prior_sd == pytest.approx(0.05)
+    assert "iteration_overhead_s" not in names  # an engine run's fixed cost is its own
+    assert apply(unprofiled, {"host:runtime_overhead_s": 0.003}).terms.iteration_overhead_s == 0.0
+    assert apply(unprofiled, {"iteration_overhead_s": 0.003}).terms.iteration_overhead_s == 0.0
 
 
 def test_a_run_predicted_from_measured_profiles_says_the_predictors_calibration_is_not_applied(tmp_path):

@@ -179,6 +179,44 @@ def test_interval_covers_the_point_and_is_wider_for_a_device_no_run_informed():
     assert widths["v100"] > widths["a100"]
 
 
+def _cpu_run(measured_over_predicted: float):
+    """A local run on examples/cpu-hetero.yaml's simulated CPUs, measured `measured_over_predicted` times its
+    uncalibrated prediction."""
+    cluster = load_cluster(EXAMPLES / "cpu-hetero.yaml")
+    model = load_model(EXAMPLES / "models" / "tiny-llama.yaml")
+    training = load_training(EXAMPLES / "training" / "cpu-run.yaml")
+    ctx = build_context(cluster, model, training)
+    strategy = megatron_strategy(
+        cluster, model, training, group="fast", tp=1, pp=1, dp=2, micro_batch_size=2, recompute="none"
+    )
+    predicted = evaluate(ctx, strategy).iteration_time_s
+    return ("cpu run", ctx, strategy, predicted * measured_over_predicted)
+
+
+def test_a_local_cpu_run_moves_no_term_an_accelerator_prediction_uses():
+    """One CPU run measured at twice its prediction, fitted beside accelerator runs: its terms are its own (`host:`),
+    so the A100 runs' terms and a V100 prediction (a device no run covers) are as without it."""
+    accelerators = _synthetic_runs({"compute:simulated": math.log(1.1), "network": math.log(1.3)})
+    alone = fit_calibration(accelerators)
+    with_cpu = fit_calibration([*accelerators, _cpu_run(2.0)])
+    host_terms = {name for name in with_cpu.names if name.startswith("host:")}
+    assert {"host:compute:simulated", "host:optimizer", "host:iteration_overhead_s"} <= host_terms
+    assert with_cpu.value_map()["host:compute:simulated"] > 0.2  # the CPU run did teach its own terms
+    shared = {name: value for name, value in with_cpu.value_map().items() if name not in host_terms}
+    assert shared == pytest.approx(alone.value_map(), abs=1e-6)
+    cluster = load_cluster(EXAMPLES / "a100-v100-32.yaml")
+    v100 = cluster.only(cluster.group("v100"))
+    model = load_model("gpt3-1.7b")
+    training = load_training(None, {"global_batch_size": 64, "dtype": "fp16"})
+    ctx = build_context(v100, model, training)
+    strategy = megatron_strategy(
+        v100, model, training, group="v100", tp=2, pp=1, dp=8, micro_batch_size=1, recompute="none"
+    )
+    before, after = (prediction_interval(ctx, strategy, c) for c in (alone, with_cpu))
+    assert after.iteration_time_s == pytest.approx(before.iteration_time_s, rel=1e-9)
+    assert after.log_sd == pytest.approx(before.log_sd, rel=1e-6)
+
+
 def test_default_predictor_is_calibrated_on_the_published_runs_and_improves_them():
     predictor = default_predictor()
     runs = predictor.calibration.runs
@@ -364,3 +402,20 @@ def test_leave_one_source_out_stays_under_eight_percent_for_families_with_two_so
     several = {row.family: row.mape for row in rows if row.sources >= 2}
     assert set(several) == {"h100", "a100-80gb"}
     assert all(mape < 0.08 for mape in several.values()), several
+
+
+def test_fit_names_a_run_measured_on_a_machine_slower_than_when_profiled(tmp_path):
+    from report.measuring import slow_machine_notes
+
+    row = json.loads(PUBLISHED_RUNS.read_text())["runs"][0]
+    paths = []
+    for name, slowdown in (("quiet", 1.05), ("busy", 1.32)):
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps({"schema": "hetplan.run/1", **row, "name": name, "machine_slowdown": slowdown}))
+        paths.append(path)
+    runs = [run for path in paths for run in load_runs(path)]
+    assert [run.machine_slowdown for run in runs] == [1.05, 1.32]
+    assert slow_machine_notes(runs) == [
+        f"note: run 'busy' ({paths[1]}) ran on a machine 1.32x slower than when profiled (its record's "
+        "machine_slowdown): calibration learns its time as measured; rerun it on a quiet machine or leave it out"
+    ]
