@@ -178,11 +178,13 @@ class Predictor:
         }
 
 
-def _calibration_cases(predictor: Predictor, runs: Sequence[Run]) -> list[tuple[str, CostContext, Strategy, float]]:
+def _calibration_cases(
+    predictor: Predictor, runs: Sequence[Run], profiles: Mapping[str, DeviceProfile] | None = None
+) -> list[tuple[str, CostContext, Strategy, float]]:
     cases = []
     for run in runs:
         base = local_run_context(
-            lambda cluster, run=run: predictor.base_context(cluster, run.model, run.training),
+            lambda cluster, run=run: predictor.base_context(cluster, run.model, run.training, profiles),
             run.cluster,
             run.cpu_share,
         )

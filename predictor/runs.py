@@ -104,6 +104,7 @@ class Run:
     path: str
     cpu_share: float = 1.0  # a local run's assumed share of a core per rank (predictor.host.local_run_context)
     machine_slowdown: float = 1.0  # the record's: how much slower the machine ran than when profiled
+    cost_source: dict[str, Any] | None = None  # what `hetplan run` predicted it with (measurements.cost_source)
 
 
 def _resolve(record: RunRecord, path: Path, where: str) -> Run:
@@ -147,6 +148,7 @@ def _resolve(record: RunRecord, path: Path, where: str) -> Run:
         str(path),
         record.cpu_share,
         record.machine_slowdown,
+        record.measurements.get("cost_source"),
     )
 
 

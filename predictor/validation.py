@@ -3,20 +3,26 @@
 `check_runs` predicts every run (with its 90% interval) and names the cost-model term that dominates its time;
 `leave_one_source_out` refits the calibration without each source in turn (all the runs that cite it) and predicts
 that source's runs, which is what a device family's error looks like on work the predictor has not seen;
-`family_errors` summarises either by device family (MAPE, signed mean, worst run).
+`family_errors` summarises either by device family (MAPE, signed mean, worst run). With measured profiles the runs
+are predicted from them as `hetplan run` predicts its own (the predictor's calibration not applied: its terms were
+fitted over other costs); leave-one-source-out then calibrates over the profiles.
 """
 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from predictor.calibration import Calibration, Interval, apply, fit_calibration, prediction_interval
 from predictor.cost_model import CostContext, evaluate
 from predictor.predictor import Predictor, _calibration_cases
 from predictor.runs import Run
 from specs.layout import Strategy
+
+if TYPE_CHECKING:
+    from profiler.profile import DeviceProfile
 
 WORST_RUNS = 3
 
@@ -100,17 +106,23 @@ def _check(run: Run, base: CostContext, strategy: Strategy, calibration: Calibra
     )
 
 
-def check_runs(predictor: Predictor, runs: Sequence[Run]) -> list[RunCheck]:
-    """Predict every run with the predictor as it is."""
+def check_runs(
+    predictor: Predictor, runs: Sequence[Run], profiles: Mapping[str, DeviceProfile] | None = None
+) -> list[RunCheck]:
+    """Predict every run with the predictor as it is, or from `profiles` without its calibration."""
+    if profiles:
+        predictor = replace(predictor, calibration=Calibration())
     checks = []
-    for run, (_, base, strategy, _) in zip(runs, _calibration_cases(predictor, runs), strict=True):
+    for run, (_, base, strategy, _) in zip(runs, _calibration_cases(predictor, runs, profiles), strict=True):
         checks.append(_check(run, base, strategy, predictor.calibration, predictor.interval(base, strategy)))
     return checks
 
 
-def leave_one_source_out(predictor: Predictor, runs: Sequence[Run]) -> list[RunCheck]:
+def leave_one_source_out(
+    predictor: Predictor, runs: Sequence[Run], profiles: Mapping[str, DeviceProfile] | None = None
+) -> list[RunCheck]:
     """Each source's runs predicted by the predictor's calibration refitted on every other source's runs."""
-    cases = _calibration_cases(predictor, runs)
+    cases = _calibration_cases(predictor, runs, profiles)
     checks: dict[int, RunCheck] = {}
     for source in dict.fromkeys(run.source for run in runs):
         held = [i for i, run in enumerate(runs) if run.source == source]
@@ -140,21 +152,29 @@ def family_errors(checks: Sequence[RunCheck]) -> list[FamilyError]:
     return rows
 
 
-def validation_report(predictor: Predictor, runs: Sequence[Run], held_out: bool) -> dict[str, object]:
+def validation_report(
+    predictor: Predictor,
+    runs: Sequence[Run],
+    held_out: bool,
+    profiles: Mapping[str, DeviceProfile] | None = None,
+) -> dict[str, object]:
     """What `hetplan validate` and `hetplan fit` print: every run predicted, the error per device family, the worst
     runs with the term that dominates their time, and (`held_out`, with two or more sources) leave-one-source-out."""
-    checks = check_runs(predictor, runs)
+    checks = check_runs(predictor, runs, profiles)
+    identity = predictor.identity
+    if profiles:
+        identity = f"profiles of {', '.join(sorted(profiles))} ({identity}, its calibration not applied)"
     body: dict[str, object] = {
-        "predictor": predictor.identity,
+        "predictor": identity,
         "runs": [check.to_dict() for check in checks],
         "families": [row.to_dict() for row in family_errors(checks)],
         "worst": [check.name for check in sorted(checks, key=lambda c: -abs(c.error))[:WORST_RUNS]],
     }
-    calibrated_on = {fit.name for fit in predictor.calibration.runs}
+    calibrated_on = set() if profiles else {fit.name for fit in predictor.calibration.runs}
     body["in_sample_runs"] = sum(run.name in calibrated_on for run in runs)  # errors a fit made small, not predicted
     sources = list(dict.fromkeys(run.source for run in runs))
     if held_out and len(sources) > 1:
-        loso = leave_one_source_out(predictor, runs)
+        loso = leave_one_source_out(predictor, runs, profiles)
         body["leave_one_source_out"] = {
             "runs": [check.to_dict() for check in loso],
             "families": [row.to_dict() for row in family_errors(loso)],

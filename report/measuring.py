@@ -22,7 +22,6 @@ from report.cli_flags import (
     PlanArg,
     PlanClusterOpt,
     PlanPredictorOpt,
-    PredictorOpt,
     ProfileOutOpt,
     QuietOpt,
     RepeatsOpt,
@@ -31,7 +30,6 @@ from report.cli_flags import (
     finite,
     opt,
     plan_costs_said,
-    predictor_from,
     progress_on_stderr,
     require_torch,
     show,
@@ -278,21 +276,31 @@ def slow_machine_notes(runs: Sequence[Run]) -> list[str]:
 
 def validate(
     runs: Annotated[list[Path], typer.Argument(help="Run records (hetplan.run/1, runs/1, or calibration-runs/1).")],
-    predictor: PredictorOpt = None,
+    predictor: Annotated[
+        Optional[Path],
+        opt("--predictor", help="Predictor file from `hetplan fit` (default: the one the records name, else shipped)."),
+    ] = None,
+    profiles: Annotated[
+        Optional[Path],
+        opt("--profiles", help="Directory of profile JSON files (default: the ones the records name, if any)."),
+    ] = None,
     held_out: Annotated[
         bool, opt("--leave-one-source-out", help="Also refit without each source and predict its runs.")
     ] = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Predict measured runs: per run the prediction, the signed error and the term that dominates its time; the
-    error per device family; the worst runs."""
+    error per device family; the worst runs. Runs `hetplan run` recorded are predicted from the costs it used."""
+    from planner.cost_source import run_costs
     from predictor.runs import load_runs
     from predictor.validation import validation_report
     from report.measurements import validation_renderables
 
     loaded = [run for path in runs for run in load_runs(path)]
-    body = validation_report(predictor_from(predictor), loaded, held_out)
-    show(as_json, body, *validation_renderables(body))
+    costs = run_costs(loaded, predictor, profiles)
+    body = validation_report(costs.predictor, loaded, held_out, costs.profiles)
+    body["costs"] = list(costs.lines)
+    show(as_json, body, *costs.lines, *validation_renderables(body))
 
 
 def _run_settings(

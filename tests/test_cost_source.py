@@ -218,3 +218,74 @@ def test_a_directory_with_a_link_profile_beside_the_layers_is_said_by_its_layer_
     done, _ = _predict(plan)
     assert done.returncode == 0, done.stderr
     assert f"profiles cpu={profile.resolve()} (as recorded in the plan)" in done.stderr
+
+
+def _cpu_record(directory: Path, name: str, cost_source: dict | None, model: str = MODEL) -> Path:
+    """A run record of tiny-llama on examples/cpu-2x2.yaml (TP 1, DP 4) whose prediction came from `cost_source`."""
+    record = {
+        "schema": "hetplan.run/1",
+        "name": name,
+        "source": f"a test ({name})",
+        "cluster": str(EXAMPLES / "cpu-2x2.yaml"),
+        "model": model,
+        "training": {"global_batch_size": 8, "seq_length": 256, "dtype": "fp32", "zero_stage": 0},
+        "strategy": {"group": "cpu", "tp": 1, "pp": 1, "dp": 4, "micro_batch_size": 1, "recompute": "none"},
+        "measured_iteration_time_s": 0.5,
+        "measurements": {"cost_source": cost_source} if cost_source else {},
+    }
+    path = directory / f"{name}.json"
+    path.write_text(json.dumps(record))
+    return path
+
+
+def test_validate_predicts_run_records_from_the_costs_they_record_and_says_which(profiled_plan, tmp_path):
+    """`hetplan run` records the costs its prediction came from: validate uses them when every record names the same
+    ones (a recorded profile 3x the datasheet's: 3x the shipped predictor's time), names a missing one in one line,
+    and with records that disagree predicts with the shipped predictor and says how many named others."""
+    from planner.cost_source import run_costs
+    from predictor.runs import load_runs
+
+    _, profile, body = profiled_plan
+    recorded = body["cost_source"]
+    runs = [run for name in ("a", "b") for run in load_runs(_cpu_record(tmp_path, name, recorded))]
+    costs = run_costs(runs)
+    assert costs.lines[0] == (
+        f"costs: the shipped predictor {recorded['predictor']['key'][:12]}, profiles cpu={profile.resolve()} (as "
+        "recorded in the run records), the predictor's calibration not applied (as `hetplan run` predicted)"
+    )
+    from_profile = hetplan("validate", str(tmp_path / "a.json"), "--json")
+    shipped = hetplan("validate", str(tmp_path / "a.json"), "--predictor", "/nonexistent.joblib")
+    assert shipped.returncode == 2 and "/nonexistent.joblib" in shipped.stderr  # the flag is read, not the record
+    plain = _cpu_record(tmp_path, "plain", None)
+    datasheet = hetplan("validate", str(plain), "--json")
+    assert from_profile.returncode == datasheet.returncode == 0, from_profile.stderr + datasheet.stderr
+    predicted = [json.loads(done.stdout)["runs"][0]["predicted_s"] for done in (from_profile, datasheet)]
+    assert predicted[0] / predicted[1] == pytest.approx(3.0, rel=0.15)  # compute dominates this tiny CPU run
+    mixed = run_costs(
+        [*runs, *load_runs(plain), *load_runs(_cpu_record(tmp_path, "other", {**recorded, "profiles": []}))]
+    )
+    assert not mixed.profiles and mixed.lines == (
+        "costs: the shipped predictor (3 of 4 run records name the costs `hetplan run` predicted them with, 2 "
+        "different: validate them apart to use those, or pass --predictor / --profiles)",
+    )
+    gone = {**recorded, "predictor": {"kind": "file", "path": str(tmp_path / "gone.joblib"), "sha256": "0" * 64}}
+    lost = hetplan("validate", str(_cpu_record(tmp_path, "lost", gone)))
+    assert lost.returncode == 2 and lost.stderr.count("\n") == 1, lost.stderr
+    where = f"hetplan: error: {tmp_path / 'lost.json'}: measurements.cost_source.predictor.path: "
+    assert lost.stderr.startswith(where)
+    assert "the predictor the run was predicted with, is missing: restore it or choose one with --predictor" in (
+        lost.stderr
+    )
+
+
+def test_validate_profiles_refuse_a_run_of_another_layer_shape(profiled_plan, tmp_path):
+    _, profile, _ = profiled_plan
+    tiny = _cpu_record(tmp_path, "tiny", None)
+    small = _cpu_record(tmp_path, "small", None, model=str(EXAMPLES / "models" / "small-llama.yaml"))
+    done = hetplan("validate", str(tiny), str(small), "--profiles", str(profile.parent))
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert done.stderr.startswith(f"hetplan: error: {small}: model: run 'small' trains ")
+    assert "whose layers --profiles" in done.stderr and "validate it apart" in done.stderr
+    alone = hetplan("validate", str(tiny), "--profiles", str(profile.parent), "--json")
+    assert alone.returncode == 0, alone.stderr
+    assert f"profiles cpu={profile} from --profiles {profile.parent}" in json.loads(alone.stdout)["costs"][0]

@@ -443,6 +443,14 @@ def test_hetplan_run_plans_trains_records_and_feeds_fit(tmp_path):
     fitted = hetplan("fit", "--runs", str(record_path), "--out", str(tmp_path / "p.joblib"), torch_allowed=True)
     assert fitted.returncode == 0, fitted.stderr
     assert "plan on two" in fitted.stdout
+    # validate predicts the record from the costs `run` predicted it with (the plan's profile), as `run` did
+    validated = hetplan("validate", str(record_path), "--json")
+    assert validated.returncode == 0, validated.stderr
+    body = json.loads(validated.stdout)
+    shipped = record["measurements"]["cost_source"]["predictor"]["key"][:12]
+    said = f"costs: the shipped predictor {shipped}, profiles cpu={profile.resolve()} (as recorded in the run record)"
+    assert body["costs"][0].startswith(said), body["costs"]
+    assert body["runs"][0]["predicted_s"] == pytest.approx(record["predicted_iteration_time_s"], rel=1e-4)
     wrong = hetplan("run", str(plan), "--cluster", str(ROOT_EXAMPLES / "a100-v100-32.yaml"), "--out",
                     str(tmp_path / "x.json"), torch_allowed=True)  # fmt: skip
     assert wrong.returncode == 2 and wrong.stderr.count("\n") == 1 and "cluster" in wrong.stderr, wrong.stderr
