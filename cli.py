@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
+
+if TYPE_CHECKING:
+    from predictor.context import CostContext
+    from specs.training import TrainingSpec
 
 from report import measuring, said
 from report.cli_flags import (
@@ -322,7 +326,16 @@ def export(
     loaded, cluster_spec = plan_on_cluster(plan_file, cluster)
     costs = plan_costs_said(loaded, predictor, profiles, cluster_spec)
     ctx = costs.predictor.context(cluster_spec, loaded.model, loaded.training, costs.profiles)
-    exported = export_plan(ctx, loaded.strategy, format, keep_layout)
+    notes: list[str] = []
+
+    def context_for(training: TrainingSpec) -> CostContext:  # the engine's dtype, where it trains in another
+        engine_ctx, note = costs.context_in(cluster_spec, loaded.model, training)
+        notes.extend([note] if note else [])
+        return engine_ctx
+
+    exported = export_plan(ctx, loaded.strategy, format, keep_layout, context_for)
+    for note in notes:
+        said.say(note)
     summary = {**exported.summary(), "exported_strategy": describe_strategy(exported.strategy)}
     removed = write_export(exported, summary, out)
     if removed:  # another engine's files, as hetplan wrote them: they would mix two engines' launch files

@@ -3,7 +3,8 @@ every export format, the plan's predicted iteration time, the exported (closest 
 the plan searched for that engine (`plan --engine`: its time, its search time, and that its export loses nothing)
 (table + bench/results/export_cost.json). Also the engine x capability table of specs/catalog/engines.yaml.
 The engine's plan is predicted with the training's own kernels (training.engine kept), so the columns compare the
-layouts alone; `plan --engine` without a training engine predicts with the engine's kernels.
+layouts alone; `plan --engine` without a training engine predicts with the engine's kernels. An engine that trains in
+another dtype (torchtitan: fp16 -> fp32) has the export chosen and predicted in that dtype, as `hetplan export` does.
 
 Run: python bench/export_cost.py
 """
@@ -14,6 +15,7 @@ import json
 import platform
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -21,8 +23,12 @@ sys.path.insert(0, str(ROOT))
 
 from planner import plan  # noqa: E402
 from planner.export import export_plan  # noqa: E402
+from predictor.context import CostContext  # noqa: E402
 from predictor.predictor import default_predictor  # noqa: E402
 from specs import engine_catalog, load_cluster, load_model, load_training  # noqa: E402
+from specs.cluster import ClusterSpec  # noqa: E402
+from specs.model import ModelSpec  # noqa: E402
+from specs.training import TrainingSpec  # noqa: E402
 
 CASES = [
     # (cluster file, model, training file or overrides)
@@ -63,6 +69,11 @@ def capability_table() -> list[str]:
     return lines
 
 
+def costs_for(cluster: ClusterSpec, model: ModelSpec) -> Callable[[TrainingSpec], CostContext]:
+    """The plan's costs for another training (an engine that trains in another dtype), as `hetplan export` has them."""
+    return lambda training: default_predictor().context(cluster, model, training)
+
+
 def main() -> None:
     rows = []
     for cluster_file, model_key, options in CASES:
@@ -75,7 +86,7 @@ def main() -> None:
         ctx = default_predictor().context(cluster, model, training)
         for fmt, engine in engine_catalog().items():
             started = time.perf_counter()
-            exported = export_plan(ctx, planned.strategy, fmt)
+            exported = export_plan(ctx, planned.strategy, fmt, context_for=costs_for(cluster, model))
             export_time_s = time.perf_counter() - started
             for_engine = plan(cluster, model, training, engine=engine)
             its_export = export_plan(for_engine.context, for_engine.strategy, fmt)

@@ -17,9 +17,12 @@ from specs.loading import file_sha256
 from specs.model import ModelSpec
 
 if TYPE_CHECKING:
+    from predictor.context import CostContext
     from predictor.predictor import Predictor
     from predictor.runs import Run
     from profiler.profile import DeviceProfile
+    from specs.cluster import ClusterSpec
+    from specs.training import TrainingSpec
 
 SHORT_HASH = 12  # characters of a SHA-256 shown in a message
 
@@ -31,6 +34,24 @@ class PlanCosts:
     predictor: Predictor
     profiles: dict[str, DeviceProfile]
     lines: tuple[str, ...]
+
+    def context_in(self, cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec) -> tuple[CostContext, str]:
+        """These costs for another training than the plan's (an engine's dtype): the profiles whose layers are timed
+        in the dtype each device then runs, the predictor's costs for the other devices, and a line naming those
+        (empty when none)."""
+        kept = {
+            key: profile
+            for key, profile in self.profiles.items()
+            if all(g.device.runs_dtype(training.dtype) == profile.dtype for g in cluster.groups if g.device.key == key)
+        }
+        dropped = sorted(set(self.profiles) - set(kept))
+        said = (
+            f"note: the profiles of {', '.join(dropped)} time layers in {self.profiles[dropped[0]].dtype}: in "
+            f"{training.dtype} their costs are the predictor's"
+            if dropped
+            else ""
+        )
+        return self.predictor.context(cluster, model, training, kept), said
 
 
 def describe_predictor(source: PredictorSource | None) -> str:

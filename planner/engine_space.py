@@ -51,9 +51,22 @@ def _zero_words(stage: int) -> str:
     return "no ZeRO" if stage == 0 else f"ZeRO-{stage}"
 
 
-def engine_lost(strategy: Strategy, engine: Engine, training: TrainingSpec | None = None) -> list[str]:
+def engine_dtype(dtype: str, engine: Engine) -> str:
+    """The dtype the engine trains a plan of `dtype` in: bf16 for FP8 without an FP8 switch, fp32 for fp16 without
+    fp16 mixed precision."""
+    if dtype == "fp8" and not engine.fp8:
+        return "bf16"
+    if dtype == "fp16" and not engine.fp16:
+        return "fp32"
+    return dtype
+
+
+def engine_lost(
+    strategy: Strategy, engine: Engine, training: TrainingSpec | None = None, predicted_as_run: bool = False
+) -> list[str]:
     """What of the plan the engine cannot express, one line each (empty: it runs the plan as planned). `training`:
-    the plan's training, for its dtype (FP8 on an engine without an FP8 switch)."""
+    the plan's training, for its dtype (FP8 on an engine without an FP8 switch); `predicted_as_run`: the export's
+    time is predicted in the dtype the engine trains in (else in the plan's, and the line says so)."""
     lost: list[str] = []
     pipelines, stages = strategy.pipelines, [s for p in strategy.pipelines for s in p.stages]
     if len(pipelines) > 1 and not engine.pipeline_families:
@@ -90,14 +103,16 @@ def engine_lost(strategy: Strategy, engine: Engine, training: TrainingSpec | Non
     if runs_zero != strategy.zero_stage:
         lost.append(f"{_zero_words(strategy.zero_stage)} -> {_zero_words(runs_zero)}: {engine.zero_note}")
     if training is not None and training.dtype == "fp8" and not engine.fp8:
+        predicted = "predicted in bf16" if predicted_as_run else "still predicted in FP8"
         lost.append(
-            f"FP8 GEMMs -> bf16: {engine.key} has no FP8 switch (the export's time is still predicted in FP8; "
+            f"FP8 GEMMs -> bf16: {engine.key} has no FP8 switch (the export's time is {predicted}; "
             f"`hetplan plan --engine {engine.key}` plans in bf16)"
         )
     if training is not None and training.dtype == "fp16" and not engine.fp16:
+        predicted = "predicted in fp32" if predicted_as_run else "still predicted in fp16"
         lost.append(
-            f"fp16 -> fp32: {engine.key} has no fp16 mixed precision, only bf16 or fp32 (the export's time is still "
-            f"predicted in fp16; `hetplan plan --engine {engine.key}` plans in fp32, or train in bf16 where every "
+            f"fp16 -> fp32: {engine.key} has no fp16 mixed precision, only bf16 or fp32 (the export's time is "
+            f"{predicted}; `hetplan plan --engine {engine.key}` plans in fp32, or train in bf16 where every "
             "device has it)"
         )
     return lost
@@ -132,12 +147,14 @@ def engine_training(training: TrainingSpec, engine: Engine) -> tuple[TrainingSpe
     if "zero_stage" in update:
         stage = engine_zero_stage(training.zero_stage, engine)
         changed.append(f"{_zero_words(training.zero_stage)} -> {_zero_words(stage)} ({engine.zero_note})")
-    if training.dtype == "fp8" and not engine.fp8:
-        update["dtype"] = "bf16"
-        changed.append(f"FP8 -> bf16 ({engine.key} has no FP8 switch)")
-    if training.dtype == "fp16" and not engine.fp16:
-        update["dtype"] = "fp32"
-        changed.append(f"fp16 -> fp32 ({engine.key} has no fp16 mixed precision: bf16 or fp32)")
+    dtype = engine_dtype(training.dtype, engine)
+    if dtype != training.dtype:
+        update["dtype"] = dtype
+        changed.append(
+            f"FP8 -> bf16 ({engine.key} has no FP8 switch)"
+            if dtype == "bf16"
+            else f"fp16 -> fp32 ({engine.key} has no fp16 mixed precision: bf16 or fp32)"
+        )
     if engine.kernels and "engine" not in training.model_fields_set and training.engine != engine.kernels:
         update["engine"] = engine.kernels
         changed.append(f"predicted with {engine.kernels}'s kernels (training.engine: set it to keep another's)")
@@ -251,12 +268,22 @@ def _no_near_plan(strategy: Strategy, candidates: list[Strategy]) -> str:
     return "no plan with only those parts replaced fits memory"
 
 
-def closest(ctx: CostContext, strategy: Strategy, engine: Engine, keep_layout: bool = False) -> Closest:
-    """The plan as the engine can run it (Closest); `keep_layout`: only the plan with the lost parts replaced, never
-    the engine's own best plan (a layout the user has validated stays as it is wherever the engine can express it)."""
-    lost = engine_lost(strategy, engine, ctx.training)
-    if not engine_lost(strategy, engine):
-        return Closest(strategy, lost, strategy)  # only the dtype is lost: the layout runs as planned
+def closest(
+    ctx: CostContext,
+    strategy: Strategy,
+    engine: Engine,
+    keep_layout: bool = False,
+    planned: TrainingSpec | None = None,
+) -> Closest:
+    """The plan as the engine can run it (Closest), each candidate judged in `ctx` (the plan's costs, or the same
+    costs in the dtype the engine trains in); `planned`: the plan's training when ctx's is the engine's;
+    `keep_layout`: only the plan with the lost parts replaced, never the engine's own best plan (a layout the user has
+    validated stays as it is wherever the engine can express it)."""
+    planned = planned or ctx.training
+    lost = engine_lost(strategy, engine, planned, predicted_as_run=planned.dtype != ctx.training.dtype)
+    same_dtype = planned.dtype == ctx.training.dtype
+    if not engine_lost(strategy, engine) and (same_dtype or _fastest_fitting(ctx, [strategy]) is not None):
+        return Closest(strategy, lost, strategy)  # at most the dtype is lost: the layout runs as planned
     candidates = near_plans(ctx, strategy, engine)
     near = _fastest_fitting(ctx, candidates)
     no_near = "" if near is not None else _no_near_plan(strategy, candidates)

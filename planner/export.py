@@ -19,7 +19,7 @@ import shlex
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
-from planner.engine_space import Closest, closest
+from planner.engine_space import Closest, closest, engine_dtype
 from planner.plan import describe_strategy, evaluation_dict, header_dict, layout_changes
 from predictor.cost_model import CostContext, evaluate, interleaved_group_size
 from predictor.sharding import shard_ranks
@@ -28,6 +28,7 @@ from specs.engines import get_engine
 from specs.errors import SpecError
 from specs.layout import Strategy, chunk_layer_counts
 from specs.loading import text_sha256
+from specs.training import TrainingSpec
 from specs.vendors import get_vendor
 
 MASTER_PORT = 29500
@@ -491,15 +492,27 @@ def _engine_plan_note(ctx: CostContext, strategy: Strategy, found: Closest) -> s
     return f"the files describe the engine's best plan, not the plan's layout: {why}; it changes " + "; ".join(changes)
 
 
-def export_plan(ctx: CostContext, strategy: Strategy, fmt: str, keep_layout: bool = False) -> Export:
+def export_plan(
+    ctx: CostContext,
+    strategy: Strategy,
+    fmt: str,
+    keep_layout: bool = False,
+    context_for: Callable[[TrainingSpec], CostContext] | None = None,
+) -> Export:
     """The plan in an engine's terms (or the closest plan the engine can run: engine_space.closest, `keep_layout`
-    there), with per-node torchrun commands."""
+    there), with per-node torchrun commands. `context_for(training)`: the plan's costs for another training; given,
+    an engine that trains in another dtype (fp16 -> fp32, FP8 -> bf16) has its plan chosen and predicted in that
+    dtype (else in the plan's, and its lost line says so)."""
     engine = get_engine(fmt, "--format")
     writer = WRITERS.get(engine.key)
     if writer is None:
         raise SpecError("--format", "", f"{engine.key} is in the engine registry but has no exporter yet")
     ctx.check_strategy(strategy, "plan")
-    found = closest(ctx, strategy, engine, keep_layout)
+    runs_ctx = ctx
+    dtype = engine_dtype(ctx.training.dtype, engine)
+    if dtype != ctx.training.dtype and context_for is not None:
+        runs_ctx = context_for(ctx.training.model_copy(update={"dtype": dtype}))
+    found = closest(runs_ctx, strategy, engine, keep_layout, planned=ctx.training)
     exported, lost = found.strategy, found.lost
     files, args = writer(ctx, exported, strategy)
     launches = node_launches(ctx.cluster, megatron_order(exported))
@@ -507,7 +520,7 @@ def export_plan(ctx: CostContext, strategy: Strategy, fmt: str, keep_layout: boo
     title = f"hetplan export --format {engine.key}: one torchrun per node ({len(launches)} nodes)"
     plan_file = EXPORTED_PLAN_FILE if EXPORTED_PLAN_FILE in files else ""
     files["launch.sh"] = launch_script(launches, title, engine.script, args, what, plan_file)
-    notes = [] if exported == found.near else [_engine_plan_note(ctx, strategy, found)]
+    notes = [] if exported == found.near else [_engine_plan_note(runs_ctx, strategy, found)]
     vendors = sorted({ctx.cluster.group(s.group).device.vendor for s in exported.pipelines[0].stages})
     if len(vendors) > 1 and not engine.mixed_vendors:
         notes.append(
@@ -521,7 +534,7 @@ def export_plan(ctx: CostContext, strategy: Strategy, fmt: str, keep_layout: boo
     return Export(
         engine.key,
         exported,
-        evaluate(ctx, exported).iteration_time_s,
+        evaluate(runs_ctx, exported).iteration_time_s,
         evaluate(ctx, strategy).iteration_time_s,
         lost,
         files,

@@ -160,7 +160,7 @@ def run_terms_table(record: Mapping[str, Any]) -> Table | None:
     stages = record["measurements"].get("terms")
     if not stages:
         return None
-    columns = ("stage", "term", "measured s", "predicted s", "difference s", "of the step", "cpu s (simulated)")
+    columns = ("stage", "term", "measured s", "predicted s", "difference s", "of the step", "cpu s: run (simulated)")
     table = titled_table("Where the step goes: measured vs predicted per stage", columns, left=("stage", "term"))
     families = len({stage["family"] for stage in stages})
     for stage in stages:

@@ -289,3 +289,25 @@ def test_validate_profiles_refuse_a_run_of_another_layer_shape(profiled_plan, tm
     alone = hetplan("validate", str(tiny), "--profiles", str(profile.parent), "--json")
     assert alone.returncode == 0, alone.stderr
     assert f"profiles cpu={profile} from --profiles {profile.parent}" in json.loads(alone.stdout)["costs"][0]
+
+
+def test_costs_for_another_dtype_keep_only_the_profiles_timed_in_it(tmp_path):
+    """An export to an engine that trains in fp32 (torchtitan, an fp16 plan) rebuilds the plan's costs in fp32: a
+    V100 profile timed in fp16 cannot say fp32 times, so the V100 takes the predictor's costs, and a line says so."""
+    from planner.cost_source import PlanCosts
+    from predictor.predictor import default_predictor
+    from profiler.profile import load_profile
+    from specs import load_cluster, load_model, load_training
+
+    path = tmp_path / "v100.json"
+    made = hetplan("simulate-profile", "--device", "v100", "--model", MODEL, "--out", str(path), "--dtype", "fp16",
+                   "--tp", "1", "--micro-batches", "1")  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    cluster, model = load_cluster(EXAMPLES / "a100-v100-32.yaml"), load_model(MODEL)
+    costs = PlanCosts(default_predictor(), {"v100": load_profile(path)}, ())
+    v100 = next(group.name for group in cluster.groups if group.device.key == "v100")
+    same, note = costs.context_in(cluster, model, load_training(overrides={"dtype": "fp16", "seq_length": 256}))
+    assert note == "" and same.source(v100).identity.startswith(load_profile(path).identity)
+    fp32, note = costs.context_in(cluster, model, load_training(overrides={"dtype": "fp32", "seq_length": 256}))
+    assert note == "note: the profiles of v100 time layers in fp16: in fp32 their costs are the predictor's"
+    assert str(path) not in fp32.source(v100).identity and "simulated v100" in fp32.source(v100).identity

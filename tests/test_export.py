@@ -392,6 +392,12 @@ def test_cli_export_writes_files_and_refuses_an_unknown_format(tmp_path):
     assert {p.name for p in out.iterdir()} == {"launch.sh", "export.json"}
     summary = json.loads((out / "export.json").read_text())
     assert summary["exported_iteration_time_s"] >= summary["plan_iteration_time_s"] * (1 - 1e-9)
+    titan = hetplan("export", str(plan_file), "--cluster", str(EXAMPLES / "a100-v100-32.yaml"), "--format",
+                    "torchtitan", "--out", str(tmp_path / "titan"))  # fmt: skip
+    assert titan.returncode == 0, titan.stderr
+    assert "(the export's time is predicted in fp32;" in titan.stdout  # torchtitan has no fp16: as it trains
+    summary = json.loads((tmp_path / "titan" / "export.json").read_text())
+    assert summary["exported_iteration_time_s"] > 3 * summary["plan_iteration_time_s"]
     bad = hetplan("export", str(plan_file), "--cluster", str(EXAMPLES / "a100-v100-32.yaml"), "--format", "nemo")
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "megatron" in bad.stderr
 
@@ -472,3 +478,47 @@ def test_keeping_a_layout_whose_lost_part_has_no_stand_in_says_so():
     with pytest.raises(SpecError, match=r"can be made \(the engine has no stand-in for one of them\).*CP \d") as caught:
         export_plan(made.context, made.strategy, "deepspeed", keep_layout=True)
     assert "memory" not in str(caught.value)
+
+
+def test_an_engine_that_trains_in_another_dtype_has_its_plan_chosen_and_predicted_in_it(mixed):
+    """torchtitan trains the fp16 plan in fp32: given the plan's costs for another training (`context_for`, what the
+    CLI passes), the export's plan is chosen, checked for memory and predicted in fp32 (four times slower here: the
+    V100s' and A100s' fp32 against their fp16 tensor cores), and its lost line says so; without, the time stays the
+    plan's dtype's and the line says that. Megatron has fp16: nothing changes."""
+    ctx, strategy = mixed
+    predictor = default_predictor()
+
+    def context_for(training):
+        return predictor.context(ctx.cluster, ctx.model, training)
+
+    fp32 = context_for(ctx.training.model_copy(update={"dtype": "fp32"}))
+    exported = export_plan(ctx, strategy, "torchtitan", context_for=context_for)
+    assert evaluate(fp32, exported.strategy).fits
+    assert exported.predicted_iteration_time_s == pytest.approx(evaluate(fp32, exported.strategy).iteration_time_s)
+    assert exported.predicted_iteration_time_s > 3 * exported.plan_iteration_time_s
+    assert any("(the export's time is predicted in fp32;" in line for line in exported.lost)
+    without = export_plan(ctx, strategy, "torchtitan")
+    assert any("(the export's time is still predicted in fp16;" in line for line in without.lost)
+    assert without.predicted_iteration_time_s < 2 * without.plan_iteration_time_s
+    megatron = export_plan(ctx, strategy, "megatron", context_for=context_for)
+    assert megatron.predicted_iteration_time_s == export_plan(ctx, strategy, "megatron").predicted_iteration_time_s
+
+
+def test_a_layout_the_engine_runs_but_not_in_its_dtype_is_replaced_by_one_that_fits():
+    """A torchtitan plan in fp16 (micro-batch 16, no recompute) fits there but not in fp32, the dtype torchtitan
+    trains it in: the export does not keep it (it ran out of memory before), it writes a plan that fits in fp32."""
+    cluster, model = load_cluster(EXAMPLES / "a100-v100-32.yaml"), load_model("gpt3-1.7b")
+    overrides = {"global_batch_size": 256, "dtype": "fp16", "zero_stage": 2, "recompute": ["none"]}
+    training = load_training(overrides={**overrides, "micro_batch_sizes": [16]})
+    predictor = default_predictor()
+
+    def context_for(changed):
+        return predictor.context(cluster, model, changed)
+
+    ctx = context_for(training)
+    strategy = engine_plans(ctx, get_engine("torchtitan"))[0]
+    fp32 = context_for(training.model_copy(update={"dtype": "fp32"}))
+    assert evaluate(ctx, strategy).fits and not evaluate(fp32, strategy).fits
+    exported = export_plan(ctx, strategy, "torchtitan", context_for=context_for)
+    assert exported.strategy != strategy and evaluate(fp32, exported.strategy).fits
+    assert [line.split(":")[0] for line in exported.lost] == ["fp16 -> fp32"]
