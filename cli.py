@@ -152,7 +152,7 @@ def plan(
     given |= {"micro_batch_sizes": flags.int_list(micro_batch_sizes, "--micro-batch-sizes"), "families": families}
     given |= {"virtual_stages": flags.int_list(virtual_stages, "--virtual-stages")}
     given |= {"context_parallel": flags.int_list(cp, "--cp")}
-    training_spec = on_cluster(flags.training(training, **given), cluster_spec)
+    training_spec = flags.training(training, **given)  # plan() trains it on the devices (stats' training_note)
     cp_named = ("--cp", "") if cp else (str(training), "context_parallel")
     training_spec.check_context_parallel(training_spec.seq_length or model_spec.seq_length, *cp_named)
     devices = [group.device.key for group in cluster_spec.groups]
@@ -170,6 +170,8 @@ def plan(
     options["zero_shards"] = flags.choices(zero_shard, ("dp", "node"), "--zero-shard") if zero_shard is not None else []
     with progress_on_stderr("plan", quiet, unit="candidates") as progress:
         result = make_plan(*inputs, progress=progress.counter("searched"), **options)
+    if "training_note" in result.search_stats:
+        said.say(f"note: {result.search_stats['training_note']}")
     if out is not None:
         result.save(out)
     body = result.to_dict()

@@ -74,18 +74,32 @@ def plan(
     top_k, max_candidates = int(top_k), int(max_candidates)  # (numpy's integers as Python's: plans serialise them)
     zero_stages, zero_shards = [int(stage) for stage in zero_stages], [str(shard) for shard in zero_shards]
     predictor = predictor or default_predictor()
+    dtype_chosen = "dtype" in training.model_fields_set
     training, training_note = on_groups(training, cluster.groups)  # as `hetplan plan` trains on these devices
     engine_changes: list[str] = []
+    trainings = [training]
     if engine is not None:
-        training, engine_changes = engine_training(training, engine)
-    check_dtype(cluster, training)  # the search may place stages on every group
-    base = predictor.base_context(cluster, model, training, profiles)
-    ctx = predictor.context(cluster, model, training, profiles)
+        planned, engine_changes = engine_training(training, engine)
+        trainings = [planned]
+        if not dtype_chosen and training.dtype == "fp16" and planned.dtype == "fp32":  # no fp16 on the engine:
+            trainings.append(planned.model_copy(update={"dtype": "bf16"}))  # bf16 where the devices have it, too
     started = time.perf_counter()
     options = SearchOptions(top_k=top_k, root_bound=lower_bound, max_candidates=max_candidates)
     choices = _LayoutChoices(zero_stages, zero_shards)
-    result, by_stage, by_cp, by_shard = _search_layout_options(ctx, choices, options, progress, engine)
+    searches = [_search_in_dtype(predictor, cluster, model, t, profiles, choices, options, progress, engine)
+                for t in trainings]  # fmt: skip
+    found = min(searches, key=lambda s: s.best_time_s)
     search_time_s = time.perf_counter() - started
+    training, result, ctx, base = found.context.training, found.result, found.context, found.base
+    by_stage, by_cp, by_shard = found.by_stage, found.by_cp, found.by_shard
+    if len(searches) > 1:
+        other = next(s for s in searches if s is not found)
+        training_note = _dtype_choice_note(found, other, engine)
+        engine_changes = (
+            [c for c in engine_changes if not c.startswith("fp16 -> fp32")]
+            if found is not searches[0]
+            else engine_changes
+        )
     if not result.evaluations:
         if result.smallest_shortfall_where:
             raise DoesNotFitError(
@@ -119,6 +133,8 @@ def plan(
     }
     if result.note:  # what the search did not cover (merged groups, the candidate budget), in one line
         stats["note"] = result.note
+    if found.idle_note:  # groups that cannot train in the dtype: the plan leaves them idle
+        stats["idle_note"] = found.idle_note
     if training_note:  # the dtype chosen for these devices (`hetplan plan` says it on stderr)
         stats["training_note"] = training_note.removeprefix("note: ")
     if engine is not None:
@@ -139,6 +155,73 @@ def plan(
     interval = predictor.interval(base, best.strategy)
     alternatives = tuple(result.evaluations[1:])
     return Plan(ctx, best, compute_bounds(ctx), search_time_s, stats, alternatives, interval, result.lower_bound_s)
+
+
+@dataclass(frozen=True)
+class _DtypeSearch:
+    """The search in one dtype: over the groups that can train in it (`idle_note` names the others)."""
+
+    context: CostContext
+    base: CostContext
+    result: SearchResult
+    by_stage: Times
+    by_cp: Times
+    by_shard: Times
+    idle_note: str
+
+    @property
+    def best_time_s(self) -> float:
+        return self.result.evaluations[0].iteration_time_s if self.result.evaluations else float("inf")
+
+
+def groups_with_dtype(
+    cluster: ClusterSpec, training: TrainingSpec, every_group: str = "fp16"
+) -> tuple[ClusterSpec, str]:
+    """The cluster's groups that can train in the training's dtype, and a note naming those left idle and the dtype
+    in which every group trains (`every_group`; "" when every group can); none can: refused in one line
+    (predictor.context.check_dtype)."""
+    lacking = [group for group in cluster.groups if group.device.lacks_dtype(training.dtype)]
+    if not lacking:
+        return cluster, ""
+    if len(lacking) == len(cluster.groups):
+        check_dtype(cluster, training)  # raises, naming the first
+    devices = sum(group.num_devices for group in lacking)
+    names = ", ".join(group.name for group in lacking)
+    why = "; ".join(dict.fromkeys(group.device.lacks_dtype(training.dtype) for group in lacking))
+    note = f"{names} ({devices} devices) left idle: {why}; in {every_group} every group trains (--dtype {every_group})"
+    return replace(cluster, groups=tuple(g for g in cluster.groups if g not in lacking)), note
+
+
+def _search_in_dtype(
+    predictor: Predictor,
+    cluster: ClusterSpec,
+    model: ModelSpec,
+    training: TrainingSpec,
+    profiles: Mapping[str, DeviceProfile] | None,
+    choices: _LayoutChoices,
+    options: SearchOptions,
+    progress: ProgressCallback | None,
+    engine: Engine | None,
+) -> _DtypeSearch:
+    """The layout search (_search_layout_options) on the groups that can train in the training's dtype."""
+    usable, idle_note = groups_with_dtype(cluster, training, "fp16" if engine is None or engine.fp16 else "fp32")
+    base = predictor.base_context(usable, model, training, profiles)
+    ctx = predictor.context(usable, model, training, profiles)
+    result, by_stage, by_cp, by_shard = _search_layout_options(ctx, choices, options, progress, engine)
+    return _DtypeSearch(ctx, base, result, by_stage, by_cp, by_shard, idle_note)
+
+
+def _dtype_choice_note(found: _DtypeSearch, other: _DtypeSearch, engine: Engine | None) -> str:
+    """Why the plan trains in its dtype where the engine has no fp16: the faster of fp32 on every group and bf16 on
+    the groups that have it, with the other's time."""
+    engine_key = engine.key if engine is not None else "the engine"
+    other_time = f"{other.best_time_s:.3f} s" if other.result.evaluations else "nothing fits"
+    where = "on the groups that have it" if found.idle_note else "on every group"
+    return (
+        f"training in {found.context.training.dtype} {where} ({engine_key} has no fp16 mixed precision; "
+        f"{other.context.training.dtype} {'on every group' if not other.idle_note else 'on the groups that have it'}: "
+        f"{other_time}); set dtype or --dtype to choose"
+    )
 
 
 def fit_remedies(training: TrainingSpec, zero_stages: Collection[int] = ()) -> str:

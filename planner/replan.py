@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from planner.engine_space import engine_lost, engine_search, engine_training
 from planner.families import _block_context, _block_plans, combine, split_batch_across
 from planner.plan import Plan
-from planner.planning import compute_bounds
+from planner.planning import compute_bounds, groups_with_dtype
 from planner.search import merge_results, search
 from predictor.cost_model import CostContext, Evaluation, evaluate
 from predictor.predictor import Predictor, default_predictor
@@ -224,6 +224,8 @@ def replan(
     training = training.model_copy(update={"uneven_batch": "exhaustive"})
     if engine is not None:  # what the engine can run (uneven batches only where it has them), as the plan records it
         training = engine_training(training, engine)[0]
+    every_group = "fp16" if engine is None or engine.fp16 else "fp32"
+    cluster, idle_note = groups_with_dtype(cluster, training, every_group)  # a bf16 plan leaves V100s idle
     started = time.perf_counter()
     if previous is not None and previous.model == model and {g.name for g in cluster.groups} <= set(previous.sources):
         ctx = dataclasses.replace(previous, cluster=cluster, training=training)
@@ -258,6 +260,8 @@ def replan(
         stats["engine"] = engine.key
     if result.note:
         stats["note"] = result.note
+    if idle_note:
+        stats["idle_note"] = idle_note
     base = predictor.base_context(cluster, model, training, profiles)
     interval = predictor.interval(base, best.strategy)
     ctx = ctx.at_context_parallel(best.strategy.context_parallel)

@@ -443,7 +443,11 @@ def search(
     changed cluster) that seed the incumbent, so the bounds prune from the first candidate on. `block_scans`: the
     family search's block scans, shared by the searches of one plan over its layout options (BlockScans). Many
     groups: groups of the same device and node shape plan as one (_merged_search) where the space is too large; more
-    than MAX_KINDS kinds are refused in one line."""
+    than MAX_KINDS kinds are refused in one line. Groups whose devices cannot train in the dtype (bf16 on V100s) get
+    no stages (planner.planning.groups_with_dtype names them)."""
+    groups = tuple(g for g in ctx.cluster.groups if not g.device.lacks_dtype(ctx.training.dtype))
+    if groups and len(groups) < len(ctx.cluster.groups):
+        ctx = dataclasses.replace(ctx, cluster=dataclasses.replace(ctx.cluster, groups=groups))
     groups = ctx.cluster.groups
     kinds = identical_classes(groups)
     if len(kinds) < len(groups) and search_size(ctx, groups) > MERGE_ABOVE:

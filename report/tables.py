@@ -213,6 +213,8 @@ def plan_rows(body: Mapping[str, Any], interval: Interval | None) -> list[Row]:
         degrees = search["context_parallel_s"].items()
         times = [f"CP {k} {'does not fit' if t is None else f'{t:.3f} s'}" for k, t in degrees]
         rows.append(("context parallel", f"{', '.join(times)}: CP {body['context_parallel']} chosen"))
+    if "idle_note" in search:
+        rows.append(("idle groups", search["idle_note"]))
     if "note" in search:
         rows.append(("search note", search["note"]))
     return rows

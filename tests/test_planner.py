@@ -170,11 +170,43 @@ def test_the_closest_misfit_is_found_only_when_asked(write, monkeypatch):
     assert len(calls) == 1  # each search's misfit is found once
 
 
-def test_bf16_on_a_device_without_bf16_is_a_clear_error():
-    """Chosen, bf16 is refused on a cluster with V100s (unchosen, the training there is fp16: the test below)."""
+def test_bf16_chosen_beside_devices_without_it_plans_on_the_others_and_names_the_idle_ones():
+    """Chosen, bf16 on A100s beside V100s plans on the A100s alone (it was refused), the V100s named as idle with the
+    dtype every group trains in; on V100s alone it is a clear error (unchosen, the training there is fp16: below)."""
     cluster = load_cluster(EXAMPLES / "a100-v100-32.yaml")
+    model = load_model("gpt3-1.7b")
+    made = plan(cluster, model, load_training(overrides={"dtype": "bf16", "global_batch_size": 64}))
+    assert made.context.training.dtype == "bf16"
+    assert {stage.group for p in made.strategy.pipelines for stage in p.stages} == {"a100"}
+    assert made.search_stats["idle_note"] == (
+        "v100 (16 devices) left idle: v100 has no bf16; in fp16 every group trains (--dtype fp16)"
+    )
+    alone = plan(
+        cluster.only(cluster.group("a100")), model, load_training(overrides={"dtype": "bf16", "global_batch_size": 64})
+    )
+    assert made.evaluation.iteration_time_s == pytest.approx(alone.evaluation.iteration_time_s)
     with pytest.raises(SpecError, match="v100 has no bf16: train in fp16"):
-        plan(cluster, load_model("gpt3-1.7b"), load_training(overrides={"dtype": "bf16"}))
+        plan(cluster.only(cluster.group("v100")), model, load_training(overrides={"dtype": "bf16"}))
+
+
+def test_an_engine_without_fp16_trains_in_bf16_where_the_devices_have_it_when_that_is_faster():
+    """torchtitan has no fp16: on A100s beside V100s the unchosen dtype was fp16 and became fp32 everywhere (51.8 s
+    for GPT-3 6.7B); bf16 on the A100s alone, the V100s idle, is searched too and is eight times faster. Chosen, the
+    dtype stays."""
+    cluster, model = load_cluster(EXAMPLES / "a100-v100-32.yaml"), load_model("gpt3-6.7b")
+    training = load_training(overrides={"global_batch_size": 256})
+    made = plan(cluster, model, training, engine="torchtitan")
+    fp32 = plan(
+        cluster, model, load_training(overrides={"global_batch_size": 256, "dtype": "fp32"}), engine="torchtitan"
+    )
+    assert made.context.training.dtype == "bf16" and fp32.context.training.dtype == "fp32"
+    assert made.evaluation.iteration_time_s < fp32.evaluation.iteration_time_s / 4
+    assert made.search_stats["training_note"] == (
+        "training in bf16 on the groups that have it (torchtitan has no fp16 mixed precision; fp32 on every group: "
+        f"{fp32.evaluation.iteration_time_s:.3f} s); set dtype or --dtype to choose"
+    )
+    assert not any("fp16 -> fp32" in change for change in made.search_stats["engine_changes"])
+    assert "in fp32 every group trains (--dtype fp32)" in made.search_stats["idle_note"]
 
 
 def test_plan_equals_exhaustive_search_on_a_small_heterogeneous_cluster():

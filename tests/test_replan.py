@@ -237,3 +237,14 @@ def test_a_family_plan_shrinks_keeps_its_families_and_says_why_it_cannot():
     gone = shrink(ctx, old.strategy)
     assert gone.evaluation is None
     assert gone.reason.startswith("family 1: group v100 has no nodes left")  # numbered as plan and explain do
+
+
+def test_a_bf16_plan_with_idle_v100s_replans_on_the_groups_that_have_bf16():
+    """A bf16 plan on A100s beside V100s leaves the V100s idle (they have no bf16); after losing an A100 node the
+    new plan must not place stages on them either (the search saw every group), and says they stay idle."""
+    cluster, model = load_cluster(EXAMPLES / "a100-v100-32.yaml"), load_model("gpt3-1.7b")
+    training = load_training(overrides={"dtype": "bf16", "global_batch_size": 64})
+    made = plan(cluster, model, training)
+    again = replan(changed_cluster(cluster, ["node:a100/1"], []), model, made.context.training, made.strategy)
+    assert {stage.group for p in again.plan.strategy.pipelines for stage in p.stages} == {"a100"}
+    assert again.plan.search_stats["idle_note"].startswith("v100 (16 devices) left idle: v100 has no bf16")
