@@ -146,7 +146,7 @@ def plan(
     if zero_stage is not None and zero_stages is not None:  # the search took --zero-stages, dropping --zero-stage
         raise SpecError("--zero-stage", str(zero_stage), "plans with one ZeRO stage, --zero-stages searches several: "
                         "pass one of the two")  # fmt: skip
-    cluster_spec, model_spec = load_cluster(cluster), load_model(model)
+    cluster_spec, model_spec = load_cluster(cluster), load_model(model, "--model")
     given = {"global_batch_size": global_batch, "seq_length": seq_len, "dtype": dtype, "zero_stage": zero_stage}
     given |= {"recompute": flags.names(recompute) if recompute is not None else None, "uneven_batch": uneven_batch}
     given |= {"micro_batch_sizes": flags.int_list(micro_batch_sizes, "--micro-batch-sizes"), "families": families}
@@ -467,7 +467,7 @@ def traffic_calc(
     from report.tables import traffic_calc_lines
     from specs.model import load_model
 
-    spec = load_model(model)
+    spec = load_model(model, "--model")
     body = textbook(spec, tokens, global_batch, gpus, seq_length=seq_len, grad_bytes=grad_bytes)
     show(as_json, body, *traffic_calc_lines(body, global_batch, seq_len or spec.seq_length))
 

@@ -121,7 +121,7 @@ def what_if(
         if given.get("global_batch_size", batch) != batch:  # the stages' micro-batches add up to the plan's batch
             raise SpecError("--global-batch", "", f"the plan's micro-batches add up to {batch} sequences per "
                             f"iteration: re-plan for {given['global_batch_size']} (or leave the flag out)")  # fmt: skip
-        other = load_model(model) if model else plan.model
+        other = load_model(model, "--model") if model else plan.model
         if other.num_layers != plan.model.num_layers:
             raise SpecError("--model", model or "", f"has {other.num_layers} layers, the plan's stages hold "
                             f"{plan.model.num_layers}: expected a model of as many layers (or re-plan)")  # fmt: skip
@@ -130,7 +130,7 @@ def what_if(
     if model is None:
         raise SpecError("--model", "", "required with Megatron-style flags (or pass --strategy plan.json)")
     flags = dict(megatron)
-    model_spec = load_model(model)
+    model_spec = load_model(model, "--model")
     training = load_training(training_file, {**given, "sequence_parallel": flags.pop("sequence_parallel", None)})
     pp, chunks = flags["pp"], flags["virtual_stages"]
     if chunks > 1 and pp == 1:  # predicted as plain 1F1B while labelled interleaved

@@ -108,17 +108,22 @@ class Run:
 
 
 def _resolve(record: RunRecord, path: Path, where: str) -> Run:
+    """The record resolved; `where` it sits in its file ("run": the file is the record, its fields top-level)."""
+
+    def field(name: str) -> str:
+        return name if where == "run" else f"{where}.{name}"
+
     if isinstance(record.cluster, str):
         cluster = load_cluster(path.parent / record.cluster)
     else:
-        parsed = validate(ClusterFile, record.cluster, str(path), prefix=f"{where}.cluster")
+        parsed = validate(ClusterFile, record.cluster, str(path), prefix=field("cluster"))
         cluster = resolve_cluster(parsed, str(path))
     if isinstance(record.model, str):
         candidate = path.parent / record.model
-        model = load_model(str(candidate) if candidate.exists() else record.model)
+        model = load_model(str(candidate) if candidate.exists() else record.model, str(path), field("model"))
     else:
-        model = validate(ModelSpec, record.model, str(path), prefix=f"{where}.model")
-    training = validate(TrainingSpec, record.training, str(path), prefix=f"{where}.training")
+        model = validate(ModelSpec, record.model, str(path), prefix=field("model"))
+    training = validate(TrainingSpec, record.training, str(path), prefix=field("training"))
     layout = record.strategy
     if isinstance(layout, PlanLayout):
         strategy = layout.to_strategy()  # checked against the cluster when calibration builds its context
@@ -135,7 +140,7 @@ def _resolve(record: RunRecord, path: Path, where: str) -> Run:
             recompute=layout.recompute,
             virtual_stages=layout.virtual_stages,
             context_parallel=layout.cp,
-            source=f"{path}: {where}.strategy",
+            source=f"{path}: {field('strategy')}",
         )
     return Run(
         record.name,

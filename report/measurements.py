@@ -10,6 +10,7 @@ from typing import Any
 from rich.table import Table
 
 from report.tables import titled_table
+from specs.units import GIB
 
 Renderable = Table | str
 
@@ -211,6 +212,7 @@ def run_lines(record: Mapping[str, Any], steps: int) -> list[str]:
         lines.append(
             f"step 1 loss {verdict} one process: {reference['run_loss']:.6f} vs {reference['reference_loss']:.6f}"
         )
+    lines.extend(memory_lines(details))
     sharing = details.get("core_sharing") or {}
     if "busy_processes_per_core" in sharing:
         lines.append(
@@ -223,6 +225,20 @@ def run_lines(record: Mapping[str, Any], steps: int) -> list[str]:
         speeds = ", ".join(f"{name} at {speed:g}x" for name, speed in details["emulated_groups"].items())
         lines.append(f"emulated: {speeds}: {details['emulation']}")
     return lines
+
+
+def memory_lines(details: Mapping[str, Any]) -> list[str]:
+    """The ranks' peak resident memory beside the plan's memory per device: the process holds torch, Gloo's buffers
+    and the emulation beside the model's state, which is all the plan counts (records from before: none)."""
+    peaks = [float(value) for value in (details.get("memory_max_rss_bytes") or {}).values()]
+    planned = details.get("predicted_memory_bytes")
+    if not peaks or planned is None:
+        return []
+    return [
+        f"memory: peak resident {min(peaks) / GIB:.2f}-{max(peaks) / GIB:.2f} GiB per rank; the plan's "
+        f"{planned / GIB:.2f} GiB per device is the model's weights, gradients, optimizer state and activations, "
+        "not the process's own (torch, Gloo's buffers, the emulation)"
+    ]
 
 
 def against_prediction(error: float) -> str:

@@ -84,7 +84,7 @@ def profile(
     sizes = flags.int_list(micro_batches, "--micro-batches")
     modes = flags.choices(recompute, RECOMPUTE_MODES, "--recompute")
     flags.choice(dtype, PROFILE_DTYPES, "--dtype")  # fp8 runs in Transformer Engine's GEMMs, which this does not time
-    model_spec = load_model(model)
+    model_spec = load_model(model, "--model")
     degrees = flags.tp_degrees(tp, model_spec, (1, 2, 4))
     require_torch("profile")
     from profiler.measure import pass_drift, profile_model, profile_target
@@ -545,7 +545,7 @@ def simulate_profile(
 
     flags.output_file(out, "--out", reads={"--model": model})
     sizes = flags.int_list(micro_batches, "--micro-batches") or []
-    model_spec = load_model(model)
+    model_spec = load_model(model, "--model")
     spec = get_device(device, "--device", "")
     if dtype is None:  # as `plan` trains on the device (specs.training.on_devices), so its profile is taken
         dtype = "fp32" if spec.key == "cpu" else "bf16" if spec.supports_bf16 else "fp16"

@@ -334,6 +334,8 @@ def run_record(
             "step_times_s": summary["step_times_s"],
             "stages": summary["stages"],
             "memory_max_rss_bytes": summary["memory_max_rss_bytes"],
+            # the cost model's memory of the fullest device (weights, gradients, optimizer state, activations)
+            "predicted_memory_bytes": max(stage.memory.total_bytes for stage in evaluation.stages),
             "idle_ranks": summary["idle_ranks"],
             "prediction_from": ctx.predictor_identity,
             "cost_source": dict(ctx.cost_source) if ctx.cost_source else None,

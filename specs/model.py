@@ -230,9 +230,12 @@ def model_catalog() -> dict[str, ModelSpec]:
     return _models().entries
 
 
-def load_model(name_or_path: str | Path | Mapping[str, Any]) -> ModelSpec:
+def load_model(
+    name_or_path: str | Path | Mapping[str, Any], source: str = "load_model()", field: str = ""
+) -> ModelSpec:
     """A catalog key or alias, a model YAML/JSON file, a Hugging Face config.json, or the mapping such a file holds
-    (a launcher's own dict: its key and name default to 'model')."""
+    (a launcher's own dict: its key and name default to 'model'). An unknown name is an error naming `source` and
+    `field` (the CLI's flag, a run record's field)."""
     if isinstance(name_or_path, Mapping):
         return _model_from_mapping(dict(name_or_path), "model mapping", "model")
     found = _models().find(str(name_or_path))
@@ -241,7 +244,7 @@ def load_model(name_or_path: str | Path | Mapping[str, Any]) -> ModelSpec:
     path = Path(name_or_path)
     if not path.exists() and path.suffix.lower() not in (".yaml", ".yml", ".json"):
         known = ", ".join(model_catalog())
-        raise SpecError("--model", "", f"unknown model {name_or_path!r}; expected a file or one of: {known}")
+        raise SpecError(source, field, f"unknown model {name_or_path!r}; expected a file or one of: {known}")
     checkpoint = path.resolve().parent.name if path.stem == "config" else path.stem  # a HF checkpoint's directory
     return _model_from_mapping(read_mapping(path), str(path), path.stem, checkpoint)
 

@@ -424,6 +424,10 @@ def test_hetplan_run_plans_trains_records_and_feeds_fit(tmp_path):
     slowest = max(stage["step"]["predicted_s"] for stage in terms)
     assert slowest == pytest.approx(record["predicted_iteration_time_s"])
     assert "Where the step goes" in ran.stdout
+    # the ranks' resident memory beside the plan's per device, which counts the model's state alone
+    planned = record["measurements"]["predicted_memory_bytes"]
+    assert 0 < planned < min(record["measurements"]["memory_max_rss_bytes"].values())
+    assert f"GiB per rank; the plan's {planned / 2**30:.2f} GiB per device is the model's weights" in ran.stdout
     assert "emulated: slow at 0.5x:" in ran.stdout  # in words, not a Python dict
     # one step laid out rank by rank (tested in detail on a pipeline above)
     timeline = record["measurements"]["timeline"]

@@ -269,9 +269,19 @@ def test_a_file_of_another_kind_is_named_as_what_it_is_and_what_was_expected(wri
     assert str(caught.value) == f"{path}: {LOADERS[load][0].format(what)}"
 
 
-def test_unknown_model_lists_catalog():
-    with pytest.raises(SpecError, match="unknown model 'gpt5'.*llama-140b"):
+def test_unknown_model_lists_catalog_and_names_who_asked(tmp_path):
+    """From Python the error names load_model() (it named the CLI's --model); from a run record, its file and field."""
+    with pytest.raises(SpecError, match=r"^load_model\(\): unknown model 'gpt5'.*llama-140b"):
         load_model("gpt5")
+    from predictor.runs import load_runs
+
+    strategy = {"group": "cpu", "tp": 1, "pp": 1, "dp": 4, "micro_batch_size": 1, "recompute": "none"}
+    record = {"schema": "hetplan.run/1", "name": "r", "source": "s", "cluster": str(EXAMPLES / "cpu-2x2.yaml"),
+              "model": "gpt5", "measured_iteration_time_s": 1.0, "strategy": strategy}  # fmt: skip
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(record))
+    with pytest.raises(SpecError, match=rf"^{path}: model: unknown model 'gpt5'"):
+        load_runs(path)
 
 
 def test_training_flags_override_file(write):
