@@ -87,10 +87,10 @@ def tp_options(ctx: CostContext, group: DeviceGroup) -> list[int]:
         for t in divisors(per_node)
         if ctx.model.num_kv_heads % t == 0 and (per_node % (t * cp) == 0 or (t * cp) % per_node == 0)
     ]
-    source = ctx.source(group)
-    profiled = getattr(source, "tp_degrees", None)
-    if callable(profiled):
-        options = [t for t in options if t in profiled()]
+    profiled = getattr(ctx.source(group), "tp_degrees", None)
+    covered = profiled() if callable(profiled) else None  # None: the source answers any degree
+    if covered is not None:
+        options = [t for t in options if t in covered]
     return options
 
 

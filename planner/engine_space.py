@@ -35,7 +35,8 @@ class _FixedTp:
 
     def tp_degrees(self) -> tuple[int, ...]:
         profiled = getattr(self._source, "tp_degrees", None)
-        return (self._tp,) if not callable(profiled) or self._tp in profiled() else ()
+        covered = profiled() if callable(profiled) else None  # None: the source answers any degree
+        return (self._tp,) if covered is None or self._tp in covered else ()
 
 
 def engine_zero_stage(zero_stage: int, engine: Engine) -> int:

@@ -224,6 +224,8 @@ def build_context(
     links: dict[str, Link] = {}
     for group in cluster.groups:
         profile = (profiles or {}).get(group.device.key)
+        if group.device.lacks_dtype(training.dtype):  # it can take no stage (check_dtype): its profile says nothing
+            profile = None
         if profile is not None:
             if profile.seq_length != seq_length:
                 raise SpecError(

@@ -68,6 +68,12 @@ class ScaledLayerCosts:
     def identity(self) -> str:
         return f"{self.inner.identity} x{self.factor:.3f}"
 
+    def tp_degrees(self) -> tuple[int, ...] | None:
+        """The TP degrees the inner source covers (a profile's), None where it answers any: scaled (calibrated, or an
+        emulated group's), a profile must still keep the search to what it timed."""
+        covered = getattr(self.inner, "tp_degrees", None)
+        return covered() if callable(covered) else None
+
     def layer_cost(self, layer: LayerKind, micro_batch_size: int, tp: int, recompute: Recompute) -> LayerCost:
         key = (layer, micro_batch_size, tp, recompute)
         cost = self._costs.get(key)

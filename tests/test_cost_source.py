@@ -311,3 +311,36 @@ def test_costs_for_another_dtype_keep_only_the_profiles_timed_in_it(tmp_path):
     fp32, note = costs.context_in(cluster, model, load_training(overrides={"dtype": "fp32", "seq_length": 256}))
     assert note == "note: the profiles of v100 time layers in fp16: in fp32 their costs are the predictor's"
     assert str(path) not in fp32.source(v100).identity and "simulated v100" in fp32.source(v100).identity
+
+
+def test_a_bf16_plan_with_idle_v100s_reads_back_with_a_v100_profile_timed_in_fp16(tmp_path):
+    """Profiles of both groups (the V100's in fp16, all it has), a bf16 plan on the A100s: the plan records both, and
+    `predict` of it refused the V100 profile ("profiled in fp16, training runs bf16 there") though no stage runs
+    there. The profiles cover TP 1 and 2 only: calibrated (a saved simulation takes the datasheet's terms), the plan
+    asked them for TP 4 ("no decoder entry for tp=4"), the scaled source hiding what they cover."""
+    from profiler.profile import ScaledLayerCosts, load_profile
+
+    cluster = str(EXAMPLES / "a100-v100-32.yaml")
+    profiles = tmp_path / "profiles"
+    profiles.mkdir()
+    for device, dtype in (("a100-80gb", "bf16"), ("v100", "fp16")):
+        made = hetplan("simulate-profile", "--device", device, "--model", "gpt3-1.7b", "--out",
+                       str(profiles / f"{device}.json"), "--dtype", dtype, "--tp", "1,2",
+                       "--micro-batches", "1,2")  # fmt: skip
+        assert made.returncode == 0, made.stderr
+    assert ScaledLayerCosts(load_profile(profiles / "v100.json"), 1.2).tp_degrees() == (1, 2)
+    plan = tmp_path / "plan.json"
+    made = hetplan("plan", "-c", cluster, "-m", "gpt3-1.7b", "--global-batch", "64", "--dtype", "bf16", "--profiles",
+                   str(profiles), "--out", str(plan), "--json", "-q")  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    body = json.loads(made.stdout)
+    assert body["search"]["idle_note"].startswith("v100 (16 devices) left idle")
+    assert {entry["device"] for entry in body["cost_source"]["profiles"]} == {"a100-80gb", "v100"}
+    done, predicted = _predict_on(cluster, plan)
+    assert done.returncode == 0, done.stderr
+    assert predicted["iteration_time_s"] == pytest.approx(body["iteration_time_s"], rel=1e-9)
+
+
+def _predict_on(cluster: str, plan: Path):
+    done = hetplan("predict", "-c", cluster, "--strategy", str(plan), "--json")
+    return done, (json.loads(done.stdout) if done.returncode == 0 else None)
