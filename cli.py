@@ -141,6 +141,7 @@ def plan(
     from specs.engines import get_engine
     from specs.errors import SpecError
     from specs.model import load_model
+    from specs.training import on_groups
 
     flags.output_file(out, "--out", reads={"--cluster": cluster, "--model": model, "--training": training})
     if zero_stage is not None and zero_stages is not None:  # the search took --zero-stages, dropping --zero-stage
@@ -153,6 +154,10 @@ def plan(
     given |= {"virtual_stages": flags.int_list(virtual_stages, "--virtual-stages")}
     given |= {"context_parallel": flags.int_list(cp, "--cp")}
     training_spec = flags.training(training, **given)  # plan() trains it on the devices (stats' training_note)
+    defaulted = engine is None and "dtype" not in training_spec.model_fields_set  # plan() will choose it so
+    said_before = on_groups(training_spec, cluster_spec.groups)[1] if defaulted else ""
+    if said_before:  # said before the search, so that a plan that does not fit still says its dtype
+        said.say(said_before)
     cp_named = ("--cp", "") if cp else (str(training), "context_parallel")
     training_spec.check_context_parallel(training_spec.seq_length or model_spec.seq_length, *cp_named)
     devices = [group.device.key for group in cluster_spec.groups]
@@ -170,8 +175,9 @@ def plan(
     options["zero_shards"] = flags.choices(zero_shard, ("dp", "node"), "--zero-shard") if zero_shard is not None else []
     with progress_on_stderr("plan", quiet, unit="candidates") as progress:
         result = make_plan(*inputs, progress=progress.counter("searched"), **options)
-    if "training_note" in result.search_stats:
-        said.say(f"note: {result.search_stats['training_note']}")
+    training_note = result.search_stats.get("training_note")
+    if training_note and f"note: {training_note}" != said_before:
+        said.say(f"note: {training_note}")
     if out is not None:
         result.save(out)
     body = result.to_dict()

@@ -39,10 +39,11 @@ class PlanCosts:
         """These costs for another training than the plan's (an engine's dtype): the profiles whose layers are timed
         in the dtype each device then runs, the predictor's costs for the other devices, and a line naming those
         (empty when none)."""
+        trains = [g for g in cluster.groups if not g.device.lacks_dtype(training.dtype)]  # idle ones: no stage
         kept = {
             key: profile
             for key, profile in self.profiles.items()
-            if all(g.device.runs_dtype(training.dtype) == profile.dtype for g in cluster.groups if g.device.key == key)
+            if all(g.device.runs_dtype(training.dtype) == profile.dtype for g in trains if g.device.key == key)
         }
         dropped = sorted(set(self.profiles) - set(kept))
         said = (
@@ -236,18 +237,25 @@ def run_costs(runs: Sequence[Run], predictor_file: Path | None = None, profiles_
     predictor = load_predictor(predictor_file) if predictor_file is not None else default_predictor()
     said = f"predictor {predictor_file} (--predictor)" if predictor_file is not None else "the shipped predictor"
     profiles: dict[str, DeviceProfile] = {}
+    flag_notes: list[str] = []
     if profiles_dir is not None and runs:
         devices = {group.device.key for run in runs for group in run.cluster.groups}
         profiles = load_profiles(profiles_dir, runs[0].model, devices)
         _check_shapes(runs, runs[0].model, f"--profiles {profiles_dir}", profiles)
         paths = {key: profile.path for key, profile in profiles.items()}
-        said += f", {describe_profiles(paths)} from --profiles {profiles_dir}, the predictor's calibration not applied"
+        said += f", {describe_profiles(paths)} from --profiles {profiles_dir}"
+        said += ", the predictor's calibration not applied" if profiles else ""
+        missing = sorted(devices - set(profiles))
+        if missing:
+            flag_notes.append(f"note: --profiles {profiles_dir} has no profile of {', '.join(missing)}: predicted from "
+                         "the predictor's costs there")  # fmt: skip
     if recorded and predictor_file is None and profiles_dir is None:
+        different = f", {len(recorded)} different ones" if len(recorded) > 1 else ""
         said += (
-            f" ({with_record} of {len(runs)} run records name the costs `hetplan run` predicted them with, "
-            f"{len(recorded)} different: validate them apart to use those, or pass --predictor / --profiles)"
+            f" ({with_record} of {len(runs)} run records name the costs `hetplan run` predicted them with"
+            f"{different}: validate them apart to use those, or pass --predictor / --profiles)"
         )
-    return PlanCosts(predictor, profiles, (f"costs: {said}",))
+    return PlanCosts(predictor, profiles, (f"costs: {said}", *flag_notes))
 
 
 def _check_shapes(runs: Sequence[Run], model: ModelSpec, named: str, profiles: Mapping[str, DeviceProfile]) -> None:

@@ -113,8 +113,8 @@ def engine_lost(
         predicted = "predicted in fp32" if predicted_as_run else "still predicted in fp16"
         lost.append(
             f"fp16 -> fp32: {engine.key} has no fp16 mixed precision, only bf16 or fp32 (the export's time is "
-            f"{predicted}; `hetplan plan --engine {engine.key}` plans in fp32, or train in bf16 where every "
-            "device has it)"
+            f"{predicted}; `hetplan plan --engine {engine.key}` plans within it: fp32 on every group or bf16 on the "
+            "groups that have it, the faster)"
         )
     return lost
 

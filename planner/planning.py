@@ -74,6 +74,7 @@ def plan(
     top_k, max_candidates = int(top_k), int(max_candidates)  # (numpy's integers as Python's: plans serialise them)
     zero_stages, zero_shards = [int(stage) for stage in zero_stages], [str(shard) for shard in zero_shards]
     predictor = predictor or default_predictor()
+    requested = training
     dtype_chosen = "dtype" in training.model_fields_set
     training, training_note = on_groups(training, cluster.groups)  # as `hetplan plan` trains on these devices
     engine_changes: list[str] = []
@@ -81,47 +82,58 @@ def plan(
     if engine is not None:
         planned, engine_changes = engine_training(training, engine)
         trainings = [planned]
-        if not dtype_chosen and training.dtype == "fp16" and planned.dtype == "fp32":  # no fp16 on the engine:
-            trainings.append(planned.model_copy(update={"dtype": "bf16"}))  # bf16 where the devices have it, too
+        bf16_somewhere = any(not group.device.lacks_dtype("bf16") for group in cluster.groups)
+        if not dtype_chosen and training.dtype == "fp16" and planned.dtype == "fp32" and bf16_somewhere:
+            trainings.append(planned.model_copy(update={"dtype": "bf16"}))  # no fp16 on the engine: bf16 too
     started = time.perf_counter()
     options = SearchOptions(top_k=top_k, root_bound=lower_bound, max_candidates=max_candidates)
     choices = _LayoutChoices(zero_stages, zero_shards)
-    searches = [_search_in_dtype(predictor, cluster, model, t, profiles, choices, options, progress, engine)
-                for t in trainings]  # fmt: skip
+    searches: list[_DtypeSearch] = []
+    failed: list[tuple[str, SpecError]] = []
+    for each in trainings:
+        try:
+            searches.append(_search_in_dtype(predictor, cluster, model, each, profiles, choices, options, progress,
+                                             engine))  # fmt: skip
+        except SpecError as error:  # one dtype's costs cannot be made (no fp32 peak known): the other dtype's plan
+            if len(trainings) == 1:
+                raise
+            failed.append((each.dtype, error))
+    if not searches:
+        raise failed[0][1]
     found = min(searches, key=lambda s: s.best_time_s)
     search_time_s = time.perf_counter() - started
     training, result, ctx, base = found.context.training, found.result, found.context, found.base
     by_stage, by_cp, by_shard = found.by_stage, found.by_cp, found.by_shard
-    if len(searches) > 1:
-        other = next(s for s in searches if s is not found)
-        training_note = _dtype_choice_note(found, other, engine)
-        engine_changes = (
-            [c for c in engine_changes if not c.startswith("fp16 -> fp32")]
-            if found is not searches[0]
-            else engine_changes
-        )
+    if len(trainings) > 1:
+        training_note = _dtype_choice_note(found, [s for s in searches if s is not found], failed, engine)
+        if training.dtype != trainings[0].dtype:
+            engine_changes = [c for c in engine_changes if not c.startswith("fp16 -> fp32")]
+    elif found.idle_note:  # said of the devices that train (FP8 chosen: not of idle V100s)
+        training_note = on_groups(requested, ctx.cluster.groups)[1]
+    idle = f" ({found.idle_note})" if found.idle_note else ""
     if not result.evaluations:
         if result.smallest_shortfall_where:
             raise DoesNotFitError(
                 f"{model.key} does not fit on cluster {cluster.name!r}: the closest strategy "
                 f"({result.smallest_shortfall_where}) needs {result.smallest_shortfall_bytes / GIB:.1f} GiB more "
-                f"per device; {fit_remedies(training, zero_stages)}",
+                f"per device; {fit_remedies(training, zero_stages)}{idle}",
                 result.smallest_shortfall_bytes,
             )
+        usable_groups = ctx.cluster.groups
         state = model.total_params() * state_bytes_per_param(ctx, dp=1)
-        usable = sum(g.num_devices * usable_memory_bytes(ctx, g) for g in cluster.groups)
-        missing = (state - usable) / cluster.num_devices
+        usable = sum(g.num_devices * usable_memory_bytes(ctx, g) for g in usable_groups)
+        missing = (state - usable) / sum(g.num_devices for g in usable_groups)
         if missing > 0:
             raise DoesNotFitError(
                 f"{model.key} does not fit on cluster {cluster.name!r}: its weights, gradients and optimizer state "
                 f"alone ({state / GIB:,.0f} GiB) need {missing / GIB:.1f} GiB more per device than the "
-                f"{usable / GIB:,.0f} GiB usable; add devices",
+                f"{usable / GIB:,.0f} GiB usable; add devices{idle}",
                 missing,
             )
         raise DoesNotFitError(
             f"no strategy for {model.key} on cluster {cluster.name!r}: the global batch "
             f"{training.global_batch_size} must split into replicas x micro-batches, and stages need whole layers "
-            f"({model.num_layers}) and TP degrees dividing a node and the {model.num_kv_heads} kv heads",
+            f"({model.num_layers}) and TP degrees dividing a node and the {model.num_kv_heads} kv heads{idle}",
             0.0,
         )
     stats = {
@@ -154,7 +166,12 @@ def plan(
         ctx, base = replace(ctx, training=training), replace(base, training=training)
     interval = predictor.interval(base, best.strategy)
     alternatives = tuple(result.evaluations[1:])
-    return Plan(ctx, best, compute_bounds(ctx), search_time_s, stats, alternatives, interval, result.lower_bound_s)
+    bounds = compute_bounds(ctx)  # of the groups that train (an idle group's own best plan is no yardstick)
+    if found.idle_note:  # the plan's context is the whole cluster's: its idle groups hold no stage
+        whole = predictor.context(cluster, model, training, profiles)
+        ctx = whole.at_context_parallel(best.strategy.context_parallel)
+    least = [s.result.lower_bound_s for s in searches if s.result.lower_bound_s is not None]  # over every dtype
+    return Plan(ctx, best, bounds, search_time_s, stats, alternatives, interval, min(least, default=None))
 
 
 @dataclass(frozen=True)
@@ -211,16 +228,23 @@ def _search_in_dtype(
     return _DtypeSearch(ctx, base, result, by_stage, by_cp, by_shard, idle_note)
 
 
-def _dtype_choice_note(found: _DtypeSearch, other: _DtypeSearch, engine: Engine | None) -> str:
+def _dtype_choice_note(
+    found: _DtypeSearch, others: Sequence[_DtypeSearch], failed: Sequence[tuple[str, SpecError]], engine: Engine | None
+) -> str:
     """Why the plan trains in its dtype where the engine has no fp16: the faster of fp32 on every group and bf16 on
-    the groups that have it, with the other's time."""
+    the groups that have it, with the other's time (or why it could not be planned)."""
+
+    def where(search: _DtypeSearch) -> str:
+        return (
+            f"{search.context.training.dtype} {'on the groups that have it' if search.idle_note else 'on every group'}"
+        )
+
     engine_key = engine.key if engine is not None else "the engine"
-    other_time = f"{other.best_time_s:.3f} s" if other.result.evaluations else "nothing fits"
-    where = "on the groups that have it" if found.idle_note else "on every group"
+    said = [f"{where(s)}: {f'{s.best_time_s:.3f} s' if s.result.evaluations else 'nothing fits'}" for s in others]
+    said += [f"{dtype}: cannot be planned ({error})" for dtype, error in failed]
     return (
-        f"training in {found.context.training.dtype} {where} ({engine_key} has no fp16 mixed precision; "
-        f"{other.context.training.dtype} {'on every group' if not other.idle_note else 'on the groups that have it'}: "
-        f"{other_time}); set dtype or --dtype to choose"
+        f"training in {where(found)} ({engine_key} has no fp16 mixed precision; {'; '.join(said)}); set dtype or "
+        "--dtype to choose"
     )
 
 

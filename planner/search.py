@@ -443,8 +443,8 @@ def search(
     changed cluster) that seed the incumbent, so the bounds prune from the first candidate on. `block_scans`: the
     family search's block scans, shared by the searches of one plan over its layout options (BlockScans). Many
     groups: groups of the same device and node shape plan as one (_merged_search) where the space is too large; more
-    than MAX_KINDS kinds are refused in one line. Groups whose devices cannot train in the dtype (bf16 on V100s) get
-    no stages (planner.planning.groups_with_dtype names them)."""
+    than MAX_KINDS kinds are refused in one line. Where some groups' devices cannot train in the dtype (bf16 on V100s)
+    those get no stages (planner.planning.groups_with_dtype names them; where none can, plan() refuses first)."""
     groups = tuple(g for g in ctx.cluster.groups if not g.device.lacks_dtype(ctx.training.dtype))
     if groups and len(groups) < len(ctx.cluster.groups):
         ctx = dataclasses.replace(ctx, cluster=dataclasses.replace(ctx.cluster, groups=groups))

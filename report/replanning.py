@@ -39,6 +39,7 @@ def replan_summary(before: ClusterSpec, after: ClusterSpec, old: Evaluation, res
         "replan_time_s": round(result.replan_time_s, 3),
         "warm_started": bool(result.plan.search_stats.get("warm_started")),
         "engine": result.plan.search_stats.get("engine"),
+        "idle_note": result.plan.search_stats.get("idle_note"),
     }
 
 
@@ -71,4 +72,6 @@ def replan_lines(body: Mapping[str, Any], replan_time_s: float) -> list[str]:
     if body.get("engine"):
         engine = body["engine"]
         lines.append(f"kept to what {engine} runs as planned (the plan was made with --engine {engine})")
+    if body.get("idle_note"):
+        lines.append(f"idle: {body['idle_note']}")
     return lines

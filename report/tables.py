@@ -335,7 +335,8 @@ def hint_lines(ctx: CostContext, evaluation: Evaluation) -> list[str]:
     if training.uneven_batch != "off":
         return []
     batch = training.global_batch_size
-    idle = cluster.num_devices - evaluation.devices_used
+    trainable = sum(g.num_devices for g in cluster.groups if not g.device.lacks_dtype(training.dtype))
+    idle = trainable - evaluation.devices_used  # (groups without the dtype are idle by it: the idle groups row)
     flag = "`--uneven-batch exhaustive` lets replicas take uneven shares (whole micro-batches; a longer search)"
     prime = batch > 3 and all(batch % d for d in range(2, math.isqrt(batch) + 1))
     if prime and max(p.replicas for p in evaluation.strategy.pipelines) == 1:
@@ -343,5 +344,5 @@ def hint_lines(ctx: CostContext, evaluation: Evaluation) -> list[str]:
     if prime and len(evaluation.strategy.pipelines) > 1:  # families split it, each family's replicas their share
         return [f"hint: the global batch {batch} is prime: only the families' shares of it split evenly; {flag}"]
     if idle > 0:
-        return [f"hint: {idle:,} of {cluster.num_devices:,} devices are idle; {flag}, which may use them"]
+        return [f"hint: {idle:,} of {trainable:,} devices are idle; {flag}, which may use them"]
     return []

@@ -266,7 +266,7 @@ def test_validate_predicts_run_records_from_the_costs_they_record_and_says_which
     )
     assert not mixed.profiles and mixed.lines == (
         "costs: the shipped predictor (3 of 4 run records name the costs `hetplan run` predicted them with, 2 "
-        "different: validate them apart to use those, or pass --predictor / --profiles)",
+        "different ones: validate them apart to use those, or pass --predictor / --profiles)",
     )
     gone = {**recorded, "predictor": {"kind": "file", "path": str(tmp_path / "gone.joblib"), "sha256": "0" * 64}}
     lost = hetplan("validate", str(_cpu_record(tmp_path, "lost", gone)))

@@ -176,7 +176,7 @@ def test_bf16_chosen_beside_devices_without_it_plans_on_the_others_and_names_the
     cluster = load_cluster(EXAMPLES / "a100-v100-32.yaml")
     model = load_model("gpt3-1.7b")
     made = plan(cluster, model, load_training(overrides={"dtype": "bf16", "global_batch_size": 64}))
-    assert made.context.training.dtype == "bf16"
+    assert made.context.training.dtype == "bf16" and made.context.cluster.num_devices == 32  # the whole cluster's
     assert {stage.group for p in made.strategy.pipelines for stage in p.stages} == {"a100"}
     assert made.search_stats["idle_note"] == (
         "v100 (16 devices) left idle: v100 has no bf16; in fp16 every group trains (--dtype fp16)"
@@ -553,3 +553,24 @@ def test_numpy_integers_are_whole_numbers_and_a_float_is_not_a_zero_stage(tmp_pa
         plan(cluster, model, training, zero_stages=(1.0,))
     with pytest.raises(SpecError, match=r"^strategy: zero_stage: expected one of 0, 1, 2, 3, got 1\.0$"):
         predict(made.context, dataclasses.replace(strategy, zero_stage=1.0))
+
+
+def test_an_engine_without_fp16_plans_where_bf16_cannot_be_planned():
+    """The bf16 alternative is searched only where some group has bf16 (on V100s alone it refused the plan: 'v100 has
+    no bf16'), and a dtype whose costs cannot be made (Gaudi2 publishes no fp32 peak) leaves the other's plan, named."""
+    from specs.cluster import ClusterFile, resolve_cluster
+
+    def cluster_of(*devices: str):
+        groups = [{"name": d, "device": d, "nodes": 1, "devices_per_node": 8, "nics_per_node": 4, "nic_gbps": 100}
+                  for d in devices]  # fmt: skip
+        network = {"topology": "clos", "inter_group_gbps": 100}
+        return resolve_cluster(ClusterFile.model_validate({"name": "c", "groups": groups, "network": network}), "c")
+
+    model, training = load_model("gpt3-1.7b"), load_training(overrides={"global_batch_size": 64})
+    v100 = plan(cluster_of("v100"), model, training, engine="torchtitan")
+    assert v100.context.training.dtype == "fp32" and "idle_note" not in v100.search_stats
+    mixed = plan(cluster_of("gaudi2", "v100"), model, training, engine="torchtitan")
+    assert mixed.context.training.dtype == "bf16"
+    note = mixed.search_stats["training_note"]
+    assert note.startswith("training in bf16 on the groups that have it (torchtitan has no fp16 mixed precision; fp32")
+    assert "cannot be planned" in note and "fp32" in note
