@@ -75,31 +75,13 @@ def plan(
     zero_stages, zero_shards = [int(stage) for stage in zero_stages], [str(shard) for shard in zero_shards]
     predictor = predictor or default_predictor()
     requested = training
-    dtype_chosen = "dtype" in training.model_fields_set
-    training, training_note = on_groups(training, cluster.groups)  # as `hetplan plan` trains on these devices
-    engine_changes: list[str] = []
-    trainings = [training]
-    if engine is not None:
-        planned, engine_changes = engine_training(training, engine)
-        trainings = [planned]
-        bf16_somewhere = any(not group.device.lacks_dtype("bf16") for group in cluster.groups)
-        if not dtype_chosen and training.dtype == "fp16" and planned.dtype == "fp32" and bf16_somewhere:
-            trainings.append(planned.model_copy(update={"dtype": "bf16"}))  # no fp16 on the engine: bf16 too
+    trainings, training_note, engine_changes = _trainings_to_search(training, cluster, engine)
     started = time.perf_counter()
     options = SearchOptions(top_k=top_k, root_bound=lower_bound, max_candidates=max_candidates)
     choices = _LayoutChoices(zero_stages, zero_shards)
-    searches: list[_DtypeSearch] = []
-    failed: list[tuple[str, SpecError]] = []
-    for each in trainings:
-        try:
-            searches.append(_search_in_dtype(predictor, cluster, model, each, profiles, choices, options, progress,
-                                             engine))  # fmt: skip
-        except SpecError as error:  # one dtype's costs cannot be made (no fp32 peak known): the other dtype's plan
-            if len(trainings) == 1:
-                raise
-            failed.append((each.dtype, error))
-    if not searches:
-        raise failed[0][1]
+    searches, failed = _search_dtypes(
+        predictor, cluster, model, trainings, profiles, choices, options, progress, engine
+    )
     found = min(searches, key=lambda s: s.best_time_s)
     search_time_s = time.perf_counter() - started
     training, result, ctx, base = found.context.training, found.result, found.context, found.base
@@ -110,32 +92,8 @@ def plan(
             engine_changes = [c for c in engine_changes if not c.startswith("fp16 -> fp32")]
     elif found.idle_note:  # said of the devices that train (FP8 chosen: not of idle V100s)
         training_note = on_groups(requested, ctx.cluster.groups)[1]
-    idle = f" ({found.idle_note})" if found.idle_note else ""
     if not result.evaluations:
-        if result.smallest_shortfall_where:
-            raise DoesNotFitError(
-                f"{model.key} does not fit on cluster {cluster.name!r}: the closest strategy "
-                f"({result.smallest_shortfall_where}) needs {result.smallest_shortfall_bytes / GIB:.1f} GiB more "
-                f"per device; {fit_remedies(training, zero_stages)}{idle}",
-                result.smallest_shortfall_bytes,
-            )
-        usable_groups = ctx.cluster.groups
-        state = model.total_params() * state_bytes_per_param(ctx, dp=1)
-        usable = sum(g.num_devices * usable_memory_bytes(ctx, g) for g in usable_groups)
-        missing = (state - usable) / sum(g.num_devices for g in usable_groups)
-        if missing > 0:
-            raise DoesNotFitError(
-                f"{model.key} does not fit on cluster {cluster.name!r}: its weights, gradients and optimizer state "
-                f"alone ({state / GIB:,.0f} GiB) need {missing / GIB:.1f} GiB more per device than the "
-                f"{usable / GIB:,.0f} GiB usable; add devices{idle}",
-                missing,
-            )
-        raise DoesNotFitError(
-            f"no strategy for {model.key} on cluster {cluster.name!r}: the global batch "
-            f"{training.global_batch_size} must split into replicas x micro-batches, and stages need whole layers "
-            f"({model.num_layers}) and TP degrees dividing a node and the {model.num_kv_heads} kv heads{idle}",
-            0.0,
-        )
+        raise _does_not_fit(model, cluster.name, found, zero_stages)
     stats = {
         "configurations": result.configurations,
         "evaluated": result.evaluated,
@@ -172,6 +130,39 @@ def plan(
         ctx = whole.at_context_parallel(best.strategy.context_parallel)
     least = [s.result.lower_bound_s for s in searches if s.result.lower_bound_s is not None]  # over every dtype
     return Plan(ctx, best, bounds, search_time_s, stats, alternatives, interval, min(least, default=None))
+
+
+def _does_not_fit(
+    model: ModelSpec, cluster_name: str, found: _DtypeSearch, zero_stages: Collection[int]
+) -> DoesNotFitError:
+    """Why nothing fit, in one line: the closest strategy's shortfall, else the state alone, else the batch's shape;
+    with the groups the dtype left idle."""
+    result, ctx, training = found.result, found.context, found.context.training
+    idle = f" ({found.idle_note})" if found.idle_note else ""
+    if result.smallest_shortfall_where:
+        return DoesNotFitError(
+            f"{model.key} does not fit on cluster {cluster_name!r}: the closest strategy "
+            f"({result.smallest_shortfall_where}) needs {result.smallest_shortfall_bytes / GIB:.1f} GiB more "
+            f"per device; {fit_remedies(training, zero_stages)}{idle}",
+            result.smallest_shortfall_bytes,
+        )
+    usable_groups = ctx.cluster.groups
+    state = model.total_params() * state_bytes_per_param(ctx, dp=1)
+    usable = sum(g.num_devices * usable_memory_bytes(ctx, g) for g in usable_groups)
+    missing = (state - usable) / sum(g.num_devices for g in usable_groups)
+    if missing > 0:
+        return DoesNotFitError(
+            f"{model.key} does not fit on cluster {cluster_name!r}: its weights, gradients and optimizer state "
+            f"alone ({state / GIB:,.0f} GiB) need {missing / GIB:.1f} GiB more per device than the "
+            f"{usable / GIB:,.0f} GiB usable; add devices{idle}",
+            missing,
+        )
+    return DoesNotFitError(
+        f"no strategy for {model.key} on cluster {cluster_name!r}: the global batch "
+        f"{training.global_batch_size} must split into replicas x micro-batches, and stages need whole layers "
+        f"({model.num_layers}) and TP degrees dividing a node and the {model.num_kv_heads} kv heads{idle}",
+        0.0,
+    )
 
 
 @dataclass(frozen=True)
@@ -226,6 +217,51 @@ def _search_in_dtype(
     ctx = predictor.context(usable, model, training, profiles)
     result, by_stage, by_cp, by_shard = _search_layout_options(ctx, choices, options, progress, engine)
     return _DtypeSearch(ctx, base, result, by_stage, by_cp, by_shard, idle_note)
+
+
+def _trainings_to_search(
+    training: TrainingSpec, cluster: ClusterSpec, engine: Engine | None
+) -> tuple[list[TrainingSpec], str, list[str]]:
+    """The trainings to search (the training on these devices, for the engine; where the engine has no fp16 and no
+    dtype was chosen, bf16 on the groups that have it too), the note on the dtype and the engine's changes."""
+    dtype_chosen = "dtype" in training.model_fields_set
+    training, training_note = on_groups(training, cluster.groups)  # as `hetplan plan` trains on these devices
+    if engine is None:
+        return [training], training_note, []
+    planned, engine_changes = engine_training(training, engine)
+    trainings = [planned]
+    bf16_somewhere = any(not group.device.lacks_dtype("bf16") for group in cluster.groups)
+    if not dtype_chosen and training.dtype == "fp16" and planned.dtype == "fp32" and bf16_somewhere:
+        trainings.append(planned.model_copy(update={"dtype": "bf16"}))  # no fp16 on the engine: bf16 too
+    return trainings, training_note, engine_changes
+
+
+def _search_dtypes(
+    predictor: Predictor,
+    cluster: ClusterSpec,
+    model: ModelSpec,
+    trainings: Sequence[TrainingSpec],
+    profiles: Mapping[str, DeviceProfile] | None,
+    choices: _LayoutChoices,
+    options: SearchOptions,
+    progress: ProgressCallback | None,
+    engine: Engine | None,
+) -> tuple[list[_DtypeSearch], list[tuple[str, SpecError]]]:
+    """A search per training (_search_in_dtype), and the dtypes whose costs could not be made (no fp32 peak known),
+    with why: the other dtype's plan stands; one training, or none left, raises."""
+    searches: list[_DtypeSearch] = []
+    failed: list[tuple[str, SpecError]] = []
+    for each in trainings:
+        try:
+            searches.append(_search_in_dtype(predictor, cluster, model, each, profiles, choices, options, progress,
+                                             engine))  # fmt: skip
+        except SpecError as error:
+            if len(trainings) == 1:
+                raise
+            failed.append((each.dtype, error))
+    if not searches:
+        raise failed[0][1]
+    return searches, failed
 
 
 def _dtype_choice_note(
