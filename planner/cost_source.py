@@ -39,7 +39,7 @@ class PlanCosts:
         """These costs for another training than the plan's (an engine's dtype): the profiles whose layers are timed
         in the dtype each device then runs, the predictor's costs for the other devices, and a line naming those
         (empty when none)."""
-        trains = [g for g in cluster.groups if not g.device.lacks_dtype(training.dtype)]  # idle ones: no stage
+        trains = cluster.trains_in(training.dtype)  # idle groups take no stage
         kept = {
             key: profile
             for key, profile in self.profiles.items()

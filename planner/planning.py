@@ -188,16 +188,17 @@ def groups_with_dtype(
     """The cluster's groups that can train in the training's dtype, and a note naming those left idle and the dtype
     in which every group trains (`every_group`; "" when every group can); none can: refused in one line
     (predictor.context.check_dtype)."""
-    lacking = [group for group in cluster.groups if group.device.lacks_dtype(training.dtype)]
+    trains = cluster.trains_in(training.dtype)
+    lacking = [group for group in cluster.groups if group not in trains]
     if not lacking:
         return cluster, ""
-    if len(lacking) == len(cluster.groups):
+    if not trains:
         check_dtype(cluster, training)  # raises, naming the first
     devices = sum(group.num_devices for group in lacking)
     names = ", ".join(group.name for group in lacking)
     why = "; ".join(dict.fromkeys(group.device.lacks_dtype(training.dtype) for group in lacking))
     note = f"{names} ({devices} devices) left idle: {why}; in {every_group} every group trains (--dtype {every_group})"
-    return replace(cluster, groups=tuple(g for g in cluster.groups if g not in lacking)), note
+    return replace(cluster, groups=trains), note
 
 
 def _search_in_dtype(
@@ -230,7 +231,7 @@ def _trainings_to_search(
         return [training], training_note, []
     planned, engine_changes = engine_training(training, engine)
     trainings = [planned]
-    bf16_somewhere = any(not group.device.lacks_dtype("bf16") for group in cluster.groups)
+    bf16_somewhere = bool(cluster.trains_in("bf16"))
     if not dtype_chosen and training.dtype == "fp16" and planned.dtype == "fp32" and bf16_somewhere:
         trainings.append(planned.model_copy(update={"dtype": "bf16"}))  # no fp16 on the engine: bf16 too
     return trainings, training_note, engine_changes

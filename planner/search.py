@@ -445,7 +445,7 @@ def search(
     groups: groups of the same device and node shape plan as one (_merged_search) where the space is too large; more
     than MAX_KINDS kinds are refused in one line. Where some groups' devices cannot train in the dtype (bf16 on V100s)
     those get no stages (planner.planning.groups_with_dtype names them; where none can, plan() refuses first)."""
-    groups = tuple(g for g in ctx.cluster.groups if not g.device.lacks_dtype(ctx.training.dtype))
+    groups = ctx.cluster.trains_in(ctx.training.dtype)
     if groups and len(groups) < len(ctx.cluster.groups):
         ctx = dataclasses.replace(ctx, cluster=dataclasses.replace(ctx.cluster, groups=groups))
     groups = ctx.cluster.groups

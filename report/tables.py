@@ -335,7 +335,7 @@ def hint_lines(ctx: CostContext, evaluation: Evaluation) -> list[str]:
     if training.uneven_batch != "off":
         return []
     batch = training.global_batch_size
-    trainable = sum(g.num_devices for g in cluster.groups if not g.device.lacks_dtype(training.dtype))
+    trainable = sum(g.num_devices for g in cluster.trains_in(training.dtype))
     idle = trainable - evaluation.devices_used  # (groups without the dtype are idle by it: the idle groups row)
     flag = "`--uneven-batch exhaustive` lets replicas take uneven shares (whole micro-batches; a longer search)"
     prime = batch > 3 and all(batch % d for d in range(2, math.isqrt(batch) + 1))

@@ -150,6 +150,10 @@ class ClusterSpec:
         )
         return replace(self, groups=groups)
 
+    def trains_in(self, dtype: str) -> tuple[DeviceGroup, ...]:
+        """The groups whose devices can train in `dtype` (bf16, and FP8 where it runs bf16, need bf16: not V100s)."""
+        return tuple(group for group in self.groups if not group.device.lacks_dtype(dtype))
+
     def only(self, group: DeviceGroup) -> ClusterSpec:
         """The cluster restricted to one group (for homogeneous baselines)."""
         return ClusterSpec(
