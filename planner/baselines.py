@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from planner.layer_split import LayerSplit, LayerSplitter
+from predictor.evaluation import pipeline_makespan_s
 from specs.cluster import DeviceGroup
 
 
@@ -25,7 +26,7 @@ def _scored(
         return None
     times = per_layer_s * layers + fixed_s
     bottleneck = float(times.max())
-    objective = (microbatches - 1 / v) * bottleneck + float(times.sum()) / v
+    objective = pipeline_makespan_s(microbatches, v, bottleneck, float(times.sum()))
     return LayerSplit(tuple(int(x) for x in layers), bottleneck, objective)
 
 

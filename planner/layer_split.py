@@ -2,11 +2,12 @@
 
 Stage i runs l_i layers at a_i seconds each plus a fixed e_i (embedding / LM head), holds at most cap_i layers
 (memory) and at least one per virtual chunk. 1F1B over m micro-batches costs m*max_i T_i + (sum_i T_i - max_i T_i)/v
-with T_i = a_i*l_i + e_i and v interleaved chunks per stage, i.e. (m - 1/v)*M + S/v for bottleneck M and sum S.
-For a candidate bottleneck M, every stage may take u_i(M) = min(cap_i, floor((M - e_i)/a_i)) layers; the sum term
-is then minimised by giving the extra layers to the stages with the smallest a_i (a linear cost with box
-constraints: greedy is exact). Evaluating every distinct candidate M = a_i*l + e_i (vectorised) gives the exact
-optimum; tests compare it with brute force.
+with T_i = a_i*l_i + e_i and v interleaved chunks per stage, i.e. (m - 1/v)*M + S/v for bottleneck M and sum S, or
+S + (m - 1)*M/v when that is more (too few micro-batches to fill the interleaved loop: pipeline_makespan_s).
+For a candidate bottleneck M, every stage may take u_i(M) = min(cap_i, floor((M - e_i)/a_i)) layers; the cost grows
+with S at fixed M, so the sum term is minimised by giving the extra layers to the stages with the smallest a_i (a
+linear cost with box constraints: greedy is exact). Evaluating every distinct candidate M = a_i*l + e_i
+(vectorised) gives the exact optimum; tests compare it with brute force.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from predictor.evaluation import pipeline_makespan_s
 
 
 @dataclass(frozen=True)
@@ -75,7 +78,7 @@ def split_layers(
     layers = fill(upper)
     times = a[None, :] * layers + e[None, :]
     bottleneck = times.max(axis=1)
-    objective = (num_microbatches - 1 / virtual_stages) * bottleneck + times.sum(axis=1) / virtual_stages
+    objective = pipeline_makespan_s(num_microbatches, virtual_stages, bottleneck, times.sum(axis=1))
     best = int(np.argmin(objective))  # first minimum: the smallest bottleneck wins ties (stable)
     result = np.empty(stages, dtype=np.int64)
     result[order] = layers[best]

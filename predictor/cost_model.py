@@ -2,8 +2,10 @@
 
 1F1B with stage times T_i (forward + backward per micro-batch, TP communication included) and boundary p2p c_i
 over m micro-batches takes sum_i(T_i + 2*c_i) + (m-1)*max_i T_i (DESIGN.md); interleaving with v chunks divides the
-bubble, (sum_i T_i - max_i T_i), by v. DP gradient sync overlaps the last micro-batch's backward when the engine
-overlaps it; whatever sticks out, plus the optimizer step, follows the pipeline flush.
+bubble, (sum_i T_i - max_i T_i), by v while there are micro-batches enough to fill the loop through the stages
+(evaluation.pipeline_makespan_s: with m < p, the rounds wait for that loop instead). DP gradient sync overlaps the
+last micro-batch's backward when the engine overlaps it; whatever sticks out, plus the optimizer step, follows the
+pipeline flush.
 Memory per device: bf16 weights (2 B/param), fp32 main grads (4), Adam fp32 master + m + v (12, divided by the
 DP degree under ZeRO-1), activations of in-flight micro-batches under 1F1B (min(p - i, m) on stage i).
 """
@@ -18,7 +20,13 @@ import numpy as np
 from predictor.comm_model import Link, all_reduce_time_s
 from predictor.context import CostContext, EndToEndTerms, build_context, emulated
 from predictor.context_parallel import RING_BUFFERS, ring_block_bytes
-from predictor.evaluation import Evaluation, StageEvaluation, StageMemory, interleaved_group_size
+from predictor.evaluation import (
+    Evaluation,
+    StageEvaluation,
+    StageMemory,
+    interleaved_group_size,
+    pipeline_makespan_s,
+)
 from predictor.host import (
     busy_processes,
     evaluate_on_host,
@@ -406,7 +414,8 @@ def _evaluate_stages(
     in the same context (one family only: across families the sync depends on the other families' layers).
 
     Stage i's time per micro-batch is T_i = compute + exposed p2p; over m micro-batches and v chunks the pipeline
-    takes m * max T + (sum T - max T) / v, plus the fill and drain point-to-point when no stage waits for its
+    takes m * max T + (sum T - max T) / v (with fewer micro-batches than fill the loop through the stages, sum T +
+    (m - 1) * max T / v: pipeline_makespan_s), plus the fill and drain point-to-point when no stage waits for its
     transfers in the steady state (interleaving with overlapped p2p) or when chunks multiply them (v > 1 without
     overlap: counted both ways, an upper estimate). In plain 1F1B the exposed transfers already carry the fill and
     drain: sum T = sum(compute) + 2 * sum(one-way p2p)."""
@@ -436,9 +445,10 @@ def _evaluate_stages(
     v = strategy.virtual_stages
     times = [stage.step_time_s for stage in evaluated]
     slowest = max(times)
-    bubble = (sum(times) - slowest) / v
+    m = pipeline.num_microbatches
+    bubble = pipeline_makespan_s(m, v, slowest, sum(times)) - m * slowest
     fill_and_drain = fill_and_drain_time_s(v, sum(one_way)) if v > 1 else 0.0
-    return evaluated, pipeline.num_microbatches * slowest + bubble + fill_and_drain, bubble
+    return evaluated, m * slowest + bubble + fill_and_drain, bubble
 
 
 def simulated_step(ctx: CostContext, strategy: Strategy) -> StepSimulation | None:

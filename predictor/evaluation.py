@@ -6,12 +6,31 @@ schedule read these without the cost model itself."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
+
+import numpy as np
 
 from specs.layout import StageStrategy, Strategy
 
 if TYPE_CHECKING:
     from predictor.context import CostContext
+
+Seconds = TypeVar("Seconds", float, np.ndarray)
+
+
+def pipeline_makespan_s(num_microbatches: int, virtual_stages: int, bottleneck_s: Seconds, sum_s: Seconds) -> Seconds:
+    """Stage-time part of a pipeline's flush: m micro-batches over stages of time T_i per micro-batch (bottleneck
+    M = max T_i, sum S), v interleaved chunks per stage (a float, or arrays of them). The steady state, m*M + (S - M)/v,
+    holds while a stage has a micro-batch to start when its chunk's loop comes back (m*M >= S: m >= p for even stages).
+    With fewer, each of the first v - 1 rounds waits for the loop through every stage, S/v: S + (m - 1)*M/v (at m = 1
+    that is S, plain 1F1B's: interleaving buys nothing). The makespan is the larger of the two; v = 1 makes them
+    equal."""
+    m, v = num_microbatches, virtual_stages
+    steady = m * bottleneck_s + (sum_s - bottleneck_s) / v
+    loop = sum_s + (m - 1) * bottleneck_s / v
+    if isinstance(steady, np.ndarray):
+        return np.maximum(steady, loop)
+    return max(steady, loop)
 
 
 def interleaved_group_size(num_microbatches: int, pipeline_stages: int) -> int:

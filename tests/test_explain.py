@@ -156,11 +156,15 @@ def test_explain_command_writes_a_picture_and_a_self_contained_report(tmp_path):
     assert base64.b64decode(encoded)[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.parametrize(("pp", "virtual", "batch"), [(2, 2, 32), (4, 4, 32), (4, 2, 28), (3, 2, 32), (4, 3, 24)])
+@pytest.mark.parametrize(
+    ("pp", "virtual", "batch"),
+    [(2, 2, 32), (4, 4, 32), (4, 2, 28), (3, 2, 32), (4, 3, 24), (4, 4, 2), (4, 2, 4), (4, 4, 6)],
+)
 def test_interleaved_timeline_follows_megatrons_order_and_the_closed_form(pp, virtual, batch):
     """Chunk by chunk in Megatron's order (micro-batch groups of N, including m not a multiple of p): no deadlock,
     one thing at a time per stage, chunk c waits for chunk c - 1 (forward) and c + 1 (backward), and the makespan
-    is the cost model's interleaved closed form to within 1%."""
+    is the cost model's interleaved closed form to within 1%; with fewer micro-batches than stages too (1, 2 and 3
+    micro-batches on 4 stages: the form that ignored the loop through the stages said 38-109% less)."""
     cluster = load_cluster(CLUSTER)
     cluster = cluster.only(cluster.group("a100"))
     training = load_training(None, {"global_batch_size": batch, "zero_stage": 1})

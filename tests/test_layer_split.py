@@ -16,7 +16,10 @@ def brute_force(layers, per_layer, fixed, caps, microbatches, virtual):
         if sum(split) != layers:
             continue
         times = [a * n + e for a, n, e in zip(per_layer, split, fixed)]
-        objective = (microbatches - 1 / virtual) * max(times) + sum(times) / virtual
+        # the steady state, or the loop through every stage when too few micro-batches fill it (m * max < sum)
+        steady = microbatches * max(times) + (sum(times) - max(times)) / virtual
+        loop = sum(times) + (microbatches - 1) * max(times) / virtual
+        objective = max(steady, loop)
         if best is None or objective < best - 1e-12:
             best = objective
     return best
@@ -138,7 +141,8 @@ def test_baseline_rules_are_what_they_say_and_never_beat_the_exact_split():
 
 def cp_sat_modes(layers, per_layer, fixed, caps, microbatches, virtual):
     """The same problem as a CP-SAT model solved to optimality (integer times): layers l_ir of stage i in mode r,
-    one mode per stage, objective (m v - 1) max_i T_i + sum_i T_i (the objective times v)."""
+    one mode per stage, objective max((m v - 1) max_i T_i + sum_i T_i, v sum_i T_i + (m - 1) max_i T_i) (the
+    pipeline's makespan times v: the steady state, or the loop through every stage when too few micro-batches fill it)."""
     from ortools.sat.python import cp_model
 
     model = cp_model.CpModel()
@@ -158,7 +162,10 @@ def cp_sat_modes(layers, per_layer, fixed, caps, microbatches, virtual):
         times.append(time)
         held += counts
     model.add(sum(held) == layers)
-    model.minimize((microbatches * virtual - 1) * bottleneck + sum(times))
+    makespan = model.new_int_var(0, (microbatches * virtual + stages * virtual) * slowest, "makespan")
+    model.add(makespan >= (microbatches * virtual - 1) * bottleneck + sum(times))
+    model.add(makespan >= virtual * sum(times) + (microbatches - 1) * bottleneck)
+    model.minimize(makespan)
     solver = cp_model.CpSolver()
     solver.parameters.num_workers = 1
     solver.parameters.random_seed = 0
