@@ -135,17 +135,12 @@ def plan(
 def _does_not_fit(
     model: ModelSpec, cluster_name: str, found: _DtypeSearch, zero_stages: Collection[int]
 ) -> DoesNotFitError:
-    """Why nothing fit, in one line: the closest strategy's shortfall, else the state alone, else the batch's shape;
-    with the groups the dtype left idle."""
+    """Why nothing fit, in one line: the state alone against all the memory there is, else the closest strategy's
+    shortfall, else the batch's shape; with the groups the dtype left idle."""
     result, ctx, training = found.result, found.context, found.context.training
     idle = f" ({found.idle_note})" if found.idle_note else ""
-    if result.smallest_shortfall_where:
-        return DoesNotFitError(
-            f"{model.key} does not fit on cluster {cluster_name!r}: the closest strategy "
-            f"({result.smallest_shortfall_where}) needs {result.smallest_shortfall_bytes / GIB:.1f} GiB more "
-            f"per device; {fit_remedies(training, zero_stages)}{idle}",
-            result.smallest_shortfall_bytes,
-        )
+    # first what no strategy can change: the state, every parameter once, against all the memory there is (the
+    # closest strategy's shortfall then led to sharding remedies that leave it as it was)
     usable_groups = ctx.cluster.groups
     state = model.total_params() * state_bytes_per_param(ctx, dp=1)
     usable = sum(g.num_devices * usable_memory_bytes(ctx, g) for g in usable_groups)
@@ -156,6 +151,13 @@ def _does_not_fit(
             f"alone ({state / GIB:,.0f} GiB) need {missing / GIB:.1f} GiB more per device than the "
             f"{usable / GIB:,.0f} GiB usable; add devices{idle}",
             missing,
+        )
+    if result.smallest_shortfall_where:
+        return DoesNotFitError(
+            f"{model.key} does not fit on cluster {cluster_name!r}: the closest strategy "
+            f"({result.smallest_shortfall_where}) needs {result.smallest_shortfall_bytes / GIB:.1f} GiB more "
+            f"per device; {fit_remedies(training, zero_stages)}{idle}",
+            result.smallest_shortfall_bytes,
         )
     return DoesNotFitError(
         f"no strategy for {model.key} on cluster {cluster_name!r}: the global batch "

@@ -221,11 +221,20 @@ def fit_predictor(
         measured = [(profile_model_spec(p).hidden_size, p.host) for p in profiles if p.host is not None]
         if measured:
             predictor.host_costs[key] = measured
-    for path in link_paths:
+    read_from: dict[str, Path] = {}
+    named: dict[Path, Path] = {}
+    for given in link_paths:  # a file named twice (--links and inside --profiles) is read once
+        named.setdefault(Path(given).resolve(), Path(given))
+    for path in named.values():
         device, link_class, points = load_link_points(path)
         key = f"{device}/{link_class}"
         if key in predictor.links:
-            raise SpecError(str(path), "link_class", f"a second links file for {link_class!r} links of {device!r}")
+            raise SpecError(
+                str(path),
+                "link_class",
+                f"a second links file for {link_class!r} links of {device!r} (the first: {read_from[key]}); give one",
+            )
+        read_from[key] = path
         predictor.links[key], predictor.link_fit_errors[key] = fit_link(link_class, points, str(path))
     all_run_paths = [*run_paths, *([PUBLISHED_RUNS] if published_runs else [])]
     runs = calibration_runs(run_paths, published_runs)

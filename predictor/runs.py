@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from specs.cluster import ClusterFile, ClusterSpec, load_cluster, resolve_cluster
 from specs.errors import SpecError
 from specs.layout import PipelineFile, Strategy, megatron_strategy, pipelines_from_files
-from specs.loading import quote, read_mapping, validate
+from specs.loading import check_file_kind, quote, read_mapping, validate
 from specs.model import ModelSpec, Recompute, load_model
 from specs.training import TrainingSpec
 
@@ -176,6 +176,8 @@ def load_runs(path: str | Path) -> list[Run]:
     elif data.get("schema") == RUN_SCHEMA:
         items = [("run", data)]
     else:
+        run_kinds = ("a run record", "a file of run records", "a file of calibration runs")  # of another version
+        check_file_kind(data, str(path), "a run record (what `hetplan run --out` writes)", run_kinds)
         expected = f"{RUN_SCHEMA!r}, {RUNS_SCHEMA!r} or {CALIBRATION_SCHEMA!r}"
         raise SpecError(str(path), "schema", f"expected {expected}, got {quote(data.get('schema'))}")
     runs = []

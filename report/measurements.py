@@ -195,11 +195,22 @@ def cpu_cell(measured_s: float | None, simulated_s: float | None) -> str:
     return " ".join(part for part in parts if part)
 
 
-def run_lines(record: Mapping[str, Any], steps: int) -> list[str]:
+def measured_steps_words(steps: int, trained: int) -> str:
+    """Which steps the measurement is the median of: a run of `steps` steps that trained the last `trained` of them
+    (fewer when it resumed from a checkpoint), the first of those its warm-up."""
+    first = steps - trained + 1
+    if trained > 2:
+        return f"median of steps {first + 1}-{steps}"
+    if trained == 2:
+        return f"step {steps}"
+    return f"step {steps}, with its warm-up"
+
+
+def run_lines(record: Mapping[str, Any]) -> list[str]:
     """A run record's verdict: measured against predicted, the losses, the check against one process, emulation."""
     details = record["measurements"]
     reference = record["reference_match"]
-    which = f"median of steps 2-{steps}" if steps > 2 else "step 2" if steps == 2 else "step 1, with its warm-up"
+    which = measured_steps_words(details["steps"], len(details["step_times_s"]))
     lines = [
         f"iteration: measured {record['measured_iteration_time_s']:.3f} s ({which}), predicted "
         f"{record['predicted_iteration_time_s']:.3f} s ({against_prediction(details['prediction_error'])})",

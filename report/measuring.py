@@ -446,7 +446,7 @@ def run(
 
     write_json(out, record)
     terms = [table for table in [run_terms_table(record)] if table is not None]
-    lines = [*run_lines(record, steps), *elastic_lines(record)]
+    lines = [*run_lines(record), *elastic_lines(record)]
     show(as_json, record, run_table(record), *terms, *lines, *written("run record", out))
 
 

@@ -3,6 +3,7 @@ whether a rail-only fabric can carry it. predictor/traffic.py counts the bytes; 
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,7 +72,7 @@ class TrafficReport:
     plan: str
     traffic: Traffic
     by_dimension_and_link: dict[str, dict[str, float]]  # bytes per iteration
-    iterations: float | None
+    iterations: int | None
     rail: RailOnly
     png: Path | None = None
 
@@ -106,7 +107,8 @@ def traffic(
     ctx = build_context(cluster, plan.model, plan.training)
     counted = strategy_traffic(ctx, plan.strategy)
     tokens_per_iteration = ctx.training.global_batch_size * ctx.seq_length
-    iterations = epochs * tokens / tokens_per_iteration if tokens else None
+    # training takes whole iterations: a part of one sends as much
+    iterations = math.ceil(epochs * tokens / tokens_per_iteration) if tokens else None
     if png is not None:
         traffic_heatmap(counted, f"{plan.model.key} on {cluster.name}: bytes per iteration", png)
     table = counted.by_dimension_and_link()
@@ -124,11 +126,12 @@ def traffic_calc(
     """Textbook per-rank bytes of DP, FSDP, TP and PP over `tokens` of training with one parallel dimension of
     `gpus` ranks (standard ring volumes): the JSON body of `hetplan traffic-calc --json`."""
     seq = seq_length or model.seq_length
+    steps = math.ceil(tokens / (global_batch * seq))  # training takes whole steps: a part of one syncs as much
     per_rank = textbook_traffic_per_rank(
         params=model.total_params(),
         layers=model.num_layers,
         hidden_size=model.hidden_size,
-        tokens=tokens,
+        tokens=steps * global_batch * seq,
         global_batch_tokens=global_batch * seq,
         ranks=gpus,
         grad_bytes=grad_bytes,
@@ -137,7 +140,7 @@ def traffic_calc(
         "model": model.key,
         "params": model.total_params(),
         "tokens": tokens,
-        "steps": tokens / (global_batch * seq),
+        "steps": steps,
         "ranks": gpus,
         "bytes_per_rank": per_rank,
     }

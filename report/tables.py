@@ -273,11 +273,7 @@ def traffic_table(report: TrafficReport) -> Table:
 
     table = report.by_dimension_and_link
     iterations = report.iterations
-    # a dataset of fewer tokens than ten iterations' keeps its figures (it read "over 0 iterations")
-    over = ""
-    if iterations:
-        count = f"{iterations:,.0f}" if iterations >= 10 else f"{iterations:.2g}"
-        over = f" (and over {count} iterations, TB)"
+    over = f" (and over {iterations:,} iteration{'s' if iterations != 1 else ''}, TB)" if iterations else ""
     title = f"Traffic per iteration, GB sent, summed over all {len(report.traffic.device_names):,} devices{over}"
     out = titled_table(title, ("dimension", *LINK_CLASSES), left=("dimension",))
     for d in DIMENSIONS:
@@ -301,10 +297,10 @@ def _bytes_text(value: float) -> str:
 def traffic_calc_lines(body: Mapping[str, Any], global_batch: int, seq_length: int) -> list[str]:
     """`traffic-calc` for the terminal: the run in a line, then PB sent per rank and in all per parallel style."""
     gpus, steps = body["ranks"], body["steps"]
-    steps_text = f"{steps:,.0f}" if steps >= 100 else f"{steps:.3g}"  # fewer tokens than a step: a fraction of one
+    rounded = " (rounded up: training takes whole steps)" if steps * global_batch * seq_length != body["tokens"] else ""
     lines = [
-        f"{body['model']}: {params(body['params'])} params, {body['tokens']:,.0f} tokens = {steps_text} "
-        f"steps of {global_batch} x {seq_length} tokens, {gpus} ranks"
+        f"{body['model']}: {params(body['params'])} params, {body['tokens']:,.0f} tokens = {steps:,} "
+        f"step{'s' if steps != 1 else ''} of {global_batch} x {seq_length} tokens{rounded}, {gpus} ranks"
     ]
     for name, value in body["bytes_per_rank"].items():
         lines.append(f"  {name:<5} {_bytes_text(value)} sent per rank ({_bytes_text(value * gpus)} in all)")

@@ -12,6 +12,8 @@ import hashlib
 import json
 import math
 import re
+import types
+import typing
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
@@ -276,6 +278,39 @@ def _field_loc(loc: tuple[int | str, ...]) -> tuple[int | str, ...]:
     )
 
 
+def _one_type(annotation: Any) -> Any:
+    """The type inside Optional[...] and Annotated[...]; None for a union of several."""
+    while typing.get_origin(annotation) in (typing.Union, types.UnionType, typing.Annotated):
+        if typing.get_origin(annotation) is typing.Annotated:
+            annotation = typing.get_args(annotation)[0]
+            continue
+        inner = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
+        if len(inner) != 1:
+            return None
+        annotation = inner[0]
+    return annotation
+
+
+def _field_names(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
+    """The field names (aliases where given) of the mapping at `loc` inside `model`, followed through nested models,
+    lists and optional fields; none where the path leaves the models (a union of two models, a plain mapping)."""
+    current: Any = model
+    for part in loc:
+        current = _one_type(current)
+        if isinstance(part, int):
+            if typing.get_origin(current) is not list:
+                return []
+            current = typing.get_args(current)[0]
+        elif isinstance(current, type) and issubclass(current, BaseModel) and part in current.model_fields:
+            current = current.model_fields[part].annotation
+        else:
+            return []
+    current = _one_type(current)
+    if not (isinstance(current, type) and issubclass(current, BaseModel)):
+        return []
+    return [info.alias or name for name, info in current.model_fields.items()]
+
+
 def validate(model: type[ModelT], data: dict[str, Any], source: str, prefix: str = "") -> ModelT:
     """Validate data against a pydantic model; the first error becomes a SpecError naming the field."""
     try:
@@ -296,9 +331,12 @@ def validate(model: type[ModelT], data: dict[str, Any], source: str, prefix: str
             missing = [str(_field_loc(e["loc"])[-1]) for e in errors if e["type"] == "missing"
                        and _field_loc(e["loc"])[:-1] == loc[:-1]]  # fmt: skip
             meant = difflib.get_close_matches(str(loc[-1]), missing, n=1) if loc else []
+            known = difflib.get_close_matches(str(loc[-1]), _field_names(model, loc[:-1]), n=1) if loc else []
             message = (
                 f"unknown field: did you mean {meant[0]} (required, missing)?"
                 if meant
+                else f"unknown field: did you mean {known[0]}?"
+                if known
                 else "unknown field (check the spelling; see the README for the format)"
             )
         elif first["type"] == "missing":

@@ -56,6 +56,9 @@ def test_hetplan_run_survives_a_lost_rank_and_refuses_bad_resumes_in_one_line(tm
     assert len(record["elastic"]["losses_by_step"]) == 4
     assert [g["name"] for g in record["cluster"]["groups"]] == ["fast"]  # the record is of the cluster that was left
     assert "interrupted: lost rank(s) 1 (slow: device 0 of its node) as step 4 started" in ran.stdout
+    # the last attempt trained steps 3 and 4, step 3 its warm-up: the measurement is step 4's (it said "median of
+    # steps 2-4")
+    assert "(step 4)" in ran.stdout
 
     refused = hetplan("run", str(plan), "--cluster", str(cluster), "--out", str(tmp_path / "x.json"), "--resume",
                       str(root), "--steps", "4", torch_allowed=True)  # fmt: skip

@@ -142,7 +142,8 @@ def test_baseline_rules_are_what_they_say_and_never_beat_the_exact_split():
 def cp_sat_modes(layers, per_layer, fixed, caps, microbatches, virtual):
     """The same problem as a CP-SAT model solved to optimality (integer times): layers l_ir of stage i in mode r,
     one mode per stage, objective max((m v - 1) max_i T_i + sum_i T_i, v sum_i T_i + (m - 1) max_i T_i) (the
-    pipeline's makespan times v: the steady state, or the loop through every stage when too few micro-batches fill it)."""
+    pipeline's makespan times v: the steady state, or the loop through every stage when too few micro-batches fill
+    it)."""
     from ortools.sat.python import cp_model
 
     model = cp_model.CpModel()

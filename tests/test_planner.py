@@ -11,6 +11,7 @@ from planner import plan
 from planner.candidates import divisors
 from predictor.cost_model import decoder_layer_time_s, evaluate
 from specs import DoesNotFitError, load_cluster, load_model, load_training
+from specs.cluster import ClusterSpec
 from specs.errors import SpecError
 from tests.conftest import EXAMPLES, ONE_T4_NODE
 
@@ -456,21 +457,28 @@ def test_python_plan_takes_an_engine_by_name():
 
 def test_a_model_that_does_not_fit_is_advised_only_what_the_training_does_not_allow():
     """The library's message named 'allow full recompute or ZeRO-1' when both were allowed (the defaults); the CLI
-    rewrote it, Python callers got it as it was."""
-    tiny = load_cluster(EXAMPLES / "a100-v100-32.yaml")
-    tiny = dataclasses.replace(
-        tiny,
-        groups=tuple(
-            dataclasses.replace(g, device=g.device.model_copy(update={"memory_GB": 1.0})) for g in tiny.groups
-        ),
-    )
+    rewrote it, Python callers got it as it was. Where the state alone exceeds all the memory there is, sharding
+    cannot help and only devices are advised (it advised ZeRO-3, which left the shortfall as it was)."""
+
+    def with_memory(memory_gb: float) -> ClusterSpec:
+        cluster = load_cluster(EXAMPLES / "a100-v100-32.yaml")
+        devices = [
+            dataclasses.replace(g, device=g.device.model_copy(update={"memory_GB": memory_gb})) for g in cluster.groups
+        ]
+        return dataclasses.replace(cluster, groups=tuple(devices))
+
+    training = load_training(overrides={"global_batch_size": 8, "dtype": "fp16"})
     with pytest.raises(DoesNotFitError) as caught:
-        plan(tiny, load_model("llama3-8b"), load_training(overrides={"global_batch_size": 8, "dtype": "fp16"}))
+        plan(with_memory(5.0), load_model("llama3-8b"), training)  # 135 GiB of state in 32 x 4.5 GiB usable
     message = str(caught.value)
     assert "allow full recompute or ZeRO-1" not in message and "allow full recompute (" not in message
     assert message.endswith(
         "add devices, shard gradients and weights too (--zero-stage 3) or shorten the sequence (--seq-len)"
     )
+    with pytest.raises(DoesNotFitError) as caught:
+        plan(with_memory(1.0), load_model("llama3-8b"), training)
+    assert str(caught.value).endswith("optimizer state alone (135 GiB) need 3.3 GiB more per device than the 29 GiB "
+                                      "usable; add devices")  # fmt: skip
 
 
 @pytest.mark.parametrize(

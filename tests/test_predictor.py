@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import pickle
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -129,6 +130,22 @@ def test_link_fit_gives_each_collective_its_own_bandwidth():
     link, _ = fit_link("host", one_size)
     assert link.all_gather_extra_s_per_byte == 0.0
     assert reduce_scatter_time_s(size, 2, link) == pytest.approx(alpha + size / 2 * 3.0e-9, rel=0.01)
+
+
+def test_a_links_file_named_twice_is_read_once_and_a_second_one_names_the_first(tmp_path, monkeypatch):
+    """`fit --profiles DIR --links DIR/links.json` (the README puts link profiles beside the profiles) refused the
+    file it had already read from DIR as "a second links file"."""
+    import shutil
+
+    links = tmp_path / "links.json"
+    shutil.copy(ROOT / "bench" / "results" / "links-cpu.json", links)
+    monkeypatch.chdir(tmp_path)
+    fitted = fit_predictor(link_paths=[links, Path("links.json")], published_runs=False)
+    assert list(fitted.links) == ["cpu/in_node"]
+    shutil.copy(links, tmp_path / "again.json")
+    with pytest.raises(SpecError, match=r"again\.json: link_class: a second links file for 'in_node' links of 'cpu' "
+                       r"\(the first: links\.json\)"):  # fmt: skip
+        fit_predictor(link_paths=[Path("links.json"), tmp_path / "again.json"], published_runs=False)
 
 
 def _synthetic_runs(true_values):

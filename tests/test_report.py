@@ -5,6 +5,7 @@ directory of profiles is checked against the model. Also the tables the CLI prin
 from __future__ import annotations
 
 import base64
+import math
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from profiler.profiles import load_profiles, profile_files
 from profiler.simulated import SimulatedDevice
 from report import explain, rail_only, traffic, traffic_calc
 from report.figures import HEATMAP_MAX_DEVICES, traffic_matrix
+from report.measurements import measured_steps_words
 from report.replanning import replan_lines
 from report.tables import STAGE_COLUMNS, plan_rows, stage_table, traffic_calc_lines
 from specs import load_cluster, load_model, load_training
@@ -102,7 +104,7 @@ def test_traffic_heatmap_is_written_and_sums_the_counted_bytes(tmp_path):
     assert matrix.sum() == pytest.approx(result.traffic.total_bytes(), rel=1e-12)
     body = result.to_dict()
     assert body["png"] == str(png) and body["plan"] == "test-plan.json"
-    assert body["iterations"] == pytest.approx(2 * 1e9 / (32 * 2048))
+    assert body["iterations"] == math.ceil(2 * 1e9 / (32 * 2048))  # whole iterations
     for d, links in body["bytes_total"].items():
         for link, total in links.items():
             assert total == round(result.by_dimension_and_link[d][link] * body["iterations"])
@@ -170,17 +172,19 @@ def test_rail_only_flags_a_plan_whose_dp_ring_crosses_rails():
 def test_traffic_calc_is_the_textbook_volume_over_the_run():
     model = load_model("llama3-70b")
     body = traffic_calc(model, 156e9, 2048, 8)
-    assert body["steps"] == pytest.approx(156e9 / (2048 * model.seq_length))
+    # whole steps (156e9 tokens are 9,298.3 steps of 2048 x 8192): the last, partial one syncs every gradient too
+    assert body["steps"] == 9299 == math.ceil(156e9 / (2048 * model.seq_length))
     assert body["bytes_per_rank"]["dp"] == pytest.approx(body["steps"] * 2 * 7 / 8 * model.total_params() * 2)
-    assert traffic_calc(model, 156e9, 2048, 8, seq_length=model.seq_length // 2)["steps"] == pytest.approx(
-        2 * body["steps"]
-    )
-    # in words: the steps whole, the bytes in petabytes; fewer tokens than a step show its fraction and the bytes
-    # in a unit that shows them (they read "0 steps" and "0.00 PB")
+    assert traffic_calc(model, 156e9, 2048, 8, seq_length=model.seq_length // 2)["steps"] == 18597
+    # in words: the steps whole, the bytes in petabytes; fewer tokens than a step are one step (they read
+    # "5.96e-08 steps", with bytes to match), its bytes in a unit that shows them
     first, dp_line, *_ = traffic_calc_lines(body, 2048, model.seq_length)
-    assert "156,000,000,000 tokens = 9,298 steps" in first and dp_line.endswith("PB in all)")
-    first, dp_line, *_ = traffic_calc_lines(traffic_calc(model, 1, 2048, 8), 2048, model.seq_length)
-    assert "1 tokens = 5.96e-08 steps" in first and " kB sent per rank" in dp_line
+    assert "156,000,000,000 tokens = 9,299 steps of 2048 x 8192 tokens (rounded up" in first
+    assert dp_line.endswith("PB in all)")
+    one_token = traffic_calc(model, 1, 2048, 8)
+    first, dp_line, *_ = traffic_calc_lines(one_token, 2048, model.seq_length)
+    assert "1 tokens = 1 step of" in first and " GB sent per rank" in dp_line
+    assert one_token["bytes_per_rank"] == traffic_calc(model, 2048 * model.seq_length, 2048, 8)["bytes_per_rank"]
 
 
 def _save_profile(path: Path, device: str, model: str) -> None:
@@ -442,3 +446,14 @@ def test_a_prime_batch_split_by_families_still_hints_at_uneven_shares():
     assert len(made.strategy.pipelines) > 1
     (hint,) = hint_lines(made.context, made.evaluation)
     assert hint.startswith("hint: the global batch 1021 is prime: only the families' shares") and "exhaustive" in hint
+
+
+def test_a_run_says_which_of_its_steps_it_measured():
+    """After the warm-up step of the steps the run trained: a run resumed at step 2 of 3 trained step 3 alone (it
+    said "median of steps 2-3"), one resumed at step 1 of 4 trained steps 2-4 (it said "median of steps 2-4", the
+    warm-up included)."""
+    assert measured_steps_words(steps=3, trained=3) == "median of steps 2-3"
+    assert measured_steps_words(steps=2, trained=2) == "step 2"
+    assert measured_steps_words(steps=1, trained=1) == "step 1, with its warm-up"
+    assert measured_steps_words(steps=3, trained=1) == "step 3, with its warm-up"
+    assert measured_steps_words(steps=4, trained=3) == "median of steps 3-4"

@@ -60,8 +60,9 @@ def test_cluster_json_equals_yaml(write):
         (
             lambda t: t.replace("    nic_gbps: 100\n", "    nic_gbps: 100\n    nic_gpbs: 1\n", 1),
             "groups[1].nic_gpbs",
-            "unknown field",
+            "unknown field: did you mean nic_gbps?",  # an optional field is suggested too (it said "unknown field")
         ),
+        (lambda t: t.replace("topology:", "topolgy:"), "network.topolgy", "unknown field: did you mean topology?"),
         # a misspelt required field is named as the misspelling, not as the field it left missing
         (lambda t: t.replace("nodes: 2", "node: 2"), "groups[0].node", "unknown field: did you mean nodes (required"),
         (lambda t: t.replace("name: slow", "name: fast"), "groups", "used twice"),
@@ -294,6 +295,9 @@ def test_training_flags_override_file(write):
         load_training(write("t.yaml", "zero_stage: 4\n"))
     with pytest.raises(SpecError, match=r"training flags.*: dtype: "):
         load_training(None, {"dtype": "int4"})
+    # a misspelt optional field names the field it may have meant (it said "unknown field (check the spelling...")
+    with pytest.raises(SpecError, match=r"t\.yaml: global_batch: unknown field: did you mean global_batch_size\?$"):
+        load_training(write("t.yaml", "global_batch: 8\n"))
 
 
 def test_specs_load_from_a_path_object_or_from_the_mapping_a_file_holds():
@@ -331,6 +335,14 @@ def test_a_plan_without_its_schema_is_still_named_a_plan(tmp_path):
         load_training(path)
     with pytest.raises(SpecError, match=r"schema"):
         load_plan(path)
+
+
+def test_a_cluster_given_as_run_records_is_named():
+    """`hetplan validate cluster.yaml` said "schema: expected 'hetplan.run/1', ... got None"."""
+    from predictor.runs import load_runs
+
+    with pytest.raises(SpecError, match=r"cpu-2x2\.yaml: expected a run record .*, got a cluster file$"):
+        load_runs(EXAMPLES / "cpu-2x2.yaml")
 
 
 def test_a_predictor_file_where_a_spec_is_expected_is_named(tmp_path):
