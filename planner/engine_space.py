@@ -62,6 +62,19 @@ def engine_dtype(dtype: str, engine: Engine) -> str:
     return dtype
 
 
+def _short_of_microbatches(strategy: Strategy) -> tuple[int, int] | None:
+    """(micro-batches, stages) of an interleaved pipeline with a replica of fewer micro-batches than stages, which
+    interleaving engines refuse (Megatron: a micro-batch group per virtual stage of p to m; hetplan's runtime and cost
+    model run it); None when there is none."""
+    if strategy.virtual_stages <= 1:
+        return None
+    for pipeline in strategy.pipelines:
+        fewest = min(pipeline.replica_microbatches())
+        if len(pipeline.stages) > 1 and fewest < len(pipeline.stages):
+            return fewest, len(pipeline.stages)
+    return None
+
+
 def engine_lost(
     strategy: Strategy, engine: Engine, training: TrainingSpec | None = None, predicted_as_run: bool = False
 ) -> list[str]:
@@ -74,6 +87,11 @@ def engine_lost(
         lost.append(f"{len(pipelines)} pipeline families with their own batch shares -> one family")
     if not engine.interleaving and strategy.virtual_stages > 1:
         lost.append(f"interleaved 1F1B with {strategy.virtual_stages} virtual stages -> plain 1F1B")
+    elif short := _short_of_microbatches(strategy):
+        lost.append(
+            f"interleaved 1F1B over {short[0]} micro-batches on {short[1]} stages -> plain 1F1B: {engine.key} "
+            "interleaves groups of at least as many micro-batches as stages"
+        )
     if not engine.uneven_layers and any(len({s.num_layers for s in p.stages}) > 1 for p in pipelines):
         lost.append("uneven layer split -> the same number of layers on every stage")
     if not engine.tensor_parallel and {s.tp for s in stages} != {1}:
@@ -194,7 +212,7 @@ def near_plans(ctx: CostContext, strategy: Strategy, engine: Engine) -> list[Str
     pipeline = strategy.pipelines[0]
     shard = strategy.zero_shard if engine.hybrid_shard else "dp"
     candidates = [replace(strategy, zero_stage=engine_zero_stage(strategy.zero_stage, engine), zero_shard=shard)]
-    if not engine.interleaving and strategy.virtual_stages > 1:
+    if strategy.virtual_stages > 1 and (not engine.interleaving or _short_of_microbatches(strategy)):
         candidates = [replace(c, virtual_stages=1) for c in candidates]
     if not engine.per_stage_recompute and len({strategy.stage_recompute(s) for s in pipeline.stages}) > 1:
         candidates = [_one_recompute(c, mode) for c in candidates for mode in RECOMPUTE_MODES]

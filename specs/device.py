@@ -100,7 +100,10 @@ class DeviceSpec(BaseModel):
                 return self.peak_tf32_tflops * TERA
             if self.peak_fp32_tflops is None:
                 raise SpecError(
-                    "device catalog", f"{self.key}.peak_fp32_tflops", "no fp32 peak is known: train in bf16/fp16"
+                    "device catalog",
+                    f"{self.key}.peak_fp32_tflops",
+                    "no fp32 peak is known, so fp32 training cannot be timed on it: choose bf16 or fp16 (--dtype, or "
+                    "the training file's dtype)",
                 )
             return self.peak_fp32_tflops * TERA
         return self.peak_flops_per_s

@@ -38,6 +38,28 @@ def test_a_plan_for_megatron_exports_without_loss_and_beats_the_closest_export_o
     assert for_megatron.search_stats["engine"] == "megatron"
 
 
+def test_an_interleaved_plan_of_fewer_micro_batches_than_stages_exports_to_megatron_as_plain_1f1b():
+    """Megatron refuses an interleaved run whose micro-batch groups hold fewer than p micro-batches (the export wrote
+    --microbatch-group-size-per-virtual-pipeline-stage 2 on 4 stages); the planner's own runtime runs it."""
+    from predictor.cost_model import build_context
+    from specs.layout import megatron_strategy
+
+    cluster = load_cluster(EXAMPLES / "a100-v100-32.yaml")
+    cluster = cluster.only(cluster.group("a100"))
+    training = load_training(overrides={"global_batch_size": 4, "zero_stage": 1})
+    ctx = build_context(cluster, load_model("gpt3-1.7b"), training)
+    layout = {"group": "a100", "tp": 2, "pp": 4, "dp": 2, "micro_batch_size": 1, "recompute": "none"}
+    short = megatron_strategy(cluster, ctx.model, training, **layout, virtual_stages=2)  # 2 micro-batches per replica
+    (lost,) = engine_lost(short, get_engine("megatron"))
+    assert lost.startswith("interleaved 1F1B over 2 micro-batches on 4 stages -> plain 1F1B")
+    exported = export_plan(ctx, short, "megatron", keep_layout=True)
+    assert exported.strategy.virtual_stages == 1
+    assert "--microbatch-group-size-per-virtual-pipeline-stage" not in json.dumps(exported.files)
+    enough = megatron_strategy(cluster, ctx.model, training.model_copy(update={"global_batch_size": 8}), **layout,
+                               virtual_stages=2)  # fmt: skip
+    assert engine_lost(enough, get_engine("megatron")) == []
+
+
 @pytest.mark.parametrize(
     ("engine", "asked", "runs"),
     [("megatron", 3, 1), ("megatron", 2, 1), ("deepspeed", 3, 1), ("torchtitan", 1, 2), ("torchtitan", 3, 3)],
