@@ -159,10 +159,12 @@ def _does_not_fit(
             f"per device; {fit_remedies(training, zero_stages)}{idle}",
             result.smallest_shortfall_bytes,
         )
+    least = min(training.virtual_stages)
+    chunks = f"; at least {least} on a stage of {least} virtual stages, --virtual-stages" if least > 1 else ""
     return DoesNotFitError(
         f"no strategy for {model.key} on cluster {cluster_name!r}: the global batch "
         f"{training.global_batch_size} must split into replicas x micro-batches, and stages need whole layers "
-        f"({model.num_layers}) and TP degrees dividing a node and the {model.num_kv_heads} kv heads{idle}",
+        f"({model.num_layers}{chunks}) and TP degrees dividing a node and the {model.num_kv_heads} kv heads{idle}",
         0.0,
     )
 

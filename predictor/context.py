@@ -216,8 +216,9 @@ def build_context(
         raise SpecError(
             "training",
             "seq_length",
-            f"expected at most {model.seq_length} tokens: {model.name} learns "
-            f"one position embedding for each of its {model.seq_length} positions, got {seq_length}",
+            f"expected at most {model.seq_length} tokens (--seq-len, or the training file's seq_length): "
+            f"{model.name} learns one position embedding for each of its {model.seq_length} positions, got "
+            f"{seq_length}",
         )
     sources: dict[str, LayerCostSource] = {}
     host: dict[str, HostCosts] = {}

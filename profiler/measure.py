@@ -20,6 +20,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 try:
     import torch
@@ -35,6 +36,7 @@ from specs.errors import SpecError
 from specs.model import RECOMPUTE_MODES, ModelSpec, Recompute
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+HOST_MEMORY_SHARE = 0.8  # of the available memory a profiled layer may take (torch and the timings need the rest)
 
 
 @dataclass(frozen=True)
@@ -91,6 +93,41 @@ def profile_target(
     chosen_dtype = ("fp32" if torch_device.type == "cpu" else "bf16") if dtype == "auto" else dtype
     key = get_device(as_device, "--as-device", "").key if as_device else torch_device.type
     return torch_device, chosen_dtype, key
+
+
+def available_host_memory_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo (what can be allocated without swapping); None where the file is not there."""
+    try:
+        for line in Path("/proc/meminfo").read_text(encoding="utf-8").splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def check_layer_fits_host(model: ModelSpec, seq_length: int, dtype: str, micro_batch: int, tp: int) -> None:
+    """Refuse in one line a CPU profile whose largest layer (the fewest TP ranks, the most micro-batches, nothing
+    recomputed) would not fit this machine's available memory: it swapped at "starting" until stopped."""
+    from profiler.simulated import SimulatedDevice
+    from specs.device import get_device
+    from specs.training import DTYPE_BYTES
+
+    available = available_host_memory_bytes()
+    if available is None:
+        return
+    layer = SimulatedDevice(get_device("cpu"), model, seq_length, dtype).layer_cost("decoder", micro_batch, tp, "none")
+    needed = model.layer_params() / tp * DTYPE_BYTES[dtype] * 2 + layer.activation_bytes  # weights and gradients too
+    if needed > HOST_MEMORY_SHARE * available:
+        remedies = ["smaller micro-batches (--micro-batches)"] if micro_batch > 1 else []
+        remedies += ["more TP ranks (--tp)", "a shorter sequence (--seq-len)"]
+        raise SpecError(
+            "--model",
+            model.key,
+            f"one decoder layer at micro-batch {micro_batch} and TP {tp} needs about {needed / 2**30:,.1f} GiB "
+            f"(weights, gradients, activations), this machine has {available / 2**30:,.1f} GiB available: profile "
+            f"{', '.join(remedies[:-1])} or {remedies[-1]}",
+        )
 
 
 def synchronize(device: torch.device) -> None:

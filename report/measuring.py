@@ -87,10 +87,12 @@ def profile(
     model_spec = load_model(model, "--model")
     degrees = flags.tp_degrees(tp, model_spec, (1, 2, 4))
     require_torch("profile")
-    from profiler.measure import pass_drift, profile_model, profile_target
+    from profiler.measure import check_layer_fits_host, pass_drift, profile_model, profile_target
 
     torch_device, chosen_dtype, key = profile_target(device, dtype, as_device, threads)
     training_spec = flags.training(None, dtype=chosen_dtype, seq_length=seq_len)
+    if torch_device.type == "cpu":
+        check_layer_fits_host(model_spec, seq_len or model_spec.seq_length, chosen_dtype, max(sizes), min(degrees))
     with progress_on_stderr("profile", quiet, unit="timings") as progress:
         shape = {"seq_length": seq_len or model_spec.seq_length, "micro_batch_sizes": sizes, "tp_degrees": degrees}
         measure = {"device": torch_device, "device_key": key, "dtype": training_spec.dtype, "repeats": repeats}

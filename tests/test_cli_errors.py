@@ -675,8 +675,11 @@ def test_a_gpt_trains_no_longer_sequences_than_its_learned_positions(capsys):
     step: 'The size of tensor a (256) must match the size of tensor b (128)')."""
     gpt = str(EXAMPLES / "models" / "tiny-gpt.yaml")
     line = one_error(capsys, "plan", "--cluster", str(CPU), "--model", gpt, "--seq-len", "256")
-    assert line.endswith("seq_length: expected at most 128 tokens: tiny-gpt learns one position embedding for each "
-                         "of its 128 positions, got 256")  # fmt: skip
+    assert line.endswith("seq_length: expected at most 128 tokens (--seq-len, or the training file's seq_length): "
+                         "tiny-gpt learns one position embedding for each of its 128 positions, got 256")  # fmt: skip
+    # the virtual stages a stage must hold a layer each of are named with their flag (it named only the layers)
+    line = one_error(capsys, "plan", "--cluster", str(CPU), "--model", TINY, "--virtual-stages", "64", "--quiet")
+    assert "at least 64 on a stage of 64 virtual stages, --virtual-stages" in line
 
 
 def test_profile_tp_defaults_are_the_degrees_that_split_the_model(capsys, tmp_path):

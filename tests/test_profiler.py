@@ -357,3 +357,16 @@ def test_cli_profile_says_when_the_machine_drifted_between_passes(tmp_path, monk
     monkeypatch.setattr(measure, "pass_speeds", lambda per_pass: [1.0, 1.02, 0.99, 1.01])
     assert exit_status(cli.app, args) == 0
     assert "note: the slowest pass" not in capsys.readouterr().err
+
+
+def test_a_cpu_profile_of_a_layer_larger_than_the_memory_is_refused_in_one_line(monkeypatch):
+    """`profile --model llama3-405b --tp 1` sat at "starting" while the machine swapped, until stopped."""
+    from specs.errors import SpecError
+
+    monkeypatch.setattr(measure, "available_host_memory_bytes", lambda: 16 * 2**30)
+    with pytest.raises(SpecError, match=r"^--model: llama3-405b: one decoder layer at micro-batch 1 and TP 1 needs "
+                       r"about 33\.3 GiB .* 16\.0 GiB available: profile more TP ranks"):  # fmt: skip
+        measure.check_layer_fits_host(load_model("llama3-405b"), 8192, "fp32", 1, 1)
+    measure.check_layer_fits_host(load_model(str(EXAMPLES / "models" / "tiny-llama.yaml")), 256, "fp32", 8, 1)
+    monkeypatch.setattr(measure, "available_host_memory_bytes", lambda: None)  # no /proc/meminfo: nothing to check
+    measure.check_layer_fits_host(load_model("llama3-405b"), 8192, "fp32", 1, 1)
