@@ -62,11 +62,11 @@ def engine_dtype(dtype: str, engine: Engine) -> str:
     return dtype
 
 
-def _short_of_microbatches(strategy: Strategy) -> tuple[int, int] | None:
-    """(micro-batches, stages) of an interleaved pipeline with a replica of fewer micro-batches than stages, which
-    interleaving engines refuse (Megatron: a micro-batch group per virtual stage of p to m; hetplan's runtime and cost
-    model run it); None when there is none."""
-    if strategy.virtual_stages <= 1:
+def _short_of_microbatches(strategy: Strategy, engine: Engine) -> tuple[int, int] | None:
+    """(micro-batches, stages) of an interleaved pipeline with a replica of fewer micro-batches than stages, which an
+    engine that interleaves groups of at least p micro-batches refuses (Megatron: a group size per virtual stage from
+    p to m; PyTorch's schedules and hetplan's runtime run it); None when there is none."""
+    if strategy.virtual_stages <= 1 or not engine.interleaving_groups_of_stages:
         return None
     for pipeline in strategy.pipelines:
         fewest = min(pipeline.replica_microbatches())
@@ -87,7 +87,7 @@ def engine_lost(
         lost.append(f"{len(pipelines)} pipeline families with their own batch shares -> one family")
     if not engine.interleaving and strategy.virtual_stages > 1:
         lost.append(f"interleaved 1F1B with {strategy.virtual_stages} virtual stages -> plain 1F1B")
-    elif short := _short_of_microbatches(strategy):
+    elif short := _short_of_microbatches(strategy, engine):
         lost.append(
             f"interleaved 1F1B over {short[0]} micro-batches on {short[1]} stages -> plain 1F1B: {engine.key} "
             "interleaves groups of at least as many micro-batches as stages"
@@ -212,7 +212,7 @@ def near_plans(ctx: CostContext, strategy: Strategy, engine: Engine) -> list[Str
     pipeline = strategy.pipelines[0]
     shard = strategy.zero_shard if engine.hybrid_shard else "dp"
     candidates = [replace(strategy, zero_stage=engine_zero_stage(strategy.zero_stage, engine), zero_shard=shard)]
-    if strategy.virtual_stages > 1 and (not engine.interleaving or _short_of_microbatches(strategy)):
+    if not engine.interleaving and strategy.virtual_stages > 1:
         candidates = [replace(c, virtual_stages=1) for c in candidates]
     if not engine.per_stage_recompute and len({strategy.stage_recompute(s) for s in pipeline.stages}) > 1:
         candidates = [_one_recompute(c, mode) for c in candidates for mode in RECOMPUTE_MODES]
@@ -223,6 +223,8 @@ def near_plans(ctx: CostContext, strategy: Strategy, engine: Engine) -> list[Str
         candidates = [replace(c, pipelines=(_with_tp(c.pipelines[0], t),)) for c in candidates for t in widths]
     if not engine.uneven_batch and pipeline.uneven:
         candidates = [even for c in candidates if (even := _even_batch(c, ctx.training.global_batch_size))]
+    # (after the batch is evened: 4 + 3 micro-batches on 4 stages become 7 on one replica, which interleave)
+    candidates = [replace(c, virtual_stages=1) if _short_of_microbatches(c, engine) else c for c in candidates]
     return [c for c in candidates if not engine_lost(c, engine)]
 
 
@@ -241,10 +243,20 @@ def engine_search(
     widths: list[int | None] = [None] if engine.per_stage_tp else [1]
     if engine.tensor_parallel and not engine.per_stage_tp:
         widths = sorted({t for group in ctx.cluster.groups for t in tp_options(restricted, group)})
-    results: list[SearchResult] = []
-    for tp in widths:
-        sources = restricted.sources if tp is None else {k: _FixedTp(v, tp) for k, v in restricted.sources.items()}
-        results.append(search(replace(restricted, sources=sources), options, progress, splitter))
+
+    def searched(within: CostContext) -> list[SearchResult]:
+        fixed = [
+            within.sources if tp is None else {k: _FixedTp(v, tp) for k, v in within.sources.items()} for tp in widths
+        ]
+        return [search(replace(within, sources=sources), options, progress, splitter) for sources in fixed]
+
+    results = searched(restricted)
+    if any(_short_of_microbatches(e.strategy, engine) for r in results for e in r.evaluations):
+        # the best plans interleave fewer micro-batches than stages, which the engine refuses: its plain 1F1B too
+        # (an interleaved plan of enough micro-batches that those outranked is not searched again)
+        results += searched(
+            replace(restricted, training=restricted.training.model_copy(update={"virtual_stages": (1,)}))
+        )
     return merge_results(results, options.top_k, lambda e: not engine_lost(e.strategy, engine))
 
 

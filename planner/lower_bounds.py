@@ -2,11 +2,13 @@
 them the cost model's numbers).
 
 Pipeline (1F1B over m micro-batches, v interleaved chunks): (m - 1/v) * M + S / v for bottleneck stage time M and
-stage-time sum S (planner.layer_split), then the fill and drain point-to-point and the tail of the fullest stage
-(exposed DP sync + optimizer step: cost_model.tail_per_layer_lower_bound_s). The bounds, each at least the one
-before: a row's (water-filling, no memory; PipelineBound), with whole layers (whole_layer_bottleneck_s), per pipeline
-order with memory caps at each stage's depth (memory_bottleneck_s); the root bound also covers plans with a recompute
-mode per stage (MixedTail, per_stage_memory_bottleneck_s); the work bound covers every plan of a group subset.
+stage-time sum S, the steady form of the layer split's objective (predictor.evaluation.pipeline_makespan_s, which is
+never less: with too few micro-batches to fill the interleaved loop it is S + (m - 1) * M / v), then the fill and drain
+point-to-point and the tail of the fullest stage (exposed DP sync + optimizer step:
+cost_model.tail_per_layer_lower_bound_s). The bounds, each at least the one before: a row's (water-filling, no memory;
+PipelineBound), with whole layers (whole_layer_bottleneck_s), per pipeline order with memory caps at each stage's depth
+(memory_bottleneck_s); the root bound also covers plans with a recompute mode per stage (MixedTail,
+per_stage_memory_bottleneck_s); the work bound covers every plan of a group subset.
 """
 
 from __future__ import annotations

@@ -149,7 +149,7 @@ def _does_not_fit(
         return DoesNotFitError(
             f"{model.key} does not fit on cluster {cluster_name!r}: its weights, gradients and optimizer state "
             f"alone ({state / GIB:,.0f} GiB) need {missing / GIB:.1f} GiB more per device than the "
-            f"{usable / GIB:,.0f} GiB usable; add devices{idle}",
+            f"{usable / GIB:,.0f} GiB usable in all; add devices{idle}",
             missing,
         )
     if result.smallest_shortfall_where:

@@ -24,7 +24,8 @@ def pipeline_makespan_s(num_microbatches: int, virtual_stages: int, bottleneck_s
     holds while a stage has a micro-batch to start when its chunk's loop comes back (m*M >= S: m >= p for even stages).
     With fewer, each of the first v - 1 rounds waits for the loop through every stage, S/v: S + (m - 1)*M/v (at m = 1
     that is S, plain 1F1B's: interleaving buys nothing). The makespan is the larger of the two; v = 1 makes them
-    equal."""
+    equal. Exact for stages of one time (Megatron's order, drawn chunk by chunk: predictor.schedule); for uneven stages
+    an estimate, as the steady form was before it."""
     m, v = num_microbatches, virtual_stages
     steady = m * bottleneck_s + (sum_s - bottleneck_s) / v
     loop = sum_s + (m - 1) * bottleneck_s / v

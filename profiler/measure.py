@@ -106,9 +106,12 @@ def available_host_memory_bytes() -> int | None:
     return None
 
 
-def check_layer_fits_host(model: ModelSpec, seq_length: int, dtype: str, micro_batch: int, tp: int) -> None:
-    """Refuse in one line a CPU profile whose largest layer (the fewest TP ranks, the most micro-batches, nothing
-    recomputed) would not fit this machine's available memory: it swapped at "starting" until stopped."""
+def check_layer_fits_host(
+    model: ModelSpec, seq_length: int, dtype: str, micro_batch: int, tp: int, recompute: Recompute = "none"
+) -> None:
+    """Refuse in one line a CPU profile whose largest layer (the fewest TP ranks, the most micro-batches, the mode
+    that recomputes least of those profiled) would not fit this machine's available memory: it swapped at "starting"
+    until stopped."""
     from profiler.simulated import SimulatedDevice
     from specs.device import get_device
     from specs.training import DTYPE_BYTES
@@ -116,17 +119,23 @@ def check_layer_fits_host(model: ModelSpec, seq_length: int, dtype: str, micro_b
     available = available_host_memory_bytes()
     if available is None:
         return
-    layer = SimulatedDevice(get_device("cpu"), model, seq_length, dtype).layer_cost("decoder", micro_batch, tp, "none")
+    layer = SimulatedDevice(get_device("cpu"), model, seq_length, dtype).layer_cost(
+        "decoder", micro_batch, tp, recompute
+    )
     needed = model.layer_params() / tp * DTYPE_BYTES[dtype] * 2 + layer.activation_bytes  # weights and gradients too
     if needed > HOST_MEMORY_SHARE * available:
         remedies = ["smaller micro-batches (--micro-batches)"] if micro_batch > 1 else []
-        remedies += ["more TP ranks (--tp)", "a shorter sequence (--seq-len)"]
+        remedies += ["more TP ranks (--tp)"] + (
+            ["full recompute alone (--recompute full)"] if recompute != "full" else []
+        )
+        remedies += ["a shorter sequence (--seq-len)"]
         raise SpecError(
             "--model",
             model.key,
-            f"one decoder layer at micro-batch {micro_batch} and TP {tp} needs about {needed / 2**30:,.1f} GiB "
-            f"(weights, gradients, activations), this machine has {available / 2**30:,.1f} GiB available: profile "
-            f"{', '.join(remedies[:-1])} or {remedies[-1]}",
+            f"one decoder layer at micro-batch {micro_batch}, TP {tp} and recompute {recompute} needs about "
+            f"{needed / 2**30:,.1f} GiB (weights, gradients, activations), more than {HOST_MEMORY_SHARE:.0%} of the "
+            f"{available / 2**30:,.1f} GiB this machine has available: profile {', '.join(remedies[:-1])} or "
+            f"{remedies[-1]}",
         )
 
 

@@ -92,7 +92,10 @@ def profile(
     torch_device, chosen_dtype, key = profile_target(device, dtype, as_device, threads)
     training_spec = flags.training(None, dtype=chosen_dtype, seq_length=seq_len)
     if torch_device.type == "cpu":
-        check_layer_fits_host(model_spec, seq_len or model_spec.seq_length, chosen_dtype, max(sizes), min(degrees))
+        least = next(mode for mode in RECOMPUTE_MODES if mode in modes)  # none, selective, full: most memory first
+        check_layer_fits_host(
+            model_spec, seq_len or model_spec.seq_length, chosen_dtype, max(sizes), min(degrees), least
+        )
     with progress_on_stderr("profile", quiet, unit="timings") as progress:
         shape = {"seq_length": seq_len or model_spec.seq_length, "micro_batch_sizes": sizes, "tp_degrees": degrees}
         measure = {"device": torch_device, "device_key": key, "dtype": training_spec.dtype, "repeats": repeats}

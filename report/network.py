@@ -108,7 +108,7 @@ def traffic(
     counted = strategy_traffic(ctx, plan.strategy)
     tokens_per_iteration = ctx.training.global_batch_size * ctx.seq_length
     # training takes whole iterations: a part of one sends as much
-    iterations = math.ceil(epochs * tokens / tokens_per_iteration) if tokens else None
+    iterations = math.ceil(round(epochs * tokens / tokens_per_iteration, 9)) if tokens else None
     if png is not None:
         traffic_heatmap(counted, f"{plan.model.key} on {cluster.name}: bytes per iteration", png)
     table = counted.by_dimension_and_link()
@@ -126,7 +126,7 @@ def traffic_calc(
     """Textbook per-rank bytes of DP, FSDP, TP and PP over `tokens` of training with one parallel dimension of
     `gpus` ranks (standard ring volumes): the JSON body of `hetplan traffic-calc --json`."""
     seq = seq_length or model.seq_length
-    steps = math.ceil(tokens / (global_batch * seq))  # training takes whole steps: a part of one syncs as much
+    steps = math.ceil(round(tokens / (global_batch * seq), 9))  # whole steps: a part of one syncs as much
     per_rank = textbook_traffic_per_rank(
         params=model.total_params(),
         layers=model.num_layers,

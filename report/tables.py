@@ -297,9 +297,10 @@ def _bytes_text(value: float) -> str:
 def traffic_calc_lines(body: Mapping[str, Any], global_batch: int, seq_length: int) -> list[str]:
     """`traffic-calc` for the terminal: the run in a line, then PB sent per rank and in all per parallel style."""
     gpus, steps = body["ranks"], body["steps"]
+    tokens = f"{body['tokens']:,.0f}" if body["tokens"] >= 1 else f"{body['tokens']:.2g}"
     rounded = " (rounded up: training takes whole steps)" if steps * global_batch * seq_length != body["tokens"] else ""
     lines = [
-        f"{body['model']}: {params(body['params'])} params, {body['tokens']:,.0f} tokens = {steps:,} "
+        f"{body['model']}: {params(body['params'])} params, {tokens} tokens = {steps:,} "
         f"step{'s' if steps != 1 else ''} of {global_batch} x {seq_length} tokens{rounded}, {gpus} ranks"
     ]
     for name, value in body["bytes_per_rank"].items():

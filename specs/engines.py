@@ -31,6 +31,9 @@ class Engine(BaseModel):
     context_parallel: bool  # sequences split over ranks (ring attention)
     hybrid_shard: bool  # ZeRO sharding inside a node, replicated across nodes
     kernels: str  # the training.engine whose kernel efficiency the cost model predicts ("": the training's)
+    # interleaves micro-batches in groups of at least the pipeline's stages, so refuses fewer (Megatron); PyTorch's
+    # interleaved schedules run them
+    interleaving_groups_of_stages: bool = False
 
     @model_validator(mode="after")
     def _consistent(self) -> Engine:

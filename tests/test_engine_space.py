@@ -58,6 +58,20 @@ def test_an_interleaved_plan_of_fewer_micro_batches_than_stages_exports_to_megat
     enough = megatron_strategy(cluster, ctx.model, training.model_copy(update={"global_batch_size": 8}), **layout,
                                virtual_stages=2)  # fmt: skip
     assert engine_lost(enough, get_engine("megatron")) == []
+    assert engine_lost(short, get_engine("torchrun")) == []  # PyTorch's interleaved schedules run it
+
+
+def test_megatron_plans_plain_1f1b_where_the_best_plans_interleave_too_few_micro_batches():
+    """Three micro-batches on four stages: the search's best plans interleave, which Megatron refuses; they were
+    dropped after the search and nothing was left ('does not fit'), though plain 1F1B fits."""
+    cluster, model = load_cluster(EXAMPLES / "a100-v100-32.yaml"), load_model("llama3-70b")
+    training = load_training(overrides={"global_batch_size": 3, "virtual_stages": [1, 2]})
+    free = plan(cluster, model, training, engine="torchrun")
+    assert free.strategy.virtual_stages == 2  # the planner's own best interleaves
+    for_megatron = plan(cluster, model, training, engine="megatron")
+    assert (
+        for_megatron.strategy.virtual_stages == 1 and engine_lost(for_megatron.strategy, get_engine("megatron")) == []
+    )
 
 
 @pytest.mark.parametrize(

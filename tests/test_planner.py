@@ -478,7 +478,7 @@ def test_a_model_that_does_not_fit_is_advised_only_what_the_training_does_not_al
     with pytest.raises(DoesNotFitError) as caught:
         plan(with_memory(1.0), load_model("llama3-8b"), training)
     assert str(caught.value).endswith("optimizer state alone (135 GiB) need 3.3 GiB more per device than the 29 GiB "
-                                      "usable; add devices")  # fmt: skip
+                                      "usable in all; add devices")  # fmt: skip
 
 
 @pytest.mark.parametrize(
