@@ -10,7 +10,8 @@ of the batch its speed earns; gradients meet across families after each family's
 For each partition of the groups into blocks: the best few plans of every block at about its share of the batch
 (the ordinary search on the block alone, memoised), then an exact split picks one plan per block and the
 micro-batches of each family (integers, sum of samples = global batch) minimising the slowest family's pipeline +
-tail. A family's pipeline time is affine in its micro-batches per replica, q * bottleneck + fill/drain, so the split
+tail. A family's pipeline time is affine in its micro-batches per replica, q * bottleneck + fill/drain (an interleaved
+plan's from as many as fill its loop through the stages on, the fewest it is offered at), so the split
 is exact for the offered plans (`split_batch_across`: a subset-sum table and a search over the times; a CP-SAT model
 of the same problem timed out at 2 s with worse splits); memory holds when q grows only where q already reaches the
 pipeline depth (1F1B keeps at most depth micro-batches in flight; interleaved plans are checked per count where the
@@ -37,6 +38,7 @@ from predictor.cost_model import (
     stage_memory,
     usable_memory_bytes,
 )
+from predictor.evaluation import pipeline_makespan_s
 from specs.cluster import DeviceGroup
 from specs.layout import Strategy, split_pipeline
 from specs.model import Recompute
@@ -59,6 +61,9 @@ class _BlockPlan:
     # interleaved plans: whether memory holds at q = 0, 1, ... micro-batches per replica (a stage holds activations
     # for 2(p - i - 1) + (v - 1) N + 1 chunks, and Megatron's group size N is not monotone in q); None: any q
     fits_microbatches: tuple[bool, ...] | None = None
+    # interleaved plans: the fewest micro-batches per replica at which the time is affine in them (fewer wait for the
+    # loop through the stages: pipeline_makespan_s), so the fewest offered; 0: any
+    least_microbatches: int = 0
 
 
 @dataclass
@@ -136,18 +141,23 @@ def _block_plans(evaluations: Sequence[Evaluation]) -> list[_BlockPlan]:
     plans = []
     for evaluation in evaluations:
         pipeline = evaluation.strategy.pipelines[0]
-        bottleneck = max(stage.step_time_s for stage in evaluation.stages)
-        q = pipeline.num_microbatches
+        times = [stage.step_time_s for stage in evaluation.stages]
+        bottleneck, total = max(times), sum(times)
+        q, v = pipeline.num_microbatches, evaluation.strategy.virtual_stages
         stages = len(pipeline.stages)
+        # the affine (steady) form's fixed part, also where the evaluated count waits for the interleaved loop
+        loop_s = pipeline_makespan_s(q, v, bottleneck, total) - (q * bottleneck + (total - bottleneck) / v)
+        interleaved = v > 1 and stages > 1
         plans.append(
             _BlockPlan(
                 evaluation=evaluation,
                 replicas=pipeline.replicas,
                 micro_batch_size=pipeline.micro_batch_size,
                 per_microbatch_s=bottleneck,
-                fixed_s=evaluation.pipeline_time_s - q * bottleneck + evaluation.tail_time_s,
+                fixed_s=evaluation.pipeline_time_s - loop_s - q * bottleneck + evaluation.tail_time_s,
                 max_microbatches=q if q < stages else 1 << 30,
-                virtual_stages=evaluation.strategy.virtual_stages if stages > 1 else 0,
+                virtual_stages=v if stages > 1 else 0,
+                least_microbatches=math.ceil(total / bottleneck * (1 - 1e-12)) if interleaved else 0,
             )
         )
     return plans
@@ -187,12 +197,13 @@ def _ranges(global_batch: int, plan: _BlockPlan, time_s: float) -> list[tuple[in
     if q < 1 or plan.replicas > most_samples:
         return []
     d, most = plan.replicas, min(plan.replicas * q, most_samples)
-    fits = plan.fits_microbatches
-    if fits is None or all(fits[1 : q + 1]):
+    fits, least = plan.fits_microbatches, max(plan.least_microbatches, 1)
+    if least == 1 and (fits is None or all(fits[1 : q + 1])):
         return [(d, most)]
     runs: list[tuple[int, int]] = []
-    for k in range(1, min(q, len(fits) - 1) + 1):  # totals in ((k - 1) d, k d] run k per replica at most
-        if fits[k]:
+    top = q if fits is None else min(q, len(fits) - 1)
+    for k in range(least, top + 1):  # totals in ((k - 1) d, k d] run k per replica at most
+        if fits is None or fits[k]:
             low, high = max(d, (k - 1) * d + 1), min(k * d, most)
             if runs and runs[-1][1] + 1 == low:
                 runs[-1] = (runs[-1][0], high)
