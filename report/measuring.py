@@ -3,6 +3,7 @@ simulate-profile); cli.py registers them on its app beside the planning commands
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -475,8 +476,9 @@ def launch(
             str(plan_file), "training.dtype", "hetplan's runtime has no FP8 GEMMs: plan with --dtype bf16 to launch it "
             "here, or export the fp8 plan to Megatron or torchtitan (hetplan export)",
         )  # fmt: skip
-    # absolute paths: each node runs its line from wherever its shell is (a shared filesystem at the same place)
-    paths = [str(path.absolute()) for path in (plan_file, cluster, out)]
+    # absolute paths: each node runs its line from wherever its shell is (a shared filesystem at the same place);
+    # normalised (it printed /tmp/x/c/../my/plan.json), links left as the user named them
+    paths = [os.path.abspath(path) for path in (plan_file, cluster, out)]
     commands = launch_commands(paths[0], cluster_spec, paths[1], paths[2], master_addr, port)
     if as_json:
         nodes = [

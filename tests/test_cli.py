@@ -224,6 +224,9 @@ def test_launch_prints_one_torchrun_per_node_that_expands_the_master_address(tmp
     assert relative.returncode == 0, relative.stderr
     wanted = f"run {plan} --cluster {EXAMPLES / 'cpu-hetero.yaml'} --out {ROOT / 'run.json'}"
     assert all(wanted in line for line in relative.stdout.splitlines())
+    # ... normalised: a path through a parent directory reads as the file it names (it printed "examples/../examples")
+    roundabout = hetplan("launch", str(plan), "--cluster", "examples/../examples/cpu-hetero.yaml", "--out", "run.json")
+    assert roundabout.returncode == 0 and roundabout.stdout == relative.stdout, roundabout.stderr
 
 
 def test_a_cpu_cluster_of_two_lines_plans_in_fp32_and_the_plan_records_what_was_assumed(tmp_path):
