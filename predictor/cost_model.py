@@ -13,7 +13,6 @@ DP degree under ZeRO-1), activations of in-flight micro-batches under 1F1B (min(
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TypeVar
 
 import numpy as np
 
@@ -22,6 +21,7 @@ from predictor.context import CostContext, EndToEndTerms, build_context, emulate
 from predictor.context_parallel import RING_BUFFERS, ring_block_bytes
 from predictor.evaluation import (
     Evaluation,
+    Seconds,
     StageEvaluation,
     StageMemory,
     interleaved_group_size,
@@ -243,9 +243,6 @@ def tail_per_layer_lower_bound_s(ctx: CostContext, backward_s: float, sync_and_s
     parameters and the sync across families only add."""
     sync, optimizer_s = sync_and_step_s
     return exposed_dp_sync_time_s(ctx, sync, backward_s, backward_s) + optimizer_s
-
-
-Seconds = TypeVar("Seconds", float, np.ndarray)
 
 
 def fill_and_drain_time_s(virtual_stages: int, one_way_p2p_s: Seconds) -> Seconds:
