@@ -4,20 +4,23 @@ below them. The search stops the generator once the next bound cannot beat its i
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
+import itertools
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from planner.candidates import OuterConfig, group_order_array, group_orders, group_subsets
+from planner.candidates import PER_STAGE, OuterConfig, group_order_array, group_orders, group_subsets
 from planner.options import DEFAULT_OPTIONS, SearchOptions
 from planner.row_batch import RowBound, TpRowBatch
 from planner.tp_rows import ReplicaRows, SubsetRows, row_tables
 from predictor.cost_model import CostContext
 from specs.cluster import DeviceGroup
 from specs.layout import split_batch
+from specs.model import RECOMPUTE_MODES
 
 
 @dataclass
@@ -313,3 +316,47 @@ def outer_configs(
         counter.append(sum(source.candidates for source in sources))
     if sources:
         yield from _Queue(sources, options, pruning if pruning is not None else Pruning(), memory_bounds).run()
+
+
+def per_stage_configs(
+    ctx: CostContext,
+    options: SearchOptions,
+    pruning: Pruning,
+    subsets: Sequence[tuple[DeviceGroup, ...]] | None = None,
+) -> Iterator[list[OuterConfig]]:
+    """Shapes whose stages each pick their recompute mode (recompute PER_STAGE), best bound first while it can beat
+    `pruning.limit_s`, each as its candidates: the pipeline orders that can hold the model, least bottleneck first
+    (at most options.per_stage_orders). The bound holds for such plans (the fastest mode's TpRowBatch.root_s,
+    tightened by whole layers and then by the memory a per-stage plan needs), so the shapes include those whose
+    every uniform plan the scan's per-mode bounds put past the incumbent (no single mode both fits and wins). Stops
+    after options.per_stage_tightenings bounds tightened."""
+    fastest = min(ctx.training.recompute, key=RECOMPUTE_MODES.index)  # recompute never makes a layer faster
+    sources = tp_row_sources(ctx, options, True, subsets)
+    unbuilt = [(source.least_s, index) for index, source in enumerate(sources)]  # built when the heap reaches them
+    heapq.heapify(unbuilt)
+    heap: list[tuple[float, int, int, RowBound]] = []  # (bound, times tightened, arrival, row)
+    arrivals = itertools.count()
+    tightenings = 0
+    while tightenings < options.per_stage_tightenings:
+        while unbuilt and unbuilt[0][0] < pruning.limit_s and (not heap or unbuilt[0][0] <= heap[0][0]):
+            for batch in sources[heapq.heappop(unbuilt)[1]].build(True):
+                if batch.recompute == fastest:
+                    for row in np.flatnonzero(batch.root_s < pruning.limit_s).tolist():
+                        heapq.heappush(heap, (float(batch.root_s[row]), 0, next(arrivals), RowBound(batch, row)))
+        if not heap or heap[0][0] >= pruning.limit_s:
+            return
+        bound, tightened, arrival, row_bound = heapq.heappop(heap)
+        if tightened < 2:
+            tightenings += 1
+            raised = row_bound.root_s(memory=tightened == 1, steps=options.root_bound_steps)
+            if raised < pruning.limit_s:
+                heapq.heappush(heap, (max(bound, raised), tightened + 1, arrival, row_bound))
+            continue
+        batch, row = row_bound.batch, row_bound.row
+        bottlenecks = row_bound.per_stage_order_bottlenecks_s(options.root_bound_steps)
+        orders = group_orders(batch.subset)
+        fitting = [i for i in np.argsort(bottlenecks, kind="stable").tolist() if math.isfinite(bottlenecks[i])]
+        yield [
+            dataclasses.replace(batch.candidate(row, orders[i], bound), recompute=PER_STAGE)
+            for i in fitting[: options.per_stage_orders]
+        ]

@@ -8,7 +8,7 @@ point-to-point and the tail of the fullest stage (exposed DP sync + optimizer st
 cost_model.tail_per_layer_lower_bound_s). The bounds, each at least the one before: a row's (water-filling, no memory;
 PipelineBound), with whole layers (whole_layer_bottleneck_s), per pipeline order with memory caps at each stage's depth
 (memory_bottleneck_s); the root bound also covers plans with a recompute mode per stage (MixedTail,
-per_stage_memory_bottleneck_s); the work bound covers every plan of a group subset.
+per_stage_memory_bottlenecks_s); the work bound covers every plan of a group subset.
 """
 
 from __future__ import annotations
@@ -363,7 +363,7 @@ def memory_bottleneck_s(
     return low * (1 - 1e-9), feasible
 
 
-def per_stage_memory_bottleneck_s(
+def per_stage_memory_bottlenecks_s(
     per_layer_s: np.ndarray,
     fixed_s: np.ndarray,
     caps: np.ndarray,
@@ -371,16 +371,17 @@ def per_stage_memory_bottleneck_s(
     least_layers: int,
     known_s: float,
     steps: int,
-) -> float:
-    """The least bottleneck over pipeline orders when every stage picks its recompute mode: the smallest M with sum
+) -> np.ndarray:
+    """Per pipeline order, the least bottleneck when every stage picks its recompute mode: the smallest M with sum
     over stages of max over modes r of min(cap_sr, floor((M - e_s) / a_sr)) >= L ((orders, stages, modes) arrays but
-    `fixed_s`, (orders, stages)); inf where no order can hold the model. `known_s`: a bottleneck known to be reached
-    (the answer is at least that); the bisection starts from it and keeps the side known too small, to
-    1/2^steps of it."""
+    `fixed_s`, (orders, stages)); inf where the order cannot hold the model. `known_s`: a bottleneck known to be
+    reached (each answer is at least that); the bisection starts from it and keeps the side known too small, to
+    1/2^steps of the largest."""
     most = caps.max(axis=2)
     feasible = (most >= least_layers).all(axis=1) & (most.sum(axis=1) >= num_layers)
+    found = np.full(len(caps), math.inf)
     if not feasible.any():
-        return math.inf
+        return found
     caps, a, edge = caps[feasible], per_layer_s[feasible], fixed_s[feasible]
 
     def enough(bottleneck_s: np.ndarray) -> np.ndarray:
@@ -396,7 +397,8 @@ def per_stage_memory_bottleneck_s(
         fits = enough(middle)
         high = np.where(fits, middle, high)
         low = np.where(fits, low, middle)
-    return float(low.min())
+    found[feasible] = low
+    return found
 
 
 def work_bound_s(ctx: CostContext, subset: Sequence[DeviceGroup]) -> float:

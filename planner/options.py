@@ -26,6 +26,15 @@ class SearchOptions:
     # Llama-3-70B's best plan: 9 stages with one recomputing (87.04 s), whose uniform-mode solution was the 3rd best
     # (recomputing everywhere); the search stopped at one candidate found it, the full search kept 87.47 s
     per_stage_candidates: int = 4
+    # ... then as many shapes again, best bound for per-stage plans first (the scan passes by a shape whose every
+    # uniform plan loses: Llama-3 70B on 8 MI300X at ZeRO-3 kept 139.852 s, where 2 stages, one recomputing, take
+    # 139.316 s), each in its pipeline orders that can hold the model, the least bottleneck first, at most
+    # per_stage_orders of them (every order of four kinds); the shapes are found by tightening at most
+    # per_stage_tightenings bounds (loose until tightened: four-vendor-256 / GPT-3 175B has 2,111 below its incumbent
+    # on every group, at about 0.5 ms each; four-vendor-256 / Llama-3-70B's 24.37 s plan, 2.8% faster than the
+    # scan's, is found from 768 on)
+    per_stage_orders: int = 24
+    per_stage_tightenings: int = 1024
     # `uneven_batch: exhaustive`: replica counts that do not divide the batch are tried where a group fits one more of
     # up to this many stages (deeper pipelines have long per-replica shares, where whole micro-batches round off little)
     uneven_max_stages_per_group: int = 8

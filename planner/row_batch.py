@@ -21,7 +21,7 @@ from planner.lower_bounds import (
     least_stage_sum_s,
     memory_bottleneck_s,
     orders_within_memory,
-    per_stage_memory_bottleneck_s,
+    per_stage_memory_bottlenecks_s,
     whole_layer_bottleneck_s,
 )
 from planner.options import DEFAULT_OPTIONS
@@ -209,7 +209,11 @@ class TpRowBatch:
         """The least bottleneck any plan of the row's shape reaches with a recompute mode per stage, over the pipeline
         orders (inf: none fits); as order_bound_increase_s with every stage taking the mode that holds most layers
         within the bottleneck, the first stage's fixed bytes in the mode that needs least. `known_s`: a bottleneck
-        known to be reached (lower_bounds.per_stage_memory_bottleneck_s)."""
+        known to be reached (lower_bounds.per_stage_memory_bottlenecks_s)."""
+        return float(self.per_stage_recompute_bottlenecks_s(row, known_s, steps).min())
+
+    def per_stage_recompute_bottlenecks_s(self, row: int, known_s: float, steps: int) -> np.ndarray:
+        """per_stage_recompute_bottleneck_s of each pipeline order apart (candidates.group_orders' order)."""
         assert self.memory is not None
         memory = self.memory
         orders = group_orders(self.subset)
@@ -220,7 +224,7 @@ class TpRowBatch:
         )
         caps = np.floor((memory.usable_bytes[row][stage_group] - fixed_bytes)[..., None] / per_layer_bytes)
         a = memory.mode_time_s[row][stage_group]  # (orders, stages, modes)
-        return per_stage_memory_bottleneck_s(a, edge, caps, self.num_layers, self.virtual_stages, known_s, steps)
+        return per_stage_memory_bottlenecks_s(a, edge, caps, self.num_layers, self.virtual_stages, known_s, steps)
 
 
 @dataclass
@@ -252,6 +256,12 @@ class RowBound:
             raised = max(bottleneck * weight, with_tail - tail, with_sum - stage_sum / v) - least * weight
             self._value = bound + raised
         return self._value
+
+    def per_stage_order_bottlenecks_s(self, steps: int = DEFAULT_OPTIONS.root_bound_steps) -> np.ndarray:
+        """Per pipeline order of the row's groups (candidates.group_orders), the least bottleneck a plan with a
+        recompute mode per stage reaches there (inf: it cannot hold the model)."""
+        self()
+        return self.batch.per_stage_recompute_bottlenecks_s(self.row, self._bottleneck_s, steps)
 
     def root_s(self, memory: bool = False, steps: int = DEFAULT_OPTIONS.root_bound_steps) -> float:
         """The same for per-stage recompute plans too (MixedTail); with `memory`, also the bottleneck memory allows

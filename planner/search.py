@@ -7,7 +7,9 @@ TP choices: planner.tp_rows), tightened by whole layers and then, per pipeline o
 next bound cannot beat the k-th best plan found. Groups with identical devices and node shapes are interchangeable,
 so orders that only swap them are skipped. On request it also proves a lower bound over the whole space (the root
 bound, valid for per-stage recompute plans too: lower_bounds.MixedTail). After the scan, the best candidates are
-tried again at uneven replica counts (`uneven_batch: refine`) and with a recompute mode per stage.
+tried again at uneven replica counts (`uneven_batch: refine`) and with a recompute mode per stage, and so are the
+shapes with the best bound for per-stage plans (best_first.per_stage_configs): the scan's per-mode bounds pass by a
+shape whose every uniform plan loses.
 
 The ZeRO stage is not branched on: under the cost model stage 1 weakly dominates stage 0 (optimizer state divided by
 the DP degree; DP traffic of a reduce-scatter of 4-byte gradients plus an all-gather of 16-bit weights, 6 bytes per
@@ -27,11 +29,12 @@ import copy
 import dataclasses
 import functools
 import heapq
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from planner.best_first import Pruning, outer_configs
+from planner.best_first import Pruning, outer_configs, per_stage_configs
 from planner.candidates import (
     PER_STAGE,
     OuterConfig,
@@ -180,6 +183,7 @@ class _Search:
         # (None: no such subset could beat the incumbent), the least bound left among them (inf: searched to the end)
         self.idle_candidates: int | None = None
         self.idle_bound_s = math.inf
+        self.subsets: list[tuple[DeviceGroup, ...]] = []  # the group subsets scanned (the others cannot beat the plan)
 
     def run(self) -> SearchResult:
         """The scans, then the refinement steps and the family search, then the closest misfit if nothing fits."""
@@ -236,12 +240,14 @@ class _Search:
         over the candidates generated and the work bounds of the subsets skipped."""
         groups = tuple(self.ctx.cluster.groups)
         self.scan([groups])
+        self.subsets = [groups]
         root_bound_s = math.inf
         if not self.options.every_group:
             smaller = group_subsets(groups, range(1, len(groups)))
             incumbent_s = self.best.kth_s(self.options.gap)
             bounds = {s: work_bound_s(self.ctx, s) for s in smaller}
             idle = [s for s in smaller if bounds[s] < incumbent_s]
+            self.subsets += idle
             if idle:  # with a budget of their own, whether or not the scan over every group used up its
                 every_group_s, self.stopped_s, before = self.stopped_s, math.inf, self.evaluated
                 self.scan(idle, before + self.options.max_candidates)
@@ -329,16 +335,17 @@ class _Search:
 
     def refine_per_stage(self) -> int:
         """Per-stage recompute: the best candidates again, each stage free to pick its mode (CP-SAT), where the
-        bound says that can beat the candidate's best single mode and the k-th best plan; returns how many were
-        solved."""
+        bound says that can beat the candidate's best single mode and the k-th best plan; then as many shapes again,
+        best bound for such plans first (best_first.per_stage_configs), that the scan passed by because no single
+        mode both fit and won; returns how many were solved."""
         uniform_objective: dict[OuterConfig, float] = {}
         for _, _, config, objective_s in self.tried:
-            key = dataclasses.replace(config, recompute=PER_STAGE, lower_bound_s=0.0, order_bound_s=0.0)
+            key = _per_stage_key(config)
             uniform_objective[key] = min(uniform_objective.get(key, math.inf), objective_s)
         seen: set[OuterConfig] = set()
         refined = 0
         for _, order, config, _ in sorted(self.tried, key=lambda item: (item[0], item[1])):
-            key = dataclasses.replace(config, recompute=PER_STAGE, lower_bound_s=0.0, order_bound_s=0.0)
+            key = _per_stage_key(config)
             if key in seen:
                 continue
             seen.add(key)
@@ -346,6 +353,16 @@ class _Search:
                 break
             if self.solve(key, min(uniform_objective[key], self.best.kth_s()), order) is not None:
                 refined += 1
+        pruning = Pruning(self.best.kth_s())
+        shapes = per_stage_configs(self.ctx, self.options, pruning, self.subsets)
+        for candidates in itertools.islice(shapes, self.options.per_stage_candidates):
+            for config in candidates:
+                key = _per_stage_key(config)
+                if key not in seen:
+                    seen.add(key)
+                    if self.solve(key, self.best.kth_s(), self.scanned + len(seen)) is not None:
+                        refined += 1
+            pruning.limit_s = self.best.kth_s()
         return refined
 
     def add_families(self) -> tuple[int, float]:
@@ -384,6 +401,13 @@ def _nearby_replica_counts(config: OuterConfig, context_parallel: int) -> list[i
         for k in range(1, stages + 3):
             counts.add(part_devices(group) // (k * tp * context_parallel))
     return sorted((c for c in counts if c >= 1), reverse=True)
+
+
+def _per_stage_key(config: OuterConfig) -> OuterConfig:
+    """A candidate's shape with a recompute mode per stage (bounds cleared: one key per shape and order)."""
+    return dataclasses.replace(
+        config, recompute=PER_STAGE, lower_bound_s=0.0, order_bound_s=0.0, fill_and_drain_bound_s=0.0
+    )
 
 
 class BlockScans:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 
 import pytest
 
@@ -344,6 +345,42 @@ def test_root_bound_is_below_every_plan_including_per_stage_recompute():
     assert best_any < best_uniform  # per-stage recompute pays on this instance
     assert result.evaluations[0].iteration_time_s >= best_any * (1 - 1e-9)
     assert 0.5 * best_any < result.lower_bound_s <= best_any
+
+
+def test_the_search_finds_per_stage_recompute_shapes_whose_every_uniform_plan_loses(tmp_path):
+    """Llama-3 70B on one node of 8 MI300X at ZeRO-3, batch 128 (the shipped predictor, as `hetplan plan` runs it): 2
+    replicas of one stage recomputing selectively took 139.852 s; 2 stages on TP 4 did not fit without recompute and
+    lost with it everywhere (142.563 s), so the scan never reached the shape, and the per-stage step only re-solved
+    the shapes the scan had evaluated. With one stage recomputing they take 139.316 s. The plan must be at least as
+    fast as every split and recompute mode per stage of that shape."""
+    import itertools
+
+    from planner import predict
+    from specs.layout import PipelineStrategy, StageStrategy, Strategy
+
+    path = tmp_path / "mi300x-8.yaml"
+    path.write_text(
+        "name: mi300x-8\ngroups:\n  - name: mi300x\n    device: mi300x\n    nodes: 1\n    devices_per_node: 8\n"
+        "    nics_per_node: 8\n    nic_gbps: 400\n"
+    )
+    cluster, model = load_cluster(path), load_model("llama3-70b")
+    training = load_training(None, {"global_batch_size": 128, "zero_stage": 3})
+    found = plan(cluster, model, training)
+    layers, modes = model.num_layers, training.recompute
+    uniform, mixed = math.inf, math.inf
+    for cut in range(1, layers):
+        for first, second in itertools.product(modes, repeat=2):
+            stages = (StageStrategy("mi300x", 0, cut, 4, 0, first), StageStrategy("mi300x", cut, layers, 4, 4, second))
+            strategy = Strategy((PipelineStrategy(1, 1, 128, stages),), "none", 3)
+            evaluation = predict(found.context, strategy)
+            if evaluation.fits:
+                if first == second:
+                    uniform = min(uniform, evaluation.iteration_time_s)
+                else:
+                    mixed = min(mixed, evaluation.iteration_time_s)
+    assert mixed < 139.5 < uniform  # the shape wins only with a recompute mode per stage
+    assert found.evaluation.iteration_time_s <= mixed * (1 + 1e-9)
+    assert found.strategy.recompute_summary.startswith("per-stage")
 
 
 def test_per_stage_recompute_round_trips_through_the_plan_file(tmp_path):
