@@ -231,10 +231,12 @@ class BatchSource:
     microbatches: int
     least_s: float
     candidates: int  # rows times their pipeline orders, over the batches (SearchResult.configurations)
+    groups_of_stages: bool = False  # SearchOptions.interleaving_groups_of_stages
 
     def build(self, memory_bounds: bool) -> list[TpRowBatch]:
         """The batches, one per recompute mode and interleaving depth that some row allows."""
-        return list(self.rows.batches(self.replica_rows, self.micro_batch_size, self.microbatches, memory_bounds))
+        rows, b, m = self.replica_rows, self.micro_batch_size, self.microbatches
+        return list(self.rows.batches(rows, b, m, memory_bounds, self.groups_of_stages))
 
 
 def _candidate_count(ctx: CostContext, replica_rows: ReplicaRows, orders: int) -> int:
@@ -282,7 +284,8 @@ def tp_row_sources(
             rows = replica_rows[i]
             # a hair below: the vectorised bound may round above the batch's own
             least_s = float(least[b][position]) * (1 - 1e-9)
-            sources.append(BatchSource(source, rows, b, q, least_s, _candidate_count(ctx, rows, orders)))
+            count = _candidate_count(ctx, rows, orders)
+            sources.append(BatchSource(source, rows, b, q, least_s, count, options.interleaving_groups_of_stages))
     return sources
 
 

@@ -235,10 +235,16 @@ def engine_search(
     progress: ProgressCallback | None = None,
 ) -> SearchResult:
     """The planner's search within the engine's space: one family, even batches, one recompute mode, plain 1F1B,
-    even layers and the ZeRO stage as the engine's flags require (`_layout_update`); without per-stage TP one
-    search per TP degree any group can use, merged best first."""
+    even layers and the ZeRO stage as the engine's flags require (`_layout_update`), interleaving only over as many
+    micro-batches as stages where the engine's groups need them (SearchOptions.interleaving_groups_of_stages, in the
+    candidates: a filter after the search lost the interleaved plans its best had outranked); without per-stage TP
+    one search per TP degree any group can use, merged best first."""
     restricted = replace(ctx, training=ctx.training.model_copy(update=_layout_update(ctx.training, engine)))
-    options = replace(options, per_stage_candidates=options.per_stage_candidates if engine.per_stage_recompute else 0)
+    options = replace(
+        options,
+        per_stage_candidates=options.per_stage_candidates if engine.per_stage_recompute else 0,
+        interleaving_groups_of_stages=engine.interleaving_groups_of_stages,
+    )
     splitter = None if engine.uneven_layers else SPLITTERS["uniform"]
     widths: list[int | None] = [None] if engine.per_stage_tp else [1]
     if engine.tensor_parallel and not engine.per_stage_tp:
@@ -250,14 +256,7 @@ def engine_search(
         ]
         return [search(replace(within, sources=sources), options, progress, splitter) for sources in fixed]
 
-    results = searched(restricted)
-    if any(_short_of_microbatches(e.strategy, engine) for r in results for e in r.evaluations):
-        # the best plans interleave fewer micro-batches than stages, which the engine refuses: its plain 1F1B too
-        # (an interleaved plan of enough micro-batches that those outranked is not searched again)
-        results += searched(
-            replace(restricted, training=restricted.training.model_copy(update={"virtual_stages": (1,)}))
-        )
-    return merge_results(results, options.top_k, lambda e: not engine_lost(e.strategy, engine))
+    return merge_results(searched(restricted), options.top_k, lambda e: not engine_lost(e.strategy, engine))
 
 
 def engine_plans(ctx: CostContext, engine: Engine) -> list[Strategy]:

@@ -95,12 +95,20 @@ class PipelineBound:
         )
 
     def bound_s(
-        self, microbatches: int, virtual: int, tail_s: np.ndarray, fill_and_drain_s: np.ndarray
+        self,
+        microbatches: int,
+        virtual: int,
+        tail_s: np.ndarray,
+        fill_and_drain_s: np.ndarray,
+        groups_of_stages: bool = False,
     ) -> tuple[np.ndarray, np.ndarray] | None:
         """(each row's bound on the iteration time, inf where v chunks do not fit; the bottleneck it assumed), given the
-        rows' tail and fill / drain bounds; None when no row allows v chunks."""
+        rows' tail and fill / drain bounds; None when no row allows v chunks. `groups_of_stages`: interleaving also
+        needs at least as many micro-batches as stages (Engine.interleaving_groups_of_stages)."""
         num_layers, stages = self.num_layers, self.stages
         allowed = (stages * virtual <= num_layers) & ((virtual == 1) | (stages > 1))
+        if groups_of_stages and virtual > 1:
+            allowed &= microbatches >= stages
         if not allowed.any():
             return None
         # every stage holds >= v layers, and layers are whole

@@ -22,6 +22,9 @@ class SearchOptions:
     gap: float = 0.0
     root_bound: bool = False
     every_group: bool = False
+    # interleaved candidates need at least as many micro-batches per replica as stages (an engine's rule:
+    # Engine.interleaving_groups_of_stages, Megatron's)
+    interleaving_groups_of_stages: bool = False
     # the best distinct candidates re-solved with a recompute mode per stage (0: none). One missed H100 + MI300X /
     # Llama-3-70B's best plan: 9 stages with one recomputing (87.04 s), whose uniform-mode solution was the 3rd best
     # (recomputing everywhere); the search stopped at one candidate found it, the full search kept 87.47 s

@@ -432,7 +432,10 @@ def _check_summaries(
         figures.append((written, "replica_batches", f"{name}.replica_batches", split, by))
         stages = written.get("stages") if isinstance(written, dict) else None
         for number, (stage_written, stage) in enumerate(zip(stages or [], pipeline.stages, strict=False)):
-            devices_by = f"{name}'s replicas x its context_parallel x the stage's tp"
+            devices_by = (
+                f"{name}'s replicas x its context_parallel x the stage's tp ({pipeline.replicas} x "
+                f"{pipeline.context_parallel} x {stage.tp})"
+            )
             devices = pipeline.stage_devices(stage)
             figures.append((stage_written, "devices", f"{name}.stages[{number}].devices", devices, devices_by))
     for mapping, key, name, value, by in figures:

@@ -313,8 +313,11 @@ class SubsetRows:
                     np.minimum.at(least, owner, bound + raised)
         return least
 
-    def batches(self, rows: ReplicaRows, b: int, microbatches: int, memory_bounds: bool) -> Iterator[TpRowBatch]:
-        """The batches of these rows at micro-batch b, one per recompute mode and interleaving depth."""
+    def batches(
+        self, rows: ReplicaRows, b: int, microbatches: int, memory_bounds: bool, groups_of_stages: bool = False
+    ) -> Iterator[TpRowBatch]:
+        """The batches of these rows at micro-batch b, one per recompute mode and interleaving depth (interleaved rows
+        of fewer micro-batches than stages left out where `groups_of_stages`: PipelineBound.bound_s)."""
         ctx = self.costs.ctx
         training, model, num_layers = ctx.training, ctx.model, ctx.model.num_layers
         modes = list(training.recompute)
@@ -352,7 +355,7 @@ class SubsetRows:
             pipeline = PipelineBound.of(num_layers, a, e_first, e_last, rows.counts)
             for virtual in training.virtual_stages:
                 fill_and_drain = fill_and_drain_time_s(virtual, boundaries_s)
-                found = pipeline.bound_s(microbatches, virtual, tail_s, fill_and_drain)
+                found = pipeline.bound_s(microbatches, virtual, tail_s, fill_and_drain, groups_of_stages)
                 if found is None:
                     continue
                 bound, least_bottleneck = found

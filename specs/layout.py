@@ -280,6 +280,13 @@ def megatron_strategy(
             "use a plan with uneven stages",
         )
     cp = context_parallel
+    if target.devices_per_node % tp:
+        raise SpecError(
+            source,
+            "tp",
+            f"expected a divisor of the {target.devices_per_node} devices per node of group {target.name!r} (TP stays "
+            f"inside a node), got {tp}",
+        )
     if tp * cp * pp * dp > target.num_devices:
         what, count = ("tp x cp x pp x dp", tp * cp * pp * dp) if cp > 1 else ("tp x pp x dp", tp * pp * dp)
         raise SpecError(source, what, f"{count} exceeds the {target.num_devices} devices of group {target.name!r}")

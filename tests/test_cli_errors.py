@@ -415,7 +415,12 @@ def test_a_stage_device_written_by_alias_or_another_case_is_the_groups(capsys, t
         (("explain", "{batch-summary}", "-c", str(CPU)), "global_batch_size: 1000 disagrees with training.global_"),
         (("export", "{samples-summary}", "-c", str(CPU), "-f", "megatron"), "pipelines[0].samples_per_replica: 31 dis"),
         (("explain", "{family-samples}", "-c", str(CPU)), "pipelines[0].family_samples: 4 disagrees with"),
-        (("explain", "{stage-devices}", "-c", str(CPU)), "pipelines[0].stages[1].devices: 4 disagrees with"),
+        # the figure a stage's tp decides is named with the product (a hand-edited tp read as a devices error)
+        (
+            ("explain", "{stage-devices}", "-c", str(CPU)),
+            "stages[1].devices: 4 disagrees with pipelines[0]'s replicas x its context_parallel x the stage's tp "
+            "(2 x 1 x 1), 2, which decides it",
+        ),
         (("explain", "{replica-split}", "-c", str(CPU)), "pipelines[0].replica_batches[0].samples: -40 disagrees w"),
         (("predict", "-c", str(CPU), "--strategy", "{batch-weight}"), "pipelines[0].batch_weight: 0.25 disagrees"),
         (("predict", "-c", str(CPU), "--strategy", "{schedule}"), "schedule: 'interleaved-1f1b' disagrees with"),
@@ -442,6 +447,11 @@ def test_a_stage_device_written_by_alias_or_another_case_is_the_groups(capsys, t
         (("predict", "-c", str(CPU), "--strategy", "{good}", "--training", "t.yaml"), "--training: goes with the"),
         # a Megatron-style flag's layout the cluster cannot run is named as the flag (was "flags: pipelines[0]...")
         (("predict", "-c", str(CPU), "--model", "llama2-7b", "--dtype", "fp32", "--tp", "3"), "error: --tp: expected"),
+        # TP wider than a node is named as such before the devices the layout needs ("tp x pp x dp: 8 exceeds the 4")
+        (
+            ("predict", "-c", str(CPU), "--model", "llama2-7b", "--dtype", "fp32", "--tp", "4", "--pp", "2"),
+            "error: --tp: expected a divisor of the 2 devices per node of group 'cpu' (TP stays inside a node), got 4",
+        ),
         (("export", "{reversed}", "-c", str(CPU), "-f", "megatron", "--out", "e"), "stages[0].layers: expected"),
         (("export", "{good}", "-c", str(CPU), "-f", "megatron", "--out", "{good}"), "exists and is not a directory"),
         (
