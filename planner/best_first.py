@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-import itertools
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -222,8 +221,9 @@ class _Queue:
 @dataclass(frozen=True, eq=False)
 class BatchSource:
     """The batches of one group subset, replica count and micro-batch (every recompute mode and interleaving depth),
-    not built until the search reaches `least_s`: a bound on every row's bound (row and root) in them, so the
-    search builds only the batches that can hold a candidate beating its incumbent."""
+    not built until the search reaches `least_s`: a bound on every row's bound_s in them (not on their root bounds:
+    a plan with a recompute mode per stage may hide more DP sync), so the search builds only the batches that can
+    hold a candidate beating its incumbent."""
 
     rows: SubsetRows
     replica_rows: ReplicaRows
@@ -334,22 +334,19 @@ def per_stage_configs(
     every uniform plan the scan's per-mode bounds put past the incumbent (no single mode both fits and wins). Stops
     after options.per_stage_tightenings bounds tightened."""
     fastest = min(ctx.training.recompute, key=RECOMPUTE_MODES.index)  # recompute never makes a layer faster
-    sources = tp_row_sources(ctx, options, True, subsets)
-    unbuilt = [(source.least_s, index) for index, source in enumerate(sources)]  # built when the heap reaches them
-    heapq.heapify(unbuilt)
     heap: list[tuple[float, int, int, RowBound]] = []  # (bound, times tightened, arrival, row)
-    arrivals = itertools.count()
+    for source in tp_row_sources(ctx, options, True, subsets):  # every one: BatchSource.least_s bounds no root
+        for batch in source.build(True):
+            if batch.recompute == fastest:
+                for row in np.flatnonzero(batch.root_s < pruning.limit_s).tolist():
+                    heap.append((float(batch.root_s[row]), 0, len(heap), RowBound(batch, row)))
+    heapq.heapify(heap)
     tightenings = 0
-    while tightenings < options.per_stage_tightenings:
-        while unbuilt and unbuilt[0][0] < pruning.limit_s and (not heap or unbuilt[0][0] <= heap[0][0]):
-            for batch in sources[heapq.heappop(unbuilt)[1]].build(True):
-                if batch.recompute == fastest:
-                    for row in np.flatnonzero(batch.root_s < pruning.limit_s).tolist():
-                        heapq.heappush(heap, (float(batch.root_s[row]), 0, next(arrivals), RowBound(batch, row)))
-        if not heap or heap[0][0] >= pruning.limit_s:
-            return
+    while heap and heap[0][0] < pruning.limit_s:
         bound, tightened, arrival, row_bound = heapq.heappop(heap)
         if tightened < 2:
+            if tightenings == options.per_stage_tightenings:
+                continue  # the budget is spent: only the shapes tightened already are left to yield
             tightenings += 1
             raised = row_bound.root_s(memory=tightened == 1, steps=options.root_bound_steps)
             if raised < pruning.limit_s:

@@ -26,8 +26,9 @@ class SearchOptions:
     # Engine.interleaving_groups_of_stages, Megatron's)
     interleaving_groups_of_stages: bool = False
     # the best distinct candidates re-solved with a recompute mode per stage (0: none). One missed H100 + MI300X /
-    # Llama-3-70B's best plan: 9 stages with one recomputing (87.04 s), whose uniform-mode solution was the 3rd best
-    # (recomputing everywhere); the search stopped at one candidate found it, the full search kept 87.47 s
+    # Llama-3-70B's best plan then: 9 stages with one recomputing (87.04 s), whose uniform-mode solution was the 3rd
+    # best (recomputing everywhere); the search stopped at one candidate found it, the full search kept 87.47 s (the
+    # shapes step below finds 85.99 s, 10 stages, two recomputing)
     per_stage_candidates: int = 4
     # ... then as many shapes again, best bound for per-stage plans first (the scan passes by a shape whose every
     # uniform plan loses: Llama-3 70B on 8 MI300X at ZeRO-3 kept 139.852 s, where 2 stages, one recomputing, take
@@ -35,7 +36,7 @@ class SearchOptions:
     # per_stage_orders of them (every order of four kinds); the shapes are found by tightening at most
     # per_stage_tightenings bounds (loose until tightened: four-vendor-256 / GPT-3 175B has 2,111 below its incumbent
     # on every group, at about 0.5 ms each; four-vendor-256 / Llama-3-70B's 24.37 s plan, 2.8% faster than the
-    # scan's, is found from 768 on)
+    # scan's, is found from 709 on)
     per_stage_orders: int = 24
     per_stage_tightenings: int = 1024
     # `uneven_batch: exhaustive`: replica counts that do not divide the batch are tried where a group fits one more of

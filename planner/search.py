@@ -205,12 +205,14 @@ class _Search:
         # a bound left that reaches the incumbent (a later scan, the refinements or the families found a plan at
         # least as fast) leaves nothing unproven there
         incumbent_s = self.best.kth_s(options.gap)
+        ranked = self.best.ranked()
+        # a scan its budget stopped has no root bound over what it left: the bound where it stopped stands in (for
+        # the uniform plans), and no bound is above the best plan found (a refinement's may be below where it stopped)
+        root_bound_s = min(root_bound_s, self.stopped_s, self.idle_bound_s, *(e.iteration_time_s for e in ranked[:1]))
         every_group_s = self.stopped_s if self.stopped_s < incumbent_s else math.inf
         idle_s = self.idle_bound_s if self.idle_bound_s < incumbent_s else math.inf
         if math.isfinite(min(every_group_s, idle_s)):
-            ranked = self.best.ranked()
             least_s = min(every_group_s, idle_s)
-            root_bound_s = min(root_bound_s, least_s, *(e.iteration_time_s for e in ranked[:1]))
             note = (
                 f"stopped after {options.max_candidates:,} candidates: no plan left is faster than "
                 f"{_bound_text(least_s, ranked)}"
@@ -348,9 +350,9 @@ class _Search:
             key = _per_stage_key(config)
             if key in seen:
                 continue
-            seen.add(key)
-            if len(seen) > self.options.per_stage_candidates:
+            if len(seen) == self.options.per_stage_candidates:
                 break
+            seen.add(key)
             if self.solve(key, min(uniform_objective[key], self.best.kth_s()), order) is not None:
                 refined += 1
         pruning = Pruning(self.best.kth_s())
