@@ -143,7 +143,8 @@ def plan(
     from specs.model import load_model
     from specs.training import on_groups
 
-    flags.output_file(out, "--out", reads={"--cluster": cluster, "--model": model, "--training": training})
+    reads = {"--cluster": cluster, "--model": model, "--training": training, "--predictor": predictor}
+    flags.output_file(out, "--out", reads={**reads, "--profiles": profiles})
     if zero_stage is not None and zero_stages is not None:  # the search took --zero-stages, dropping --zero-stage
         raise SpecError("--zero-stage", str(zero_stage), "plans with one ZeRO stage, --zero-stages searches several: "
                         "pass one of the two")  # fmt: skip

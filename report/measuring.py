@@ -245,7 +245,7 @@ def fit(
     from specs.errors import SpecError
     from specs.flags import output_file
 
-    output_file(out, "--out", reads={"--links": links or [], "--runs": runs or []})
+    output_file(out, "--out", reads={"--profiles": profiles, "--links": links or [], "--runs": runs or []})
     if profiles is None and not links and not runs and not published_runs:  # it wrote a predictor of nothing
         raise SpecError("--no-published-runs", "", "leaves nothing to fit: give --profiles, --links or --runs (or "
                         "keep the published runs)")  # fmt: skip
@@ -468,7 +468,9 @@ def launch(
     from planner.export import launch_commands, runtime_launches
     from planner.what_if import check_runtime_layout, plan_on_cluster
     from specs.errors import SpecError
+    from specs.flags import output_file
 
+    output_file(out, "--out", reads={"PLAN": plan_file, "--cluster": cluster})  # as every node's `run` checks it
     loaded, cluster_spec = plan_on_cluster(plan_file, cluster)
     check_runtime_layout(loaded)
     if loaded.training.dtype == "fp8":  # the ranks would refuse it (runtime.launch.check_dtype): say so before

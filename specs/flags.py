@@ -124,14 +124,23 @@ def output_file(
     """An output file checked before the work starts: its suffix when the format depends on it, not one of the files
     the command `reads` (by the flag or argument that names it, a repeated flag's files as a list: `plan --out
     cluster.yaml` replaced the cluster with the plan, `fit --runs run.json --out run.json` the run with the
-    predictor), then specs.outputs.check_writable (directory created, writable)."""
+    predictor; a directory read, `--profiles DIR`, is its .json files: `fit --out DIR/cpu.json` replaced a profile,
+    and a new one would be read as a profile next time), then specs.outputs.check_writable (directory created,
+    writable)."""
     if path is None:
         return None
     if suffixes and path.suffix.lower() not in suffixes:
         raise SpecError(flag, str(path), f"expected a file name ending in {' or '.join(suffixes)}")
     for name, given in (reads or {}).items():
         for read in given if isinstance(given, (list, tuple)) else [given]:
-            if read is not None and Path(read).is_file() and _same_file(path, Path(read)):
+            if read is None:
+                continue
+            if Path(read).is_dir() and path.suffix.lower() == ".json" and path.resolve().parent == Path(read).resolve():
+                raise SpecError(
+                    flag, str(path), f"is in the directory {name} reads (its .json files): expected a file elsewhere "
+                    "(it would replace one of them, or be read as one next time)"
+                )  # fmt: skip
+            if Path(read).is_file() and _same_file(path, Path(read)):
                 raise SpecError(flag, str(path), f"is the file {name} reads: expected another file (it would be lost)")
     return check_writable(path, flag)
 

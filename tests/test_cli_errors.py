@@ -938,3 +938,27 @@ def test_run_and_fit_refuse_to_write_over_a_file_they_read(capsys, plans, tmp_pa
     plan = plans["good"]
     line = one_error(capsys, "run", str(plan), "--cluster", str(CPU), "--out", str(plan))
     assert line == f"hetplan: error: --out: {plan}: is the file PLAN reads: expected another file (it would be lost)"
+
+
+def test_an_output_never_replaces_a_file_the_command_reads(capsys, tmp_path, monkeypatch, plans):
+    """`fit --out prof/cpu.json --profiles prof` replaced the measured profile with the predictor, `plan --profiles
+    prof --out prof/cpu.json` with the plan, `plan --predictor p.joblib --out p.joblib` the predictor; `launch --out
+    plan.json` printed every node's `run --out plan.json`, which each node then refused."""
+    monkeypatch.chdir(tmp_path)
+    profiles = tmp_path / "prof"
+    profiles.mkdir()
+    measured = (ROOT / "bench" / "results" / "profile-cpu-tiny-llama.json").read_text()
+    (profiles / "cpu.json").write_text(measured)
+    predictor = tmp_path / "p.joblib"
+    predictor.write_bytes(b"a predictor")
+    planning = ("plan", "-c", str(CPU), "-m", TINY, "--global-batch", "8", "-q")
+    in_profiles = "is in the directory --profiles reads (its .json files): expected a file elsewhere"
+    assert in_profiles in one_error(capsys, "fit", "--out", "prof/cpu.json", "--profiles", "prof", "-q")
+    assert in_profiles in one_error(capsys, *planning, "--profiles", "prof", "--out", "prof/cpu.json")
+    assert in_profiles in one_error(capsys, *planning, "--profiles", "prof", "--out", "prof/plan.json")
+    said = one_error(capsys, *planning, "--predictor", "p.joblib", "--out", "p.joblib")
+    assert "p.joblib: is the file --predictor reads: expected another file (it would be lost)" in said
+    good = str(plans["good"])
+    assert "is the file PLAN reads" in one_error(capsys, "launch", good, "-c", str(CPU), "--out", good)
+    assert (profiles / "cpu.json").read_text() == measured and predictor.read_bytes() == b"a predictor"
+    assert sorted(p.name for p in profiles.iterdir()) == ["cpu.json"]
