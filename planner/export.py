@@ -221,6 +221,13 @@ def _deepspeed(ctx: CostContext, strategy: Strategy, plan: Strategy) -> tuple[di
     bounds = [pipeline.stages[0].layer_start] + [s.layer_end for s in pipeline.stages]
     parts = [0] + [b + 1 for b in bounds[1:-1]] + [bounds[-1] + 2]  # + embedding first, + head last
     plan_tp = ", ".join(str(t) for t in sorted({s.tp for p in plan.pipelines for s in p.stages}))
+    interval = 1 if strategy.recompute == "full" else 0  # DeepSpeed checkpoints whole layers, every N-th
+    recompute = {
+        "none": "none (activation_checkpoint_interval 0).",
+        "selective": "selective, which DeepSpeed's pipeline engine leaves to the layers (Megatron-DeepSpeed's\n"
+        "--recompute-granularity selective): activation_checkpoint_interval stays 0.",
+        "full": "full: every layer is checkpointed (activation_checkpoint_interval 1), as predicted.",
+    }[strategy.recompute]
     module = f'''"""PipelineModule with hetplan's stage boundaries (DeepSpeed's partition_method has no explicit list).
 
 Build your model with it in place of PipelineModule, e.g. in train.py:
@@ -235,6 +242,7 @@ Layers: [embedding, decoder 0 .. {ctx.model.num_layers - 1}, head]; stage i owns
 Tensor parallelism: none (TP 1 on {len(pipeline.stages)} stages x {pipeline.replicas} replicas); the plan used
 TP {plan_tp}. DeepSpeed's pipeline engine has no tensor parallelism of its own, so the export is the fastest TP 1
 plan that fits (export.json: "lost"); Megatron-DeepSpeed adds TP through its model-parallel unit.
+Recompute: {recompute}
 """
 
 from typing import Any
@@ -245,6 +253,7 @@ PARTS = {parts}
 STAGES = {len(pipeline.stages)}
 TENSOR_PARALLEL = 1
 PLAN_TENSOR_PARALLEL = "{plan_tp}"
+ACTIVATION_CHECKPOINT_INTERVAL = {interval}
 
 
 class HetplanPipelineModule(PipelineModule):
@@ -256,6 +265,7 @@ class HetplanPipelineModule(PipelineModule):
             num_stages = STAGES
         if partition_method == "hetplan" and num_stages not in (None, STAGES):
             raise ValueError(f"the plan's boundaries are for {{STAGES}} stages, got num_stages={{num_stages}}")
+        kwargs.setdefault("activation_checkpoint_interval", ACTIVATION_CHECKPOINT_INTERVAL)
         super().__init__(layers, num_stages, topology, *args, partition_method=partition_method, **kwargs)
 
     def _partition_layers(self, method: str = "uniform") -> None:

@@ -128,8 +128,9 @@ def test_megatron_drops_per_stage_tp_and_uneven_batches_and_says_so_flagscale_ke
 
 
 def test_export_tries_every_tp_the_engine_can_hold_not_only_the_plans(h100_mi300x):
-    """The H100 + MI300X plan of Llama-3-70B mixes TP 1 and 4; no uniform TP of its own widths with its replicas
-    fits memory, but the planner's plans at one TP degree do: the export runs the fastest of them."""
+    """A plan of H100 + MI300X / Llama-3-70B that mixes TP 1 and 4 (the search's until 85.99 s on TP 2 and 4, whose
+    own widths do fit): no uniform TP of its own widths with its replicas fits memory, but the planner's plans at one
+    TP degree do: the export runs the fastest of them."""
     ctx, strategy = h100_mi300x
     assert evaluate(ctx, strategy).iteration_time_s == pytest.approx(87.04, abs=0.005)
     assert len({s.tp for s in strategy.pipelines[0].stages}) > 1
@@ -330,11 +331,12 @@ def test_deepspeeds_pipeline_module_takes_the_plans_boundaries_by_default(mixed,
     exec(compile(exported.files["hetplan_pipeline.py"], "hetplan_pipeline.py", "exec"), namespace)
     module_class = namespace["HetplanPipelineModule"]
     module = module_class(layers=[])  # type: ignore[operator]
-    assert built == {"partition_method": "hetplan", "num_stages": 2, "topology": None}
+    own = {"partition_method": "hetplan", "num_stages": 2, "topology": None, "activation_checkpoint_interval": 0}
+    assert built == own  # selective recompute: the layers' own (DeepSpeed checkpoints whole layers)
     module_class([], 2)  # type: ignore[operator]  # the stage count given as DeepSpeed takes it
-    assert built == {"partition_method": "hetplan", "num_stages": 2, "topology": None}
+    assert built == own
     module_class(layers=[], topology="given", partition_method="parameters")  # type: ignore[operator]
-    assert built == {"partition_method": "parameters", "num_stages": None, "topology": "given"}
+    assert built == {**own, "partition_method": "parameters", "num_stages": None, "topology": "given"}
     with pytest.raises(ValueError, match="the plan's boundaries are for 2 stages, got num_stages=3"):
         module_class([], num_stages=3)  # type: ignore[operator]
     bounds: list[tuple[int, int]] = []
@@ -342,6 +344,13 @@ def test_deepspeeds_pipeline_module_takes_the_plans_boundaries_by_default(mixed,
     module._partition_layers("hetplan")
     ends = [s.layer_end + 1 for s in exported.strategy.pipelines[0].stages[:-1]]  # the embedding is layer 0
     assert bounds == [(ends[0], ctx.model.num_layers + 2)]
+    # a plan predicted with full recompute checkpoints every layer (the module left DeepSpeed's default, none)
+    full = export_plan(ctx, replace(strategy, recompute="full"), "deepspeed", keep_layout=True)
+    namespace = {}
+    exec(compile(full.files["hetplan_pipeline.py"], "hetplan_pipeline.py", "exec"), namespace)
+    namespace["HetplanPipelineModule"](layers=[])  # type: ignore[operator]
+    assert built == {**own, "activation_checkpoint_interval": 1}
+    assert "Recompute: full: every layer is checkpointed" in full.files["hetplan_pipeline.py"]
 
 
 def test_torchtitan_parts_cover_the_model_once_in_order(hethub):
