@@ -25,7 +25,7 @@ from predictor.cost_model import CostContext, evaluate, interleaved_group_size
 from predictor.sharding import shard_ranks
 from specs.cluster import ClusterSpec
 from specs.engines import get_engine
-from specs.errors import SpecError
+from specs.errors import SpecError, expect_argument
 from specs.layout import Strategy, chunk_layer_counts
 from specs.loading import text_sha256
 from specs.training import TrainingSpec
@@ -513,7 +513,11 @@ def export_plan(
     there), with per-node torchrun commands. `context_for(training)`: the plan's costs for another training; given,
     an engine that trains in another dtype (fp16 -> fp32, FP8 -> bf16) has its plan chosen and predicted in that
     dtype (else in the plan's, and its lost line says so)."""
-    engine = get_engine(fmt, "--format")
+    expect_argument(ctx, CostContext, "export_plan()", "ctx", "a CostContext: a Plan's .context, or build_context()")
+    expect_argument(strategy, Strategy, "export_plan()", "strategy", "a Strategy (a loaded plan's or a Plan's "
+                    ".strategy)")  # fmt: skip
+    expect_argument(fmt, str, "export_plan()", "fmt", "an engine name (specs.engine_catalog())")
+    engine = get_engine(fmt, "export_plan()", "fmt")
     writer = WRITERS.get(engine.key)
     if writer is None:
         raise SpecError("--format", "", f"{engine.key} is in the engine registry but has no exporter yet")

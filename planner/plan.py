@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from predictor.calibration import Interval
 from predictor.cost_model import CostContext, Evaluation
-from specs.errors import SpecError
+from specs.errors import SpecError, expect_argument
 from specs.layout import PipelineFile, PipelineStrategy, Strategy, pipelines_from_files, without_figures
 from specs.loading import PLAN_FILE, StrictBool, StrictInt, file_kind, read_mapping, validate
 from specs.model import ModelSpec, Recompute
@@ -491,6 +491,7 @@ def _first_difference(name: str, written: list[Any], value: list[Any]) -> tuple[
 
 def load_plan(path: str | Path) -> LoadedPlan:
     """Read any plan in the plan schema back into a strategy, model and training spec."""
+    expect_argument(path, (str, Path), "load_plan()", "path", "a path of a plan JSON file (`hetplan plan --out`)")
     path = Path(path)
     source = str(path)
     data = read_mapping(path)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from planner.engine_space import engine_search, engine_training, engine_zero_stage
 from planner.options import DEFAULT_OPTIONS, ProgressCallback, SearchOptions
@@ -24,7 +25,7 @@ from predictor.predictor import Predictor, default_predictor
 from profiler.profile import DeviceProfile
 from specs.cluster import ClusterSpec
 from specs.engines import Engine, get_engine
-from specs.errors import DoesNotFitError, SpecError
+from specs.errors import DoesNotFitError, SpecError, expect_argument
 from specs.layout import ZERO_SHARDS, ZERO_STAGES, Strategy, split_batch, whole_number
 from specs.model import ModelSpec
 from specs.training import TrainingSpec, on_groups
@@ -73,7 +74,7 @@ def plan(
     _check_plan_arguments(cluster, model, training, engine, top_k, max_candidates, zero_stages, zero_shards)
     top_k, max_candidates = int(top_k), int(max_candidates)  # (numpy's integers as Python's: plans serialise them)
     zero_stages, zero_shards = [int(stage) for stage in zero_stages], [str(shard) for shard in zero_shards]
-    predictor = predictor or default_predictor()
+    profiles, predictor = _measured_costs(cluster, model, profiles, predictor)
     requested = training
     trainings, training_note, engine_changes = _trainings_to_search(training, cluster, engine)
     started = time.perf_counter()
@@ -327,8 +328,7 @@ def _check_plan_arguments(
         ("training", training, TrainingSpec, "a TrainingSpec: specs.load_training(path or None, overrides)"),
     )
     for field, value, kind, what in expected:
-        if not isinstance(value, kind):
-            raise SpecError("plan()", field, f"expected {what}, got {type(value).__name__} {value!r:.60}")
+        expect_argument(value, kind, "plan()", field, what)
     if engine is not None and not isinstance(engine, Engine):
         raise SpecError("plan()", "engine", f"expected an engine name or specs.get_engine(name), got {engine!r:.60}")
     for field, value in (("top_k", top_k), ("max_candidates", max_candidates)):
@@ -340,6 +340,28 @@ def _check_plan_arguments(
     for shard in zero_shards:
         if shard not in ZERO_SHARDS:
             raise SpecError("plan()", "zero_shards", f"expected some of {', '.join(ZERO_SHARDS)}, got {shard!r}")
+
+
+def _measured_costs(
+    cluster: ClusterSpec, model: ModelSpec, profiles: object, predictor: object
+) -> tuple[Mapping[str, DeviceProfile] | None, Predictor]:
+    """plan()'s profiles and predictor as loaded: a directory of profiles and a predictor file are read as `hetplan
+    plan --profiles DIR --predictor FILE` reads them; anything else but the loaded kinds is named in one line."""
+    from predictor.predictor import load_predictor
+    from profiler.profiles import load_profiles
+
+    if isinstance(profiles, (str, Path)):
+        profiles = load_profiles(Path(profiles), model, {group.device.key for group in cluster.groups})
+    if profiles is not None and not (
+        isinstance(profiles, Mapping) and all(isinstance(p, DeviceProfile) for p in profiles.values())
+    ):
+        taken = "a directory of profile files, or profiler.profiles.load_profiles(DIR, model) (key -> DeviceProfile)"
+        expect_argument(profiles, (), "plan()", "profiles", taken)
+    if isinstance(predictor, (str, Path)):
+        predictor = load_predictor(Path(predictor))
+    if predictor is not None:
+        expect_argument(predictor, Predictor, "plan()", "predictor", "a predictor file, or load_predictor(path)")
+    return profiles, predictor or default_predictor()  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)
@@ -454,6 +476,10 @@ def _least(a: float | None, b: float | None) -> float | None:
 
 def predict(ctx: CostContext, strategy: Strategy, source: str = "strategy") -> Evaluation:
     """Evaluate a given strategy without searching (what-if)."""
+    expect_argument(ctx, CostContext, "predict()", "ctx", "a CostContext: planner.build_context(cluster, model, "
+                    "training), or a Plan's .context")  # fmt: skip
+    taken = "a Strategy (a loaded plan's or a Plan's .strategy)"
+    expect_argument(strategy, Strategy, "predict()", "strategy", taken)
     ctx.check_strategy(strategy, source)
     return evaluate(ctx, strategy)
 

@@ -13,7 +13,7 @@ from predictor.context_parallel import ContextParallelCosts
 from profiler.profile import DeviceProfile, HostCosts, LayerCostSource, ScaledLayerCosts
 from profiler.simulated import SimulatedDevice
 from specs.cluster import ClusterSpec, DeviceGroup
-from specs.errors import SpecError
+from specs.errors import SpecError, expect_argument
 from specs.layout import Strategy, check_strategy
 from specs.model import ModelSpec
 from specs.training import TrainingSpec, splits_for_context_parallel
@@ -211,6 +211,10 @@ def build_context(
     seed: int = 0,
 ) -> CostContext:
     """Use a measured profile for each device type that has one (by device key), simulated ones elsewhere."""
+    expect_argument(cluster, ClusterSpec, "build_context()", "cluster", "a ClusterSpec: specs.load_cluster(path)")
+    expect_argument(model, ModelSpec, "build_context()", "model", "a ModelSpec: specs.load_model(name or path)")
+    taken = "a TrainingSpec: specs.load_training(path or None, overrides)"
+    expect_argument(training, TrainingSpec, "build_context()", "training", taken)
     seq_length = training.seq_length or model.seq_length
     if model.learned_positions and seq_length > model.seq_length:  # the run would fail at its first step
         raise SpecError(

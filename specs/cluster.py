@@ -10,7 +10,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from specs.device import DeviceSpec, get_device
-from specs.errors import SpecError
+from specs.errors import SpecError, expect_argument
 from specs.loading import CLUSTER_FILE, StrictFloat, StrictInt, check_file_kind, read_mapping, validate
 from specs.units import gbps_to_bytes_per_s
 
@@ -247,6 +247,8 @@ def load_cluster(path: str | Path | Mapping[str, Any]) -> ClusterSpec:
     if isinstance(path, Mapping):
         data, source = dict(path), "cluster mapping"
     else:
+        taken = "a path of a cluster YAML/JSON file, or its mapping"
+        expect_argument(path, (str, Path), "load_cluster()", "path", taken)
         data, source = read_mapping(Path(path)), str(path)
     check_file_kind(data, source, f"{CLUSTER_FILE} (name, groups, network)", (CLUSTER_FILE,))
     return resolve_cluster(validate(ClusterFile, data, source), source)

@@ -62,6 +62,13 @@ class SpecError(HetplanError):
         super().__init__(f"{where}: {expectation}")
 
 
+def expect_argument(value: object, kinds: type | tuple[type, ...], function: str, argument: str, what: str) -> None:
+    """A Python API argument of one of `kinds`, else a one-line SpecError naming the function, the argument and `what`
+    it takes (a path where a loaded spec is expected failed deep inside with an AttributeError)."""
+    if not isinstance(value, kinds):
+        raise SpecError(function, argument, f"expected {what}, got {type(value).__name__} {value!r:.60}")
+
+
 class DoesNotFitError(HetplanError):
     """No strategy fits device memory; carries the smallest shortfall found."""
 

@@ -16,7 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from specs.catalog import Catalog, load_catalog
-from specs.errors import SpecError
+from specs.errors import SpecError, expect_argument
 from specs.loading import HF_CONFIG, MODEL_FILE, check_file_kind, file_kind, quote, read_mapping, validate
 
 Recompute = Literal["none", "selective", "full"]
@@ -238,6 +238,8 @@ def load_model(
     `field` (the CLI's flag, a run record's field)."""
     if isinstance(name_or_path, Mapping):
         return _model_from_mapping(dict(name_or_path), "model mapping", "model")
+    taken = "a catalog name, a path of a model YAML/JSON or config.json, or its mapping"
+    expect_argument(name_or_path, (str, Path), source, field or "name_or_path", taken)
     found = _models().find(str(name_or_path))
     if found is not None:
         return found

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from specs.errors import SpecError
+from specs.errors import SpecError, expect_argument
 from specs.loading import TRAINING_FILE, StrictFloat, StrictInt, check_file_kind, read_mapping, validate
 from specs.model import RECOMPUTE_MODES, Recompute
 
@@ -198,9 +198,14 @@ def load_training(
     if isinstance(path, Mapping):
         data, source = dict(path), "training mapping"
     else:
+        if path is not None:
+            taken = "a path of a training YAML/JSON file, its mapping, or None"
+            expect_argument(path, (str, Path), "load_training()", "path", taken)
         data = read_mapping(Path(path)) if path is not None else {}
         source = str(path) if path is not None else "training flags"
     check_file_kind(data, source, f"{TRAINING_FILE} (global_batch_size, dtype, ...)", (TRAINING_FILE,))
+    if overrides is not None:
+        expect_argument(overrides, Mapping, "load_training()", "overrides", "a mapping of training fields to values")
     for field, value in (overrides or {}).items():
         if value is not None:
             data[field] = value

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from types import SimpleNamespace
 
 import pytest
 
@@ -14,7 +15,7 @@ from predictor.cost_model import decoder_layer_time_s, evaluate
 from specs import DoesNotFitError, load_cluster, load_model, load_training
 from specs.cluster import ClusterSpec
 from specs.errors import SpecError
-from tests.conftest import EXAMPLES, ONE_T4_NODE
+from tests.conftest import EXAMPLES, ONE_T4_NODE, ROOT
 
 
 @pytest.fixture(scope="module")
@@ -471,6 +472,11 @@ def test_python_plan_trains_on_the_clusters_devices_as_the_cli_does():
             "plan(): cluster: expected a ClusterSpec: specs.load_cluster(path), got str",
         ),
         ({"training": None}, "plan(): training: expected a TrainingSpec: specs.load_training(path or None, overrides)"),
+        # read as mappings and predictors deep inside ('str' object has no attribute 'get' / 'base_context')
+        ({"profiles": ["cpu.json"]}, "plan(): profiles: expected a directory of profile files, or profiler.profiles"),
+        ({"profiles": {"cpu": "cpu.json"}}, "plan(): profiles: expected a directory of profile files, or profil"),
+        ({"profiles": "no-such-dir"}, "no-such-dir"),
+        ({"predictor": 3}, "plan(): predictor: expected a predictor file, or load_predictor(path), got int 3"),
     ],
 )
 def test_python_plan_names_an_argument_it_cannot_take(arguments, expected):
@@ -484,6 +490,68 @@ def test_python_plan_names_an_argument_it_cannot_take(arguments, expected):
     with pytest.raises(SpecError) as caught:
         plan(**given)
     assert str(caught.value).startswith(expected) and "\n" not in str(caught.value)
+
+
+def test_python_plan_reads_a_profiles_directory_and_a_predictor_file_as_the_cli_does(tmp_path):
+    """plan(profiles="prof") and plan(predictor="p.joblib") failed deep inside; they are what `hetplan plan --profiles
+    DIR --predictor FILE` takes, so they are read the same way (the plan records the files)."""
+    from predictor.predictor import default_predictor, save_predictor
+
+    (tmp_path / "prof").mkdir()
+    (tmp_path / "prof" / "cpu.json").write_text(
+        (ROOT / "bench" / "results" / "profile-cpu-tiny-llama.json").read_text()
+    )
+    save_predictor(default_predictor(), tmp_path / "p.joblib")
+    cluster, model = load_cluster(EXAMPLES / "cpu-2x2.yaml"), load_model(str(EXAMPLES / "models" / "tiny-llama.yaml"))
+    training = load_training(overrides={"global_batch_size": 8, "seq_length": 256})
+    made = plan(cluster, model, training, profiles=tmp_path / "prof", predictor=str(tmp_path / "p.joblib"))
+    recorded = made.context.cost_source
+    assert [entry["device"] for entry in recorded["profiles"]] == ["cpu"]
+    assert recorded["predictor"]["kind"] == "file" and recorded["predictor"]["path"] == str(tmp_path / "p.joblib")
+
+
+@pytest.mark.parametrize(
+    ("call", "expected"),
+    [
+        (lambda: load_cluster(5), "load_cluster(): path: expected a path of a cluster YAML/JSON file, or its mapping"),
+        (lambda: load_model(3), "load_model(): name_or_path: expected a catalog name, a path of a model YAML/JSON"),
+        (lambda: load_training(overrides=[1]), "load_training(): overrides: expected a mapping of training fields"),
+        (lambda: load_training(7), "load_training(): path: expected a path of a training YAML/JSON file"),
+        (lambda: _api("predict", None, "strategy"), "predict(): ctx: expected a CostContext"),
+        (lambda: _api("predict", "ctx", "loaded"), "predict(): strategy: expected a Strategy (a loaded plan's or a"),
+        (lambda: _api("build_context", "examples/cpu-2x2.yaml"), "build_context(): cluster: expected a ClusterSpec"),
+        (lambda: _api("export_plan", "ctx", "strategy", None), "export_plan(): fmt: expected an engine name"),
+        (lambda: _api("export_plan", "ctx", "strategy", "megatorn"), "export_plan(): fmt: unknown engine 'megatorn'"),
+        (lambda: _api("fit_predictor", "prof"), "fit_predictor(): profile_paths: expected a list of files"),
+        (lambda: _api("load_plan", None), "load_plan(): path: expected a path of a plan JSON file"),
+    ],
+)
+def test_the_python_api_names_an_argument_it_cannot_take(call, expected):
+    """Each was a traceback from deep inside: 'LoadedPlan' object has no attribute 'recompute', 'str' object has no
+    attribute 'groups', 'NoneType' object has no attribute 'strip', pathlib's TypeError, a path read letter by letter
+    ('.: expected a file, got a directory'), and `--format: unknown engine` from Python."""
+    with pytest.raises(SpecError) as caught:
+        call()
+    assert str(caught.value).startswith(expected) and "\n" not in str(caught.value)
+
+
+def _api(name: str, *arguments: object) -> object:
+    """Call a Python API function with placeholders filled in: "ctx" a context, "strategy" a plan's strategy,
+    "loaded" a LoadedPlan (the usual mistake: a loaded plan where its strategy is meant)."""
+    from planner import build_context, load_plan, predict
+    from planner.export import export_plan
+    from predictor.predictor import fit_predictor
+
+    cluster, model = load_cluster(EXAMPLES / "cpu-2x2.yaml"), load_model(str(EXAMPLES / "models" / "tiny-llama.yaml"))
+    made = plan(cluster, model, load_training(overrides={"global_batch_size": 8}))
+    loaded = SimpleNamespace(strategy=made.strategy)  # stands for a LoadedPlan: anything but a Strategy
+    fill = {"ctx": made.context, "strategy": made.strategy, "loaded": loaded}
+    given = [fill.get(a, a) if isinstance(a, str) else a for a in arguments]
+    functions = {"predict": predict, "build_context": build_context, "export_plan": export_plan,
+                 "fit_predictor": fit_predictor, "load_plan": load_plan}  # fmt: skip
+    if name == "build_context":
+        return build_context(given[0], model, made.context.training)
+    return functions[name](*given)
 
 
 def test_python_plan_takes_an_engine_by_name():
