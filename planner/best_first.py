@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import itertools
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -222,8 +223,8 @@ class _Queue:
 class BatchSource:
     """The batches of one group subset, replica count and micro-batch (every recompute mode and interleaving depth),
     not built until the search reaches `least_s`: a bound on every row's bound_s in them (not on their root bounds:
-    a plan with a recompute mode per stage may hide more DP sync), so the search builds only the batches that can
-    hold a candidate beating its incumbent."""
+    a plan with a recompute mode per stage may hide more DP sync; `least_root_s` bounds those), so the search builds
+    only the batches that can hold a candidate beating its incumbent."""
 
     rows: SubsetRows
     replica_rows: ReplicaRows
@@ -231,6 +232,7 @@ class BatchSource:
     microbatches: int
     least_s: float
     candidates: int  # rows times their pipeline orders, over the batches (SearchResult.configurations)
+    least_root_s: float = 0.0  # a bound on the root bounds of its fastest mode's rows (SubsetRows.least_bounds_s)
     groups_of_stages: bool = False  # SearchOptions.interleaving_groups_of_stages
 
     def build(self, memory_bounds: bool) -> list[TpRowBatch]:
@@ -268,7 +270,7 @@ def tp_row_sources(
         orders = len(group_orders(subset))
         replica_rows = list(source.replica_rows(ctx, options, memory_bounds))
         found: list[tuple[int, int, int, int]] = []  # (replica rows, micro-batch, micro-batches, position)
-        least: dict[int, np.ndarray] = {}
+        least: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # per micro-batch: (bounds, root bounds)
         for b in training.micro_batch_sizes:
             splits = [
                 (i, split_batch(training.global_batch_size, rows.replicas, b)) for i, rows in enumerate(replica_rows)
@@ -283,9 +285,10 @@ def tp_row_sources(
         for i, b, q, position in found:
             rows = replica_rows[i]
             # a hair below: the vectorised bound may round above the batch's own
-            least_s = float(least[b][position]) * (1 - 1e-9)
+            least_s, least_root_s = (float(bounds[position]) * (1 - 1e-9) for bounds in least[b])
             count = _candidate_count(ctx, rows, orders)
-            sources.append(BatchSource(source, rows, b, q, least_s, count, options.interleaving_groups_of_stages))
+            groups_of_stages = options.interleaving_groups_of_stages
+            sources.append(BatchSource(source, rows, b, q, least_s, count, least_root_s, groups_of_stages))
     return sources
 
 
@@ -310,11 +313,13 @@ def outer_configs(
     memory_bounds: bool = True,
     subsets: Sequence[tuple[DeviceGroup, ...]] | None = None,
     pruning: Pruning | None = None,
+    sources: list[BatchSource] | None = None,
 ) -> Iterator[OuterConfig]:
     """Every candidate (all pipeline orders that may fit) on the given group subsets (default: all), best bound
     first. `counter`, when given, receives the number of candidates (rows that pass the memory lower bound, times
-    their pipeline orders)."""
-    sources = tp_row_sources(ctx, options, memory_bounds, subsets)
+    their pipeline orders). `sources`: tp_row_sources of these subsets, when the caller has them."""
+    if sources is None:
+        sources = tp_row_sources(ctx, options, memory_bounds, subsets)
     if counter is not None:
         counter.append(sum(source.candidates for source in sources))
     if sources:
@@ -322,27 +327,29 @@ def outer_configs(
 
 
 def per_stage_configs(
-    ctx: CostContext,
-    options: SearchOptions,
-    pruning: Pruning,
-    subsets: Sequence[tuple[DeviceGroup, ...]] | None = None,
+    ctx: CostContext, options: SearchOptions, pruning: Pruning, sources: Sequence[BatchSource]
 ) -> Iterator[list[OuterConfig]]:
     """Shapes whose stages each pick their recompute mode (recompute PER_STAGE), best bound first while it can beat
     `pruning.limit_s`, each as its candidates: the pipeline orders that can hold the model, least bottleneck first
     (at most options.per_stage_orders). The bound holds for such plans (the fastest mode's TpRowBatch.root_s,
     tightened by whole layers and then by the memory a per-stage plan needs), so the shapes include those whose
     every uniform plan the scan's per-mode bounds put past the incumbent (no single mode both fits and wins). Stops
-    after options.per_stage_tightenings bounds tightened."""
+    after options.per_stage_tightenings bounds tightened. `sources`: the scan's (a source is built when the heap
+    reaches its least root bound)."""
     fastest = min(ctx.training.recompute, key=RECOMPUTE_MODES.index)  # recompute never makes a layer faster
+    unbuilt = [(source.least_root_s, index) for index, source in enumerate(sources)]
+    heapq.heapify(unbuilt)
     heap: list[tuple[float, int, int, RowBound]] = []  # (bound, times tightened, arrival, row)
-    for source in tp_row_sources(ctx, options, True, subsets):  # every one: BatchSource.least_s bounds no root
-        for batch in source.build(True):
-            if batch.recompute == fastest:
-                for row in np.flatnonzero(batch.root_s < pruning.limit_s).tolist():
-                    heap.append((float(batch.root_s[row]), 0, len(heap), RowBound(batch, row)))
-    heapq.heapify(heap)
+    arrivals = itertools.count()
     tightenings = 0
-    while heap and heap[0][0] < pruning.limit_s:
+    while True:
+        while unbuilt and unbuilt[0][0] < pruning.limit_s and (not heap or unbuilt[0][0] <= heap[0][0]):
+            for batch in sources[heapq.heappop(unbuilt)[1]].build(True):
+                if batch.recompute == fastest:
+                    for row in np.flatnonzero(batch.root_s < pruning.limit_s).tolist():
+                        heapq.heappush(heap, (float(batch.root_s[row]), 0, next(arrivals), RowBound(batch, row)))
+        if not heap or heap[0][0] >= pruning.limit_s:
+            return
         bound, tightened, arrival, row_bound = heapq.heappop(heap)
         if tightened < 2:
             if tightenings == options.per_stage_tightenings:

@@ -34,7 +34,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from planner.best_first import Pruning, outer_configs, per_stage_configs
+from planner.best_first import BatchSource, Pruning, outer_configs, per_stage_configs, tp_row_sources
 from planner.candidates import (
     PER_STAGE,
     OuterConfig,
@@ -183,7 +183,7 @@ class _Search:
         # (None: no such subset could beat the incumbent), the least bound left among them (inf: searched to the end)
         self.idle_candidates: int | None = None
         self.idle_bound_s = math.inf
-        self.subsets: list[tuple[DeviceGroup, ...]] = []  # the group subsets scanned (the others cannot beat the plan)
+        self.sources: list[BatchSource] = []  # of the group subsets scanned (the others cannot beat the plan)
 
     def run(self) -> SearchResult:
         """The scans, then the refinement steps and the family search, then the closest misfit if nothing fits."""
@@ -242,14 +242,12 @@ class _Search:
         over the candidates generated and the work bounds of the subsets skipped."""
         groups = tuple(self.ctx.cluster.groups)
         self.scan([groups])
-        self.subsets = [groups]
         root_bound_s = math.inf
         if not self.options.every_group:
             smaller = group_subsets(groups, range(1, len(groups)))
             incumbent_s = self.best.kth_s(self.options.gap)
             bounds = {s: work_bound_s(self.ctx, s) for s in smaller}
             idle = [s for s in smaller if bounds[s] < incumbent_s]
-            self.subsets += idle
             if idle:  # with a budget of their own, whether or not the scan over every group used up its
                 every_group_s, self.stopped_s, before = self.stopped_s, math.inf, self.evaluated
                 self.scan(idle, before + self.options.max_candidates)
@@ -264,7 +262,9 @@ class _Search:
         default options.max_candidates)."""
         ctx, gap = self.ctx, self.options.gap
         budget = self.options.max_candidates if budget is None else budget
-        configs = outer_configs(ctx, self.options, self.candidates, subsets=subsets, pruning=self.pruning)
+        sources = tp_row_sources(ctx, self.options, True, subsets)
+        self.sources += sources  # the per-stage step's too
+        configs = outer_configs(ctx, self.options, self.candidates, pruning=self.pruning, sources=sources)
         for index, config in enumerate(configs, self.scanned):
             if self.evaluated >= budget:
                 self.stopped_s = min(self.stopped_s, config.order_bound_s)  # best first: no candidate left is below
@@ -356,7 +356,7 @@ class _Search:
             if self.solve(key, min(uniform_objective[key], self.best.kth_s()), order) is not None:
                 refined += 1
         pruning = Pruning(self.best.kth_s())
-        shapes = per_stage_configs(self.ctx, self.options, pruning, self.subsets)
+        shapes = per_stage_configs(self.ctx, self.options, pruning, self.sources)
         for candidates in itertools.islice(shapes, self.options.per_stage_candidates):
             for config in candidates:
                 key = _per_stage_key(config)

@@ -45,7 +45,7 @@ from predictor.cost_model import (
     usable_memory_bytes,
 )
 from specs.cluster import DeviceGroup
-from specs.model import Recompute
+from specs.model import RECOMPUTE_MODES, Recompute
 
 WHOLE_LAYER_ROWS = 50_000  # rows of a subset and micro-batch whose sources wait with their whole-layer bound
 
@@ -270,12 +270,14 @@ class SubsetRows:
 
     def least_bounds_s(
         self, replica_rows: Sequence[ReplicaRows], b: int, microbatches: Sequence[int], whole_layer_steps: int
-    ) -> np.ndarray:
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Per replica count: the least bound of its rows at micro-batch b over recompute modes and interleaving
         depths (inf: none), as `batches` computes them but vectorised over the replica counts, so the search can
         build a count's batches only when its rows' candidates can come up; tightened as RowBound tightens a row
         when it comes up (the key its candidates wait with) by a whole-layer bisection of `whole_layer_steps`
-        (0: not tightened)."""
+        (0: not tightened). Second, the same for their root bounds (TpRowBatch.root_s, RowBound.root_s), which hold
+        for plans with a recompute mode per stage: the fastest mode's bound without the fullest stage's DP tail (such
+        a plan may hide more of it)."""
         ctx = self.costs.ctx
         modes, num_layers, columns = list(ctx.training.recompute), ctx.model.num_layers, self.columns
         sizes = [len(rows.tps) for rows in replica_rows]
@@ -287,7 +289,8 @@ class SubsetRows:
         stages = row_sum(counts)
         boundaries_s = self._boundaries_s(b, tps, counts)
         fullest = (-(-num_layers // stages))[:, None]
-        least = np.full(len(replica_rows), np.inf)
+        least, least_root = np.full(len(replica_rows), np.inf), np.full(len(replica_rows), np.inf)
+        fastest = min(modes, key=RECOMPUTE_MODES.index)
         # the tables' entries of every row as one flat gather (np.take): 3x faster than t[columns, positions]
         flat = columns * self.tables(b, modes[0])[0].shape[1] + positions
         starts = np.cumsum([0, *sizes])
@@ -299,7 +302,8 @@ class SubsetRows:
                     for rows, start, end in zip(replica_rows, starts[:-1], starts[1:])
                 ]
             )
-            tail_s = row_min(fullest * rates) + ctx.terms.iteration_overhead_s
+            tail_no_overhead = row_min(fullest * rates)
+            tail_s = tail_no_overhead + ctx.terms.iteration_overhead_s
             pipeline = PipelineBound.of(num_layers, a, e_first, e_last, counts)
             whole = np.zeros(len(counts))
             # past WHOLE_LAYER_ROWS rows the bisection costs more than it saves
@@ -311,7 +315,9 @@ class SubsetRows:
                     bound, bottleneck = found
                     raised = np.maximum(0.0, whole - bottleneck) * (m - 1 / virtual)
                     np.minimum.at(least, owner, bound + raised)
-        return least
+                    if rc == fastest:
+                        np.minimum.at(least_root, owner, bound + raised - tail_no_overhead)
+        return least, least_root
 
     def batches(
         self, rows: ReplicaRows, b: int, microbatches: int, memory_bounds: bool, groups_of_stages: bool = False
