@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from planner.engine_space import Closest, closest, engine_dtype
-from planner.plan import describe_strategy, evaluation_dict, header_dict, layout_changes
+from planner.plan import evaluation_dict, header_dict, layout_changes
 from predictor.cost_model import CostContext, evaluate, interleaved_group_size
 from predictor.sharding import shard_ranks
 from specs.cluster import ClusterSpec
@@ -498,8 +498,10 @@ def _engine_plan_note(ctx: CostContext, strategy: Strategy, found: Closest) -> s
             f"it is faster ({exported_s:.3f} s) than the plan with only those parts replaced "
             f"({evaluate(ctx, found.near).iteration_time_s:.3f} s; --keep-layout exports that one)"
         )
-    changes = layout_changes(strategy, found.strategy) or [f"now {describe_strategy(found.strategy)}"]
-    return f"the files describe the engine's best plan, not the plan's layout: {why}; it changes " + "; ".join(changes)
+    # the exported plan is shown whole beside the note (`exported:`, export.json): not again here
+    changes = [change for change in layout_changes(strategy, found.strategy) if not change.startswith("now ")]
+    said = f"the files describe the engine's best plan, not the plan's layout: {why}"
+    return said + ("; it changes " + "; ".join(changes) if changes else "")
 
 
 def export_plan(

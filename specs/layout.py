@@ -408,8 +408,14 @@ def _check_pipeline(
     if not pipeline.stages:
         raise SpecError(source, f"{where_pipeline}.stages", "expected at least one stage")
     expected_start = 0
+    names = [g.name for g in cluster.groups]
     for index, stage in enumerate(pipeline.stages):
         where = f"{where_pipeline}.stages[{index}]"
+        if stage.group not in names:  # the strategy's field (cluster.group names the cluster file)
+            raise SpecError(
+                source, f"{where}.group", f"expected a group of cluster {cluster.name!r} ({', '.join(names)}), got "
+                f"{stage.group!r}"
+            )  # fmt: skip
         group = cluster.group(stage.group)
         if stage.layer_start != expected_start or stage.layer_end <= stage.layer_start:
             raise SpecError(

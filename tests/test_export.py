@@ -188,6 +188,19 @@ def test_a_flag_set_on_an_engine_keeps_that_part_of_the_plan(mixed):
     assert (found.strategy, found.lost, found.near) == (strategy, [], strategy)
 
 
+def test_a_plan_of_two_families_exported_is_shown_once():
+    """The hethub-768 demo's plan (two families) exported to Megatron: the files describe the engine's own best plan,
+    which `exported:` shows; the note repeated it whole ("...; it changes pipeline families 2 -> 1; now dp 16 x
+    [...]")."""
+    cluster, model = load_cluster(EXAMPLES / "hethub-768.yaml"), load_model("llama-140b")
+    made = plan(cluster, model, load_training(EXAMPLES / "training" / "hethub-140b.yaml"))
+    assert len(made.strategy.pipelines) == 2
+    exported = export_plan(made.context, made.strategy, "megatron")
+    [note] = [note for note in exported.notes if "engine's best plan" in note]
+    assert note.endswith("; it changes pipeline families 2 -> 1")
+    assert describe_strategy(exported.strategy) not in " ".join(exported.notes)
+
+
 def test_an_engines_own_best_plan_in_place_of_the_plan_is_named_with_all_it_changes(mixed):
     """Megatron cannot run the mixed plan's per-stage TP and uneven batch; its own best plan (a100 alone, TP 1) is
     faster than the plan with those two parts replaced, so the files describe that one: the note says so and lists
