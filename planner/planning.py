@@ -25,7 +25,7 @@ from predictor.predictor import Predictor, default_predictor
 from profiler.profile import DeviceProfile
 from specs.cluster import ClusterSpec
 from specs.engines import Engine, get_engine
-from specs.errors import DoesNotFitError, SpecError, expect_argument
+from specs.errors import DoesNotFitError, SpecError, expect_argument, wrong_argument
 from specs.layout import ZERO_SHARDS, ZERO_STAGES, Strategy, split_batch, whole_number
 from specs.model import ModelSpec
 from specs.training import TrainingSpec, on_groups
@@ -356,7 +356,7 @@ def _measured_costs(
         isinstance(profiles, Mapping) and all(isinstance(p, DeviceProfile) for p in profiles.values())
     ):
         taken = "a directory of profile files, or profiler.profiles.load_profiles(DIR, model) (key -> DeviceProfile)"
-        expect_argument(profiles, (), "plan()", "profiles", taken)
+        raise wrong_argument(profiles, "plan()", "profiles", taken)
     if isinstance(predictor, (str, Path)):
         predictor = load_predictor(Path(predictor))
     if predictor is not None:

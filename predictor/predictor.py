@@ -29,7 +29,7 @@ from predictor.host import local_run_context
 from predictor.runs import Run, fingerprint, load_runs
 from profiler.profile import DeviceProfile, HostCosts, load_profile
 from specs.cluster import ClusterSpec
-from specs.errors import SpecError, expect_argument
+from specs.errors import SpecError, wrong_argument
 from specs.layout import Strategy
 from specs.loading import file_sha256
 from specs.model import ModelSpec
@@ -213,8 +213,8 @@ def fit_predictor(
 
     for argument, given in (("profile_paths", profile_paths), ("link_paths", link_paths), ("run_paths", run_paths)):
         if isinstance(given, (str, Path)):  # a string is a sequence: it was read letter by letter
-            expect_argument(given, (), "fit_predictor()", argument, "a list of files (a directory's profiles: "
-                            "profiler.profiles.checked_profile_files(DIR))")  # fmt: skip
+            taken = "a list of files (a directory's profiles: profiler.profiles.checked_profile_files(DIR))"
+            raise wrong_argument(given, "fit_predictor()", argument, taken)
     by_device: dict[str, list[DeviceProfile]] = {}
     for path in profile_paths:
         profile = load_profile(path)

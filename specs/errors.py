@@ -66,7 +66,12 @@ def expect_argument(value: object, kinds: type | tuple[type, ...], function: str
     """A Python API argument of one of `kinds`, else a one-line SpecError naming the function, the argument and `what`
     it takes (a path where a loaded spec is expected failed deep inside with an AttributeError)."""
     if not isinstance(value, kinds):
-        raise SpecError(function, argument, f"expected {what}, got {type(value).__name__} {value!r:.60}")
+        raise wrong_argument(value, function, argument, what)
+
+
+def wrong_argument(value: object, function: str, argument: str, what: str) -> SpecError:
+    """The one-line error of expect_argument, for a check that is not of the value's type alone."""
+    return SpecError(function, argument, f"expected {what}, got {type(value).__name__} {value!r:.60}")
 
 
 class DoesNotFitError(HetplanError):
