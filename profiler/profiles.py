@@ -93,8 +93,11 @@ def is_link_profile(path: Path) -> bool:
 def profile_files(directory: Path) -> list[Path]:
     """The device profile files of a directory, at least one (a fit from an empty directory is a user error)."""
     paths = [path for path in _json_files(directory) if not is_link_profile(path)]
-    if not paths:
-        raise SpecError(str(directory), "", "no *.json profiles in this directory")
+    if not paths:  # a plan alone in it read as "no profiles" with no word of the file that is there
+        others = [f"{path.name} ({read_mapping(path)['schema']})" for path in sorted(directory.glob("*.json"))
+                  if _another_document(path)]  # fmt: skip
+        besides = f": {', '.join(others)} {'is' if len(others) == 1 else 'are'} not a profile" if others else ""
+        raise SpecError(str(directory), "", f"no *.json profiles in this directory{besides}")
     return paths
 
 

@@ -962,3 +962,14 @@ def test_an_output_never_replaces_a_file_the_command_reads(capsys, tmp_path, mon
     assert "is the file PLAN reads" in one_error(capsys, "launch", good, "-c", str(CPU), "--out", good)
     assert (profiles / "cpu.json").read_text() == measured and predictor.read_bytes() == b"a predictor"
     assert sorted(p.name for p in profiles.iterdir()) == ["cpu.json"]
+
+
+def test_a_profiles_directory_holding_only_a_plan_names_the_plan(capsys, tmp_path, monkeypatch, plans):
+    """`fit --profiles DIR` of a directory whose only .json is a plan said "no *.json profiles in this directory",
+    with no word of the file that is there (the project's other documents beside the profiles are skipped)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "prof").mkdir()
+    (tmp_path / "prof" / "my.plan.json").write_text(plans["good"].read_text())
+    said = one_error(capsys, "fit", "--profiles", "prof", "--out", "p.joblib", "-q")
+    assert said.endswith("prof: no *.json profiles in this directory: my.plan.json (hetplan.plan/1) is not a profile")
+    assert not (tmp_path / "p.joblib").exists()
