@@ -249,14 +249,11 @@ def engine_search(
     widths: list[int | None] = [None] if engine.per_stage_tp else [1]
     if engine.tensor_parallel and not engine.per_stage_tp:
         widths = sorted({t for group in ctx.cluster.groups for t in tp_options(restricted, group)})
-
-    def searched(within: CostContext) -> list[SearchResult]:
-        fixed = [
-            within.sources if tp is None else {k: _FixedTp(v, tp) for k, v in within.sources.items()} for tp in widths
-        ]
-        return [search(replace(within, sources=sources), options, progress, splitter) for sources in fixed]
-
-    return merge_results(searched(restricted), options.top_k, lambda e: not engine_lost(e.strategy, engine))
+    results: list[SearchResult] = []
+    for tp in widths:
+        sources = restricted.sources if tp is None else {k: _FixedTp(v, tp) for k, v in restricted.sources.items()}
+        results.append(search(replace(restricted, sources=sources), options, progress, splitter))
+    return merge_results(results, options.top_k, lambda e: not engine_lost(e.strategy, engine))
 
 
 def engine_plans(ctx: CostContext, engine: Engine) -> list[Strategy]:
