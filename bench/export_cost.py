@@ -44,6 +44,7 @@ CAPABILITIES = {
     "uneven_batch": "uneven batches",
     "interleaving": "interleaving",
     "per_stage_recompute": "per-stage recompute",
+    "recompute_modes": "recompute",
     "mixed_vendors": "mixed vendors",
     "tensor_parallel": "TP at all",
     "zero_stages": "ZeRO stages",

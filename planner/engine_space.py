@@ -19,7 +19,7 @@ from profiler.profile import LayerCostSource
 from specs.engines import Engine
 from specs.errors import SpecError
 from specs.layout import PipelineStrategy, Strategy, pack_stages, split_batch
-from specs.model import RECOMPUTE_MODES
+from specs.model import RECOMPUTE_MODES, Recompute
 from specs.training import TrainingSpec
 
 
@@ -103,8 +103,14 @@ def engine_lost(
     elif not engine.per_stage_tp and any(len({s.tp for s in p.stages}) > 1 for p in pipelines):
         tps = next(p for p in pipelines if len({s.tp for s in p.stages}) > 1)
         lost.append(f"per-stage TP ({', '.join(str(s.tp) for s in tps.stages)}) -> one TP degree")
-    if not engine.per_stage_recompute and len({strategy.stage_recompute(s) for s in stages}) > 1:
+    modes = {strategy.stage_recompute(s) for s in stages}
+    if not engine.per_stage_recompute and len(modes) > 1:
         lost.append(f"per-stage recompute ({strategy.recompute_summary}) -> one mode for all stages")
+    if unrun := [mode for mode in RECOMPUTE_MODES if mode in modes and mode not in engine.recompute_modes]:
+        lost.append(
+            f"{' and '.join(unrun)} recompute -> {' or '.join(engine.recompute_modes)}: {engine.key} runs only "
+            f"{', '.join(engine.recompute_modes)}"
+        )
     uneven = next((p for p in pipelines if p.uneven), None)
     if not engine.uneven_batch and uneven is not None:
         lost.append(
@@ -137,10 +143,20 @@ def engine_lost(
     return lost
 
 
+def engine_recompute(modes: tuple[Recompute, ...], engine: Engine) -> tuple[Recompute, ...]:
+    """The recompute modes the engine runs of those allowed; when it runs none of them, those of its modes that
+    save at least as much memory as the least the training allowed (selective alone -> full on DeepSpeed)."""
+    kept = tuple(mode for mode in modes if mode in engine.recompute_modes)
+    least = min(RECOMPUTE_MODES.index(mode) for mode in modes)
+    return kept or tuple(mode for mode in engine.recompute_modes if RECOMPUTE_MODES.index(mode) >= least)
+
+
 def _layout_update(training: TrainingSpec, engine: Engine) -> dict[str, object]:
     """The training's layout choices the engine cannot run, replaced: one family, even batches, plain 1F1B, the
-    ZeRO stage it has."""
+    ZeRO stage and the recompute modes it has."""
     update: dict[str, object] = {}
+    if (recompute := engine_recompute(training.recompute, engine)) != training.recompute:
+        update["recompute"] = recompute
     if not engine.pipeline_families and training.families != "off":
         update["families"] = "off"
     if not engine.uneven_batch and training.uneven_batch != "off":
@@ -166,6 +182,10 @@ def engine_training(training: TrainingSpec, engine: Engine) -> tuple[TrainingSpe
     if "zero_stage" in update:
         stage = engine_zero_stage(training.zero_stage, engine)
         changed.append(f"{_zero_words(training.zero_stage)} -> {_zero_words(stage)} ({engine.zero_note})")
+    if not set(training.recompute) & set(engine.recompute_modes):  # the user's choice, not the registry's
+        asked, runs = ", ".join(training.recompute), ", ".join(engine.recompute_modes)
+        chosen = ", ".join(engine_recompute(training.recompute, engine))
+        changed.append(f"recompute {asked} -> {chosen} ({engine.key} runs only {runs})")
     dtype = engine_dtype(training.dtype, engine)
     if dtype != training.dtype:
         update["dtype"] = dtype
@@ -214,8 +234,9 @@ def near_plans(ctx: CostContext, strategy: Strategy, engine: Engine) -> list[Str
     candidates = [replace(strategy, zero_stage=engine_zero_stage(strategy.zero_stage, engine), zero_shard=shard)]
     if not engine.interleaving and strategy.virtual_stages > 1:
         candidates = [replace(c, virtual_stages=1) for c in candidates]
-    if not engine.per_stage_recompute and len({strategy.stage_recompute(s) for s in pipeline.stages}) > 1:
-        candidates = [_one_recompute(c, mode) for c in candidates for mode in RECOMPUTE_MODES]
+    modes = {strategy.stage_recompute(s) for s in pipeline.stages}
+    if (not engine.per_stage_recompute and len(modes) > 1) or not modes <= set(engine.recompute_modes):
+        candidates = [_one_recompute(c, mode) for c in candidates for mode in engine.recompute_modes]
     widths = sorted({s.tp for s in pipeline.stages})
     if not engine.tensor_parallel:
         widths = [1]

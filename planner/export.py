@@ -222,10 +222,8 @@ def _deepspeed(ctx: CostContext, strategy: Strategy, plan: Strategy) -> tuple[di
     parts = [0] + [b + 1 for b in bounds[1:-1]] + [bounds[-1] + 2]  # + embedding first, + head last
     plan_tp = ", ".join(str(t) for t in sorted({s.tp for p in plan.pipelines for s in p.stages}))
     interval = 1 if strategy.recompute == "full" else 0  # DeepSpeed checkpoints whole layers, every N-th
-    recompute = {
+    recompute = {  # (selective is not DeepSpeed's: engine_space.closest replaced it)
         "none": "none (activation_checkpoint_interval 0).",
-        "selective": "selective, which DeepSpeed's pipeline engine leaves to the layers (Megatron-DeepSpeed's\n"
-        "--recompute-granularity selective): activation_checkpoint_interval stays 0.",
         "full": "full: every layer is checkpointed (activation_checkpoint_interval 1), as predicted.",
     }[strategy.recompute]
     module = f'''"""PipelineModule with hetplan's stage boundaries (DeepSpeed's partition_method has no explicit list).

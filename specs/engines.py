@@ -6,6 +6,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, model_validator
 
 from specs.catalog import Catalog, load_catalog
+from specs.model import RECOMPUTE_MODES, Recompute
 from specs.training import TRAINING_ENGINES
 
 
@@ -34,6 +35,8 @@ class Engine(BaseModel):
     # interleaves micro-batches in groups of at least the pipeline's stages, so refuses fewer (Megatron); PyTorch's
     # interleaved schedules run them
     interleaving_groups_of_stages: bool = False
+    # the recompute modes it can run (DeepSpeed's pipeline engine checkpoints whole layers or none: no selective)
+    recompute_modes: tuple[Recompute, ...] = RECOMPUTE_MODES
 
     @model_validator(mode="after")
     def _consistent(self) -> Engine:
@@ -41,6 +44,8 @@ class Engine(BaseModel):
             raise ValueError("per_stage_tp needs tensor_parallel")
         if not self.zero_stages or not set(self.zero_stages) <= {0, 1, 2, 3}:
             raise ValueError("zero_stages: one or more of 0, 1, 2, 3")
+        if not self.recompute_modes or "none" not in self.recompute_modes:
+            raise ValueError("recompute_modes: none and any of selective, full")
         if self.kernels not in ("", *TRAINING_ENGINES):
             raise ValueError(f"kernels: one of {', '.join(TRAINING_ENGINES)}, or empty for the training's own")
         return self

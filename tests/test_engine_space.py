@@ -4,6 +4,7 @@ nothing and is at least as fast as the closest export of the free plan; ZeRO sta
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import tomllib
@@ -13,6 +14,7 @@ from planner.engine_space import engine_lost, engine_training, engine_zero_stage
 from planner.export import export_plan
 from planner.plan import load_plan
 from specs import get_engine, load_cluster, load_model, load_training
+from specs.layout import PipelineStrategy, StageStrategy, Strategy
 from tests.conftest import EXAMPLES, hetplan
 
 
@@ -104,6 +106,23 @@ def test_fp8_stays_where_the_engine_has_it_and_becomes_bf16_where_not():
     assert engine_training(fp8, get_engine("megatron"))[0].dtype == "fp8"
     training, changed = engine_training(fp8, get_engine("deepspeed"))
     assert training.dtype == "bf16" and any("FP8 -> bf16" in line for line in changed)
+
+
+def test_deepspeed_plans_only_the_recompute_modes_it_runs_and_names_the_one_it_lost():
+    """DeepSpeed's pipeline engine checkpoints whole layers or none: a plan for it never recomputes selectively (its
+    memory would be predicted for a recompute the export cannot switch on), and one that does names the loss."""
+    deepspeed, megatron = get_engine("deepspeed"), get_engine("megatron")
+    training, changed = engine_training(load_training(), deepspeed)
+    assert training.recompute == ("none", "full") and not any("recompute" in line for line in changed)
+    assert engine_training(load_training(), megatron)[0].recompute == ("none", "selective", "full")
+    training, changed = engine_training(load_training(overrides={"recompute": ["selective"]}), deepspeed)
+    assert training.recompute == ("full",)  # saves at least as much memory as asked
+    assert changed[0] == "recompute selective -> full (deepspeed runs only none, full)"
+    stage = StageStrategy("g", 0, 8, 1, 0)
+    selective = Strategy((PipelineStrategy(1, 1, 4, (stage,)),), "selective", 1)
+    assert engine_lost(selective, deepspeed) == ["selective recompute -> none or full: deepspeed runs only none, full"]
+    assert engine_lost(selective, megatron) == []
+    assert engine_lost(replace(selective, recompute="full"), deepspeed) == []
 
 
 def test_the_engines_kernels_are_predicted_unless_the_training_names_its_own():

@@ -344,8 +344,11 @@ def test_deepspeeds_pipeline_module_takes_the_plans_boundaries_by_default(mixed,
     exec(compile(exported.files["hetplan_pipeline.py"], "hetplan_pipeline.py", "exec"), namespace)
     module_class = namespace["HetplanPipelineModule"]
     module = module_class(layers=[])  # type: ignore[operator]
-    own = {"partition_method": "hetplan", "num_stages": 2, "topology": None, "activation_checkpoint_interval": 0}
-    assert built == own  # selective recompute: the layers' own (DeepSpeed checkpoints whole layers)
+    assert strategy.recompute == "selective" and exported.strategy.recompute in ("none", "full")
+    assert any("selective recompute -> none or full" in line for line in exported.lost)
+    interval = int(exported.strategy.recompute == "full")  # DeepSpeed checkpoints whole layers or none
+    own = {"partition_method": "hetplan", "num_stages": 2, "topology": None, "activation_checkpoint_interval": interval}
+    assert built == own
     module_class([], 2)  # type: ignore[operator]  # the stage count given as DeepSpeed takes it
     assert built == own
     module_class(layers=[], topology="given", partition_method="parameters")  # type: ignore[operator]
