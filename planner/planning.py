@@ -191,8 +191,8 @@ def groups_with_dtype(
     cluster: ClusterSpec, training: TrainingSpec, every_group: str = "fp16"
 ) -> tuple[ClusterSpec, str]:
     """The cluster's groups that can train in the training's dtype, and a note naming those left idle and the dtype
-    in which every group trains (`every_group`; "" when every group can); none can: refused in one line
-    (predictor.context.check_dtype)."""
+    in which every group trains (bf16 where every group has it, else `every_group`, the engine's other dtype; "" when
+    every group can); none can: refused in one line (predictor.context.check_dtype)."""
     trains = cluster.trains_in(training.dtype)
     lacking = [group for group in cluster.groups if group not in trains]
     if not lacking:
@@ -202,7 +202,10 @@ def groups_with_dtype(
     devices = sum(group.num_devices for group in lacking)
     names = ", ".join(group.name for group in lacking)
     why = "; ".join(dict.fromkeys(group.device.lacks_dtype(training.dtype) for group in lacking))
-    note = f"{names} ({devices} devices) left idle: {why}; in {every_group} every group trains (--dtype {every_group})"
+    choices = [dtype for dtype in dict.fromkeys(("bf16", every_group)) if dtype != training.dtype]
+    everyone = next((d for d in choices if not any(g.device.lacks_dtype(d) for g in cluster.groups)), "")
+    note = f"{names} ({devices} devices) left idle: {why}"
+    note += f"; in {everyone} every group trains (--dtype {everyone})" if everyone else ""
     return replace(cluster, groups=trains), note
 
 

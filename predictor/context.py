@@ -191,14 +191,17 @@ def emulated(group: DeviceGroup, source: LayerCostSource) -> LayerCostSource:
 
 def check_dtype(cluster: ClusterSpec, training: TrainingSpec, groups: Collection[str] | None = None) -> None:
     """The training's dtype on every group of `groups` (default: the cluster's): a device without bf16 cannot run
-    bf16 (nor FP8, which falls back to bf16 where a device lacks it). A plan on other groups of the cluster can."""
-    for group in cluster.groups:
-        if groups is not None and group.name not in groups:
-            continue
+    bf16 (nor FP8, which falls back to bf16 where a device lacks it), nor fp32 one without a published fp32 peak. A
+    plan on other groups of the cluster can. The error names a dtype the checked groups all train in, where one does."""
+    checked = [group for group in cluster.groups if groups is None or group.name in groups]
+    for group in checked:
         lacks = group.device.lacks_dtype(training.dtype)
         if lacks:
+            others = group.device.trains_dtypes(training.dtype)
+            common = [d for d in others if not any(g.device.lacks_dtype(d) for g in checked)]
+            other = (common or others)[0]
             raise SpecError(
-                cluster.source or "cluster", f"group {group.name}", f"{lacks}: train in fp16 (--dtype fp16)"
+                cluster.source or "cluster", f"group {group.name}", f"{lacks}: train in {other} (--dtype {other})"
             )
 
 

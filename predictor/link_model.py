@@ -32,7 +32,7 @@ from predictor.comm_model import Link, LinkClass
 from profiler.collectives import bus_factor, latency_steps
 from specs.device import get_device
 from specs.errors import SpecError
-from specs.loading import read_mapping, validate
+from specs.loading import KIND_BY_SCHEMA, check_file_kind, read_mapping, validate
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
 
@@ -78,6 +78,8 @@ def load_link_points(path: str | Path) -> tuple[str, LinkClass, list[LinkPoint]]
 
 def link_points(data: dict[str, Any], source: str) -> tuple[str, LinkClass, list[LinkPoint]]:
     """`load_link_points` of a links file's data (`source`: the file, for messages)."""
+    kind = KIND_BY_SCHEMA["hetplan.links"]
+    check_file_kind(data, source, f"{kind} (what `hetplan profile-comm` writes)", (kind,))
     data = dict(data)
     if "link_class" not in data:
         classes = {link.get("link_class") for link in data.get("links", []) if isinstance(link, dict)}

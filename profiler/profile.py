@@ -25,7 +25,7 @@ from typing import Any, Literal, Protocol
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from specs.errors import SpecError
-from specs.loading import file_sha256, read_mapping, validate
+from specs.loading import KIND_BY_SCHEMA, check_file_kind, file_sha256, read_mapping, validate
 from specs.model import Recompute
 from specs.outputs import write_text_atomic
 
@@ -318,6 +318,8 @@ def load_profile(path: str | Path) -> DeviceProfile:
     """Read and validate a profile JSON file."""
     path = Path(path)
     data = read_mapping(path)
+    kind = KIND_BY_SCHEMA["hetplan.profile"]  # a plan given for a profile: its fields all read as misspelt
+    check_file_kind(data, str(path), f"{kind} (what `hetplan profile` writes)", (kind,))
     parsed = validate(ProfileFile, data, str(path))
     return DeviceProfile(
         source=parsed.source,

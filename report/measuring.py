@@ -562,7 +562,10 @@ def simulate_profile(
     runs = spec.runs_dtype(training_spec.dtype)  # the profile `plan` asks for: fp8 training runs bf16 without FP8
     lacks = spec.lacks_dtype(training_spec.dtype)
     if lacks:  # `plan` refuses that dtype there: a profile of it would be unused
-        raise SpecError("--dtype", dtype, f"{lacks}: profile it in fp16 (or fp32)")
+        first, *rest = spec.trains_dtypes(training_spec.dtype)
+        raise SpecError(
+            "--dtype", dtype, f"{lacks}: profile it in {first}" + (f" (or {' or '.join(rest)})" if rest else "")
+        )
     if runs != training_spec.dtype:
         said.say(f"note: {spec.key} has no FP8: the profile is in {runs}, as fp8 training runs there")
     degrees = flags.tp_degrees(tp, model_spec, (1, 2, 4, 8))  # as `hetplan profile` takes them

@@ -84,10 +84,17 @@ class DeviceSpec(BaseModel):
         return "bf16" if dtype == "fp8" and self.peak_fp8_tflops is None else dtype
 
     def lacks_dtype(self, dtype: str) -> str:
-        """Why this device cannot train in `dtype` ("v100 has no bf16 (nor FP8)"), or "" when it can."""
+        """Why this device cannot train in `dtype` ("v100 has no bf16 (nor FP8)"), or "" when it can. fp32 on a
+        device whose fp32 peak is not published: it may run, but nothing can time it."""
+        if dtype == "fp32" and self.peak_fp32_tflops is None and self.peak_tf32_tflops is None:
+            return f"{self.key} has no published fp32 peak"
         if self.runs_dtype(dtype) != "bf16" or self.supports_bf16:
             return ""
         return f"{self.key} has no bf16{' (nor FP8)' if dtype == 'fp8' else ''}"
+
+    def trains_dtypes(self, instead_of: str) -> list[str]:
+        """The dtypes this device trains in other than `instead_of`, the fastest first (bf16, fp16, fp32)."""
+        return [dtype for dtype in ("bf16", "fp16", "fp32") if dtype != instead_of and not self.lacks_dtype(dtype)]
 
     def peak_flops_for_dtype(self, dtype: str, fp32_matmul: str = "ieee") -> float:
         """Peak matmul FLOP/s for the training dtype. fp32: the TF32/XF32 peak when the training allows it

@@ -18,6 +18,7 @@ import pytest
 
 import cli
 from report.failures import DEBUG_HINT, exit_status, failure_line
+from specs.errors import SpecError
 from tests.conftest import EXAMPLES, NO_TORCH, ROOT, hetplan
 
 CPU = EXAMPLES / "cpu-2x2.yaml"
@@ -804,6 +805,9 @@ def test_flags_a_command_dropped_or_guessed_are_refused_or_said(capsys, tmp_path
     out = tmp_path / "v100.json"
     line = one_error(capsys, "simulate-profile", "--device", "v100", "-m", model, "--dtype", "bf16", "--out", str(out))
     assert line.endswith("--dtype: bf16: v100 has no bf16: profile it in fp16 (or fp32)")
+    line = one_error(capsys, "simulate-profile", "--device", "ascend-910b", "-m", model, "--dtype", "fp32", "--out",
+                     str(out))  # fmt: skip
+    assert line.endswith("--dtype: fp32: ascend-910b has no published fp32 peak: profile it in bf16 (or fp16)")
     line = one_error(capsys, "fit", "--out", str(tmp_path / "f.joblib"), "--no-published-runs")
     assert "--no-published-runs: leaves nothing to fit: give --profiles, --links or --runs" in line
     assert not list(tmp_path.iterdir())
@@ -973,3 +977,18 @@ def test_a_profiles_directory_holding_only_a_plan_names_the_plan(capsys, tmp_pat
     said = one_error(capsys, "fit", "--profiles", "prof", "--out", "p.joblib", "-q")
     assert said.endswith("prof: no *.json profiles in this directory: my.plan.json (hetplan.plan/1) is not a profile")
     assert not (tmp_path / "p.joblib").exists()
+
+
+def test_a_plan_given_as_a_profile_or_a_link_profile_is_named_as_a_plan(capsys, plans):
+    """A plan given to `fit --links` or to `fit_predictor` as a profile listed all its fields as misspelt ("cluster:
+    unknown field (also wrong: schema, source, device and 32 more)"): it is named for what it is."""
+    good = str(plans["good"])
+    said = one_error(capsys, "fit", "--links", good, "--out", "p.joblib", "-q")
+    assert said.endswith(f"{good}: expected a link profile (what `hetplan profile-comm` writes), got a plan")
+    from predictor.predictor import fit_predictor
+
+    with pytest.raises(SpecError, match=r": expected a device profile \(what `hetplan profile` writes\), got a plan$"):
+        fit_predictor([plans["good"]])
+    links = r": expected a link profile \(what `hetplan profile-comm` writes\), got a plan$"
+    with pytest.raises(SpecError, match=links):
+        fit_predictor(link_paths=[plans["good"]])

@@ -192,6 +192,22 @@ def test_bf16_chosen_beside_devices_without_it_plans_on_the_others_and_names_the
         plan(cluster.only(cluster.group("v100")), model, load_training(overrides={"dtype": "bf16"}))
 
 
+def test_fp32_leaves_the_devices_without_a_published_fp32_peak_idle_and_names_them():
+    """fp32 on the four-vendor cluster was refused outright ("ascend-910b.peak_fp32_tflops: no fp32 peak is known"):
+    Ascend and Gaudi publish no fp32 peak, so nothing times them in fp32; the plan runs on the H100s and MI300Xs and
+    names the idle groups with the dtype every group trains in. On those groups alone it is a clear error."""
+    cluster, model = load_cluster(EXAMPLES / "four-vendor-256.yaml"), load_model("llama3-8b")
+    training = load_training(overrides={"dtype": "fp32", "global_batch_size": 256})
+    made = plan(cluster, model, training)
+    assert {stage.group for p in made.strategy.pipelines for stage in p.stages} <= {"h100", "mi300x"}
+    assert made.search_stats["idle_note"] == (
+        "ascend, gaudi2 (128 devices) left idle: ascend-910b has no published fp32 peak; gaudi2 has no published fp32 "
+        "peak; in bf16 every group trains (--dtype bf16)"
+    )
+    with pytest.raises(SpecError, match="ascend-910b has no published fp32 peak: train in bf16 \\(--dtype bf16\\)"):
+        plan(cluster.only(cluster.group("ascend")), model, training)
+
+
 def test_an_engine_without_fp16_trains_in_bf16_where_the_devices_have_it_when_that_is_faster():
     """torchtitan has no fp16: on A100s beside V100s the unchosen dtype was fp16 and became fp32 everywhere (51.8 s
     for GPT-3 6.7B); bf16 on the A100s alone, the V100s idle, is searched too and is eight times faster. Chosen, the
@@ -670,7 +686,8 @@ def test_numpy_integers_are_whole_numbers_and_a_float_is_not_a_zero_stage(tmp_pa
 
 def test_an_engine_without_fp16_plans_where_bf16_cannot_be_planned():
     """The bf16 alternative is searched only where some group has bf16 (on V100s alone it refused the plan: 'v100 has
-    no bf16'), and a dtype whose costs cannot be made (Gaudi2 publishes no fp32 peak) leaves the other's plan, named."""
+    no bf16'), and a dtype some group cannot be timed in (Gaudi2 publishes no fp32 peak) is planned on the others
+    (it was refused for the whole cluster: 'cannot be planned'), its time named beside the faster plan's."""
     from specs.cluster import ClusterFile, resolve_cluster
 
     def cluster_of(*devices: str):
@@ -686,4 +703,4 @@ def test_an_engine_without_fp16_plans_where_bf16_cannot_be_planned():
     assert mixed.context.training.dtype == "bf16"
     note = mixed.search_stats["training_note"]
     assert note.startswith("training in bf16 on the groups that have it (torchtitan has no fp16 mixed precision; fp32")
-    assert "cannot be planned" in note and "fp32" in note
+    assert "fp32 on the groups that have it: " in note and "cannot be planned" not in note
