@@ -342,7 +342,7 @@ def export(
         notes.extend([note] if note else [])
         return engine_ctx
 
-    exported = export_plan(ctx, loaded.strategy, format, keep_layout, context_for)
+    exported = export_plan(ctx, loaded.strategy, format, keep_layout, context_for, loaded.engine)
     for note in notes:
         said.say(note)
     summary = {**exported.summary(), "exported_strategy": describe_strategy(exported.strategy)}

@@ -508,11 +508,14 @@ def export_plan(
     fmt: str,
     keep_layout: bool = False,
     context_for: Callable[[TrainingSpec], CostContext] | None = None,
+    planned_for: str | None = None,
 ) -> Export:
     """The plan in an engine's terms (or the closest plan the engine can run: engine_space.closest, `keep_layout`
     there), with per-node torchrun commands. `context_for(training)`: the plan's costs for another training; given,
     an engine that trains in another dtype (fp16 -> fp32, FP8 -> bf16) has its plan chosen and predicted in that
-    dtype (else in the plan's, and its lost line says so)."""
+    dtype (else in the plan's, and its lost line says so), and with the kernels the engine runs its layers with
+    (DeepSpeed's, torchtitan's: a note says so) unless the plan was made for this engine (`planned_for`, the plan's
+    `search.engine`: its training's kernels were chosen then, e.g. Megatron's for Megatron-DeepSpeed)."""
     expect_argument(ctx, CostContext, "export_plan()", "ctx", "a CostContext: a Plan's .context, or build_context()")
     expect_argument(strategy, Strategy, "export_plan()", "strategy", "a Strategy (a loaded plan's or a Plan's "
                     ".strategy)")  # fmt: skip
@@ -523,9 +526,11 @@ def export_plan(
         raise SpecError("--format", "", f"{engine.key} is in the engine registry but has no exporter yet")
     ctx.check_strategy(strategy, "plan")
     runs_ctx = ctx
-    dtype = engine_dtype(ctx.training.dtype, engine)
-    if dtype != ctx.training.dtype and context_for is not None:
-        runs_ctx = context_for(ctx.training.model_copy(update={"dtype": dtype}))
+    runs = ctx.training.model_copy(update={"dtype": engine_dtype(ctx.training.dtype, engine)})
+    if engine.kernels and engine.kernels != ctx.training.engine and planned_for != engine.key:
+        runs = runs.model_copy(update={"engine": engine.kernels})
+    if runs != ctx.training and context_for is not None:
+        runs_ctx = context_for(runs)
     found = closest(runs_ctx, strategy, engine, keep_layout, planned=ctx.training)
     exported, lost = found.strategy, found.lost
     files, args = writer(ctx, exported, strategy)
@@ -535,6 +540,11 @@ def export_plan(
     plan_file = EXPORTED_PLAN_FILE if EXPORTED_PLAN_FILE in files else ""
     files["launch.sh"] = launch_script(launches, title, engine.script, args, what, plan_file)
     notes = [] if exported == found.near else [_engine_plan_note(runs_ctx, strategy, found)]
+    if runs_ctx.training.engine != ctx.training.engine:
+        notes.append(
+            f"the export's time is predicted with {runs_ctx.training.engine}'s kernels, which {engine.key} runs the "
+            f"layers with (the plan's with {ctx.training.engine}'s)"
+        )
     vendors = sorted({ctx.cluster.group(s.group).device.vendor for s in exported.pipelines[0].stages})
     if len(vendors) > 1 and not engine.mixed_vendors:
         notes.append(

@@ -177,3 +177,33 @@ def test_cli_plan_for_an_engine_says_so_and_refuses_an_unknown_one(tmp_path):
     wrong = hetplan(*args, "--engine", "nemo")
     assert wrong.returncode == 2 and "--engine" in wrong.stderr and "Traceback" not in wrong.stderr
     assert len(wrong.stderr.strip().splitlines()) == 1
+
+
+def test_an_export_is_predicted_with_the_kernels_its_engine_runs_unless_the_plan_was_made_for_it(h100_mi300x):
+    """The free plan (Megatron's kernels) exported to DeepSpeed was predicted with Megatron's kernels, though
+    DeepSpeed runs the user's layers with its own: 115.5 s where `plan --engine deepspeed` predicts the same layout
+    at 121.4 s. The export's costs take the engine's kernels, and say so; a plan made for the engine keeps its
+    training's (a training that names Megatron's for Megatron-DeepSpeed)."""
+    from predictor.predictor import default_predictor
+
+    cluster, model, training = h100_mi300x
+    free = plan(cluster, model, training)
+
+    def context_for(changed):
+        return default_predictor().context(cluster, model, changed)
+
+    kept = export_plan(free.context, free.strategy, "deepspeed")  # no costs for another training: the plan's
+    exported = export_plan(free.context, free.strategy, "deepspeed", context_for=context_for)
+    said = "the export's time is predicted with deepspeed's kernels, which deepspeed runs the layers with (the plan's "
+    assert [note for note in exported.notes if note.startswith(said)] == [said + "with megatron's)"]
+    assert not any("kernels" in note for note in kept.notes)
+    for_engine = plan(cluster, model, training, engine="deepspeed")
+    assert for_engine.context.training.engine == "deepspeed"
+    assert exported.strategy == kept.strategy == for_engine.strategy
+    assert exported.predicted_iteration_time_s == pytest.approx(for_engine.evaluation.iteration_time_s)
+    assert exported.predicted_iteration_time_s > 1.02 * kept.predicted_iteration_time_s
+    megatron_kernels = training.model_copy(update={"engine": "megatron"})
+    named = plan(cluster, model, megatron_kernels, engine="deepspeed")  # Megatron-DeepSpeed: Megatron's kernels
+    again = export_plan(named.context, named.strategy, "deepspeed", context_for=context_for, planned_for="deepspeed")
+    assert again.predicted_iteration_time_s == pytest.approx(named.evaluation.iteration_time_s)
+    assert not any("kernels" in note for note in again.notes)
