@@ -342,7 +342,8 @@ def export(
         notes.extend([note] if note else [])
         return engine_ctx
 
-    exported = export_plan(ctx, loaded.strategy, format, keep_layout, context_for, loaded.engine)
+    keep_kernels = loaded.training_names_engine or loaded.engine == format
+    exported = export_plan(ctx, loaded.strategy, format, keep_layout, context_for, keep_kernels)
     for note in notes:
         said.say(note)
     summary = {**exported.summary(), "exported_strategy": describe_strategy(exported.strategy)}
@@ -425,8 +426,9 @@ def replan(
         old = run_predict(old_ctx, loaded.strategy, str(plan_file))
         progress.step("searching the changed cluster", 2)
         result = run_replan(
-            new_cluster, loaded.model, loaded.training, loaded.strategy, chosen, profiles=measured, engine=engine
-        )
+            new_cluster, loaded.model, loaded.training, loaded.strategy, chosen, profiles=measured, engine=engine,
+            training_names_engine=loaded.training_names_engine,
+        )  # fmt: skip
     if out is not None:
         result.plan.save(out)
     body = replan_summary(original, new_cluster, old, result)

@@ -145,10 +145,12 @@ def engine_lost(
 
 def engine_recompute(modes: tuple[Recompute, ...], engine: Engine) -> tuple[Recompute, ...]:
     """The recompute modes the engine runs of those allowed; when it runs none of them, those of its modes that
-    save at least as much memory as the least the training allowed (selective alone -> full on DeepSpeed)."""
+    save at least as much memory as the least the training allowed (selective alone -> full on DeepSpeed), else its
+    most saving one."""
     kept = tuple(mode for mode in modes if mode in engine.recompute_modes)
     least = min(RECOMPUTE_MODES.index(mode) for mode in modes)
-    return kept or tuple(mode for mode in engine.recompute_modes if RECOMPUTE_MODES.index(mode) >= least)
+    saving = tuple(mode for mode in engine.recompute_modes if RECOMPUTE_MODES.index(mode) >= least)
+    return kept or saving or (max(engine.recompute_modes, key=RECOMPUTE_MODES.index),)
 
 
 def _layout_update(training: TrainingSpec, engine: Engine) -> dict[str, object]:
@@ -182,7 +184,7 @@ def engine_training(training: TrainingSpec, engine: Engine) -> tuple[TrainingSpe
     if "zero_stage" in update:
         stage = engine_zero_stage(training.zero_stage, engine)
         changed.append(f"{_zero_words(training.zero_stage)} -> {_zero_words(stage)} ({engine.zero_note})")
-    if not set(training.recompute) & set(engine.recompute_modes):  # the user's choice, not the registry's
+    if "recompute" in training.model_fields_set and "recompute" in update:  # the user's choice, not the registry's
         asked, runs = ", ".join(training.recompute), ", ".join(engine.recompute_modes)
         chosen = ", ".join(engine_recompute(training.recompute, engine))
         changed.append(f"recompute {asked} -> {chosen} ({engine.key} runs only {runs})")
@@ -236,7 +238,8 @@ def near_plans(ctx: CostContext, strategy: Strategy, engine: Engine) -> list[Str
         candidates = [replace(c, virtual_stages=1) for c in candidates]
     modes = {strategy.stage_recompute(s) for s in pipeline.stages}
     if (not engine.per_stage_recompute and len(modes) > 1) or not modes <= set(engine.recompute_modes):
-        candidates = [_one_recompute(c, mode) for c in candidates for mode in engine.recompute_modes]
+        runs = engine_recompute(ctx.training.recompute, engine)  # of the modes the training allows
+        candidates = [_one_recompute(c, mode) for c in candidates for mode in runs]
     widths = sorted({s.tp for s in pipeline.stages})
     if not engine.tensor_parallel:
         widths = [1]
@@ -324,7 +327,8 @@ def closest(
     planned: TrainingSpec | None = None,
 ) -> Closest:
     """The plan as the engine can run it (Closest), each candidate judged in `ctx` (the plan's costs, or the same
-    costs in the dtype the engine trains in); `planned`: the plan's training when ctx's is the engine's;
+    costs in the dtype and with the kernels the engine runs: planner.export); `planned`: the plan's training when
+    ctx's is the engine's;
     `keep_layout`: only the plan with the lost parts replaced, never the engine's own best plan (a layout the user has
     validated stays as it is wherever the engine can express it)."""
     planned = planned or ctx.training

@@ -24,7 +24,7 @@ from planner.plan import evaluation_dict, header_dict, layout_changes
 from predictor.cost_model import CostContext, evaluate, interleaved_group_size
 from predictor.sharding import shard_ranks
 from specs.cluster import ClusterSpec
-from specs.engines import get_engine
+from specs.engines import Engine, get_engine
 from specs.errors import SpecError, expect_argument
 from specs.layout import Strategy, chunk_layer_counts
 from specs.loading import text_sha256
@@ -216,16 +216,17 @@ def _deepspeed(ctx: CostContext, strategy: Strategy, plan: Strategy) -> tuple[di
         # DeepSpeed's engine reads "stages" only; the boundaries come with the module (hetplan_pipeline.py)
         "pipeline": {"stages": len(pipeline.stages)},
     }
-    if strategy.recompute != "none":
+    if strategy.stage_recompute(pipeline.stages[0]) != "none":
         config["activation_checkpointing"] = {"partition_activations": False, "contiguous_memory_optimization": False}
     bounds = [pipeline.stages[0].layer_start] + [s.layer_end for s in pipeline.stages]
     parts = [0] + [b + 1 for b in bounds[1:-1]] + [bounds[-1] + 2]  # + embedding first, + head last
     plan_tp = ", ".join(str(t) for t in sorted({s.tp for p in plan.pipelines for s in p.stages}))
-    interval = 1 if strategy.recompute == "full" else 0  # DeepSpeed checkpoints whole layers, every N-th
+    mode = strategy.stage_recompute(pipeline.stages[0])  # one for every stage (engine_space.closest)
+    interval = 1 if mode == "full" else 0  # DeepSpeed checkpoints whole layers, every N-th
     recompute = {  # (selective is not DeepSpeed's: engine_space.closest replaced it)
         "none": "none (activation_checkpoint_interval 0).",
         "full": "full: every layer is checkpointed (activation_checkpoint_interval 1), as predicted.",
-    }[strategy.recompute]
+    }[mode]
     module = f'''"""PipelineModule with hetplan's stage boundaries (DeepSpeed's partition_method has no explicit list).
 
 Build your model with it in place of PipelineModule, e.g. in train.py:
@@ -502,20 +503,39 @@ def _engine_plan_note(ctx: CostContext, strategy: Strategy, found: Closest) -> s
     return said + ("; it changes " + "; ".join(changes) if changes else "")
 
 
+def _kernels_context(
+    ctx: CostContext, strategy: Strategy, engine: Engine, context_for: Callable[[TrainingSpec], CostContext]
+) -> tuple[CostContext, str] | None:
+    """The plan's costs with the kernels the engine runs the layers with, and a note of what they change; None when
+    they change nothing (the plan's own kernels, or a predictor with no scale for the engine's)."""
+    if not engine.kernels or engine.kernels == ctx.training.engine:
+        return None
+    kernels_ctx = context_for(ctx.training.model_copy(update={"engine": engine.kernels}))
+    plan_s, with_kernels_s = (evaluate(c, strategy).iteration_time_s for c in (ctx, kernels_ctx))
+    if with_kernels_s == plan_s:
+        return None
+    note = (
+        f"the export's time is predicted with {engine.kernels}'s kernels, which {engine.key} runs the layers with: "
+        f"the plan itself takes {with_kernels_s:.3f} s with them ({plan_s:.3f} s with {ctx.training.engine}'s, as "
+        "planned; a training that names its `engine` keeps it)"
+    )
+    return kernels_ctx, note
+
+
 def export_plan(
     ctx: CostContext,
     strategy: Strategy,
     fmt: str,
     keep_layout: bool = False,
     context_for: Callable[[TrainingSpec], CostContext] | None = None,
-    planned_for: str | None = None,
+    keep_kernels: bool = False,
 ) -> Export:
     """The plan in an engine's terms (or the closest plan the engine can run: engine_space.closest, `keep_layout`
     there), with per-node torchrun commands. `context_for(training)`: the plan's costs for another training; given,
     an engine that trains in another dtype (fp16 -> fp32, FP8 -> bf16) has its plan chosen and predicted in that
     dtype (else in the plan's, and its lost line says so), and with the kernels the engine runs its layers with
-    (DeepSpeed's, torchtitan's: a note says so) unless the plan was made for this engine (`planned_for`, the plan's
-    `search.engine`: its training's kernels were chosen then, e.g. Megatron's for Megatron-DeepSpeed)."""
+    (DeepSpeed's: a note says so) unless `keep_kernels` (the plan's training named its `engine`, e.g. Megatron's for
+    Megatron-DeepSpeed, or the plan was made for this engine, which chose its kernels then)."""
     expect_argument(ctx, CostContext, "export_plan()", "ctx", "a CostContext: a Plan's .context, or build_context()")
     expect_argument(strategy, Strategy, "export_plan()", "strategy", "a Strategy (a loaded plan's or a Plan's "
                     ".strategy)")  # fmt: skip
@@ -525,12 +545,13 @@ def export_plan(
     if writer is None:
         raise SpecError("--format", "", f"{engine.key} is in the engine registry but has no exporter yet")
     ctx.check_strategy(strategy, "plan")
-    runs_ctx = ctx
-    runs = ctx.training.model_copy(update={"dtype": engine_dtype(ctx.training.dtype, engine)})
-    if engine.kernels and engine.kernels != ctx.training.engine and planned_for != engine.key:
-        runs = runs.model_copy(update={"engine": engine.kernels})
-    if runs != ctx.training and context_for is not None:
-        runs_ctx = context_for(runs)
+    runs_ctx, kernels_note = ctx, ""
+    kernels = None if keep_kernels or context_for is None else _kernels_context(ctx, strategy, engine, context_for)
+    if kernels is not None:
+        runs_ctx, kernels_note = kernels
+    dtype = engine_dtype(ctx.training.dtype, engine)
+    if dtype != ctx.training.dtype and context_for is not None:
+        runs_ctx = context_for(runs_ctx.training.model_copy(update={"dtype": dtype}))
     found = closest(runs_ctx, strategy, engine, keep_layout, planned=ctx.training)
     exported, lost = found.strategy, found.lost
     files, args = writer(ctx, exported, strategy)
@@ -540,11 +561,7 @@ def export_plan(
     plan_file = EXPORTED_PLAN_FILE if EXPORTED_PLAN_FILE in files else ""
     files["launch.sh"] = launch_script(launches, title, engine.script, args, what, plan_file)
     notes = [] if exported == found.near else [_engine_plan_note(runs_ctx, strategy, found)]
-    if runs_ctx.training.engine != ctx.training.engine:
-        notes.append(
-            f"the export's time is predicted with {runs_ctx.training.engine}'s kernels, which {engine.key} runs the "
-            f"layers with (the plan's with {ctx.training.engine}'s)"
-        )
+    notes += [kernels_note] if kernels_note else []
     vendors = sorted({ctx.cluster.group(s.group).device.vendor for s in exported.pipelines[0].stages})
     if len(vendors) > 1 and not engine.mixed_vendors:
         notes.append(

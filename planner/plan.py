@@ -398,6 +398,7 @@ class LoadedPlan:
     engine: str | None = None  # the engine it was planned for (`plan --engine`), by its registry key
     # each family's stages' `device` as written ("" where not): planner.what_if checks them against the cluster
     written_devices: tuple[tuple[str, ...], ...] = ()
+    training_names_engine: bool = False  # its training named the kernels (`engine`): an export keeps them
 
 
 def _check_summaries(
@@ -516,5 +517,10 @@ def load_plan(path: str | Path) -> LoadedPlan:
     engine = parsed.search.get("engine")
     if engine is not None and not isinstance(engine, str):
         raise SpecError(source, "search.engine", f"expected an engine name, got {engine!r}")
+    named = parsed.search.get("training_names_engine", False)
+    if not isinstance(named, bool):
+        raise SpecError(source, "search.training_names_engine", f"expected true or false, got {named!r}")
     written_devices = tuple(tuple(stage.device or "" for stage in pipeline.stages) for pipeline in parsed.pipelines)
-    return LoadedPlan(strategy, model, training, source, parsed.cluster, parsed.cost_source, engine, written_devices)
+    return LoadedPlan(
+        strategy, model, training, source, parsed.cluster, parsed.cost_source, engine, written_devices, named
+    )

@@ -111,6 +111,8 @@ def plan(
     if engine is not None:
         stats["engine"] = engine.key
         stats["engine_changes"] = engine_changes
+    if "engine" in requested.model_fields_set:  # its kernels are the user's: an export keeps them (planner.export)
+        stats["training_names_engine"] = True
     if len(by_stage) > 1:
         stats["zero_stages_s"] = by_stage
     if len(by_cp) > 1:
@@ -256,8 +258,8 @@ def _search_dtypes(
     progress: ProgressCallback | None,
     engine: Engine | None,
 ) -> tuple[list[_DtypeSearch], list[tuple[str, SpecError]]]:
-    """A search per training (_search_in_dtype), and the dtypes whose costs could not be made (no fp32 peak known),
-    with why: the other dtype's plan stands; one training, or none left, raises."""
+    """A search per training (_search_in_dtype), and the dtypes whose costs could not be made (a profile's or a
+    device's), with why: the other dtype's plan stands; one training, or none left, raises."""
     searches: list[_DtypeSearch] = []
     failed: list[tuple[str, SpecError]] = []
     for each in trainings:

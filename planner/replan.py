@@ -210,6 +210,7 @@ def replan(
     previous: CostContext | None = None,
     profiles: Mapping[str, DeviceProfile] | None = None,
     engine: Engine | None = None,
+    training_names_engine: bool = False,
 ) -> Replan:
     """Plan again on a changed cluster, warm-started from the old strategy, at the training's context-parallel degrees
     and the old plan's, over every uneven batch split
@@ -219,7 +220,8 @@ def replan(
     change did not touch (tp_rows.row_tables). `profiles`: measured profiles by device key (the old plan's, as it
     records them: planner.cost_source). `engine`: the engine the old plan was made for (`plan --engine`, its
     `search.engine`): the new plan stays within what that engine runs as planned (planner.engine_space.engine_search,
-    without the warm start, which is the unrestricted search's)."""
+    without the warm start, which is the unrestricted search's). `training_names_engine`: the old plan's training named
+    its kernels (LoadedPlan.training_names_engine): the new plan records it, so an export keeps them."""
     predictor = predictor or default_predictor()
     training = training.model_copy(update={"uneven_batch": "exhaustive"})
     if engine is not None:  # what the engine can run (uneven batches only where it has them), as the plan records it
@@ -258,6 +260,8 @@ def replan(
     }
     if engine is not None:
         stats["engine"] = engine.key
+    if training_names_engine:  # as the old plan records it (a loaded training sets every field)
+        stats["training_names_engine"] = True
     if result.note:
         stats["note"] = result.note
     if idle_note:

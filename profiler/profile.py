@@ -319,7 +319,8 @@ def load_profile(path: str | Path) -> DeviceProfile:
     path = Path(path)
     data = read_mapping(path)
     kind = KIND_BY_SCHEMA["hetplan.profile"]  # a plan given for a profile: its fields all read as misspelt
-    check_file_kind(data, str(path), f"{kind} (what `hetplan profile` writes)", (kind,))
+    if "schema" in data:  # (without one, its `dtype` would read as a training file's: validate says what is missing)
+        check_file_kind(data, str(path), f"{kind} (what `hetplan profile` writes)", (kind,))
     parsed = validate(ProfileFile, data, str(path))
     return DeviceProfile(
         source=parsed.source,

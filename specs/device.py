@@ -86,7 +86,7 @@ class DeviceSpec(BaseModel):
     def lacks_dtype(self, dtype: str) -> str:
         """Why this device cannot train in `dtype` ("v100 has no bf16 (nor FP8)"), or "" when it can. fp32 on a
         device whose fp32 peak is not published: it may run, but nothing can time it."""
-        if dtype == "fp32" and self.peak_fp32_tflops is None and self.peak_tf32_tflops is None:
+        if dtype == "fp32" and self.peak_fp32_tflops is None:  # (a TF32 peak times fp32 only under fp32_matmul tf32)
             return f"{self.key} has no published fp32 peak"
         if self.runs_dtype(dtype) != "bf16" or self.supports_bf16:
             return ""

@@ -179,11 +179,12 @@ def test_cli_plan_for_an_engine_says_so_and_refuses_an_unknown_one(tmp_path):
     assert len(wrong.stderr.strip().splitlines()) == 1
 
 
-def test_an_export_is_predicted_with_the_kernels_its_engine_runs_unless_the_plan_was_made_for_it(h100_mi300x):
+def test_an_export_is_predicted_with_the_kernels_its_engine_runs_unless_the_training_chose_them(h100_mi300x):
     """The free plan (Megatron's kernels) exported to DeepSpeed was predicted with Megatron's kernels, though
     DeepSpeed runs the user's layers with its own: 115.5 s where `plan --engine deepspeed` predicts the same layout
-    at 121.4 s. The export's costs take the engine's kernels, and say so; a plan made for the engine keeps its
-    training's (a training that names Megatron's for Megatron-DeepSpeed)."""
+    at 121.4 s. The export's costs take the engine's kernels, and a note says what they cost the plan itself; a
+    training that names its kernels (Megatron's for Megatron-DeepSpeed) keeps them (`keep_kernels`), and so does an
+    engine whose kernels the predictor has no scale for (torchtitan's: no note)."""
     from predictor.predictor import default_predictor
 
     cluster, model, training = h100_mi300x
@@ -192,18 +193,42 @@ def test_an_export_is_predicted_with_the_kernels_its_engine_runs_unless_the_plan
     def context_for(changed):
         return default_predictor().context(cluster, model, changed)
 
-    kept = export_plan(free.context, free.strategy, "deepspeed")  # no costs for another training: the plan's
+    kept = export_plan(free.context, free.strategy, "deepspeed", context_for=context_for, keep_kernels=True)
     exported = export_plan(free.context, free.strategy, "deepspeed", context_for=context_for)
-    said = "the export's time is predicted with deepspeed's kernels, which deepspeed runs the layers with (the plan's "
-    assert [note for note in exported.notes if note.startswith(said)] == [said + "with megatron's)"]
+    [note] = [note for note in exported.notes if "kernels" in note]
+    plan_s = free.evaluation.iteration_time_s
+    assert note.startswith("the export's time is predicted with deepspeed's kernels, which deepspeed runs the layers")
+    assert f"({plan_s:.3f} s with megatron's, as planned; a training that names its `engine` keeps it)" in note
     assert not any("kernels" in note for note in kept.notes)
     for_engine = plan(cluster, model, training, engine="deepspeed")
     assert for_engine.context.training.engine == "deepspeed"
     assert exported.strategy == kept.strategy == for_engine.strategy
     assert exported.predicted_iteration_time_s == pytest.approx(for_engine.evaluation.iteration_time_s)
     assert exported.predicted_iteration_time_s > 1.02 * kept.predicted_iteration_time_s
-    megatron_kernels = training.model_copy(update={"engine": "megatron"})
-    named = plan(cluster, model, megatron_kernels, engine="deepspeed")  # Megatron-DeepSpeed: Megatron's kernels
-    again = export_plan(named.context, named.strategy, "deepspeed", context_for=context_for, planned_for="deepspeed")
-    assert again.predicted_iteration_time_s == pytest.approx(named.evaluation.iteration_time_s)
-    assert not any("kernels" in note for note in again.notes)
+    titan = export_plan(free.context, free.strategy, "torchtitan", context_for=context_for)
+    assert not any("kernels" in note for note in titan.notes)
+
+
+def test_a_plan_records_that_its_training_named_the_kernels_and_its_export_keeps_them(tmp_path):
+    """`engine: megatron` in the training file (Megatron-DeepSpeed) is recorded in the plan (a loaded training sets
+    every field, so the plan must say it): its DeepSpeed export keeps Megatron's kernels; without it the export
+    takes DeepSpeed's, and a replan keeps the record."""
+    cluster = str(EXAMPLES / "a100-v100-32.yaml")
+    named = tmp_path / "named.yaml"
+    named.write_text("global_batch_size: 64\ndtype: fp16\nengine: megatron\n")
+    unnamed = tmp_path / "unnamed.yaml"
+    unnamed.write_text("global_batch_size: 64\ndtype: fp16\n")
+    for training, names in ((named, True), (unnamed, False)):
+        out = tmp_path / f"{training.stem}.json"
+        made = hetplan("plan", "-c", cluster, "-m", "gpt3-1.7b", "--training", str(training), "--out", str(out), "-q")
+        assert made.returncode == 0, made.stderr
+        assert json.loads(out.read_text())["search"].get("training_names_engine", False) is names
+        assert load_plan(out).training_names_engine is names
+        result = hetplan("export", str(out), "-c", cluster, "--format", "deepspeed", "--out", str(tmp_path / "ds"))
+        assert result.returncode == 0, result.stderr
+        assert ("deepspeed's kernels" in result.stdout + result.stderr) is not names
+    again = tmp_path / "again.json"
+    replanned = hetplan("replan", str(tmp_path / "named.json"), "-c", cluster, "--without", "node:v100/1", "--out",
+                        str(again), "-q")  # fmt: skip
+    assert replanned.returncode == 0, replanned.stderr
+    assert load_plan(again).training_names_engine

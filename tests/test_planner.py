@@ -684,7 +684,7 @@ def test_numpy_integers_are_whole_numbers_and_a_float_is_not_a_zero_stage(tmp_pa
         predict(made.context, dataclasses.replace(strategy, zero_stage=1.0))
 
 
-def test_an_engine_without_fp16_plans_where_bf16_cannot_be_planned():
+def test_an_engine_without_fp16_searches_bf16_only_where_a_group_has_it_and_fp32_where_groups_can_be_timed():
     """The bf16 alternative is searched only where some group has bf16 (on V100s alone it refused the plan: 'v100 has
     no bf16'), and a dtype some group cannot be timed in (Gaudi2 publishes no fp32 peak) is planned on the others
     (it was refused for the whole cluster: 'cannot be planned'), its time named beside the faster plan's."""
