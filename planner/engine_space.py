@@ -16,6 +16,7 @@ from planner.options import DEFAULT_OPTIONS, ProgressCallback, SearchOptions
 from planner.search import SearchResult, merge_results, search
 from predictor.cost_model import CostContext, evaluate
 from profiler.profile import LayerCostSource
+from specs.cluster import ClusterSpec
 from specs.engines import Engine
 from specs.errors import SpecError
 from specs.layout import PipelineStrategy, Strategy, pack_stages, split_batch
@@ -151,6 +152,19 @@ def engine_recompute(modes: tuple[Recompute, ...], engine: Engine) -> tuple[Reco
     least = min(RECOMPUTE_MODES.index(mode) for mode in modes)
     saving = tuple(mode for mode in engine.recompute_modes if RECOMPUTE_MODES.index(mode) >= least)
     return kept or saving or (max(engine.recompute_modes, key=RECOMPUTE_MODES.index),)
+
+
+def vendors_note(cluster: ClusterSpec, strategy: Strategy, engine: Engine) -> str:
+    """How a plan over several vendors runs on an engine of one collective library (NCCL, RCCL, HCCL: a bridge
+    between them), or "" when the engine mixes vendors or the plan has one."""
+    stages = [stage for pipeline in strategy.pipelines for stage in pipeline.stages]
+    vendors = sorted({cluster.group(stage.group).device.vendor for stage in stages})
+    if len(vendors) < 2 or engine.mixed_vendors:
+        return ""
+    return (
+        f"the plan spans vendors {', '.join(vendors)}: {engine.key} runs one collective library for the whole job; "
+        "launch it over the hetplan backend's bridge (comm/) or use FlagScale's hetero mode"
+    )
 
 
 def _layout_update(training: TrainingSpec, engine: Engine) -> dict[str, object]:

@@ -19,7 +19,7 @@ import shlex
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
-from planner.engine_space import Closest, closest, engine_dtype
+from planner.engine_space import Closest, closest, engine_dtype, vendors_note
 from planner.plan import evaluation_dict, header_dict, layout_changes
 from predictor.cost_model import CostContext, evaluate, interleaved_group_size
 from predictor.sharding import shard_ranks
@@ -562,12 +562,7 @@ def export_plan(
     files["launch.sh"] = launch_script(launches, title, engine.script, args, what, plan_file)
     notes = [] if exported == found.near else [_engine_plan_note(runs_ctx, strategy, found)]
     notes += [kernels_note] if kernels_note else []
-    vendors = sorted({ctx.cluster.group(s.group).device.vendor for s in exported.pipelines[0].stages})
-    if len(vendors) > 1 and not engine.mixed_vendors:
-        notes.append(
-            f"the plan spans vendors {', '.join(vendors)}: {engine.key} runs one collective library for the whole "
-            "job; launch it over the hetplan backend's bridge (comm/) or use FlagScale's hetero mode"
-        )
+    notes += [note] if (note := vendors_note(ctx.cluster, exported, engine)) else []
     if exported.virtual_stages > 1 and engine.interleaving and engine.script:  # (not the user's own script)
         notes.append(
             "interleaving keeps each rank's layer count, not its layer ids (the engine deals chunks round-robin)"

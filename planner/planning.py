@@ -7,7 +7,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from planner.engine_space import engine_search, engine_training, engine_zero_stage
+from planner.engine_space import engine_search, engine_training, engine_zero_stage, vendors_note
 from planner.options import DEFAULT_OPTIONS, ProgressCallback, SearchOptions
 from planner.plan import Bounds, Plan
 from planner.search import BlockScans, SearchResult, fastest, merge_results, search, searches_families
@@ -120,6 +120,8 @@ def plan(
     if len(by_shard) > 1:
         stats["zero_shard_s"] = by_shard
     best = result.evaluations[0]
+    if engine is not None and (note := vendors_note(cluster, best.strategy, engine)):
+        stats["engine_note"] = note  # it runs as planned, over a bridge
     ctx = ctx.at_context_parallel(best.strategy.context_parallel)
     chosen = {"zero_stage": best.strategy.zero_stage, "zero_shard": best.strategy.zero_shard}
     if chosen != {"zero_stage": ctx.training.zero_stage, "zero_shard": ctx.training.zero_shard}:

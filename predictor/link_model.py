@@ -103,6 +103,11 @@ def _positive_relative_fit(design: np.ndarray, times: np.ndarray) -> np.ndarray:
     return linear.coef_ / scale
 
 
+# the least share of a point's time the bytes must explain for the points to measure a bandwidth (a fit of flat times
+# put 5e-25 s per byte: a bandwidth of 2e24 B/s, positive, so not refused)
+MIN_BYTES_SHARE = 0.01
+
+
 def fit_link(link_class: LinkClass, points: Sequence[LinkPoint], source: str = "links") -> tuple[Link, float]:
     """The fitted link and the fit's median relative error over the points."""
     collective = [p for p in points if p.collective in COLLECTIVES]
@@ -117,7 +122,8 @@ def fit_link(link_class: LinkClass, points: Sequence[LinkPoint], source: str = "
         design, coefficients = _collective_fit(collective, times, own)
     alpha, *betas, gamma, load_alpha, load_beta = coefficients
     beta = betas[0]
-    if beta <= 0:
+    bytes_share = float(np.max(design[:, 1 : 1 + len(betas)] @ np.array(betas) / times))
+    if beta <= 0 or bytes_share < MIN_BYTES_SHARE:
         raise SpecError(source, "points", "the points show no size dependence: measure larger messages")
     extra = {c: float(b - beta) for c, b in zip(own, betas, strict=False)}  # none when one beta is all
     errors = list(np.abs(design @ coefficients - times) / times)
@@ -130,7 +136,8 @@ def fit_link(link_class: LinkClass, points: Sequence[LinkPoint], source: str = "
         p2p_coefficients = _positive_relative_fit(p2p_design, p2p_times)
         a, b, load_a, load_b = p2p_coefficients
         # no size dependence (latency-bound points): the latency still holds; bytes go at the collectives' rate
-        p2p_alpha, p2p_bw = float(a), float(1 / b) if b > 0 else None
+        sized = b > 0 and float(np.max(p2p_design[:, 1] * b / p2p_times)) >= MIN_BYTES_SHARE
+        p2p_alpha, p2p_bw = float(a), float(1 / b) if sized else None
         p2p_load_alpha, p2p_load_beta = float(load_a), float(load_b)
         errors += list(np.abs(p2p_design @ p2p_coefficients - p2p_times) / p2p_times)
     link = Link(

@@ -88,6 +88,7 @@ class RunRecord(BaseModel):
     losses: list[float] = []
     reference_match: dict[str, Any] | None = None
     measurements: dict[str, Any] = {}
+    elastic: dict[str, Any] | None = None  # checkpoints and interruptions (`run --checkpoint-dir / --max-restarts`)
 
 
 @dataclass(frozen=True)

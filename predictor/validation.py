@@ -182,7 +182,7 @@ def validation_report(
     elif held_out and runs:
         every = f"all {len(runs)} runs have" if len(runs) > 1 else "the run has"
         body["leave_one_source_out"] = {
-            "not_computed": f"{every} one source ({sources[0]}): without it no run is left "
-            "to calibrate on; give runs of two or more sources"
+            "not_computed": f"{every} one source ({sources[0]}): leave-one-source-out refits the calibration on the "
+            "runs given (not on the predictor's own), so without it none is left; give runs of two or more sources"
         }
     return body

@@ -80,7 +80,7 @@ class LinkFit:
     collective: str
     ranks: int
     alpha_s: float
-    busbw_bytes_per_s: float
+    busbw_bytes_per_s: float | None  # None: the times show no size dependence (latency-bound sizes)
     fit_median_rel_error: float
     fit_max_rel_error: float
     processes_per_core: float = 1.0
@@ -408,7 +408,7 @@ def fit_link(points: Sequence[CommPoint], link_class: str) -> LinkFit:
     times = np.array([p.time_s for p in points])
     design = np.stack([np.full_like(sizes, steps), sizes * factor], axis=1) / times[:, None]
     (alpha, inverse_bw), *_ = np.linalg.lstsq(design, np.ones_like(times), rcond=None)
-    alpha, inverse_bw = max(float(alpha), 0.0), max(float(inverse_bw), 1e-15)
+    alpha, inverse_bw = max(float(alpha), 0.0), max(float(inverse_bw), 0.0)
     predicted = steps * alpha + sizes * factor * inverse_bw
     errors = np.abs(predicted - times) / times
     return LinkFit(
@@ -416,7 +416,7 @@ def fit_link(points: Sequence[CommPoint], link_class: str) -> LinkFit:
         first.collective,
         first.ranks,
         alpha,
-        1.0 / inverse_bw,
+        1.0 / inverse_bw if inverse_bw > 0 else None,
         float(np.median(errors)),
         float(np.max(errors)),
         first.processes_per_core,

@@ -69,7 +69,8 @@ def _json_files(directory: Path) -> list[Path]:
     beside the profiles (a plan, a run record: their `schema` says what they are); refused when it is not a
     directory."""
     if not directory.is_dir():
-        raise SpecError(str(directory), "", "expected a directory of profile JSON files")
+        missing = "" if directory.exists() else "not found: "
+        raise SpecError(str(directory), "", f"{missing}expected a directory of profile JSON files")
     return [path for path in sorted(directory.glob("*.json")) if not _another_document(path)]
 
 

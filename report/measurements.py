@@ -52,7 +52,7 @@ def link_profile_tables(profile: Mapping[str, Any], link_class: str) -> list[Tab
             str(f["ranks"]),
             f"{f.get('processes_per_core', 1.0):g}",
             f"{f['alpha_s'] * 1e6:.1f}",
-            f"{f['busbw_bytes_per_s'] / 1e9:.2f}",
+            f"{f['busbw_bytes_per_s'] / 1e9:.2f}" if f["busbw_bytes_per_s"] else "- (latency-bound)",
             f"{f['fit_median_rel_error']:.1%}",
             f"{f['fit_max_rel_error']:.1%}",
         )

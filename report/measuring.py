@@ -130,8 +130,9 @@ def profile(
         raise KeyboardInterrupt  # what was measured is written; the exit status still says it was cut short
 
 
-def check_fits(profile: dict, max_size: str) -> None:
-    """A link profile that `fit`, `plan --profiles` and `run` would refuse is not written: say why, now."""
+def check_fits(profile: dict, flag: str, given: str, example: str) -> None:
+    """A link profile that `fit`, `plan --profiles` and `run` would refuse is not written: say why, now, naming the
+    flag whose `given` value chose the sizes and an `example` that measures larger ones."""
     from predictor.link_model import fit_link, link_points
     from specs.errors import SpecError
 
@@ -139,9 +140,7 @@ def check_fits(profile: dict, max_size: str) -> None:
         _, link_class, points = link_points(profile, "the link profile")
         fit_link(link_class, points, "the link profile")
     except SpecError as err:
-        raise SpecError(
-            "--max-size", "", f"{max_size}: {err.expectation}, e.g. --max-size 16MiB (nothing was written)"
-        ) from None
+        raise SpecError(flag, "", f"{given}: {err.expectation}, e.g. {example} (nothing was written)") from None
 
 
 def profile_comm(
@@ -221,7 +220,7 @@ def profile_comm(
                     progress.update(index, len(loads), f"({ranks} processes, {busy} computing beside them)")
                     points += run_local(ranks, sizes, chosen, repeats, Path(scratch), timeout_s, gap_s, busy)
     profile = link_profile(points, link_class, "gloo", device_key, gap_s)
-    check_fits(profile, max_size)
+    check_fits(profile, "--max-size", max_size, "--max-size 16MiB")
     write_json(out, profile)
     show(as_json, profile, *link_profile_tables(profile, link_class), *written("link profile", out))
 
@@ -514,13 +513,23 @@ def comm_bench(
     from comm.bench import check_islands, links_from_bench, run_comm_bench
     from report.files import write_json
     from report.measurements import comm_bench_table
+    from specs.errors import SpecError
 
     names = check_islands(flags.names(islands), world)
     with progress_on_stderr("comm-bench", quiet, unit="points") as progress:
         result = run_comm_bench(names, size_list, repeats, timeout_s, progress=progress)
+    refused = None  # a link profile `fit` would refuse is not written: said after the measurements are shown
     if links_out is not None:
-        write_json(links_out, links_from_bench(result))
-    show(as_json, result, comm_bench_table(result, names), *written("link profile", links_out))
+        links = links_from_bench(result)
+        try:
+            check_fits(links, "--sizes", sizes, "--sizes 4KiB,1MiB,16MiB")
+        except SpecError as error:
+            refused = error
+        else:
+            write_json(links_out, links)
+    show(as_json, result, comm_bench_table(result, names), *written("link profile", links_out if not refused else None))
+    if refused is not None:
+        raise refused
 
 
 def simulate_profile(

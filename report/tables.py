@@ -189,7 +189,7 @@ def plan_rows(body: Mapping[str, Any], interval: Interval | None) -> list[Row]:
         )
     )
     if "engine" in search:
-        changes = "; ".join(search["engine_changes"])
+        changes = "; ".join([*search["engine_changes"], *([search["engine_note"]] if "engine_note" in search else [])])
         rows.append(
             (
                 "engine",
@@ -340,6 +340,7 @@ def hint_lines(ctx: CostContext, evaluation: Evaluation) -> list[str]:
         return [f"hint: the global batch {batch} is prime, so no replica count above 1 divides it; {flag}"]
     if prime and len(evaluation.strategy.pipelines) > 1:  # families split it, each family's replicas their share
         return [f"hint: the global batch {batch} is prime: only the families' shares of it split evenly; {flag}"]
-    if idle > 0:
+    replicas = sum(p.replicas for p in evaluation.strategy.pipelines)
+    if idle > 0 and replicas < batch:  # (a replica takes at least one sample: a batch of 1 has no more to share)
         return [f"hint: {idle:,} of {trainable:,} devices are idle; {flag}, which may use them"]
     return []

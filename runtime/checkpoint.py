@@ -359,6 +359,8 @@ def resolve(path: str | Path) -> Path:
     """The checkpoint `path` names: itself when it is one, else the latest complete one under it; a one-line
     SpecError when there is none, or when it is a checkpoint whose save did not finish."""
     path = Path(path)
+    if path.exists() and not path.is_dir():  # (a file of one, say its .metadata)
+        raise SpecError(str(path), "", "is a file: expected a checkpoint directory (step-NNNNNNNN) or one above them")
     if not path.is_dir():
         raise SpecError(str(path), "", "no such checkpoint directory")
     if (path / METADATA_FILE).exists() or (path / INFO_FILE).exists() or path.name.startswith(("step-", ".tmp-step-")):

@@ -42,7 +42,9 @@ def test_local_collectives_are_correct_and_reported_nccl_tests_style(tmp_path, r
     profile = link_profile(points, "in_node", "gloo")
     assert profile["schema"] == "hetplan.links/1"
     assert len(profile["links"]) == 4
-    assert all(link["busbw_bytes_per_s"] > 0 and link["alpha_s"] >= 0 for link in profile["links"])
+    # (None: times that do not grow with the size over these two measure no bandwidth; it was written as 1e15 B/s)
+    assert all(link["alpha_s"] >= 0 for link in profile["links"])
+    assert all(link["busbw_bytes_per_s"] is None or 0 < link["busbw_bytes_per_s"] < 1e12 for link in profile["links"])
 
 
 def test_cli_profile_comm_writes_a_link_profile(tmp_path):

@@ -59,6 +59,10 @@ def test_hetplan_run_survives_a_lost_rank_and_refuses_bad_resumes_in_one_line(tm
     # the last attempt trained steps 3 and 4, step 3 its warm-up: the measurement is step 4's (it said "median of
     # steps 2-4")
     assert "(step 4)" in ran.stdout
+    from predictor.runs import load_runs
+
+    (run,) = load_runs(record_path)  # `validate` and `fit --runs` read it back (its `elastic` section was refused)
+    assert [g.name for g in run.cluster.groups] == ["fast"] and run.measured_iteration_time_s > 0
 
     refused = hetplan("run", str(plan), "--cluster", str(cluster), "--out", str(tmp_path / "x.json"), "--resume",
                       str(root), "--steps", "4", torch_allowed=True)  # fmt: skip
@@ -75,4 +79,7 @@ def test_hetplan_run_survives_a_lost_rank_and_refuses_bad_resumes_in_one_line(tm
         checkpoint.check_resume(broken, model, 6)
     with pytest.raises(SpecError, match="no complete checkpoint"):
         checkpoint.check_resume(broken.parent, model, 6)
+    metadata = checkpoint.step_dir(root, 4) / checkpoint.METADATA_FILE
+    with pytest.raises(SpecError, match=r"\.metadata: is a file: expected a checkpoint directory"):
+        checkpoint.check_resume(metadata, model, 6)
     assert checkpoint.check_resume(root, model, 6)[0] == checkpoint.step_dir(root, 4)

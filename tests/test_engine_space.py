@@ -38,6 +38,10 @@ def test_a_plan_for_megatron_exports_without_loss_and_beats_the_closest_export_o
     assert for_megatron.evaluation.iteration_time_s <= closest_of_free.predicted_iteration_time_s + 1e-9
     assert free.evaluation.iteration_time_s <= for_megatron.evaluation.iteration_time_s + 1e-9  # the larger space
     assert for_megatron.search_stats["engine"] == "megatron"
+    # it runs as planned over the bridge between NCCL and RCCL, as the export says: `plan --engine` says so too
+    said = "the plan spans vendors amd, nvidia: megatron runs one collective library for the whole job; launch it over"
+    assert for_megatron.search_stats["engine_note"].startswith(said)
+    assert any(note.startswith(said) for note in exported.notes)
 
 
 def test_an_interleaved_plan_of_fewer_micro_batches_than_stages_exports_to_megatron_as_plain_1f1b():

@@ -707,7 +707,26 @@ def test_profile_comm_refuses_to_write_a_link_profile_that_fit_and_plan_would_re
 
     links_file(tmp_path / "good.json")
     good = json.loads((tmp_path / "good.json").read_text())
-    check_fits(good, "1MiB")
+    check_fits(good, "--max-size", "1MiB", "--max-size 16MiB")
     flat = {**good, "points": [{**p, "time_s": 1e-3, "mean_time_s": 1e-3} for p in good["points"]]}
     with pytest.raises(SpecError, match=r"--max-size: 64KiB: the points show no size dependence.*nothing was written"):
-        check_fits(flat, "64KiB")
+        check_fits(flat, "--max-size", "64KiB", "--max-size 16MiB")
+
+
+def test_link_fits_of_latency_bound_sizes_show_no_bandwidth_and_comm_bench_writes_no_profile_fit_refuses():
+    """profile-comm's per-collective fit of times that do not grow with the size clamped 1/bandwidth to 1e-15 and
+    wrote a bandwidth of 1,000,000 GB/s; comm-bench --links-out wrote a link profile that `fit --links` refused."""
+    pytest.importorskip("torch")
+    from comm.bench import links_from_bench
+    from profiler.comm_bench import CommPoint
+    from profiler.comm_bench import fit_link as fit_group
+    from report.measuring import check_fits
+
+    flat = [CommPoint("send_recv", 2, size, 2e-4, 1.0, 1.0, True) for size in (4096, 65536, 1 << 20)]
+    assert fit_group(flat, "in_node").busbw_bytes_per_s is None
+    growing = [replace(p, time_s=1e-4 + p.size_bytes / 1e9) for p in flat]
+    assert fit_group(growing, "in_node").busbw_bytes_per_s == pytest.approx(1e9, rel=1e-6)
+    rows = [{"path": "bridged", "size_bytes": size, "time_s": 1e-3, "correct": True} for size in (4096, 1 << 20)]
+    links = links_from_bench({"ranks": 2, "rows": rows})
+    with pytest.raises(SpecError, match=r"^--sizes: 4KiB,1MiB: the points show no size dependence.*--sizes 4KiB,1MiB"):
+        check_fits(links, "--sizes", "4KiB,1MiB", "--sizes 4KiB,1MiB,16MiB")

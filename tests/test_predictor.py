@@ -408,6 +408,7 @@ def test_leave_one_source_out_of_one_source_says_why_there_is_no_table():
     body = validation_report(Predictor(), own, held_out=True)
     why = body["leave_one_source_out"]["not_computed"]
     assert why.startswith(f"all {len(own)} runs have one source ({runs[0].source})") and "two or more" in why
+    assert "refits the calibration on the runs given (not on the predictor's own)" in why
     assert f"leave one source out: not computed: {why}" in validation_renderables(body)
     assert "leave_one_source_out" not in validation_report(Predictor(), own, held_out=False)
 

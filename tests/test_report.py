@@ -212,6 +212,8 @@ def test_profiles_directory_is_checked_against_the_model(tmp_path):
         profile_files(empty)
     with pytest.raises(SpecError, match="expected a directory of profile JSON files"):
         load_profiles(tmp_path / "a.json", model)
+    with pytest.raises(SpecError, match=r"nowhere: not found: expected a directory of profile JSON files$"):
+        load_profiles(tmp_path / "nowhere", model)
 
 
 def test_stage_table_marks_stages_that_do_not_fit_in_red():
@@ -382,6 +384,9 @@ def test_hints_name_uneven_batches_for_a_prime_batch_and_advice_skips_what_is_al
     assert hint.startswith("hint: the global batch 31 is prime") and "--uneven-batch exhaustive" in hint
     even = explain(_plan(tp=2, pp=2, dp=4), _a100())
     assert hint_lines(even.context, even.evaluation) == []  # every device used, batch splits evenly
+    single = explain(_plan(tp=4, pp=2, dp=1, batch=1), _a100())  # devices idle, but one sample: no more replicas
+    assert single.evaluation.devices_used < single.context.cluster.num_devices
+    assert hint_lines(single.context, single.evaluation) == []
     defaults = load_training()  # full recompute and ZeRO-1 already allowed
     assert fit_remedies(defaults) == (
         "add devices, shard gradients and weights too (--zero-stage 3) or shorten the sequence (--seq-len)"
