@@ -224,7 +224,7 @@ def predict(
     from dataclasses import replace
 
     from planner.plan import evaluation_dict, header_dict, interval_dict, load_plan
-    from planner.what_if import predicted, what_if
+    from planner.what_if import predicted, recorded_cluster, what_if
     from report.tables import evaluation_tables, interval_row
     from specs import flags
     from specs.cluster import load_cluster
@@ -252,6 +252,8 @@ def predict(
     layout = {field: MEGATRON_FLAGS[field][1] if value is None else value for field, value in layout.items()}
     flags.training(None, **overrides)  # a bad flag is named as the flag, before a plan's training is read
     chosen = what_if(cluster_spec, cluster, strategy, model, training, overrides, layout)
+    if strategy is not None:  # a re-planned plan is for the cluster its changes left
+        cluster_spec = recorded_cluster(load_plan(strategy), cluster_spec, cluster)
     used = {stage.group for pipeline in chosen.strategy.pipelines for stage in pipeline.stages}
     chosen = replace(chosen, training=on_cluster(chosen.training, cluster_spec, used))
     if strategy is not None:
@@ -428,6 +430,7 @@ def replan(
         result = run_replan(
             new_cluster, loaded.model, loaded.training, loaded.strategy, chosen, profiles=measured, engine=engine,
             training_names_engine=loaded.training_names_engine,
+            cluster_changes=[*loaded.cluster_changes, (without or [], add or [])],
         )  # fmt: skip
     if out is not None:
         result.plan.save(out)

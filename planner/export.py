@@ -39,7 +39,7 @@ class NodeLaunch:
     """One node's torchrun: which node of which group, its node rank and the local devices its ranks use."""
 
     group: str
-    node: int  # index within the group
+    node: int  # the cluster file's number of the node in its group (DeviceGroup.node_number)
     node_rank: int
     devices: tuple[int, ...]  # local device indices, in local-rank order
     visible_devices_env: str  # the vendor's variable (CUDA_VISIBLE_DEVICES, ...); "" when it has none
@@ -364,7 +364,8 @@ def node_launches(cluster: ClusterSpec, ranks: list[tuple[str, int]]) -> list[No
     launches = []
     for node_rank, (group_name, node, devices) in enumerate(nodes):
         env = get_vendor(cluster.group(group_name).device.vendor).visible_devices_env
-        launches.append(NodeLaunch(group_name, node, node_rank, tuple(devices), env))
+        number = cluster.group(group_name).node_number(node)  # a re-planned cluster's nodes keep their numbers
+        launches.append(NodeLaunch(group_name, number, node_rank, tuple(devices), env))
     return launches
 
 

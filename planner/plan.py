@@ -399,6 +399,26 @@ class LoadedPlan:
     # each family's stages' `device` as written ("" where not): planner.what_if checks them against the cluster
     written_devices: tuple[tuple[str, ...], ...] = ()
     training_names_engine: bool = False  # its training named the kernels (`engine`): an export keeps them
+    # `hetplan replan`'s changes to the cluster file, in order ((without, add) each), and the nodes per group they
+    # left, which the plan is for (planner.what_if.recorded_cluster applies them to the cluster file)
+    cluster_changes: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = ()
+    cluster_nodes: tuple[tuple[str, int], ...] = ()
+
+
+class _ClusterChange(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    without: tuple[str, ...] = ()
+    add: tuple[str, ...] = ()
+
+
+class _ClusterChanges(BaseModel):
+    """What a re-planned plan records of its cluster (search.cluster_changes, search.cluster_nodes)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    cluster_changes: tuple[_ClusterChange, ...] = ()
+    cluster_nodes: dict[str, int] = {}
 
 
 def _check_summaries(
@@ -521,6 +541,18 @@ def load_plan(path: str | Path) -> LoadedPlan:
     if not isinstance(named, bool):
         raise SpecError(source, "search.training_names_engine", f"expected true or false, got {named!r}")
     written_devices = tuple(tuple(stage.device or "" for stage in pipeline.stages) for pipeline in parsed.pipelines)
+    recorded = {key: parsed.search[key] for key in ("cluster_changes", "cluster_nodes") if key in parsed.search}
+    changes = validate(_ClusterChanges, recorded, source, prefix="search")
     return LoadedPlan(
-        strategy, model, training, source, parsed.cluster, parsed.cost_source, engine, written_devices, named
+        strategy,
+        model,
+        training,
+        source,
+        parsed.cluster,
+        parsed.cost_source,
+        engine,
+        written_devices,
+        named,
+        tuple((change.without, change.add) for change in changes.cluster_changes),
+        tuple(changes.cluster_nodes.items()),
     )

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -39,8 +39,24 @@ CHANGE = re.compile(
 )
 
 
+def node_ranges(numbers: list[int]) -> str:
+    """Node numbers as runs: 0..16, 18..77."""
+    runs: list[list[int]] = []
+    for number in numbers:
+        if runs and number == runs[-1][1] + 1:
+            runs[-1][1] = number
+        else:
+            runs.append([number, number])
+    return ", ".join(str(a) if a == b else f"{a}..{b}" for a, b in runs)
+
+
 def changed_cluster(cluster: ClusterSpec, without: list[str], add: list[str]) -> ClusterSpec:
-    """Remove nodes (`node:GROUP/INDEX` or `group:NAME:COUNT`) and add nodes (`group:NAME:COUNT`)."""
+    """Remove nodes (`node:GROUP/NUMBER`, the cluster file's number of the node, or `group:NAME:COUNT`, the last
+    ones) and add nodes (`group:NAME:COUNT`, numbered after the highest left or lost by number: a lost node's number
+    is not given to a new one); each group keeps the numbers of its nodes (DeviceGroup.node_ids), so a launch runs on
+    the nodes that are left."""
+    numbers = {group.name: group.node_numbers for group in cluster.groups}
+    lost: dict[str, list[int]] = {group.name: [] for group in cluster.groups}
     nodes = {group.name: group.nodes for group in cluster.groups}
     for flag, items, sign in (("--without", without, -1), ("--add", add, 1)):
         for item in items:
@@ -52,8 +68,8 @@ def changed_cluster(cluster: ClusterSpec, without: list[str], add: list[str]) ->
             group = cluster.group(name) if name in nodes else None
             if group is None:
                 raise SpecError(flag, item, f"no group {name!r}; groups: {', '.join(nodes)}")
-            if match["node"] is not None and not 0 <= int(match["node"]) < group.nodes:
-                raise SpecError(flag, item, f"group {name!r} has nodes 0..{group.nodes - 1}")
+            if match["node"] is not None and int(match["node"]) not in numbers[name]:
+                raise SpecError(flag, item, f"group {name!r} has nodes {node_ranges(numbers[name]) or '(none left)'}")
             if match["node"] is None and int(match["count"]) < 1:  # a sign or a zero is a slip, not a change
                 counts = f"from 1 to {group.nodes} (the nodes group {name!r} has)" if sign < 0 else "of at least 1"
                 raise SpecError(flag, item, f"expected a count of nodes {counts}, got {match['count']}")
@@ -62,7 +78,15 @@ def changed_cluster(cluster: ClusterSpec, without: list[str], add: list[str]) ->
                 raise SpecError(
                     flag, item, f"group {name!r} has only {group.nodes} node{'s' if group.nodes > 1 else ''}"
                 )
-    groups = tuple(group.with_nodes(nodes[group.name]) for group in cluster.groups if nodes[group.name] > 0)
+            if match["node"] is not None:
+                numbers[name].remove(int(match["node"]))
+                lost[name].append(int(match["node"]))
+            elif sign < 0:
+                del numbers[name][len(numbers[name]) - int(match["count"]) :]
+            else:
+                highest = max([*numbers[name], *lost[name]], default=-1)
+                numbers[name] += range(highest + 1, highest + 1 + int(match["count"]))
+    groups = tuple(group.with_node_numbers(numbers[group.name]) for group in cluster.groups if nodes[group.name] > 0)
     if not groups:
         raise SpecError("--without", "", "no nodes would be left")
     return dataclasses.replace(cluster, groups=groups)
@@ -72,15 +96,15 @@ def cancelled_changes(cluster: ClusterSpec, changed: ClusterSpec, without: list[
     """The groups that both --without and --add change and that keep their nodes, one phrase each ("--without
     group:v100:1 and --add group:v100:1 cancel out (group v100 keeps its 2 nodes)"); changes that leave every group
     as it was are refused: the cluster is the one the plan was made for, so there is nothing to re-plan."""
-    nodes_after = {group.name: group.nodes for group in changed.groups}
+    numbers_after = {group.name: group.node_numbers for group in changed.groups}
     phrases = []
     for group in cluster.groups:
         removed = [f"--without {item}" for item in without if _group_named(item) == group.name]
         added = [f"--add {item}" for item in add if _group_named(item) == group.name]
-        if removed and added and nodes_after.get(group.name) == group.nodes:
+        if removed and added and numbers_after.get(group.name) == group.node_numbers:  # (not a node replaced)
             phrases.append(f"{' and '.join(removed + added)} cancel out (group {group.name} keeps its {group.nodes} "
                            f"node{'s' if group.nodes > 1 else ''})")  # fmt: skip
-    if changed == cluster:
+    if changed == cluster and all(numbers_after.get(g.name) == g.node_numbers for g in cluster.groups):
         raise SpecError("--without/--add", "", f"{'; '.join(phrases)}: the cluster is unchanged (nothing to re-plan)")
     return phrases
 
@@ -211,6 +235,7 @@ def replan(
     profiles: Mapping[str, DeviceProfile] | None = None,
     engine: Engine | None = None,
     training_names_engine: bool = False,
+    cluster_changes: Sequence[tuple[Sequence[str], Sequence[str]]] = (),
 ) -> Replan:
     """Plan again on a changed cluster, warm-started from the old strategy, at the training's context-parallel degrees
     and the old plan's, over every uneven batch split
@@ -221,12 +246,16 @@ def replan(
     records them: planner.cost_source). `engine`: the engine the old plan was made for (`plan --engine`, its
     `search.engine`): the new plan stays within what that engine runs as planned (planner.engine_space.engine_search,
     without the warm start, which is the unrestricted search's). `training_names_engine`: the old plan's training named
-    its kernels (LoadedPlan.training_names_engine): the new plan records it, so an export keeps them."""
+    its kernels (LoadedPlan.training_names_engine): the new plan records it, so an export keeps them.
+    `cluster_changes`: the (without, add) changes from the cluster file to `cluster`, in order (the old plan's and
+    this one's): the new plan records them and the nodes they leave, so the commands reading it with the cluster
+    file run it on those nodes (planner.what_if.recorded_cluster)."""
     predictor = predictor or default_predictor()
     training = training.model_copy(update={"uneven_batch": "exhaustive"})
     if engine is not None:  # what the engine can run (uneven batches only where it has them), as the plan records it
         training = engine_training(training, engine)[0]
     every_group = "fp16" if engine is None or engine.fp16 else "fp32"
+    nodes = {group.name: group.nodes for group in cluster.groups}  # (idle groups too)
     cluster, idle_note = groups_with_dtype(cluster, training, every_group)  # a bf16 plan leaves V100s idle
     started = time.perf_counter()
     if previous is not None and previous.model == model and {g.name for g in cluster.groups} <= set(previous.sources):
@@ -262,6 +291,9 @@ def replan(
         stats["engine"] = engine.key
     if training_names_engine:  # as the old plan records it (a loaded training sets every field)
         stats["training_names_engine"] = True
+    if cluster_changes:
+        stats["cluster_changes"] = [{"without": list(w), "add": list(a)} for w, a in cluster_changes]
+        stats["cluster_nodes"] = nodes
     if result.note:
         stats["note"] = result.note
     if idle_note:

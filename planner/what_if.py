@@ -74,13 +74,42 @@ def _device_key(name: str) -> str:
         return name
 
 
+def recorded_cluster(plan: LoadedPlan, cluster: ClusterSpec, cluster_file: str | Path) -> ClusterSpec:
+    """The cluster a plan is for: the cluster file, with the changes a re-plan recorded (`hetplan replan --without
+    node:ascend/17`: the nodes left keep their numbers, so a launch skips the lost one) unless the file already has
+    the nodes the plan is for (the changed cluster written out); other node counts are refused in one line."""
+    from planner.replan import changed_cluster
+
+    wanted = dict(plan.cluster_nodes)
+    if not wanted or {g.name: g.nodes for g in cluster.groups} == wanted:
+        return cluster
+    changed: ClusterSpec | None = cluster
+    try:
+        for without, add in plan.cluster_changes:
+            changed = changed_cluster(changed, list(without), list(add))
+    except SpecError:
+        changed = None
+    if changed is None or {g.name: g.nodes for g in changed.groups} != wanted:
+        steps = "; ".join(" ".join([*(f"--without {w}" for w in without), *(f"--add {a}" for a in add)])
+                          for without, add in plan.cluster_changes)  # fmt: skip
+        nodes = ", ".join(f"{name} {count}" for name, count in wanted.items())
+        raise SpecError(
+            str(cluster_file),
+            "groups",
+            f"{plan.source} was re-planned ({steps}) for nodes {nodes}: expected the cluster file it was re-planned "
+            "from, or one with those nodes",
+        )
+    return changed
+
+
 def plan_on_cluster(plan_file: str | Path, cluster_file: str | Path) -> tuple[LoadedPlan, ClusterSpec]:
-    """A plan file and the cluster file it was made for, checked together: the cluster's name, then the layout's
-    structure (layers covered once, TP inside a node, devices within the groups, samples adding up to the batch),
-    before anything sizes arrays or walks stages by it."""
+    """A plan file and the cluster file it was made for (with the changes a re-plan recorded: recorded_cluster),
+    checked together: the cluster's name, then the layout's structure (layers covered once, TP inside a node, devices
+    within the groups, samples adding up to the batch), before anything sizes arrays or walks stages by it."""
     plan = load_plan(plan_file)
     cluster = load_cluster(cluster_file)
     check_plan_against_cluster(plan, cluster, cluster_file)
+    cluster = recorded_cluster(plan, cluster, cluster_file)
     check_strategy(plan.strategy, cluster, plan.model, plan.training.global_batch_size, plan.source)
     return plan, cluster
 

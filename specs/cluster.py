@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -106,10 +106,21 @@ class DeviceGroup:
     nic_bw_bytes_per_s: float
     emulate_speed: float = 1.0  # < 1: a CPU group emulating a slower device type (compute really repeated)
     transport: Transport = "rdma"
+    # the cluster file's number of each node, in order, where nodes were removed or added since (`hetplan replan`:
+    # without node 17 of 78, nodes 0..16, 18..77); empty: 0..nodes-1. Where a launch runs, not what a plan costs.
+    node_ids: tuple[int, ...] = field(default=(), compare=False)
 
     @property
     def num_devices(self) -> int:
         return self.nodes * self.devices_per_node
+
+    def node_number(self, index: int) -> int:
+        """The cluster file's number of the group's `index`-th node."""
+        return self.node_ids[index] if self.node_ids else index
+
+    @property
+    def node_numbers(self) -> list[int]:
+        return list(self.node_ids) if self.node_ids else list(range(self.nodes))
 
     @property
     def nic_bw_per_device_bytes_per_s(self) -> float:
@@ -117,7 +128,12 @@ class DeviceGroup:
         return self.nics_per_node * self.nic_bw_bytes_per_s / self.devices_per_node
 
     def with_nodes(self, nodes: int) -> DeviceGroup:
-        return replace(self, nodes=nodes)
+        return replace(self, nodes=nodes, node_ids=())
+
+    def with_node_numbers(self, numbers: list[int]) -> DeviceGroup:
+        """The group of these nodes (the cluster file's numbers, in order)."""
+        renumbered = numbers != list(range(len(numbers)))
+        return replace(self, nodes=len(numbers), node_ids=tuple(numbers) if renumbered else ())
 
 
 @dataclass(frozen=True)

@@ -56,15 +56,20 @@ def test_a_negative_or_zero_count_of_nodes_is_named_with_the_counts_expected(wit
 
 def test_changes_that_cancel_out_are_said_and_a_cluster_left_unchanged_is_refused():
     """`replan --add group:v100:1 --without group:v100:1` re-planned the very cluster of the plan without a word
-    ("throughput +0.0%"); a failed node replaced by a new one leaves the cluster as it was too."""
+    ("throughput +0.0%"). A failed node replaced by a new one is a change: the plan runs on other nodes (the new
+    one numbered after the last), which the re-planned plan records for its launch."""
     cluster = load_cluster(CLUSTER)
-    for without, add in ((["group:v100:1"], ["group:v100:1"]), (["node:v100/0"], ["group:v100:1"])):
-        with pytest.raises(SpecError) as caught:
-            cancelled_changes(cluster, changed_cluster(cluster, without, add), without, add)
-        assert str(caught.value) == (
-            f"--without/--add: --without {without[0]} and --add group:v100:1 cancel out (group v100 keeps its 2 "
-            "nodes): the cluster is unchanged (nothing to re-plan)"
-        )
+    without, add = ["group:v100:1"], ["group:v100:1"]
+    with pytest.raises(SpecError) as caught:
+        cancelled_changes(cluster, changed_cluster(cluster, without, add), without, add)
+    assert str(caught.value) == (
+        "--without/--add: --without group:v100:1 and --add group:v100:1 cancel out (group v100 keeps its 2 nodes): "
+        "the cluster is unchanged (nothing to re-plan)"
+    )
+    without = ["node:v100/0"]
+    replaced = changed_cluster(cluster, without, add)
+    assert replaced.group("v100").node_numbers == [1, 2] and replaced == cluster  # costs as before, other nodes
+    assert cancelled_changes(cluster, replaced, without, add) == []
     without, add = ["group:v100:1", "node:a100/1"], ["group:v100:1"]  # the A100 node's loss stays
     assert cancelled_changes(cluster, changed_cluster(cluster, without, add), without, add) == [
         "--without group:v100:1 and --add group:v100:1 cancel out (group v100 keeps its 2 nodes)"
@@ -182,6 +187,56 @@ def test_adapted_plan_keeps_the_stages_with_fewer_replicas():
 
 
 @pytest.mark.slow
+def test_lost_nodes_keep_the_numbers_of_the_nodes_left():
+    """`--without node:GROUP/N` names the cluster file's node N: the nodes left keep their numbers (a second loss is
+    named by its number, not its new position), nodes added are numbered after the highest, `group:NAME:COUNT`
+    takes the last ones."""
+    cluster = load_cluster(EXAMPLES / "hethub-768.yaml")
+    lost = changed_cluster(cluster, ["node:ascend/17"], [])
+    assert lost.group("ascend").node_numbers == [*range(17), *range(18, 80)] and lost.group("amd").node_ids == ()
+    again = changed_cluster(lost, ["node:ascend/18"], ["group:ascend:2"])
+    assert again.group("ascend").node_numbers == [*range(17), *range(19, 82)]
+    with pytest.raises(SpecError, match=r"^--without: node:ascend/17: group 'ascend' has nodes 0\.\.16, 18\.\.79$"):
+        changed_cluster(lost, ["node:ascend/17"], [])
+    assert changed_cluster(lost, ["group:ascend:3"], []).group("ascend").node_numbers == [*range(17), *range(18, 77)]
+
+
+def test_a_replanned_plan_runs_on_the_nodes_left_when_read_with_the_cluster_file(tmp_path):
+    """The re-planned plan named the cluster file's cluster and offsets into its groups as if no node were lost:
+    `launch` put ranks on the lost node, `predict` counted its devices. The plan records the changes and the nodes
+    they leave; commands reading it with the cluster file apply them (a second re-plan adds its own), with the
+    changed cluster's own file as it is, and refuse a file of other node counts."""
+    from tests.conftest import hetplan, write_plan
+
+    plan_path, replanned, twice = tmp_path / "plan.json", tmp_path / "re.json", tmp_path / "re2.json"
+    write_plan(plan_path, CLUSTER, "gpt3-1.7b", 64)
+    result = hetplan("replan", str(plan_path), "-c", str(CLUSTER), "--without", "node:a100/0", "--out", str(replanned))
+    assert result.returncode == 0, result.stderr
+    search = json.loads(replanned.read_text())["search"]
+    assert search["cluster_changes"] == [{"without": ["node:a100/0"], "add": []}]
+    assert search["cluster_nodes"] == {"a100": 1, "v100": 2}
+    launch = hetplan("launch", str(replanned), "-c", str(CLUSTER), "--json")
+    assert launch.returncode == 0, launch.stderr
+    nodes = {(node["group"], node["node"]) for node in json.loads(launch.stdout)["nodes"]}
+    assert ("a100", 0) not in nodes and nodes <= {("a100", 1), ("v100", 0), ("v100", 1)}
+    predicted = hetplan("predict", "--strategy", str(replanned), "-c", str(CLUSTER))
+    assert predicted.returncode == 0, predicted.stderr
+    assert "a100-v100-32 (24 devices" in predicted.stdout  # (it said 32: the lost node's too)
+    result = hetplan("replan", str(replanned), "-c", str(CLUSTER), "--without", "node:v100/1", "--out", str(twice))
+    assert result.returncode == 0, result.stderr
+    changes = json.loads(twice.read_text())["search"]["cluster_changes"]
+    assert changes == [{"without": ["node:a100/0"], "add": []}, {"without": ["node:v100/1"], "add": []}]
+    changed_file = tmp_path / "changed.yaml"
+    changed_file.write_text(CLUSTER.read_text().replace("nodes: 2", "nodes: 1", 1))
+    assert hetplan("launch", str(replanned), "-c", str(changed_file)).returncode == 0
+    bigger = tmp_path / "bigger.yaml"
+    bigger.write_text(CLUSTER.read_text().replace("nodes: 2", "nodes: 3", 1))
+    refused = hetplan("launch", str(replanned), "-c", str(bigger))
+    assert refused.returncode == 2 and "re.json was re-planned (--without node:a100/0) for nodes a100 1, v100 2" in (
+        refused.stderr
+    )
+
+
 def test_replan_command(tmp_path):
     from tests.conftest import hetplan, write_plan
 
