@@ -395,7 +395,7 @@ def explain(
 def replan(
     plan_file: PlanArg,
     cluster: PlanClusterOpt,
-    without: Annotated[Optional[list[str]], opt(help="Lost: node:GROUP/INDEX or group:NAME:COUNT (repeat).")] = None,
+    without: Annotated[Optional[list[str]], opt(help="Lost: node:GROUP/NUMBER or group:NAME:COUNT (repeat).")] = None,
     add: Annotated[Optional[list[str]], opt(help="New capacity: group:NAME:COUNT nodes (repeat).")] = None,
     predictor: PlanPredictorOpt = None,
     profiles: PlanProfilesOpt = None,

@@ -331,6 +331,8 @@ def _launch_only(ctx: CostContext, strategy: Strategy, plan: Strategy) -> tuple[
     """torchrun starts the user's own script, which takes no plan arguments: the plan goes with it as a plan file
     (hetplan's format, the exported layout: planner.plan.load_plan reads it), named to every rank in $HETPLAN_PLAN."""
     body = {**header_dict(ctx), **evaluation_dict(ctx, evaluate(ctx, strategy))}
+    if any(group.node_ids for group in ctx.cluster.groups):  # a re-planned cluster: the nodes it runs on, by number
+        body["search"] = {"cluster_nodes": {group.name: group.node_numbers for group in ctx.cluster.groups}}
     return {EXPORTED_PLAN_FILE: json.dumps(body, indent=2) + "\n"}, []
 
 
@@ -354,8 +356,9 @@ def node_launches(cluster: ClusterSpec, ranks: list[tuple[str, int]]) -> list[No
         if nodes and nodes[-1][:2] == (group_name, node):
             nodes[-1][2].append(local)
         elif any(n[:2] == (group_name, node) for n in nodes):
+            number = cluster.group(group_name).node_number(node)
             why = (
-                f"rank {index} would reopen node {node} of {group_name}: its devices are not contiguous in the "
+                f"rank {index} would reopen node {number} of {group_name}: its devices are not contiguous in the "
                 "engine's rank order (tp-dp-pp); reorder the stages or use whole nodes per stage"
             )
             raise SpecError("export", "stages", why)

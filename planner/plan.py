@@ -6,7 +6,7 @@ import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -399,26 +399,35 @@ class LoadedPlan:
     # each family's stages' `device` as written ("" where not): planner.what_if checks them against the cluster
     written_devices: tuple[tuple[str, ...], ...] = ()
     training_names_engine: bool = False  # its training named the kernels (`engine`): an export keeps them
-    # `hetplan replan`'s changes to the cluster file, in order ((without, add) each), and the nodes per group they
-    # left, which the plan is for (planner.what_if.recorded_cluster applies them to the cluster file)
+    # `hetplan replan`'s changes to the cluster file, in order ((without, add) each), and the nodes they left by
+    # group, by the cluster file's numbers: the nodes the plan is for (planner.what_if.recorded_cluster)
     cluster_changes: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = ()
-    cluster_nodes: tuple[tuple[str, int], ...] = ()
+    cluster_nodes: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
 
 class _ClusterChange(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    without: tuple[str, ...] = ()
-    add: tuple[str, ...] = ()
+    without: list[str] = []
+    add: list[str] = []
 
 
 class _ClusterChanges(BaseModel):
-    """What a re-planned plan records of its cluster (search.cluster_changes, search.cluster_nodes)."""
+    """What a re-planned plan records of its cluster (search.cluster_changes, search.cluster_nodes: each group's
+    node numbers)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
-    cluster_changes: tuple[_ClusterChange, ...] = ()
-    cluster_nodes: dict[str, int] = {}
+    cluster_changes: list[_ClusterChange] = []
+    cluster_nodes: dict[str, list[Annotated[int, Field(ge=0)]]] = {}
+
+    @model_validator(mode="after")
+    def _both(self) -> _ClusterChanges:
+        if self.cluster_changes and not self.cluster_nodes:
+            raise ValueError("cluster_changes go with cluster_nodes, the nodes they leave (a re-plan writes both)")
+        if any(len(set(numbers)) != len(numbers) for numbers in self.cluster_nodes.values()):
+            raise ValueError("cluster_nodes: a node number given twice")
+        return self
 
 
 def _check_summaries(
@@ -553,6 +562,6 @@ def load_plan(path: str | Path) -> LoadedPlan:
         engine,
         written_devices,
         named,
-        tuple((change.without, change.add) for change in changes.cluster_changes),
-        tuple(changes.cluster_nodes.items()),
+        tuple((tuple(change.without), tuple(change.add)) for change in changes.cluster_changes),
+        tuple((name, tuple(numbers)) for name, numbers in changes.cluster_nodes.items()),
     )

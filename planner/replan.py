@@ -62,7 +62,7 @@ def changed_cluster(cluster: ClusterSpec, without: list[str], add: list[str]) ->
         for item in items:
             match = CHANGE.match(item)
             if match is None or (sign > 0 and match["node_group"]):
-                form = "node:GROUP/INDEX or group:NAME:COUNT" if sign < 0 else "group:NAME:COUNT"
+                form = "node:GROUP/NUMBER or group:NAME:COUNT" if sign < 0 else "group:NAME:COUNT"
                 raise SpecError(flag, item, f"expected {form}")
             name = match["node_group"] or match["group"]
             group = cluster.group(name) if name in nodes else None
@@ -110,7 +110,7 @@ def cancelled_changes(cluster: ClusterSpec, changed: ClusterSpec, without: list[
 
 
 def _group_named(change: str) -> str:
-    """The group a change (`node:GROUP/INDEX` or `group:NAME:COUNT`, checked by changed_cluster) names."""
+    """The group a change (`node:GROUP/NUMBER` or `group:NAME:COUNT`, checked by changed_cluster) names."""
     match = CHANGE.match(change)
     return (match["node_group"] or match["group"]) if match is not None else ""
 
@@ -248,14 +248,14 @@ def replan(
     without the warm start, which is the unrestricted search's). `training_names_engine`: the old plan's training named
     its kernels (LoadedPlan.training_names_engine): the new plan records it, so an export keeps them.
     `cluster_changes`: the (without, add) changes from the cluster file to `cluster`, in order (the old plan's and
-    this one's): the new plan records them and the nodes they leave, so the commands reading it with the cluster
-    file run it on those nodes (planner.what_if.recorded_cluster)."""
+    this one's): the new plan records them and the nodes they leave by number, so the commands reading it with the
+    cluster file run it on those nodes (planner.what_if.recorded_cluster)."""
     predictor = predictor or default_predictor()
     training = training.model_copy(update={"uneven_batch": "exhaustive"})
     if engine is not None:  # what the engine can run (uneven batches only where it has them), as the plan records it
         training = engine_training(training, engine)[0]
     every_group = "fp16" if engine is None or engine.fp16 else "fp32"
-    nodes = {group.name: group.nodes for group in cluster.groups}  # (idle groups too)
+    nodes = {group.name: group.node_numbers for group in cluster.groups}  # by the file's numbers (idle groups too)
     cluster, idle_note = groups_with_dtype(cluster, training, every_group)  # a bf16 plan leaves V100s idle
     started = time.perf_counter()
     if previous is not None and previous.model == model and {g.name for g in cluster.groups} <= set(previous.sources):

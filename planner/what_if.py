@@ -75,31 +75,19 @@ def _device_key(name: str) -> str:
 
 
 def recorded_cluster(plan: LoadedPlan, cluster: ClusterSpec, cluster_file: str | Path) -> ClusterSpec:
-    """The cluster a plan is for: the cluster file, with the changes a re-plan recorded (`hetplan replan --without
-    node:ascend/17`: the nodes left keep their numbers, so a launch skips the lost one) unless the file already has
-    the nodes the plan is for (the changed cluster written out); other node counts are refused in one line."""
-    from planner.replan import changed_cluster
-
-    wanted = dict(plan.cluster_nodes)
-    if not wanted or {g.name: g.nodes for g in cluster.groups} == wanted:
+    """The cluster a plan is for: the cluster file's, on the nodes a re-plan recorded (`hetplan replan --without
+    node:ascend/17` leaves ascend nodes 0..16 and 18..79, by the file's numbers: a launch skips the lost one, and
+    a node added later keeps its own number); its devices, NICs and network are the file's."""
+    numbers = dict(plan.cluster_nodes)
+    if not numbers:
         return cluster
-    changed: ClusterSpec | None = cluster
-    try:
-        for without, add in plan.cluster_changes:
-            changed = changed_cluster(changed, list(without), list(add))
-    except SpecError:
-        changed = None
-    if changed is None or {g.name: g.nodes for g in changed.groups} != wanted:
-        steps = "; ".join(" ".join([*(f"--without {w}" for w in without), *(f"--add {a}" for a in add)])
-                          for without, add in plan.cluster_changes)  # fmt: skip
-        nodes = ", ".join(f"{name} {count}" for name, count in wanted.items())
+    missing = sorted(set(numbers) - {group.name for group in cluster.groups})
+    if missing:
         raise SpecError(
-            str(cluster_file),
-            "groups",
-            f"{plan.source} was re-planned ({steps}) for nodes {nodes}: expected the cluster file it was re-planned "
-            "from, or one with those nodes",
+            str(cluster_file), "groups", f"{plan.source} runs on group {missing[0]!r} (search.cluster_nodes): not here"
         )
-    return changed
+    groups = tuple(g.with_node_numbers(list(numbers[g.name])) for g in cluster.groups if numbers.get(g.name))
+    return replace(cluster, groups=groups)
 
 
 def plan_on_cluster(plan_file: str | Path, cluster_file: str | Path) -> tuple[LoadedPlan, ClusterSpec]:
@@ -285,7 +273,9 @@ def check_changes(without: Sequence[str], add: Sequence[str], cluster: ClusterSp
 
     if not without and not add:
         group = cluster.groups[-1]
-        raise SpecError("--without/--add", "", f"say what changed, e.g. --without node:{group.name}/{group.nodes - 1}")
+        raise SpecError(
+            "--without/--add", "", f"say what changed, e.g. --without node:{group.name}/{group.node_numbers[-1]}"
+        )
     seen: dict[tuple[str, int], str] = {}
     for item in without:
         match = CHANGE.match(item)

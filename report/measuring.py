@@ -489,8 +489,8 @@ def launch(
         ]  # fmt: skip
         show(True, {"plan": paths[0], "cluster": paths[1], "record": paths[2], "nodes": nodes})
         return
-    for line in commands:
-        sys.stdout.write(line + "\n")
+    for launch, line in zip(runtime_launches(cluster_spec), commands, strict=True):  # where each runs, as a comment
+        sys.stdout.write(f"{line}  # {launch.group} node {launch.node}\n")
 
 
 # ---- communicator and simulated profiles -------------------------------------------------------------------------

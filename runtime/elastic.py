@@ -290,17 +290,6 @@ def resumed_settings(settings: RunSettings, model: Any) -> RunSettings:
     return dataclasses.replace(settings, resume_from=str(found), seed=int(info["seed"]))
 
 
-def _changed_mapping(mapping: dict[str, Any], cluster: ClusterSpec) -> dict[str, Any]:
-    """The cluster file's mapping with the groups, nodes and devices per node the run ended on."""
-    sizes = {g.name: (g.nodes, g.devices_per_node) for g in cluster.groups}
-    groups = []
-    for group in mapping.get("groups", []):
-        if group.get("name") in sizes:
-            nodes, per_node = sizes[group["name"]]
-            groups.append({**group, "nodes": nodes, "devices_per_node": per_node})
-    return {**mapping, "groups": groups}
-
-
 def execute_elastic(
     plan: LoadedPlan,
     cluster: ClusterSpec,
@@ -331,8 +320,7 @@ def execute_elastic(
     share = cpu_share(run.cluster)
     record = _recorded(run.plan, run.cluster, cluster_path, prediction_context(run.cluster, context), settings,
                        run.results, share, speed)  # fmt: skip
-    if run.interruptions:
-        record["cluster"] = _changed_mapping(record["cluster"], run.cluster)
+    if run.interruptions:  # (the record's cluster is the one the run ended on: launch.cluster_mapping)
         record["name"] = f"{record['name']} (after {len(run.interruptions)} interruption(s))"
     saved = sorted({c["step"] for r in run.results for c in r.get("checkpoints", []) if "saved" in c})
     record["elastic"] = {

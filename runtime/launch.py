@@ -277,6 +277,18 @@ def reference_check(plan: LoadedPlan, settings: RunSettings, measured_loss: floa
     }
 
 
+def cluster_mapping(mapping: dict[str, Any], cluster: ClusterSpec) -> dict[str, Any]:
+    """The cluster file's mapping with the groups, nodes and devices per node the run ran on (a re-planned plan's
+    nodes, or what an interrupted run ended on), so a record is predicted on the cluster that ran."""
+    sizes = {g.name: (g.nodes, g.devices_per_node) for g in cluster.groups}
+    groups = []
+    for group in mapping.get("groups", []):
+        if group.get("name") in sizes:
+            nodes, per_node = sizes[group["name"]]
+            groups.append({**group, "nodes": nodes, "devices_per_node": per_node})
+    return {**mapping, "groups": groups}
+
+
 def run_record(
     plan: LoadedPlan,
     cluster: ClusterSpec,
@@ -316,7 +328,7 @@ def run_record(
         "schema": RUN_SCHEMA,
         "name": f"{Path(plan.source).stem} on {cluster.name}",
         "source": f"hetplan run on {platform.node()} ({platform.machine()}, {host_cores()} cores)",
-        "cluster": read_mapping(Path(cluster_path)),
+        "cluster": cluster_mapping(read_mapping(Path(cluster_path)), cluster),
         "model": plan.model.model_dump(mode="json"),
         "training": ctx.training.model_dump(mode="json"),  # as the runtime ran it (planner.what_if.run_context)
         "strategy": layout,

@@ -214,7 +214,8 @@ def test_launch_prints_one_torchrun_per_node_that_expands_the_master_address(tmp
     as_json = hetplan("launch", str(plan), "--cluster", str(EXAMPLES / "cpu-hetero.yaml"), "--json")
     assert as_json.returncode == 0, as_json.stderr
     nodes = json.loads(as_json.stdout)["nodes"]
-    assert [node["command"] for node in nodes] == lines  # the same commands, with where each runs
+    # the same commands, each with where it runs (a re-planned cluster's nodes keep their numbers: not the line's)
+    assert [f"{node['command']}  # {node['group']} node {node['node']}" for node in nodes] == lines
     assert [(node["group"], node["node_rank"], node["devices"]) for node in nodes] == [
         ("fast", 0, [0, 1]),
         ("slow", 1, [0, 1]),

@@ -27,7 +27,7 @@ def test_cluster_changes_parse_and_check():
         (["node:a100/2"], [], "nodes 0..1"),
         (["node:h100/0"], [], "no group 'h100'"),
         (["group:a100:3"], [], "only 2 nodes"),
-        (["a100"], [], "expected node:GROUP/INDEX or group:NAME:COUNT"),
+        (["a100"], [], "expected node:GROUP/NUMBER or group:NAME:COUNT"),
         ([], ["node:a100/0"], "expected group:NAME:COUNT"),
         (["group:a100:2", "group:v100:2"], [], "no nodes would be left"),
     ):
@@ -47,7 +47,7 @@ def test_cluster_changes_parse_and_check():
     ],
 )  # fmt: skip
 def test_a_negative_or_zero_count_of_nodes_is_named_with_the_counts_expected(without, add, expected):
-    """`--without group:v100:-1` got the form's message ("expected node:GROUP/INDEX or group:NAME:COUNT"), as if
+    """`--without group:v100:-1` got the form's message ("expected node:GROUP/NUMBER or group:NAME:COUNT"), as if
     the form were wrong rather than the count."""
     with pytest.raises(SpecError) as caught:
         changed_cluster(load_cluster(CLUSTER), without, add)
@@ -204,8 +204,8 @@ def test_lost_nodes_keep_the_numbers_of_the_nodes_left():
 def test_a_replanned_plan_runs_on_the_nodes_left_when_read_with_the_cluster_file(tmp_path):
     """The re-planned plan named the cluster file's cluster and offsets into its groups as if no node were lost:
     `launch` put ranks on the lost node, `predict` counted its devices. The plan records the changes and the nodes
-    they leave; commands reading it with the cluster file apply them (a second re-plan adds its own), with the
-    changed cluster's own file as it is, and refuse a file of other node counts."""
+    they leave by number; commands reading it with the cluster file run on those nodes (a second re-plan adds its own
+    changes; a lost node replaced by a new one puts no rank on the lost one)."""
     from tests.conftest import hetplan, write_plan
 
     plan_path, replanned, twice = tmp_path / "plan.json", tmp_path / "re.json", tmp_path / "re2.json"
@@ -214,7 +214,7 @@ def test_a_replanned_plan_runs_on_the_nodes_left_when_read_with_the_cluster_file
     assert result.returncode == 0, result.stderr
     search = json.loads(replanned.read_text())["search"]
     assert search["cluster_changes"] == [{"without": ["node:a100/0"], "add": []}]
-    assert search["cluster_nodes"] == {"a100": 1, "v100": 2}
+    assert search["cluster_nodes"] == {"a100": [1], "v100": [0, 1]}
     launch = hetplan("launch", str(replanned), "-c", str(CLUSTER), "--json")
     assert launch.returncode == 0, launch.stderr
     nodes = {(node["group"], node["node"]) for node in json.loads(launch.stdout)["nodes"]}
@@ -226,15 +226,19 @@ def test_a_replanned_plan_runs_on_the_nodes_left_when_read_with_the_cluster_file
     assert result.returncode == 0, result.stderr
     changes = json.loads(twice.read_text())["search"]["cluster_changes"]
     assert changes == [{"without": ["node:a100/0"], "add": []}, {"without": ["node:v100/1"], "add": []}]
-    changed_file = tmp_path / "changed.yaml"
-    changed_file.write_text(CLUSTER.read_text().replace("nodes: 2", "nodes: 1", 1))
-    assert hetplan("launch", str(replanned), "-c", str(changed_file)).returncode == 0
-    bigger = tmp_path / "bigger.yaml"
-    bigger.write_text(CLUSTER.read_text().replace("nodes: 2", "nodes: 3", 1))
-    refused = hetplan("launch", str(replanned), "-c", str(bigger))
-    assert refused.returncode == 2 and "re.json was re-planned (--without node:a100/0) for nodes a100 1, v100 2" in (
-        refused.stderr
-    )
+    assert json.loads(twice.read_text())["search"]["cluster_nodes"] == {"a100": [1], "v100": [0]}
+    out = str(tmp_path / "t")
+    exported = hetplan("export", str(replanned), "-c", str(CLUSTER), "--format", "torchrun", "--out", out)
+    assert exported.returncode == 0, exported.stderr  # its plan.json, which the user's script and launch read
+    assert json.loads((tmp_path / "t" / "plan.json").read_text())["search"]["cluster_nodes"]["a100"] == [1]
+    replaced = tmp_path / "replaced.json"
+    changes = ("--without", "node:a100/0", "--add", "group:a100:1")
+    result = hetplan("replan", str(plan_path), "-c", str(CLUSTER), *changes, "--out", str(replaced))
+    assert result.returncode == 0, result.stderr
+    launch = hetplan("launch", str(replaced), "-c", str(CLUSTER))
+    assert launch.returncode == 0, launch.stderr
+    a100 = [line.rsplit("# ", 1)[1] for line in launch.stdout.splitlines() if "# a100" in line]
+    assert a100 and set(a100) <= {"a100 node 1", "a100 node 2"}
 
 
 def test_replan_command(tmp_path):
