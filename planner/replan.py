@@ -57,7 +57,6 @@ def changed_cluster(cluster: ClusterSpec, without: list[str], add: list[str]) ->
     the nodes that are left."""
     numbers = {group.name: group.node_numbers for group in cluster.groups}
     lost: dict[str, list[int]] = {group.name: [] for group in cluster.groups}
-    nodes = {group.name: group.nodes for group in cluster.groups}
     for flag, items, sign in (("--without", without, -1), ("--add", add, 1)):
         for item in items:
             match = CHANGE.match(item)
@@ -65,16 +64,15 @@ def changed_cluster(cluster: ClusterSpec, without: list[str], add: list[str]) ->
                 form = "node:GROUP/NUMBER or group:NAME:COUNT" if sign < 0 else "group:NAME:COUNT"
                 raise SpecError(flag, item, f"expected {form}")
             name = match["node_group"] or match["group"]
-            group = cluster.group(name) if name in nodes else None
+            group = cluster.group(name) if name in numbers else None
             if group is None:
-                raise SpecError(flag, item, f"no group {name!r}; groups: {', '.join(nodes)}")
+                raise SpecError(flag, item, f"no group {name!r}; groups: {', '.join(numbers)}")
             if match["node"] is not None and int(match["node"]) not in numbers[name]:
                 raise SpecError(flag, item, f"group {name!r} has nodes {node_ranges(numbers[name]) or '(none left)'}")
             if match["node"] is None and int(match["count"]) < 1:  # a sign or a zero is a slip, not a change
                 counts = f"from 1 to {group.nodes} (the nodes group {name!r} has)" if sign < 0 else "of at least 1"
                 raise SpecError(flag, item, f"expected a count of nodes {counts}, got {match['count']}")
-            nodes[name] += sign * (1 if match["node"] is not None else int(match["count"]))
-            if nodes[name] < 0:
+            if sign < 0 and match["node"] is None and int(match["count"]) > len(numbers[name]):
                 raise SpecError(
                     flag, item, f"group {name!r} has only {group.nodes} node{'s' if group.nodes > 1 else ''}"
                 )
@@ -86,7 +84,7 @@ def changed_cluster(cluster: ClusterSpec, without: list[str], add: list[str]) ->
             else:
                 highest = max([*numbers[name], *lost[name]], default=-1)
                 numbers[name] += range(highest + 1, highest + 1 + int(match["count"]))
-    groups = tuple(group.with_node_numbers(numbers[group.name]) for group in cluster.groups if nodes[group.name] > 0)
+    groups = tuple(group.with_node_numbers(numbers[group.name]) for group in cluster.groups if numbers[group.name])
     if not groups:
         raise SpecError("--without", "", "no nodes would be left")
     return dataclasses.replace(cluster, groups=groups)
