@@ -17,7 +17,8 @@ emulates a device at half speed) and examples/cpu-even.yaml (no emulation).
 A case whose runs spread by more than --spread-limit (max / min - 1, default 15%) gets more runs, a round at a time,
 up to --max-repeats (default 5): one slow run of three moves a median of three as much as the model's largest terms.
 So does a case with a run the machine checks read as disturbed (one process or every core computing at once more
-than DISTURBED_LIMIT slower than profiled); such runs are left out of the case's median unless all its runs are.
+than DISTURBED_LIMIT slower than profiled, or other work taking more than OTHER_WORK_LIMIT_CORES of the cores during
+the run); such runs are left out of the case's median unless all its runs are.
 
 Before it profiles, the bench times the tiny model's layer ten times over 20 s and stops when the slowest took more
 than STEADINESS_LIMIT longer than the fastest (a shared host's neighbours moving its speed), and after each round
@@ -55,6 +56,7 @@ from planner.what_if import run_context  # noqa: E402
 from predictor.cost_model import CostContext, Evaluation, evaluate  # noqa: E402
 from predictor.predictor import Predictor, fit_predictor  # noqa: E402
 from predictor.run_terms import predicted_stage_terms, side_by_side  # noqa: E402
+from profiler.machine import OTHER_WORK_LIMIT_CORES  # noqa: E402
 from profiler.profile import load_profile  # noqa: E402
 from runtime.execute import RunSettings  # noqa: E402
 from runtime.launch import (  # noqa: E402
@@ -295,10 +297,18 @@ def cores_slowdown(run: dict[str, Any]) -> float:
     return float(run["measurements"].get("machine_speed", {}).get("cores_slowdown", 1.0))
 
 
+def other_work_cores(run: dict[str, Any]) -> float:
+    """The cores other work took during the run (runtime/launch.py with_other_work): 0 when its record has none."""
+    others = run["measurements"].get("machine_speed", {}).get("other_work", {})
+    return float(others.get("other_processes_cores", 0.0) + others.get("stolen_cores", 0.0))
+
+
 def was_disturbed(run: dict[str, Any]) -> bool:
     """The machine ran slower than profiled around the run: with one process (machine_slowdown) or with every core
-    computing (cores_slowdown), by more than DISTURBED_LIMIT."""
-    return max(run.get("machine_slowdown", 1.0), cores_slowdown(run)) > DISTURBED_LIMIT
+    computing (cores_slowdown), by more than DISTURBED_LIMIT; or other work took more than OTHER_WORK_LIMIT_CORES of
+    the cores during it."""
+    slower = max(run.get("machine_slowdown", 1.0), cores_slowdown(run)) > DISTURBED_LIMIT
+    return slower or other_work_cores(run) > OTHER_WORK_LIMIT_CORES
 
 
 def disturbed_round(paths: list[Path], label: str) -> str | None:
@@ -308,7 +318,8 @@ def disturbed_round(paths: list[Path], label: str) -> str | None:
         return None
     return (
         f"runtime_vs_prediction: {disturbed} of round {label}'s {len(paths)} runs ran on a machine more than "
-        f"{DISTURBED_LIMIT - 1:.0%} slower than profiled (limit: {DISTURBED_ROUND_LIMIT:.0%} of a round): the grid "
+        f"{DISTURBED_LIMIT - 1:.0%} slower than profiled or beside other work taking more than "
+        f"{OTHER_WORK_LIMIT_CORES:g} cores (limit: {DISTURBED_ROUND_LIMIT:.0%} of a round): the grid "
         "would measure the machine, not the model; run it on a quiet machine, or pass --anyway"
     )
 
@@ -487,6 +498,7 @@ def main() -> None:
                 "measured_spread": spread([median_step(run) for run in runs]),
                 "disturbed_runs_s": [median_step(run) for run in every if run not in runs],
                 "cores_slowdowns": [cores_slowdown(run) for run in every],
+                "other_work_cores": [other_work_cores(run) for run in every],
                 "predicted_s": predicted,
                 "error": predicted / measured - 1.0,
                 "machine_slowdowns": slowdowns,
@@ -535,9 +547,10 @@ def run_metadata(work: Path, loads: list[str], load_before: str, runs_s: float) 
 def print_table(rows: list[dict[str, Any]], write: Callable[[str], None] = print) -> None:
     """Per case: measured and predicted, the error against the measured time and against the time at the profile's
     speed (`@speed`), uncalibrated and leave-one-out, and where the run and the prediction differ most; the machine
-    checks' median slowdowns (one process, every core) and the disturbed runs left out (`out`)."""
+    checks' median slowdowns (one process, every core), the cores other work took during the runs (`others`) and the
+    disturbed runs left out (`out`)."""
     write(f"{'cluster':<11} {'model':<6} {'shape':<25} {'measured s':>10} {'runs':>4} {'spread':>6} {'slowdown':>8} "
-          f"{'cores':>5} {'out':>3} "
+          f"{'cores':>5} {'others':>6} {'out':>3} "
           f"{'predicted s':>11} "
           f"{'error':>7} {'@speed':>7} {'LOO s':>7} {'LOO err':>7} {'@speed':>7}  "
           "largest difference (stage, term, measured - predicted s)")  # fmt: skip
@@ -547,7 +560,8 @@ def print_table(rows: list[dict[str, Any]], write: Callable[[str], None] = print
         repeats = row["measured_repeats_s"]
         measured += f" {len(repeats):>4} {spread(repeats):>6.0%}"
         cores = statistics.median(row.get("cores_slowdowns") or [1.0])  # grids before the all-cores check: 1
-        predicted = f"{slowdown:>8.2f} {cores:>5.2f} {len(row.get('disturbed_runs_s', [])):>3}"
+        others = statistics.median(row.get("other_work_cores") or [0.0])  # grids before the check: 0
+        predicted = f"{slowdown:>8.2f} {cores:>5.2f} {others:>6.2f} {len(row.get('disturbed_runs_s', [])):>3}"
         predicted += f" {row['predicted_s']:>11.3f} {row['error']:>+7.1%}"
         predicted += f" {row['error_at_profile_speed']:>+7.1%}"
         loo = f"{row['loo_predicted_s']:>7.3f} {row['loo_error']:>+7.1%}"

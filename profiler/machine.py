@@ -6,14 +6,94 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import resource
 import sys
 import threading
-from typing import NoReturn
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NoReturn
 
 
 def host_cores() -> int:
     """The cores this process may run on, which local ranks share."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+OTHER_WORK_LIMIT_CORES = 0.1  # other work on the host's cores during a run that its wall time carries noticeably
+
+
+@dataclass(frozen=True)
+class HostTimes:
+    """Cumulative CPU times of this process's cores (Linux's /proc/stat, its cpuN lines) and of this process with the
+    children it has waited for, at a wall-clock moment: two readings tell how much of the cores others used."""
+
+    wall_s: float
+    busy_s: float  # user, nice, system, irq and softirq time of the cores, every process's
+    stolen_s: float  # time the hypervisor ran something else while these virtual cores had work
+    own_s: float  # this process's and its children's user and system time (those still running too)
+
+
+def live_children_cpu_s(proc: Path = Path("/proc")) -> float:
+    """User and system time of this process's children still running (each with its own waited-for children), from
+    /proc/PID/stat; 0 where there is no /proc. A finished child waited for is in getrusage's RUSAGE_CHILDREN."""
+    me = os.getpid()
+    ticks = 0
+    for stat in proc.glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text(encoding="utf-8").rsplit(")", 1)[1].split()
+        except (OSError, IndexError):  # ended meanwhile
+            continue
+        if len(fields) > 14 and int(fields[1]) == me:
+            ticks += sum(int(field) for field in fields[11:15])  # utime, stime, cutime, cstime
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def host_times(stat_path: Path = Path("/proc/stat")) -> HostTimes | None:
+    """The host's CPU times now (`HostTimes`), this process's children still running included; None off Linux (no
+    /proc/stat) or when it does not read as expected."""
+    cores = {f"cpu{core}" for core in os.sched_getaffinity(0)} if hasattr(os, "sched_getaffinity") else set()
+    try:
+        lines = stat_path.read_text(encoding="utf-8").splitlines()
+        ticks_per_s = os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError):
+        return None
+    busy = stolen = 0
+    for line in lines:
+        name, *fields = line.split()
+        if name not in cores or len(fields) < 8:
+            continue
+        user, nice, system, _idle, _iowait, irq, softirq, steal = (int(field) for field in fields[:8])
+        busy += user + nice + system + irq + softirq
+        stolen += steal
+    if not cores or busy == 0:
+        return None
+    own = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return HostTimes(
+        wall_s=time.monotonic(),
+        busy_s=busy / ticks_per_s,
+        stolen_s=stolen / ticks_per_s,
+        own_s=sum(usage.ru_utime + usage.ru_stime for usage in own) + live_children_cpu_s(),
+    )
+
+
+def other_work(before: HostTimes, after: HostTimes, over: str = "the run") -> dict[str, Any]:
+    """What else used this process's cores between two readings, in cores on average: other processes (the cores'
+    busy time beyond this process's and its children's) and the hypervisor (stolen time). A local run's ranks share
+    the cores it finds: a run's wall time carries what others take of them, which the machine-speed checks, timing
+    one layer alone or CPU time on every core, do not see (a run 65-208% slower than predicted on a host shared with
+    other work read x0.99-1.02 there). `over`: what the readings span, in words."""
+    wall_s = max(after.wall_s - before.wall_s, 1e-9)
+    others_s = max(0.0, (after.busy_s - before.busy_s) - (after.own_s - before.own_s))
+    stolen_s = max(0.0, after.stolen_s - before.stolen_s)
+    return {
+        "checked": True,
+        "cores": host_cores(),
+        "over": over,
+        "over_s": wall_s,
+        "other_processes_cores": others_s / wall_s,
+        "stolen_cores": stolen_s / wall_s,
+    }
 
 
 def launched_by_torchrun() -> bool:

@@ -9,6 +9,7 @@ from typing import Any
 
 from rich.table import Table
 
+from profiler.machine import OTHER_WORK_LIMIT_CORES
 from report.tables import titled_table
 from specs.units import GIB
 
@@ -263,8 +264,9 @@ def speed_lines(record: Mapping[str, Any]) -> list[str]:
     speed = record["measurements"].get("machine_speed")
     if not speed:
         return []
+    others = other_work_lines(speed.get("other_work"))
     if not speed["checked"]:
-        return [f"machine speed not checked: {speed['why']}"]
+        return [f"machine speed not checked: {speed['why']}", *others]
     around_s = min(speed["before_run_s"], speed["after_run_s"])
     at_speed, error = record["predicted_at_run_speed_s"], record["measurements"]["prediction_error_at_run_speed"]
     layer = f"the profile's reference layer ({speed['layer']})"
@@ -276,7 +278,22 @@ def speed_lines(record: Mapping[str, Any]) -> list[str]:
             f"all {speed['cores']} cores computing it at once: each {speed['busy_stretch_now']:.2f}x its time alone, "
             f"{speed['busy_stretch_profiled']:.2f}x when profiled (x{speed['cores_slowdown']:.2f})"
         )
-    return lines
+    return [*lines, *others]
+
+
+def other_work_lines(others: Mapping[str, Any] | None) -> list[str]:
+    """What else used the host's cores during a run (runtime.launch.with_other_work; records before it: none)."""
+    if not others or not others["checked"]:
+        return []
+    used = others["other_processes_cores"] + others["stolen_cores"]
+    parts = f"other processes {others['other_processes_cores']:.2f}, the hypervisor {others['stolen_cores']:.2f}"
+    line = f"other work on this host during {others['over']}: {used:.2f} of its {others['cores']} cores ({parts})"
+    if used > OTHER_WORK_LIMIT_CORES:
+        line += (
+            "; the ranks shared the cores with it, which the prediction does not know of: "
+            "run again on a quiet host to compare"
+        )
+    return [line]
 
 
 def comm_bench_table(result: Mapping[str, Any], islands: Sequence[str]) -> Table:

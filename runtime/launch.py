@@ -29,7 +29,7 @@ from predictor.run_terms import predicted_stage_terms, side_by_side
 from predictor.runs import RUN_SCHEMA
 from profiler.comm_bench import free_port, run_processes
 from profiler.host import concurrency, layer_time_s
-from profiler.machine import host_cores
+from profiler.machine import HostTimes, host_cores, host_times, other_work
 from profiler.profile import DeviceProfile, ProfileEntry, ScaledLayerCosts
 from runtime.execute import (
     TORCH_DTYPES,
@@ -396,19 +396,71 @@ def execute(
     ctx = prediction_context(cluster, context)
     ctx.check_strategy(plan.strategy, plan.source)
     progress(f"running {plan.source} on {cluster.num_devices} local processes for {settings.steps} steps ...")
-    results, speed = with_speed_check(ctx, lambda: run_plan(plan, cluster, settings, steps_done=steps_done))
+    readings = StepReadings(steps_done)
+    results, speed = with_speed_check(
+        ctx, lambda: run_plan(plan, cluster, settings, steps_done=readings.tell), readings
+    )
     return _recorded(plan, cluster, cluster_path, ctx, settings, results, share, speed)
 
 
-def with_speed_check(ctx: CostContext, run: Callable[[], T]) -> tuple[T, dict[str, Any]]:
-    """`run()` with the machine-speed check around it (`speed_check`), or the reason there is none."""
+MIN_STEPS_WINDOW_S = 2.0  # of steps read for other work on the cores (shorter: the whole run is read)
+
+
+class StepReadings:
+    """The host's CPU times (profiler.machine.host_times) as a run's ranks finish their steps, read from its
+    `steps_done(done, steps)` reports (about every second): when the first step (the warm-up) is done and when every
+    step is, so other work on the cores is measured over the steps whose times the run records, not the ranks' start
+    or the single-process check. `then`: the reports passed on."""
+
+    def __init__(self, then: Callable[[int, int], None] | None = None):
+        self.then = then
+        self.first: HostTimes | None = None
+        self.last: HostTimes | None = None
+
+    def tell(self, done: int, steps: int) -> None:
+        if done >= 1 and self.first is None:
+            self.first = host_times()
+        if done >= steps and self.last is None:
+            self.last = host_times()
+        if self.then is not None:
+            self.then(done, steps)
+
+    def steps_window(self) -> tuple[HostTimes, HostTimes] | None:
+        """The readings at the warm-up's end and the last step's, when they span MIN_STEPS_WINDOW_S or more."""
+        if self.first is None or self.last is None or self.last.wall_s - self.first.wall_s < MIN_STEPS_WINDOW_S:
+            return None
+        return self.first, self.last
+
+
+def with_speed_check(
+    ctx: CostContext, run: Callable[[], T], readings: StepReadings | None = None
+) -> tuple[T, dict[str, Any]]:
+    """`run()` with the machine-speed check around it (`speed_check`), or the reason there is none, and what other
+    work used the cores during it (`with_other_work`, under "other_work")."""
     reference = speed_reference(ctx)
     if reference is None:
-        return run(), {"checked": False, "why": "the prediction's costs are not a measured profile of this host"}
+        result, others = with_other_work(run, readings)
+        why = "the prediction's costs are not a measured profile of this host"
+        return result, {"checked": False, "why": why, "other_work": others}
     before_s = reference_time_s(ctx.model, *reference)
     cores = cores_check(ctx.model, *reference)
+    result, others = with_other_work(run, readings)
+    speed = speed_check(reference, before_s, reference_time_s(ctx.model, *reference), cores)
+    return result, {**speed, "other_work": others}
+
+
+def with_other_work(run: Callable[[], T], readings: StepReadings | None = None) -> tuple[T, dict[str, Any]]:
+    """`run()` and what else used this host's cores while it ran (profiler.machine.other_work): over its steps after
+    the warm-up when `readings` (given to the run's steps_done) read them, else over the whole run; or why unknown."""
+    before = host_times()
     result = run()
-    return result, speed_check(reference, before_s, reference_time_s(ctx.model, *reference), cores)
+    after = host_times()
+    if before is None or after is None:
+        return result, {"checked": False, "why": "this system does not report its cores' busy time (/proc/stat)"}
+    window = readings.steps_window() if readings is not None else None
+    if window is not None:
+        return result, other_work(*window, over="the steps after the first")
+    return result, other_work(before, after, over="the whole run (the ranks' start included)")
 
 
 def speed_reference(ctx: CostContext) -> tuple[DeviceProfile, ProfileEntry] | None:

@@ -14,8 +14,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import runtime_vs_prediction as bench
 
 
-def run(step_s: float, slowdown: float = 1.0, cores_slowdown: float | None = None) -> dict:
+def run(step_s: float, slowdown: float = 1.0, cores_slowdown: float | None = None, others: float = 0.0) -> dict:
     speed = {"checked": True} | ({"cores_slowdown": cores_slowdown} if cores_slowdown is not None else {})
+    speed["other_work"] = {"checked": True, "cores": 2, "over_s": 5.0, "other_processes_cores": others,
+                           "stolen_cores": 0.0}  # fmt: skip
     return {"measured_iteration_time_s": step_s, "machine_slowdown": slowdown, "measurements": {"machine_speed": speed}}
 
 
@@ -26,6 +28,11 @@ def test_disturbed_runs_leave_the_median_unless_every_run_was(tmp_path):
     assert bench.counted([slow_cores, quiet, slow_alone]) == [quiet]
     assert bench.counted([slow_cores, slow_alone]) == [slow_cores, slow_alone]  # all disturbed: all counted
     assert bench.cores_slowdown(run(0.1)) == 1.0  # a record from before the all-cores check
+    # other work on the cores during the run (a host shared with other jobs, which the speed checks do not see)
+    assert bench.was_disturbed(run(0.11, others=0.5)) and not bench.was_disturbed(run(0.11, others=0.05))
+    before_the_check = run(0.11)
+    del before_the_check["measurements"]["machine_speed"]["other_work"]
+    assert bench.other_work_cores(before_the_check) == 0.0 and not bench.was_disturbed(before_the_check)
     paths = []
     for index, record in enumerate((slow_cores, quiet, run(0.12), slow_alone, run(0.13))):
         paths.append(tmp_path / f"run-{index}.json")

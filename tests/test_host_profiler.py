@@ -429,3 +429,66 @@ def test_processes_computing_at_once_are_timed_at_three_moments_and_each_level_t
     assert [(p.processes, p.busy_stretch) for p in costs.concurrency] == [(2, 1.02), (4, 1.1)]
     assert (costs.microbatch_overhead_s, costs.layer_overhead_s) == (0.6e-3, 0.02e-3)
     assert costs.busy_stretch(2) == pytest.approx(1.02)
+
+
+def test_other_work_is_the_cores_busy_time_beyond_this_process_and_its_children(tmp_path):
+    """/proc/stat's lines of this process's cores: busy time (user, nice, system, irq, softirq) and stolen time;
+    another core's line and the idle and iowait columns are not counted. Between two readings, what this process and
+    its children used is left out of the busy time: 3 s busy of which 1 s ours over 4 s is 0.5 cores of others."""
+    import os
+
+    from profiler.machine import HostTimes, host_times, other_work
+
+    mine = sorted(os.sched_getaffinity(0))
+    ticks = os.sysconf("SC_CLK_TCK")
+    lines = ["cpu  1 1 1 1 1 1 1 1 0 0"]  # the all-cores line: not read
+    lines += [f"cpu{core} 100 10 20 500 7 3 2 5 0 0" for core in mine]
+    lines.append(f"cpu{max(mine) + 1} 9999 0 0 0 0 0 0 9999 0 0")  # a core this process may not run on
+    stat = tmp_path / "stat"
+    stat.write_text("\n".join(lines) + "\nintr 1 2 3\n", encoding="utf-8")
+    reading = host_times(stat)
+    assert reading is not None
+    assert reading.busy_s == pytest.approx(len(mine) * (100 + 10 + 20 + 3 + 2) / ticks)
+    assert reading.stolen_s == pytest.approx(len(mine) * 5 / ticks)
+    assert host_times(tmp_path / "missing") is None
+
+    before = HostTimes(wall_s=10.0, busy_s=100.0, stolen_s=1.0, own_s=5.0)
+    after = HostTimes(wall_s=14.0, busy_s=103.0, stolen_s=1.4, own_s=6.0)
+    others = other_work(before, after)
+    assert others["other_processes_cores"] == pytest.approx(0.5) and others["stolen_cores"] == pytest.approx(0.1)
+    assert others["over_s"] == pytest.approx(4.0) and others["checked"]
+
+
+def test_other_work_sees_a_process_that_is_not_a_child_and_not_the_children_waited_for(tmp_path):
+    """A process this one did not start (here: a shell's background loop, left to init) counts as other work; a child
+    computing as long, waited for, counts as this process's own. Each computes 0.5 s of CPU time, however busy the
+    cores are with the rest of the suite (which only adds to the other work)."""
+    import subprocess
+    import sys
+
+    from profiler.machine import host_times, other_work
+
+    before = host_times()
+    if before is None:
+        pytest.skip("this system does not report its cores' busy time")
+    done = tmp_path / "done"
+    spin = f"import time\nwhile time.process_time() < 0.5: pass\nopen({str(done)!r}, 'w').close()\n"
+    script = tmp_path / "spin.py"
+    script.write_text(spin, encoding="utf-8")
+    subprocess.run([sys.executable, str(script)], check=True, timeout=60)  # a child, waited for
+    after = host_times()
+    assert after is not None and after.own_s - before.own_s >= 0.45
+    done.unlink()
+    before = host_times()
+    assert before is not None
+    # a detached loop: `sh` starts it in the background and exits, so this process never waits for it
+    subprocess.run(["sh", "-c", f"{sys.executable} {script} > /dev/null 2>&1 &"], check=True, timeout=30)
+    deadline = time.monotonic() + 60
+    while not done.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.05)  # its exit
+    after = host_times()
+    assert done.exists() and after is not None
+    others = other_work(before, after)
+    assert others["other_processes_cores"] * others["over_s"] >= 0.45, others
+    assert after.own_s - before.own_s < 0.3  # this process only waited

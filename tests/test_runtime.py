@@ -307,6 +307,21 @@ def test_the_speed_check_sets_every_core_computing_beside_the_profiles_measureme
               "predicted_at_run_speed_s": 1.0}  # fmt: skip
     assert f"all {cores} cores computing it at once" in speed_lines(record)[1]
     assert cores_check(MODEL, replace(profile, host=None), entry) == {}
+    # what other work took of the cores during the run: said, and named as what the prediction does not know of
+    # above OTHER_WORK_LIMIT_CORES
+    others = {"checked": True, "cores": 2, "over": "the steps after the first", "over_s": 3.0,
+              "other_processes_cores": 0.55, "stolen_cores": 0.05}  # fmt: skip
+    record["measurements"]["machine_speed"] = {**speed, "other_work": others}
+    said = speed_lines(record)[-1]
+    assert said.startswith("other work on this host during the steps after the first: 0.60 of its 2 cores (other ")
+    assert "the prediction does not know of" in said
+    quiet = {**others, "other_processes_cores": 0.02, "stolen_cores": 0.0}
+    record["measurements"]["machine_speed"] = {"checked": False, "why": "simulated costs", "other_work": quiet}
+    assert speed_lines(record) == [
+        "machine speed not checked: simulated costs",
+        "other work on this host during the steps after the first: 0.02 of its 2 cores (other processes 0.02, the "
+        "hypervisor 0.00)",
+    ]
 
 
 def test_zero_syncs_gradients_with_a_reduce_scatter_as_the_cost_model_counts_them(monkeypatch):
@@ -517,6 +532,36 @@ def test_a_run_times_its_profiles_layer_around_it_and_records_how_much_slower_th
     unchecked = execute(plan, load_cluster(cluster_path), str(cluster_path), simulated,
                         RunSettings(steps=1, dtype="fp32", timeout_s=60.0), progress=lambda _: None)  # fmt: skip
     assert not unchecked["measurements"]["machine_speed"]["checked"] and unchecked["machine_slowdown"] == 1.0
+    # what else used the cores is measured around both runs (it needs no profile)
+    for checked in (record, unchecked):
+        others = checked["measurements"]["machine_speed"]["other_work"]
+        assert others["checked"] and others["over_s"] > 0 and others["other_processes_cores"] >= 0, others
+        assert others["over"] in ("the steps after the first", "the whole run (the ranks' start included)")
+
+
+def test_other_work_is_read_over_the_steps_after_the_warm_up_when_they_last(monkeypatch):
+    """The readings are taken at the first report of a finished step and at the report of the last; the reports go
+    on to the caller's steps_done. Steps spanning under MIN_STEPS_WINDOW_S leave the whole run read."""
+    from profiler.machine import HostTimes
+    from runtime import launch
+
+    clock = iter(range(100))
+    monkeypatch.setattr(launch, "host_times", lambda: HostTimes(float(next(clock)), 0.0, 0.0, 0.0))
+    told: list[tuple[int, int]] = []
+    readings = launch.StepReadings(lambda done, steps: told.append((done, steps)))
+    for done in (0, 0, 1, 2, 2, 3, 4, 4):
+        readings.tell(done, 4)
+    assert told[-1] == (4, 4) and len(told) == 8
+    monkeypatch.setattr(launch, "MIN_STEPS_WINDOW_S", 0.5)
+    window = readings.steps_window()
+    assert window is not None and (window[0].wall_s, window[1].wall_s) == (0.0, 1.0)  # read once each
+    monkeypatch.setattr(launch, "MIN_STEPS_WINDOW_S", 2.0)
+    assert readings.steps_window() is None
+    _, others = launch.with_other_work(lambda: None, readings)
+    assert others["over"] == "the whole run (the ranks' start included)"
+    unfinished = launch.StepReadings()
+    unfinished.tell(1, 4)
+    assert unfinished.steps_window() is None
 
 
 class _SleepingLayer(torch.nn.Module):
