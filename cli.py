@@ -410,6 +410,7 @@ def replan(
     from planner.replan import replan as run_replan
     from planner.what_if import check_changes, plan_on_cluster
     from report.replanning import replan_lines, replan_summary
+    from specs.cluster import load_cluster
     from specs.engines import get_engine
     from specs.flags import output_file
 
@@ -417,7 +418,8 @@ def replan(
     loaded, original = plan_on_cluster(plan_file, cluster)
     check_changes(without or [], add or [], original)
     engine = get_engine(loaded.engine, str(plan_file), "search.engine") if loaded.engine else None
-    new_cluster = changed_cluster(original, without or [], add or [])
+    # made from the cluster file with every change since (a node lost in an earlier re-plan keeps its number)
+    new_cluster = changed_cluster(load_cluster(cluster), without or [], add or [], earlier=loaded.cluster_changes)
     for cancelled in cancelled_changes(original, new_cluster, without or [], add or []):
         said.say(f"note: {cancelled}")
     costs = plan_costs_said(loaded, predictor, profiles, original, new_cluster)

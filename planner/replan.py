@@ -50,13 +50,32 @@ def node_ranges(numbers: list[int]) -> str:
     return ", ".join(str(a) if a == b else f"{a}..{b}" for a, b in runs)
 
 
-def changed_cluster(cluster: ClusterSpec, without: list[str], add: list[str]) -> ClusterSpec:
+def changed_cluster(
+    cluster: ClusterSpec,
+    without: Sequence[str],
+    add: Sequence[str],
+    earlier: Sequence[tuple[Sequence[str], Sequence[str]]] = (),
+) -> ClusterSpec:
     """Remove nodes (`node:GROUP/NUMBER`, the cluster file's number of the node, or `group:NAME:COUNT`, the last
-    ones) and add nodes (`group:NAME:COUNT`, numbered after the highest left or lost by number: a lost node's number
-    is not given to a new one); each group keeps the numbers of its nodes (DeviceGroup.node_ids), so a launch runs on
-    the nodes that are left."""
+    ones) and add nodes (`group:NAME:COUNT`, numbered after the highest the group ever had: a lost node's number is
+    not given to a new one); each group keeps the numbers of its nodes (DeviceGroup.node_ids), so a launch runs on
+    the nodes that are left. `earlier`: the (without, add) changes a re-planned plan records (LoadedPlan
+    .cluster_changes), applied first to `cluster`, the cluster file's: a node lost in any of them keeps its number."""
     numbers = {group.name: group.node_numbers for group in cluster.groups}
     lost: dict[str, list[int]] = {group.name: [] for group in cluster.groups}
+    for earlier_without, earlier_add in earlier:
+        _change_nodes(numbers, lost, earlier_without, earlier_add)
+    _change_nodes(numbers, lost, without, add)
+    groups = tuple(group.with_node_numbers(numbers[group.name]) for group in cluster.groups if numbers[group.name])
+    if not groups:
+        raise SpecError("--without", "", "no nodes would be left")
+    return dataclasses.replace(cluster, groups=groups)
+
+
+def _change_nodes(
+    numbers: dict[str, list[int]], lost: dict[str, list[int]], without: Sequence[str], add: Sequence[str]
+) -> None:
+    """changed_cluster's changes to each group's node numbers (`numbers`), the numbers lost so far kept in `lost`."""
     for flag, items, sign in (("--without", without, -1), ("--add", add, 1)):
         for item in items:
             match = CHANGE.match(item)
@@ -64,30 +83,24 @@ def changed_cluster(cluster: ClusterSpec, without: list[str], add: list[str]) ->
                 form = "node:GROUP/NUMBER or group:NAME:COUNT" if sign < 0 else "group:NAME:COUNT"
                 raise SpecError(flag, item, f"expected {form}")
             name = match["node_group"] or match["group"]
-            group = cluster.group(name) if name in numbers else None
-            if group is None:
+            if name not in numbers:
                 raise SpecError(flag, item, f"no group {name!r}; groups: {', '.join(numbers)}")
+            nodes = len(numbers[name])
             if match["node"] is not None and int(match["node"]) not in numbers[name]:
                 raise SpecError(flag, item, f"group {name!r} has nodes {node_ranges(numbers[name]) or '(none left)'}")
             if match["node"] is None and int(match["count"]) < 1:  # a sign or a zero is a slip, not a change
-                counts = f"from 1 to {group.nodes} (the nodes group {name!r} has)" if sign < 0 else "of at least 1"
+                counts = f"from 1 to {nodes} (the nodes group {name!r} has)" if sign < 0 else "of at least 1"
                 raise SpecError(flag, item, f"expected a count of nodes {counts}, got {match['count']}")
-            if sign < 0 and match["node"] is None and int(match["count"]) > len(numbers[name]):
-                raise SpecError(
-                    flag, item, f"group {name!r} has only {group.nodes} node{'s' if group.nodes > 1 else ''}"
-                )
+            if sign < 0 and match["node"] is None and int(match["count"]) > nodes:
+                raise SpecError(flag, item, f"group {name!r} has only {nodes} node{'s' if nodes != 1 else ''}")
             if match["node"] is not None:
                 numbers[name].remove(int(match["node"]))
                 lost[name].append(int(match["node"]))
-            elif sign < 0:
-                del numbers[name][len(numbers[name]) - int(match["count"]) :]
+            elif sign < 0:  # the last ones, by count (not by number: adding as many back cancels it out)
+                del numbers[name][nodes - int(match["count"]) :]
             else:
                 highest = max([*numbers[name], *lost[name]], default=-1)
                 numbers[name] += range(highest + 1, highest + 1 + int(match["count"]))
-    groups = tuple(group.with_node_numbers(numbers[group.name]) for group in cluster.groups if numbers[group.name])
-    if not groups:
-        raise SpecError("--without", "", "no nodes would be left")
-    return dataclasses.replace(cluster, groups=groups)
 
 
 def cancelled_changes(cluster: ClusterSpec, changed: ClusterSpec, without: list[str], add: list[str]) -> list[str]:

@@ -86,8 +86,39 @@ def recorded_cluster(plan: LoadedPlan, cluster: ClusterSpec, cluster_file: str |
         raise SpecError(
             str(cluster_file), "groups", f"{plan.source} runs on group {missing[0]!r} (search.cluster_nodes): not here"
         )
+    if plan.cluster_changes:
+        check_recorded_changes(plan, cluster, cluster_file)
     groups = tuple(g.with_node_numbers(list(numbers[g.name])) for g in cluster.groups if numbers.get(g.name))
     return replace(cluster, groups=groups)
+
+
+def check_recorded_changes(plan: LoadedPlan, cluster: ClusterSpec, cluster_file: str | Path) -> None:
+    """The changes a re-planned plan records (search.cluster_changes), made again on the cluster file, leave the
+    nodes it records (search.cluster_nodes): else the file is not the one the plan was re-planned from (a group with
+    fewer or more nodes, other names), and its node numbers would name other machines."""
+    from planner.replan import changed_cluster, node_ranges
+
+    try:
+        replayed = changed_cluster(cluster, (), (), earlier=plan.cluster_changes)
+    except SpecError as err:
+        raise SpecError(
+            str(cluster_file),
+            "groups",
+            f"{plan.source} was re-planned with {err.source} {err.field}, which does not apply here: "
+            f"{err.expectation} (search.cluster_changes)",
+        ) from None
+    left = {group.name: group.node_numbers for group in replayed.groups}
+    recorded = {name: list(numbers) for name, numbers in plan.cluster_nodes if numbers}
+    for group in cluster.groups:
+        runs_on, leaves = recorded.get(group.name, []), left.get(group.name, [])
+        if leaves != runs_on:
+            raise SpecError(
+                str(cluster_file),
+                f"groups.{group.name}.nodes",
+                f"{plan.source} runs group {group.name!r} on nodes {node_ranges(runs_on) or 'none'} "
+                f"(search.cluster_nodes); its recorded changes leave {node_ranges(leaves) or 'none'} of this file's "
+                f"{group.nodes}: not the cluster it was re-planned from",
+            )
 
 
 def plan_on_cluster(plan_file: str | Path, cluster_file: str | Path) -> tuple[LoadedPlan, ClusterSpec]:

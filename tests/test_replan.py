@@ -201,6 +201,52 @@ def test_lost_nodes_keep_the_numbers_of_the_nodes_left():
     assert changed_cluster(lost, ["group:ascend:3"], []).group("ascend").node_numbers == [*range(17), *range(18, 77)]
 
 
+def test_a_node_lost_in_an_earlier_replan_keeps_its_number():
+    """A second re-plan that adds a node after the first lost the group's highest one: made from the cluster file
+    with the first re-plan's recorded changes (`earlier`), the new node is numbered after the lost one; from the
+    first re-plan's cluster alone, the lost node's number would be given again (a launch would name it)."""
+    cluster = load_cluster(EXAMPLES / "hethub-768.yaml")
+    first = [(["node:ascend/79"], [])]
+    again = changed_cluster(cluster, [], ["group:ascend:1"], earlier=first)
+    assert again.group("ascend").node_numbers == [*range(79), 80]
+    without_history = changed_cluster(changed_cluster(cluster, ["node:ascend/79"], []), [], ["group:ascend:1"])
+    assert without_history.group("ascend").node_numbers == [*range(80)]  # 79 again: what `earlier` prevents
+    # a count taken from the tail and given back is the same group (the count, not the numbers, changed)
+    back = changed_cluster(cluster, [], ["group:ascend:1"], earlier=[(["group:ascend:1"], [])])
+    assert back.group("ascend").node_numbers == list(range(80))
+
+
+def test_a_replanned_plan_read_with_another_cluster_file_is_refused_in_one_line(tmp_path):
+    """The plan's node numbers name the machines of the file it was re-planned from: with a file whose group has
+    other nodes (fewer here), its recorded changes leave other nodes than it records, and every command reading it
+    says so in one line naming the file and the group, instead of running on nodes the file does not have."""
+    from tests.conftest import hetplan, write_plan
+
+    plan_path, replanned = tmp_path / "plan.json", tmp_path / "re.json"
+    write_plan(plan_path, CLUSTER, "gpt3-1.7b", 64)
+    result = hetplan("replan", str(plan_path), "-c", str(CLUSTER), "--without", "node:v100/1", "--out", str(replanned))
+    assert result.returncode == 0, result.stderr
+    bigger = tmp_path / "a100-v100-32.yaml"  # same name, a third V100 node
+    bigger.write_text(CLUSTER.read_text().replace("device: v100\n    nodes: 2", "device: v100\n    nodes: 3"))
+    for command in (("launch", str(replanned), "-c", str(bigger)), ("explain", str(replanned), "-c", str(bigger))):
+        refused = hetplan(*command)
+        assert refused.returncode == 2, refused.stdout
+        line = refused.stderr.strip()
+        assert "\n" not in line and line.startswith(f"hetplan: error: {bigger}: groups.v100.nodes: "), line
+        assert (
+            "runs group 'v100' on nodes 0 (search.cluster_nodes); its recorded changes leave 0, 2 of this file's 3"
+            in line
+        )
+        assert "not the cluster it was re-planned from" in line
+    smaller = tmp_path / "small" / "a100-v100-32.yaml"
+    smaller.parent.mkdir()
+    smaller.write_text(CLUSTER.read_text().replace("device: v100\n    nodes: 2", "device: v100\n    nodes: 1"))
+    refused = hetplan("replan", str(replanned), "-c", str(smaller), "--add", "group:v100:1")
+    said = "re-planned with --without node:v100/1, which does not apply here: group 'v100' has nodes 0 "
+    assert refused.returncode == 2 and said in refused.stderr, refused.stderr
+    assert hetplan("launch", str(replanned), "-c", str(CLUSTER)).returncode == 0  # the file it was re-planned from
+
+
 def test_a_replanned_plan_runs_on_the_nodes_left_when_read_with_the_cluster_file(tmp_path):
     """The re-planned plan named the cluster file's cluster and offsets into its groups as if no node were lost:
     `launch` put ranks on the lost node, `predict` counted its devices. The plan records the changes and the nodes
