@@ -533,21 +533,33 @@ def batch_costs(model: ModelSpec, seq_length: int, min_time_s: float = 0.2) -> t
 
 
 def measure_host(
-    model: ModelSpec, seq_length: int, dtype: torch.dtype, micro_batch_size: int, progress: Callable[[str], None]
+    model: ModelSpec,
+    seq_length: int,
+    dtype: torch.dtype,
+    micro_batch_size: int,
+    progress: Callable[[int, int, str], None],
 ) -> HostCosts:
     """Every host cost of a CPU profile (on this 2-core machine the runtime benchmark's tiny and 10x models took 81 s
-    and 193 s to profile with them, most of it here)."""
+    and 193 s to profile with them, most of it here). `progress(parts done, parts, what)`: each part as it starts
+    (its name, "host: optimizer step"), a part that fails (why, and what stands instead), and the end."""
     cores = host_cores()
     # two processes per core with the two TP ranks, as a 2-family run on two cores (one core: the unloaded timings
     # already ran at two per core)
     beside = 2 * cores - 2
     loaded_tp = 0 < beside <= MAX_CONCURRENT_PROCESSES - 2
     total = HOST_PARTS + (1 if loaded_tp else 0)
-    parts = iter(range(1, total + 1))
+    parts = iter(range(total))
+    started = 0  # the parts started so far
 
     def say(part: str) -> None:
-        """A progress line of the host section's parts, counted (they take minutes, the layers' count is done)."""
-        progress(f"host {next(parts, total)}/{total}: {part}")
+        """The host section's next part starts (they take minutes; the layers' count is done by then)."""
+        nonlocal started
+        started = next(parts, total - 1) + 1
+        progress(started - 1, total, f"host: {part}")
+
+    def note(line: str) -> None:
+        """A part failed: why, and what stands instead."""
+        progress(started - 1, total, line)
 
     # the family sync's memory-bound copies, timed at three moments of the measurement (median): timed once, the
     # runtime benchmark's tiny model read 7.3 ns per parameter in one profile, 4.4-5.0 ns in seven others and in eight
@@ -568,7 +580,7 @@ def measure_host(
         try:
             timing = time_tp_collectives(model, micro_batch_size, seq_length, dtype)
         except HetplanError as err:  # the layers and the other host costs stay measured
-            progress(f"host: {err}; local runs' TP collectives will use the link profile's")
+            note(f"host: {err}; local runs' TP collectives will use the link profile's")
             tp_failure = str(err)
             return
         if timing is not None:
@@ -604,13 +616,14 @@ def measure_host(
     tp_loaded: list[dict] = []
     if tp_timings and not tp_failure and loaded_tp:
         say("TP collectives between layers with processes computing beside them")
-        tp_loaded = time_tp_under_load(model, micro_batch_size, seq_length, dtype, beside, progress)
+        tp_loaded = time_tp_under_load(model, micro_batch_size, seq_length, dtype, beside, note)
     elif loaded_tp:
         next(parts, None)  # not timed without unloaded timings to set it against: the count goes on
     say("making batches")
     batch_s, batch_s_per_sample = batch_costs(model, seq_length)
     tp = fit_tp_collective_costs(tp_timings, tp_loaded) if tp_timings and not tp_failure else None
     per_microbatch, per_layer = (statistics.median(parts) for parts in zip(*stage_readings, strict=True))
+    progress(total, total, "host: done")
     return HostCosts(
         cores=cores,
         concurrency=median_points(concurrency_readings),

@@ -101,6 +101,12 @@ def launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
 
 
+def quiet_torchrun_rank() -> bool:
+    """This process is a torchrun rank other than 0: rank 0 says what the job says (the costs, its progress), and
+    the others say nothing but their failures (a 4-rank job printed every line four times)."""
+    return launched_by_torchrun() and os.environ.get("RANK") != "0"
+
+
 def end_rank_without_teardown(code: int) -> NoReturn:
     """End a rank's process with exit status `code` (its command's, whatever it was) without the interpreter's
     teardown. There, about one run in thirty of tests/test_elastic.py aborted a rank after its work ("terminate

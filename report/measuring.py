@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
+from report import said
+
 if TYPE_CHECKING:
     from planner.plan import LoadedPlan
     from predictor.runs import Run
@@ -106,8 +108,8 @@ def profile(
             from profiler.measure import TORCH_DTYPES
 
             try:
-                result.host = measure_host(
-                    model_spec, result.seq_length, TORCH_DTYPES[result.dtype], min(sizes or [1]), progress.say
+                result.host = measure_host(  # the bar counts its parts now (the layers' timings are done)
+                    model_spec, result.seq_length, TORCH_DTYPES[result.dtype], min(sizes or [1]), progress
                 )
             except KeyboardInterrupt:  # the layers are measured: keep them, without the host section
                 result.environment["interrupted"] = True
@@ -197,18 +199,20 @@ def profile_comm(
     device_key = get_device(as_device, "--as-device", "").key
     require_torch("profile-comm")
     from profiler.comm_bench import COLLECTIVES, link_profile, run_in_job, run_local
-    from profiler.machine import launched_by_torchrun
+    from profiler.machine import launched_by_torchrun, quiet_torchrun_rank
 
     chosen = flags.choices(ops, COLLECTIVES, "--ops")
     gap_s = gap_ms / 1000
     points = []
     under_torchrun = launched_by_torchrun()
+    quiet = quiet or quiet_torchrun_rank()
     if link_class == "auto":
         link_class = "in_node" if under_torchrun else "host"
     with progress_on_stderr("profile-comm", quiet, unit="process counts") as progress:
         if under_torchrun:  # one rank of a real job: measure the job's own links; rank 0 reports
             rank, points = run_in_job(sizes, chosen, repeats, timeout_s, gap_s=gap_s)
             if rank != 0:
+                said.drop()
                 return
         else:
             cores = host_cores()
@@ -416,7 +420,7 @@ def run(
     check_local_run(cluster_spec, cluster)
     check_runtime_layout(loaded)
     require_torch("run")
-    from profiler.machine import launched_by_torchrun
+    from profiler.machine import launched_by_torchrun, quiet_torchrun_rank
     from report.files import write_json
     from report.measurements import run_lines, run_table, run_terms_table
     from runtime.launch import check_dtype, execute, execute_in_job
@@ -426,6 +430,7 @@ def run(
     check_dtype(loaded.training.dtype, loaded.source)  # before the costs line: a refusal is the only line
 
     under_torchrun = launched_by_torchrun()
+    quiet = quiet or quiet_torchrun_rank()
     settings = _run_settings(
         loaded, steps, seed, timeout, checkpoint_dir, checkpoint_every, async_save, resume, max_restarts,
         inject_failure, under_torchrun, cluster_spec.num_devices,
@@ -445,7 +450,8 @@ def run(
             record = execute_in_job(loaded, cluster_spec, str(cluster), context, settings, progress=progress.say)
         else:
             record = execute(loaded, cluster_spec, str(cluster), context, settings, progress.say, steps_done=progress)
-    if record is None:
+    if record is None:  # a torchrun rank other than 0
+        said.drop()
         return
     from report.elastic import elastic_lines
 

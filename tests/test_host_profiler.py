@@ -340,7 +340,10 @@ def test_a_failed_timing_of_tp_collectives_keeps_the_other_host_costs_and_says_s
 
     monkeypatch.setattr(host, "time_tp_collectives", refused)
     said: list[str] = []
-    costs = host.measure_host(MODEL, 16, torch.float32, 1, said.append)
+    counts: list[tuple[int, int]] = []
+    costs = host.measure_host(
+        MODEL, 16, torch.float32, 1, lambda *told: counts.append(told[:2]) or said.append(told[2])
+    )
     assert costs.tp_all_reduce_alpha_s is None and costs.tp_collective_overhead_s == 0.0
     assert costs.layer_overhead_s == 1e-4 and costs.family_sync_s_per_param == 4e-9
     assert (costs.cold_forward_s, costs.cold_backward_s) == (5e-4, 1e-3)
@@ -348,8 +351,10 @@ def test_a_failed_timing_of_tp_collectives_keeps_the_other_host_costs_and_says_s
     assert len(attempts) == 1  # not tried again at the later moments
     # the parts are counted in the progress lines (the layers' count is done by then), the skipped ones too
     total = host.HOST_PARTS + (1 if 0 < 2 * host.host_cores() - 2 <= host.MAX_CONCURRENT_PROCESSES - 2 else 0)
-    assert said[0] == f"host 1/{total}: TP collectives between layers (1 of 3)"
-    assert said[-1] == f"host {total}/{total}: making batches" and total == 14
+    assert said[0] == "host: TP collectives between layers (1 of 3)" and counts[0] == (0, total)
+    assert said[-2:] == ["host: making batches", "host: done"] and total == 14
+    assert counts[-2:] == [(total - 1, total), (total, total)]  # the last part starts with the others done, then ends
+    assert counts == sorted(counts)  # the count never moves back (a failed part's line keeps it)
 
 
 def test_host_costs_fit_the_tp_timings_made_at_three_moments(monkeypatch):
@@ -379,7 +384,7 @@ def test_host_costs_fit_the_tp_timings_made_at_three_moments(monkeypatch):
 
     monkeypatch.setattr(host, "time_tp_collectives", timed)
     monkeypatch.setattr(host_tp, "time_tp_collectives", timed)  # the timing under load (host_tp.time_tp_under_load)
-    costs = host.measure_host(MODEL, 16, torch.float32, 2, lambda line: None)
+    costs = host.measure_host(MODEL, 16, torch.float32, 2, lambda *told: None)
     assert busy == [0, 0, 0, 2]  # three unloaded at three moments, one with a process per core computing beside
     assert costs.tp_collective_overhead_s == pytest.approx(1e-4) and costs.tp_all_reduce_alpha_s == pytest.approx(
         1.5e-4
@@ -391,13 +396,13 @@ def test_host_costs_fit_the_tp_timings_made_at_three_moments(monkeypatch):
     timings = iter([_tp_timing(1e-4, 1e-9, 3e-4, 2e-9)] * 3)
     busy.clear()
     monkeypatch.setattr(host, "host_cores", lambda: 17)
-    costs = host.measure_host(MODEL, 16, torch.float32, 2, lambda line: None)
+    costs = host.measure_host(MODEL, 16, torch.float32, 2, lambda *told: None)
     assert busy == [0, 0, 0] and costs.tp_all_reduce_load_alpha_s is None
     # one core: the two ranks alone are two per core already, no loaded timing either
     timings = iter([_tp_timing(1e-4, 1e-9, 3e-4, 2e-9)] * 3)
     busy.clear()
     monkeypatch.setattr(host, "host_cores", lambda: 1)
-    costs = host.measure_host(MODEL, 16, torch.float32, 2, lambda line: None)
+    costs = host.measure_host(MODEL, 16, torch.float32, 2, lambda *told: None)
     assert busy == [0, 0, 0] and costs.tp_all_reduce_load_alpha_s is None
 
 
@@ -424,7 +429,7 @@ def test_processes_computing_at_once_are_timed_at_three_moments_and_each_level_t
     monkeypatch.setattr(host, "cold_pass_costs", lambda *a, **k: (5e-4, 1e-3))
     monkeypatch.setattr(host, "time_tp_collectives", lambda *a, **k: None)
     said: list[str] = []
-    costs = host.measure_host(MODEL, 16, torch.float32, 1, said.append)
+    costs = host.measure_host(MODEL, 16, torch.float32, 1, lambda done, total, what: said.append(what))
     assert len(calls) == 3 and sum("processes computing at once" in line for line in said) == 3
     assert [(p.processes, p.busy_stretch) for p in costs.concurrency] == [(2, 1.02), (4, 1.1)]
     assert (costs.microbatch_overhead_s, costs.layer_overhead_s) == (0.6e-3, 0.02e-3)

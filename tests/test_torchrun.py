@@ -88,3 +88,29 @@ def test_launch_commands_start_one_torchrun_per_node_in_the_runtimes_rank_order(
     assert "--nproc-per-node 8 --master-addr 10.0.0.1 --master-port 29500 --no-python hetplan run plan.json" in first
     assert first.endswith("--cluster hethub-768.yaml --out run.json")
     assert all("HIP" in c for c in commands[:16]) and all("ASCEND" in c for c in commands[16:])
+
+
+def test_a_torchrun_rank_other_than_0_says_nothing_and_rank_0_says_the_costs(tmp_path, monkeypatch, capsys):
+    """Under torchrun every rank runs `hetplan run`; a 4-rank job printed its costs line four times. Rank 0 says
+    it (and writes the record); the others print nothing (the job's ranks are stood in for: the line is the CLI's)."""
+    import cli
+    from report import said
+    from report.failures import exit_status
+    from runtime import launch
+
+    plan = tmp_path / "plan.json"
+    cpu = EXAMPLES / "cpu-even.yaml"
+    made = ["--cluster", str(cpu), "--model", str(EXAMPLES / "models" / "tiny-llama.yaml"), "--global-batch", "4"]
+    assert exit_status(cli.app, ["plan", *made, "--out", str(plan), "--quiet"]) == 0
+    capsys.readouterr()
+    monkeypatch.setattr(launch, "execute_in_job", lambda *args, **kwargs: None)  # what ranks other than 0 return
+    for key, value in {"WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1", "RANK": "1"}.items():
+        monkeypatch.setenv(key, value)
+    args = ["run", str(plan), "--cluster", str(cpu), "--out", str(tmp_path / "run.json")]
+    assert exit_status(cli.app, args) == 0
+    assert capsys.readouterr() == ("", "")
+    # rank 0's first progress line or its result prints what the command said (stood in for: a flush, no record)
+    monkeypatch.setattr(launch, "execute_in_job", lambda *args, **kwargs: said.flush())
+    monkeypatch.setenv("RANK", "0")
+    assert exit_status(cli.app, args) == 0
+    assert capsys.readouterr().err.startswith("costs: ")
