@@ -135,6 +135,8 @@ def plan(
 ) -> None:
     """Search for the fastest plan that fits memory."""
     from planner import plan as make_plan
+    from planner.plan import LoadedPlan
+    from planner.what_if import local_run
     from report.tables import alternatives_lines, evaluation_tables, hint_lines, plan_rows
     from specs import flags
     from specs.cluster import load_cluster
@@ -182,7 +184,10 @@ def plan(
     if out is not None:
         result.save(out)
     body = result.to_dict()
-    tables = evaluation_tables(result.context, result.evaluation, "hetplan plan", plan_rows(body, result.interval))
+    made = LoadedPlan(result.strategy, result.context.model, result.context.training, "the plan")
+    local = local_run(made, cluster_spec, options["predictor"], inputs[3])
+    rows = plan_rows(body, result.interval)
+    tables = evaluation_tables(result.context, result.evaluation, "hetplan plan", rows, local)
     hints = hint_lines(result.context, result.evaluation)
     show(as_json, body, *tables, *alternatives_lines(body), *hints, *written("plan", out))
 
@@ -223,8 +228,8 @@ def predict(
     costs the plan records unless --profiles/--predictor name others)."""
     from dataclasses import replace
 
-    from planner.plan import evaluation_dict, header_dict, interval_dict, load_plan
-    from planner.what_if import predicted, recorded_cluster, what_if
+    from planner.plan import LoadedPlan, evaluation_dict, header_dict, interval_dict, load_plan
+    from planner.what_if import local_run, predicted, recorded_cluster, what_if
     from report.tables import evaluation_tables, interval_row
     from specs import flags
     from specs.cluster import load_cluster
@@ -268,7 +273,10 @@ def predict(
         **evaluation_dict(ctx, evaluation),
         "iteration_time_interval_s": interval_dict(interval),
     }
-    show(as_json, body, *evaluation_tables(ctx, evaluation, "hetplan predict", [interval_row(interval)]))
+    made = LoadedPlan(chosen.strategy, chosen.model, chosen.training, chosen.source)
+    local = local_run(made, cluster_spec, chosen_predictor, measured)
+    tables = evaluation_tables(ctx, evaluation, "hetplan predict", [interval_row(interval)], local)
+    show(as_json, body, *tables)
 
 
 @app.command()

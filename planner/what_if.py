@@ -297,6 +297,80 @@ def run_context(
     return context
 
 
+def cpu_share(cluster: ClusterSpec) -> float:
+    """The share of a core each local rank gets when the ranks outnumber this machine's cores."""
+    from profiler.machine import host_cores
+
+    return min(1.0, host_cores() / cluster.num_devices)
+
+
+def prediction_context(
+    cluster: ClusterSpec, context: Callable[[ClusterSpec], CostContext], share: float | None = None
+) -> CostContext:
+    """The cost context of a local run's prediction: `context(cluster)` when its costs model this host (measured core
+    sharing, predictor/host.py), else `context` of the cluster as the local ranks see it under the assumed share of a
+    core each (`share`, default cpu_share)."""
+    from predictor.host import local_run_context
+
+    return local_run_context(context, cluster, cpu_share(cluster) if share is None else share)
+
+
+SAME_TIME = 0.005  # a local run's prediction within this of the plan's is the plan's (nothing to say)
+
+
+@dataclass(frozen=True)
+class LocalRun:
+    """What `hetplan run` predicts for a plan on this machine, where it differs from the plan's time, and why (in
+    words, one phrase each)."""
+
+    time_s: float
+    reasons: tuple[str, ...]
+
+
+def local_run(
+    plan: LoadedPlan, cluster: ClusterSpec, predictor: Predictor, profiles: Mapping[str, DeviceProfile]
+) -> LocalRun | None:
+    """The iteration time `hetplan run` predicts for the plan on this machine (run_context on the cores as its local
+    ranks share them) and why it is not the plan's: the ranks share fewer cores (costs without measured host costs,
+    which simulate the sharing, are for a core per device: cpu-2x2's tiny plan 1.0 s planned, 2.3 s predicted for
+    the run), nothing is overlapped (the runtime reduces gradients after the flush where the training overlaps them,
+    as the engines do: a newcomer's plan said 0.251 s, the run's prediction 0.375 s), measured profiles are costed as
+    measured (the plan's are calibrated). None for a cluster of other devices than CPUs (`run` trains those under
+    torchrun only), or when the two agree within SAME_TIME."""
+    from predictor.cost_model import evaluate
+    from profiler.machine import host_cores
+
+    if any(group.device.vendor != "cpu" for group in cluster.groups):
+        return None
+    planned = predictor.context(cluster, plan.model, plan.training, profiles)
+    planned_s = evaluate(planned, plan.strategy).iteration_time_s
+    run_s = evaluate(
+        prediction_context(cluster, run_context(plan, predictor, profiles)), plan.strategy
+    ).iteration_time_s
+    if abs(run_s / planned_s - 1.0) < SAME_TIME:
+        return None
+    reasons = []
+    if cpu_share(cluster) < 1.0 and not any(group.device.key in planned.host for group in cluster.groups):
+        cores = host_cores()
+        reasons.append(
+            f"its {cluster.num_devices} ranks share {cores} cores here (the plan's times: a core per device)"
+        )
+    not_overlapped = replace(planned, training=planned.training.model_copy(update=RUNTIME_TRAINING))
+    if evaluate(not_overlapped, plan.strategy).iteration_time_s > planned_s * (1.0 + SAME_TIME):
+        overlapped = [
+            what
+            for what, field in (
+                ("gradient reduction", "overlap_grad_reduce"),
+                ("weight gathering", "overlap_param_gather"),
+            )
+            if getattr(plan.training, field)
+        ]
+        reasons.append(f"it does not overlap {' or '.join(overlapped)} with compute (the engines do, as planned)")
+    if profiles:
+        reasons.append("it costs the measured profiles as measured, without the predictor's calibration")
+    return LocalRun(run_s, tuple(reasons))
+
+
 def check_changes(without: Sequence[str], add: Sequence[str], cluster: ClusterSpec) -> None:
     """`replan`'s change list: something changed (the example names the cluster's own last node), and no node is
     named lost twice (node:ascend/1 and node:ascend/node01 are one node; removing it twice would remove two)."""

@@ -11,10 +11,9 @@ from typing import TYPE_CHECKING, Any
 from rich.markup import escape
 from rich.table import Table
 
-from profiler.machine import host_cores
-
 if TYPE_CHECKING:
     from planner.export import Export
+    from planner.what_if import LocalRun
     from predictor.calibration import Interval
     from predictor.cost_model import CostContext, Evaluation
     from report.network import TrafficReport
@@ -76,7 +75,9 @@ def strategy_summary(evaluation: Evaluation) -> str:
     )
 
 
-def summary_rows(ctx: CostContext, evaluation: Evaluation, extra_rows: list[Row]) -> list[Row]:
+def summary_rows(
+    ctx: CostContext, evaluation: Evaluation, extra_rows: list[Row], local: LocalRun | None = None
+) -> list[Row]:
     """The summary of an evaluation, with the command's own rows (interval, bounds, search) before the predictor."""
     return [
         (
@@ -97,23 +98,19 @@ def summary_rows(ctx: CostContext, evaluation: Evaluation, extra_rows: list[Row]
             f"{evaluation.tokens_per_s:,.0f} tokens/s, {evaluation.samples_per_s:.2f} samples/s, "
             f"MFU {evaluation.mfu:.1%}",
         ),
-        *local_run_rows(ctx, evaluation),
+        *local_run_rows(local),
         *extra_rows,
         ("predictor", escape(ctx.predictor_identity)),
         ("fits", "yes" if evaluation.fits else f"NO: short by {gib(evaluation.shortfall_bytes)} GiB per device"),
     ]
 
 
-def local_run_rows(ctx: CostContext, evaluation: Evaluation) -> list[Row]:
-    """On a cluster of CPU devices whose plan uses more of them than this machine has cores, costed without measured
-    host costs (which simulate the sharing): the plan's times are for a core per device, where `hetplan run` here
-    shares the cores (and predicts the run so: cpu-2x2's tiny plan 1.0 s planned, 2.3 s predicted for the run)."""
-    cores = host_cores()
-    groups = ctx.cluster.groups
-    if any(g.device.vendor != "cpu" or g.device.key in ctx.host for g in groups) or evaluation.devices_used <= cores:
+def local_run_rows(local: LocalRun | None) -> list[Row]:
+    """On a cluster of CPU devices, what `hetplan run` predicts for the plan here where it differs from the plan's
+    time, and why (planner.what_if.local_run)."""
+    if local is None:
         return []
-    note = f"times are for a core per cpu device: its {evaluation.devices_used} ranks share {cores} cores here"
-    return [("on this machine", f"{note}, which `hetplan run` predicts")]
+    return [("on this machine", f"`hetplan run` predicts {local.time_s:.3f} s: {'; '.join(local.reasons)}")]
 
 
 def stage_table(ctx: CostContext, evaluation: Evaluation) -> Table:
@@ -145,12 +142,15 @@ def stage_table(ctx: CostContext, evaluation: Evaluation) -> Table:
     return table
 
 
-def evaluation_tables(ctx: CostContext, evaluation: Evaluation, title: str, extra_rows: list[Row]) -> list[Table]:
-    """The summary of an evaluation (titled like the command) and its stage table, for `plan` and `predict`."""
+def evaluation_tables(
+    ctx: CostContext, evaluation: Evaluation, title: str, extra_rows: list[Row], local: LocalRun | None = None
+) -> list[Table]:
+    """The summary of an evaluation (titled like the command) and its stage table, for `plan` and `predict`;
+    `local`: what `hetplan run` predicts for it on this machine (local_run_rows)."""
     summary = Table(title=title, show_header=False, box=None, pad_edge=False)
     summary.add_column(style="bold")
     summary.add_column()
-    for name, value in summary_rows(ctx, evaluation, extra_rows):
+    for name, value in summary_rows(ctx, evaluation, extra_rows, local):
         summary.add_row(name, value)
     return [summary, stage_table(ctx, evaluation)]
 

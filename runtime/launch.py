@@ -22,9 +22,9 @@ import torch.distributed as dist
 
 from planner.export import launch_commands
 from planner.plan import LoadedPlan, evaluation_dict
-from planner.what_if import check_runtime_layout
+from planner.what_if import check_runtime_layout, cpu_share, prediction_context
 from predictor.cost_model import CostContext, evaluate, simulated_step
-from predictor.host import local_run_context, on_host
+from predictor.host import on_host
 from predictor.run_terms import predicted_stage_terms, side_by_side
 from predictor.runs import RUN_SCHEMA
 from profiler.comm_bench import free_port, run_processes
@@ -365,20 +365,6 @@ def run_record(
             else "",
         },
     }
-
-
-def cpu_share(cluster: ClusterSpec) -> float:
-    """The share of a core each local rank gets when the ranks outnumber this machine's cores."""
-    return min(1.0, host_cores() / cluster.num_devices)
-
-
-def prediction_context(
-    cluster: ClusterSpec, context: Callable[[ClusterSpec], CostContext], share: float | None = None
-) -> CostContext:
-    """The cost context of a local run's prediction: `context(cluster)` when its costs model this host (measured core
-    sharing, predictor/host.py), else `context` of the cluster as the local ranks see it under the assumed share of a
-    core each (`share`, default cpu_share)."""
-    return local_run_context(context, cluster, cpu_share(cluster) if share is None else share)
 
 
 def execute(
