@@ -166,9 +166,10 @@ def plan(
     devices = [group.device.key for group in cluster_spec.groups]
     inputs = (cluster_spec, model_spec, training_spec, profiles_said(profiles, model_spec, devices))
     chosen_engine = get_engine(engine, "--engine") if engine is not None else None
+    plan_predictor = predictor_from(predictor)
     options = {
         "top_k": top_k,
-        "predictor": predictor_from(predictor),
+        "predictor": plan_predictor,
         "lower_bound": lower_bound,
         "engine": chosen_engine,
     }
@@ -183,9 +184,9 @@ def plan(
         said.say(f"note: {training_note}")
     if out is not None:
         result.save(out)
-    body = result.to_dict()
     made = LoadedPlan(result.strategy, result.context.model, result.context.training, "the plan")
-    local = local_run(made, cluster_spec, options["predictor"], inputs[3])
+    local = local_run(made, cluster_spec, plan_predictor, inputs[3])
+    body = {**result.to_dict(), **({"local_run": local.to_dict()} if local else {})}
     rows = plan_rows(body, result.interval)
     tables = evaluation_tables(result.context, result.evaluation, "hetplan plan", rows, local)
     hints = hint_lines(result.context, result.evaluation)
@@ -273,8 +274,12 @@ def predict(
         **evaluation_dict(ctx, evaluation),
         "iteration_time_interval_s": interval_dict(interval),
     }
-    made = LoadedPlan(chosen.strategy, chosen.model, chosen.training, chosen.source)
-    local = local_run(made, cluster_spec, chosen_predictor, measured)
+    local = None
+    if strategy is not None and all(value is None for key, value in overrides.items() if key != "dtype"):
+        # a plan as `hetplan run` would run it (its training, or another dtype as `run --dtype` gives it)
+        made = LoadedPlan(chosen.strategy, chosen.model, chosen.training, chosen.source)
+        local = local_run(made, cluster_spec, chosen_predictor, measured)
+    body |= {"local_run": local.to_dict()} if local else {}
     tables = evaluation_tables(ctx, evaluation, "hetplan predict", [interval_row(interval)], local)
     show(as_json, body, *tables)
 
@@ -426,8 +431,12 @@ def replan(
     loaded, original = plan_on_cluster(plan_file, cluster)
     check_changes(without or [], add or [], original)
     engine = get_engine(loaded.engine, str(plan_file), "search.engine") if loaded.engine else None
-    # made from the cluster file with every change since (a node lost in an earlier re-plan keeps its number)
-    new_cluster = changed_cluster(load_cluster(cluster), without or [], add or [], earlier=loaded.cluster_changes)
+    changes = [*loaded.cluster_changes, (without or [], add or [])]
+    if loaded.cluster_nodes and not loaded.cluster_changes:  # its nodes, not how they came (a torchrun export's plan)
+        new_cluster, history = changed_cluster(original, without or [], add or []), None
+    else:  # made from the cluster file with every change since (a node lost in an earlier re-plan keeps its number)
+        file_cluster = load_cluster(cluster)
+        new_cluster, history = changed_cluster(file_cluster, without or [], add or [], earlier=changes[:-1]), changes
     for cancelled in cancelled_changes(original, new_cluster, without or [], add or []):
         said.say(f"note: {cancelled}")
     costs = plan_costs_said(loaded, predictor, profiles, original, new_cluster)
@@ -440,7 +449,7 @@ def replan(
         result = run_replan(
             new_cluster, loaded.model, loaded.training, loaded.strategy, chosen, profiles=measured, engine=engine,
             training_names_engine=loaded.training_names_engine,
-            cluster_changes=[*loaded.cluster_changes, (without or [], add or [])],
+            cluster_changes=history,
         )  # fmt: skip
     if out is not None:
         result.plan.save(out)

@@ -57,10 +57,11 @@ def changed_cluster(
     earlier: Sequence[tuple[Sequence[str], Sequence[str]]] = (),
 ) -> ClusterSpec:
     """Remove nodes (`node:GROUP/NUMBER`, the cluster file's number of the node, or `group:NAME:COUNT`, the last
-    ones) and add nodes (`group:NAME:COUNT`, numbered after the highest the group ever had: a lost node's number is
-    not given to a new one); each group keeps the numbers of its nodes (DeviceGroup.node_ids), so a launch runs on
-    the nodes that are left. `earlier`: the (without, add) changes a re-planned plan records (LoadedPlan
-    .cluster_changes), applied first to `cluster`, the cluster file's: a node lost in any of them keeps its number."""
+    ones) and add nodes (`group:NAME:COUNT`, numbered after the highest left or lost by number: a node lost by number
+    keeps it, a count taken from the tail is given back by adding as many); each group keeps the numbers of its
+    nodes (DeviceGroup.node_ids), so a launch runs on the nodes that are left. `earlier`: the (without, add) changes a
+    re-planned plan records (LoadedPlan.cluster_changes), applied first to `cluster`, the cluster file's: a node lost
+    by number in any of them keeps its number."""
     numbers = {group.name: group.node_numbers for group in cluster.groups}
     lost: dict[str, list[int]] = {group.name: [] for group in cluster.groups}
     for earlier_without, earlier_add in earlier:
@@ -246,7 +247,7 @@ def replan(
     profiles: Mapping[str, DeviceProfile] | None = None,
     engine: Engine | None = None,
     training_names_engine: bool = False,
-    cluster_changes: Sequence[tuple[Sequence[str], Sequence[str]]] = (),
+    cluster_changes: Sequence[tuple[Sequence[str], Sequence[str]]] | None = (),
 ) -> Replan:
     """Plan again on a changed cluster, warm-started from the old strategy, at the training's context-parallel degrees
     and the old plan's, over every uneven batch split
@@ -260,7 +261,8 @@ def replan(
     its kernels (LoadedPlan.training_names_engine): the new plan records it, so an export keeps them.
     `cluster_changes`: the (without, add) changes from the cluster file to `cluster`, in order (the old plan's and
     this one's): the new plan records them and the nodes they leave by number, so the commands reading it with the
-    cluster file run it on those nodes (planner.what_if.recorded_cluster)."""
+    cluster file run it on those nodes (planner.what_if.recorded_cluster); None: the old plan records its nodes but
+    not the changes that left them (a torchrun export's plan.json): the new plan records its nodes alone."""
     predictor = predictor or default_predictor()
     training = training.model_copy(update={"uneven_batch": "exhaustive"})
     if engine is not None:  # what the engine can run (uneven batches only where it has them), as the plan records it
@@ -302,7 +304,9 @@ def replan(
         stats["engine"] = engine.key
     if training_names_engine:  # as the old plan records it (a loaded training sets every field)
         stats["training_names_engine"] = True
-    if cluster_changes:
+    if cluster_changes is None:  # the changes from the cluster file are not known: the nodes they left are
+        stats["cluster_nodes"] = nodes
+    elif cluster_changes:
         stats["cluster_changes"] = [{"without": list(w), "add": list(a)} for w, a in cluster_changes]
         stats["cluster_nodes"] = nodes
     if result.note:

@@ -101,11 +101,12 @@ def check_recorded_changes(plan: LoadedPlan, cluster: ClusterSpec, cluster_file:
     try:
         replayed = changed_cluster(cluster, (), (), earlier=plan.cluster_changes)
     except SpecError as err:
+        change = f"{err.source} {err.field}".strip()
         raise SpecError(
             str(cluster_file),
             "groups",
-            f"{plan.source} was re-planned with {err.source} {err.field}, which does not apply here: "
-            f"{err.expectation} (search.cluster_changes)",
+            f"{plan.source} was re-planned with {change}, which does not apply here: {err.expectation} "
+            "(search.cluster_changes)",
         ) from None
     left = {group.name: group.node_numbers for group in replayed.groups}
     recorded = {name: list(numbers) for name, numbers in plan.cluster_nodes if numbers}
@@ -117,7 +118,8 @@ def check_recorded_changes(plan: LoadedPlan, cluster: ClusterSpec, cluster_file:
                 f"groups.{group.name}.nodes",
                 f"{plan.source} runs group {group.name!r} on nodes {node_ranges(runs_on) or 'none'} "
                 f"(search.cluster_nodes); its recorded changes leave {node_ranges(leaves) or 'none'} of this file's "
-                f"{group.nodes}: not the cluster it was re-planned from",
+                f"{group.nodes}: not the cluster it was re-planned from (or an older hetplan re-planned it, which "
+                "could give a lost node's number to an added one: re-plan the plan it started from)",
             )
 
 
@@ -316,6 +318,7 @@ def prediction_context(
 
 
 SAME_TIME = 0.005  # a local run's prediction within this of the plan's is the plan's (nothing to say)
+MAX_LOCAL_RANKS = 16  # processes a local run spawns at most, one per device (more: under torchrun)
 
 
 @dataclass(frozen=True)
@@ -326,6 +329,9 @@ class LocalRun:
     time_s: float
     reasons: tuple[str, ...]
 
+    def to_dict(self) -> dict[str, Any]:
+        return {"predicted_iteration_time_s": self.time_s, "why": list(self.reasons)}
+
 
 def local_run(
     plan: LoadedPlan, cluster: ClusterSpec, predictor: Predictor, profiles: Mapping[str, DeviceProfile]
@@ -335,12 +341,19 @@ def local_run(
     which simulate the sharing, are for a core per device: cpu-2x2's tiny plan 1.0 s planned, 2.3 s predicted for
     the run), nothing is overlapped (the runtime reduces gradients after the flush where the training overlaps them,
     as the engines do: a newcomer's plan said 0.251 s, the run's prediction 0.375 s), measured profiles are costed as
-    measured (the plan's are calibrated). None for a cluster of other devices than CPUs (`run` trains those under
-    torchrun only), or when the two agree within SAME_TIME."""
+    measured (the plan's are calibrated). None where `run` would not run it here (a cluster of other devices than
+    CPUs, which it trains under torchrun only; more than MAX_LOCAL_RANKS devices; a layout or dtype the runtime
+    refuses), or when the two agree within SAME_TIME."""
     from predictor.cost_model import evaluate
     from profiler.machine import host_cores
 
-    if any(group.device.vendor != "cpu" for group in cluster.groups):
+    if any(group.device.vendor != "cpu" for group in cluster.groups) or cluster.num_devices > MAX_LOCAL_RANKS:
+        return None
+    if plan.training.dtype == "fp8":  # the runtime has no FP8 GEMMs (runtime.launch.check_dtype)
+        return None
+    try:
+        check_runtime_layout(plan)
+    except SpecError:
         return None
     planned = predictor.context(cluster, plan.model, plan.training, profiles)
     planned_s = evaluate(planned, plan.strategy).iteration_time_s
@@ -366,9 +379,9 @@ def local_run(
             if getattr(plan.training, field)
         ]
         reasons.append(f"it does not overlap {' or '.join(overlapped)} with compute (the engines do, as planned)")
-    if profiles:
+    if profiles and predictor.calibration.value_map():
         reasons.append("it costs the measured profiles as measured, without the predictor's calibration")
-    return LocalRun(run_s, tuple(reasons))
+    return LocalRun(run_s, tuple(reasons) or ("as the local runtime runs it",))
 
 
 def check_changes(without: Sequence[str], add: Sequence[str], cluster: ClusterSpec) -> None:

@@ -29,7 +29,7 @@ class HostTimes:
     children it has waited for, at a wall-clock moment: two readings tell how much of the cores others used."""
 
     wall_s: float
-    busy_s: float  # user, nice, system, irq and softirq time of the cores, every process's
+    busy_s: float  # user, nice and system time of the cores, every process's
     stolen_s: float  # time the hypervisor ran something else while these virtual cores had work
     own_s: float  # this process's and its children's user and system time (those still running too)
 
@@ -40,12 +40,12 @@ def live_children_cpu_s(proc: Path = Path("/proc")) -> float:
     me = os.getpid()
     ticks = 0
     for stat in proc.glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text(encoding="utf-8").rsplit(")", 1)[1].split()
-        except (OSError, IndexError):  # ended meanwhile
+        try:  # bytes: a process's name (in parentheses) is any bytes, cut at 15, and may hold ")"
+            fields = stat.read_bytes().rsplit(b")", 1)[1].split()
+            if len(fields) > 14 and int(fields[1]) == me:
+                ticks += sum(int(field) for field in fields[11:15])  # utime, stime, cutime, cstime
+        except (OSError, IndexError, ValueError):  # ended meanwhile, or not as documented
             continue
-        if len(fields) > 14 and int(fields[1]) == me:
-            ticks += sum(int(field) for field in fields[11:15])  # utime, stime, cutime, cstime
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
@@ -60,11 +60,16 @@ def host_times(stat_path: Path = Path("/proc/stat")) -> HostTimes | None:
         return None
     busy = stolen = 0
     for line in lines:
-        name, *fields = line.split()
+        name, *fields = line.split() or [""]
         if name not in cores or len(fields) < 8:
             continue
-        user, nice, system, _idle, _iowait, irq, softirq, steal = (int(field) for field in fields[:8])
-        busy += user + nice + system + irq + softirq
+        # irq and softirq left out: with IRQ time accounting no process is charged them (the run's own loopback
+        # traffic would read as other work)
+        try:
+            user, nice, system, steal = (int(fields[index]) for index in (0, 1, 2, 7))
+        except ValueError:
+            return None
+        busy += user + nice + system
         stolen += steal
     if not cores or busy == 0:
         return None

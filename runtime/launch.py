@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from planner.export import launch_commands
 from planner.plan import LoadedPlan, evaluation_dict
-from planner.what_if import check_runtime_layout, cpu_share, prediction_context
+from planner.what_if import MAX_LOCAL_RANKS, check_runtime_layout, cpu_share, prediction_context
 from predictor.cost_model import CostContext, evaluate, simulated_step
 from predictor.host import on_host
 from predictor.run_terms import predicted_stage_terms, side_by_side
@@ -48,7 +48,6 @@ from specs.loading import read_mapping
 from specs.model import ModelSpec
 
 __all__ = ["execute", "execute_in_job", "launch_commands", "prediction_context", "run_in_job", "run_plan"]
-MAX_LOCAL_RANKS = 16
 REFERENCE_MAX_PARAMS = 200_000_000
 FP8_ACCELERATORS = "H100/H200/MI300X/Gaudi2"
 # relative loss difference allowed between the run and one process (same weights and data, different sum orders)
@@ -398,7 +397,7 @@ class StepReadings:
     step is, so other work on the cores is measured over the steps whose times the run records, not the ranks' start
     or the single-process check. `then`: the reports passed on."""
 
-    def __init__(self, then: Callable[[int, int], None] | None = None):
+    def __init__(self, then: Callable[[int, int], None] | None = None) -> None:
         self.then = then
         self.first: HostTimes | None = None
         self.last: HostTimes | None = None

@@ -272,10 +272,9 @@ def test_a_cpu_plan_says_when_its_ranks_would_share_this_machines_cores():
 def test_a_cpu_plan_says_what_the_run_here_predicts_where_it_overlaps_nothing(tmp_path):
     """A plan's times overlap the gradient reduction with the backward, as the engines run it; hetplan's runtime
     reduces after the flush, so `hetplan run` predicts it slower (a newcomer: 0.251 s planned, 0.375 s for the run,
-    with nothing said). Two ranks on one CPU node: the row gives the run's time and why; one rank has no gradient
-    reduction to overlap, and no row."""
+    with nothing said). Two ranks on one CPU node: the row (and `local_run` in the JSON) gives the run's time and why;
+    one rank has no gradient reduction to overlap, and no row."""
     import os
-    import re
 
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("two ranks sharing one core would be a second reason")
@@ -290,9 +289,13 @@ def test_a_cpu_plan_says_what_the_run_here_predicts_where_it_overlaps_nothing(tm
         shown = hetplan("plan", "--cluster", str(cluster), "--model", tiny, "--global-batch", "4", "-q")
         said = " ".join(shown.stdout.split())
         if devices == 1:
-            assert "on this machine" not in said, said
+            assert "on this machine" not in said and "local_run" not in planned, said
             continue
         assert planned["pipelines"][0]["replicas"] == 2
+        assert planned["local_run"]["why"] == [
+            "it does not overlap gradient reduction or weight gathering with compute (the engines do, as planned)"
+        ]
+        assert f"predicts {planned['local_run']['predicted_iteration_time_s']:.3f} s" in said
         found = re.search(r"on this machine `hetplan run` predicts (\d+\.\d{3}) s: it does not overlap gradient", said)
         assert found is not None, said
         assert float(found[1]) > planned["iteration_time_s"] * 1.005

@@ -535,7 +535,7 @@ def test_a_run_times_its_profiles_layer_around_it_and_records_how_much_slower_th
     # what else used the cores is measured around both runs (it needs no profile)
     for checked in (record, unchecked):
         others = checked["measurements"]["machine_speed"]["other_work"]
-        assert others["checked"] and others["over_s"] > 0 and others["other_processes_cores"] >= 0, others
+        assert others["checked"] and others["over_s"] > 0, others
         assert others["over"] in ("the steps after the first", "the whole run (the ranks' start included)")
 
 
