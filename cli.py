@@ -358,7 +358,9 @@ def export(
         return engine_ctx
 
     keep_kernels = loaded.training_names_engine or loaded.engine == format
-    exported = export_plan(ctx, loaded.strategy, format, keep_layout, context_for, keep_kernels)
+    exported = export_plan(
+        ctx, loaded.strategy, format, keep_layout, context_for, keep_kernels, cluster_changes=loaded.cluster_changes
+    )
     for note in notes:
         said.say(note)
     summary = {**exported.summary(), "exported_strategy": describe_strategy(exported.strategy)}
@@ -432,7 +434,7 @@ def replan(
     check_changes(without or [], add or [], original)
     engine = get_engine(loaded.engine, str(plan_file), "search.engine") if loaded.engine else None
     changes = [*loaded.cluster_changes, (without or [], add or [])]
-    if loaded.cluster_nodes and not loaded.cluster_changes:  # its nodes, not how they came (a torchrun export's plan)
+    if loaded.cluster_nodes and not loaded.cluster_changes:  # its nodes, not how they came (an older export's)
         new_cluster, history = changed_cluster(original, without or [], add or []), None
     else:  # made from the cluster file with every change since (a node lost in an earlier re-plan keeps its number)
         file_cluster = load_cluster(cluster)

@@ -21,7 +21,8 @@ than DISTURBED_LIMIT slower than profiled, or other work taking more than OTHER_
 the run); such runs are left out of the case's median unless all its runs are.
 
 Before it profiles, the bench times the tiny model's layer ten times over 20 s and stops when the slowest took more
-than STEADINESS_LIMIT longer than the fastest (a shared host's neighbours moving its speed), and after each round
+than STEADINESS_LIMIT longer than the fastest (a shared host's neighbours moving its speed) or when other work took
+more than OTHER_WORK_LIMIT_CORES of the cores meanwhile (/proc/stat), and after each round
 when more than DISTURBED_ROUND_LIMIT of its runs were disturbed (a host that slowed later): --anyway runs on.
 
 Run: python bench/runtime_vs_prediction.py [--steps 6] [--repeats 3] [--max-repeats 5] [--work DIR] [--reuse]
@@ -56,7 +57,7 @@ from planner.what_if import run_context  # noqa: E402
 from predictor.cost_model import CostContext, Evaluation, evaluate  # noqa: E402
 from predictor.predictor import Predictor, fit_predictor  # noqa: E402
 from predictor.run_terms import predicted_stage_terms, side_by_side  # noqa: E402
-from profiler.machine import OTHER_WORK_LIMIT_CORES  # noqa: E402
+from profiler.machine import MIN_OTHER_WORK_S, OTHER_WORK_LIMIT_CORES, host_times, other_work  # noqa: E402
 from profiler.profile import load_profile  # noqa: E402
 from runtime.execute import RunSettings  # noqa: E402
 from runtime.launch import (  # noqa: E402
@@ -391,6 +392,35 @@ def steadiness(time_layer: Callable[[], float], samples: int, gap_s: float) -> f
     return max(times) / min(times) - 1.0
 
 
+def check_machine(anyway: bool) -> None:
+    """Before anything is profiled: the machine's speed over 20 s (`steadiness`) and the cores other work takes
+    meanwhile (profiler.machine.other_work: a layer timed alone can find a free core while the grid's ranks, sharing
+    every core, would not); the bench stops when either is above its limit (STEADINESS_LIMIT, OTHER_WORK_LIMIT_CORES),
+    unless `anyway`."""
+    before = host_times()
+    moved = steadiness(tiny_layer_time_s, STEADINESS_SAMPLES, STEADINESS_GAP_S)
+    after = host_times()
+    others = None
+    if before is not None and after is not None and after.wall_s - before.wall_s >= MIN_OTHER_WORK_S:
+        others = other_work(before, after)
+    used = others["other_processes_cores"] + others["stolen_cores"] if others else 0.0
+    besides = f"; other work took {used:.2f} of the host's cores meanwhile" if others else ""
+    print(f"machine steadiness: the slowest of {STEADINESS_SAMPLES} layer timings took {moved:.0%} longer than the "
+          f"fastest{besides}", flush=True)  # fmt: skip
+    span = f"{STEADINESS_SAMPLES * STEADINESS_GAP_S:.0f} s"
+    why = "the grid would measure the machine, not the model; run it on a quiet machine, or pass --anyway"
+    if moved > STEADINESS_LIMIT and not anyway:
+        sys.exit(
+            f"runtime_vs_prediction: the machine's speed moves by {moved:.0%} over {span} (limit "
+            f"{STEADINESS_LIMIT:.0%}): {why}"
+        )
+    if others and used > OTHER_WORK_LIMIT_CORES and not anyway:
+        sys.exit(
+            f"runtime_vs_prediction: other work took {used:.2f} of the host's {others['cores']} cores over {span} "
+            f"(limit {OTHER_WORK_LIMIT_CORES:g}): {why}"
+        )
+
+
 def tiny_layer_time_s() -> float:
     """The tiny model's decoder layer, forward and backward, as a run's machine-speed check times it."""
     import torch
@@ -422,15 +452,7 @@ def main() -> None:
     parser.add_argument("--anyway", action="store_true", help="run on a machine whose speed moves (see STEADINESS_*)")
     args = parser.parse_args()
     if not args.reuse:
-        moved = steadiness(tiny_layer_time_s, STEADINESS_SAMPLES, STEADINESS_GAP_S)
-        print(f"machine steadiness: the slowest of {STEADINESS_SAMPLES} layer timings took {moved:.0%} longer than the "
-              "fastest", flush=True)  # fmt: skip
-        if moved > STEADINESS_LIMIT and not args.anyway:
-            sys.exit(
-                f"runtime_vs_prediction: the machine's speed moves by {moved:.0%} over "
-                f"{STEADINESS_SAMPLES * STEADINESS_GAP_S:.0f} s (limit {STEADINESS_LIMIT:.0%}): the grid would measure "
-                "the machine, not the model; run it on a quiet machine, or pass --anyway"
-            )
+        check_machine(args.anyway)
     work = args.work or Path(tempfile.mkdtemp(prefix="hetplan-runtime-grid-"))
     work.mkdir(parents=True, exist_ok=True)
     load_before, started = load_average(), time.monotonic()

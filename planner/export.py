@@ -533,13 +533,16 @@ def export_plan(
     keep_layout: bool = False,
     context_for: Callable[[TrainingSpec], CostContext] | None = None,
     keep_kernels: bool = False,
+    cluster_changes: Sequence[tuple[Sequence[str], Sequence[str]]] = (),
 ) -> Export:
     """The plan in an engine's terms (or the closest plan the engine can run: engine_space.closest, `keep_layout`
     there), with per-node torchrun commands. `context_for(training)`: the plan's costs for another training; given,
     an engine that trains in another dtype (fp16 -> fp32, FP8 -> bf16) has its plan chosen and predicted in that
     dtype (else in the plan's, and its lost line says so), and with the kernels the engine runs its layers with
     (DeepSpeed's: a note says so) unless `keep_kernels` (the plan's training named its `engine`, e.g. Megatron's for
-    Megatron-DeepSpeed, or the plan was made for this engine, which chose its kernels then)."""
+    Megatron-DeepSpeed, or the plan was made for this engine, which chose its kernels then). `cluster_changes`: a
+    re-planned plan's changes to the cluster file (LoadedPlan.cluster_changes), which the torchrun export's plan.json
+    records beside the nodes they left, so a re-plan of it knows them too."""
     expect_argument(ctx, CostContext, "export_plan()", "ctx", "a CostContext: a Plan's .context, or build_context()")
     expect_argument(strategy, Strategy, "export_plan()", "strategy", "a Strategy (a loaded plan's or a Plan's "
                     ".strategy)")  # fmt: skip
@@ -559,6 +562,11 @@ def export_plan(
     found = closest(runs_ctx, strategy, engine, keep_layout, planned=ctx.training)
     exported, lost = found.strategy, found.lost
     files, args = writer(ctx, exported, strategy)
+    if EXPORTED_PLAN_FILE in files and cluster_changes:
+        body = json.loads(files[EXPORTED_PLAN_FILE])
+        changes = [{"without": list(without), "add": list(add)} for without, add in cluster_changes]
+        body["search"] = {"cluster_changes": changes, **body.get("search", {})}
+        files[EXPORTED_PLAN_FILE] = json.dumps(body, indent=2) + "\n"
     launches = node_launches(ctx.cluster, megatron_order(exported))
     what = shlex.split(engine.script)[-1] if engine.script else "your training script"
     title = f"hetplan export --format {engine.key}: one torchrun per node ({len(launches)} nodes)"

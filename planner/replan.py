@@ -262,7 +262,8 @@ def replan(
     `cluster_changes`: the (without, add) changes from the cluster file to `cluster`, in order (the old plan's and
     this one's): the new plan records them and the nodes they leave by number, so the commands reading it with the
     cluster file run it on those nodes (planner.what_if.recorded_cluster); None: the old plan records its nodes but
-    not the changes that left them (a torchrun export's plan.json): the new plan records its nodes alone."""
+    not the changes that left them (a torchrun export's plan.json made before it recorded them): the new plan records
+    its nodes alone."""
     predictor = predictor or default_predictor()
     training = training.model_copy(update={"uneven_batch": "exhaustive"})
     if engine is not None:  # what the engine can run (uneven batches only where it has them), as the plan records it

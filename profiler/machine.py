@@ -21,6 +21,7 @@ def host_cores() -> int:
 
 
 OTHER_WORK_LIMIT_CORES = 0.1  # other work on the host's cores during a run that its wall time carries noticeably
+MIN_OTHER_WORK_S = 2.0  # readings of other work span at least this (the clock ticks of 10 ms are noise below it)
 
 
 @dataclass(frozen=True)

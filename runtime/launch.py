@@ -29,7 +29,7 @@ from predictor.run_terms import predicted_stage_terms, side_by_side
 from predictor.runs import RUN_SCHEMA
 from profiler.comm_bench import free_port, run_processes
 from profiler.host import concurrency, layer_time_s
-from profiler.machine import HostTimes, host_cores, host_times, other_work
+from profiler.machine import MIN_OTHER_WORK_S, HostTimes, host_cores, host_times, other_work
 from profiler.profile import DeviceProfile, ProfileEntry, ScaledLayerCosts
 from runtime.execute import (
     TORCH_DTYPES,
@@ -388,9 +388,6 @@ def execute(
     return _recorded(plan, cluster, cluster_path, ctx, settings, results, share, speed)
 
 
-MIN_STEPS_WINDOW_S = 2.0  # of steps read for other work on the cores (shorter: the whole run is read)
-
-
 class StepReadings:
     """The host's CPU times (profiler.machine.host_times) as a run's ranks finish their steps, read from its
     `steps_done(done, steps)` reports (about every second): when the first step (the warm-up) is done and when every
@@ -411,8 +408,9 @@ class StepReadings:
             self.then(done, steps)
 
     def steps_window(self) -> tuple[HostTimes, HostTimes] | None:
-        """The readings at the warm-up's end and the last step's, when they span MIN_STEPS_WINDOW_S or more."""
-        if self.first is None or self.last is None or self.last.wall_s - self.first.wall_s < MIN_STEPS_WINDOW_S:
+        """The readings at the warm-up's end and the last step's, when they span MIN_OTHER_WORK_S or more (else the
+        whole run is read)."""
+        if self.first is None or self.last is None or self.last.wall_s - self.first.wall_s < MIN_OTHER_WORK_S:
             return None
         return self.first, self.last
 

@@ -45,15 +45,34 @@ def test_steadiness_is_the_slowest_timing_over_the_fastest():
     assert bench.steadiness(lambda: next(timings), samples=4, gap_s=0.0) == pytest.approx(0.5)
 
 
-def test_the_bench_stops_before_profiling_on_a_machine_whose_speed_moves(monkeypatch, tmp_path):
-    """One line says why, before ten minutes of profiles and an hour of runs measure the machine instead."""
-    monkeypatch.setattr(bench, "steadiness", lambda *args: 0.69)
-    monkeypatch.setattr(bench, "measure_links", lambda *args: pytest.fail("profiled on an unsteady machine"))
+def stop_before_profiling(monkeypatch, tmp_path: Path, moved: float) -> str:
+    """The bench's line when it stops before profiling, its steadiness check reading `moved`."""
+    monkeypatch.setattr(bench, "steadiness", lambda *args: moved)
+    monkeypatch.setattr(bench, "measure_links", lambda *args: pytest.fail("profiled on a disturbed machine"))
     monkeypatch.setattr(sys, "argv", ["runtime_vs_prediction.py", "--work", str(tmp_path)])
     with pytest.raises(SystemExit) as stopped:
         bench.main()
-    assert "the machine's speed moves by 69% over 20 s (limit 30%)" in str(stopped.value.code)
-    assert "or pass --anyway" in str(stopped.value.code)
+    return str(stopped.value.code)
+
+
+def test_the_bench_stops_before_profiling_on_a_machine_whose_speed_moves(monkeypatch, tmp_path):
+    """One line says why, before ten minutes of profiles and an hour of runs measure the machine instead."""
+    said = stop_before_profiling(monkeypatch, tmp_path, 0.69)
+    assert "the machine's speed moves by 69% over 20 s (limit 30%)" in said and "or pass --anyway" in said
+
+
+def test_the_bench_stops_before_profiling_beside_other_work(monkeypatch, tmp_path):
+    """A steady layer timing on a host where other work takes a core: a timed layer alone finds the free one, the
+    grid's ranks would share it; one line says so (here 0.6 of the cores: 3 s of others' busy time over 5 s)."""
+    from profiler.machine import HostTimes
+
+    readings = iter([HostTimes(0.0, 10.0, 0.0, 1.0), HostTimes(5.0, 14.5, 0.0, 2.5)])
+    monkeypatch.setattr(bench, "host_times", lambda: next(readings))
+    said = stop_before_profiling(monkeypatch, tmp_path, 0.05)
+    assert "other work took 0.60 of the host's" in said and "(limit 0.1): the grid would measure the machine" in said
+    # readings a moment apart (a steadiness check stood in for) are clock-tick noise, not other work: not read
+    readings = iter([HostTimes(0.0, 10.0, 0.0, 1.0), HostTimes(0.01, 10.02, 0.0, 1.0)])
+    bench.check_machine(anyway=False)  # (it would stop: 2 cores of others over 0.01 s)
 
 
 def test_the_bench_stops_after_a_round_the_machine_disturbed(monkeypatch, tmp_path):

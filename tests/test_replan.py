@@ -276,12 +276,18 @@ def test_a_replanned_plan_runs_on_the_nodes_left_when_read_with_the_cluster_file
     out = str(tmp_path / "t")
     exported = hetplan("export", str(replanned), "-c", str(CLUSTER), "--format", "torchrun", "--out", out)
     assert exported.returncode == 0, exported.stderr  # its plan.json, which the user's script and launch read
-    assert json.loads((tmp_path / "t" / "plan.json").read_text())["search"]["cluster_nodes"]["a100"] == [1]
-    # re-planned again from that plan.json, which records its nodes but not the changes that left them: from its
-    # nodes (a100 node 0 stays lost), recording the nodes alone
+    exported_search = json.loads((tmp_path / "t" / "plan.json").read_text())["search"]
+    assert exported_search["cluster_nodes"]["a100"] == [1]
+    assert exported_search["cluster_changes"] == [{"without": ["node:a100/0"], "add": []}]  # so its re-plans know them
+    # a plan that records its nodes but not the changes that left them (an export made before it recorded them):
+    # re-planned from its nodes (a100 node 0 stays lost), recording the nodes alone
+    nodes_only = tmp_path / "nodes-only.json"
+    body = json.loads((tmp_path / "t" / "plan.json").read_text())
+    del body["search"]["cluster_changes"]
+    nodes_only.write_text(json.dumps(body))
     from_export = tmp_path / "from-export.json"
-    result = hetplan("replan", str(tmp_path / "t" / "plan.json"), "-c", str(CLUSTER), "--without", "node:v100/1",
-                     "--out", str(from_export))  # fmt: skip
+    result = hetplan("replan", str(nodes_only), "-c", str(CLUSTER), "--without", "node:v100/1", "--out",
+                     str(from_export))  # fmt: skip
     assert result.returncode == 0, result.stderr
     search = json.loads(from_export.read_text())["search"]
     assert search["cluster_nodes"] == {"a100": [1], "v100": [0]} and "cluster_changes" not in search

@@ -541,7 +541,7 @@ def test_a_run_times_its_profiles_layer_around_it_and_records_how_much_slower_th
 
 def test_other_work_is_read_over_the_steps_after_the_warm_up_when_they_last(monkeypatch):
     """The readings are taken at the first report of a finished step and at the report of the last; the reports go
-    on to the caller's steps_done. Steps spanning under MIN_STEPS_WINDOW_S leave the whole run read."""
+    on to the caller's steps_done. Steps spanning under MIN_OTHER_WORK_S leave the whole run read."""
     from profiler.machine import HostTimes
     from runtime import launch
 
@@ -552,10 +552,10 @@ def test_other_work_is_read_over_the_steps_after_the_warm_up_when_they_last(monk
     for done in (0, 0, 1, 2, 2, 3, 4, 4):
         readings.tell(done, 4)
     assert told[-1] == (4, 4) and len(told) == 8
-    monkeypatch.setattr(launch, "MIN_STEPS_WINDOW_S", 0.5)
+    monkeypatch.setattr(launch, "MIN_OTHER_WORK_S", 0.5)
     window = readings.steps_window()
     assert window is not None and (window[0].wall_s, window[1].wall_s) == (0.0, 1.0)  # read once each
-    monkeypatch.setattr(launch, "MIN_STEPS_WINDOW_S", 2.0)
+    monkeypatch.setattr(launch, "MIN_OTHER_WORK_S", 2.0)
     assert readings.steps_window() is None
     _, others = launch.with_other_work(lambda: None, readings)
     assert others["over"] == "the whole run (the ranks' start included)"
