@@ -275,8 +275,9 @@ def predict(
         "iteration_time_interval_s": interval_dict(interval),
     }
     local = None
-    if strategy is not None and all(value is None for key, value in overrides.items() if key != "dtype"):
-        # a plan as `hetplan run` would run it (its training, or another dtype as `run --dtype` gives it)
+    # a plan as `hetplan run` would run it: its model and training (another dtype as `run --dtype` gives it)
+    as_run = model is None and all(value is None for key, value in overrides.items() if key != "dtype")
+    if strategy is not None and as_run:
         made = LoadedPlan(chosen.strategy, chosen.model, chosen.training, chosen.source)
         local = local_run(made, cluster_spec, chosen_predictor, measured)
     body |= {"local_run": local.to_dict()} if local else {}

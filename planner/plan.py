@@ -449,6 +449,7 @@ def _check_summaries(
         (data, "context_parallel", "context_parallel", strategy.context_parallel, "pipelines[].context_parallel"),
         (data, "schedule", "schedule", schedule_name(strategy.virtual_stages), "virtual_stages"),
     ]
+    hints: dict[str, str] = {}  # by figure: what a disagreement may come from
     for index, (written, pipeline) in enumerate(zip(data.get("pipelines") or [], strategy.pipelines, strict=False)):
         name = f"pipelines[{index}]"
         by = f"{name}'s micro-batch size and counts"
@@ -468,14 +469,23 @@ def _check_summaries(
             )
             devices = pipeline.stage_devices(stage)
             figures.append((stage_written, "devices", f"{name}.stages[{number}].devices", devices, devices_by))
+            written_devices = stage_written.get("devices") if isinstance(stage_written, dict) else None
+            rest = pipeline.replicas * pipeline.context_parallel
+            if isinstance(written_devices, int) and written_devices % rest == 0 and written_devices // rest != stage.tp:
+                # the devices another tp gives: a tp edited by hand (whether it fits a node is checked later)
+                hints[f"{name}.stages[{number}].devices"] = (
+                    f"{written_devices} is what tp {written_devices // rest} gives: if tp was edited from "
+                    f"{written_devices // rest}, the stage's devices grew with it (lower the replicas to keep them)"
+                )
     for mapping, key, name, value, by in figures:
         written = mapping.get(key) if isinstance(mapping, dict) else None
         if isinstance(written, list) and isinstance(value, list) and len(written) == len(value):
             name, written, value = _first_difference(name, written, value)
         if written is not None and written != value:
+            hint = f"; {hints[name]}" if name in hints else ""
             raise SpecError(
                 source, name, f"{written!r} disagrees with {by}, {value!r}, which decides it (edit that; a figure "
-                "written for readers changes nothing: make it agree or delete it)"
+                f"written for readers changes nothing: make it agree or delete it){hint}"
             )  # fmt: skip
 
 

@@ -60,6 +60,7 @@ def plans(tmp_path_factory) -> dict[str, Path]:
         "samples-summary": lambda b: b["pipelines"][0].update(samples_per_replica=31),
         "family-samples": lambda b: b["pipelines"][0].update(family_samples=4),
         "stage-devices": lambda b: b["pipelines"][0]["stages"][1].update(devices=4),
+        "tp-edited": lambda b: b["pipelines"][0]["stages"][0].update(tp=2),  # its devices figure left as tp 1 gives
         "schedule": lambda b: b.update(schedule="interleaved-1f1b"),
         "stage-device": lambda b: b["pipelines"][0]["stages"][0].update(device="h100"),
         "stage-device-alias": lambda b: b["pipelines"][0]["stages"][0].update(device="CPU"),  # the same device
@@ -423,6 +424,12 @@ def test_a_stage_device_written_by_alias_or_another_case_is_the_groups(capsys, t
             "(2 x 1 x 1), 2, which decides it",
         ),
         (("explain", "{replica-split}", "-c", str(CPU)), "pipelines[0].replica_batches[0].samples: -40 disagrees w"),
+        # a stage's tp edited by hand: the devices figure it left behind says which tp it was
+        (
+            ("explain", "{tp-edited}", "-c", str(CPU)),
+            "make it agree or delete it); 2 is what tp 1 gives: if tp was edited from 1, the stage's devices grew with "
+            "it (lower the replicas to keep them)",
+        ),
         (("predict", "-c", str(CPU), "--strategy", "{batch-weight}"), "pipelines[0].batch_weight: 0.25 disagrees"),
         (("predict", "-c", str(CPU), "--strategy", "{schedule}"), "schedule: 'interleaved-1f1b' disagrees with"),
         (("explain", "{stage-device}", "-c", str(CPU)), "pipelines[0].stages[0].device: 'h100' is not group 'cpu'"),
