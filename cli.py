@@ -230,7 +230,7 @@ def predict(
     from dataclasses import replace
 
     from planner.plan import LoadedPlan, evaluation_dict, header_dict, interval_dict, load_plan
-    from planner.what_if import local_run, predicted, recorded_cluster, what_if
+    from planner.what_if import local_run, predicted, recorded_cluster, runs_as_planned, what_if
     from report.tables import evaluation_tables, interval_row
     from specs import flags
     from specs.cluster import load_cluster
@@ -275,9 +275,7 @@ def predict(
         "iteration_time_interval_s": interval_dict(interval),
     }
     local = None
-    # a plan as `hetplan run` would run it: its model and training (another dtype as `run --dtype` gives it)
-    as_run = model is None and all(value is None for key, value in overrides.items() if key != "dtype")
-    if strategy is not None and as_run:
+    if strategy is not None and runs_as_planned(load_plan(strategy), chosen):
         made = LoadedPlan(chosen.strategy, chosen.model, chosen.training, chosen.source)
         local = local_run(made, cluster_spec, chosen_predictor, measured)
     body |= {"local_run": local.to_dict()} if local else {}

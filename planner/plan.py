@@ -475,7 +475,8 @@ def _check_summaries(
                 # the devices another tp gives: a tp edited by hand (whether it fits a node is checked later)
                 hints[f"{name}.stages[{number}].devices"] = (
                     f"{written_devices} is what tp {written_devices // rest} gives: if tp was edited from "
-                    f"{written_devices // rest}, the stage's devices grew with it (lower the replicas to keep them)"
+                    f"{written_devices // rest}, the stage's devices changed with it (replicas x context_parallel x "
+                    "tp; change replicas with tp to keep them)"
                 )
     for mapping, key, name, value, by in figures:
         written = mapping.get(key) if isinstance(mapping, dict) else None

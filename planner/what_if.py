@@ -110,17 +110,21 @@ def check_recorded_changes(plan: LoadedPlan, cluster: ClusterSpec, cluster_file:
         ) from None
     left = {group.name: group.node_numbers for group in replayed.groups}
     recorded = {name: list(numbers) for name, numbers in plan.cluster_nodes if numbers}
-    for group in cluster.groups:
+    wrong = [group for group in cluster.groups if left.get(group.name, []) != recorded.get(group.name, [])]
+    if wrong:
+        group = wrong[0]
         runs_on, leaves = recorded.get(group.name, []), left.get(group.name, [])
-        if leaves != runs_on:
-            raise SpecError(
-                str(cluster_file),
-                f"groups.{group.name}.nodes",
-                f"{plan.source} runs group {group.name!r} on nodes {node_ranges(runs_on) or 'none'} "
-                f"(search.cluster_nodes); its recorded changes leave {node_ranges(leaves) or 'none'} of this file's "
-                f"{group.nodes}: not the cluster it was re-planned from (or an older hetplan re-planned it, which "
-                "could give a lost node's number to an added one: re-plan the plan it started from)",
-            )
+        also = f" (also {', '.join(g.name for g in wrong[1:])})" if wrong[1:] else ""
+        # a hetplan before the changes were replayed could give a lost node's number to a node added later
+        added = any(add for _, add in plan.cluster_changes)
+        older = " (or an older hetplan re-planned it, numbering added nodes otherwise: re-plan the plan it began as)"
+        raise SpecError(
+            str(cluster_file),
+            f"groups.{group.name}.nodes",
+            f"{plan.source} runs group {group.name!r} on nodes {node_ranges(runs_on) or 'none'} "
+            f"(search.cluster_nodes); made again on this file's {group.nodes} nodes, its recorded changes leave "
+            f"{node_ranges(leaves) or 'none'}{also}: not the cluster it was re-planned from{older if added else ''}",
+        )
 
 
 def plan_on_cluster(plan_file: str | Path, cluster_file: str | Path) -> tuple[LoadedPlan, ClusterSpec]:
@@ -331,6 +335,18 @@ class LocalRun:
 
     def to_dict(self) -> dict[str, Any]:
         return {"predicted_iteration_time_s": self.time_s, "why": list(self.reasons)}
+
+
+def runs_as_planned(plan: LoadedPlan, chosen: WhatIf) -> bool:
+    """`predict --strategy`'s what-if is the plan as `hetplan run` would run it: its model and training (flags that
+    repeat them change nothing; another dtype, as `run --dtype` gives it)."""
+
+    def runs(training: TrainingSpec, model: ModelSpec) -> dict[str, Any]:
+        # the sequence as trained (unset: the model's), the dtype aside
+        seq_length = training.seq_length or model.seq_length
+        return training.model_copy(update={"dtype": "", "seq_length": seq_length}).model_dump()
+
+    return chosen.model == plan.model and runs(chosen.training, chosen.model) == runs(plan.training, plan.model)
 
 
 def local_run(

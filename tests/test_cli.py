@@ -299,6 +299,19 @@ def test_a_cpu_plan_says_what_the_run_here_predicts_where_it_overlaps_nothing(tm
         found = re.search(r"on this machine `hetplan run` predicts (\d+\.\d{3}) s: it does not overlap gradient", said)
         assert found is not None, said
         assert float(found[1]) > planned["iteration_time_s"] * 1.005
+        # predict of the plan file says the same; a flag that repeats the plan's own training changes nothing, one
+        # that changes it is a what-if `hetplan run` would not run (no row)
+        plan_file = tmp_path / "plan.json"
+        saved = hetplan("plan", "--cluster", str(cluster), "--model", tiny, "--global-batch", "4", "-q", "--out",
+                        str(plan_file))  # fmt: skip
+        assert saved.returncode == 0, saved.stderr
+        for flags, shown in (((), True), (("--seq-len", "256"), True), (("--seq-len", "128"), False)):
+            predicted = hetplan("predict", "--strategy", str(plan_file), "--cluster", str(cluster), "--json", *flags)
+            assert predicted.returncode == 0, predicted.stderr
+            local = json.loads(predicted.stdout).get("local_run")
+            assert (local is not None) == shown, (flags, local)
+            if shown:
+                assert local == planned["local_run"]
 
 
 def test_piped_help_keeps_flag_names_and_bracketed_defaults():

@@ -427,8 +427,8 @@ def test_a_stage_device_written_by_alias_or_another_case_is_the_groups(capsys, t
         # a stage's tp edited by hand: the devices figure it left behind says which tp it was
         (
             ("explain", "{tp-edited}", "-c", str(CPU)),
-            "make it agree or delete it); 2 is what tp 1 gives: if tp was edited from 1, the stage's devices grew with "
-            "it (lower the replicas to keep them)",
+            "make it agree or delete it); 2 is what tp 1 gives: if tp was edited from 1, the stage's devices changed "
+            "with it (replicas x context_parallel x tp; change replicas with tp to keep them)",
         ),
         (("predict", "-c", str(CPU), "--strategy", "{batch-weight}"), "pipelines[0].batch_weight: 0.25 disagrees"),
         (("predict", "-c", str(CPU), "--strategy", "{schedule}"), "schedule: 'interleaved-1f1b' disagrees with"),
