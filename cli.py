@@ -258,12 +258,13 @@ def predict(
     layout = {field: MEGATRON_FLAGS[field][1] if value is None else value for field, value in layout.items()}
     flags.training(None, **overrides)  # a bad flag is named as the flag, before a plan's training is read
     chosen = what_if(cluster_spec, cluster, strategy, model, training, overrides, layout)
-    if strategy is not None:  # a re-planned plan is for the cluster its changes left
-        cluster_spec = recorded_cluster(load_plan(strategy), cluster_spec, cluster)
+    given_plan = load_plan(strategy) if strategy is not None else None  # (what_if checked it)
+    if given_plan is not None:  # a re-planned plan is for the cluster its changes left
+        cluster_spec = recorded_cluster(given_plan, cluster_spec, cluster)
     used = {stage.group for pipeline in chosen.strategy.pipelines for stage in pipeline.stages}
     chosen = replace(chosen, training=on_cluster(chosen.training, cluster_spec, used))
-    if strategy is not None:
-        costs = plan_costs_said(load_plan(strategy), predictor, profiles, cluster_spec, model=chosen.model)
+    if given_plan is not None:
+        costs = plan_costs_said(given_plan, predictor, profiles, cluster_spec, model=chosen.model)
         chosen_predictor, measured = costs.predictor, costs.profiles
     else:
         devices = [group.device.key for group in cluster_spec.groups if group.name in used]  # --group's, not all
@@ -275,7 +276,7 @@ def predict(
         "iteration_time_interval_s": interval_dict(interval),
     }
     local = None
-    if strategy is not None and runs_as_planned(load_plan(strategy), chosen):
+    if given_plan is not None and runs_as_planned(given_plan, chosen):
         made = LoadedPlan(chosen.strategy, chosen.model, chosen.training, chosen.source)
         local = local_run(made, cluster_spec, chosen_predictor, measured)
     body |= {"local_run": local.to_dict()} if local else {}

@@ -532,6 +532,31 @@ def batch_costs(model: ModelSpec, seq_length: int, min_time_s: float = 0.2) -> t
     return max(0.0, times[0] - small * per_sample), per_sample
 
 
+class HostParts:
+    """The host section's progress, counted in parts (they take minutes; the layers' count is done by then):
+    `progress(parts done, parts, what)`."""
+
+    def __init__(self, total: int, progress: Callable[[int, int, str], None]) -> None:
+        self.total, self.progress = total, progress
+        self.started = 0  # the parts started so far (skipped ones too)
+
+    def start(self, part: str) -> None:
+        """The next part starts."""
+        self.started = min(self.started + 1, self.total)
+        self.progress(self.started - 1, self.total, f"host: {part}")
+
+    def skip(self) -> None:
+        """The next part is not measured (the count goes on)."""
+        self.started = min(self.started + 1, self.total)
+
+    def note(self, line: str) -> None:
+        """A part failed: why, and what stands instead."""
+        self.progress(max(self.started - 1, 0), self.total, line)
+
+    def end(self) -> None:
+        self.progress(self.total, self.total, "host: done")
+
+
 def measure_host(
     model: ModelSpec,
     seq_length: int,
@@ -547,19 +572,8 @@ def measure_host(
     # already ran at two per core)
     beside = 2 * cores - 2
     loaded_tp = 0 < beside <= MAX_CONCURRENT_PROCESSES - 2
-    total = HOST_PARTS + (1 if loaded_tp else 0)
-    parts = iter(range(total))
-    started = 0  # the parts started so far
-
-    def say(part: str) -> None:
-        """The host section's next part starts (they take minutes; the layers' count is done by then)."""
-        nonlocal started
-        started = next(parts, total - 1) + 1
-        progress(started - 1, total, f"host: {part}")
-
-    def note(line: str) -> None:
-        """A part failed: why, and what stands instead."""
-        progress(started - 1, total, line)
+    parts = HostParts(HOST_PARTS + (1 if loaded_tp else 0), progress)
+    say, note = parts.start, parts.note
 
     # the family sync's memory-bound copies, timed at three moments of the measurement (median): timed once, the
     # runtime benchmark's tiny model read 7.3 ns per parameter in one profile, 4.4-5.0 ns in seven others and in eight
@@ -574,7 +588,7 @@ def measure_host(
     def time_tp(moment: int) -> None:
         nonlocal tp_failure
         if tp_failure:
-            next(parts, None)  # not tried again: the count goes on
+            parts.skip()  # not tried again: the count goes on
             return
         say(f"TP collectives between layers ({moment} of {TP_TIMINGS})")
         try:
@@ -618,12 +632,12 @@ def measure_host(
         say("TP collectives between layers with processes computing beside them")
         tp_loaded = time_tp_under_load(model, micro_batch_size, seq_length, dtype, beside, note)
     elif loaded_tp:
-        next(parts, None)  # not timed without unloaded timings to set it against: the count goes on
+        parts.skip()  # not timed without unloaded timings to set it against: the count goes on
     say("making batches")
     batch_s, batch_s_per_sample = batch_costs(model, seq_length)
     tp = fit_tp_collective_costs(tp_timings, tp_loaded) if tp_timings and not tp_failure else None
     per_microbatch, per_layer = (statistics.median(parts) for parts in zip(*stage_readings, strict=True))
-    progress(total, total, "host: done")
+    parts.end()
     return HostCosts(
         cores=cores,
         concurrency=median_points(concurrency_readings),
