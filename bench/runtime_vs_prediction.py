@@ -425,7 +425,7 @@ def tiny_layer_time_s() -> float:
     """The tiny model's decoder layer, forward and backward, as a run's machine-speed check times it."""
     import torch
 
-    from profiler.host import layer_time_s
+    from profiler.layer_timing import layer_time_s
 
     return layer_time_s(model_spec("tiny"), 1, SEQ_LENGTH, torch.float32, 1)
 

@@ -28,7 +28,7 @@ from predictor.host import on_host
 from predictor.run_terms import predicted_stage_terms, side_by_side
 from predictor.runs import RUN_SCHEMA
 from profiler.comm_bench import free_port, run_processes
-from profiler.host import concurrency, layer_time_s
+from profiler.layer_timing import concurrency, layer_time_s
 from profiler.machine import MIN_OTHER_WORK_S, HostTimes, host_cores, host_times, other_work
 from profiler.profile import DeviceProfile, ProfileEntry, ScaledLayerCosts
 from runtime.execute import (
@@ -479,8 +479,8 @@ CORES_CHECK_S = 0.25  # of layer passes timed (with the helpers' start, about 3 
 
 def cores_check(model: ModelSpec, profile: DeviceProfile, entry: ProfileEntry) -> dict[str, Any]:
     """The reference layer's busy stretch with a process per core computing it at once, measured now as the profile
-    measured its own (profiler.host.concurrency), against the profile's (`cores_slowdown`: now over profiled); empty
-    off a multi-core host or for a profile without host costs."""
+    measured its own (profiler.layer_timing.concurrency), against the profile's (`cores_slowdown`: now over
+    profiled); empty off a multi-core host or for a profile without host costs."""
     cores = host_cores()
     if profile.host is None or cores < 2:
         return {}

@@ -9,7 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from profiler import host, host_tp  # noqa: E402
+from profiler import host, host_tp, layer_timing  # noqa: E402
 from specs.model import ModelSpec  # noqa: E402
 
 MODEL = ModelSpec(
@@ -84,8 +84,8 @@ def _timed(total_s: float):
 
 def test_median_time_counts_busy_time_on_the_process_clock():
     """Sleeping is not busy: on the process clock a sleep of 20 ms costs almost nothing."""
-    assert host.median_time_s(lambda: time.sleep(0.02), 0.0, clock=time.process_time) < 0.005
-    assert host.median_time_s(lambda: time.sleep(0.02), 0.0, clock=time.perf_counter) >= 0.019
+    assert layer_timing.median_time_s(lambda: time.sleep(0.02), 0.0, clock=time.process_time) < 0.005
+    assert layer_timing.median_time_s(lambda: time.sleep(0.02), 0.0, clock=time.perf_counter) >= 0.019
 
 
 def test_layers_are_timed_on_busy_time_on_the_cpu_with_one_thread(monkeypatch):
@@ -118,7 +118,7 @@ def test_the_busy_stretch_sets_each_busy_time_against_the_alone_times_around_it(
     alone time against the first busy time reads 1.21."""
     alone = [1.0, 1.2, 1.4, 1.6, 1.8]
     busy = [1.1 * (1.1 + 0.2 * index) for index in range(4)]
-    assert host.busy_stretch(alone, busy) == pytest.approx(1.1)
+    assert layer_timing.busy_stretch(alone, busy) == pytest.approx(1.1)
     assert busy[0] / alone[0] == pytest.approx(1.21)
 
 
@@ -127,13 +127,13 @@ def test_one_disturbed_round_does_not_move_the_busy_stretch_much():
     rounds is the clean rounds' 1.05."""
     alone = [1.0, 1.0, 1.0, 1.0, 1.0]
     busy = [1.05, 1.05, 2.1, 1.05]
-    assert host.busy_stretch(alone, busy) == pytest.approx(1.05)
+    assert layer_timing.busy_stretch(alone, busy) == pytest.approx(1.05)
 
 
 @pytest.mark.slow
 def test_concurrency_is_measured_with_helper_processes_computing_beside():
     """One helper process (cores given as 1: levels 2 processes); the helpers stop with the measurement."""
-    points = host.concurrency(MODEL, 1, 16, torch.float32, cores=1, min_time_s=0.05)
+    points = layer_timing.concurrency(MODEL, 1, 16, torch.float32, cores=1, min_time_s=0.05)
     assert [point.processes for point in points] == [2]
     assert 0.5 < points[0].busy_stretch < 5.0
 
@@ -144,12 +144,12 @@ def test_concurrency_helpers_started_once_serve_every_moment_and_stop_with_the_s
     helpers nobody used were never started."""
     import os
 
-    with host.BusyHelpers(MODEL, 1, 16, torch.float32, count=1) as unused:
+    with layer_timing.BusyHelpers(MODEL, 1, 16, torch.float32, count=1) as unused:
         assert unused.pids == []
-    with host.BusyHelpers(MODEL, 1, 16, torch.float32, count=1) as helpers:
-        first = host.concurrency(MODEL, 1, 16, torch.float32, cores=1, min_time_s=0.05, helpers=helpers)
+    with layer_timing.BusyHelpers(MODEL, 1, 16, torch.float32, count=1) as helpers:
+        first = layer_timing.concurrency(MODEL, 1, 16, torch.float32, cores=1, min_time_s=0.05, helpers=helpers)
         started = helpers.pids
-        second = host.concurrency(MODEL, 1, 16, torch.float32, cores=1, min_time_s=0.05, helpers=helpers)
+        second = layer_timing.concurrency(MODEL, 1, 16, torch.float32, cores=1, min_time_s=0.05, helpers=helpers)
         assert len(started) == 1 and helpers.pids == started
         assert [p.processes for p in first] == [p.processes for p in second] == [2]
     assert helpers.pids == []
