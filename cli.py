@@ -433,8 +433,8 @@ def replan(
     loaded, original = plan_on_cluster(plan_file, cluster)
     check_changes(without or [], add or [], original)
     engine = get_engine(loaded.engine, str(plan_file), "search.engine") if loaded.engine else None
-    changes = [*loaded.cluster_changes, (without or [], add or [])]
-    if loaded.cluster_nodes and not loaded.cluster_changes:  # its nodes, not how they came (an older export's)
+    changes = [*(loaded.cluster_changes or ()), (without or [], add or [])]
+    if loaded.cluster_nodes and loaded.cluster_changes is None:  # its nodes, not how they came (an older export's)
         new_cluster, history = changed_cluster(original, without or [], add or []), None
     else:  # made from the cluster file with every change since (a node lost in an earlier re-plan keeps its number)
         file_cluster = load_cluster(cluster)

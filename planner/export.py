@@ -331,8 +331,7 @@ def _launch_only(ctx: CostContext, strategy: Strategy, plan: Strategy) -> tuple[
     """torchrun starts the user's own script, which takes no plan arguments: the plan goes with it as a plan file
     (hetplan's format, the exported layout: planner.plan.load_plan reads it), named to every rank in $HETPLAN_PLAN."""
     body = {**header_dict(ctx), **evaluation_dict(ctx, evaluate(ctx, strategy))}
-    if any(group.node_ids for group in ctx.cluster.groups):  # a re-planned cluster: the nodes it runs on, by number
-        body["search"] = {"cluster_nodes": {group.name: group.node_numbers for group in ctx.cluster.groups}}
+    body["search"] = {"cluster_nodes": {group.name: group.node_numbers for group in ctx.cluster.groups}}
     return {EXPORTED_PLAN_FILE: json.dumps(body, indent=2) + "\n"}, []
 
 
@@ -533,7 +532,7 @@ def export_plan(
     keep_layout: bool = False,
     context_for: Callable[[TrainingSpec], CostContext] | None = None,
     keep_kernels: bool = False,
-    cluster_changes: Sequence[tuple[Sequence[str], Sequence[str]]] = (),
+    cluster_changes: Sequence[tuple[Sequence[str], Sequence[str]]] | None = None,
 ) -> Export:
     """The plan in an engine's terms (or the closest plan the engine can run: engine_space.closest, `keep_layout`
     there), with per-node torchrun commands. `context_for(training)`: the plan's costs for another training; given,
@@ -541,8 +540,9 @@ def export_plan(
     dtype (else in the plan's, and its lost line says so), and with the kernels the engine runs its layers with
     (DeepSpeed's: a note says so) unless `keep_kernels` (the plan's training named its `engine`, e.g. Megatron's for
     Megatron-DeepSpeed, or the plan was made for this engine, which chose its kernels then). `cluster_changes`: a
-    re-planned plan's changes to the cluster file (LoadedPlan.cluster_changes), which the torchrun export's plan.json
-    records beside the nodes they left, so a re-plan of it knows them too."""
+    plan's changes to the cluster file (LoadedPlan.cluster_changes: a re-plan's, none as planned; None: not
+    recorded), which the torchrun export's plan.json records beside the nodes, so a re-plan of it knows them too and a
+    cluster file with other nodes is refused."""
     expect_argument(ctx, CostContext, "export_plan()", "ctx", "a CostContext: a Plan's .context, or build_context()")
     expect_argument(strategy, Strategy, "export_plan()", "strategy", "a Strategy (a loaded plan's or a Plan's "
                     ".strategy)")  # fmt: skip
@@ -562,7 +562,7 @@ def export_plan(
     found = closest(runs_ctx, strategy, engine, keep_layout, planned=ctx.training)
     exported, lost = found.strategy, found.lost
     files, args = writer(ctx, exported, strategy)
-    if EXPORTED_PLAN_FILE in files and cluster_changes:
+    if EXPORTED_PLAN_FILE in files and cluster_changes is not None:
         body = json.loads(files[EXPORTED_PLAN_FILE])
         changes = [{"without": list(without), "add": list(add)} for without, add in cluster_changes]
         body["search"] = {"cluster_changes": changes, **body.get("search", {})}

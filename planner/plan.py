@@ -399,9 +399,10 @@ class LoadedPlan:
     # each family's stages' `device` as written ("" where not): planner.what_if checks them against the cluster
     written_devices: tuple[tuple[str, ...], ...] = ()
     training_names_engine: bool = False  # its training named the kernels (`engine`): an export keeps them
-    # `hetplan replan`'s changes to the cluster file, in order ((without, add) each), and the nodes they left by
-    # group, by the cluster file's numbers: the nodes the plan is for (planner.what_if.recorded_cluster)
-    cluster_changes: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = ()
+    # `hetplan replan`'s changes to the cluster file, in order ((without, add) each; none for a plan as planned),
+    # and the nodes they left by group, by the cluster file's numbers: the nodes the plan is for
+    # (planner.what_if.recorded_cluster). None: not recorded (a plan from before, or an export's nodes alone)
+    cluster_changes: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] | None = None
     cluster_nodes: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
 
@@ -413,8 +414,8 @@ class _ClusterChange(BaseModel):
 
 
 class _ClusterChanges(BaseModel):
-    """What a re-planned plan records of its cluster (search.cluster_changes, search.cluster_nodes: each group's
-    node numbers)."""
+    """What a plan records of its cluster (search.cluster_changes: a re-plan's changes to the cluster file, none as
+    planned; search.cluster_nodes: each group's node numbers)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
@@ -423,8 +424,8 @@ class _ClusterChanges(BaseModel):
 
     @model_validator(mode="after")
     def _both(self) -> _ClusterChanges:
-        if self.cluster_changes and not self.cluster_nodes:
-            raise ValueError("cluster_changes go with cluster_nodes, the nodes they leave (a re-plan writes both)")
+        if "cluster_changes" in self.model_fields_set and not self.cluster_nodes:
+            raise ValueError("cluster_changes go with cluster_nodes, the nodes they leave (a plan writes both)")
         if any(len(set(numbers)) != len(numbers) for numbers in self.cluster_nodes.values()):
             raise ValueError("cluster_nodes: a node number given twice")
         return self
@@ -573,6 +574,10 @@ def load_plan(path: str | Path) -> LoadedPlan:
         engine,
         written_devices,
         named,
-        tuple((tuple(change.without), tuple(change.add)) for change in changes.cluster_changes),
+        (
+            tuple((tuple(change.without), tuple(change.add)) for change in changes.cluster_changes)
+            if "cluster_changes" in changes.model_fields_set
+            else None
+        ),
         tuple((name, tuple(numbers)) for name, numbers in changes.cluster_nodes.items()),
     )

@@ -101,6 +101,10 @@ def plan(
         "memory_infeasible": result.memory_infeasible,
         "pruned_by_bound": result.configurations - result.evaluated,
         "family_partitions": result.family_partitions,
+        # the cluster file's nodes as planned, no change made since: read with a file whose groups have other nodes,
+        # the plan is refused (planner.what_if.check_recorded_changes) rather than launched with nodes left idle
+        "cluster_changes": [],
+        "cluster_nodes": {group.name: group.node_numbers for group in cluster.groups},
     }
     if result.note:  # what the search did not cover (merged groups, the candidate budget), in one line
         stats["note"] = result.note

@@ -86,20 +86,22 @@ def recorded_cluster(plan: LoadedPlan, cluster: ClusterSpec, cluster_file: str |
         raise SpecError(
             str(cluster_file), "groups", f"{plan.source} runs on group {missing[0]!r} (search.cluster_nodes): not here"
         )
-    if plan.cluster_changes:
+    if plan.cluster_changes is not None:
         check_recorded_changes(plan, cluster, cluster_file)
     groups = tuple(g.with_node_numbers(list(numbers[g.name])) for g in cluster.groups if numbers.get(g.name))
     return replace(cluster, groups=groups)
 
 
 def check_recorded_changes(plan: LoadedPlan, cluster: ClusterSpec, cluster_file: str | Path) -> None:
-    """The changes a re-planned plan records (search.cluster_changes), made again on the cluster file, leave the
-    nodes it records (search.cluster_nodes): else the file is not the one the plan was re-planned from (a group with
-    fewer or more nodes, other names), and its node numbers would name other machines."""
+    """The changes a plan records (search.cluster_changes: a re-plan's, none as planned), made again on the cluster
+    file, leave the nodes it records (search.cluster_nodes): else the file is not the one the plan was made or
+    re-planned from (a group with fewer or more nodes, other names): its node numbers would name other machines, and
+    nodes it does not know of would be launched idle."""
     from planner.replan import changed_cluster, node_ranges
 
+    changes = plan.cluster_changes or ()
     try:
-        replayed = changed_cluster(cluster, (), (), earlier=plan.cluster_changes)
+        replayed = changed_cluster(cluster, (), (), earlier=changes)
     except SpecError as err:
         change = f"{err.source} {err.field}".strip()
         raise SpecError(
@@ -115,8 +117,17 @@ def check_recorded_changes(plan: LoadedPlan, cluster: ClusterSpec, cluster_file:
         group = wrong[0]
         runs_on, leaves = recorded.get(group.name, []), left.get(group.name, [])
         also = f" (also {', '.join(g.name for g in wrong[1:])})" if wrong[1:] else ""
+        if not changes:  # as planned: the file's groups have grown, shrunk or been added to since
+            planned = f"for group {group.name!r} on {len(runs_on)} nodes ({node_ranges(runs_on)})"
+            raise SpecError(
+                str(cluster_file),
+                f"groups.{group.name}.nodes",
+                f"{plan.source} was planned {planned if runs_on else f'without group {group.name!r}'} "
+                f"(search.cluster_nodes), this file gives it {group.nodes}{also}: not the cluster it was planned for "
+                "(plan again on this file, or re-plan the plan on the one it was made for with --add/--without)",
+            )
         # a hetplan before the changes were replayed could give a lost node's number to a node added later
-        added = any(add for _, add in plan.cluster_changes)
+        added = any(add for _, add in changes)
         older = " (or an older hetplan re-planned it, numbering added nodes otherwise: re-plan the plan it began as)"
         raise SpecError(
             str(cluster_file),

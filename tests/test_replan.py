@@ -247,6 +247,44 @@ def test_a_replanned_plan_read_with_another_cluster_file_is_refused_in_one_line(
     assert hetplan("launch", str(replanned), "-c", str(CLUSTER)).returncode == 0  # the file it was re-planned from
 
 
+def test_a_plan_read_with_a_cluster_file_whose_groups_changed_since_it_was_planned_is_refused(tmp_path):
+    """A plan records the cluster file's nodes as planned (no changes yet): a file whose group has grown since was
+    taken silently (launch started a node the plan leaves idle), one with a group added too. Both are refused in one
+    line naming the file and group; the file it was planned on, and a plan recording neither (from before), run."""
+    from tests.conftest import hetplan, write_plan
+
+    plan_path = tmp_path / "plan.json"
+    write_plan(plan_path, CLUSTER, "gpt3-1.7b", 64)
+    body = json.loads(plan_path.read_text())
+    search = body["search"]
+    assert search["cluster_changes"] == [] and search["cluster_nodes"] == {"a100": [0, 1], "v100": [0, 1]}
+    bigger = tmp_path / "a100-v100-32.yaml"
+    bigger.write_text(CLUSTER.read_text().replace("device: v100\n    nodes: 2", "device: v100\n    nodes: 3"))
+    added = tmp_path / "added" / "a100-v100-32.yaml"
+    added.parent.mkdir()
+    extra = "  - {name: extra, device: v100, nodes: 1, devices_per_node: 8, nics_per_node: 4, nic_gbps: 100}\n"
+    added.write_text(CLUSTER.read_text().replace("network:", extra + "network:"))
+    for cluster_file, field, said in (
+        (bigger, "groups.v100.nodes", "was planned for group 'v100' on 2 nodes (0..1) (search.cluster_nodes), this "
+         "file gives it 3: not the cluster it was planned for"),
+        (added, "groups.extra.nodes", "was planned without group 'extra' (search.cluster_nodes), this file gives it 1"),
+    ):  # fmt: skip
+        refused = hetplan("launch", str(plan_path), "-c", str(cluster_file))
+        line = refused.stderr.strip()
+        assert refused.returncode == 2 and "\n" not in line, refused.stderr
+        assert line.startswith(f"hetplan: error: {cluster_file}: {field}: {plan_path} {said}"), line
+    assert hetplan("launch", str(plan_path), "-c", str(CLUSTER)).returncode == 0
+    del body["search"]["cluster_changes"], body["search"]["cluster_nodes"]
+    before = tmp_path / "before.json"
+    before.write_text(json.dumps(body))
+    assert hetplan("launch", str(before), "-c", str(bigger)).returncode == 0  # (nothing recorded: read as it stands)
+    out = tmp_path / "t"
+    exported = hetplan("export", str(plan_path), "-c", str(CLUSTER), "--format", "torchrun", "--out", str(out))
+    assert exported.returncode == 0, exported.stderr
+    assert json.loads((out / "plan.json").read_text())["search"]["cluster_changes"] == []  # so it is checked too
+    assert hetplan("launch", str(out / "plan.json"), "-c", str(bigger)).returncode == 2
+
+
 def test_a_replanned_plan_runs_on_the_nodes_left_when_read_with_the_cluster_file(tmp_path):
     """The re-planned plan named the cluster file's cluster and offsets into its groups as if no node were lost:
     `launch` put ranks on the lost node, `predict` counted its devices. The plan records the changes and the nodes
