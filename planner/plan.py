@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from predictor.calibration import Interval
 from predictor.cost_model import CostContext, Evaluation
-from specs.errors import SpecError, expect_argument
+from specs.errors import SpecError, also_wrong, expect_argument
 from specs.layout import PipelineFile, PipelineStrategy, Strategy, pipelines_from_files, without_figures
 from specs.loading import PLAN_FILE, StrictBool, StrictInt, file_kind, read_mapping, validate
 from specs.model import ModelSpec, Recompute
@@ -436,7 +436,8 @@ def _check_summaries(
 ) -> None:
     """The figures a plan file repeats for its readers (the batch, the sequence, CP, each family's samples per
     replica, its share of the batch and its replicas' split of it) agree with the training and layout they
-    summarise: edited by hand they would change nothing, so a disagreement is named rather than ignored."""
+    summarise: edited by hand they would change nothing, so a disagreement is named rather than ignored (the first,
+    the fields of the others after it: a tp edited by hand leaves several)."""
     # (the mapping the figure is written in, its key, its name in the message, the value, what decides it)
     figures: list[tuple[Any, str, str, object, str]] = [
         (data, "global_batch_size", "global_batch_size", training.global_batch_size, "training.global_batch_size"),
@@ -479,16 +480,18 @@ def _check_summaries(
                     f"{written_devices // rest}, the stage's devices changed with it (replicas x context_parallel x "
                     "tp; change replicas with tp to keep them)"
                 )
+    wrong: list[tuple[str, str]] = []  # (field, message) of each disagreement, in the file's order
     for mapping, key, name, value, by in figures:
         written = mapping.get(key) if isinstance(mapping, dict) else None
         if isinstance(written, list) and isinstance(value, list) and len(written) == len(value):
             name, written, value = _first_difference(name, written, value)
         if written is not None and written != value:
             hint = f"; {hints[name]}" if name in hints else ""
-            raise SpecError(
-                source, name, f"{written!r} disagrees with {by}, {value!r}, which decides it (edit that; a figure "
-                f"written for readers changes nothing: make it agree or delete it){hint}"
-            )  # fmt: skip
+            wrong.append((name, f"{written!r} disagrees with {by}, {value!r}, which decides it (edit that; a figure "
+                          f"written for readers changes nothing: make it agree or delete it){hint}"))  # fmt: skip
+    if wrong:
+        (name, message), others = wrong[0], [field for field, _ in wrong[1:]]
+        raise SpecError(source, name, message + also_wrong(others))
 
 
 def _check_defaults(parsed: _PlanFile, training: TrainingSpec, source: str) -> None:

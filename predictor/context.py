@@ -185,8 +185,15 @@ def _slower(link: Link, scale: float) -> Link:
 
 
 def emulated(group: DeviceGroup, source: LayerCostSource) -> LayerCostSource:
-    """A CPU group emulating a slower device (`emulate_speed` < 1) computes 1/speed times as long."""
-    return ScaledLayerCosts(source, 1.0 / group.emulate_speed) if group.emulate_speed != 1.0 else source
+    """A CPU group emulating a slower device (`emulate_speed` < 1), or whose ranks share the cores (`core_share` < 1,
+    within emulate_speed), computes 1/speed times as long."""
+    if group.emulate_speed == 1.0:
+        return source
+    own_speed = group.emulate_speed / group.core_share
+    why = [f"emulated at {own_speed:g} speed"] if own_speed != 1.0 else []
+    if group.core_share < 1.0:
+        why.append(f"{group.core_share:.2f} of a core per rank")
+    return ScaledLayerCosts(source, 1.0 / group.emulate_speed, ", ".join(why))
 
 
 def check_dtype(cluster: ClusterSpec, training: TrainingSpec, groups: Collection[str] | None = None) -> None:

@@ -58,15 +58,17 @@ class LayerCostSource(Protocol):
 
 @dataclass
 class ScaledLayerCosts:
-    """A layer cost source whose times are multiplied by a calibrated factor (activation bytes unchanged)."""
+    """A layer cost source whose times are multiplied by a factor (activation bytes unchanged): a calibrated one, an
+    emulated group's or a shared core's; `why` says which in its identity (none: calibrated)."""
 
     inner: LayerCostSource
     factor: float
+    why: str = ""
     _costs: dict[tuple[str, int, int, str], LayerCost] = field(default_factory=dict, repr=False)
 
     @property
     def identity(self) -> str:
-        return f"{self.inner.identity} x{self.factor:.3f}"
+        return f"{self.inner.identity} x{self.factor:.3f}{f' ({self.why})' if self.why else ''}"
 
     def tp_degrees(self) -> tuple[int, ...] | None:
         """The TP degrees the inner source covers (a profile's), None where it answers any: scaled (calibrated, or an

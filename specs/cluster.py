@@ -106,6 +106,9 @@ class DeviceGroup:
     nic_bw_bytes_per_s: float
     emulate_speed: float = 1.0  # < 1: a CPU group emulating a slower device type (compute really repeated)
     transport: Transport = "rdma"
+    # < 1: the share of a core each rank gets, a local run's ranks outnumbering the cores (sharing_cores); already in
+    # emulate_speed, kept apart to say why a group computes slower than its profile
+    core_share: float = field(default=1.0, compare=False)
     # the cluster file's number of each node, in order, where nodes were removed or added since (`hetplan replan`:
     # without node 17 of 78, nodes 0..16, 18..77); empty: 0..nodes-1. Where a launch runs, not what a plan costs.
     node_ids: tuple[int, ...] = field(default=(), compare=False)
@@ -162,7 +165,10 @@ class ClusterSpec:
         if share >= 1.0:
             return self
         groups = tuple(
-            replace(g, emulate_speed=g.emulate_speed * share) if g.device.key == "cpu" else g for g in self.groups
+            replace(g, emulate_speed=g.emulate_speed * share, core_share=g.core_share * share)
+            if g.device.key == "cpu"
+            else g
+            for g in self.groups
         )
         return replace(self, groups=groups)
 

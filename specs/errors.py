@@ -33,6 +33,14 @@ _EXPECTATIONS = (
 )
 
 
+def also_wrong(fields: list[str], shown: int = 3) -> str:
+    """' (also wrong: a, b, c and 2 more)': the fields of a file's other mistakes, after the first one's message."""
+    if not fields:
+        return ""
+    rest = f" and {len(fields) - shown} more" if len(fields) > shown else ""
+    return f" (also wrong: {', '.join(fields[:shown])}{rest})"
+
+
 def _counted(bound: str, match: re.Match[str], thing: str = "item") -> str:
     count = int(match[1])
     return f"expected {bound} {count} {thing}{'' if count == 1 else 's'}"

@@ -21,7 +21,7 @@ from typing import Annotated, Any, TypeVar
 import yaml
 from pydantic import BaseModel, Field, Strict, ValidationError
 
-from specs.errors import SpecError, expected_wording
+from specs.errors import SpecError, also_wrong, expected_wording
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
 
@@ -351,8 +351,5 @@ def validate(model: type[ModelT], data: dict[str, Any], source: str, prefix: str
         others = [e for e in errors if e is not first and _branches(e["loc"]) <= branches
                   and not (e["type"] == "missing" and _field_loc(e["loc"]) == same)]  # fmt: skip
         fields = list(dict.fromkeys(field_path(_field_loc(e["loc"])) or "(top level)" for e in others))
-        if fields:
-            shown = ", ".join((f"{prefix}.{name}" if prefix else name) for name in fields[:3])
-            rest = f" and {len(fields) - 3} more" if len(fields) > 3 else ""
-            message += f" (also wrong: {shown}{rest})"
+        message += also_wrong([f"{prefix}.{name}" if prefix else name for name in fields])
         raise SpecError(source, field, message) from None

@@ -61,6 +61,8 @@ def plans(tmp_path_factory) -> dict[str, Path]:
         "family-samples": lambda b: b["pipelines"][0].update(family_samples=4),
         "stage-devices": lambda b: b["pipelines"][0]["stages"][1].update(devices=4),
         "tp-edited": lambda b: b["pipelines"][0]["stages"][0].update(tp=2),  # its devices figure left as tp 1 gives
+        # every stage's tp edited: each devices figure is stale, the first named and the others after it
+        "tp-edited-all": lambda b: [stage.update(tp=2) for stage in b["pipelines"][0]["stages"]],
         "schedule": lambda b: b.update(schedule="interleaved-1f1b"),
         "stage-device": lambda b: b["pipelines"][0]["stages"][0].update(device="h100"),
         "stage-device-alias": lambda b: b["pipelines"][0]["stages"][0].update(device="CPU"),  # the same device
@@ -430,6 +432,7 @@ def test_a_stage_device_written_by_alias_or_another_case_is_the_groups(capsys, t
             "make it agree or delete it); 2 is what tp 1 gives: if tp was edited from 1, the stage's devices changed "
             "with it (replicas x context_parallel x tp; change replicas with tp to keep them)",
         ),
+        (("explain", "{tp-edited-all}", "-c", str(CPU)), "keep them) (also wrong: pipelines[0].stages[1].devices)"),
         (("predict", "-c", str(CPU), "--strategy", "{batch-weight}"), "pipelines[0].batch_weight: 0.25 disagrees"),
         (("predict", "-c", str(CPU), "--strategy", "{schedule}"), "schedule: 'interleaved-1f1b' disagrees with"),
         (("explain", "{stage-device}", "-c", str(CPU)), "pipelines[0].stages[0].device: 'h100' is not group 'cpu'"),

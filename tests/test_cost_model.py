@@ -143,6 +143,13 @@ def test_an_emulated_cpu_group_is_predicted_slower_by_its_speed_and_only_cpu_gro
     assert slowed.backward_time_s == pytest.approx(4 * plain.backward_time_s)
     with pytest.raises(SpecError, match="emulate_speed"):
         cluster("a100-80gb", 0.5)
+    # ranks sharing the cores compute slower by their share too, and the costs say which slows them (a local run's
+    # "prediction from" read "x2.000", the notation of an emulated group alone)
+    shared = build_context(cluster("cpu", 0.25).sharing_cores(0.5), model, training).source("g")
+    assert shared.layer_cost("decoder", 1, 1, "none").forward_time_s == pytest.approx(8 * plain.forward_time_s)
+    assert shared.identity.endswith(" x8.000 (emulated at 0.25 speed, 0.50 of a core per rank)"), shared.identity
+    alone = build_context(cluster("cpu", None).sharing_cores(0.5), model, training).source("g").identity
+    assert alone.endswith(" x2.000 (0.50 of a core per rank)"), alone
 
 
 def test_the_planners_in_flight_table_is_the_cost_models_in_flight_count():
