@@ -406,7 +406,9 @@ def local_run(
             if getattr(plan.training, field)
         ]
         reasons.append(f"it does not overlap {' or '.join(overlapped)} with compute (the engines do, as planned)")
-    if profiles and predictor.calibration.value_map():
+    # (the shipped predictor's calibration has no terms of a CPU cluster's: said only where it changes the plan's time)
+    as_measured = predictor.base_context(cluster, plan.model, plan.training, profiles) if profiles else planned
+    if abs(evaluate(as_measured, plan.strategy).iteration_time_s / planned_s - 1.0) >= SAME_TIME:
         reasons.append("it costs the measured profiles as measured, without the predictor's calibration")
     return LocalRun(run_s, tuple(reasons) or ("as the local runtime runs it",))
 

@@ -684,6 +684,37 @@ def test_a_run_predicted_from_measured_profiles_says_the_predictors_calibration_
     assert "not applied" not in run_context(plan, Predictor(), {})(cluster).predictor_identity
 
 
+def test_the_local_runs_reason_of_calibration_left_out_is_said_only_where_the_calibration_changes_the_time(
+    tmp_path,
+):
+    """`plan` calibrates measured profiles, `run` costs them as measured: the "on this machine" row said so for every
+    predictor with a calibration, the shipped one too, whose terms are all of accelerator runs (none of a CPU
+    cluster's). Said where the predictor calibrates a term of this cluster; not for terms of other clusters."""
+    from planner.plan import LoadedPlan
+    from planner.what_if import local_run
+    from predictor.calibration import Calibration
+
+    simulated_profile(tmp_path)
+    profiles = load_profiles(tmp_path, MODEL)
+    cluster = load_cluster(EXAMPLES / "cpu-even.yaml")
+    training = load_training(None, {"dtype": "fp32", "seq_length": 32, "global_batch_size": 8})
+    stages = (StageStrategy("left", 0, 2, 1), StageStrategy("right", 2, 4, 1))
+    # two replicas: their gradient reduction, overlapped as planned, is a reason of the run's own
+    plan = LoadedPlan(Strategy((PipelineStrategy(2, 1, 4, stages),), "none", 1), MODEL, training, "plan")
+    base = Predictor().base_context(cluster, MODEL, training, profiles)
+    host_term = next(p.name for p in parameters_for(base) if p.name.startswith("host:compute"))
+
+    def reasons(names: tuple[str, ...]) -> tuple[str, ...]:
+        calibration = Calibration(names, (0.4,) * len(names), tuple((0.01,) * len(names) for _ in names))
+        found = local_run(plan, cluster, Predictor(calibration=calibration), profiles)
+        return found.reasons if found is not None else ()
+
+    left_out = "it costs the measured profiles as measured, without the predictor's calibration"
+    assert left_out in reasons((host_term,))
+    assert reasons(())  # (the overlap: a row is shown)
+    assert left_out not in reasons(("compute:simulated", "network"))  # an accelerator cluster's terms alone
+
+
 def test_tp_collectives_under_load_take_the_load_terms_timed_with_them_else_the_host_links():
     """The host link loads every collective by 1 ms per latency step per busy process per core beyond one; a profile
     that timed its TP all-reduces with processes computing beside them (0.2 ms per step) loads its TP link by that."""
