@@ -18,6 +18,7 @@ import json
 import shlex
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from planner.engine_space import Closest, closest, engine_dtype, vendors_note
 from planner.plan import evaluation_dict, header_dict, layout_changes
@@ -331,8 +332,26 @@ def _launch_only(ctx: CostContext, strategy: Strategy, plan: Strategy) -> tuple[
     """torchrun starts the user's own script, which takes no plan arguments: the plan goes with it as a plan file
     (hetplan's format, the exported layout: planner.plan.load_plan reads it), named to every rank in $HETPLAN_PLAN."""
     body = {**header_dict(ctx), **evaluation_dict(ctx, evaluate(ctx, strategy))}
-    body["search"] = {"cluster_nodes": {group.name: group.node_numbers for group in ctx.cluster.groups}}
     return {EXPORTED_PLAN_FILE: json.dumps(body, indent=2) + "\n"}, []
+
+
+def _with_cluster_nodes(
+    plan_json: str, cluster: ClusterSpec, changes: Sequence[tuple[Sequence[str], Sequence[str]]] | None
+) -> str:
+    """The exported plan with its cluster's nodes by number and the changes that left them, as a plan records them
+    (planner.what_if.recorded_cluster reads them): a cluster that no re-plan changed is the cluster file's as it is
+    (no changes: a file with other nodes is refused); renumbered nodes whose changes are unknown (a plan re-planned
+    before plans recorded them) are recorded alone."""
+    renumbered = any(group.node_ids for group in cluster.groups)
+    if changes is None and not renumbered:
+        changes = ()
+    search: dict[str, Any] = {}
+    if changes is not None:
+        search["cluster_changes"] = [{"without": list(without), "add": list(add)} for without, add in changes]
+    search["cluster_nodes"] = {group.name: group.node_numbers for group in cluster.groups}
+    body = json.loads(plan_json)
+    body["search"] = {**search, **body.get("search", {})}
+    return json.dumps(body, indent=2) + "\n"
 
 
 Writer = Callable[[CostContext, Strategy, Strategy], tuple[dict[str, str], Args]]
@@ -562,11 +581,8 @@ def export_plan(
     found = closest(runs_ctx, strategy, engine, keep_layout, planned=ctx.training)
     exported, lost = found.strategy, found.lost
     files, args = writer(ctx, exported, strategy)
-    if EXPORTED_PLAN_FILE in files and cluster_changes is not None:
-        body = json.loads(files[EXPORTED_PLAN_FILE])
-        changes = [{"without": list(without), "add": list(add)} for without, add in cluster_changes]
-        body["search"] = {"cluster_changes": changes, **body.get("search", {})}
-        files[EXPORTED_PLAN_FILE] = json.dumps(body, indent=2) + "\n"
+    if EXPORTED_PLAN_FILE in files:
+        files[EXPORTED_PLAN_FILE] = _with_cluster_nodes(files[EXPORTED_PLAN_FILE], ctx.cluster, cluster_changes)
     launches = node_launches(ctx.cluster, megatron_order(exported))
     what = shlex.split(engine.script)[-1] if engine.script else "your training script"
     title = f"hetplan export --format {engine.key}: one torchrun per node ({len(launches)} nodes)"

@@ -477,8 +477,8 @@ def _check_summaries(
                 # the devices another tp gives: a tp edited by hand (whether it fits a node is checked later)
                 hints[f"{name}.stages[{number}].devices"] = (
                     f"{written_devices} is what tp {written_devices // rest} gives: if tp was edited from "
-                    f"{written_devices // rest}, the stage's devices changed with it (replicas x context_parallel x "
-                    "tp; change replicas with tp to keep them)"
+                    f"{written_devices // rest}, change replicas with it to keep the stage's devices, or make this "
+                    "figure agree"
                 )
     wrong: list[tuple[str, str]] = []  # (field, message) of each disagreement, in the file's order
     for mapping, key, name, value, by in figures:
@@ -486,9 +486,9 @@ def _check_summaries(
         if isinstance(written, list) and isinstance(value, list) and len(written) == len(value):
             name, written, value = _first_difference(name, written, value)
         if written is not None and written != value:
-            hint = f"; {hints[name]}" if name in hints else ""
-            wrong.append((name, f"{written!r} disagrees with {by}, {value!r}, which decides it (edit that; a figure "
-                          f"written for readers changes nothing: make it agree or delete it){hint}"))  # fmt: skip
+            fix = f"; {hints[name]}" if name in hints else (" (edit that; a figure written for readers changes "
+                                                             "nothing: make it agree or delete it)")  # fmt: skip
+            wrong.append((name, f"{written!r} disagrees with {by}, {value!r}, which decides it{fix}"))
     if wrong:
         (name, message), others = wrong[0], [field for field, _ in wrong[1:]]
         raise SpecError(source, name, message + also_wrong(others))

@@ -101,11 +101,13 @@ def plan(
         "memory_infeasible": result.memory_infeasible,
         "pruned_by_bound": result.configurations - result.evaluated,
         "family_partitions": result.family_partitions,
-        # the cluster file's nodes as planned, no change made since: read with a file whose groups have other nodes,
-        # the plan is refused (planner.what_if.check_recorded_changes) rather than launched with nodes left idle
-        "cluster_changes": [],
-        "cluster_nodes": {group.name: group.node_numbers for group in cluster.groups},
     }
+    # the cluster file's nodes as planned, no change made since: read with a file whose groups have other nodes, the
+    # plan is refused (planner.what_if.check_recorded_changes) rather than launched with nodes left idle; a cluster
+    # renumbered by changes made through the API (planner.replan.changed_cluster) records its nodes alone
+    if not any(group.node_ids for group in cluster.groups):
+        stats["cluster_changes"] = []
+    stats["cluster_nodes"] = {group.name: group.node_numbers for group in cluster.groups}
     if result.note:  # what the search did not cover (merged groups, the candidate budget), in one line
         stats["note"] = result.note
     if found.idle_note:  # groups that cannot train in the dtype: the plan leaves them idle

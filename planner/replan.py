@@ -247,7 +247,7 @@ def replan(
     profiles: Mapping[str, DeviceProfile] | None = None,
     engine: Engine | None = None,
     training_names_engine: bool = False,
-    cluster_changes: Sequence[tuple[Sequence[str], Sequence[str]]] | None = (),
+    cluster_changes: Sequence[tuple[Sequence[str], Sequence[str]]] | None = None,
 ) -> Replan:
     """Plan again on a changed cluster, warm-started from the old strategy, at the training's context-parallel degrees
     and the old plan's, over every uneven batch split
@@ -261,9 +261,9 @@ def replan(
     its kernels (LoadedPlan.training_names_engine): the new plan records it, so an export keeps them.
     `cluster_changes`: the (without, add) changes from the cluster file to `cluster`, in order (the old plan's and
     this one's): the new plan records them and the nodes they leave by number, so the commands reading it with the
-    cluster file run it on those nodes (planner.what_if.recorded_cluster); None: the old plan records its nodes but
-    not the changes that left them (a torchrun export's plan.json made before it recorded them): the new plan records
-    its nodes alone."""
+    cluster file run it on those nodes (planner.what_if.recorded_cluster); None (the default): the changes from the
+    file are not known (a caller's own cluster, or a torchrun export's plan.json made before plans recorded them): the
+    new plan records its nodes alone."""
     predictor = predictor or default_predictor()
     training = training.model_copy(update={"uneven_batch": "exhaustive"})
     if engine is not None:  # what the engine can run (uneven batches only where it has them), as the plan records it

@@ -82,9 +82,12 @@ def recorded_cluster(plan: LoadedPlan, cluster: ClusterSpec, cluster_file: str |
     if not numbers:
         return cluster
     missing = sorted(set(numbers) - {group.name for group in cluster.groups})
-    if missing:
+    if missing:  # (a group the plan leaves idle too: the file is not the one it was made for)
         raise SpecError(
-            str(cluster_file), "groups", f"{plan.source} runs on group {missing[0]!r} (search.cluster_nodes): not here"
+            str(cluster_file),
+            "groups",
+            f"{plan.source} was made for a cluster with group {missing[0]!r} (search.cluster_nodes), this file has "
+            "none: not the cluster it was made for",
         )
     if plan.cluster_changes is not None:
         check_recorded_changes(plan, cluster, cluster_file)
@@ -118,13 +121,13 @@ def check_recorded_changes(plan: LoadedPlan, cluster: ClusterSpec, cluster_file:
         runs_on, leaves = recorded.get(group.name, []), left.get(group.name, [])
         also = f" (also {', '.join(g.name for g in wrong[1:])})" if wrong[1:] else ""
         if not changes:  # as planned: the file's groups have grown, shrunk or been added to since
-            planned = f"for group {group.name!r} on {len(runs_on)} nodes ({node_ranges(runs_on)})"
+            planned = f"for group {group.name!r} on {_nodes(len(runs_on))} ({node_ranges(runs_on)})"
             raise SpecError(
                 str(cluster_file),
                 f"groups.{group.name}.nodes",
                 f"{plan.source} was planned {planned if runs_on else f'without group {group.name!r}'} "
                 f"(search.cluster_nodes), this file gives it {group.nodes}{also}: not the cluster it was planned for "
-                "(plan again on this file, or re-plan the plan on the one it was made for with --add/--without)",
+                "(plan again on this file)",
             )
         # a hetplan before the changes were replayed could give a lost node's number to a node added later
         added = any(add for _, add in changes)
@@ -133,9 +136,13 @@ def check_recorded_changes(plan: LoadedPlan, cluster: ClusterSpec, cluster_file:
             str(cluster_file),
             f"groups.{group.name}.nodes",
             f"{plan.source} runs group {group.name!r} on nodes {node_ranges(runs_on) or 'none'} "
-            f"(search.cluster_nodes); made again on this file's {group.nodes} nodes, its recorded changes leave "
+            f"(search.cluster_nodes); made again on this file's {_nodes(group.nodes)}, its recorded changes leave "
             f"{node_ranges(leaves) or 'none'}{also}: not the cluster it was re-planned from{older if added else ''}",
         )
+
+
+def _nodes(count: int) -> str:
+    return f"{count} node{'' if count == 1 else 's'}"
 
 
 def plan_on_cluster(plan_file: str | Path, cluster_file: str | Path) -> tuple[LoadedPlan, ClusterSpec]:
@@ -190,6 +197,8 @@ def what_if(
         if other.num_layers != plan.model.num_layers:
             raise SpecError("--model", model or "", f"has {other.num_layers} layers, the plan's stages hold "
                             f"{plan.model.num_layers}: expected a model of as many layers (or re-plan)")  # fmt: skip
+        if model and plan.training.seq_length is None:  # the plan's sequence, not the other model's default
+            given.setdefault("seq_length", plan.model.seq_length)
         training = load_training(None, {**plan.training.model_dump(), **given})
         return WhatIf(other, training, with_zero(plan.strategy, given), str(plan_file))
     if model is None:

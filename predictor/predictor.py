@@ -26,7 +26,7 @@ from predictor.calibration import Calibration, Interval, apply, fit_calibration,
 from predictor.comm_model import Link
 from predictor.cost_model import CostContext, build_context, emulated
 from predictor.host import local_run_context
-from predictor.runs import Run, fingerprint, load_runs
+from predictor.runs import Run, check_runs_once, fingerprint, load_runs
 from profiler.profile import DeviceProfile, HostCosts, load_profile
 from specs.cluster import ClusterSpec
 from specs.errors import SpecError, wrong_argument
@@ -196,7 +196,9 @@ def _calibration_cases(
 def calibration_runs(run_paths: Sequence[Path] = (), published_runs: bool = True) -> list[Run]:
     """The runs calibration learns from: the given run records, then the bundled published runs."""
     paths = [*run_paths, *([PUBLISHED_RUNS] if published_runs else [])]
-    return [run for path in paths for run in load_runs(path)]
+    runs = [run for path in paths for run in load_runs(path)]
+    check_runs_once(runs, bundled=str(PUBLISHED_RUNS))
+    return runs
 
 
 def fit_predictor(

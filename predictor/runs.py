@@ -10,7 +10,8 @@ A file holds one record, or several under
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -156,6 +157,35 @@ def _resolve(record: RunRecord, path: Path, where: str) -> Run:
         record.machine_slowdown,
         record.measurements.get("cost_source"),
     )
+
+
+def check_runs_once(runs: Sequence[Run], bundled: str = "") -> None:
+    """A run given twice (the same record in two files, or twice in one) would count twice: a calibration would weigh
+    it double, a validation its error. Refused in one line naming both files (`bundled`: the file `fit` reads by
+    default, which a copy of it repeats)."""
+    seen: dict[tuple[str, str, float], Run] = {}
+    for run in runs:
+        key = (run.name, run.source, run.measured_iteration_time_s)
+        earlier = seen.setdefault(key, run)
+        if earlier is run:
+            continue
+        # the same record wherever it was read (a cluster written in it is named by its file)
+        moved = replace(run, path=earlier.path, cluster=replace(run.cluster, source=earlier.cluster.source))
+        if moved != earlier:
+            continue
+        named, other = (earlier, run) if run.path == bundled else (run, earlier)  # the user's file, not the bundled
+        if named.path == other.path:
+            where = "twice in this file"
+        elif other.path == bundled:
+            where = "also among the published runs `fit` reads unless --no-published-runs"
+        else:
+            where = f"also in {other.path}"
+        raise SpecError(
+            named.path,
+            "runs",
+            f"run {run.name!r} ({run.measured_iteration_time_s:g} s) is {where}: it would count twice, expected each "
+            "run once (drop one)",
+        )
 
 
 def load_runs(path: str | Path) -> list[Run]:

@@ -25,9 +25,13 @@ READER_GONE_STATUS = 141  # what a shell reports for a tool ended by SIGPIPE (12
 
 
 def one_line(text: str, limit: int = 500) -> str:
-    """A message as one line of at most `limit` characters (whitespace runs, newlines included, become a space)."""
+    """A message as one line of at most `limit` characters (whitespace runs, newlines included, become a space); a
+    longer one loses part of its middle, not its end, where a message lists the fields also wrong."""
     flat = " ".join(str(text).split())
-    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
+    if len(flat) <= limit:
+        return flat
+    tail = limit // 3
+    return flat[: limit - 3 - tail] + "..." + flat[-tail:]
 
 
 def failure_line(err: BaseException) -> tuple[str, int]:

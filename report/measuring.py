@@ -301,11 +301,12 @@ def validate(
     """Predict measured runs: per run the prediction, the signed error and the term that dominates its time; the
     error per device family; the worst runs. Runs `hetplan run` recorded are predicted from the costs it used."""
     from planner.cost_source import run_costs
-    from predictor.runs import load_runs
+    from predictor.runs import check_runs_once, load_runs
     from predictor.validation import validation_report
     from report.measurements import validation_renderables
 
     loaded = [run for path in runs for run in load_runs(path)]
+    check_runs_once(loaded)
     costs = run_costs(loaded, predictor, profiles)
     body = validation_report(costs.predictor, loaded, held_out, costs.profiles)
     body["costs"] = list(costs.lines)
@@ -343,7 +344,9 @@ def _run_settings(
     if checkpoint_every and checkpoint_dir is None:
         raise SpecError("--checkpoint-every", str(checkpoint_every), "saves need --checkpoint-dir")
     if (max_restarts or failure) and checkpoint_dir is None:
-        raise SpecError("--max-restarts", "", "a run that survives failures needs --checkpoint-dir to resume from")
+        flag = "--max-restarts" if max_restarts else "--inject-failure"
+        raise SpecError(flag, "", "a run that survives failures needs --checkpoint-dir to resume from (and "
+                        "--max-restarts N to restart within the run; else it stops, and --resume goes on)")  # fmt: skip
     if max_restarts and under_torchrun:
         raise SpecError("--max-restarts", "", "re-planning restarts are for local runs; under torchrun checkpoint "
                         "with --checkpoint-dir and restart the job with --resume on the devices left")  # fmt: skip
@@ -414,9 +417,9 @@ def run(
     if dtype is not None:
         from dataclasses import replace
 
-        from specs.training import load_training
+        from specs import flags
 
-        loaded = replace(loaded, training=load_training(None, {**loaded.training.model_dump(), "dtype": dtype}))
+        loaded = replace(loaded, training=flags.training(None, **{**loaded.training.model_dump(), "dtype": dtype}))
     check_local_run(cluster_spec, cluster)
     check_runtime_layout(loaded)
     require_torch("run")

@@ -30,8 +30,8 @@ def _given(text: str) -> str:
 def int_list(
     text: str | None, flag: str, low: int = 1, what: str = "integers", high: int | None = None, why: str = ""
 ) -> list[int] | None:
-    """'1,2,4' -> [1, 2, 4], at least one, each at least `low` and at most `high` (`what` they are and `why` the
-    bound, for the message); None stays None (the flag was not given)."""
+    """'1,2,4' -> [1, 2, 4], at least one, each once, at least `low` and at most `high` (`what` they are and `why`
+    the bound, for the message); None stays None (the flag was not given)."""
     if text is None:
         return None
     try:  # every item an integer: '1,,4' is a slip, not 1 and 4
@@ -41,6 +41,9 @@ def int_list(
     if not values or min(values) < low or (high is not None and max(values) > high):
         bounds = f">= {low}" if high is None else f"from {low} to {high}"
         raise SpecError(flag, "", f"expected {what} {bounds} (comma-separated{why}), got {_given(text)}")
+    repeated = next((value for index, value in enumerate(values) if value in values[:index]), None)
+    if repeated is not None:  # (a profile's second entry of one shape is refused later, by every command reading it)
+        raise SpecError(flag, "", f"expected each value once, got {_given(text)} ({repeated} twice)")
     return values
 
 

@@ -176,12 +176,41 @@ PLAN = ("plan", "--cluster", str(CPU), "--model", TINY)
             ("simulate-profile", "--device", "h100", "--model", "llama2-7b", "--tp", "3", "--out", "sp.json"),
             "--tp: 3 must divide the model's 32 kv heads and ffn size",
         ),
+        # a value listed twice wrote a profile with a second entry of one shape, which every reader then refused
+        (
+            ("simulate-profile", "--device", "h100", "--model", "llama2-7b", "--micro-batches", "2,1,2", "--out", "s"),
+            "--micro-batches: expected each value once, got '2,1,2' (2 twice)",
+        ),
+        ((*PLAN, "--micro-batch-sizes", "1,2,1"), "--micro-batch-sizes: expected each value once, got '1,2,1'"),
     ],
 )
 def test_usage_and_flag_errors_are_one_line_and_exit_2(capsys, tmp_path, monkeypatch, args, expected):
     monkeypatch.chdir(tmp_path)
     assert expected in one_error(capsys, *args)
     assert not list(tmp_path.iterdir()), "nothing is written when a flag is wrong"
+
+
+def test_a_run_given_twice_is_refused_where_it_would_count_twice(capsys, tmp_path, monkeypatch):
+    """A copy of the bundled published runs given to `fit --runs` counted every run twice ("calibrated on 22 runs"),
+    and a file given twice to validate weighed its errors double: refused, naming the user's file and the other."""
+    from predictor.predictor import PUBLISHED_RUNS
+
+    monkeypatch.chdir(tmp_path)
+    copy = tmp_path / "pub.json"
+    copy.write_text(PUBLISHED_RUNS.read_text())
+    line = one_error(capsys, "fit", "--runs", str(copy), "--out", "p.joblib")
+    assert line.startswith(f"hetplan: error: {copy}: runs: run '"), line
+    assert "is also among the published runs `fit` reads unless --no-published-runs: it would count twice" in line
+    line = one_error(capsys, "validate", str(copy), str(PUBLISHED_RUNS))
+    assert line.startswith(f"hetplan: error: {PUBLISHED_RUNS}: runs: run '") and f"is also in {copy}:" in line, line
+    assert not (tmp_path / "p.joblib").exists()
+
+
+def test_a_long_message_keeps_its_end_where_the_other_mistakes_are_listed():
+    from report.failures import one_line
+
+    line = one_line("x" * 900 + " (also wrong: groups[1].nodes)")
+    assert len(line) == 500 and line.endswith("x (also wrong: groups[1].nodes)") and "..." in line
 
 
 def test_a_profiles_directory_without_some_devices_profiles_says_whose_costs_are_the_datasheets(capsys, tmp_path):
@@ -429,10 +458,16 @@ def test_a_stage_device_written_by_alias_or_another_case_is_the_groups(capsys, t
         # a stage's tp edited by hand: the devices figure it left behind says which tp it was
         (
             ("explain", "{tp-edited}", "-c", str(CPU)),
-            "make it agree or delete it); 2 is what tp 1 gives: if tp was edited from 1, the stage's devices changed "
-            "with it (replicas x context_parallel x tp; change replicas with tp to keep them)",
+            "(2 x 1 x 2), 4, which decides it; 2 is what tp 1 gives: if tp was edited from 1, change replicas with it "
+            "to keep the stage's devices, or make this figure agree",
         ),
-        (("explain", "{tp-edited-all}", "-c", str(CPU)), "keep them) (also wrong: pipelines[0].stages[1].devices)"),
+        # run's flags named as the flags (--dtype read "training flags: dtype"; --inject-failure "--max-restarts")
+        (("run", "{good}", "-c", str(CPU), "--out", "r.json", "--dtype", "fp64"), "--dtype: expected 'bf16', 'fp16'"),
+        (
+            ("run", "{good}", "-c", str(CPU), "--out", "r.json", "--inject-failure", "1:2"),
+            "--inject-failure: a run that survives failures needs --checkpoint-dir to resume from",
+        ),
+        (("explain", "{tp-edited-all}", "-c", str(CPU)), "figure agree (also wrong: pipelines[0].stages[1].devices)"),
         (("predict", "-c", str(CPU), "--strategy", "{batch-weight}"), "pipelines[0].batch_weight: 0.25 disagrees"),
         (("predict", "-c", str(CPU), "--strategy", "{schedule}"), "schedule: 'interleaved-1f1b' disagrees with"),
         (("explain", "{stage-device}", "-c", str(CPU)), "pipelines[0].stages[0].device: 'h100' is not group 'cpu'"),
@@ -667,6 +702,18 @@ def test_pydantic_counts_and_patterns_are_in_the_houses_words(capsys, tmp_path, 
         line = one_error(capsys, "explain", str(path), "--cluster", str(CPU))
         assert expected in line, line
         assert "should" not in line, line
+
+
+def test_a_plan_predicted_for_another_model_keeps_its_sequence_length(capsys, tmp_path, plans):
+    """predict --strategy plan.json --model M trained M at M's default sequence (a GPT-3 plan of 2048 tokens read
+    4096 for llama2-7b, and no longer fit, without a word); the plan's own stays unless --seq-len says otherwise."""
+    other = tmp_path / "longer.yaml"
+    other.write_text(Path(TINY).read_text().replace("seq_length: 256", "seq_length: 1024"))
+    predict = ("predict", "--cluster", str(CPU), "--strategy", str(plans["good"]), "-m", str(other), "--json")
+    for flags, tokens in (((), 256), (("--seq-len", "512"), 512)):
+        code, lines, out = run(capsys, *predict, *flags)
+        assert code == 0, lines
+        assert json.loads(out)["seq_length"] == tokens
 
 
 def test_flags_a_plan_cannot_honour_are_named_before_anything_runs(capsys, tmp_path, plans):

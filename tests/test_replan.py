@@ -90,6 +90,10 @@ def test_replan_after_losing_a_node_equals_a_fresh_plan_and_is_warm_started():
     assert result.adapted is not None
     assert result.plan.evaluation.iteration_time_s <= result.adapted.iteration_time_s
     assert result.plan.search_stats["warm_started"] is True
+    # a cluster the API changed (not a cluster file's as it is): its nodes alone, no claim that nothing changed
+    assert old.search_stats["cluster_changes"] == [] and old.search_stats["cluster_nodes"]["v100"] == [0, 1]
+    for changed in (fresh, result.plan):
+        assert "cluster_changes" not in changed.search_stats and changed.search_stats["cluster_nodes"]["v100"] == [1]
 
 
 def test_a_plan_made_for_an_engine_is_replanned_within_that_engine():
@@ -274,15 +278,37 @@ def test_a_plan_read_with_a_cluster_file_whose_groups_changed_since_it_was_plann
         assert refused.returncode == 2 and "\n" not in line, refused.stderr
         assert line.startswith(f"hetplan: error: {cluster_file}: {field}: {plan_path} {said}"), line
     assert hetplan("launch", str(plan_path), "-c", str(CLUSTER)).returncode == 0
+    # a group shrunk, and a group the plan leaves idle removed: neither is the cluster it was made for
+    smaller = tmp_path / "smaller" / "a100-v100-32.yaml"
+    smaller.parent.mkdir()
+    a100 = "device: a100-80gb\n    nodes: "
+    smaller.write_text(CLUSTER.read_text().replace(a100 + "2", a100 + "1"))
+    refused = hetplan("launch", str(plan_path), "-c", str(smaller))
+    said = "was planned for group 'a100' on 2 nodes (0..1) (search.cluster_nodes), this file gives it 1:"
+    assert refused.returncode == 2 and said in refused.stderr, refused.stderr
+    idle = tmp_path / "idle.json"  # bf16: the V100s cannot train, the plan leaves them idle
+    made = hetplan("plan", "-c", str(CLUSTER), "-m", "gpt3-1.7b", "--global-batch", "64", "--dtype", "bf16", "--out",
+                   str(idle), "-q")  # fmt: skip
+    assert made.returncode == 0 and "idle_note" in json.loads(idle.read_text())["search"], made.stderr
+    without_v100 = tmp_path / "no-v100" / "a100-v100-32.yaml"
+    without_v100.parent.mkdir()
+    text = CLUSTER.read_text()
+    without_v100.write_text(text[: text.index("  - name: v100")] + text[text.index("network:") :])
+    refused = hetplan("explain", str(idle), "-c", str(without_v100))
+    said = f"groups: {idle} was made for a cluster with group 'v100' (search.cluster_nodes), this file has none"
+    assert refused.returncode == 2 and said in refused.stderr, refused.stderr
     del body["search"]["cluster_changes"], body["search"]["cluster_nodes"]
     before = tmp_path / "before.json"
     before.write_text(json.dumps(body))
     assert hetplan("launch", str(before), "-c", str(bigger)).returncode == 0  # (nothing recorded: read as it stands)
-    out = tmp_path / "t"
-    exported = hetplan("export", str(plan_path), "-c", str(CLUSTER), "--format", "torchrun", "--out", str(out))
-    assert exported.returncode == 0, exported.stderr
-    assert json.loads((out / "plan.json").read_text())["search"]["cluster_changes"] == []  # so it is checked too
-    assert hetplan("launch", str(out / "plan.json"), "-c", str(bigger)).returncode == 2
+    # the torchrun export's plan.json records the file's nodes as they are, of a plan from before too
+    for exported_plan in (plan_path, before):
+        out = tmp_path / f"t-{exported_plan.stem}"
+        exported = hetplan("export", str(exported_plan), "-c", str(CLUSTER), "--format", "torchrun", "--out", str(out))
+        assert exported.returncode == 0, exported.stderr
+        assert json.loads((out / "plan.json").read_text())["search"]["cluster_changes"] == []  # so it is checked too
+        for other in (bigger, smaller):
+            assert hetplan("launch", str(out / "plan.json"), "-c", str(other)).returncode == 2
 
 
 def test_a_replanned_plan_runs_on_the_nodes_left_when_read_with_the_cluster_file(tmp_path):
