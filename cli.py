@@ -146,7 +146,7 @@ def plan(
     from specs.training import on_groups
 
     reads = {"--cluster": cluster, "--model": model, "--training": training, "--predictor": predictor}
-    flags.output_file(out, "--out", reads={**reads, "--profiles": profiles})
+    flags.output_file(out, "--out", reads={**reads, "--profiles": profiles}, writes="a plan")
     if zero_stage is not None and zero_stages is not None:  # the search took --zero-stages, dropping --zero-stage
         raise SpecError("--zero-stage", str(zero_stage), "plans with one ZeRO stage, --zero-stages searches several: "
                         "pass one of the two")  # fmt: skip
@@ -429,7 +429,7 @@ def replan(
     from specs.engines import get_engine
     from specs.flags import output_file
 
-    output_file(out, "--out", reads={"PLAN": plan_file, "--cluster": cluster})
+    output_file(out, "--out", reads={"PLAN": plan_file, "--cluster": cluster}, writes="a plan")
     loaded, original = plan_on_cluster(plan_file, cluster)
     check_changes(without or [], add or [], original)
     engine = get_engine(loaded.engine, str(plan_file), "search.engine") if loaded.engine else None

@@ -83,7 +83,7 @@ def profile(
     from specs import flags
     from specs.model import RECOMPUTE_MODES, load_model
 
-    flags.output_file(out, "--out", reads={"--model": model})
+    flags.output_file(out, "--out", reads={"--model": model}, writes="a device profile")
     sizes = flags.int_list(micro_batches, "--micro-batches")
     modes = flags.choices(recompute, RECOMPUTE_MODES, "--recompute")
     flags.choice(dtype, PROFILE_DTYPES, "--dtype")  # fp8 runs in Transformer Engine's GEMMs, which this does not time
@@ -188,7 +188,7 @@ def profile_comm(
     from specs import flags
     from specs.device import get_device
 
-    flags.output_file(out, "--out")
+    flags.output_file(out, "--out", writes="a link profile")
     flags.choice(link_class, ("auto", "in_node", "rail", "cross_group", "host"), "--link-class")
     from profiler.machine import host_cores
 
@@ -248,7 +248,9 @@ def fit(
     from specs.errors import SpecError
     from specs.flags import output_file
 
-    output_file(out, "--out", reads={"--profiles": profiles, "--links": links or [], "--runs": runs or []})
+    output_file(
+        out, "--out", reads={"--profiles": profiles, "--links": links or [], "--runs": runs or []}, writes="a predictor"
+    )
     if profiles is None and not links and not runs and not published_runs:  # it wrote a predictor of nothing
         raise SpecError("--no-published-runs", "", "leaves nothing to fit: give --profiles, --links or --runs (or "
                         "keep the published runs)")  # fmt: skip
@@ -412,7 +414,7 @@ def run(
     from planner.what_if import check_local_run, check_runtime_layout, plan_on_cluster, run_context
     from specs.flags import output_file
 
-    output_file(out, "--out", reads={"PLAN": plan_file, "--cluster": cluster})
+    output_file(out, "--out", reads={"PLAN": plan_file, "--cluster": cluster}, writes="a run record")
     loaded, cluster_spec = plan_on_cluster(plan_file, cluster)
     if dtype is not None:
         from dataclasses import replace
@@ -478,7 +480,7 @@ def launch(
     from specs.errors import SpecError
     from specs.flags import output_file
 
-    output_file(out, "--out", reads={"PLAN": plan_file, "--cluster": cluster})  # as every node's `run` checks it
+    output_file(out, "--out", reads={"PLAN": plan_file, "--cluster": cluster}, writes="a run record")  # as `run`
     loaded, cluster_spec = plan_on_cluster(plan_file, cluster)
     check_runtime_layout(loaded)
     if loaded.training.dtype == "fp8":  # the ranks would refuse it (runtime.launch.check_dtype): say so before
@@ -516,7 +518,7 @@ def comm_bench(
     """All-reduce over simulated vendor islands: direct vs bridged vs hierarchical, checked and timed."""
     from specs import flags
 
-    flags.output_file(links_out, "--links-out")
+    flags.output_file(links_out, "--links-out", writes="a link profile")
     size_list = [flags.size_bytes(part, "--sizes") for part in flags.names(sizes) or [""]]
     require_torch("comm-bench")
     from comm.bench import check_islands, links_from_bench, run_comm_bench
@@ -570,7 +572,7 @@ def simulate_profile(
     from specs.errors import SpecError
     from specs.model import load_model
 
-    flags.output_file(out, "--out", reads={"--model": model})
+    flags.output_file(out, "--out", reads={"--model": model}, writes="a device profile")
     sizes = flags.int_list(micro_batches, "--micro-batches") or []
     model_spec = load_model(model, "--model")
     spec = get_device(device, "--device", "")

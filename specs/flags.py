@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from specs.errors import SpecError
-from specs.loading import QUOTE_CHARS
+from specs.loading import QUOTE_CHARS, file_kind, read_mapping
 from specs.outputs import check_no_file_above, check_writable
 from specs.training import TrainingSpec, load_training
 
@@ -123,13 +123,15 @@ def output_file(
     flag: str,
     suffixes: tuple[str, ...] = (),
     reads: Mapping[str, Read | Sequence[Read]] | None = None,
+    writes: str = "",
 ) -> Path | None:
     """An output file checked before the work starts: its suffix when the format depends on it, not one of the files
     the command `reads` (by the flag or argument that names it, a repeated flag's files as a list: `plan --out
     cluster.yaml` replaced the cluster with the plan, `fit --runs run.json --out run.json` the run with the
     predictor; a directory read, `--profiles DIR`, is its .json files: `fit --out DIR/cpu.json` replaced a profile,
-    and a new one would be read as a profile next time), then specs.outputs.check_writable (directory created,
-    writable)."""
+    and a new one would be read as a profile next time), not a document of another kind than it `writes` ("a
+    plan": `simulate-profile --out my.plan.json` replaced a plan with a profile), then specs.outputs.check_writable
+    (directory created, writable)."""
     if path is None:
         return None
     if suffixes and path.suffix.lower() not in suffixes:
@@ -145,7 +147,21 @@ def output_file(
                 )  # fmt: skip
             if Path(read).is_file() and _same_file(path, Path(read)):
                 raise SpecError(flag, str(path), f"is the file {name} reads: expected another file (it would be lost)")
+    if writes and path.is_file() and path.stat().st_size:
+        kind = _kind_of(path)
+        if kind and kind != writes:
+            raise SpecError(flag, str(path), f"is {kind}: expected a new file or {writes} to replace (it would be "
+                            "lost)")  # fmt: skip
     return check_writable(path, flag)
+
+
+def _kind_of(path: Path) -> str:
+    """What kind of the project's documents a file is ("a plan", "a model file"), "" when it is none of them (or
+    cannot be read as a mapping: a predictor, a picture)."""
+    try:
+        return file_kind(read_mapping(path))
+    except SpecError:
+        return ""
 
 
 def _same_file(path: Path, other: Path) -> bool:

@@ -206,6 +206,29 @@ def test_a_run_given_twice_is_refused_where_it_would_count_twice(capsys, tmp_pat
     assert not (tmp_path / "p.joblib").exists()
 
 
+def test_an_output_that_is_a_document_of_another_kind_is_not_replaced(capsys, tmp_path, monkeypatch, plans):
+    """`simulate-profile --out my.plan.json` replaced the plan with a profile and `--out model.yaml` a model file,
+    without a word: an existing document of another kind than the command writes is refused (one of its own kind, or
+    a file that is none of the project's documents, is replaced as before)."""
+    monkeypatch.chdir(tmp_path)
+    plan_copy, model_copy = tmp_path / "my.plan.json", tmp_path / "model.yaml"
+    plan_copy.write_text(plans["good"].read_text())
+    model_copy.write_text(Path(TINY).read_text())
+    simulate = ("simulate-profile", "--device", "h100", "--model", "llama2-7b", "--out")
+    for existing, kind in ((plan_copy, "a plan"), (model_copy, "a model file")):
+        before = existing.read_text()
+        line = one_error(capsys, *simulate, str(existing))
+        assert f"--out: {existing}: is {kind}: expected a new file or a device profile to replace" in line, line
+        assert existing.read_text() == before
+    line = one_error(capsys, *PLAN, "--out", str(model_copy))
+    assert "is a model file: expected a new file or a plan to replace" in line
+    notes = tmp_path / "notes.json"
+    notes.write_text('{"mine": 1}')
+    for out in ("profile.json", "profile.json", "notes.json"):  # a new file, one of its kind, none of the documents
+        code, lines, _ = run(capsys, *simulate, out)
+        assert code == 0, lines
+
+
 def test_a_long_message_keeps_its_end_where_the_other_mistakes_are_listed():
     from report.failures import one_line
 
