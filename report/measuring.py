@@ -472,6 +472,7 @@ def launch(
     out: Annotated[Path, opt(help="Run record the job writes (on the first node).")] = Path("run.json"),
     master_addr: Annotated[str, opt(help="Address of the first node.")] = "$MASTER_ADDR",
     port: Annotated[int, opt(min=1, max=65535, help="Rendezvous port.")] = 29500,
+    steps: Annotated[Optional[int], opt(min=1, help="Training steps of the run (default: run's, 5).")] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Print the torchrun command of every node that runs the plan with `hetplan run` (one line per node)."""
@@ -491,7 +492,8 @@ def launch(
     # absolute paths: each node runs its line from wherever its shell is (a shared filesystem at the same place);
     # normalised (it printed /tmp/x/c/../my/plan.json), links left as the user named them
     paths = [os.path.abspath(path) for path in (plan_file, cluster, out)]
-    commands = launch_commands(paths[0], cluster_spec, paths[1], paths[2], master_addr, port)
+    extra = ["--steps", str(steps)] if steps is not None else []
+    commands = launch_commands(paths[0], cluster_spec, paths[1], paths[2], master_addr, port, extra)
     if as_json:
         nodes = [
             {"group": launch.group, "node": launch.node, "node_rank": launch.node_rank, "devices": list(launch.devices),

@@ -228,6 +228,10 @@ def test_launch_prints_one_torchrun_per_node_that_expands_the_master_address(tmp
     # ... normalised: a path through a parent directory reads as the file it names (it printed "examples/../examples")
     roundabout = hetplan("launch", str(plan), "--cluster", "examples/../examples/cpu-hetero.yaml", "--out", "run.json")
     assert roundabout.returncode == 0 and roundabout.stdout == relative.stdout, roundabout.stderr
+    # the run's length (every launched run took run's default 5 steps)
+    longer = hetplan("launch", str(plan), "--cluster", str(EXAMPLES / "cpu-hetero.yaml"), "--steps", "20")
+    assert longer.returncode == 0 and all(" --steps 20  # " in line for line in longer.stdout.splitlines())
+    assert all("--steps" not in line for line in lines)
 
 
 def test_a_cpu_cluster_of_two_lines_plans_in_fp32_and_the_plan_records_what_was_assumed(tmp_path):
