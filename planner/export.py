@@ -22,7 +22,7 @@ from typing import Any
 
 from planner.engine_space import Closest, closest, engine_dtype, vendors_note
 from planner.plan import evaluation_dict, header_dict, layout_changes
-from predictor.cost_model import CostContext, evaluate, interleaved_group_size
+from predictor.cost_model import CostContext, Evaluation, evaluate, interleaved_group_size
 from predictor.sharding import shard_ranks
 from specs.cluster import ClusterSpec
 from specs.engines import Engine, get_engine
@@ -508,6 +508,21 @@ def launch_commands(
     return [torchrun_command(launch, len(launches), entry, master_addr, port) for launch in launches]
 
 
+def _memory_note(evaluation: Evaluation) -> str:
+    """Where the exported plan does not fit the devices' memory (a plan edited by hand, a strategy built in code):
+    its fullest stage against what its device can use; "" when it fits."""
+    if evaluation.fits:
+        return ""
+    worst = max(evaluation.stages, key=lambda stage: stage.memory.total_bytes / stage.memory_usable_bytes)
+    gib = 2**30
+    return (
+        f"it does not fit memory: family {worst.family}'s {worst.stage.group} stage (layers {worst.stage.layer_start}-"
+        f"{worst.stage.layer_end - 1}) holds {worst.memory.total_bytes / gib:.1f} GiB per device, "
+        f"{worst.memory_usable_bytes / gib:.1f} GiB usable: the engine would run out of memory (re-plan, or predict "
+        "it to see every stage)"
+    )
+
+
 def _engine_plan_note(ctx: CostContext, strategy: Strategy, found: Closest) -> str:
     """Why the files describe the engine's own best plan rather than the plan with only the lost parts replaced, and
     everything that changes with it."""
@@ -595,6 +610,7 @@ def export_plan(
         notes.append(
             "interleaving keeps each rank's layer count, not its layer ids (the engine deals chunks round-robin)"
         )
+    notes += [note] if (note := _memory_note(evaluate(runs_ctx, exported))) else []
     return Export(
         engine.key,
         exported,

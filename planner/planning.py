@@ -323,6 +323,15 @@ def fit_remedies(training: TrainingSpec, zero_stages: Collection[int] = ()) -> s
     return ", ".join(remedies[:-1]) + " or " + remedies[-1]
 
 
+def check_spec_arguments(function: str, cluster: object, model: object, training: object) -> None:
+    """The cluster, model and training a planning function takes, each named in one line where it is not a loaded
+    spec (a path or a dict failed deep inside with an AttributeError)."""
+    expect_argument(cluster, ClusterSpec, function, "cluster", "a ClusterSpec: specs.load_cluster(path)")
+    expect_argument(model, ModelSpec, function, "model", "a ModelSpec: specs.load_model(name or path)")
+    taken = "a TrainingSpec: specs.load_training(path or None, overrides)"
+    expect_argument(training, TrainingSpec, function, "training", taken)
+
+
 def _check_plan_arguments(
     cluster: object,
     model: object,
@@ -335,13 +344,7 @@ def _check_plan_arguments(
 ) -> None:
     """plan()'s arguments, each named in one line where it is not what plan() takes (a path where a loaded spec is
     expected failed deep inside with an AttributeError; zero_stages=[5] planned a 'zero-5' its own loader refuses)."""
-    expected = (
-        ("cluster", cluster, ClusterSpec, "a ClusterSpec: specs.load_cluster(path)"),
-        ("model", model, ModelSpec, "a ModelSpec: specs.load_model(name or path)"),
-        ("training", training, TrainingSpec, "a TrainingSpec: specs.load_training(path or None, overrides)"),
-    )
-    for field, value, kind, what in expected:
-        expect_argument(value, kind, "plan()", field, what)
+    check_spec_arguments("plan()", cluster, model, training)
     if engine is not None and not isinstance(engine, Engine):
         raise SpecError("plan()", "engine", f"expected an engine name or specs.get_engine(name), got {engine!r:.60}")
     for field, value in (("top_k", top_k), ("max_candidates", max_candidates)):

@@ -20,13 +20,13 @@ from typing import TYPE_CHECKING
 from planner.engine_space import engine_lost, engine_search, engine_training
 from planner.families import _block_context, _block_plans, combine, split_batch_across
 from planner.plan import Plan
-from planner.planning import compute_bounds, groups_with_dtype
+from planner.planning import check_spec_arguments, compute_bounds, groups_with_dtype
 from planner.search import merge_results, search
 from predictor.cost_model import CostContext, Evaluation, evaluate
 from predictor.predictor import Predictor, default_predictor
 from specs.cluster import ClusterSpec
-from specs.engines import Engine
-from specs.errors import DoesNotFitError, HetplanError, SpecError
+from specs.engines import Engine, get_engine
+from specs.errors import DoesNotFitError, HetplanError, SpecError, expect_argument
 from specs.layout import PipelineStrategy, Strategy, devices_per_group, pack_stages, split_batch, split_pipeline
 from specs.model import ModelSpec
 from specs.training import TrainingSpec
@@ -237,6 +237,23 @@ class Replan:
     adapted_engine_lost: tuple[str, ...] = ()  # what of the shrunk old plan the plan's engine cannot run
 
 
+def _check_replan_arguments(
+    cluster: object, model: object, training: object, old: object, predictor: object, previous: object, engine: object
+) -> None:
+    """replan()'s arguments, each named in one line where it is not what replan() takes (a path or a loaded plan
+    where a spec or a strategy is expected failed deep inside with an AttributeError)."""
+    check_spec_arguments("replan()", cluster, model, training)
+    expect_argument(old, Strategy, "replan()", "old", "a Strategy: the old Plan's .strategy, or load_plan(p).strategy")
+    optional = (
+        ("predictor", predictor, Predictor, "a Predictor: predictor.load_predictor(path), or None for the shipped one"),
+        ("previous", previous, CostContext, "the old Plan's .context (a CostContext), or None"),
+        ("engine", engine, Engine, "an engine name or specs.get_engine(name), or None"),
+    )
+    for field, value, kind, what in optional:
+        if value is not None:
+            expect_argument(value, kind, "replan()", field, what)
+
+
 def replan(
     cluster: ClusterSpec,
     model: ModelSpec,
@@ -245,7 +262,7 @@ def replan(
     predictor: Predictor | None = None,
     previous: CostContext | None = None,
     profiles: Mapping[str, DeviceProfile] | None = None,
-    engine: Engine | None = None,
+    engine: Engine | str | None = None,
     training_names_engine: bool = False,
     cluster_changes: Sequence[tuple[Sequence[str], Sequence[str]]] | None = None,
 ) -> Replan:
@@ -264,6 +281,9 @@ def replan(
     cluster file run it on those nodes (planner.what_if.recorded_cluster); None (the default): the changes from the
     file are not known (a caller's own cluster, or a torchrun export's plan.json made before plans recorded them): the
     new plan records its nodes alone."""
+    if isinstance(engine, str):  # by name, as plan() takes it
+        engine = get_engine(engine, "replan()", "engine")
+    _check_replan_arguments(cluster, model, training, old, predictor, previous, engine)
     predictor = predictor or default_predictor()
     training = training.model_copy(update={"uneven_batch": "exhaustive"})
     if engine is not None:  # what the engine can run (uneven batches only where it has them), as the plan records it

@@ -13,6 +13,7 @@ import select
 import stat
 import sys
 import traceback
+from collections.abc import Sequence
 from pathlib import Path
 
 import click
@@ -34,9 +35,10 @@ def one_line(text: str, limit: int = 500) -> str:
     return flat[: limit - 3 - tail] + "..." + flat[-tail:]
 
 
-def failure_line(err: BaseException) -> tuple[str, int]:
-    """The line and exit status for `err`. Usage errors are recognised by click's interface (`format_message`,
-    `exit_code`) rather than by class: typer >= 0.29 vendors click, so its errors are not click's classes."""
+def failure_line(err: BaseException, args: Sequence[str] = ()) -> tuple[str, int]:
+    """The line and exit status for `err` (`args`: the command line, where a flag's bad value is found). Usage errors
+    are recognised by click's interface (`format_message`, `exit_code`) rather than by class: typer >= 0.29 vendors
+    click, so its errors are not click's classes."""
     from specs.errors import HetplanError  # here: specs loads pydantic, which `hetplan --help` does without
 
     if isinstance(err, HetplanError):
@@ -44,7 +46,7 @@ def failure_line(err: BaseException) -> tuple[str, int]:
     if hasattr(err, "format_message") and hasattr(err, "exit_code"):
         context = getattr(err, "ctx", None)
         command = getattr(context, "command_path", "") or "hetplan"
-        return f"hetplan: error: {one_line(_usage_message(err))} (see '{command} --help')", 2
+        return f"hetplan: error: {one_line(_usage_message(err, args))} (see '{command} --help')", 2
     if isinstance(err, OSError):
         where = f"{err.filename}: " if err.filename else ""
         return f"hetplan: error: {where}{one_line(err.strerror or str(err))}", 2
@@ -87,19 +89,35 @@ def empty_argument(app: typer.Typer, args: list[str]) -> str | None:
     return None
 
 
-def _usage_message(err: BaseException) -> str:
-    """A usage error's message; a flag's bad value as the project's errors put it, `--flag: what is wrong` (click
-    says "Invalid value for '--flag': ...")."""
+def _usage_message(err: BaseException, args: Sequence[str] = ()) -> str:
+    """A usage error's message; a flag's bad value as the project's errors put it, `--flag: what is wrong, got
+    'value'` (click says "Invalid value for '--flag': ..."; pydantic's wording of a flag's type names no value)."""
     from specs.errors import expected_wording
 
-    flags = [name for name in getattr(getattr(err, "param", None), "opts", []) if name.startswith("--")]
+    names = list(getattr(getattr(err, "param", None), "opts", []))
+    flags = [name for name in names if name.startswith("--")]
     message = expected_wording(str(getattr(err, "message", "")))
     if type(err).__name__ == "BadParameter" and flags and message:
-        return f"{flags[0]}: {message[:1].lower()}{message[1:]}"
+        given = _given_value(args, names)
+        got = f", got {given!r}" if given is not None and "got " not in message else ""
+        return f"{flags[0]}: {message[:1].lower()}{message[1:]}{got}"
     missing = re.fullmatch(r"Option '(-[\w-]+)' requires an argument\.?", message)
     if missing:  # the option was the last word, or another option followed it
         return f"{missing[1]}: expected a value after it"
     return str(err.format_message())  # type: ignore[attr-defined]
+
+
+def _given_value(args: Sequence[str], names: Sequence[str]) -> str | None:
+    """The value an option was given last on the command line (`--tp x8`, `--tp=x8`, `-m x`), None when not found."""
+    given = None
+    for index, arg in enumerate(args):
+        if arg == "--":
+            break
+        if arg in names and index + 1 < len(args):
+            given = args[index + 1]
+        elif "=" in arg and arg.split("=", 1)[0] in names:
+            given = arg.split("=", 1)[1]
+    return given
 
 
 def exit_status(app: typer.Typer, args: list[str]) -> int:
@@ -130,7 +148,7 @@ def exit_status(app: typer.Typer, args: list[str]) -> int:
                 raise BrokenPipeError from broken  # the reader's choice, not a failure: below
             return reported(broken)  # a peer's socket, say
         except Exception as err:  # the one place every failure becomes a line
-            return reported(err)
+            return reported(err, args)
         if code in (None, 0):
             said.flush()  # a success that showed nothing (--quiet, files only) says its notes at the end
         else:
@@ -148,14 +166,14 @@ def exit_status(app: typer.Typer, args: list[str]) -> int:
         return READER_GONE_STATUS
 
 
-def reported(err: BaseException) -> int:
+def reported(err: BaseException, args: Sequence[str] = ()) -> int:
     """Report a command's failure `err` in one line (and its traceback with HETPLAN_DEBUG) and undo what it began;
     its exit status."""
     said.drop()
     _remove_created_directories()
     if os.environ.get("HETPLAN_DEBUG", "") not in ("", "0"):
         traceback.print_exception(err)
-    line, code = failure_line(err)
+    line, code = failure_line(err, args)
     print(line, file=sys.stderr)
     return code
 

@@ -115,8 +115,9 @@ PLAN = ("plan", "--cluster", str(CPU), "--model", TINY)
         (("bogus",), "No such command 'bogus'"),
         (("plan", "--bogus"), "No such option: --bogus"),
         (("plan", "--cluster", str(CPU)), "Missing option '--model'"),
-        ((*PLAN, "--top-k", "0"), "--top-k: expected a value >= 1 (see"),
-        ((*PLAN, "--global-batch", "1e3"), "--global-batch: expected an integer"),
+        ((*PLAN, "--top-k", "0"), "--top-k: expected a value >= 1, got '0' (see"),
+        ((*PLAN, "--global-batch", "1e3"), "--global-batch: expected an integer, got '1e3' (see"),
+        ((*PLAN, "--top-k=x8"), "--top-k: expected an integer, got 'x8' (see"),  # the value named, as in files
         ((*PLAN, "--seq-len", "0"), "--seq-len: "),  # not silently the model's
         ((*PLAN, "--zero-stage", "4"), "--zero-stage: expected 0, 1, 2 or 3"),
         ((*PLAN, "--uneven-batch", "always"), "--uneven-batch: expected 'off', 'refine' or 'exhaustive'"),

@@ -236,3 +236,22 @@ def test_a_plan_records_that_its_training_named_the_kernels_and_its_export_keeps
                         str(again), "-q")  # fmt: skip
     assert replanned.returncode == 0, replanned.stderr
     assert load_plan(again).training_names_engine
+
+
+def test_an_export_of_a_plan_that_does_not_fit_memory_says_so():
+    """A strategy built in code (or a plan edited by hand) that predict finds over memory was exported with no word:
+    the engine's launch would run out of memory at its first step."""
+    from planner import build_context, predict
+    from specs.layout import megatron_strategy
+
+    cluster, model = load_cluster(EXAMPLES / "a100-v100-32.yaml"), load_model("gpt3-1.7b")
+    training = load_training(None, {"global_batch_size": 64, "dtype": "fp16"})
+    ctx = build_context(cluster, model, training)
+    for group, micro_batch, fits in (("v100", 64, False), ("a100", 1, True)):
+        strategy = megatron_strategy(cluster, model, training, group=group, tp=1, pp=1, dp=1,
+                                     micro_batch_size=micro_batch, recompute="none")  # fmt: skip
+        assert predict(ctx, strategy).fits is fits
+        notes = [note for note in export_plan(ctx, strategy, "torchrun").notes if "does not fit memory" in note]
+        assert (notes == []) is fits, notes
+        if not fits:
+            assert "v100 stage (layers 0-23) holds" in notes[0] and "29.4 GiB usable" in notes[0], notes

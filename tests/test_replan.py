@@ -432,3 +432,27 @@ def test_a_bf16_plan_with_idle_v100s_replans_on_the_groups_that_have_bf16():
     again = replan(changed_cluster(cluster, ["node:a100/1"], []), model, made.context.training, made.strategy)
     assert {stage.group for p in again.plan.strategy.pipelines for stage in p.stages} == {"a100"}
     assert again.plan.search_stats["idle_note"].startswith("v100 (16 devices) left idle: v100 has no bf16")
+
+
+def test_replan_names_a_wrong_argument_and_takes_an_engine_by_name():
+    """A path where the cluster goes, a dict for the training, a loaded plan for the strategy failed deep inside with
+    an AttributeError; an engine name (which plan() takes) did too."""
+    from planner.plan import LoadedPlan
+
+    cluster = load_cluster(CLUSTER)
+    model = load_model("gpt3-1.7b")
+    training = load_training(None, {"global_batch_size": 64, "dtype": "fp16"})
+    old = plan(cluster, model, training)
+    loaded = LoadedPlan(old.strategy, model, training, "plan.json")
+    for args, kwargs, said in (
+        ((str(CLUSTER), model, training, old.strategy), {}, "replan(): cluster: expected a ClusterSpec"),
+        ((cluster, model, {"global_batch_size": 64}, old.strategy), {}, "replan(): training: expected a TrainingSpec"),
+        ((cluster, model, training, loaded), {}, "replan(): old: expected a Strategy: the old Plan's .strategy"),
+        ((cluster, model, training, old.strategy), {"predictor": "x.joblib"}, "replan(): predictor: expected a"),
+        ((cluster, model, training, old.strategy), {"engine": "megatorn"}, "replan(): engine: unknown engine"),
+    ):
+        with pytest.raises(SpecError) as caught:
+            replan(*args, **kwargs)
+        assert str(caught.value).startswith(said), caught.value
+    smaller = changed_cluster(cluster, ["node:a100/0"], [])
+    assert replan(smaller, model, training, old.strategy, engine="deepspeed").plan.search_stats["engine"] == "deepspeed"
