@@ -668,16 +668,24 @@ def test_local_runs_calibrate_a_fixed_step_cost_of_their_own_with_a_prior_of_mil
     assert apply(unprofiled, {"iteration_overhead_s": 0.003}).terms.iteration_overhead_s == 0.0
 
 
-def test_a_run_predicted_from_measured_profiles_says_the_predictors_calibration_is_not_applied(tmp_path):
+def _profiled_cpu_even_plan(tmp_path, replicas: int):
+    """A 2-stage plan of MODEL on cpu-even (`replicas` of it, batch 8) and the saved simulated profile it is costed
+    with: (plan, cluster, profiles)."""
     from planner.plan import LoadedPlan
-    from planner.what_if import run_context
 
     simulated_profile(tmp_path)
     profiles = load_profiles(tmp_path, MODEL)
     cluster = load_cluster(EXAMPLES / "cpu-even.yaml")
     training = load_training(None, {"dtype": "fp32", "seq_length": 32, "global_batch_size": 8})
     stages = (StageStrategy("left", 0, 2, 1), StageStrategy("right", 2, 4, 1))
-    plan = LoadedPlan(Strategy((PipelineStrategy(1, 1, 8, stages),), "none", 1), MODEL, training, "plan")
+    pipeline = PipelineStrategy(replicas, 1, 8 // replicas, stages)
+    return LoadedPlan(Strategy((pipeline,), "none", 1), MODEL, training, "plan"), cluster, profiles
+
+
+def test_a_run_predicted_from_measured_profiles_says_the_predictors_calibration_is_not_applied(tmp_path):
+    from planner.what_if import run_context
+
+    plan, cluster, profiles = _profiled_cpu_even_plan(tmp_path, replicas=1)
     from_profiles = run_context(plan, Predictor(), profiles)(cluster)
     assert from_profiles.terms == EndToEndTerms()  # as they are
     assert "its calibration not applied" in from_profiles.predictor_identity
@@ -690,18 +698,12 @@ def test_the_local_runs_reason_of_calibration_left_out_is_said_only_where_the_ca
     """`plan` calibrates measured profiles, `run` costs them as measured: the "on this machine" row said so for every
     predictor with a calibration, the shipped one too, whose terms are all of accelerator runs (none of a CPU
     cluster's). Said where the predictor calibrates a term of this cluster; not for terms of other clusters."""
-    from planner.plan import LoadedPlan
     from planner.what_if import local_run
     from predictor.calibration import Calibration
 
-    simulated_profile(tmp_path)
-    profiles = load_profiles(tmp_path, MODEL)
-    cluster = load_cluster(EXAMPLES / "cpu-even.yaml")
-    training = load_training(None, {"dtype": "fp32", "seq_length": 32, "global_batch_size": 8})
-    stages = (StageStrategy("left", 0, 2, 1), StageStrategy("right", 2, 4, 1))
     # two replicas: their gradient reduction, overlapped as planned, is a reason of the run's own
-    plan = LoadedPlan(Strategy((PipelineStrategy(2, 1, 4, stages),), "none", 1), MODEL, training, "plan")
-    base = Predictor().base_context(cluster, MODEL, training, profiles)
+    plan, cluster, profiles = _profiled_cpu_even_plan(tmp_path, replicas=2)
+    base = Predictor().base_context(cluster, MODEL, plan.training, profiles)
     host_term = next(p.name for p in parameters_for(base) if p.name.startswith("host:compute"))
 
     def reasons(names: tuple[str, ...]) -> tuple[str, ...]:
