@@ -348,6 +348,32 @@ class HostParts:
         self.progress(self.total, self.total, "host: done")
 
 
+class TpCollectiveTimings:
+    """The TP collectives between layers, timed at the host section's moments (they differ more from one launch to
+    the next than within one): the timings so far, and why they stopped where one failed (not tried again: the
+    layers and the other host costs stay measured, local runs' TP collectives use the link profile's)."""
+
+    def __init__(self, model: ModelSpec, micro_batch_size: int, seq_length: int, dtype: torch.dtype, parts: HostParts):
+        self._args = (model, micro_batch_size, seq_length, dtype)
+        self._parts = parts
+        self.timings: list[dict] = []
+        self.failure = ""
+
+    def time(self, moment: int) -> None:
+        if self.failure:
+            self._parts.skip()  # the count goes on
+            return
+        self._parts.start(f"TP collectives between layers ({moment} of {TP_TIMINGS})")
+        try:
+            timing = time_tp_collectives(*self._args)
+        except HetplanError as err:
+            self._parts.note(f"host: {err}; local runs' TP collectives will use the link profile's")
+            self.failure = str(err)
+            return
+        if timing is not None:
+            self.timings.append(timing)
+
+
 def measure_host(
     model: ModelSpec,
     seq_length: int,
@@ -364,7 +390,7 @@ def measure_host(
     beside = 2 * cores - 2
     loaded_tp = 0 < beside <= MAX_CONCURRENT_PROCESSES - 2
     parts = HostParts(HOST_PARTS + (1 if loaded_tp else 0), progress)
-    say, note = parts.start, parts.note
+    say = parts.start
 
     # the family sync's memory-bound copies, timed at three moments of the measurement (median): timed once, the
     # runtime benchmark's tiny model read 7.3 ns per parameter in one profile, 4.4-5.0 ns in seven others and in eight
@@ -373,23 +399,7 @@ def measure_host(
     # readings in a row on a shared host: per layer -0.72 to +0.03 ms, per micro-batch -0.33 to +0.87 ms, where the
     # tiny model's layer takes 5.5 ms)
     family_sync_s = [family_sync_cost(model, dtype, FAMILY_SYNC_MIN_S)]
-    tp_timings: list[dict] = []
-    tp_failure = ""
-
-    def time_tp(moment: int) -> None:
-        nonlocal tp_failure
-        if tp_failure:
-            parts.skip()  # not tried again: the count goes on
-            return
-        say(f"TP collectives between layers ({moment} of {TP_TIMINGS})")
-        try:
-            timing = time_tp_collectives(model, micro_batch_size, seq_length, dtype)
-        except HetplanError as err:  # the layers and the other host costs stay measured
-            note(f"host: {err}; local runs' TP collectives will use the link profile's")
-            tp_failure = str(err)
-            return
-        if timing is not None:
-            tp_timings.append(timing)
+    tp_collectives = TpCollectiveTimings(model, micro_batch_size, seq_length, dtype, parts)
 
     concurrency_readings: list[list[ConcurrencyPoint]] = []
     stage_readings: list[tuple[float, float]] = []
@@ -403,10 +413,10 @@ def measure_host(
     # the concurrency helpers start at the first moment and stay until the last (idle in between)
     helpers_needed = max(concurrency_levels(cores), default=1) - 1
     with BusyHelpers(model, micro_batch_size, seq_length, dtype, helpers_needed) as helpers:
-        time_tp(1)
+        tp_collectives.time(1)
         time_concurrency_and_stage(1, helpers)
         family_sync_s.append(family_sync_cost(model, dtype, FAMILY_SYNC_MIN_S))
-        time_tp(2)
+        tp_collectives.time(2)
         time_concurrency_and_stage(2, helpers)
         say("passes after another process used the core")
         cold_forward_s, cold_backward_s = cold_pass_costs(model, micro_batch_size, seq_length, dtype)
@@ -416,17 +426,18 @@ def measure_host(
         )
         say("syncing gradients across families")
         family_sync_s.append(family_sync_cost(model, dtype, FAMILY_SYNC_MIN_S))
-        time_tp(3)
+        tp_collectives.time(3)
         time_concurrency_and_stage(3, helpers)
     tp_loaded: list[dict] = []
-    if tp_timings and not tp_failure and loaded_tp:
+    tp_timings = tp_collectives.timings if not tp_collectives.failure else []
+    if tp_timings and loaded_tp:
         say("TP collectives between layers with processes computing beside them")
-        tp_loaded = time_tp_under_load(model, micro_batch_size, seq_length, dtype, beside, note)
+        tp_loaded = time_tp_under_load(model, micro_batch_size, seq_length, dtype, beside, parts.note)
     elif loaded_tp:
         parts.skip()  # not timed without unloaded timings to set it against: the count goes on
     say("making batches")
     batch_s, batch_s_per_sample = batch_costs(model, seq_length)
-    tp = fit_tp_collective_costs(tp_timings, tp_loaded) if tp_timings and not tp_failure else None
+    tp = fit_tp_collective_costs(tp_timings, tp_loaded) if tp_timings else None
     per_microbatch, per_layer = (statistics.median(parts) for parts in zip(*stage_readings, strict=True))
     parts.end()
     return HostCosts(
