@@ -346,7 +346,8 @@ def export(
     from specs.flags import output_directory
 
     output_directory(out, "--out", "export.json")
-    format = get_engine(format).key  # named as the registry does ('Megatron' is megatron); an unknown one first
+    # named as the registry does ('Megatron' is megatron); an unknown one first
+    format = get_engine(format, "--format", "").key
     loaded, cluster_spec = plan_on_cluster(plan_file, cluster)
     costs = plan_costs_said(loaded, predictor, profiles, cluster_spec)
     ctx = costs.predictor.context(cluster_spec, loaded.model, loaded.training, costs.profiles)
@@ -492,14 +493,19 @@ def traffic_calc(
     global_batch: Annotated[int, opt(min=1, help="Sequences per step.")],
     gpus: Annotated[int, opt(min=2, help="Ranks in the one parallel dimension.")],
     seq_len: SeqLenOpt = None,
-    grad_bytes: Annotated[int, opt(min=1, max=8, help="Bytes per gradient value in the DP all-reduce.")] = 2,
+    grad_bytes: Annotated[
+        int, opt(help="Bytes per gradient value in the DP all-reduce: 1 (FP8), 2 (bf16/fp16) or 4 (fp32).")
+    ] = 2,
     as_json: JsonOpt = False,
 ) -> None:
     """Textbook per-rank traffic of DP, FSDP, TP and PP over a training run (standard ring volumes)."""
     from report import traffic_calc as textbook
     from report.tables import traffic_calc_lines
+    from specs.errors import SpecError
     from specs.model import load_model
 
+    if grad_bytes not in (1, 2, 4):  # a gradient is FP8, 16-bit or fp32
+        raise SpecError("--grad-bytes", "", f"expected 1 (FP8), 2 (bf16/fp16) or 4 (fp32), got {grad_bytes}")
     spec = load_model(model, "--model")
     body = textbook(spec, tokens, global_batch, gpus, seq_length=seq_len, grad_bytes=grad_bytes)
     show(as_json, body, *traffic_calc_lines(body, global_batch, seq_len or spec.seq_length))

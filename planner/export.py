@@ -26,7 +26,7 @@ from predictor.cost_model import CostContext, Evaluation, evaluate, interleaved_
 from predictor.sharding import shard_ranks
 from specs.cluster import ClusterSpec
 from specs.engines import Engine, get_engine
-from specs.errors import SpecError, expect_argument
+from specs.errors import SpecError, expect_argument, wrong_argument
 from specs.layout import Strategy, chunk_layer_counts
 from specs.loading import text_sha256
 from specs.training import TrainingSpec
@@ -384,7 +384,8 @@ def node_launches(cluster: ClusterSpec, ranks: list[tuple[str, int]]) -> list[No
             nodes.append((group_name, node, [local]))
     launches = []
     for node_rank, (group_name, node, devices) in enumerate(nodes):
-        env = get_vendor(cluster.group(group_name).device.vendor).visible_devices_env
+        vendor = get_vendor(cluster.group(group_name).device.vendor, cluster.source or "cluster", f"group {group_name}")
+        env = vendor.visible_devices_env
         number = cluster.group(group_name).node_number(node)  # a re-planned cluster's nodes keep their numbers
         launches.append(NodeLaunch(group_name, number, node_rank, tuple(devices), env))
     return launches
@@ -581,6 +582,11 @@ def export_plan(
     expect_argument(strategy, Strategy, "export_plan()", "strategy", "a Strategy (a loaded plan's or a Plan's "
                     ".strategy)")  # fmt: skip
     expect_argument(fmt, str, "export_plan()", "fmt", "an engine name (specs.engine_catalog())")
+    for flag, value in (("keep_layout", keep_layout), ("keep_kernels", keep_kernels)):
+        expect_argument(value, bool, "export_plan()", flag, "True or False")  # "no" is true
+    if context_for is not None and not callable(context_for):
+        taken = "a function of a TrainingSpec returning its CostContext (e.g. lambda training: predictor.context("
+        raise wrong_argument(context_for, "export_plan()", "context_for", taken + "cluster, model, training)), or None")
     engine = get_engine(fmt, "export_plan()", "fmt")
     writer = WRITERS.get(engine.key)
     if writer is None:

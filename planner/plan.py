@@ -67,6 +67,7 @@ class Plan:
     def save(self, path: str | Path) -> None:
         """Write the plan file, creating its directory as `hetplan plan --out` does (a path it cannot write is a
         one-line SpecError)."""
+        expect_argument(path, (str, Path), "Plan.save()", "path", "a path of the plan JSON file to write")
         write_text_atomic(check_writable(path, "Plan.save"), self.to_json())
 
 

@@ -25,7 +25,7 @@ from predictor.predictor import Predictor, default_predictor
 from profiler.profile import DeviceProfile
 from specs.cluster import ClusterSpec
 from specs.engines import Engine, get_engine
-from specs.errors import DoesNotFitError, SpecError, expect_argument, wrong_argument
+from specs.errors import DoesNotFitError, SpecError, expect_argument, expect_list, wrong_argument
 from specs.layout import ZERO_SHARDS, ZERO_STAGES, Strategy, split_batch, whole_number
 from specs.model import ModelSpec
 from specs.training import TrainingSpec, on_groups
@@ -35,6 +35,7 @@ from specs.units import GIB
 def compute_bounds(ctx: CostContext) -> Bounds:
     """The yardsticks of a plan in this context: HETHUB's upper bound (each group's best plan alone) and the compute
     bound."""
+    expect_argument(ctx, CostContext, "compute_bounds()", "ctx", "a CostContext: a plan's .context, or build_context()")
     per_group: dict[str, float] = {}
     scaled: list[str] = []
     for group in ctx.cluster.groups:
@@ -71,7 +72,7 @@ def plan(
     stops and reports the least bound left (SearchOptions.max_candidates)."""
     if isinstance(engine, str):
         engine = get_engine(engine, "plan()", "engine")
-    _check_plan_arguments(cluster, model, training, engine, top_k, max_candidates, zero_stages, zero_shards)
+    _check_plan_arguments(cluster, model, training, engine, top_k, max_candidates, zero_stages, zero_shards, progress)
     top_k, max_candidates = int(top_k), int(max_candidates)  # (numpy's integers as Python's: plans serialise them)
     zero_stages, zero_shards = [int(stage) for stage in zero_stages], [str(shard) for shard in zero_shards]
     profiles, predictor = _measured_costs(cluster, model, profiles, predictor)
@@ -341,10 +342,15 @@ def _check_plan_arguments(
     max_candidates: object,
     zero_stages: Sequence[object],
     zero_shards: Sequence[object],
+    progress: object,
 ) -> None:
     """plan()'s arguments, each named in one line where it is not what plan() takes (a path where a loaded spec is
     expected failed deep inside with an AttributeError; zero_stages=[5] planned a 'zero-5' its own loader refuses)."""
     check_spec_arguments("plan()", cluster, model, training)
+    expect_list(zero_stages, "plan()", "zero_stages", "a list of ZeRO stages among 0, 1, 2, 3 (e.g. [1, 3])")
+    expect_list(zero_shards, "plan()", "zero_shards", f"a list of ZeRO shards among {', '.join(ZERO_SHARDS)}")
+    if progress is not None and not callable(progress):
+        raise wrong_argument(progress, "plan()", "progress", "a function of the search's progress, or None")
     if engine is not None and not isinstance(engine, Engine):
         raise SpecError("plan()", "engine", f"expected an engine name or specs.get_engine(name), got {engine!r:.60}")
     for field, value in (("top_k", top_k), ("max_candidates", max_candidates)):

@@ -26,7 +26,7 @@ from predictor.cost_model import CostContext, Evaluation, evaluate
 from predictor.predictor import Predictor, default_predictor
 from specs.cluster import ClusterSpec
 from specs.engines import Engine, get_engine
-from specs.errors import DoesNotFitError, HetplanError, SpecError, expect_argument
+from specs.errors import DoesNotFitError, HetplanError, SpecError, expect_argument, expect_list
 from specs.layout import PipelineStrategy, Strategy, devices_per_group, pack_stages, split_batch, split_pipeline
 from specs.model import ModelSpec
 from specs.training import TrainingSpec
@@ -62,6 +62,9 @@ def changed_cluster(
     nodes (DeviceGroup.node_ids), so a launch runs on the nodes that are left. `earlier`: the (without, add) changes a
     re-planned plan records (LoadedPlan.cluster_changes), applied first to `cluster`, the cluster file's: a node lost
     by number in any of them keeps its number."""
+    expect_argument(cluster, ClusterSpec, "changed_cluster()", "cluster", "a ClusterSpec: specs.load_cluster(path)")
+    for argument, given in (("without", without), ("add", add)):
+        expect_list(given, "changed_cluster()", argument, "a list of node:GROUP/NUMBER or group:NAME:COUNT")
     numbers = {group.name: group.node_numbers for group in cluster.groups}
     lost: dict[str, list[int]] = {group.name: [] for group in cluster.groups}
     for earlier_without, earlier_add in earlier:

@@ -29,7 +29,7 @@ from predictor.host import local_run_context
 from predictor.runs import Run, check_runs_once, fingerprint, load_runs
 from profiler.profile import DeviceProfile, HostCosts, load_profile
 from specs.cluster import ClusterSpec
-from specs.errors import SpecError, wrong_argument
+from specs.errors import SpecError, expect_argument, wrong_argument
 from specs.layout import Strategy
 from specs.loading import file_sha256
 from specs.model import ModelSpec
@@ -144,6 +144,11 @@ class Predictor:
 
     def interval(self, base: CostContext, strategy: Strategy) -> Interval:
         """90% interval of the iteration time of `strategy` on an uncalibrated `base_context`."""
+        taken = "an uncalibrated CostContext: predictor.base_context(cluster, model, training)"
+        expect_argument(base, CostContext, "Predictor.interval()", "base", taken)
+        taken = "a Strategy (a loaded plan's or a Plan's .strategy)"
+        expect_argument(strategy, Strategy, "Predictor.interval()", "strategy", taken)
+        base.check_strategy(strategy, "strategy")
         learned = [
             self.layer_models[g.device.key].log_error_std ** 2
             for g in base.cluster.groups
@@ -310,7 +315,11 @@ def default_predictor() -> Predictor:
 
 
 def save_predictor(predictor: Predictor, path: str | Path) -> None:
+    """Write a predictor file (joblib: the header with its schema and library versions, the pickled predictor)."""
     import joblib
+
+    expect_argument(predictor, Predictor, "save_predictor()", "predictor", "a Predictor: fit_predictor(...)")
+    expect_argument(path, (str, Path), "save_predictor()", "path", "a path of the predictor file to write")
 
     header = {"schema": PREDICTOR_SCHEMA, "metadata": predictor.metadata}
     joblib.dump({**header, "payload": pickle.dumps(predictor)}, Path(path))
@@ -320,6 +329,7 @@ def load_predictor(path: str | Path) -> Predictor:
     """Read a predictor file; refuses files of another schema or scikit-learn version with a one-line reason."""
     import joblib
 
+    expect_argument(path, (str, Path), "load_predictor()", "path", "a path of a predictor file (`hetplan fit --out`)")
     source = str(path)
     if not Path(path).is_file():
         raise SpecError(source, "", "predictor file not found (make one with `hetplan fit ... --out FILE`)")

@@ -251,6 +251,9 @@ def fit(
     output_file(
         out, "--out", reads={"--profiles": profiles, "--links": links or [], "--runs": runs or []}, writes="a predictor"
     )
+    if out.suffix.lower() in (".json", ".yaml", ".yml"):  # a joblib file named as a document every reader refuses
+        raise SpecError("--out", str(out), "expected a predictor file name such as predictor.joblib (fit writes "
+                        f"joblib, not {out.suffix.lower()[1:].upper()})")  # fmt: skip
     if profiles is None and not links and not runs and not published_runs:  # it wrote a predictor of nothing
         raise SpecError("--no-published-runs", "", "leaves nothing to fit: give --profiles, --links or --runs (or "
                         "keep the published runs)")  # fmt: skip
@@ -480,8 +483,10 @@ def launch(
     from planner.what_if import check_runtime_layout, plan_on_cluster
     from specs.errors import SpecError
     from specs.flags import output_file
+    from specs.outputs import remove_created_directories
 
     output_file(out, "--out", reads={"PLAN": plan_file, "--cluster": cluster}, writes="a run record")  # as `run`
+    remove_created_directories()  # the job writes the record, and makes its directory; launch writes nothing
     loaded, cluster_spec = plan_on_cluster(plan_file, cluster)
     check_runtime_layout(loaded)
     if loaded.training.dtype == "fp8":  # the ranks would refuse it (runtime.launch.check_dtype): say so before

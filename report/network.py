@@ -136,11 +136,28 @@ def traffic_calc(
         ranks=gpus,
         grad_bytes=grad_bytes,
     )
+    beyond = textbook_beyond_model(model, global_batch, gpus)
     return {
         "model": model.key,
         "params": model.total_params(),
         "tokens": tokens,
         "steps": steps,
         "ranks": gpus,
-        "bytes_per_rank": per_rank,
+        "bytes_per_rank": {name: None if name in beyond else value for name, value in per_rank.items()},
+        "not_applicable": beyond,
     }
+
+
+def textbook_beyond_model(model: ModelSpec, global_batch: int, gpus: int) -> dict[str, str]:
+    """Why a parallel style cannot have `gpus` ranks for this model and batch, by style: a rank of DP or FSDP needs a
+    sequence of the batch, a TP degree must split the kv heads and the FFN, a pipeline stage needs a layer."""
+    beyond = {}
+    if gpus > global_batch:
+        for style in ("dp", "fsdp"):
+            beyond[style] = f"{gpus} ranks, a global batch of {global_batch} sequences: a rank would have none"
+    if not model.splits_for_tp(gpus):
+        heads, ffn = model.num_kv_heads, model.ffn_hidden_size
+        beyond["tp"] = f"TP {gpus} does not split the {heads} kv heads and FFN {ffn} into equal parts"
+    if gpus > model.num_layers:
+        beyond["pp"] = f"{gpus} stages of {model.num_layers} layers: a stage would have none"
+    return beyond

@@ -304,7 +304,10 @@ def traffic_calc_lines(body: Mapping[str, Any], global_batch: int, seq_length: i
         f"step{'s' if steps != 1 else ''} of {global_batch} x {seq_length} tokens{rounded}, {gpus} ranks"
     ]
     for name, value in body["bytes_per_rank"].items():
-        lines.append(f"  {name:<5} {_bytes_text(value)} sent per rank ({_bytes_text(value * gpus)} in all)")
+        if value is None:
+            lines.append(f"  {name:<5} n/a: {body['not_applicable'][name]}")
+        else:
+            lines.append(f"  {name:<5} {_bytes_text(value)} sent per rank ({_bytes_text(value * gpus)} in all)")
     return lines
 
 

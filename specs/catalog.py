@@ -32,12 +32,16 @@ class Catalog(Generic[EntryT]):
     names: dict[str, str]
 
     def find(self, name: str) -> EntryT | None:
-        """The entry a key or alias names (case-insensitive), or None."""
-        key = self.names.get(name.strip().lower())
+        """The entry a key or alias names (case-insensitive), or None (a name that is not a string names none)."""
+        key = self.names.get(name.strip().lower()) if isinstance(name, str) else None
         return None if key is None else self.entries[key]
 
     def get(self, name: str, source: str, field: str) -> EntryT:
         """The entry a key or alias names; otherwise a one-line SpecError at (source, field) listing the keys."""
+        if not isinstance(name, str):
+            article = "an" if self.kind[0] in "aeiou" else "a"
+            given = f"{type(name).__name__} {name!r:.60}"
+            raise SpecError(source, field, f"expected {article} {self.kind} name, got {given}")
         entry = self.find(name)
         if entry is None:
             known = ", ".join(self.entries)

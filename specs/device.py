@@ -4,15 +4,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from specs.catalog import Catalog, load_catalog
 from specs.errors import SpecError
+from specs.loading import CheckedModel
 from specs.units import GIB, GIGA, TERA
 from specs.vendors import find_vendor, vendor_catalog
 
 
-class DeviceSpec(BaseModel):
+class DeviceSpec(CheckedModel):
     """One accelerator type. File fields carry vendor units; the *_bytes/_per_s properties are SI."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -137,6 +138,6 @@ def device_catalog() -> dict[str, DeviceSpec]:
     return _devices().entries
 
 
-def get_device(name: str, source: str = "device", field: str = "device") -> DeviceSpec:
+def get_device(name: str, source: str = "get_device()", field: str = "name") -> DeviceSpec:
     """Look a device up by key or alias (case-insensitive)."""
     return _devices().get(name, source, field)

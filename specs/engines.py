@@ -60,6 +60,6 @@ def engine_catalog() -> dict[str, Engine]:
     return _engines().entries
 
 
-def get_engine(name: str, source: str = "--format", field: str = "") -> Engine:
+def get_engine(name: str, source: str = "get_engine()", field: str = "name") -> Engine:
     """The engine a format names; an unknown one is a one-line SpecError listing the known engines."""
     return _engines().get(name, source, field)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Mapping
+from os import PathLike
 
 # pydantic's phrasing of a value's expectation ("Input should be ...", also in typer's flag errors) and the house's
 # ("expected ..."), in the order tried
@@ -77,9 +79,21 @@ def expect_argument(value: object, kinds: type | tuple[type, ...], function: str
         raise wrong_argument(value, function, argument, what)
 
 
+def expect_list(value: object, function: str, argument: str, what: str) -> None:
+    """A Python API argument that is a list (or tuple, set, ...) of items, else a one-line SpecError naming the
+    function, the argument and `what` it takes: a string is a sequence too, read letter by letter ('n' is no ZeRO
+    shard), and a number is none."""
+    if isinstance(value, (str, bytes, PathLike, Mapping)) or not isinstance(value, Iterable):
+        raise wrong_argument(value, function, argument, what)
+
+
 def wrong_argument(value: object, function: str, argument: str, what: str) -> SpecError:
-    """The one-line error of expect_argument, for a check that is not of the value's type alone."""
-    return SpecError(function, argument, f"expected {what}, got {type(value).__name__} {value!r:.60}")
+    """The one-line error of expect_argument, for a check that is not of the value's type alone. The value is shown
+    where its text is short, or a string or path (cut at 60 characters); a spec or a plan by its type alone."""
+    shown = repr(value)
+    if len(shown) > 60:
+        shown = f"{shown:.60}" if isinstance(value, (str, PathLike)) else ""
+    return SpecError(function, argument, f"expected {what}, got {type(value).__name__} {shown}".rstrip())
 
 
 class DoesNotFitError(HetplanError):

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from enum import Enum
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from specs.cluster import ClusterSpec, DeviceGroup
 from specs.errors import SpecError
@@ -500,13 +500,21 @@ class StageFile(BaseModel):
     layers: tuple[StrictInt, StrictInt]
     tp: StrictInt = Field(ge=1)
     device_offset: StrictInt = Field(default=0, ge=0)
-    recompute: Recompute | None = None
+    recompute: Recompute | None = None  # left out: the plan's
     device: str | None = None  # a figure too, checked against the cluster's group (planner/what_if.py)
 
     @model_validator(mode="before")
     @classmethod
     def _skip_figures(cls, data: object) -> object:
         return without_figures(data, STAGE_FIGURES)
+
+    @field_validator("recompute", mode="before")
+    @classmethod
+    def _recompute_written(cls, value: object) -> object:
+        """A written null took the plan's mode, where a hand edit may have meant none: only leaving it out does."""
+        if value is None:
+            raise ValueError("expected none, selective or full (leave the field out for the plan's mode), got null")
+        return value
 
 
 class PipelineFile(BaseModel):

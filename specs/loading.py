@@ -311,45 +311,66 @@ def _field_names(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
     return [info.alias or name for name, info in current.model_fields.items()]
 
 
+class CheckedModel(BaseModel):
+    """A spec that, built in code (`TrainingSpec(global_batch_size=-1)`), is refused in one line as its file would be
+    (a SpecError naming the class and the field), not with pydantic's multi-line ValidationError. Files and mappings
+    are read with validate(), which names the file."""
+
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as err:
+            raise spec_error(type(self), err, f"{type(self).__name__}()") from None
+
+    # pydantic's mark of its own __init__ (RootModel's too): validation (model_validate, a nested spec) then builds
+    # the model itself, not through this __init__, so validate() names the file and a nested spec its path
+    __init__.__pydantic_base_init__ = True  # type: ignore[attr-defined]
+
+
 def validate(model: type[ModelT], data: dict[str, Any], source: str, prefix: str = "") -> ModelT:
     """Validate data against a pydantic model; the first error becomes a SpecError naming the field."""
     try:
         return model.model_validate(data)
     except ValidationError as err:
-        errors = err.errors()
-        # a misspelt field also leaves the field it meant missing: the misspelling is the error to name; the deepest
-        # one, since a union's other branches refuse the whole mapping's keys (a run record's plan layout)
-        misspelt = [e for e in errors if e["type"] == "extra_forbidden"]
-        first = max(misspelt, key=lambda e: len(_field_loc(e["loc"]))) if misspelt else errors[0]
-        loc = _field_loc(first["loc"])
-        field = field_path(loc)
-        if prefix:
-            field = f"{prefix}.{field}" if field else prefix
-        message = expected_wording(first["msg"])
-        meant: list[str] = []
-        if first["type"] == "extra_forbidden":
-            missing = [str(_field_loc(e["loc"])[-1]) for e in errors if e["type"] == "missing"
-                       and _field_loc(e["loc"])[:-1] == loc[:-1]]  # fmt: skip
-            meant = difflib.get_close_matches(str(loc[-1]), missing, n=1) if loc else []
-            known = difflib.get_close_matches(str(loc[-1]), _field_names(model, loc[:-1]), n=1) if loc else []
-            message = (
-                f"unknown field: did you mean {meant[0]} (required, missing)?"
-                if meant
-                else f"unknown field: did you mean {known[0]}?"
-                if known
-                else "unknown field (check the spelling; see the README for the format)"
-            )
-        elif first["type"] == "missing":
-            message = "required field is missing"
-        elif "input" in first and first["type"] != "value_error":
-            message = f"{message}, got {quote(first['input'])}"
-        message = message.removeprefix("Value error, ")
-        # the others by field (the missing field a misspelling meant is the same error)
-        # and a union's branches other than the one named (which refuse what the named one accepts)
-        same = (*loc[:-1], meant[0]) if meant else None
-        branches = _branches(first["loc"])
-        others = [e for e in errors if e is not first and _branches(e["loc"]) <= branches
-                  and not (e["type"] == "missing" and _field_loc(e["loc"]) == same)]  # fmt: skip
-        fields = list(dict.fromkeys(field_path(_field_loc(e["loc"])) or "(top level)" for e in others))
-        message += also_wrong([f"{prefix}.{name}" if prefix else name for name in fields])
-        raise SpecError(source, field, message) from None
+        raise spec_error(model, err, source, prefix) from None
+
+
+def spec_error(model: type[BaseModel], err: ValidationError, source: str, prefix: str = "") -> SpecError:
+    """pydantic's errors of `model` as one line: the first wrong field with its expectation, the others after it."""
+    errors = err.errors()
+    # a misspelt field also leaves the field it meant missing: the misspelling is the error to name; the deepest
+    # one, since a union's other branches refuse the whole mapping's keys (a run record's plan layout)
+    misspelt = [e for e in errors if e["type"] == "extra_forbidden"]
+    first = max(misspelt, key=lambda e: len(_field_loc(e["loc"]))) if misspelt else errors[0]
+    loc = _field_loc(first["loc"])
+    field = field_path(loc)
+    if prefix:
+        field = f"{prefix}.{field}" if field else prefix
+    message = expected_wording(first["msg"])
+    meant: list[str] = []
+    if first["type"] == "extra_forbidden":
+        missing = [str(_field_loc(e["loc"])[-1]) for e in errors if e["type"] == "missing"
+                   and _field_loc(e["loc"])[:-1] == loc[:-1]]  # fmt: skip
+        meant = difflib.get_close_matches(str(loc[-1]), missing, n=1) if loc else []
+        known = difflib.get_close_matches(str(loc[-1]), _field_names(model, loc[:-1]), n=1) if loc else []
+        message = (
+            f"unknown field: did you mean {meant[0]} (required, missing)?"
+            if meant
+            else f"unknown field: did you mean {known[0]}?"
+            if known
+            else "unknown field (check the spelling; see the README for the format)"
+        )
+    elif first["type"] == "missing":
+        message = "required field is missing"
+    elif "input" in first and first["type"] != "value_error":
+        message = f"{message}, got {quote(first['input'])}"
+    message = message.removeprefix("Value error, ")
+    # the others by field (the missing field a misspelling meant is the same error)
+    # and a union's branches other than the one named (which refuse what the named one accepts)
+    same = (*loc[:-1], meant[0]) if meant else None
+    branches = _branches(first["loc"])
+    others = [e for e in errors if e is not first and _branches(e["loc"]) <= branches
+              and not (e["type"] == "missing" and _field_loc(e["loc"]) == same)]  # fmt: skip
+    fields = list(dict.fromkeys(field_path(_field_loc(e["loc"])) or "(top level)" for e in others))
+    message += also_wrong([f"{prefix}.{name}" if prefix else name for name in fields])
+    return SpecError(source, field, message)

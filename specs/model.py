@@ -13,11 +13,22 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import ConfigDict, model_validator
 
 from specs.catalog import Catalog, load_catalog
 from specs.errors import SpecError, expect_argument
-from specs.loading import HF_CONFIG, MODEL_FILE, check_file_kind, file_kind, quote, read_mapping, validate
+from specs.loading import (
+    HF_CONFIG,
+    MODEL_FILE,
+    CheckedModel,
+    PositiveInt,
+    StrictBool,
+    check_file_kind,
+    file_kind,
+    quote,
+    read_mapping,
+    validate,
+)
 
 Recompute = Literal["none", "selective", "full"]
 RECOMPUTE_MODES: tuple[Recompute, ...] = ("none", "selective", "full")
@@ -25,7 +36,7 @@ RECOMPUTE_MODES: tuple[Recompute, ...] = ("none", "selective", "full")
 HF_MODEL_TYPES = ("llama", "mistral", "qwen", "qwen2", "qwen3", "internlm2", "yi", "baichuan", "gpt2")
 
 
-class ModelSpec(BaseModel):
+class ModelSpec(CheckedModel):
     """A dense decoder-only transformer."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -34,15 +45,16 @@ class ModelSpec(BaseModel):
     aliases: tuple[str, ...] = ()
     name: str = ""
     source: str = ""
-    num_layers: int = Field(ge=1)
-    hidden_size: int = Field(ge=1)
-    ffn_hidden_size: int = Field(ge=1)
-    num_attention_heads: int = Field(ge=1)
-    num_kv_heads: int = Field(ge=1)
-    vocab_size: int = Field(ge=1)
-    seq_length: int = Field(ge=1)
+    # integers as the other files' (not "8", 8.0 or true): a quoted YAML number was taken as one
+    num_layers: PositiveInt
+    hidden_size: PositiveInt
+    ffn_hidden_size: PositiveInt
+    num_attention_heads: PositiveInt
+    num_kv_heads: PositiveInt
+    vocab_size: PositiveInt
+    seq_length: PositiveInt
     mlp: Literal["gelu", "swiglu"]
-    tied_embeddings: bool = False
+    tied_embeddings: StrictBool = False
 
     @model_validator(mode="after")
     def _check_shapes(self) -> ModelSpec:

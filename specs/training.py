@@ -6,10 +6,18 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import ConfigDict, Field, ValidationInfo, field_validator
 
 from specs.errors import SpecError, expect_argument
-from specs.loading import TRAINING_FILE, StrictFloat, StrictInt, check_file_kind, read_mapping, validate
+from specs.loading import (
+    TRAINING_FILE,
+    CheckedModel,
+    StrictFloat,
+    StrictInt,
+    check_file_kind,
+    read_mapping,
+    validate,
+)
 from specs.model import RECOMPUTE_MODES, Recompute
 
 if TYPE_CHECKING:
@@ -33,7 +41,7 @@ TrainingEngine = Literal["megatron", "deepspeed", "fsdp", "torchtitan", "other"]
 TRAINING_ENGINES: tuple[str, ...] = get_args(TrainingEngine)
 
 
-class TrainingSpec(BaseModel):
+class TrainingSpec(CheckedModel):
     """What to train and which strategy choices are allowed; flags override file values."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -184,6 +192,15 @@ class TrainingSpec(BaseModel):
         if not value or any(size < 1 or size > MAX_GLOBAL_BATCH for size in value):
             raise ValueError(f"expected a non-empty list of integers from 1 to {MAX_GLOBAL_BATCH:,}")
         return tuple(sorted(set(value)))
+
+    @field_validator("micro_batch_sizes")
+    @classmethod
+    def _a_micro_batch_within_the_batch(cls, value: tuple[int, ...], info: ValidationInfo) -> tuple[int, ...]:
+        """Micro-batches over the global batch leave no plan: the search said only that the batch must split."""
+        batch = info.data.get("global_batch_size")
+        if batch is not None and min(value) > batch:
+            raise ValueError(f"expected a size of at most the global batch ({batch} sequences), got {list(value)}")
+        return value
 
     @property
     def dtype_bytes(self) -> int:

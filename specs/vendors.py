@@ -36,6 +36,6 @@ def find_vendor(name: str) -> VendorInfo | None:
     return _vendors().find(name)
 
 
-def get_vendor(name: str, source: str = "vendor", field: str = "vendor") -> VendorInfo:
+def get_vendor(name: str, source: str = "get_vendor()", field: str = "name") -> VendorInfo:
     """The vendor a name resolves to; an unknown name is a one-line SpecError listing the known vendors."""
     return _vendors().get(name, source, field)

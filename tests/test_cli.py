@@ -232,6 +232,10 @@ def test_launch_prints_one_torchrun_per_node_that_expands_the_master_address(tmp
     longer = hetplan("launch", str(plan), "--cluster", str(EXAMPLES / "cpu-hetero.yaml"), "--steps", "20")
     assert longer.returncode == 0 and all(" --steps 20  # " in line for line in longer.stdout.splitlines())
     assert all("--steps" not in line for line in lines)
+    # launch writes nothing: the directory of the record is the job's to make (`run` makes it); it was left empty
+    record = tmp_path / "new" / "dir" / "run.json"
+    elsewhere = hetplan("launch", str(plan), "--cluster", str(EXAMPLES / "cpu-hetero.yaml"), "--out", str(record))
+    assert elsewhere.returncode == 0 and f"--out {record}" in elsewhere.stdout and not (tmp_path / "new").exists()
 
 
 def test_a_cpu_cluster_of_two_lines_plans_in_fp32_and_the_plan_records_what_was_assumed(tmp_path):

@@ -80,6 +80,7 @@ def plans(tmp_path_factory) -> dict[str, Path]:
         "training-shard": lambda b: b["training"].update(zero_shard="node"),
         "replicas-text": lambda b: b["pipelines"][0].update(replicas="2"),
         "layers-float": lambda b: b["pipelines"][0]["stages"][0].update(layers=[0, 2.0]),
+        "stage-recompute-null": lambda b: b["pipelines"][0]["stages"][0].update(recompute=None),
     }
     for name, change in breaks.items():
         broken = json.loads(good.read_text())
@@ -106,6 +107,7 @@ def one_error(capsys, *args: str) -> str:
 
 
 PLAN = ("plan", "--cluster", str(CPU), "--model", TINY)
+TRAFFIC_CALC = ("traffic-calc", "-m", "llama3-8b", "--tokens", "1e9", "--global-batch", "8", "--gpus", "8")
 
 
 @pytest.mark.parametrize(
@@ -139,20 +141,9 @@ PLAN = ("plan", "--cluster", str(CPU), "--model", TINY)
         ),
         (("traffic-calc", "-m", "llama3-8b", "--tokens", "-1e9", "--global-batch", "8", "--gpus", "8"), "--tokens: ex"),
         (("traffic-calc", "-m", "llama3-8b", "--tokens", "nan", "--global-batch", "8", "--gpus", "8"), "got nan"),
+        ((*TRAFFIC_CALC, "--grad-bytes", "3"), "--grad-bytes: expected 1 (FP8), 2 (bf16/fp16) or 4 (fp32), got 3"),
         (
-            (
-                "traffic-calc",
-                "-m",
-                "llama3-8b",
-                "--tokens",
-                "1e9",
-                "--global-batch",
-                "8",
-                "--gpus",
-                "8",
-                "--seq-len",
-                "0",
-            ),
+            (*TRAFFIC_CALC, "--seq-len", "0"),
             "--seq-len: ",
         ),
         (("simulate-profile", "--device", "h100", "-m", "llama3-8b", "--tp", "0", "--out", "x.json"), "--tp: expected"),
@@ -508,6 +499,11 @@ def test_a_stage_device_written_by_alias_or_another_case_is_the_groups(capsys, t
         (("predict", "-c", str(CPU), "--strategy", "{training-shard}"), "training.zero_shard: node is not the plan's"),
         (("explain", "{replicas-text}", "-c", str(CPU)), "pipelines[0].replicas: expected an integer, got '2'"),
         (("explain", "{layers-float}", "-c", str(CPU)), "pipelines[0].stages[0].layers[1]: expected an integer"),
+        # a stage's written null took the plan's mode (a hand edit may have meant none); leaving it out still does
+        (
+            ("predict", "-c", str(CPU), "--strategy", "{stage-recompute-null}"),
+            "pipelines[0].stages[0].recompute: expected none, selective or full (leave the field out for the plan's",
+        ),
         # a stage's group the cluster has not is the plan's field (the line named the cluster file)
         (("explain", "{stage-group}", "-c", str(CPU)), "stage-group.json: pipelines[0].stages[1].group: expected a g"),
         (("predict", "-c", str(CPU), "--strategy", "{good}", "--seq-len", "0"), "--seq-len: "),
@@ -806,7 +802,7 @@ def test_a_failed_command_leaves_no_output_directory_it_created(capsys, tmp_path
     """`--out new/dirs/plan.json` creates the directories when the flag is checked, before the search; a search
     that then fails removed nothing, and the user found empty directories."""
     out = tmp_path / "new" / "dirs" / "plan.json"
-    no_strategy = ("--global-batch", "7", "--micro-batch-sizes", "64")
+    no_strategy = ("--global-batch", "7", "--micro-batch-sizes", "2,4")  # no micro-batch divides 7
     assert "no strategy" in one_error(capsys, *PLAN, *no_strategy, "--out", str(out))
     assert list(tmp_path.iterdir()) == []
     (tmp_path / "kept").mkdir()
@@ -889,6 +885,10 @@ def test_flags_a_command_dropped_or_guessed_are_refused_or_said(capsys, tmp_path
     line = one_error(capsys, "simulate-profile", "--device", "ascend-910b", "-m", model, "--dtype", "fp32", "--out",
                      str(out))  # fmt: skip
     assert line.endswith("--dtype: fp32: ascend-910b has no published fp32 peak: profile it in bf16 (or fp16)")
+    # a predictor is joblib: under a document's name every reader took it for one and refused it
+    line = one_error(capsys, "fit", "--out", str(tmp_path / "new" / "p.json"))
+    assert "p.json: expected a predictor file name such as predictor.joblib (fit writes joblib, not JSON)" in line
+    assert not (tmp_path / "new").exists()
     line = one_error(capsys, "fit", "--out", str(tmp_path / "f.joblib"), "--no-published-runs")
     assert "--no-published-runs: leaves nothing to fit: give --profiles, --links or --runs" in line
     assert not list(tmp_path.iterdir())

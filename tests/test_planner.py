@@ -480,6 +480,10 @@ def test_python_plan_trains_on_the_clusters_devices_as_the_cli_does():
         ({"zero_stages": [5]}, "plan(): zero_stages: expected ZeRO stages among 0, 1, 2, 3, got 5"),
         ({"zero_stages": [-1]}, "plan(): zero_stages: expected ZeRO stages among 0, 1, 2, 3, got -1"),
         ({"zero_shards": ["rack"]}, "plan(): zero_shards: expected some of dp, node, got 'rack'"),
+        # a number was iterated (TypeError), a string letter by letter ('n' is no ZeRO shard), a number called
+        ({"zero_stages": 3}, "plan(): zero_stages: expected a list of ZeRO stages among 0, 1, 2, 3 (e.g. [1, 3]), got"),
+        ({"zero_shards": "node"}, "plan(): zero_shards: expected a list of ZeRO shards among dp, node, got str 'node'"),
+        ({"progress": 42}, "plan(): progress: expected a function of the search's progress, or None, got int 42"),
         ({"top_k": 0}, "plan(): top_k: expected a whole number >= 1, got 0"),
         ({"max_candidates": 0}, "plan(): max_candidates: expected a whole number >= 1, got 0"),
         ({"engine": "megatron-lm"}, "plan(): engine: unknown engine 'megatron-lm'"),
@@ -540,6 +544,29 @@ def test_python_plan_reads_a_profiles_directory_and_a_predictor_file_as_the_cli_
         (lambda: _api("export_plan", "ctx", "strategy", "megatorn"), "export_plan(): fmt: unknown engine 'megatorn'"),
         (lambda: _api("fit_predictor", "prof"), "fit_predictor(): profile_paths: expected a list of files"),
         (lambda: _api("load_plan", None), "load_plan(): path: expected a path of a plan JSON file"),
+        (lambda: _api("compute_bounds", "cluster"), "compute_bounds(): ctx: expected a CostContext: a plan's .context"),
+        (lambda: _api("changed_cluster", "examples/cpu-2x2.yaml", [], []), "changed_cluster(): cluster: expected a "),
+        (
+            lambda: _api("changed_cluster", "cluster", "group:cpu:1", []),  # read letter by letter: 'g' is no change
+            "changed_cluster(): without: expected a list of node:GROUP/NUMBER or group:NAME:COUNT, got str 'group:c",
+        ),
+        (lambda: _api("interval", "cluster", "strategy"), "Predictor.interval(): base: expected an uncalibrated "),
+        (lambda: _api("interval", "base", "loaded"), "Predictor.interval(): strategy: expected a Strategy"),
+        (
+            lambda: _api("export_plan", "ctx", "strategy", "megatron", "no"),
+            "export_plan(): keep_layout: expected True or False, got str 'no'",
+        ),
+        (
+            lambda: _api("export_plan", "ctx", "strategy", "megatron", False, "ctx"),
+            "export_plan(): context_for: expected a function of a TrainingSpec returning its CostContext",
+        ),
+        (lambda: _api("save", 42), "Plan.save(): path: expected a path of the plan JSON file to write, got int 42"),
+        (lambda: _api("load_predictor", 42), "load_predictor(): path: expected a path of a predictor file"),
+        (lambda: _api("save_predictor", "predictor", 42), "save_predictor(): path: expected a path of the predictor"),
+        (lambda: _api("get_device", 42), "get_device(): name: expected a device name, got int 42"),
+        (lambda: _api("get_engine", None), "get_engine(): name: expected an engine name, got NoneType None"),
+        (lambda: _api("get_engine", "megatorn"), "get_engine(): name: unknown engine 'megatorn'; expected one of: "),
+        (lambda: _api("get_vendor", "acme"), "get_vendor(): name: unknown vendor 'acme'; expected one of: "),
     ],
 )
 def test_the_python_api_names_an_argument_it_cannot_take(call, expected):
@@ -553,18 +580,27 @@ def test_the_python_api_names_an_argument_it_cannot_take(call, expected):
 
 def _api(name: str, *arguments: object) -> object:
     """Call a Python API function with placeholders filled in: "ctx" a context, "strategy" a plan's strategy,
-    "loaded" a LoadedPlan (the usual mistake: a loaded plan where its strategy is meant)."""
-    from planner import build_context, load_plan, predict
+    "loaded" a LoadedPlan (the usual mistake: a loaded plan where its strategy is meant), "cluster" the cluster,
+    "base" an uncalibrated context, "predictor" the shipped predictor."""
+    from planner import build_context, compute_bounds, load_plan, predict
     from planner.export import export_plan
-    from predictor.predictor import fit_predictor
+    from planner.replan import changed_cluster
+    from predictor.predictor import default_predictor, fit_predictor, load_predictor, save_predictor
+    from specs import get_device, get_engine, get_vendor
 
     cluster, model = load_cluster(EXAMPLES / "cpu-2x2.yaml"), load_model(str(EXAMPLES / "models" / "tiny-llama.yaml"))
     made = plan(cluster, model, load_training(overrides={"global_batch_size": 8}))
     loaded = SimpleNamespace(strategy=made.strategy)  # stands for a LoadedPlan: anything but a Strategy
-    fill = {"ctx": made.context, "strategy": made.strategy, "loaded": loaded}
+    predictor = default_predictor()
+    base = predictor.base_context(cluster, model, made.context.training)
+    fill = {"ctx": made.context, "strategy": made.strategy, "loaded": loaded, "cluster": cluster, "base": base,
+            "predictor": predictor}  # fmt: skip
     given = [fill.get(a, a) if isinstance(a, str) else a for a in arguments]
     functions = {"predict": predict, "build_context": build_context, "export_plan": export_plan,
-                 "fit_predictor": fit_predictor, "load_plan": load_plan}  # fmt: skip
+                 "fit_predictor": fit_predictor, "load_plan": load_plan, "compute_bounds": compute_bounds,
+                 "changed_cluster": changed_cluster, "interval": predictor.interval, "save": made.save,
+                 "load_predictor": load_predictor, "save_predictor": save_predictor, "get_device": get_device,
+                 "get_engine": get_engine, "get_vendor": get_vendor}  # fmt: skip
     if name == "build_context":
         return build_context(given[0], model, made.context.training)
     return functions[name](*given)

@@ -187,6 +187,22 @@ def test_traffic_calc_is_the_textbook_volume_over_the_run():
     assert one_token["bytes_per_rank"] == traffic_calc(model, 2048 * model.seq_length, 2048, 8)["bytes_per_rank"]
 
 
+def test_traffic_calc_has_no_volume_for_ranks_the_model_or_batch_cannot_take():
+    """96 pipeline stages of 80 layers, TP 96 over 8 kv heads and 4096 DP ranks for 2048 sequences were each given a
+    volume; they are n/a, with why."""
+    model = load_model("llama3-70b")
+    body = traffic_calc(model, 156e9, 2048, 96)
+    assert body["bytes_per_rank"]["pp"] is None and body["bytes_per_rank"]["tp"] is None
+    assert body["bytes_per_rank"]["dp"] > 0 and sorted(body["not_applicable"]) == ["pp", "tp"]
+    lines = traffic_calc_lines(body, 2048, model.seq_length)
+    assert "  pp    n/a: 96 stages of 80 layers: a stage would have none" in lines
+    assert "  tp    n/a: TP 96 does not split the 8 kv heads and FFN 28672 into equal parts" in lines
+    wide = traffic_calc(model, 156e9, 2048, 4096)
+    assert all(value is None for value in wide["bytes_per_rank"].values())
+    assert wide["not_applicable"]["dp"] == "4096 ranks, a global batch of 2048 sequences: a rank would have none"
+    assert traffic_calc(model, 156e9, 2048, 8)["not_applicable"] == {}
+
+
 def _save_profile(path: Path, device: str, model: str) -> None:
     SimulatedDevice(get_device(device), load_model(model), 1024, "bf16").to_profile((1,), (1,)).save(path)
 

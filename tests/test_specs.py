@@ -320,6 +320,42 @@ def test_specs_load_from_a_path_object_or_from_the_mapping_a_file_holds():
         load_training({"global_batch": 16})
 
 
+def test_a_spec_built_in_code_is_refused_in_one_line_as_its_file_would_be():
+    """TrainingSpec(...) and ModelSpec(...) raised pydantic's multi-line ValidationError; files still name the file."""
+    from specs import ModelSpec, TrainingSpec
+
+    with pytest.raises(SpecError) as caught:
+        TrainingSpec(global_batch_size=-1)
+    assert str(caught.value) == "TrainingSpec(): global_batch_size: expected a value >= 1, got -1"
+    with pytest.raises(SpecError) as caught:
+        ModelSpec(name="x")
+    assert str(caught.value).startswith("ModelSpec(): num_layers: required field is missing (also wrong: hidden_size")
+    assert "\n" not in str(caught.value)
+    with pytest.raises(SpecError, match=r"^training mapping: global_batch_size: expected a value >= 1, got -1$"):
+        load_training({"global_batch_size": -1})
+    assert TrainingSpec(global_batch_size=8).global_batch_size == 8
+
+
+def test_a_model_shape_is_a_whole_number_as_in_every_other_file():
+    """A quoted YAML number ("num_layers": "8") was taken as 8 where the cluster and training files refuse it."""
+    shape = load_model("llama2-7b").model_dump(exclude_none=True)
+    with pytest.raises(SpecError, match=r"^model mapping: num_layers: expected an integer, got '8'$"):
+        load_model({**shape, "num_layers": "8"})
+    with pytest.raises(SpecError, match=r"^model mapping: hidden_size: expected an integer, got 4096\.0$"):
+        load_model({**shape, "hidden_size": 4096.0})
+    assert load_model({**shape, "num_layers": 8}).num_layers == 8
+
+
+def test_micro_batches_larger_than_the_global_batch_are_named():
+    """Every allowed micro-batch over the global batch left no plan, said as 'the global batch 256 must split into
+    replicas x micro-batches' after a search."""
+    with pytest.raises(SpecError) as caught:
+        load_training(None, {"global_batch_size": 256, "micro_batch_sizes": [512]})
+    expected = "micro_batch_sizes: expected a size of at most the global batch (256 sequences), got [512]"
+    assert str(caught.value) == f"training flags: {expected}"
+    assert load_training(None, {"global_batch_size": 4, "micro_batch_sizes": [2, 8]}).micro_batch_sizes == (2, 8)
+
+
 def test_a_plan_without_its_schema_is_still_named_a_plan(tmp_path):
     """A plan has a top-level zero_stage and dtype, a training file's marks: without `schema` it read as a training
     file ('got a training file') and passed load_training's kind check."""
