@@ -76,6 +76,13 @@ def _short_of_microbatches(strategy: Strategy, engine: Engine) -> tuple[int, int
     return None
 
 
+def _one_stage(strategy: Strategy, engine: Engine) -> bool:
+    """Every pipeline is one stage, of chunks hetplan's runtime runs in turn, which an engine's own script does not
+    interleave (Megatron refuses virtual stages without pipeline parallelism; torchtitan pipelines nothing); the
+    user's own script (torchrun, e.g. hetplan's runtime) may."""
+    return bool(engine.script) and all(len(pipeline.stages) == 1 for pipeline in strategy.pipelines)
+
+
 def engine_lost(
     strategy: Strategy, engine: Engine, training: TrainingSpec | None = None, predicted_as_run: bool = False
 ) -> list[str]:
@@ -88,6 +95,11 @@ def engine_lost(
         lost.append(f"{len(pipelines)} pipeline families with their own batch shares -> one family")
     if not engine.interleaving and strategy.virtual_stages > 1:
         lost.append(f"interleaved 1F1B with {strategy.virtual_stages} virtual stages -> plain 1F1B")
+    elif strategy.virtual_stages > 1 and _one_stage(strategy, engine):
+        lost.append(
+            f"{strategy.virtual_stages} chunks of one pipeline stage -> plain 1F1B: {engine.key} interleaves the "
+            "chunks of two or more stages"
+        )
     elif short := _short_of_microbatches(strategy, engine):
         lost.append(
             f"interleaved 1F1B over {short[0]} micro-batches on {short[1]} stages -> plain 1F1B: {engine.key} "
@@ -262,7 +274,8 @@ def near_plans(ctx: CostContext, strategy: Strategy, engine: Engine) -> list[Str
     if not engine.uneven_batch and pipeline.uneven:
         candidates = [even for c in candidates if (even := _even_batch(c, ctx.training.global_batch_size))]
     # (after the batch is evened: 4 + 3 micro-batches on 4 stages become 7 on one replica, which interleave)
-    candidates = [replace(c, virtual_stages=1) if _short_of_microbatches(c, engine) else c for c in candidates]
+    plain = [_short_of_microbatches(c, engine) or _one_stage(c, engine) for c in candidates]
+    candidates = [replace(c, virtual_stages=1) if p else c for c, p in zip(candidates, plain, strict=True)]
     return [c for c in candidates if not engine_lost(c, engine)]
 
 

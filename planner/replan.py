@@ -295,7 +295,8 @@ def replan(
     nodes = {group.name: group.node_numbers for group in cluster.groups}  # by the file's numbers (idle groups too)
     cluster, idle_note = groups_with_dtype(cluster, training, every_group)  # a bf16 plan leaves V100s idle
     started = time.perf_counter()
-    if previous is not None and previous.model == model and {g.name for g in cluster.groups} <= set(previous.sources):
+    same_costs = previous is not None and previous.model.shape == model.shape  # (a loaded plan's model: no source)
+    if same_costs and {g.name for g in cluster.groups} <= set(previous.sources):  # type: ignore[union-attr]
         ctx = dataclasses.replace(previous, cluster=cluster, training=training)
     else:
         ctx = predictor.context(cluster, model, training, profiles)

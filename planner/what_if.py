@@ -366,7 +366,8 @@ def runs_as_planned(plan: LoadedPlan, chosen: WhatIf) -> bool:
         seq_length = training.seq_length or model.seq_length
         return training.model_copy(update={"dtype": "", "seq_length": seq_length}).model_dump()
 
-    return chosen.model == plan.model and runs(chosen.training, chosen.model) == runs(plan.training, plan.model)
+    same_model = chosen.model.shape == plan.model.shape  # (`--model gpt3-1.7b` beside its plan: the catalog's source)
+    return same_model and runs(chosen.training, chosen.model) == runs(plan.training, plan.model)
 
 
 def local_run(

@@ -378,6 +378,18 @@ def _check_values(strategy: Strategy, source: str) -> None:
         if (whole_number(value) if numbers else value) not in known:  # (1.0 == 1: a float is not a ZeRO stage)
             raise SpecError(source, field, f"expected one of {', '.join(map(str, known))}, got {value!r}")
 
+    # the containers first: Strategy(pipeline) without its tuple was iterated field by field (a TypeError)
+    if not isinstance(strategy.pipelines, (tuple, list)) or not all(
+        isinstance(p, PipelineStrategy) for p in strategy.pipelines
+    ):
+        raise SpecError(source, "pipelines", f"expected a tuple of PipelineStrategy, got {strategy.pipelines!r:.80}")
+    for family, pipeline in enumerate(strategy.pipelines):
+        if not isinstance(pipeline.stages, (tuple, list)) or not all(
+            isinstance(s, StageStrategy) for s in pipeline.stages
+        ):
+            raise SpecError(
+                source, f"pipelines[{family}].stages", f"expected a tuple of StageStrategy, got {pipeline.stages!r:.80}"
+            )
     one_of(strategy.recompute, "recompute", RECOMPUTE_MODES)
     one_of(strategy.zero_stage, "zero_stage", ZERO_STAGES, numbers=True)
     one_of(strategy.zero_shard, "zero_shard", ZERO_SHARDS)

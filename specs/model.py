@@ -32,6 +32,8 @@ from specs.loading import (
 
 Recompute = Literal["none", "selective", "full"]
 RECOMPUTE_MODES: tuple[Recompute, ...] = ("none", "selective", "full")
+SHAPE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_kv_heads", "vocab_size",
+                "seq_length", "mlp", "tied_embeddings")  # fmt: skip
 # the Hugging Face config.json `model_type`s translated: Llama-style ones and GPT-2
 HF_MODEL_TYPES = ("llama", "mistral", "qwen", "qwen2", "qwen3", "internlm2", "yi", "baichuan", "gpt2")
 
@@ -78,6 +80,12 @@ class ModelSpec(CheckedModel):
         for tp in degrees:
             if not self.splits_for_tp(tp):
                 raise SpecError(flag, "", f"{tp} must divide the model's {self.num_kv_heads} kv heads and ffn size")
+
+    @property
+    def shape(self) -> tuple[object, ...]:
+        """What the model's costs depend on, its names and references aside (a plan file records no catalog model's
+        aliases nor source: a loaded plan's model equals the catalog's in shape, not in every field)."""
+        return tuple(getattr(self, name) for name in SHAPE_FIELDS)
 
     @property
     def head_dim(self) -> int:

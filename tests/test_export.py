@@ -278,6 +278,22 @@ def test_interleaving_and_the_mixed_vendor_note_follow_the_flags(hethub, key):
     assert noted is (len(vendors) > 1 and not engine.mixed_vendors)
 
 
+def test_chunks_of_one_stage_are_exported_plain_to_an_engines_own_script():
+    """A one-stage plan with 3 virtual stages (hetplan's runtime runs the chunks in turn) was exported to Megatron with
+    3 virtual stages, which it refuses without pipeline parallelism, and the interleaving note; the user's own script
+    (torchrun) keeps them."""
+    cluster, model = load_cluster(EXAMPLES / "cpu-2x2.yaml"), load_model(str(EXAMPLES / "models" / "tiny-llama.yaml"))
+    made = plan(cluster, model, load_training(overrides={"global_batch_size": 8}))
+    assert [len(p.stages) for p in made.strategy.pipelines] == [1]
+    chunked = replace(made.strategy, virtual_stages=3)
+    for key in ("megatron", "torchtitan"):
+        exported = export_plan(made.context, chunked, key)
+        assert exported.strategy.virtual_stages == 1 and not any("interleaving" in note for note in exported.notes)
+        assert f"3 chunks of one pipeline stage -> plain 1F1B: {key} interleaves the chunks of two" in exported.lost[0]
+    kept = export_plan(made.context, chunked, "torchrun")
+    assert kept.strategy.virtual_stages == 3 and kept.lost == []
+
+
 def test_deepspeed_config_passes_deepspeeds_own_checks(mixed, tmp_path, monkeypatch):
     ctx, strategy = mixed
     exported = export_plan(ctx, strategy, "deepspeed")

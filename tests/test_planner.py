@@ -646,6 +646,9 @@ def test_a_model_that_does_not_fit_is_advised_only_what_the_training_does_not_al
         ({"virtual_stages": 0}, "strategy: virtual_stages: expected a whole number >= 1, got 0"),
         ({"tp": "8"}, "strategy: pipelines[0].stages[0].tp: expected a whole number >= 1, got '8'"),
         ({"stage_recompute": "most"}, "strategy: pipelines[0].stages[0].recompute: expected one of none, selective"),
+        # Strategy(pipeline) without its tuple was iterated field by field: a TypeError
+        ({"pipelines": "untupled"}, "strategy: pipelines: expected a tuple of PipelineStrategy, got PipelineStrategy("),
+        ({"stages": "untupled"}, "strategy: pipelines[0].stages: expected a tuple of StageStrategy, got StageStrat"),
     ],
 )
 def test_predict_names_a_hand_built_strategys_value_no_plan_file_could_hold(change, expected):
@@ -660,6 +663,10 @@ def test_predict_names_a_hand_built_strategys_value_no_plan_file_could_hold(chan
     stage = StageStrategy(group, 0, model.num_layers, change.get("tp", 1), 0, change.get("stage_recompute"))
     strategy = Strategy((PipelineStrategy(1, 1, 8, (stage,)),), "none", 1)
     fields = {k: v for k, v in change.items() if k in ("recompute", "zero_stage", "virtual_stages")}
+    if "pipelines" in change:
+        fields["pipelines"] = strategy.pipelines[0]
+    if "stages" in change:
+        fields["pipelines"] = (dataclasses.replace(strategy.pipelines[0], stages=stage),)
     with pytest.raises(SpecError) as caught:
         predict(ctx, dataclasses.replace(strategy, **fields))
     assert str(caught.value).startswith(expected)

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from planner import plan
+from planner import load_plan, plan
 from planner.replan import adapt_strategy, cancelled_changes, changed_cluster, replan
 from predictor.predictor import default_predictor
 from specs import load_cluster, load_model, load_training
@@ -456,3 +456,15 @@ def test_replan_names_a_wrong_argument_and_takes_an_engine_by_name():
         assert str(caught.value).startswith(said), caught.value
     smaller = changed_cluster(cluster, ["node:a100/0"], [])
     assert replan(smaller, model, training, old.strategy, engine="deepspeed").plan.search_stats["engine"] == "deepspeed"
+
+
+def test_a_loaded_plans_model_reuses_the_old_plans_costs(tmp_path):
+    """A plan file records no catalog model's aliases nor source: replan(previous=...) given the loaded plan's model
+    built every cost again, its model differing from the catalog's by source alone."""
+    cluster, model, training, old = _family_plan()
+    old.save(tmp_path / "plan.json")
+    loaded = load_plan(tmp_path / "plan.json")
+    assert loaded.model != model and loaded.model.shape == model.shape
+    smaller = changed_cluster(cluster, ["node:a100-80gb/0"], [])
+    result = replan(smaller, loaded.model, training, loaded.strategy, previous=old.context)
+    assert result.plan.context.sources is old.context.sources
