@@ -72,9 +72,10 @@ def plan(
     stops and reports the least bound left (SearchOptions.max_candidates)."""
     if isinstance(engine, str):
         engine = get_engine(engine, "plan()", "engine")
-    _check_plan_arguments(cluster, model, training, engine, top_k, max_candidates, zero_stages, zero_shards, progress)
+    zero_stages, zero_shards = _check_plan_arguments(
+        cluster, model, training, engine, top_k, max_candidates, zero_stages, zero_shards, progress
+    )
     top_k, max_candidates = int(top_k), int(max_candidates)  # (numpy's integers as Python's: plans serialise them)
-    zero_stages, zero_shards = [int(stage) for stage in zero_stages], [str(shard) for shard in zero_shards]
     profiles, predictor = _measured_costs(cluster, model, profiles, predictor)
     requested = training
     trainings, training_note, engine_changes = _trainings_to_search(training, cluster, engine)
@@ -343,9 +344,10 @@ def _check_plan_arguments(
     zero_stages: Sequence[object],
     zero_shards: Sequence[object],
     progress: object,
-) -> None:
+) -> tuple[list[int], list[str]]:
     """plan()'s arguments, each named in one line where it is not what plan() takes (a path where a loaded spec is
-    expected failed deep inside with an AttributeError; zero_stages=[5] planned a 'zero-5' its own loader refuses)."""
+    expected failed deep inside with an AttributeError; zero_stages=[5] planned a 'zero-5' its own loader refuses);
+    the ZeRO stages and shards to search as Python's ints and strings (read once: a generator is taken too)."""
     check_spec_arguments("plan()", cluster, model, training)
     expect_list(zero_stages, "plan()", "zero_stages", "a list of ZeRO stages among 0, 1, 2, 3 (e.g. [1, 3])")
     expect_list(zero_shards, "plan()", "zero_shards", f"a list of ZeRO shards among {', '.join(ZERO_SHARDS)}")
@@ -356,12 +358,14 @@ def _check_plan_arguments(
     for field, value in (("top_k", top_k), ("max_candidates", max_candidates)):
         if whole_number(value) is None or value < 1:  # type: ignore[operator]
             raise SpecError("plan()", field, f"expected a whole number >= 1, got {value!r}")
-    for stage in zero_stages:
+    stages, shards = list(zero_stages), list(zero_shards)
+    for stage in stages:
         if whole_number(stage) not in ZERO_STAGES:  # (numpy's integers too; 1.0 is not a stage)
             raise SpecError("plan()", "zero_stages", f"expected ZeRO stages among 0, 1, 2, 3, got {stage!r}")
-    for shard in zero_shards:
+    for shard in shards:
         if shard not in ZERO_SHARDS:
             raise SpecError("plan()", "zero_shards", f"expected some of {', '.join(ZERO_SHARDS)}, got {shard!r}")
+    return [int(stage) for stage in stages], [str(shard) for shard in shards]  # type: ignore[call-overload]
 
 
 def _measured_costs(

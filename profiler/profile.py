@@ -25,7 +25,15 @@ from typing import Any, Literal, Protocol
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from specs.errors import SpecError
-from specs.loading import KIND_BY_SCHEMA, check_file_kind, file_sha256, read_mapping, validate
+from specs.loading import (
+    KIND_BY_SCHEMA,
+    TRAINING_FILE,
+    check_file_kind,
+    file_kind,
+    file_sha256,
+    read_mapping,
+    validate,
+)
 from specs.model import Recompute
 from specs.outputs import write_text_atomic
 
@@ -321,7 +329,9 @@ def load_profile(path: str | Path) -> DeviceProfile:
     path = Path(path)
     data = read_mapping(path)
     kind = KIND_BY_SCHEMA["hetplan.profile"]  # a plan given for a profile: its fields all read as misspelt
-    if "schema" in data:  # (without one, its `dtype` would read as a training file's: validate says what is missing)
+    # without a schema a profile's `dtype` would read as a training file's; a config.json in a profiles directory read
+    # as a profile of misspelt fields ("architectures: unknown field")
+    if "schema" in data or file_kind(data) not in ("", TRAINING_FILE):
         check_file_kind(data, str(path), f"{kind} (what `hetplan profile` writes)", (kind,))
     parsed = validate(ProfileFile, data, str(path))
     return DeviceProfile(

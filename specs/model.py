@@ -9,13 +9,17 @@ causal flash kernels execute half of it). Backward is 2x forward. For GPT (f=4h,
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import ConfigDict, model_validator
 
 from specs.catalog import Catalog, load_catalog
+
+if TYPE_CHECKING:
+    from specs.training import TrainingSpec
 from specs.errors import SpecError, expect_argument
 from specs.loading import (
     HF_CONFIG,
@@ -32,8 +36,24 @@ from specs.loading import (
 
 Recompute = Literal["none", "selective", "full"]
 RECOMPUTE_MODES: tuple[Recompute, ...] = ("none", "selective", "full")
-SHAPE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_kv_heads", "vocab_size",
-                "seq_length", "mlp", "tied_embeddings")  # fmt: skip
+# what a whole model's costs depend on (a profile's layer shape is profiler.profiles.SHAPE_FIELDS)
+MODEL_SHAPE_FIELDS = (
+    "num_layers",
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_attention_heads",
+    "num_kv_heads",
+    "vocab_size",
+    "seq_length",
+    "mlp",
+    "tied_embeddings",
+)
+HF_SOURCE = "Hugging Face config"  # a translated config.json's ModelSpec.source begins so
+# config.json's names of the fields, as its errors say them
+LLAMA_NAMES = {"num_layers": "num_hidden_layers", "ffn_hidden_size": "intermediate_size",
+               "seq_length": "max_position_embeddings", "tied_embeddings": "tie_word_embeddings"}  # fmt: skip
+GPT2_NAMES = {"num_layers": "n_layer", "hidden_size": "n_embd", "ffn_hidden_size": "n_inner",
+              "num_attention_heads": "n_head", "num_kv_heads": "n_head", "seq_length": "n_positions"}  # fmt: skip
 # the Hugging Face config.json `model_type`s translated: Llama-style ones and GPT-2
 HF_MODEL_TYPES = ("llama", "mistral", "qwen", "qwen2", "qwen3", "internlm2", "yi", "baichuan", "gpt2")
 
@@ -85,7 +105,7 @@ class ModelSpec(CheckedModel):
     def shape(self) -> tuple[object, ...]:
         """What the model's costs depend on, its names and references aside (a plan file records no catalog model's
         aliases nor source: a loaded plan's model equals the catalog's in shape, not in every field)."""
-        return tuple(getattr(self, name) for name in SHAPE_FIELDS)
+        return tuple(getattr(self, name) for name in MODEL_SHAPE_FIELDS)
 
     @property
     def head_dim(self) -> int:
@@ -210,6 +230,7 @@ def _model_from_hf_config(data: dict[str, Any], source: str, stem: str) -> Model
 
     if model_type == "gpt2":
         hidden = int(need("n_embd"))
+        names = dict(GPT2_NAMES)
         fields: dict[str, Any] = {
             "num_layers": need("n_layer"),
             "hidden_size": hidden,
@@ -226,6 +247,11 @@ def _model_from_hf_config(data: dict[str, Any], source: str, stem: str) -> Model
         if act not in ("silu", "swish"):
             raise SpecError(source, "hidden_act", f"expected 'silu' (SwiGLU) for a {model_type} config, got {act!r}")
         heads = need("num_attention_heads")
+        _check_head_dim(data, source, heads)
+        names = {
+            **LLAMA_NAMES,
+            "num_kv_heads": "num_key_value_heads" if "num_key_value_heads" in data else "num_attention_heads",
+        }
         fields = {
             "num_layers": need("num_hidden_layers"),
             "hidden_size": need("hidden_size"),
@@ -237,8 +263,51 @@ def _model_from_hf_config(data: dict[str, Any], source: str, stem: str) -> Model
             "mlp": "swiglu",
             "tied_embeddings": bool(data.get("tie_word_embeddings", False)),
         }
-    fields.update(key=stem, name=stem, source=f"Hugging Face config {source}")
-    return validate(ModelSpec, fields, source)
+    fields.update(key=stem, name=stem, source=f"{HF_SOURCE} {source}")
+    try:
+        return validate(ModelSpec, fields, source)
+    except SpecError as err:  # it named hetplan's fields (num_layers for num_hidden_layers)
+        raise _in_config_names(err, names) from None
+
+
+def _check_head_dim(data: dict[str, Any], source: str, heads: object) -> None:
+    """A config's head_dim other than hidden_size / num_attention_heads (Qwen3-4B: 2560 / 32 = 80, head_dim 128) was
+    ignored: the layer was costed with projections of hidden_size (3.7B parameters for 4.0B)."""
+    head_dim, hidden = data.get("head_dim"), data.get("hidden_size")
+    if head_dim is None or not isinstance(heads, int) or not isinstance(hidden, int) or heads < 1:
+        return  # (the shape's own checks name a heads or hidden size that is not a number)
+    if not isinstance(head_dim, int) or isinstance(head_dim, bool):
+        raise SpecError(source, "head_dim", f"expected an integer, got {quote(head_dim)}")
+    if head_dim * heads != hidden:
+        raise SpecError(
+            source,
+            "head_dim",
+            f"{head_dim} x {heads} heads is not hidden_size {hidden}: hetplan costs attention projections of "
+            f"hidden_size (heads of {hidden // heads}), so this model is not supported yet",
+        )
+
+
+def _in_config_names(err: SpecError, names: Mapping[str, str]) -> SpecError:
+    """A ModelSpec error in the config.json's own field names."""
+    pattern = re.compile(r"\b(" + "|".join(map(re.escape, names)) + r")\b")
+
+    def renamed(text: str) -> str:
+        return pattern.sub(lambda match: names[match[1]], text)
+
+    return SpecError(err.source, renamed(err.field), renamed(err.expectation))
+
+
+def hf_sequence_note(model: ModelSpec, training: TrainingSpec) -> str:
+    """What a plan says when a Hugging Face config's longest context is its sequence (a config gives no training
+    length): a newcomer's plan trained a Qwen2 config at 32768 tokens, context-parallel 8, without a word."""
+    if training.seq_length is not None or not model.source.startswith(HF_SOURCE):
+        return ""
+    config = model.source.removeprefix(HF_SOURCE).strip()
+    longest = "n_positions, else 1024" if model.mlp == "gelu" else "max_position_embeddings, else 4096"  # (GPT-2's)
+    return (
+        f"note: sequences of {model.seq_length} tokens, the longest context of {config} ({longest}): a config.json "
+        "gives no training length; set seq_length in the training file or --seq-len"
+    )
 
 
 def _models() -> Catalog[ModelSpec]:

@@ -134,6 +134,7 @@ TRAFFIC_CALC = ("traffic-calc", "-m", "llama3-8b", "--tokens", "1e9", "--global-
         ((*PLAN, "--bogus="), "No such option: --bogus"),
         ((*PLAN, "--json", ""), "unexpected extra argument"),
         ((*PLAN, "--json="), "Option '--json' does not take a value"),  # a switch: click says so
+        ((*PLAN, "--engine", "nemo"), "error: --engine: unknown engine 'nemo'; expected one of: megatron"),
         ((*PLAN, "--out", "/proc/no/such/plan.json"), "--out: /proc/no/such/plan.json: cannot create its directory"),
         (
             ("traffic-calc", "-m", "llama3-8b", "--tokens", "1e9", "--global-batch", "0", "--gpus", "8"),
@@ -1073,3 +1074,28 @@ def test_a_plan_given_as_a_profile_or_a_link_profile_is_named_as_a_plan(capsys, 
     links = r": expected a link profile \(what `hetplan profile-comm` writes\), got a plan$"
     with pytest.raises(SpecError, match=links):
         fit_predictor(link_paths=[plans["good"]])
+
+
+def test_a_hf_configs_longest_context_is_said_where_it_is_the_training_length(capsys, tmp_path):
+    """A Qwen2 config.json's max_position_embeddings (32768) was trained at, context-parallel, without a word: a
+    config gives no training length. A profiles directory holding the config.json read it as a profile of misspelt
+    fields ("architectures: unknown field")."""
+    (tmp_path / "qwen").mkdir()
+    config = tmp_path / "qwen" / "config.json"
+    config.write_text(json.dumps({
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 256, "intermediate_size": 512,
+        "num_attention_heads": 4, "num_hidden_layers": 4, "num_key_value_heads": 2, "vocab_size": 1000,
+        "max_position_embeddings": 512,
+    }))  # fmt: skip
+    args = ("plan", "--cluster", str(CPU), "--model", str(config), "--global-batch", "8", "--dtype", "fp32", "--quiet")
+    code, lines, _ = run(capsys, *args)
+    assert code == 0, lines
+    assert lines == [
+        f"note: sequences of 512 tokens, the longest context of {config} (max_position_embeddings, else 4096): a "
+        "config.json gives no training length; set seq_length in the training file or --seq-len"
+    ]
+    code, lines, _ = run(capsys, *args, "--seq-len", "256")
+    assert code == 0 and lines == [], lines
+    in_profiles = one_error(capsys, *args, "--seq-len", "256", "--profiles", str(tmp_path / "qwen"))
+    assert in_profiles.endswith(f"{config}: expected a device profile (what `hetplan profile` writes), got a Hugging "
+                                "Face config.json")  # fmt: skip

@@ -606,6 +606,14 @@ def _api(name: str, *arguments: object) -> object:
     return functions[name](*given)
 
 
+def test_python_plan_searches_the_zero_stages_of_any_iterable():
+    """The argument check read a generator of ZeRO stages to its end, and the search then had none (the training's
+    stage alone was searched, without a word)."""
+    cluster, model = load_cluster(EXAMPLES / "cpu-2x2.yaml"), load_model(str(EXAMPLES / "models" / "tiny-llama.yaml"))
+    made = plan(cluster, model, load_training(overrides={"global_batch_size": 8}), zero_stages=(s for s in (0, 3)))
+    assert sorted(made.search_stats["zero_stages_s"]) == ["0", "3"]
+
+
 def test_python_plan_takes_an_engine_by_name():
     cluster, model = load_cluster(EXAMPLES / "cpu-2x2.yaml"), load_model(str(EXAMPLES / "models" / "tiny-llama.yaml"))
     made = plan(cluster, model, load_training(overrides={"global_batch_size": 8}), engine="Megatron")

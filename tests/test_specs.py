@@ -197,6 +197,9 @@ def test_gpt2_configs_load(write):
     assert gpt2.total_params() == pytest.approx(124.4e6, rel=0.01)  # GPT-2 small: 124M parameters
 
 
+QWEN = '"model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944, "num_attention_heads": 28'
+
+
 @pytest.mark.parametrize(
     ("text", "field", "expectation"),
     [
@@ -207,6 +210,26 @@ def test_gpt2_configs_load(write):
             '"num_attention_heads": 5, "vocab_size": 10}',
             "",
             "multiple of num_attention_heads",
+        ),
+        # named by the config's own fields (it said num_layers, num_kv_heads, n_embd's hetplan names)
+        (
+            f'{{{QWEN}, "vocab_size": 10, "num_hidden_layers": "28"}}',
+            "num_hidden_layers",
+            "expected an integer, got '28'",
+        ),
+        (f'{{{QWEN}, "vocab_size": 10, "num_hidden_layers": 0}}', "num_hidden_layers", "expected a value >= 1, got 0"),
+        (
+            f'{{{QWEN}, "vocab_size": 10, "num_hidden_layers": 28, "num_key_value_heads": 5}}',
+            "",
+            "num_attention_heads 28 must be a multiple of num_key_value_heads 5",
+        ),
+        ('{"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 5, "vocab_size": 10}', "", "n_embd 64 must be"),
+        # a head_dim the projections of hidden_size cannot hold (Qwen3-4B's) was ignored: 3.7B parameters for 4.0B
+        (
+            '{"model_type": "qwen3", "hidden_size": 2560, "intermediate_size": 9728, "num_hidden_layers": 36, '
+            '"num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936}',
+            "head_dim",
+            "128 x 32 heads is not hidden_size 2560: hetplan costs attention projections of hidden_size (heads of 80)",
         ),
     ],
 )
