@@ -489,10 +489,25 @@ def _check_summaries(
         if written is not None and written != value:
             fix = f"; {hints[name]}" if name in hints else (" (edit that; a figure written for readers changes "
                                                              "nothing: make it agree or delete it)")  # fmt: skip
-            wrong.append((name, f"{written!r} disagrees with {by}, {value!r}, which decides it{fix}"))
+            shown, deciding = _figure_text(written), _figure_text(value)
+            if shown == deciding:  # (they differ where the short text does not show: a weight)
+                shown, deciding = repr(written), repr(value)
+            wrong.append((name, f"{shown} disagrees with {by}, {deciding}, which decides it{fix}"))
     if wrong:
         (name, message), others = wrong[0], [field for field, _ in wrong[1:]]
         raise SpecError(source, name, message + also_wrong(others))
+
+
+def _figure_text(value: object) -> str:
+    """A figure as a message shows it: a replica split as its replicas x samples ("5 x 12 + 12 x 11 samples"; its
+    dicts ran past the message's length and were cut in a word), anything else as written."""
+    if (
+        isinstance(value, list)
+        and value
+        and all(isinstance(v, dict) and {"replicas", "samples"} <= v.keys() for v in value)
+    ):
+        return " + ".join(f"{v['replicas']} x {v['samples']}" for v in value) + " samples"
+    return repr(value)
 
 
 def _check_defaults(parsed: _PlanFile, training: TrainingSpec, source: str) -> None:

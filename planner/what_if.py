@@ -199,13 +199,14 @@ def what_if(
                             f"{plan.model.num_layers}: expected a model of as many layers (or re-plan)")  # fmt: skip
         if model and plan.training.seq_length is None:  # the plan's sequence, not the other model's default
             given.setdefault("seq_length", plan.model.seq_length)
-        training = load_training(None, {**plan.training.model_dump(), **given})
+        training = load_training(None, {**plan.training.model_dump(), **given}, "flags")
         return WhatIf(other, training, with_zero(plan.strategy, given), str(plan_file))
     if model is None:
         raise SpecError("--model", "", "required with Megatron-style flags (or pass --strategy plan.json)")
     flags = dict(megatron)
     model_spec = load_model(model, "--model")
-    training = load_training(training_file, {**given, "sequence_parallel": flags.pop("sequence_parallel", None)})
+    overrides = {**given, "sequence_parallel": flags.pop("sequence_parallel", None)}
+    training = load_training(training_file, overrides, "flags")
     pp, chunks = flags["pp"], flags["virtual_stages"]
     if chunks > 1 and pp == 1:  # predicted as plain 1F1B while labelled interleaved
         raise SpecError(

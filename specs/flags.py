@@ -183,7 +183,7 @@ def training(path: Path | None, **overrides: Any) -> TrainingSpec:
     """The training file (or defaults) with the flags that were given on top (None: not given); a flag's bad value
     is named as the flag, not as the training field it sets."""
     try:
-        return load_training(path, overrides)
+        return load_training(path, overrides, "flags")
     except SpecError as err:
         field = err.field.split(".")[0].split("[")[0]
         if "flags" not in err.source or overrides.get(field) is None:

@@ -208,10 +208,13 @@ class TrainingSpec(CheckedModel):
 
 
 def load_training(
-    path: str | Path | Mapping[str, Any] | None = None, overrides: Mapping[str, Any] | None = None
+    path: str | Path | Mapping[str, Any] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    overrides_are: str = "overrides",
 ) -> TrainingSpec:
-    """Read an optional training file (or the mapping such a file holds), then apply flag overrides (None values are
-    ignored)."""
+    """Read an optional training file (or the mapping such a file holds), then apply overrides (None values are
+    ignored: not given). `overrides_are` what a message calls them: the CLI's are "flags" ("training flags: dtype"),
+    a Python caller's "overrides" ("load_training(): overrides: dtype")."""
     if isinstance(path, Mapping):
         data, source = dict(path), "training mapping"
     else:
@@ -219,14 +222,16 @@ def load_training(
             taken = "a path of a training YAML/JSON file, its mapping, or None"
             expect_argument(path, (str, Path), "load_training()", "path", taken)
         data = read_mapping(Path(path)) if path is not None else {}
-        source = str(path) if path is not None else "training flags"
+        source = str(path) if path is not None else f"training {overrides_are}"
+        if path is None and overrides_are == "overrides":
+            source = "load_training(): overrides"
     check_file_kind(data, source, f"{TRAINING_FILE} (global_batch_size, dtype, ...)", (TRAINING_FILE,))
     if overrides is not None:
         expect_argument(overrides, Mapping, "load_training()", "overrides", "a mapping of training fields to values")
     for field, value in (overrides or {}).items():
         if value is not None:
             data[field] = value
-            source = f"{source} (with flags)" if "flags" not in source else source
+            source = f"{source} (with {overrides_are})" if overrides_are not in source else source
     return validate(TrainingSpec, data, source)
 
 

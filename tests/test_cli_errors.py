@@ -68,6 +68,10 @@ def plans(tmp_path_factory) -> dict[str, Path]:
         "stage-device-alias": lambda b: b["pipelines"][0]["stages"][0].update(device="CPU"),  # the same device
         "stage-group": lambda b: b["pipelines"][0]["stages"][1].update(group="cpuu"),
         "replica-split": lambda b: b["pipelines"][0]["replica_batches"][0].update(samples=-40),
+        # 3 replicas sharing 8 micro-batches, the replica split left as 2 replicas gave (its other figures agree)
+        "replicas-edited": lambda b: b["pipelines"][0].update(
+            replicas=3, num_microbatches=3, total_microbatches=8, samples_per_replica=3, batch_weight=0.375
+        ),
         "batch-weight": lambda b: b["pipelines"][0].update(batch_weight=0.25),
         # a misspelt setting (it was ignored: the default ran instead)
         "typo": lambda b: b.update(virtual_stage=2),
@@ -471,6 +475,12 @@ def test_a_stage_device_written_by_alias_or_another_case_is_the_groups(capsys, t
             "(2 x 1 x 1), 2, which decides it",
         ),
         (("explain", "{replica-split}", "-c", str(CPU)), "pipelines[0].replica_batches[0].samples: -40 disagrees w"),
+        # a replica split in its replicas x samples (its dicts ran past the line's length and were cut in a word)
+        (
+            ("explain", "{replicas-edited}", "-c", str(CPU)),
+            "pipelines[0].replica_batches: 2 x 4 samples disagrees with pipelines[0]'s micro-batch size and counts, 2 x"
+            " 3 + 1 x 2 samples, which decides it",
+        ),
         # a stage's tp edited by hand: the devices figure it left behind says which tp it was
         (
             ("explain", "{tp-edited}", "-c", str(CPU)),

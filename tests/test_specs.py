@@ -316,8 +316,13 @@ def test_training_flags_override_file(write):
     assert training.zero_stage == 0
     with pytest.raises(SpecError, match=r"t\.yaml: zero_stage: "):
         load_training(write("t.yaml", "zero_stage: 4\n"))
-    with pytest.raises(SpecError, match=r"training flags.*: dtype: "):
+    # a Python caller's overrides are named as such (they read "training flags", which Python has none of)
+    with pytest.raises(SpecError, match=r"^load_training\(\): overrides: dtype: "):
         load_training(None, {"dtype": "int4"})
+    with pytest.raises(SpecError, match=r"t\.yaml \(with overrides\): dtype: "):
+        load_training(write("t.yaml", "global_batch_size: 8\n"), {"dtype": "int4"})
+    with pytest.raises(SpecError, match=r"^training flags: dtype: "):  # the CLI's
+        load_training(None, {"dtype": "int4"}, "flags")
     # a misspelt optional field names the field it may have meant (it said "unknown field (check the spelling...")
     with pytest.raises(SpecError, match=r"t\.yaml: global_batch: unknown field: did you mean global_batch_size\?$"):
         load_training(write("t.yaml", "global_batch: 8\n"))
@@ -375,7 +380,7 @@ def test_micro_batches_larger_than_the_global_batch_are_named():
     with pytest.raises(SpecError) as caught:
         load_training(None, {"global_batch_size": 256, "micro_batch_sizes": [512]})
     expected = "micro_batch_sizes: expected a size of at most the global batch (256 sequences), got [512]"
-    assert str(caught.value) == f"training flags: {expected}"
+    assert str(caught.value) == f"load_training(): overrides: {expected}"
     assert load_training(None, {"global_batch_size": 4, "micro_batch_sizes": [2, 8]}).micro_batch_sizes == (2, 8)
 
 
