@@ -476,8 +476,14 @@ def _check_summaries(
             rest = pipeline.replicas * pipeline.context_parallel
             if isinstance(written_devices, int) and written_devices % rest == 0 and written_devices // rest != stage.tp:
                 # the devices another tp gives: a tp edited by hand (whether it fits a node is checked later)
+                unsplit = (
+                    ""
+                    if model.splits_for_tp(stage.tp)
+                    else f"tp {stage.tp} does not split the model's {model.num_kv_heads} kv heads and FFN "
+                    f"{model.ffn_hidden_size} into equal parts (a stage's TP must); "
+                )
                 hints[f"{name}.stages[{number}].devices"] = (
-                    f"{written_devices} is what tp {written_devices // rest} gives: if tp was edited from "
+                    f"{unsplit}{written_devices} is what tp {written_devices // rest} gives: if tp was edited from "
                     f"{written_devices // rest}, change replicas with it to keep the stage's devices, or make this "
                     "figure agree"
                 )

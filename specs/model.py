@@ -17,9 +17,6 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import ConfigDict, model_validator
 
 from specs.catalog import Catalog, load_catalog
-
-if TYPE_CHECKING:
-    from specs.training import TrainingSpec
 from specs.errors import SpecError, expect_argument
 from specs.loading import (
     HF_CONFIG,
@@ -33,6 +30,9 @@ from specs.loading import (
     read_mapping,
     validate,
 )
+
+if TYPE_CHECKING:  # (specs.training imports this module)
+    from specs.training import TrainingSpec
 
 Recompute = Literal["none", "selective", "full"]
 RECOMPUTE_MODES: tuple[Recompute, ...] = ("none", "selective", "full")
@@ -230,7 +230,7 @@ def _model_from_hf_config(data: dict[str, Any], source: str, stem: str) -> Model
 
     if model_type == "gpt2":
         hidden = int(need("n_embd"))
-        names = dict(GPT2_NAMES)
+        names: Mapping[str, str] = GPT2_NAMES
         fields: dict[str, Any] = {
             "num_layers": need("n_layer"),
             "hidden_size": hidden,

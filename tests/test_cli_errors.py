@@ -61,6 +61,7 @@ def plans(tmp_path_factory) -> dict[str, Path]:
         "family-samples": lambda b: b["pipelines"][0].update(family_samples=4),
         "stage-devices": lambda b: b["pipelines"][0]["stages"][1].update(devices=4),
         "tp-edited": lambda b: b["pipelines"][0]["stages"][0].update(tp=2),  # its devices figure left as tp 1 gives
+        "tp3-edited": lambda b: b["pipelines"][0]["stages"][0].update(tp=3),  # a tp no stage can have
         # every stage's tp edited: each devices figure is stale, the first named and the others after it
         "tp-edited-all": lambda b: [stage.update(tp=2) for stage in b["pipelines"][0]["stages"]],
         "schedule": lambda b: b.update(schedule="interleaved-1f1b"),
@@ -494,6 +495,12 @@ def test_a_stage_device_written_by_alias_or_another_case_is_the_groups(capsys, t
             "--inject-failure: a run that survives failures needs --checkpoint-dir to resume from",
         ),
         (("explain", "{tp-edited-all}", "-c", str(CPU)), "figure agree (also wrong: pipelines[0].stages[1].devices)"),
+        # ... to a tp that cannot split the layer: said before the stale figure (it named the figure alone)
+        (
+            ("explain", "{tp3-edited}", "-c", str(CPU)),
+            "which decides it; tp 3 does not split the model's 4 kv heads and FFN 1408 into equal parts (a stage's TP "
+            "must); 2 is what tp 1 gives",
+        ),
         (("predict", "-c", str(CPU), "--strategy", "{batch-weight}"), "pipelines[0].batch_weight: 0.25 disagrees"),
         (("predict", "-c", str(CPU), "--strategy", "{schedule}"), "schedule: 'interleaved-1f1b' disagrees with"),
         (("explain", "{stage-device}", "-c", str(CPU)), "pipelines[0].stages[0].device: 'h100' is not group 'cpu'"),
