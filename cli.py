@@ -157,6 +157,8 @@ def plan(
     given |= {"virtual_stages": flags.int_list(virtual_stages, "--virtual-stages")}
     given |= {"context_parallel": flags.int_list(cp, "--cp")}
     training_spec = flags.training(training, **given)  # plan() trains it on the devices (stats' training_note)
+    by_flag = "--micro-batch-sizes" if micro_batch_sizes is not None else "--global-batch" if global_batch else ""
+    training_spec.check_micro_batches(*((by_flag, "") if by_flag else (str(training), "micro_batch_sizes")))
     defaulted = engine is None and "dtype" not in training_spec.model_fields_set  # plan() will choose it so
     said_before = on_groups(training_spec, cluster_spec.groups)[1] if defaulted else ""
     if said_before:  # said before the search, so that a plan that does not fit still says its dtype

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,7 +68,7 @@ class Plan:
     def save(self, path: str | Path) -> None:
         """Write the plan file, creating its directory as `hetplan plan --out` does (a path it cannot write is a
         one-line SpecError)."""
-        expect_argument(path, (str, Path), "Plan.save()", "path", "a path of the plan JSON file to write")
+        expect_argument(path, (str, os.PathLike), "Plan.save()", "path", "a path of the plan JSON file to write")
         write_text_atomic(check_writable(path, "Plan.save"), self.to_json())
 
 
@@ -558,7 +559,9 @@ def _first_difference(name: str, written: list[Any], value: list[Any]) -> tuple[
 
 def load_plan(path: str | Path) -> LoadedPlan:
     """Read any plan in the plan schema back into a strategy, model and training spec."""
-    expect_argument(path, (str, Path), "load_plan()", "path", "a path of a plan JSON file (`hetplan plan --out`)")
+    expect_argument(
+        path, (str, os.PathLike), "load_plan()", "path", "a path of a plan JSON file (`hetplan plan --out`)"
+    )
     path = Path(path)
     source = str(path)
     data = read_mapping(path)

@@ -349,6 +349,7 @@ def _check_plan_arguments(
     expected failed deep inside with an AttributeError; zero_stages=[5] planned a 'zero-5' its own loader refuses);
     the ZeRO stages and shards to search as Python's ints and strings (read once: a generator is taken too)."""
     check_spec_arguments("plan()", cluster, model, training)
+    training.check_micro_batches("plan()", "training.micro_batch_sizes")  # type: ignore[attr-defined]
     expect_list(zero_stages, "plan()", "zero_stages", "a list of ZeRO stages among 0, 1, 2, 3 (e.g. [1, 3])")
     expect_list(zero_shards, "plan()", "zero_shards", f"a list of ZeRO shards among {', '.join(ZERO_SHARDS)}")
     if progress is not None and not callable(progress):

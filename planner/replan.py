@@ -65,6 +65,8 @@ def changed_cluster(
     expect_argument(cluster, ClusterSpec, "changed_cluster()", "cluster", "a ClusterSpec: specs.load_cluster(path)")
     for argument, given in (("without", without), ("add", add)):
         expect_list(given, "changed_cluster()", argument, "a list of node:GROUP/NUMBER or group:NAME:COUNT")
+        for item in given:
+            expect_argument(item, str, "changed_cluster()", argument, "node:GROUP/NUMBER or group:NAME:COUNT items")
     numbers = {group.name: group.node_numbers for group in cluster.groups}
     lost: dict[str, list[int]] = {group.name: [] for group in cluster.groups}
     for earlier_without, earlier_add in earlier:

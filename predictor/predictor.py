@@ -29,7 +29,7 @@ from predictor.host import local_run_context
 from predictor.runs import Run, check_runs_once, fingerprint, load_runs
 from profiler.profile import DeviceProfile, HostCosts, load_profile
 from specs.cluster import ClusterSpec
-from specs.errors import SpecError, expect_argument, wrong_argument
+from specs.errors import SpecError, expect_argument, expect_list
 from specs.layout import Strategy
 from specs.loading import file_sha256
 from specs.model import ModelSpec
@@ -219,9 +219,9 @@ def fit_predictor(
     from predictor.link_model import fit_link, load_link_points
 
     for argument, given in (("profile_paths", profile_paths), ("link_paths", link_paths), ("run_paths", run_paths)):
-        if isinstance(given, (str, Path)):  # a string is a sequence: it was read letter by letter
-            taken = "a list of files (a directory's profiles: profiler.profiles.checked_profile_files(DIR))"
-            raise wrong_argument(given, "fit_predictor()", argument, taken)
+        # (a string is a sequence: it was read letter by letter)
+        taken = "a list of files (a directory's profiles: profiler.profiles.checked_profile_files(DIR))"
+        expect_list(given, "fit_predictor()", argument, taken)
     by_device: dict[str, list[DeviceProfile]] = {}
     for path in profile_paths:
         profile = load_profile(path)
@@ -319,7 +319,7 @@ def save_predictor(predictor: Predictor, path: str | Path) -> None:
     import joblib
 
     expect_argument(predictor, Predictor, "save_predictor()", "predictor", "a Predictor: fit_predictor(...)")
-    expect_argument(path, (str, Path), "save_predictor()", "path", "a path of the predictor file to write")
+    expect_argument(path, (str, os.PathLike), "save_predictor()", "path", "a path of the predictor file to write")
 
     header = {"schema": PREDICTOR_SCHEMA, "metadata": predictor.metadata}
     joblib.dump({**header, "payload": pickle.dumps(predictor)}, Path(path))
@@ -329,7 +329,8 @@ def load_predictor(path: str | Path) -> Predictor:
     """Read a predictor file; refuses files of another schema or scikit-learn version with a one-line reason."""
     import joblib
 
-    expect_argument(path, (str, Path), "load_predictor()", "path", "a path of a predictor file (`hetplan fit --out`)")
+    taken = "a path of a predictor file (`hetplan fit --out`)"
+    expect_argument(path, (str, os.PathLike), "load_predictor()", "path", taken)
     source = str(path)
     if not Path(path).is_file():
         raise SpecError(source, "", "predictor file not found (make one with `hetplan fit ... --out FILE`)")

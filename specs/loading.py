@@ -11,6 +11,7 @@ import difflib
 import hashlib
 import json
 import math
+import numbers
 import re
 import types
 import typing
@@ -19,7 +20,7 @@ from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 import yaml
-from pydantic import BaseModel, Field, Strict, ValidationError
+from pydantic import BaseModel, BeforeValidator, Field, Strict, ValidationError
 
 from specs.errors import SpecError, also_wrong, expected_wording
 
@@ -30,10 +31,18 @@ MAX_DEPTH = 50
 MAX_NODES = 1_000_000
 QUOTE_CHARS = 200
 
+
+def _python_int(value: object) -> object:
+    """numpy's integers (a launcher's arrays) as Python's: strict validation refused them as "not an integer"."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, (bool, int)):
+        return int(value)
+    return value
+
+
 # Numbers in files: integers must be integers (not `true`, "3" or 3.0) and floats finite numbers (not strings).
-StrictInt = Annotated[int, Strict()]
+StrictInt = Annotated[int, Strict(), BeforeValidator(_python_int)]
 StrictBool = Annotated[bool, Strict()]
-PositiveInt = Annotated[int, Strict(), Field(ge=1)]
+PositiveInt = Annotated[int, Strict(), Field(ge=1), BeforeValidator(_python_int)]
 StrictFloat = Annotated[float, Strict(), Field(allow_inf_nan=False)]
 
 

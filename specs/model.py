@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import ConfigDict, model_validator
 
 from specs.catalog import Catalog, load_catalog
-from specs.errors import SpecError, expect_argument
+from specs.errors import SpecError, also_wrong, expect_argument
 from specs.loading import (
     HF_CONFIG,
     MODEL_FILE,
@@ -48,7 +48,9 @@ MODEL_SHAPE_FIELDS = (
     "mlp",
     "tied_embeddings",
 )
-HF_SOURCE = "Hugging Face config"  # a translated config.json's ModelSpec.source begins so
+# a translated config.json's ModelSpec.source: "translated from the Hugging Face config PATH" (the catalog's sources
+# cite "Hugging Face config.json" among others, and name no file of this machine)
+HF_SOURCE = "translated from the Hugging Face config "
 # config.json's names of the fields, as its errors say them
 LLAMA_NAMES = {"num_layers": "num_hidden_layers", "ffn_hidden_size": "intermediate_size",
                "seq_length": "max_position_embeddings", "tied_embeddings": "tie_word_embeddings"}  # fmt: skip
@@ -261,9 +263,9 @@ def _model_from_hf_config(data: dict[str, Any], source: str, stem: str) -> Model
             "vocab_size": need("vocab_size"),
             "seq_length": data.get("max_position_embeddings", 4096),
             "mlp": "swiglu",
-            "tied_embeddings": bool(data.get("tie_word_embeddings", False)),
+            "tied_embeddings": data.get("tie_word_embeddings", False),  # ("false" is no boolean: refused, not true)
         }
-    fields.update(key=stem, name=stem, source=f"{HF_SOURCE} {source}")
+    fields.update(key=stem, name=stem, source=f"{HF_SOURCE}{source}")
     try:
         return validate(ModelSpec, fields, source)
     except SpecError as err:  # it named hetplan's fields (num_layers for num_hidden_layers)
@@ -288,13 +290,19 @@ def _check_head_dim(data: dict[str, Any], source: str, heads: object) -> None:
 
 
 def _in_config_names(err: SpecError, names: Mapping[str, str]) -> SpecError:
-    """A ModelSpec error in the config.json's own field names."""
+    """A ModelSpec error in the config.json's own field names; a field named twice so (num_kv_heads is the
+    config's num_attention_heads where it gives no num_key_value_heads) is named once."""
     pattern = re.compile(r"\b(" + "|".join(map(re.escape, names)) + r")\b")
 
     def renamed(text: str) -> str:
         return pattern.sub(lambda match: names[match[1]], text)
 
-    return SpecError(err.source, renamed(err.field), renamed(err.expectation))
+    field, expectation = renamed(err.field), renamed(err.expectation)
+    listed = re.search(r" \(also wrong: ([^()]*)\)$", expectation)
+    if listed and " more" not in listed[1]:
+        others = [name for name in dict.fromkeys(listed[1].split(", ")) if name != field]
+        expectation = expectation[: listed.start()] + also_wrong(others)
+    return SpecError(err.source, field, expectation)
 
 
 def hf_sequence_note(model: ModelSpec, training: TrainingSpec) -> str:
@@ -302,7 +310,7 @@ def hf_sequence_note(model: ModelSpec, training: TrainingSpec) -> str:
     length): a newcomer's plan trained a Qwen2 config at 32768 tokens, context-parallel 8, without a word."""
     if training.seq_length is not None or not model.source.startswith(HF_SOURCE):
         return ""
-    config = model.source.removeprefix(HF_SOURCE).strip()
+    config = model.source.removeprefix(HF_SOURCE)
     longest = "n_positions, else 1024" if model.mlp == "gelu" else "max_position_embeddings, else 4096"  # (GPT-2's)
     return (
         f"note: sequences of {model.seq_length} tokens, the longest context of {config} ({longest}): a config.json "

@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
-from pydantic import ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import ConfigDict, Field, field_validator
 
 from specs.errors import SpecError, expect_argument
 from specs.loading import (
@@ -193,14 +193,16 @@ class TrainingSpec(CheckedModel):
             raise ValueError(f"expected a non-empty list of integers from 1 to {MAX_GLOBAL_BATCH:,}")
         return tuple(sorted(set(value)))
 
-    @field_validator("micro_batch_sizes")
-    @classmethod
-    def _a_micro_batch_within_the_batch(cls, value: tuple[int, ...], info: ValidationInfo) -> tuple[int, ...]:
-        """Micro-batches over the global batch leave no plan: the search said only that the batch must split."""
-        batch = info.data.get("global_batch_size")
-        if batch is not None and min(value) > batch:
-            raise ValueError(f"expected a size of at most the global batch ({batch} sequences), got {list(value)}")
-        return value
+    def check_micro_batches(self, source: str, field: str = "micro_batch_sizes") -> None:
+        """The micro-batch sizes a search may use: one at most the global batch, else no plan can split it (the
+        search said only that the batch must split into replicas x micro-batches). A given layout (predict's
+        flags) uses its own micro-batch and none of these."""
+        if min(self.micro_batch_sizes) > self.global_batch_size:
+            raise SpecError(
+                source, field, f"the micro-batch sizes {list(self.micro_batch_sizes)} are all larger than the global "
+                f"batch ({self.global_batch_size} sequences), which no plan can then split: allow a micro-batch of at "
+                "most the batch, or train a larger batch",
+            )  # fmt: skip
 
     @property
     def dtype_bytes(self) -> int:

@@ -140,6 +140,10 @@ TRAFFIC_CALC = ("traffic-calc", "-m", "llama3-8b", "--tokens", "1e9", "--global-
         ((*PLAN, "--json", ""), "unexpected extra argument"),
         ((*PLAN, "--json="), "Option '--json' does not take a value"),  # a switch: click says so
         ((*PLAN, "--engine", "nemo"), "error: --engine: unknown engine 'nemo'; expected one of: megatron"),
+        (
+            (*PLAN, "--global-batch", "8", "--micro-batch-sizes", "16"),
+            "error: --micro-batch-sizes: the micro-batch sizes [16] are all larger than the global batch (8 sequences)",
+        ),
         ((*PLAN, "--out", "/proc/no/such/plan.json"), "--out: /proc/no/such/plan.json: cannot create its directory"),
         (
             ("traffic-calc", "-m", "llama3-8b", "--tokens", "1e9", "--global-batch", "0", "--gpus", "8"),

@@ -567,6 +567,8 @@ def test_python_plan_reads_a_profiles_directory_and_a_predictor_file_as_the_cli_
         (lambda: _api("get_engine", None), "get_engine(): name: expected an engine name, got NoneType None"),
         (lambda: _api("get_engine", "megatorn"), "get_engine(): name: unknown engine 'megatorn'; expected one of: "),
         (lambda: _api("get_vendor", "acme"), "get_vendor(): name: unknown vendor 'acme'; expected one of: "),
+        (lambda: _api("fit_predictor", 3), "fit_predictor(): profile_paths: expected a list of files"),  # TypeError
+        (lambda: _api("changed_cluster", "cluster", [3], []), "changed_cluster(): without: expected node:GROUP/NUMBE"),
     ],
 )
 def test_the_python_api_names_an_argument_it_cannot_take(call, expected):
@@ -606,12 +608,48 @@ def _api(name: str, *arguments: object) -> object:
     return functions[name](*given)
 
 
+def test_micro_batches_larger_than_the_global_batch_are_named_where_a_search_would_use_them(capsys, tmp_path):
+    """Every allowed micro-batch over the global batch left no plan, said as 'the global batch 256 must split into
+    replicas x micro-batches' after a search. A given layout (predict's flags) uses its own micro-batch: its training
+    may allow any."""
+    from planner import build_context, predict
+    from specs.layout import megatron_strategy
+
+    cluster, model = load_cluster(EXAMPLES / "cpu-2x2.yaml"), load_model(str(EXAMPLES / "models" / "tiny-llama.yaml"))
+    training = load_training(None, {"global_batch_size": 4, "micro_batch_sizes": [8, 16], "dtype": "fp32"})
+    with pytest.raises(SpecError) as caught:
+        plan(cluster, model, training)
+    assert str(caught.value) == (
+        "plan(): training.micro_batch_sizes: the micro-batch sizes [8, 16] are all larger than the global batch (4 "
+        "sequences), which no plan can then split: allow a micro-batch of at most the batch, or train a larger batch"
+    )
+    strategy = megatron_strategy(
+        cluster, model, training, group=None, tp=1, pp=1, dp=4, micro_batch_size=1, recompute="none"
+    )
+    assert predict(build_context(cluster, model, training), strategy).iteration_time_s > 0
+
+
 def test_python_plan_searches_the_zero_stages_of_any_iterable():
     """The argument check read a generator of ZeRO stages to its end, and the search then had none (the training's
     stage alone was searched, without a word)."""
     cluster, model = load_cluster(EXAMPLES / "cpu-2x2.yaml"), load_model(str(EXAMPLES / "models" / "tiny-llama.yaml"))
     made = plan(cluster, model, load_training(overrides={"global_batch_size": 8}), zero_stages=(s for s in (0, 3)))
     assert sorted(made.search_stats["zero_stages_s"]) == ["0", "3"]
+
+
+def test_a_plan_saves_to_and_loads_from_any_path_like(tmp_path):
+    """Plan.save took a str or a Path alone after its argument check (pytest's tmpdir, any os.PathLike, worked
+    before it)."""
+    from planner import load_plan
+
+    class Where:  # an os.PathLike that is not a pathlib.Path
+        def __fspath__(self) -> str:
+            return str(tmp_path / "plan.json")
+
+    cluster, model = load_cluster(EXAMPLES / "cpu-2x2.yaml"), load_model(str(EXAMPLES / "models" / "tiny-llama.yaml"))
+    made = plan(cluster, model, load_training(overrides={"global_batch_size": 8}))
+    made.save(Where())
+    assert load_plan(Where()).strategy == made.strategy
 
 
 def test_python_plan_takes_an_engine_by_name():

@@ -224,6 +224,19 @@ QWEN = '"model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944, 
             "num_attention_heads 28 must be a multiple of num_key_value_heads 5",
         ),
         ('{"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 5, "vocab_size": 10}', "", "n_embd 64 must be"),
+        # without num_key_value_heads the kv heads are the heads: one wrong field named once
+        (
+            '{"model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944, "num_attention_heads": "28", '
+            '"vocab_size": 10, "num_hidden_layers": 28}',
+            "num_attention_heads",
+            "expected an integer, got '28'",
+        ),
+        # "false" was taken as tied (bool of a non-empty string)
+        (
+            f'{{{QWEN}, "vocab_size": 10, "num_hidden_layers": 28, "tie_word_embeddings": "false"}}',
+            "tie_word_embeddings",
+            "expected true or false, got 'false'",
+        ),
         # a head_dim the projections of hidden_size cannot hold (Qwen3-4B's) was ignored: 3.7B parameters for 4.0B
         (
             '{"model_type": "qwen3", "hidden_size": 2560, "intermediate_size": 9728, "num_hidden_layers": 36, '
@@ -238,7 +251,7 @@ def test_bad_hf_configs(write, text, field, expectation):
     with pytest.raises(SpecError) as caught:
         load_model(str(path))
     assert str(caught.value).startswith(f"{path}: {field}")
-    assert expectation in str(caught.value)
+    assert expectation in str(caught.value) and "also wrong" not in str(caught.value)
 
 
 @pytest.mark.parametrize(
@@ -372,16 +385,32 @@ def test_a_model_shape_is_a_whole_number_as_in_every_other_file():
     with pytest.raises(SpecError, match=r"^model mapping: hidden_size: expected an integer, got 4096\.0$"):
         load_model({**shape, "hidden_size": 4096.0})
     assert load_model({**shape, "num_layers": 8}).num_layers == 8
+    # numpy's integers (a launcher's arrays) are integers: strict validation refused them as "not an integer"
+    import numpy as np
+
+    assert type(load_model({**shape, "num_layers": np.int64(8)}).num_layers) is int
+    assert load_training(None, {"global_batch_size": np.int32(64)}).global_batch_size == 64
+    with pytest.raises(SpecError, match=r"num_layers: expected an integer, got True$"):
+        load_model({**shape, "num_layers": True})
 
 
-def test_micro_batches_larger_than_the_global_batch_are_named():
-    """Every allowed micro-batch over the global batch left no plan, said as 'the global batch 256 must split into
-    replicas x micro-batches' after a search."""
-    with pytest.raises(SpecError) as caught:
-        load_training(None, {"global_batch_size": 256, "micro_batch_sizes": [512]})
-    expected = "micro_batch_sizes: expected a size of at most the global batch (256 sequences), got [512]"
-    assert str(caught.value) == f"load_training(): overrides: {expected}"
-    assert load_training(None, {"global_batch_size": 4, "micro_batch_sizes": [2, 8]}).micro_batch_sizes == (2, 8)
+def test_only_a_translated_config_json_is_said_to_train_at_its_longest_context(write):
+    """The note keyed on a source beginning "Hugging Face config": a model file citing "Hugging Face config.json of
+    ..." (as the catalog's do) was told it came from a config."""
+    from specs.model import hf_sequence_note
+
+    shape = load_model("llama2-7b").model_dump(exclude_none=True)
+    cited = load_model({**shape, "source": "Hugging Face config.json of meta-llama/Llama-2-7b-hf"})
+    assert hf_sequence_note(cited, load_training()) == ""
+    config = write("config.json", json.dumps({
+        "model_type": "llama", "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "vocab_size": 100, "max_position_embeddings": 2048,
+    }))  # fmt: skip
+    translated = load_model(str(config))
+    assert hf_sequence_note(translated, load_training()).startswith(
+        f"note: sequences of 2048 tokens, the longest context of {config} (max_position_embeddings, else 4096)"
+    )
+    assert hf_sequence_note(translated, load_training(None, {"seq_length": 512})) == ""
 
 
 def test_a_plan_without_its_schema_is_still_named_a_plan(tmp_path):
