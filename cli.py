@@ -16,6 +16,7 @@ import typer
 
 if TYPE_CHECKING:
     from predictor.context import CostContext
+    from specs.model import ModelSpec
     from specs.training import TrainingSpec
 
 from report import measuring, said
@@ -92,6 +93,21 @@ def _options(
 
 
 # ---- planning ---------------------------------------------------------------------------------------------------
+def _check_search_choices(
+    training_spec: TrainingSpec, model_spec: ModelSpec, training: Path | None, given: dict[str, object]
+) -> None:
+    """The micro-batch sizes and context-parallel degrees `plan` searches, against the batch and the sequence, each
+    named by the flag that set it (`given`: the flags' values, None where not given), else the training file's
+    field."""
+    file = str(training) if training is not None else "training"
+    by_flag = "--micro-batch-sizes" if given["micro_batch_sizes"] is not None else "--global-batch"
+    if given["micro_batch_sizes"] is None and given["global_batch_size"] is None:
+        by_flag = ""
+    training_spec.check_micro_batches(*((by_flag, "") if by_flag else (file, "micro_batch_sizes")))
+    cp_named = ("--cp", "") if given["context_parallel"] is not None else (file, "context_parallel")
+    training_spec.check_context_parallel(training_spec.seq_length or model_spec.seq_length, *cp_named)
+
+
 @app.command()
 def plan(
     cluster: ClusterOpt,
@@ -157,16 +173,13 @@ def plan(
     given |= {"virtual_stages": flags.int_list(virtual_stages, "--virtual-stages")}
     given |= {"context_parallel": flags.int_list(cp, "--cp")}
     training_spec = flags.training(training, **given)  # plan() trains it on the devices (stats' training_note)
-    by_flag = "--micro-batch-sizes" if micro_batch_sizes is not None else "--global-batch" if global_batch else ""
-    training_spec.check_micro_batches(*((by_flag, "") if by_flag else (str(training), "micro_batch_sizes")))
+    _check_search_choices(training_spec, model_spec, training, given)
     defaulted = engine is None and "dtype" not in training_spec.model_fields_set  # plan() will choose it so
     said_before = on_groups(training_spec, cluster_spec.groups)[1] if defaulted else ""
     if said_before:  # said before the search, so that a plan that does not fit still says its dtype
         said.say(said_before)
     if sequence_note := hf_sequence_note(model_spec, training_spec):
         said.say(sequence_note)
-    cp_named = ("--cp", "") if cp else (str(training), "context_parallel")
-    training_spec.check_context_parallel(training_spec.seq_length or model_spec.seq_length, *cp_named)
     devices = [group.device.key for group in cluster_spec.groups]
     inputs = (cluster_spec, model_spec, training_spec, profiles_said(profiles, model_spec, devices))
     chosen_engine = get_engine(engine, "--engine", "") if engine is not None else None
