@@ -521,12 +521,11 @@ def traffic_calc(
 ) -> None:
     """Textbook per-rank traffic of DP, FSDP, TP and PP over a training run (standard ring volumes)."""
     from report import traffic_calc as textbook
+    from report.network import check_grad_bytes
     from report.tables import traffic_calc_lines
-    from specs.errors import SpecError
     from specs.model import load_model
 
-    if grad_bytes not in (1, 2, 4):  # a gradient is FP8, 16-bit or fp32
-        raise SpecError("--grad-bytes", "", f"expected 1 (FP8), 2 (bf16/fp16) or 4 (fp32), got {grad_bytes}")
+    check_grad_bytes(grad_bytes, "--grad-bytes", "")  # named as the flag, before the model is read
     spec = load_model(model, "--model")
     body = textbook(spec, tokens, global_batch, gpus, seq_length=seq_len, grad_bytes=grad_bytes)
     show(as_json, body, *traffic_calc_lines(body, global_batch, seq_len or spec.seq_length))

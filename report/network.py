@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from predictor.cost_model import build_context
 from predictor.traffic import DIMENSIONS, Traffic, strategy_traffic, textbook_traffic_per_rank
 from report.figures import traffic_heatmap
+from specs.errors import SpecError
 
 if TYPE_CHECKING:
     from planner.plan import LoadedPlan
@@ -115,6 +116,12 @@ def traffic(
     return TrafficReport(plan.source, counted, table, iterations, rail_only(counted), png)
 
 
+def check_grad_bytes(grad_bytes: object, source: str = "traffic_calc()", field: str = "grad_bytes") -> None:
+    """The bytes of a gradient value the DP all-reduce sends: an FP8, 16-bit or fp32 value (3 was taken)."""
+    if grad_bytes not in (1, 2, 4) or isinstance(grad_bytes, bool):
+        raise SpecError(source, field, f"expected 1 (FP8), 2 (bf16/fp16) or 4 (fp32), got {grad_bytes!r}")
+
+
 def traffic_calc(
     model: ModelSpec,
     tokens: float,
@@ -125,6 +132,7 @@ def traffic_calc(
 ) -> dict[str, Any]:
     """Textbook per-rank bytes of DP, FSDP, TP and PP over `tokens` of training with one parallel dimension of
     `gpus` ranks (standard ring volumes): the JSON body of `hetplan traffic-calc --json`."""
+    check_grad_bytes(grad_bytes)
     seq = seq_length or model.seq_length
     steps = math.ceil(round(tokens / (global_batch * seq), 9))  # whole steps: a part of one syncs as much
     per_rank = textbook_traffic_per_rank(

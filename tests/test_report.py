@@ -201,6 +201,9 @@ def test_traffic_calc_has_no_volume_for_ranks_the_model_or_batch_cannot_take():
     assert all(value is None for value in wide["bytes_per_rank"].values())
     assert wide["not_applicable"]["dp"] == "4096 ranks, a global batch of 2048 sequences: a rank would have none"
     assert traffic_calc(model, 156e9, 2048, 8)["not_applicable"] == {}
+    # a gradient of 3 bytes was taken from Python (the CLI alone checked its flag)
+    with pytest.raises(SpecError, match=r"^traffic_calc\(\): grad_bytes: expected 1 \(FP8\), 2 \(bf16/fp16\) or 4"):
+        traffic_calc(model, 156e9, 2048, 8, grad_bytes=3)
 
 
 def _save_profile(path: Path, device: str, model: str) -> None:
