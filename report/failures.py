@@ -15,11 +15,15 @@ import sys
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 import typer
 
 from report import said
+
+if TYPE_CHECKING:
+    from specs.errors import SpecError
 
 DEBUG_HINT = "re-run with HETPLAN_DEBUG=1 for the traceback"
 READER_GONE_STATUS = 141  # what a shell reports for a tool ended by SIGPIPE (128 + 13): `cat big | head -1`
@@ -35,12 +39,16 @@ def one_line(text: str, limit: int = 500) -> str:
     return flat[: limit - 3 - tail] + "..." + flat[-tail:]
 
 
-def failure_line(err: BaseException, args: Sequence[str] = ()) -> tuple[str, int]:
-    """The line and exit status for `err` (`args`: the command line, where a flag's bad value is found). Usage errors
-    are recognised by click's interface (`format_message`, `exit_code`) rather than by class: typer >= 0.29 vendors
-    click, so its errors are not click's classes."""
-    from specs.errors import HetplanError  # here: specs loads pydantic, which `hetplan --help` does without
+def failure_line(
+    err: BaseException, args: Sequence[str] = (), values: Sequence[tuple[str, str]] = ()
+) -> tuple[str, int]:
+    """The line and exit status for `err` (`args`: the command line, where a flag's bad value is found; `values`: its
+    options' values, option_values). Usage errors are recognised by click's interface (`format_message`,
+    `exit_code`) rather than by class: typer >= 0.29 vendors click, so its errors are not click's classes."""
+    from specs.errors import HetplanError, SpecError  # here: specs loads pydantic, which `hetplan --help` does without
 
+    if isinstance(err, SpecError):
+        return f"hetplan: error: {one_line(_with_its_flag(err, values))}", 2
     if isinstance(err, HetplanError):
         return f"hetplan: error: {one_line(str(err))}", 2
     if hasattr(err, "format_message") and hasattr(err, "exit_code"):
@@ -53,6 +61,43 @@ def failure_line(err: BaseException, args: Sequence[str] = ()) -> tuple[str, int
     if isinstance(err, MemoryError):
         return "hetplan: error: out of memory (the input asks for more than this machine has)", 2
     return f"hetplan: internal error: {type(err).__name__}: {one_line(str(err), 200)} ({DEBUG_HINT})", 1
+
+
+def _with_its_flag(err: SpecError, values: Sequence[tuple[str, str]]) -> str:
+    """A whole file's error (no field) with the option that named the file: `--cluster nope.yaml: file not found` (it
+    named the file alone, and a newcomer with three files on the line looked for which); none where several options
+    named it, or where the error names a flag already."""
+    if err.field or not err.source or err.source.startswith("-"):
+        return str(err)
+    flags = {flag for flag, value in values if value and Path(value) == Path(err.source)}
+    return f"{flags.pop()} {err}" if len(flags) == 1 else str(err)
+
+
+def option_values(app: typer.Typer, args: Sequence[str]) -> list[tuple[str, str]]:
+    """The (long name, value) of each option given a value on the command line (`-c x.yaml`, `--cluster=x.yaml`);
+    switches and positional arguments are not."""
+    options, long_name = _options(app, args)
+    valued = {name: long_name[name] for p in options if not getattr(p, "is_flag", False) for name in p.opts}
+    given: list[tuple[str, str]] = []
+    for index, token in enumerate(args):
+        name, equals, value = token.partition("=")
+        if equals and name.startswith("--") and name in valued:
+            given.append((valued[name], value))
+        elif token in valued and index + 1 < len(args):
+            given.append((valued[token], args[index + 1]))
+    return given
+
+
+def _options(app: typer.Typer, args: Sequence[str]) -> tuple[list[click.Parameter], dict[str, str]]:
+    """The options of the command `args` run, and the long name of each of their names."""
+    options = [p for p in _command(app, args).params if p.param_type_name == "option"]
+    return options, {o: next((n for n in p.opts if n.startswith("--")), o) for p in options for o in p.opts}
+
+
+def _command(app: typer.Typer, args: Sequence[str]) -> click.Command:
+    """The (sub)command `args` run."""
+    command = typer.main.get_command(app)
+    return getattr(command, "commands", {}).get(args[0], command) if args else command
 
 
 def _created_directories() -> list[Path]:
@@ -72,10 +117,8 @@ def empty_argument(app: typer.Typer, args: list[str]) -> str | None:
     current directory) and an empty name as a name; an empty value is never meant."""
     if "" not in args and not any(a.endswith("=") for a in args):
         return None
-    command = typer.main.get_command(app)
-    sub = getattr(command, "commands", {}).get(args[0], command) if args else command
-    options = [p for p in sub.params if p.param_type_name == "option"]
-    long_name = {o: next((n for n in p.opts if n.startswith("--")), o) for p in options for o in p.opts}
+    options, long_name = _options(app, args)
+    sub = _command(app, args)
     switches = {o for p in options if getattr(p, "is_flag", False) for o in (*p.opts, *p.secondary_opts)}
     arguments = [(p.metavar or p.name or "").upper() for p in sub.params if p.param_type_name == "argument"]
     for index, token in enumerate(args):
@@ -148,7 +191,7 @@ def exit_status(app: typer.Typer, args: list[str]) -> int:
                 raise BrokenPipeError from broken  # the reader's choice, not a failure: below
             return reported(broken)  # a peer's socket, say
         except Exception as err:  # the one place every failure becomes a line
-            return reported(err, args)
+            return reported(err, args, option_values(app, args))
         if code in (None, 0):
             said.flush()  # a success that showed nothing (--quiet, files only) says its notes at the end
         else:
@@ -166,14 +209,14 @@ def exit_status(app: typer.Typer, args: list[str]) -> int:
         return READER_GONE_STATUS
 
 
-def reported(err: BaseException, args: Sequence[str] = ()) -> int:
+def reported(err: BaseException, args: Sequence[str] = (), values: Sequence[tuple[str, str]] = ()) -> int:
     """Report a command's failure `err` in one line (and its traceback with HETPLAN_DEBUG) and undo what it began;
-    its exit status."""
+    its exit status (`values`: the options' values, option_values)."""
     said.drop()
     _remove_created_directories()
     if os.environ.get("HETPLAN_DEBUG", "") not in ("", "0"):
         traceback.print_exception(err)
-    line, code = failure_line(err, args)
+    line, code = failure_line(err, args, values)
     print(line, file=sys.stderr)
     return code
 

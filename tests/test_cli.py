@@ -92,7 +92,31 @@ network: {topology: rail-optimized, inter_group_gbps: 200}
 @pytest.mark.parametrize(
     ("args", "expected"),
     [
-        (("plan", "--cluster", "missing.yaml", "--model", "llama2-7b"), "missing.yaml: file not found"),
+        # a whole file's error names the flag that gave it (the file alone was named)
+        (
+            ("plan", "--cluster", "missing.yaml", "--model", "llama2-7b"),
+            "error: --cluster missing.yaml: file not found",
+        ),
+        (("plan", "--cluster=./missing.yaml", "-m", "llama2-7b"), "error: --cluster missing.yaml: file not found"),
+        (
+            (
+                "plan",
+                "-c",
+                "examples/hethub-768.yaml",
+                "-m",
+                "llama2-7b",
+                "--training",
+                "examples/models/tiny-gpt.yaml",
+            ),
+            "error: --training examples/models/tiny-gpt.yaml: expected a training file",
+        ),
+        # not where two options gave the file, nor for a positional argument or a switch before a flag's error
+        (
+            ("plan", "-c", "examples/hethub-768.yaml", "-m", "llama2-7b", "--training", "examples/hethub-768.yaml"),
+            "error: examples/hethub-768.yaml: expected a training file",
+        ),
+        (("explain", "-q", "missing.json", "-c", "examples/hethub-768.yaml"), "error: missing.json: file not found"),
+        (("plan", "-c", "examples/hethub-768.yaml", "--lower-bound", "-m", "gpt5"), "error: --model: unknown model"),
         (("plan", "--cluster", "examples/hethub-768.yaml", "--model", "gpt5"), "unknown model 'gpt5'"),
         (
             ("plan", "--cluster", "examples/hethub-768.yaml", "--model", "llama2-7b", "--zero-stage", "5"),
