@@ -99,11 +99,15 @@ def _model_args(ctx: CostContext) -> Args:
         ["--max-position-embeddings", str(max(ctx.seq_length, model.seq_length))],
         ["--vocab-size", str(model.vocab_size)],
     ]
+    if model.head_dim is not None:  # Megatron's default is hidden size / heads
+        args.append(["--kv-channels", str(model.head_dim)])
     if model.num_kv_heads != model.num_attention_heads:
         args += [["--group-query-attention"], ["--num-query-groups", str(model.num_kv_heads)]]
     if model.mlp == "swiglu":
         args += [["--swiglu"], ["--normalization", "RMSNorm"], ["--position-embedding-type", "rope"]]
-        args += [["--disable-bias-linear"], ["--untie-embeddings-and-output-weights"]]
+        args += [["--disable-bias-linear"]]
+    if not model.tied_embeddings:  # Megatron ties them by default (a tied Llama-style model, qwen3-4b, was untied)
+        args.append(["--untie-embeddings-and-output-weights"])
     if ctx.training.dtype in ("bf16", "fp16", "fp8"):
         args.append(["--fp16" if ctx.training.dtype == "fp16" else "--bf16"])  # FP8: bf16 weights, FP8 GEMMs
     if ctx.training.dtype == "fp8":

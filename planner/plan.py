@@ -139,6 +139,7 @@ def evaluation_dict(ctx: CostContext, evaluation: Evaluation) -> dict[str, Any]:
             "pipeline": _round(evaluation.pipeline_time_s),
             "bubble": _round(evaluation.bubble_time_s),
             "dp_sync_and_optimizer": _round(evaluation.tail_time_s),
+            "dp_sync_overlapped": _round(evaluation.dp_sync_overlapped_s),  # (not in the iteration: hidden)
         },
         "pipelines": pipelines,
     }

@@ -9,7 +9,8 @@ Per CP rank and layer, for a micro-batch of b sequences of s tokens:
   backward sending K/V and their gradients (twice the bytes); a recompute that repeats the attention repeats the
   forward ring;
 - overlap: each step's transfer runs under the attention of the block already received, attention being the causal
-  share s*h / (s*h + layer GEMM params) of the layer's FLOPs; what the transfer takes beyond it is exposed;
+  share s*q / (s*q + layer GEMM params) of the layer's FLOPs (q: heads x head size, ModelSpec.q_size); what the
+  transfer takes beyond it is exposed;
 - the ring runs inside the node when tp * cp devices fit in one, else over the rails;
 - TP collectives and pipeline p2p carry 1/cp of the tokens; gradients of the stage's parameters are reduced over the
   replicas and their CP ranks together (the dp-cp group), which ZeRO shards over (specs.layout.gradient_ranks).

@@ -120,6 +120,16 @@ class Evaluation:
     def shortfall_bytes(self) -> float:
         return max((stage.shortfall_bytes for stage in self.stages), default=0.0)
 
+    @property
+    def dp_sync_overlapped_s(self) -> float:
+        """Of the DP sync (ZeRO 0/1: one reduction and, ZeRO-1, one gather) of the stage that waits longest after the
+        flush, what overlaps its backward (or, the gather, the next forward): a longer backward hides more of it, and
+        the tail shrinks. 0 under ZeRO 2/3, whose per-micro-batch traffic is in the passes' time."""
+        tail = max(self.stages, key=lambda s: s.tail_time_s)
+        if self.strategy.family_zero_stage(self.strategy.pipelines[tail.family]) >= 2:
+            return 0.0
+        return max(0.0, tail.dp_sync_time_s - tail.dp_exposed_time_s)
+
     def breakdown(self) -> dict[str, float]:
         """The iteration time split into the cost model's terms, seconds (they add up to the iteration): the
         steady state of the slowest family's slowest stage (compute, exposed TP collectives, exposed ZeRO 2/3 traffic,

@@ -1,9 +1,9 @@
 """Physical features of one layer pass: the work a learned model turns into seconds and bytes.
 
 A layer's forward or backward pass is described by what any accelerator has to do for it: GEMM FLOPs, attention
-FLOPs (a causal flash kernel computes half of 4*b*s^2*h), bytes its memory-bound ops move, and the kernels it
-launches (its layer kind, pass and recompute mode). Backward does twice the GEMM work, ~2.5x the attention work
-(flash backward recomputes the scores) and re-runs the forward work that recompute dropped (DESIGN.md).
+FLOPs (a causal flash kernel computes half of 4*b*s^2*q, q = heads x head size), bytes its memory-bound ops move,
+and the kernels it launches (its layer kind, pass and recompute mode). Backward does twice the GEMM work, ~2.5x the
+attention work (flash backward recomputes the scores) and re-runs the forward work that recompute dropped (DESIGN.md).
 These depend only on shapes, so a model fitted on one model's profile predicts another model's layers.
 """
 

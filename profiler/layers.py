@@ -188,7 +188,7 @@ class DecoderLayer(nn.Module):
             raise ValueError(f"tp {tp} must divide kv heads {model.num_kv_heads} and ffn {model.ffn_hidden_size}")
         self.llama = model.mlp == "swiglu"
         self.recompute = recompute
-        h, d = model.hidden_size, model.head_dim
+        h, d = model.hidden_size, model.head_size
         self.heads = model.num_attention_heads // tp
         self.kv_heads = model.num_kv_heads // tp
         self.head_dim = d

@@ -17,10 +17,11 @@ from pydantic import ValidationError
 from profiler.profile import PROFILE_SCHEMA, DeviceProfile, LinkFileRecord, ProfileEntry, load_profile
 from specs.errors import SpecError
 from specs.loading import file_sha256, read_mapping
-from specs.model import ModelSpec
+from specs.model import NO_HEAD_DIM, ModelSpec, given_head_dim
 
 # the fields that decide a decoder layer's cost: a profile must have been measured with the same
-SHAPE_FIELDS = ("hidden_size", "ffn_hidden_size", "num_attention_heads", "num_kv_heads", "vocab_size", "mlp")
+SHAPE_FIELDS = ("hidden_size", "ffn_hidden_size", "num_attention_heads", "num_kv_heads", "head_dim", "vocab_size",
+                "mlp")  # fmt: skip
 LINKS_SCHEMA = "hetplan.links/1"
 # no device computes faster than this (the catalog's fastest: 1.3e15 dense 16-bit FLOP/s); a time that says so is
 # wrong (a unit slip, a clock that did not wait for the device)
@@ -143,11 +144,15 @@ def load_profile_files(
         if devices is not None and str(profile.device.get("key", "")) not in devices:
             continue
         for field in SHAPE_FIELDS:
-            if profile.model.get(field) != getattr(model, field):
+            profiled = given_head_dim(profile.model) if field == "head_dim" else profile.model.get(field)
+            planned = getattr(model, field)
+            if profiled != planned:
+                about_head_dim = field == "head_dim"
+                profiled_text, planned_text = (
+                    NO_HEAD_DIM if v is None and about_head_dim else repr(v) for v in (profiled, planned)
+                )
                 raise SpecError(
-                    str(path),
-                    f"model.{field}",
-                    f"profiled {profile.model.get(field)!r}, the model to plan has {getattr(model, field)!r}",
+                    str(path), f"model.{field}", f"profiled {profiled_text}, the model to plan has {planned_text}"
                 )
         check_profile(profile, model)
         key = str(profile.device.get("key", ""))

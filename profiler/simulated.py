@@ -137,11 +137,11 @@ class SimulatedDevice:
         """Forward (GEMMs, core attention, elementwise) seconds of one layer shard."""
         model = self.model
         tokens = micro_batch_size * self.seq_length
-        h, f, kv = model.hidden_size, model.ffn_hidden_size, model.kv_size
+        h, f, q, kv = model.hidden_size, model.ffn_hidden_size, model.q_size, model.kv_size
         up_width = (2 if model.mlp == "swiglu" else 1) * f
         gemms = (
-            self._gemm_time_s(tokens, (h + 2 * kv) / tp, h)
-            + self._gemm_time_s(tokens, h, h / tp)
+            self._gemm_time_s(tokens, (q + 2 * kv) / tp, h)
+            + self._gemm_time_s(tokens, h, q / tp)
             + self._gemm_time_s(tokens, up_width / tp, h)
             + self._gemm_time_s(tokens, h, f / tp)
         )

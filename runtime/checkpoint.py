@@ -51,13 +51,14 @@ from runtime.model import piece_offsets
 from runtime.sync import rank_positions
 from specs.errors import SpecError
 from specs.layout import Strategy
-from specs.model import ModelSpec
+from specs.model import MODEL_SHAPE_FIELDS, NO_HEAD_DIM, ModelSpec
 
 CHECKPOINT_SCHEMA = "hetplan.checkpoint/1"
 INFO_FILE = "hetplan-checkpoint.json"
 METADATA_FILE = ".metadata"  # DCP's, written last
-MODEL_FIELDS = ("hidden_size", "num_layers", "ffn_hidden_size", "num_attention_heads", "num_kv_heads", "vocab_size",
-                "seq_length", "mlp")  # fmt: skip
+# what a checkpoint records of its model: the shape, but whether it ties its embedding (hetplan's runtime does not:
+# one output matrix either way); head_dim only where the model gives one
+MODEL_FIELDS = tuple(field for field in MODEL_SHAPE_FIELDS if field != "tied_embeddings")
 
 
 @dataclass(frozen=True)
@@ -392,18 +393,20 @@ def read_info(checkpoint: Path) -> dict[str, Any]:
 
 def model_identity(model: ModelSpec) -> dict[str, Any]:
     dumped = model.model_dump(mode="json")
-    return {key: dumped[key] for key in MODEL_FIELDS}
+    return {key: dumped[key] for key in MODEL_FIELDS if key in dumped}
 
 
 def check_model(info: dict[str, Any], model: ModelSpec, checkpoint: Path) -> None:
     """A checkpoint of another model is refused in one line naming the first field that differs."""
     saved, mine = info.get("model_identity", {}), model_identity(model)
     for key in MODEL_FIELDS:
-        if saved.get(key) != mine[key]:
+        if saved.get(key) != mine.get(key):
+            was, now = (
+                NO_HEAD_DIM if key == "head_dim" and v is None else repr(v) for v in (saved.get(key), mine.get(key))
+            )
             raise SpecError(
                 str(checkpoint / INFO_FILE), f"model.{key}",
-                f"the checkpoint was saved for {saved.get(key)!r}, the plan trains {mine[key]!r}: a checkpoint of "
-                "another model",
+                f"the checkpoint was saved for {was}, the plan trains {now}: a checkpoint of another model",
             )  # fmt: skip
 
 

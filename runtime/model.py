@@ -61,7 +61,7 @@ def shard_layer(
         shard: DecoderLayer = RingAttentionLayer(model, tp.size, recompute, cp)
     else:
         shard = DecoderLayer(model, tp.size, recompute)
-    k, t, d = tp.rank, tp.size, model.head_dim
+    k, t, d = tp.rank, tp.size, model.head_size
     heads, kv = model.num_attention_heads, model.num_kv_heads
     f = model.ffn_hidden_size
 

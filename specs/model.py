@@ -1,9 +1,10 @@
 """Transformer shapes (ModelSpec), the model catalog, Hugging Face config import, and shape formulas.
 
 Formulas (DESIGN.md, "Cost-model facts"): dense decoder layer forward GEMM FLOPs per sequence of length s
-are 2*s*(2*h*h + 2*h*g*d + k*h*f), k=3 for SwiGLU and 2 for GELU, plus attention 4*s*s*h (model FLOPs;
-causal flash kernels execute half of it). Backward is 2x forward. For GPT (f=4h, g=a) a layer is
-24*s*h^2 + 4*s^2*h, and model FLOPs per iteration reproduce Narayanan et al. 2021:
+are 2*s*(2*h*a*d + 2*h*g*d + k*h*f), k=3 for SwiGLU and 2 for GELU, plus attention 4*s*s*a*d (model FLOPs;
+causal flash kernels execute half of it), with a heads of width d (a*d = h but where a model gives its head_dim:
+Qwen3-4B has 32 heads of 128 at h 2560) and g kv heads. Backward is 2x forward. For GPT (f=4h, g=a, a*d=h) a layer
+is 24*s*h^2 + 4*s^2*h, and model FLOPs per iteration reproduce Narayanan et al. 2021:
 72*B*s*l*h^2*(1 + s/(6h) + V/(12*l*h)).
 """
 
@@ -11,10 +12,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping
+from numbers import Integral
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import ConfigDict, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
 from specs.catalog import Catalog, load_catalog
 from specs.errors import SpecError, also_wrong, expect_argument
@@ -43,6 +45,7 @@ MODEL_SHAPE_FIELDS = (
     "ffn_hidden_size",
     "num_attention_heads",
     "num_kv_heads",
+    "head_dim",
     "vocab_size",
     "seq_length",
     "mlp",
@@ -51,6 +54,8 @@ MODEL_SHAPE_FIELDS = (
 # a translated config.json's ModelSpec.source: "translated from the Hugging Face config PATH" (the catalog's sources
 # cite "Hugging Face config.json" among others, and name no file of this machine)
 HF_SOURCE = "translated from the Hugging Face config "
+HEAD_DIM_HINT = " (or give the model's head_dim)"  # (not for GPT-2: its config.json has none)
+NO_HEAD_DIM = "no head_dim (heads of hidden_size / num_attention_heads)"  # a shape without one, as a message says it
 # config.json's names of the fields, as its errors say them
 LLAMA_NAMES = {"num_layers": "num_hidden_layers", "ffn_hidden_size": "intermediate_size",
                "seq_length": "max_position_embeddings", "tied_embeddings": "tie_word_embeddings"}  # fmt: skip
@@ -75,16 +80,33 @@ class ModelSpec(CheckedModel):
     ffn_hidden_size: PositiveInt
     num_attention_heads: PositiveInt
     num_kv_heads: PositiveInt
+    # the width of one attention head where it is not hidden_size / num_attention_heads (Qwen3-4B: 32 heads of 128
+    # at hidden 2560); left out of the spec's files where it is (a value equal to it is dropped)
+    head_dim: PositiveInt | None = Field(default=None, exclude_if=lambda value: value is None)
     vocab_size: PositiveInt
     seq_length: PositiveInt
     mlp: Literal["gelu", "swiglu"]
     tied_embeddings: StrictBool = False
 
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_plain_head_dim(cls, data: Any) -> Any:
+        """A head_dim of hidden_size / num_attention_heads is the default written out (Qwen3-8B's config gives
+        128 = 4096 / 32): one shape, one spec, whichever way a file says it."""
+        if not isinstance(data, dict) or given_head_dim(data) is not None:
+            return data
+        return {key: value for key, value in data.items() if key != "head_dim"}
+
     @model_validator(mode="after")
     def _check_shapes(self) -> ModelSpec:
-        if self.hidden_size % self.num_attention_heads:
+        if self.head_dim is None and self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"hidden_size {self.hidden_size} must be a multiple of num_attention_heads {self.num_attention_heads}"
+                + HEAD_DIM_HINT
+            )
+        if self.mlp == "swiglu" and self.head_size % 2:  # rotary positions turn pairs of a head's elements
+            raise ValueError(
+                f"a head of {self.head_size} elements: rotary positions (mlp swiglu) need an even head size"
             )
         if self.num_attention_heads % self.num_kv_heads:
             raise ValueError(
@@ -110,13 +132,19 @@ class ModelSpec(CheckedModel):
         return tuple(getattr(self, name) for name in MODEL_SHAPE_FIELDS)
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+    def head_size(self) -> int:
+        """The width of one attention head: head_dim, else hidden_size / num_attention_heads."""
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def q_size(self) -> int:
+        """Width of Q (and of the attention output): heads x head size (hidden_size but for a given head_dim)."""
+        return self.num_attention_heads * self.head_size
 
     @property
     def kv_size(self) -> int:
-        """Width of K (and of V): kv heads x head dim."""
-        return self.num_kv_heads * self.head_dim
+        """Width of K (and of V): kv heads x head size."""
+        return self.num_kv_heads * self.head_size
 
     @property
     def mlp_gemm_count(self) -> int:
@@ -140,10 +168,10 @@ class ModelSpec(CheckedModel):
 
     # ---- parameters ---------------------------------------------------------------------------------------
     def layer_params(self) -> int:
-        h, f, kv = self.hidden_size, self.ffn_hidden_size, self.kv_size
-        weights = 2 * h * h + 2 * h * kv + self.mlp_gemm_count * h * f
+        h, f, q, kv = self.hidden_size, self.ffn_hidden_size, self.q_size, self.kv_size
+        weights = 2 * h * q + 2 * h * kv + self.mlp_gemm_count * h * f
         if self.has_biases:
-            return weights + (h + 2 * kv) + h + f + h + 4 * h  # qkv, out, fc1, fc2 biases; two LayerNorms
+            return weights + (q + 2 * kv) + h + f + h + 4 * h  # qkv, out, fc1, fc2 biases; two LayerNorms
         return weights + 2 * h  # two RMSNorm scales
 
     def embedding_params(self) -> int:
@@ -161,21 +189,21 @@ class ModelSpec(CheckedModel):
     # ---- FLOPs --------------------------------------------------------------------------------------------
     def layer_gemm_flops(self, tokens: int) -> float:
         """Forward GEMM FLOPs of one layer for `tokens` tokens."""
-        h, f, kv = self.hidden_size, self.ffn_hidden_size, self.kv_size
-        return 2.0 * tokens * (2 * h * h + 2 * h * kv + self.mlp_gemm_count * h * f)
+        h, f, q, kv = self.hidden_size, self.ffn_hidden_size, self.q_size, self.kv_size
+        return 2.0 * tokens * (2 * h * q + 2 * h * kv + self.mlp_gemm_count * h * f)
 
     def layer_attention_flops(self, micro_batch_size: int, seq_length: int, causal_kernel: bool = False) -> float:
-        """Forward QK^T and AV FLOPs: 4*b*s^2*h; a causal kernel computes half."""
-        flops = 4.0 * micro_batch_size * seq_length * seq_length * self.hidden_size
+        """Forward QK^T and AV FLOPs: 4*b*s^2*(heads x head size); a causal kernel computes half."""
+        flops = 4.0 * micro_batch_size * seq_length * seq_length * self.q_size
         return flops / 2 if causal_kernel else flops
 
     def layer_elementwise_elements(self, tokens: int, tp: int, sequence_parallel: bool = True) -> float:
         """Elements the forward's memory-bound ops (norms, residuals, rotary, MLP activation) read and write once
         each, for one layer shard: norms and residuals are split by TP only under sequence parallelism."""
-        h, f, kv = self.hidden_size, self.ffn_hidden_size, self.kv_size
+        h, f, q, kv = self.hidden_size, self.ffn_hidden_size, self.q_size, self.kv_size
         sp_tp = tp if sequence_parallel else 1
         activation = (3 * f if self.mlp == "swiglu" else 2 * f) / tp
-        return tokens * (6 * h / sp_tp + 2 * (h + kv) / tp + activation)
+        return tokens * (6 * h / sp_tp + 2 * (q + kv) / tp + activation)
 
     def lm_head_flops(self, tokens: int) -> float:
         return 2.0 * tokens * self.hidden_size * self.vocab_size
@@ -200,13 +228,22 @@ class ModelSpec(CheckedModel):
           full:      keep only the layer input and recompute the whole layer
         The profiler measures these with saved-tensor hooks; this is the analytic fallback.
         """
-        h, f, kv = self.hidden_size, self.ffn_hidden_size, self.kv_size
+        h, f, q, kv = self.hidden_size, self.ffn_hidden_size, self.q_size, self.kv_size
         if recompute == "full":
             return float(h), 0.0
         if recompute == "selective":
-            return 2.0 * h, float(h + 2 * kv + (2 * f if self.mlp == "swiglu" else f))
+            return 2.0 * h, float(q + 2 * kv + (2 * f if self.mlp == "swiglu" else f))
         intermediates = 4 * f if self.mlp == "swiglu" else 2 * f
-        return 4.0 * h, float(h + 2 * kv + h + intermediates)
+        return 4.0 * h, float(q + 2 * kv + q + intermediates)
+
+
+def given_head_dim(shape: Mapping[str, Any]) -> Any:
+    """A shape's head_dim where it is its own, None where it is left out or is hidden_size / num_attention_heads
+    (as ModelSpec reads it: a profile or plan written either way is the same shape)."""
+    head_dim, hidden, heads = shape.get("head_dim"), shape.get("hidden_size"), shape.get("num_attention_heads")
+    whole = all(isinstance(value, Integral) and not isinstance(value, bool) and value > 0
+                for value in (head_dim, hidden, heads))  # fmt: skip
+    return None if whole and head_dim * heads == hidden else head_dim
 
 
 def _hf_model_type(data: dict[str, Any], source: str) -> str:
@@ -249,7 +286,6 @@ def _model_from_hf_config(data: dict[str, Any], source: str, stem: str) -> Model
         if act not in ("silu", "swish"):
             raise SpecError(source, "hidden_act", f"expected 'silu' (SwiGLU) for a {model_type} config, got {act!r}")
         heads = need("num_attention_heads")
-        _check_head_dim(data, source, heads)
         names = {
             **LLAMA_NAMES,
             "num_kv_heads": "num_key_value_heads" if "num_key_value_heads" in data else "num_attention_heads",
@@ -260,6 +296,7 @@ def _model_from_hf_config(data: dict[str, Any], source: str, stem: str) -> Model
             "ffn_hidden_size": need("intermediate_size"),
             "num_attention_heads": heads,
             "num_kv_heads": data.get("num_key_value_heads") or heads,
+            "head_dim": data.get("head_dim"),  # Qwen3's 128 beside hidden 2560 / 32 heads
             "vocab_size": need("vocab_size"),
             "seq_length": data.get("max_position_embeddings", 4096),
             "mlp": "swiglu",
@@ -269,24 +306,9 @@ def _model_from_hf_config(data: dict[str, Any], source: str, stem: str) -> Model
     try:
         return validate(ModelSpec, fields, source)
     except SpecError as err:  # it named hetplan's fields (num_layers for num_hidden_layers)
+        if model_type == "gpt2":
+            err = SpecError(err.source, err.field, err.expectation.replace(HEAD_DIM_HINT, ""))
         raise _in_config_names(err, names) from None
-
-
-def _check_head_dim(data: dict[str, Any], source: str, heads: object) -> None:
-    """A config's head_dim other than hidden_size / num_attention_heads (Qwen3-4B: 2560 / 32 = 80, head_dim 128) was
-    ignored: the layer was costed with projections of hidden_size (3.7B parameters for 4.0B)."""
-    head_dim, hidden = data.get("head_dim"), data.get("hidden_size")
-    if head_dim is None or not isinstance(heads, int) or not isinstance(hidden, int) or heads < 1:
-        return  # (the shape's own checks name a heads or hidden size that is not a number)
-    if not isinstance(head_dim, int) or isinstance(head_dim, bool):
-        raise SpecError(source, "head_dim", f"expected an integer, got {quote(head_dim)}")
-    if head_dim * heads != hidden:
-        raise SpecError(
-            source,
-            "head_dim",
-            f"{head_dim} x {heads} heads is not hidden_size {hidden}: hetplan costs attention projections of "
-            f"hidden_size (heads of {hidden // heads}), so this model is not supported yet",
-        )
 
 
 def _in_config_names(err: SpecError, names: Mapping[str, str]) -> SpecError:

@@ -37,6 +37,8 @@ MODEL_KEYS = [
     "llama3-70b",
     "llama3-405b",
     "llama-140b",
+    "qwen3-4b",
+    "qwen3-32b",
 ]
 
 
@@ -69,6 +71,8 @@ def test_device_units_are_si():
         ("gpt3-13b", 13.0e9),
         ("gpt3-1.7b", 1.7e9),
         ("llama-140b", 140e9),
+        ("qwen3-4b", 4.0e9),  # Hugging Face model card (heads of 128 at hidden 2560)
+        ("qwen3-32b", 32.8e9),
     ],
 )
 def test_parameter_counts_match_publications(key, published_params):

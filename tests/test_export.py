@@ -76,6 +76,18 @@ def test_megatron_layout_is_accepted_by_megatron_core_and_keeps_every_ranks_laye
     assert layout.virtual_pipeline_model_parallel_size == exported.strategy.virtual_stages
 
 
+@pytest.mark.parametrize(("key", "tied", "kv_channels"), [("qwen3-4b", True, 128), ("llama3-8b", False, None)])
+def test_megatron_gets_the_models_head_width_and_ties_what_the_model_ties(key, tied, kv_channels):
+    """Megatron ties the embedding and the output by default: a tied Llama-style model (qwen3-4b) was exported
+    untied, 389M parameters more than planned; its heads of 128 at hidden 2560 / 32 need --kv-channels."""
+    cluster, model, training = load_cluster(EXAMPLES / "h100-mi300x.yaml"), load_model(key), load_training()
+    ctx = default_predictor().context(cluster, model, training)
+    script = export_plan(ctx, plan(cluster, model, training).strategy, "megatron").files["launch.sh"]
+    assert ("--untie-embeddings-and-output-weights" in script) == (not tied)
+    given = [line.split() for line in script.splitlines() if "--kv-channels" in line]
+    assert given == ([["--kv-channels", str(kv_channels)]] if kv_channels else [])
+
+
 @pytest.mark.parametrize("microbatches", [64, 128])
 def test_megatron_gets_a_microbatch_group_size_it_accepts_when_interleaving_needs_one(hethub, microbatches):
     """Megatron's interleaved schedule refuses micro-batch groups whose last one is smaller than p (its own check in

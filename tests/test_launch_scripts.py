@@ -37,6 +37,7 @@ CASES = {
         "llama3-70b",
         EXAMPLES / "training" / "long-context-32k.yaml",
     ),
+    "h100-mi300x-qwen3": (EXAMPLES / "h100-mi300x.yaml", "qwen3-32b", None),  # heads of 128 at hidden 5120 / 64
 }
 
 
@@ -146,7 +147,7 @@ MEGATRON_VALUES = {  # Megatron-LM's arguments.py: the flags an export writes, w
     "--seq-length": int, "--max-position-embeddings": int, "--vocab-size": int, "--num-query-groups": int,
     "--tensor-model-parallel-size": int, "--pipeline-model-parallel-size": int, "--micro-batch-size": int,
     "--global-batch-size": int, "--pipeline-model-parallel-layout": str, "--recompute-num-layers": int,
-    "--microbatch-group-size-per-virtual-pipeline-stage": int, "--context-parallel-size": int,
+    "--microbatch-group-size-per-virtual-pipeline-stage": int, "--context-parallel-size": int, "--kv-channels": int,
 }  # fmt: skip
 MEGATRON_CHOICES = {
     "--normalization": ["LayerNorm", "RMSNorm"],
@@ -192,6 +193,7 @@ def _megatron_config(args: argparse.Namespace, world: int) -> None:
         ffn_hidden_size=args.ffn_hidden_size,
         num_attention_heads=args.num_attention_heads,
         num_query_groups=args.num_query_groups if args.group_query_attention else None,
+        kv_channels=args.kv_channels,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         context_parallel_size=cp,
@@ -224,7 +226,10 @@ def _megatron_config(args: argparse.Namespace, world: int) -> None:
 
 def _megatron(argv: list[str], world: int, folder: Path, ctx: object) -> None:
     assert argv[0] == "pretrain_gpt.py"
-    _megatron_config(_megatron_parser().parse_args(argv[1:]), world)
+    args = _megatron_parser().parse_args(argv[1:])
+    assert args.kv_channels == ctx.model.head_dim  # (Megatron's default: hidden size / heads)
+    assert args.untie_embeddings_and_output_weights == (not ctx.model.tied_embeddings)
+    _megatron_config(args, world)
 
 
 def _flagscale(argv: list[str], world: int, folder: Path, ctx: object) -> None:
@@ -237,6 +242,7 @@ def _flagscale(argv: list[str], world: int, folder: Path, ctx: object) -> None:
     parser.add_argument("--hetero-pipeline-layer-split", nargs="+", type=int)
     parser.add_argument("--hetero-device-types", nargs="+")
     args = parser.parse_args(argv[1:])
+    assert args.kv_channels == ctx.model.head_dim
     meshes = [args.hetero_process_meshes[i : i + 5] for i in range(0, len(args.hetero_process_meshes), 5)]
     assert args.enable_hetero and len(meshes) == len(args.hetero_device_types)
     assert sum(m[4] for m in meshes) == args.pipeline_model_parallel_size == len(args.hetero_pipeline_layer_split)

@@ -19,6 +19,9 @@ from tests.conftest import EXAMPLES, hetplan  # noqa: E402
 
 TINY_LLAMA = load_model(str(EXAMPLES / "models" / "tiny-llama.yaml"))
 TINY_GPT = load_model(str(EXAMPLES / "models" / "tiny-gpt.yaml"))
+# heads wider than hidden / heads (Qwen3's): 8 heads of 128 at hidden 512
+WIDE_HEADS = ModelSpec.model_validate({**TINY_LLAMA.model_dump(), "head_dim": 128})
+MODELS = pytest.mark.parametrize("model", [TINY_LLAMA, TINY_GPT, WIDE_HEADS], ids=["llama", "gpt", "wide-heads"])
 CPU = torch.device("cpu")
 
 
@@ -41,7 +44,19 @@ def implementation_extra_bytes(model: ModelSpec, tokens: int, tp: int, mode: Rec
     return 4.0 * tokens * norms
 
 
-@pytest.mark.parametrize("model", [TINY_LLAMA, TINY_GPT], ids=["llama", "gpt"])
+@MODELS
+def test_the_torch_layer_has_the_formulas_parameters(model):
+    """The profiled (and run) layer holds what ModelSpec.layer_params counts, and a TP 2 shard half of what TP
+    splits (norms, and GPT's row-parallel biases, whole on every rank)."""
+    whole = sum(p.numel() for p in DecoderLayer(model, 1, "none").parameters())
+    assert whole == model.layer_params()
+    h, q, kv = model.hidden_size, model.q_size, model.kv_size
+    replicated = 2 * h if model.mlp == "swiglu" else 4 * h + 2 * h  # norms; GPT: LayerNorm shifts, out and fc2 biases
+    assert sum(p.numel() for p in DecoderLayer(model, 2, "none").parameters()) == (whole - replicated) / 2 + replicated
+    assert DecoderLayer(model, 1, "none").qkv.out_features == q + 2 * kv
+
+
+@MODELS
 @pytest.mark.parametrize("mode", ["none", "selective", "full"])
 @pytest.mark.parametrize(("micro_batch_size", "tp"), [(1, 1), (2, 2)])
 def test_measured_activation_bytes_equal_formula_plus_known_artefacts(model, mode, micro_batch_size, tp):
@@ -53,7 +68,7 @@ def test_measured_activation_bytes_equal_formula_plus_known_artefacts(model, mod
     assert measured == pytest.approx(expected, rel=1e-9)
 
 
-@pytest.mark.parametrize("model", [TINY_LLAMA, TINY_GPT], ids=["llama", "gpt"])
+@MODELS
 @pytest.mark.parametrize("mode", ["selective", "full"])
 def test_recompute_gives_the_same_gradients(model, mode):
     torch.manual_seed(0)

@@ -5,7 +5,9 @@ directory of profiles is checked against the model. Also the tables the CLI prin
 from __future__ import annotations
 
 import base64
+import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -24,6 +26,7 @@ from specs.cluster import ClusterSpec
 from specs.device import get_device
 from specs.errors import SpecError
 from specs.layout import PipelineStrategy, StageStrategy, Strategy, megatron_strategy
+from specs.model import ModelSpec
 from tests.conftest import EXAMPLES
 
 CLUSTER = EXAMPLES / "a100-v100-32.yaml"
@@ -224,6 +227,21 @@ def test_profiles_directory_is_checked_against_the_model(tmp_path):
     _save_profile(tmp_path / "c.json", "h100", "gpt3-6.7b")
     with pytest.raises(SpecError, match=r"c\.json: model\.hidden_size: profiled 4096, the model to plan has 2304"):
         load_profiles(tmp_path, model)
+    # a profile of heads of hidden / heads does not time heads of their own width (Qwen3's), nor the other way
+    wide = ModelSpec.model_validate({**model.model_dump(), "head_dim": 128})
+    (tmp_path / "c.json").unlink()
+    with pytest.raises(SpecError, match=r"a\.json: model\.head_dim: profiled no head_dim \(heads of hid"):
+        load_profiles(tmp_path, wide)
+    other = tmp_path / "wide"
+    other.mkdir()
+    SimulatedDevice(get_device("h100"), wide, 1024, "bf16").to_profile((1,), (1,)).save(other / "w.json")
+    with pytest.raises(SpecError, match=r"w\.json: model\.head_dim: profiled 128, the model to plan has no head_dim"):
+        load_profiles(other, model)
+    # a profile whose model writes out head_dim = hidden / heads (2304 / 24) is the model without it
+    written = json.loads((tmp_path / "a.json").read_text())
+    written["model"]["head_dim"] = 96
+    (other / "w.json").write_text(json.dumps(written))
+    assert list(load_profiles(other, model)) == ["a100-80gb"]
     empty = tmp_path / "empty"
     empty.mkdir()
     assert load_profiles(empty, model) == {}
@@ -352,6 +370,30 @@ def test_progress_of_steps_and_of_work_of_unknown_size():
     run = Progress("run", stream=io.StringIO(), clock=lambda: 0.0, terminal=False)
     run.say("running plan.json on 4 local processes for 5 steps ...")
     assert run.line(2.0) == "hetplan run: running plan.json on 4 local processes for 5 steps, 2 s elapsed"
+
+
+def test_the_iteration_says_how_much_dp_sync_the_tail_leaves_overlapped():
+    """A longer backward hides more of the DP sync, and the tail (DP sync + optimizer) shrank without a word."""
+    from report.tables import summary_rows
+
+    overlapped = []
+    model, strategy = load_model("gpt3-1.7b"), _plan(tp=1, pp=1, dp=16).strategy
+    for seq_length in (512, 1024):
+        training = load_training(None, {"global_batch_size": 32, "zero_stage": 1, "seq_length": seq_length})
+        result = explain(LoadedPlan(strategy, model, training, "test-plan.json", "a100-v100-32"), _a100())
+        tail = max(result.evaluation.stages, key=lambda stage: stage.tail_time_s)
+        hidden_s = tail.dp_sync_time_s - tail.dp_exposed_time_s  # ZeRO-1: the reduction and the gather
+        assert result.evaluation.dp_sync_overlapped_s == pytest.approx(hidden_s)
+        line = dict(summary_rows(result.context, result.evaluation, []))["iteration"]
+        assert line.endswith(f"; {hidden_s:.3f} s of DP sync overlapped)" if hidden_s >= 0.0005 else "")
+        assert ("of DP sync overlapped" in line) == (hidden_s >= 0.0005)
+        overlapped.append(hidden_s)
+    assert 0.0005 < overlapped[0] < overlapped[1]  # a backward of twice the tokens hides more (0.032 s, 0.056 s)
+    zero3 = load_training(None, {"global_batch_size": 256, "zero_stage": 3})
+    strategy = replace(_plan(tp=2, pp=2, dp=4, batch=256).strategy, zero_stage=3)
+    sharded = explain(LoadedPlan(strategy, load_model("gpt3-1.7b"), zero3, "z3.json", "a100-v100-32"), _a100())
+    assert sharded.evaluation.dp_sync_overlapped_s == 0.0  # its traffic is in the passes' time, not after the flush
+    assert "overlapped" not in dict(summary_rows(sharded.context, sharded.evaluation, []))["iteration"]
 
 
 def test_summaries_say_what_their_numbers_count():

@@ -19,7 +19,7 @@ from runtime.model import ReferenceModel, StageModule, gradient_pieces, piece_of
 from runtime.tensor_parallel import TensorParallel  # noqa: E402
 from specs.cluster import ClusterFile, resolve_cluster  # noqa: E402
 from specs.layout import PipelineStrategy, StageStrategy, Strategy  # noqa: E402
-from specs.model import load_model  # noqa: E402
+from specs.model import ModelSpec, load_model  # noqa: E402
 from specs.training import TrainingSpec  # noqa: E402
 
 MODEL = load_model(str(Path(__file__).parent.parent / "examples/models/tiny-llama.yaml")).model_copy(
@@ -66,13 +66,13 @@ SEED, BATCH, STEPS = 3, 6, 2
 ROOT_EXAMPLES = Path(__file__).parent.parent / "examples"
 
 
-def _reference() -> tuple[ReferenceModel, list[float]]:
+def _reference(model: ModelSpec = MODEL) -> tuple[ReferenceModel, list[float]]:
     """Two steps of the whole model in this process with torch's AdamW (lr 1e-3, weight decay 0.01)."""
-    reference = ReferenceModel(MODEL, SEED).double()
+    reference = ReferenceModel(model, SEED).double()
     optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.01)
     losses, first_grads = [], None
     for step in range(STEPS):
-        tokens = synthetic_batch(MODEL, BATCH, MODEL.seq_length, SEED, step)
+        tokens = synthetic_batch(model, BATCH, model.seq_length, SEED, step)
         loss = reference(tokens[:, :-1], tokens[:, 1:])
         loss.backward()
         losses.append(float(loss.detach()))
@@ -80,27 +80,27 @@ def _reference() -> tuple[ReferenceModel, list[float]]:
             first_grads = {name: p.grad.clone() for name, p in reference.named_parameters()}
         optimizer.step()
         optimizer.zero_grad()
-    fresh = ReferenceModel(MODEL, SEED).double()
+    fresh = ReferenceModel(model, SEED).double()
     for name, p in fresh.named_parameters():
         p.grad = first_grads[name]
     return fresh, losses
 
 
-def parity_plan(strategy: Strategy) -> tuple[LoadedPlan, RunSettings]:
+def parity_plan(strategy: Strategy, model: ModelSpec = MODEL) -> tuple[LoadedPlan, RunSettings]:
     """A plan of the test model and batch, and settings that capture step 0's gradients in fp64."""
-    plan = LoadedPlan(strategy, MODEL, TrainingSpec(global_batch_size=BATCH, dtype="fp32"), "test plan")
+    plan = LoadedPlan(strategy, model, TrainingSpec(global_batch_size=BATCH, dtype="fp32"), "test plan")
     return plan, RunSettings(steps=STEPS, seed=SEED, dtype="fp64", capture_gradients=True, timeout_s=60)
 
 
-def _check(strategy: Strategy, tmp_path) -> None:
-    plan, settings = parity_plan(strategy)
-    compare_with_one_process(strategy, run_plan(plan, CLUSTER, settings, str(tmp_path)), tmp_path)
+def _check(strategy: Strategy, tmp_path, model: ModelSpec = MODEL) -> None:
+    plan, settings = parity_plan(strategy, model)
+    compare_with_one_process(strategy, run_plan(plan, CLUSTER, settings, str(tmp_path)), tmp_path, model)
 
 
-def compare_with_one_process(strategy: Strategy, results: list[dict], tmp_path) -> None:
+def compare_with_one_process(strategy: Strategy, results: list[dict], tmp_path, model: ModelSpec = MODEL) -> None:
     """Both steps' losses and every rank's step-0 gradients (grads-R.pt in tmp_path) against the reference."""
     summary = summarize(results, STEPS)
-    reference, losses = _reference()
+    reference, losses = _reference(model)
     # step 1's loss also checks the optimizer (and ZeRO-1's sharded update and all-gather)
     assert summary["losses"] == pytest.approx(losses, rel=1e-9)
     checked = 0
@@ -115,7 +115,7 @@ def compare_with_one_process(strategy: Strategy, results: list[dict], tmp_path) 
             pieces = gradient_pieces(reference, chunk.layer_start, chunk.layer_end, chunk.first, chunk.last)
             tp = TensorParallel(None, stage.tp, result["tp_rank"])
             prefix = f"chunk{k}." if len(chunks) > 1 else ""
-            module = StageModule(MODEL, pieces, tp, "none").double()
+            module = StageModule(model, pieces, tp, "none").double()
             expected_grads.update({prefix + name: p for name, p in module.named_parameters()})
         got = torch.load(tmp_path / f"grads-{result['rank']}.pt")
         assert set(got) == {name for name, p in expected_grads.items() if p.requires_grad}
@@ -250,6 +250,15 @@ def test_two_families_with_different_tp_and_stage_boundaries_match_one_process(t
     fast = PipelineStrategy(1, 2, 2, (StageStrategy("fast", 0, 5, 2, 0),))
     slow = PipelineStrategy(1, 1, 2, (StageStrategy("slow", 0, 2, 1, 0), StageStrategy("slow", 2, 5, 1, 1)))
     _check(Strategy((fast, slow), "none", 0), tmp_path)
+
+
+def test_heads_wider_than_hidden_over_heads_split_over_tp_and_stages_match_one_process(tmp_path):
+    # Qwen3's shape: 4 heads of 32 at hidden 64 (Q and the attention output 128 wide, K and V 2 x 32), at TP 2 on
+    # `fast` then TP 1 on `slow`, ZeRO-1
+    wide = ModelSpec.model_validate({**MODEL.model_dump(), "head_dim": 32})
+    assert wide.q_size == 2 * wide.hidden_size
+    stages = (StageStrategy("fast", 0, 2, 2, 0), StageStrategy("slow", 2, 5, 1, 0))
+    _check(Strategy((PipelineStrategy(1, 2, 3, stages),), "none", 1), tmp_path, wide)
 
 
 def test_families_with_uneven_replicas_zero1_and_recompute_match_one_process(tmp_path):

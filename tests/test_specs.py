@@ -165,6 +165,60 @@ mlp: swiglu
     assert llama.key == llama.name == write("x", "").parent.name  # a config.json is named by its directory
 
 
+QWEN3_4B = {  # Hugging Face config.json of Qwen/Qwen3-4B, the fields hetplan reads
+    "model_type": "qwen3",
+    "hidden_size": 2560,
+    "intermediate_size": 9728,
+    "num_hidden_layers": 36,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 151936,
+    "max_position_embeddings": 40960,
+    "tie_word_embeddings": True,
+}
+
+
+def test_a_config_heads_wider_than_hidden_over_heads_are_costed_at_their_width(write):
+    """Qwen3-4B's 32 heads of 128 at hidden 2560 were refused (and, before, costed as heads of 80: 3.7B parameters
+    for the model card's 4.0B); they are the catalog's qwen3-4b in shape."""
+    qwen3 = load_model(str(write("config.json", json.dumps(QWEN3_4B))))
+    assert qwen3.head_dim == qwen3.head_size == 128 and qwen3.q_size == 4096 and qwen3.kv_size == 1024
+    assert qwen3.total_params() == pytest.approx(4.0e9, rel=0.01)  # model card: 4.0B, 3.6B without the embedding
+    catalog = load_model("qwen3-4b")
+    assert qwen3.model_copy(update={"seq_length": 4096}).shape == catalog.shape  # (the config's longest: 40960)
+    assert qwen3.layer_params() == catalog.layer_params()
+    # a layer's weights are its GEMMs: 2 FLOPs per weight and token (RMSNorm scales aside)
+    assert qwen3.layer_gemm_flops(1) == 2 * (qwen3.layer_params() - 2 * qwen3.hidden_size)
+    assert qwen3.layer_attention_flops(1, 10) == 4 * 10 * 10 * 4096
+
+
+def test_a_head_dim_of_hidden_over_heads_is_the_default_model(write):
+    """Qwen3-8B's config gives head_dim 128 = 4096 / 32: the same spec as without it, files and plans alike."""
+    plain = {**QWEN3_4B, "hidden_size": 4096, "intermediate_size": 12288}
+    given = load_model(str(write("given.json", json.dumps(plain))))
+    implied = load_model(str(write("implied.json", json.dumps({**plain, "head_dim": None}))))
+    left_out = load_model(str(write("left-out.json", json.dumps({k: v for k, v in plain.items() if k != "head_dim"}))))
+    assert given.head_dim is None and given.shape == implied.shape == left_out.shape and given.head_size == 128
+    assert "head_dim" not in given.model_dump()
+    wide = load_model(str(write("wide.json", json.dumps(QWEN3_4B))))
+    assert wide.model_dump()["head_dim"] == 128
+
+
+def test_a_head_dim_lets_heads_not_divide_the_hidden_size(write):
+    """Gemma-7B's 16 heads of 256 at hidden 3072; 7 heads do not divide 3072, and need their head_dim."""
+    shape = {"num_layers": 2, "hidden_size": 3072, "ffn_hidden_size": 256, "num_attention_heads": 16,
+             "num_kv_heads": 16, "vocab_size": 100, "seq_length": 64, "mlp": "swiglu"}  # fmt: skip
+    assert load_model(str(write("gemma.yaml", json.dumps({**shape, "head_dim": 256})))).q_size == 4096
+    assert load_model(str(write("gemma.yaml", json.dumps({**shape, "head_dim": 192})))).head_dim is None
+    seven = {**shape, "num_attention_heads": 7, "num_kv_heads": 7}
+    assert load_model(str(write("seven.yaml", json.dumps({**seven, "head_dim": 256})))).q_size == 7 * 256
+    with pytest.raises(SpecError, match="must be a multiple of num_attention_heads 7 .or give the model's head_dim"):
+        load_model(str(write("bad.yaml", json.dumps(seven))))
+    with pytest.raises(SpecError, match="a head of 255 elements: rotary positions .mlp swiglu. need an even head size"):
+        load_model(str(write("odd.yaml", json.dumps({**seven, "head_dim": 255}))))
+
+
 def test_a_config_json_given_from_its_directory_is_named_by_it(write, monkeypatch):
     """`--model config.json` in the checkpoint's directory: the model's name was '' (the bare path's parent)."""
     config = write(
@@ -237,13 +291,8 @@ QWEN = '"model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944, 
             "tie_word_embeddings",
             "expected true or false, got 'false'",
         ),
-        # a head_dim the projections of hidden_size cannot hold (Qwen3-4B's) was ignored: 3.7B parameters for 4.0B
-        (
-            '{"model_type": "qwen3", "hidden_size": 2560, "intermediate_size": 9728, "num_hidden_layers": 36, '
-            '"num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936}',
-            "head_dim",
-            "128 x 32 heads is not hidden_size 2560: hetplan costs attention projections of hidden_size (heads of 80)",
-        ),
+        (f'{{{QWEN}, "vocab_size": 10, "num_hidden_layers": 28, "head_dim": "128"}}', "head_dim", "got '128'"),
+        (f'{{{QWEN}, "vocab_size": 10, "num_hidden_layers": 28, "head_dim": 0}}', "head_dim", ">= 1, got 0"),
     ],
 )
 def test_bad_hf_configs(write, text, field, expectation):
