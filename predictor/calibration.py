@@ -340,20 +340,37 @@ def prediction_interval(
     extra_log_variance: float = 0.0,
     basis: str = "",
 ) -> Interval:
-    """Point and 90% interval of the calibrated iteration time of `strategy` (ctx is uncalibrated)."""
+    """Point and 90% interval of the calibrated iteration time of `strategy` (ctx is uncalibrated). The fitted terms
+    count through their covariance and the slope of log time (they are known to a small step); a term no run
+    informed counts by what its prior's 90% points, inside its bounds, do to log time (the same for a log-scale term
+    the time is linear in): extrapolated from its slope, a fixed 50 ms overhead's prior on a 3 ms step gave a tiny
+    CPU model the interval 0.000 - 899841423 s. Each side sums its shifts in quadrature and may differ from the other
+    (an overhead >= 0 adds, never takes away); `log_sd` is the root mean square of the two over Z_90."""
     parameters = parameters_for(ctx)
     values = {p.name: p.prior_mean for p in parameters}
     values.update(calibration.value_map())
-    point = math.exp(_log_time(ctx, strategy, values))
-    gradient = _gradient(ctx, strategy, values, parameters)
+    base = _log_time(ctx, strategy, values)
     fitted = {name: i for i, name in enumerate(calibration.names)}
-    covariance = np.zeros((len(parameters), len(parameters)))
-    for i, a in enumerate(parameters):
-        for j, b in enumerate(parameters):
-            if a.name in fitted and b.name in fitted:
-                covariance[i, j] = calibration.covariance[fitted[a.name]][fitted[b.name]]
-            elif i == j:
-                covariance[i, j] = a.prior_sd**2
-    variance = float(gradient @ covariance @ gradient) + calibration.run_noise**2 + extra_log_variance
-    log_sd = math.sqrt(max(variance, 0.0))
-    return Interval(point, point * math.exp(-Z_90 * log_sd), point * math.exp(Z_90 * log_sd), log_sd, basis)
+    informed = [p for p in parameters if p.name in fitted]
+    gradient = _gradient(ctx, strategy, values, informed)
+    covariance = np.array(
+        [[calibration.covariance[fitted[a.name]][fitted[b.name]] for b in informed] for a in informed]
+    )
+    common = float(gradient @ covariance @ gradient) if informed else 0.0
+    common += calibration.run_noise**2 + extra_log_variance
+    up = down = Z_90**2 * common  # squared log shifts of the 90% points
+    for parameter in parameters:
+        if parameter.name in fitted:
+            continue
+        shifts = [_log_time(ctx, strategy, {**values, parameter.name: at}) - base for at in _prior_90(parameter)]
+        up += max(0.0, *shifts) ** 2
+        down += min(0.0, *shifts) ** 2
+    point = math.exp(base)
+    low, high = point * math.exp(-math.sqrt(down)), point * math.exp(math.sqrt(up))
+    return Interval(point, low, high, math.sqrt((up + down) / 2) / Z_90, basis)
+
+
+def _prior_90(parameter: Parameter) -> tuple[float, float]:
+    """The parameter's prior 90% points (Z_90 prior sds above and below its mean), inside its bounds."""
+    mean, sd = parameter.prior_mean, parameter.prior_sd
+    return min(parameter.upper, mean + Z_90 * sd), max(parameter.lower, mean - Z_90 * sd)

@@ -196,6 +196,39 @@ def test_interval_covers_the_point_and_is_wider_for_a_device_no_run_informed():
     assert widths["v100"] > widths["a100"]
 
 
+def test_a_term_no_run_informed_widens_the_interval_by_what_it_can_add_not_by_its_slope():
+    """A 3 ms step of a tiny CPU model under the 50 ms prior of the per-iteration overhead (no run informs it): the
+    slope of log time, 1/t, extrapolated to one sd gave 0.000 - 899841423 s. One sd each way: the overhead adds
+    up to 50 ms and takes nothing away (it is >= 0)."""
+    cluster = load_cluster(EXAMPLES / "cpu-even.yaml")
+    model = load_model(EXAMPLES / "models" / "tiny-llama.yaml").model_copy(
+        update={"num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 176, "num_attention_heads": 4,
+                "num_kv_heads": 2, "vocab_size": 256, "seq_length": 32}
+    )  # fmt: skip
+    training = load_training(None, {"global_batch_size": 8, "dtype": "fp32"})
+    predictor = default_predictor()
+    base = predictor.base_context(cluster, model, training)
+    strategy = megatron_strategy(
+        cluster, model, training, group="left", tp=1, pp=1, dp=1, micro_batch_size=8, recompute="none"
+    )
+    interval = predictor.interval(base, strategy)
+    point = interval.iteration_time_s
+    assert point < 0.02
+    assert 0.3 * point < interval.low_s < point < interval.high_s < point + 2 * 0.05
+    assert math.log(interval.high_s / point) > 2 * math.log(point / interval.low_s)  # the overhead only adds
+    # a large model's interval is its slope's, as before (the terms move it by a small part of itself)
+    a100 = load_cluster(EXAMPLES / "a100-v100-32.yaml")
+    a100 = a100.only(a100.group("a100"))
+    big, big_training = load_model("gpt3-1.7b"), load_training(None, {"global_batch_size": 64})
+    big_strategy = megatron_strategy(
+        a100, big, big_training, group="a100", tp=2, pp=1, dp=8, micro_batch_size=1, recompute="none"
+    )
+    wide = predictor.interval(predictor.base_context(a100, big, big_training), big_strategy)
+    assert math.log(wide.high_s / wide.iteration_time_s) == pytest.approx(
+        math.log(wide.iteration_time_s / wide.low_s), rel=0.05
+    )
+
+
 def _cpu_run(measured_over_predicted: float):
     """A local run on examples/cpu-hetero.yaml's simulated CPUs, measured `measured_over_predicted` times its
     uncalibrated prediction."""
