@@ -481,8 +481,8 @@ def _check_summaries(
                 unsplit = (
                     ""
                     if model.splits_for_tp(stage.tp)
-                    else f"tp {stage.tp} does not split the model's {model.num_kv_heads} kv heads and FFN "
-                    f"{model.ffn_hidden_size} into equal parts (a stage's TP must); "
+                    else f"tp {stage.tp} does not split {model.unsplit_by_tp(stage.tp)} into equal parts (a stage's TP "
+                    "must); "
                 )
                 hints[f"{name}.stages[{number}].devices"] = (
                     f"{unsplit}{written_devices} is what tp {written_devices // rest} gives: if tp was edited from "

@@ -67,7 +67,7 @@ def _with_its_flag(err: SpecError, values: Sequence[tuple[str, str]]) -> str:
     """A whole file's error (no field) with the option that named the file: `--cluster nope.yaml: file not found` (it
     named the file alone, and a newcomer with three files on the line looked for which); none where several options
     named it, or where the error names a flag already."""
-    if err.field or not err.source or err.source.startswith("-"):
+    if err.field not in ("", "schema") or not err.source or err.source.startswith("-"):  # (schema: the file's kind)
         return str(err)
     flags = {flag for flag, value in values if value and Path(value) == Path(err.source)}
     return f"{flags.pop()} {err}" if len(flags) == 1 else str(err)

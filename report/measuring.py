@@ -444,6 +444,11 @@ def run(
         inject_failure, under_torchrun, cluster_spec.num_devices,
     )  # fmt: skip
     costs = plan_costs_said(loaded, predictor, profiles, cluster_spec)
+    if loaded.model.tied_embeddings:  # (runtime/model.py: it holds an output matrix of its own)
+        said.say(
+            f"note: {loaded.model.key} ties its embedding and output weights; hetplan's runtime trains them as two "
+            "matrices, as a model that does not tie them (the engines' exports tie them)"
+        )
     predictor_object = costs.predictor
     context = run_context(loaded, predictor_object, costs.profiles)
     # under torchrun: this process is one rank, rank 0 writes

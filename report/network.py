@@ -164,8 +164,7 @@ def textbook_beyond_model(model: ModelSpec, global_batch: int, gpus: int) -> dic
         for style in ("dp", "fsdp"):
             beyond[style] = f"{gpus} ranks, a global batch of {global_batch} sequences: a rank would have none"
     if not model.splits_for_tp(gpus):
-        heads, ffn = model.num_kv_heads, model.ffn_hidden_size
-        beyond["tp"] = f"TP {gpus} does not split the {heads} kv heads and FFN {ffn} into equal parts"
+        beyond["tp"] = f"TP {gpus} does not split {model.unsplit_by_tp(gpus)} into equal parts"
     if gpus > model.num_layers:
         beyond["pp"] = f"{gpus} stages of {model.num_layers} layers: a stage would have none"
     return beyond

@@ -105,9 +105,10 @@ class ModelSpec(CheckedModel):
                 + HEAD_DIM_HINT
             )
         if self.mlp == "swiglu" and self.head_size % 2:  # rotary positions turn pairs of a head's elements
-            raise ValueError(
-                f"a head of {self.head_size} elements: rotary positions (mlp swiglu) need an even head size"
+            given = (
+                f"head_dim {self.head_dim}" if self.head_dim else f"hidden_size / num_attention_heads, {self.head_size}"
             )
+            raise ValueError(f"{given}: expected an even head size (a Llama-style model's rotary positions turn pairs)")
         if self.num_attention_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_attention_heads {self.num_attention_heads} must be a multiple of num_kv_heads {self.num_kv_heads}"
@@ -118,6 +119,13 @@ class ModelSpec(CheckedModel):
     def splits_for_tp(self, tp: int) -> bool:
         """Whether TP `tp` splits the layer: its kv heads and its ffn."""
         return self.num_kv_heads % tp == 0 and self.ffn_hidden_size % tp == 0
+
+    def unsplit_by_tp(self, tp: int) -> str:
+        """What TP `tp` cannot split into equal parts ("the 8 kv heads", "FFN 9728", or both with "nor"); "" where it
+        splits the layer (a message named both where one split: TP 16 splits qwen3-4b's FFN 9728)."""
+        parts = [f"the {self.num_kv_heads} kv heads"] if self.num_kv_heads % tp else []
+        parts += [f"FFN {self.ffn_hidden_size}"] if self.ffn_hidden_size % tp else []
+        return " nor ".join(parts)
 
     def check_tp_degrees(self, degrees: Iterable[int], flag: str = "--tp") -> None:
         """Each TP degree (of a profile to measure or simulate) splits the layer, or a one-line error."""
@@ -366,6 +374,8 @@ def load_model(
     if not path.exists() and path.suffix.lower() not in (".yaml", ".yml", ".json"):
         known = ", ".join(model_catalog())
         raise SpecError(source, field, f"unknown model {name_or_path!r}; expected a file or one of: {known}")
+    if path.is_dir() and (path / "config.json").is_file():  # a Hugging Face checkpoint's directory
+        raise SpecError(str(path), "", f"expected a file, got a directory: its config.json is {path / 'config.json'}")
     checkpoint = path.resolve().parent.name if path.stem == "config" else path.stem  # a HF checkpoint's directory
     return _model_from_mapping(read_mapping(path), str(path), path.stem, checkpoint)
 

@@ -116,6 +116,10 @@ network: {topology: rail-optimized, inter_group_gbps: 200}
             "error: examples/hethub-768.yaml: expected a training file",
         ),
         (("explain", "-q", "missing.json", "-c", "examples/hethub-768.yaml"), "error: missing.json: file not found"),
+        (  # a file of another kind given for a plan
+            ("predict", "-c", "examples/hethub-768.yaml", "--strategy", "examples/a100-v100-32.yaml"),
+            "error: --strategy examples/a100-v100-32.yaml: schema: expected 'hetplan.plan/1'",
+        ),
         (("plan", "-c", "examples/hethub-768.yaml", "--lower-bound", "-m", "gpt5"), "error: --model: unknown model"),
         (("plan", "--cluster", "examples/hethub-768.yaml", "--model", "gpt5"), "unknown model 'gpt5'"),
         (
@@ -379,3 +383,19 @@ def test_help_without_rich_shows_bracketed_defaults_as_written(monkeypatch: pyte
     assert result.returncode == 0, result.stderr
     assert "Tensor-parallel degree [default: 1]." in result.stdout
     assert "\\[" not in result.stdout
+
+
+@pytest.mark.slow
+def test_a_run_of_a_tied_model_says_the_runtime_trains_it_untied(tmp_path):
+    """hetplan's runtime holds an output matrix of its own: a tied model (tiny-gpt) ran as an untied one, its losses
+    those of the untied model, without a word."""
+    pytest.importorskip("torch")
+    cluster, plan_file = str(EXAMPLES / "cpu-even.yaml"), str(tmp_path / "p.json")
+    model = str(EXAMPLES / "models" / "tiny-gpt.yaml")
+    made = hetplan("plan", "-c", cluster, "-m", model, "--global-batch", "4", "--out", plan_file, "--quiet")
+    assert made.returncode == 0, made.stderr
+    ran = hetplan(
+        "run", plan_file, "-c", cluster, "--steps", "1", "--out", str(tmp_path / "r.json"), torch_allowed=True
+    )
+    assert ran.returncode == 0, ran.stderr
+    assert "note: tiny-gpt ties its embedding and output weights; hetplan's runtime trains them as two" in ran.stderr

@@ -502,8 +502,8 @@ def test_a_stage_device_written_by_alias_or_another_case_is_the_groups(capsys, t
         # ... to a tp that cannot split the layer: said before the stale figure (it named the figure alone)
         (
             ("explain", "{tp3-edited}", "-c", str(CPU)),
-            "which decides it; tp 3 does not split the model's 4 kv heads and FFN 1408 into equal parts (a stage's TP "
-            "must); 2 is what tp 1 gives",
+            "which decides it; tp 3 does not split the 4 kv heads nor FFN 1408 into equal parts (a stage's TP must); 2 "
+            "is what tp 1 gives",
         ),
         (("predict", "-c", str(CPU), "--strategy", "{batch-weight}"), "pipelines[0].batch_weight: 0.25 disagrees"),
         (("predict", "-c", str(CPU), "--strategy", "{schedule}"), "schedule: 'interleaved-1f1b' disagrees with"),

@@ -199,7 +199,10 @@ def test_traffic_calc_has_no_volume_for_ranks_the_model_or_batch_cannot_take():
     assert body["bytes_per_rank"]["dp"] > 0 and sorted(body["not_applicable"]) == ["pp", "tp"]
     lines = traffic_calc_lines(body, 2048, model.seq_length)
     assert "  pp    n/a: 96 stages of 80 layers: a stage would have none" in lines
-    assert "  tp    n/a: TP 96 does not split the 8 kv heads and FFN 28672 into equal parts" in lines
+    assert "  tp    n/a: TP 96 does not split the 8 kv heads nor FFN 28672 into equal parts" in lines
+    # only what does not split is named (qwen3-4b's FFN 9728 splits over 16: it was named too)
+    qwen = traffic_calc(load_model("qwen3-4b"), 1e9, 2048, 16)["not_applicable"]
+    assert qwen["tp"] == "TP 16 does not split the 8 kv heads into equal parts"
     wide = traffic_calc(model, 156e9, 2048, 4096)
     assert all(value is None for value in wide["bytes_per_rank"].values())
     assert wide["not_applicable"]["dp"] == "4096 ranks, a global batch of 2048 sequences: a rank would have none"

@@ -215,8 +215,16 @@ def test_a_head_dim_lets_heads_not_divide_the_hidden_size(write):
     assert load_model(str(write("seven.yaml", json.dumps({**seven, "head_dim": 256})))).q_size == 7 * 256
     with pytest.raises(SpecError, match="must be a multiple of num_attention_heads 7 .or give the model's head_dim"):
         load_model(str(write("bad.yaml", json.dumps(seven))))
-    with pytest.raises(SpecError, match="a head of 255 elements: rotary positions .mlp swiglu. need an even head size"):
+    with pytest.raises(SpecError, match=r"odd.yaml: head_dim 255: expected an even head size \(a Llama-style"):
         load_model(str(write("odd.yaml", json.dumps({**seven, "head_dim": 255}))))
+
+
+def test_a_checkpoints_directory_given_for_the_model_points_at_its_config(write):
+    """`--model hf/qwen3-0.6b` said "expected a file, got a directory" with no word of the config.json in it."""
+    config = write("config.json", json.dumps(QWEN3_4B))
+    with pytest.raises(SpecError) as caught:
+        load_model(config.parent)
+    assert str(caught.value) == (f"{config.parent}: expected a file, got a directory: its config.json is {config}")
 
 
 def test_a_config_json_given_from_its_directory_is_named_by_it(write, monkeypatch):
