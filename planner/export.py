@@ -329,6 +329,13 @@ def _torchtitan(ctx: CostContext, strategy: Strategy, plan: Strategy) -> tuple[d
     return {"torchtitan.toml": toml}, [["--job.config_file", "$here/torchtitan.toml"]]
 
 
+# what a Llama-style model's Megatron arguments cannot say from hetplan's model (its shape): Llama 3 rotates at a base
+# of 500000, Qwen3 at 1000000 with per-head Q/K norms, Qwen2 has Q/K/V biases
+ARCHITECTURE_NOTE = (
+    "the arguments give the model's shape; its rotary base, norm epsilon, per-head Q/K norms and Q/K/V biases are "
+    "Megatron's defaults (10000, 1e-5, none, none): add --rotary-base, --norm-epsilon, --qk-layernorm or "
+    "--add-qkv-bias where the model's differ (Llama 3: --rotary-base 500000; Qwen3: 1000000 and --qk-layernorm)"
+)
 EXPORTED_PLAN_FILE = "plan.json"  # the torchrun export's plan, which launch.sh names to every rank in $HETPLAN_PLAN
 
 
@@ -621,6 +628,8 @@ def export_plan(
             "interleaving keeps each rank's layer count, not its layer ids (the engine deals chunks round-robin)"
         )
     notes += [note] if (note := _memory_note(evaluate(runs_ctx, exported))) else []
+    if engine.key in ("megatron", "flagscale") and ctx.model.mlp == "swiglu":
+        notes.append(ARCHITECTURE_NOTE)
     return Export(
         engine.key,
         exported,

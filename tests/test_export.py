@@ -12,7 +12,7 @@ import tomllib
 
 from planner import plan
 from planner.engine_space import closest, engine_plans, engine_training, near_plans
-from planner.export import WRITERS, export_plan, megatron_layout
+from planner.export import ARCHITECTURE_NOTE, WRITERS, export_plan, megatron_layout
 from planner.plan import describe_strategy, layout_changes
 from predictor.cost_model import evaluate
 from predictor.predictor import default_predictor
@@ -82,8 +82,11 @@ def test_megatron_gets_the_models_head_width_and_ties_what_the_model_ties(key, t
     untied, 389M parameters more than planned; its heads of 128 at hidden 2560 / 32 need --kv-channels."""
     cluster, model, training = load_cluster(EXAMPLES / "h100-mi300x.yaml"), load_model(key), load_training()
     ctx = default_predictor().context(cluster, model, training)
-    script = export_plan(ctx, plan(cluster, model, training).strategy, "megatron").files["launch.sh"]
+    exported = export_plan(ctx, plan(cluster, model, training).strategy, "megatron")
+    script = exported.files["launch.sh"]
     assert ("--untie-embeddings-and-output-weights" in script) == (not tied)
+    # what the arguments cannot say (Llama 3's rotary base 500000, Qwen3's 1000000 and Q/K norms) is said
+    assert ARCHITECTURE_NOTE in exported.notes and "--rotary-base" not in script
     given = [line.split() for line in script.splitlines() if "--kv-channels" in line]
     assert given == ([["--kv-channels", str(kv_channels)]] if kv_channels else [])
 
@@ -115,6 +118,11 @@ def test_megatron_gets_a_microbatch_group_size_it_accepts_when_interleaving_need
         size = int(args.split(flag)[1].split()[0])
         assert stages <= size <= microbatches
         assert microbatches % size == 0 or microbatches % size >= stages
+
+
+def test_a_gpt_export_has_no_note_of_rotary_positions(mixed):
+    ctx, strategy = mixed
+    assert ARCHITECTURE_NOTE not in export_plan(ctx, strategy, "megatron").notes
 
 
 def test_megatron_drops_per_stage_tp_and_uneven_batches_and_says_so_flagscale_keeps_tp(mixed):
