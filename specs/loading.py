@@ -57,9 +57,15 @@ def text_sha256(text: str) -> str:
 
 
 def quote(value: Any) -> str:
-    """repr of a value, cut to QUOTE_CHARS characters (error messages never echo a whole input)."""
-    text = repr(value)
+    """repr of a value, cut to QUOTE_CHARS characters (error messages never echo a whole input); true, false and null
+    as a YAML or JSON file writes them (`nodes: true` read "got True")."""
+    text = {True: "true", False: "false", None: "null"}.get(value, repr(value)) if _is_literal(value) else repr(value)
     return text if len(text) <= QUOTE_CHARS else text[: QUOTE_CHARS - 3] + "..."
+
+
+def _is_literal(value: Any) -> bool:
+    """true, false or null (not 1 or 0, which equal True and False)."""
+    return value is None or isinstance(value, bool)
 
 
 class _InputError(Exception):

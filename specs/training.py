@@ -15,6 +15,7 @@ from specs.loading import (
     StrictFloat,
     StrictInt,
     check_file_kind,
+    quote,
     read_mapping,
     validate,
 )
@@ -136,7 +137,7 @@ class TrainingSpec(CheckedModel):
     @classmethod
     def _stage_not_bool(cls, value: Any) -> Any:
         if isinstance(value, bool):
-            raise ValueError(f"expected 0, 1, 2 or 3, got {value}")
+            raise ValueError(f"expected 0, 1, 2 or 3, got {quote(value)}")
         return value
 
     @field_validator("recompute", mode="before")

@@ -63,7 +63,7 @@ def test_duplicate_keys_are_refused_in_yaml_and_json(tmp_path):
 @pytest.mark.parametrize(
     ("old", "new", "expected"),
     [
-        ("nodes: 16", "nodes: true", "groups[0].nodes: expected an integer, got True"),
+        ("nodes: 16", "nodes: true", "groups[0].nodes: expected an integer, got true"),  # (as the file writes it)
         ("nodes: 16", "nodes: '16'", "groups[0].nodes: expected an integer, got '16'"),
         ("nodes: 16", "nodes: 16.0", "groups[0].nodes: expected an integer, got 16.0"),
         ("devices_per_node: 8", "devices_per_node: 1000000000000", "expected a value <= 4096, got 1000000000000"),
@@ -84,9 +84,9 @@ def test_training_values_are_strict_and_bounded(tmp_path):
         ('{"global_batch_size": NaN}', "NaN is not a number a spec can use"),
         ('{"global_batch_size": 9223372036854775808}', "expected a value <= 1048576"),
         ('{"global_batch_size": 1024.0}', "expected an integer, got 1024.0"),
-        ('{"zero_stage": true}', "zero_stage: expected 0, 1, 2 or 3, got True"),
+        ('{"zero_stage": true}', "zero_stage: expected 0, 1, 2 or 3, got true"),
         ('{"zero_stage": 4}', "zero_stage: expected 0, 1, 2 or 3, got 4"),
-        ('{"micro_batch_sizes": [1, true]}', "micro_batch_sizes[1]: expected an integer, got True"),
+        ('{"micro_batch_sizes": [1, true]}', "micro_batch_sizes[1]: expected an integer, got true"),
     ]:
         path = tmp_path / "t.json"
         path.write_text(text, encoding="utf-8")

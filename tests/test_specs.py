@@ -447,7 +447,7 @@ def test_a_model_shape_is_a_whole_number_as_in_every_other_file():
 
     assert type(load_model({**shape, "num_layers": np.int64(8)}).num_layers) is int
     assert load_training(None, {"global_batch_size": np.int32(64)}).global_batch_size == 64
-    with pytest.raises(SpecError, match=r"num_layers: expected an integer, got True$"):
+    with pytest.raises(SpecError, match=r"num_layers: expected an integer, got true$"):
         load_model({**shape, "num_layers": True})
 
 
