@@ -246,9 +246,11 @@ def memory_lines(details: Mapping[str, Any]) -> list[str]:
     planned = details.get("predicted_memory_bytes")
     if not peaks or planned is None:
         return []
+    # a tiny model's state in MiB (it read "the plan's 0.00 GiB per device")
+    state = f"{planned / GIB:.2f} GiB" if planned >= 0.1 * GIB else f"{planned / 2**20:.1f} MiB"
     return [
         f"memory: peak resident {min(peaks) / GIB:.2f}-{max(peaks) / GIB:.2f} GiB per rank; the plan's "
-        f"{planned / GIB:.2f} GiB per device is the model's weights, gradients, optimizer state and activations, "
+        f"{state} per device is the model's weights, gradients, optimizer state and activations, "
         "not the process's own (torch, Gloo's buffers, the emulation)"
     ]
 

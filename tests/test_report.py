@@ -18,7 +18,7 @@ from profiler.profiles import load_profiles, profile_files
 from profiler.simulated import SimulatedDevice
 from report import explain, rail_only, traffic, traffic_calc
 from report.figures import HEATMAP_MAX_DEVICES, traffic_matrix
-from report.measurements import measured_steps_words
+from report.measurements import measured_steps_words, memory_lines
 from report.replanning import replan_lines
 from report.tables import STAGE_COLUMNS, plan_rows, stage_table, traffic_calc_lines
 from specs import load_cluster, load_model, load_training
@@ -397,6 +397,15 @@ def test_the_iteration_says_how_much_dp_sync_the_tail_leaves_overlapped():
     sharded = explain(LoadedPlan(strategy, load_model("gpt3-1.7b"), zero3, "z3.json", "a100-v100-32"), _a100())
     assert sharded.evaluation.dp_sync_overlapped_s == 0.0  # its traffic is in the passes' time, not after the flush
     assert "overlapped" not in dict(summary_rows(sharded.context, sharded.evaluation, []))["iteration"]
+
+
+def test_a_tiny_models_state_beside_its_ranks_memory_is_in_mib():
+    """A run of a 150K-parameter model said "the plan's 0.00 GiB per device"."""
+    ranks = {"memory_max_rss_bytes": {"0": 3.7 * 2**30, "1": 4.5 * 2**30}}
+    (tiny,) = memory_lines({**ranks, "predicted_memory_bytes": 2.4 * 2**20})
+    assert tiny.startswith("memory: peak resident 3.70-4.50 GiB per rank; the plan's 2.4 MiB per device is the model's")
+    (small,) = memory_lines({**ranks, "predicted_memory_bytes": 0.5 * 2**30})
+    assert "the plan's 0.50 GiB per device" in small
 
 
 def test_summaries_say_what_their_numbers_count():
