@@ -261,8 +261,14 @@ def _hf_model_type(data: dict[str, Any], source: str) -> str:
     if "model_type" not in data:  # it read "got ''", as if the file said so
         raise SpecError(source, "model_type", f"required field is missing: expected {expected}")
     model_type = str(data["model_type"]).lower()
-    if model_type not in HF_MODEL_TYPES:
-        raise SpecError(source, "model_type", f"expected {expected}, got {quote(data['model_type'])}")
+    if model_type not in HF_MODEL_TYPES:  # (gemma2, qwen3_moe: a newcomer was left with no way on)
+        raise SpecError(
+            source,
+            "model_type",
+            f"expected {expected}, got {quote(data['model_type'])}: a dense decoder of another type can be written as "
+            "a hetplan model file (num_layers, hidden_size, ffn_hidden_size, num_attention_heads, num_kv_heads, "
+            "head_dim, vocab_size, seq_length, mlp)",
+        )
     return model_type
 
 

@@ -266,6 +266,7 @@ QWEN = '"model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944, 
     ("text", "field", "expectation"),
     [
         ('{"model_type": "t5"}', "model_type", "expected a Llama, Mistral, Qwen or GPT-2"),
+        ('{"model_type": "gemma2"}', "model_type", "got 'gemma2': a dense decoder of another type can be written as a"),
         ('{"model_type": "llama", "hidden_size": 64}', "num_attention_heads", "required"),
         (
             '{"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, '
