@@ -17,7 +17,6 @@ if TYPE_CHECKING:
     from planner.plan import LoadedPlan
     from predictor.runs import Run
     from runtime.execute import RunSettings
-    from specs.model import ModelSpec
 
 from report.cli_flags import (
     JsonOpt,
@@ -372,16 +371,6 @@ def _run_settings(
     return settings
 
 
-def _say_if_tied(model: ModelSpec) -> None:
-    """A model that ties its embedding and output runs untied here (runtime/model.py: the last stage holds an output
-    matrix of its own): its losses were the untied model's, without a word."""
-    if model.tied_embeddings:
-        said.say(
-            f"note: {model.key} ties its embedding and output weights; hetplan's runtime trains them as two matrices, "
-            "as a model that does not tie them (the engines' exports tie them)"
-        )
-
-
 def run(
     plan_file: PlanArg,
     cluster: PlanClusterOpt,
@@ -455,7 +444,6 @@ def run(
         inject_failure, under_torchrun, cluster_spec.num_devices,
     )  # fmt: skip
     costs = plan_costs_said(loaded, predictor, profiles, cluster_spec)
-    _say_if_tied(loaded.model)
     predictor_object = costs.predictor
     context = run_context(loaded, predictor_object, costs.profiles)
     # under torchrun: this process is one rank, rank 0 writes

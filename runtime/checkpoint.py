@@ -6,9 +6,9 @@ Adam moments are `optimizer.exp_avg.<same name>` and `optimizer.exp_avg_sq.<same
 the rectangles of those global tensors it holds (found from each element's position in the whole model,
 runtime.model.shard_positions: a TP shard is a row block or a column block, a ZeRO-1 slice of a flat vector is a few
 row runs), as DCP shards; each element is written once (family 0, replica 0 for weights and for moments without
-ZeRO, the replica that updates it under ZeRO-1/2 and, for weights too, ZeRO-3, TP rank 0 for what TP replicates), and
-DCP's global plan check refuses a save whose shards do not tile every tensor exactly. On load a rank asks DCP for
-the rectangles it holds under its own plan, and DCP reads the overlapping parts of whichever shards were saved:
+ZeRO, the replica that updates it under ZeRO-1/2 and, for weights too, ZeRO-3, TP rank 0 for what TP replicates, the
+first stage for a tied matrix whose copy a last stage holds: DCP takes duplicate shards silently). On load a rank asks
+DCP for the rectangles it holds under its own plan, and DCP reads the overlapping parts of whichever shards were saved:
 resharding between plans (stages, TP widths, replicas, ZeRO, families) is DCP's chunk overlap, nothing
 hetplan-specific.
 
@@ -56,9 +56,10 @@ from specs.model import MODEL_SHAPE_FIELDS, NO_HEAD_DIM, ModelSpec
 CHECKPOINT_SCHEMA = "hetplan.checkpoint/1"
 INFO_FILE = "hetplan-checkpoint.json"
 METADATA_FILE = ".metadata"  # DCP's, written last
-# what a checkpoint records of its model: the shape, but whether it ties its embedding (hetplan's runtime does not:
-# one output matrix either way); head_dim only where the model gives one
-MODEL_FIELDS = tuple(field for field in MODEL_SHAPE_FIELDS if field != "tied_embeddings")
+# what a checkpoint records of its model: the shape, whether it ties its embedding (a tied model's checkpoint has no
+# head.output; one without the field was saved by a runtime that trained every model untied); head_dim only where the
+# model gives one
+MODEL_FIELDS = MODEL_SHAPE_FIELDS
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,7 @@ class GlobalTensor:
 
 
 def global_tensors(model: ModelSpec) -> list[GlobalTensor]:
-    """The whole model's tensors in piece order (embedding, layers 0..L-1, final norm and head), as
+    """The whole model's tensors in piece order (embedding, layers 0..L-1, final norm and head; tied, no head), as
     runtime.model.shard_positions numbers their elements."""
     with torch.device("meta"):
         layer = DecoderLayer(model, 1)
@@ -83,7 +84,8 @@ def global_tensors(model: ModelSpec) -> list[GlobalTensor]:
     for i in range(model.num_layers):
         named += [(f"layers.{i}.{name}", tuple(p.shape)) for name, p in layer.named_parameters()]
     named += [(f"head.norm.{name}", tuple(p.shape)) for name, p in norm.named_parameters()]
-    named.append(("head.output", (vocab, h)))
+    if not model.tied_embeddings:
+        named.append(("head.output", (vocab, h)))
     out, start = [], 0
     for name, shape in named:
         out.append(GlobalTensor(name, shape, start))
@@ -398,8 +400,15 @@ def model_identity(model: ModelSpec) -> dict[str, Any]:
 
 def check_model(info: dict[str, Any], model: ModelSpec, checkpoint: Path) -> None:
     """A checkpoint of another model is refused in one line naming the first field that differs."""
-    saved, mine = info.get("model_identity", {}), model_identity(model)
+    saved, mine = {"tied_embeddings": False, **info.get("model_identity", {})}, model_identity(model)
     for key in MODEL_FIELDS:
+        if key == "tied_embeddings" and saved[key] != mine[key]:
+            trained = "one matrix for both" if saved[key] else "an output matrix apart from the embedding"
+            raise SpecError(
+                str(checkpoint / INFO_FILE), f"model.{key}",
+                f"the checkpoint trained {trained}, the plan's model {'ties' if mine[key] else 'does not tie'} its "
+                "embedding and output: a checkpoint of another model",
+            )  # fmt: skip
         if saved.get(key) != mine.get(key):
             was, now = (
                 NO_HEAD_DIM if key == "head_dim" and v is None else repr(v) for v in (saved.get(key), mine.get(key))
@@ -427,11 +436,14 @@ def rank_holdings(
 ) -> Holdings:  # fmt: skip
     """Positions of a rank's flat parameter vector (runtime.sync.rank_positions) and which elements it writes: family
     0 only; replica 0 for weights (and for moments without ZeRO, under which each replica writes its own slice);
-    among TP ranks holding the same element (replicated norms), the first. With `sharded_weights` (ZeRO-3) the rank's
-    flat parameter vector is only its slice `moments` of the whole one, and each replica writes its own slice."""
+    among TP ranks holding the same element (replicated norms), the first; a tied matrix, the first stage (a later
+    stage holds its copy). With `sharded_weights` (ZeRO-3) the rank's flat parameter vector is only its slice
+    `moments` of the whole one, and each replica writes its own slice."""
     positions = rank_positions(model, strategy, family, index, tp_rank)
     earlier = [rank_positions(model, strategy, family, index, k) for k in range(tp_rank)]
     owned = ~torch.isin(positions, torch.cat(earlier)) if earlier else torch.ones(positions.numel(), dtype=torch.bool)
+    if model.tied_embeddings and index > 0:
+        owned &= positions >= model.vocab_size * model.hidden_size  # the token embedding comes first
     owned_np = owned.numpy() & (family == 0)
     lo, hi = moments
     if sharded_weights:

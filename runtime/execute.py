@@ -45,9 +45,9 @@ from profiler.data import synthetic_batch
 from profiler.layers import DecoderLayer, adamw_update
 from profiler.measure import keep_freed_host_memory
 from runtime.context_parallel import ContextParallel
-from runtime.model import StageModule, seeded_pieces
+from runtime.model import StageModule, seeded_pieces, tie_output, trainable_parameters
 from runtime.pipeline import Emulator, Role, StageRunner
-from runtime.sync import CrossFamilySync, all_gathered, chunk_bounds, reduce_scattered
+from runtime.sync import ShardedSync, all_gathered, chunk_bounds, needs_swaps, reduce_scattered
 from runtime.tensor_parallel import TensorParallel
 from runtime.zero import ShardedParameters
 from specs.cluster import ClusterSpec
@@ -143,7 +143,7 @@ class RankState:
     params: list[torch.nn.Parameter]
     optimizer: FlatAdam
     dp_group: CommGroup
-    across: CrossFamilySync | None
+    across: ShardedSync | None
     runner: StageRunner
     zero_stage: int
     sharded: ShardedParameters | None
@@ -176,15 +176,16 @@ def _build(rank: int, job: RunJob, role: Role, comm: Communicator) -> RankState:
     for chunk in stage_chunks(role.pipeline, role.stage_index, strategy.virtual_stages):
         pieces = seeded_pieces(model, chunk.layer_start, chunk.layer_end, chunk.first, chunk.last, settings.seed)
         modules.append(StageModule(model, pieces, tp, recompute, cp).to(dtype))
-    params = [p for module in modules for p in module.parameters() if p.requires_grad]
+    tie_output(model, modules)
+    params = trainable_parameters(modules)
     numel = sum(p.numel() for p in params)
     dp_size = len(dp_group.ranks)
     zero_stage = strategy.zero_stage if dp_size > 1 else 0
     bounds = chunk_bounds(numel, dp_group.ranks.index(rank), dp_size) if zero_stage else (0, numel)
     optimizer = FlatAdam(bounds, dtype, settings)
     across = None
-    if len(strategy.pipelines) > 1:
-        across = CrossFamilySync(model, strategy, group_offsets(cluster), rank, dp_group)
+    if needs_swaps(model, strategy):
+        across = ShardedSync(model, strategy, group_offsets(cluster), rank, dp_group)
     sample = torch.randn(role.pipeline.micro_batch_size, job.seq_length // cp_size, model.hidden_size, dtype=dtype)
     layers = [layer for module in modules for layer in module.layers]
     speed = cluster.group(stage.group).emulate_speed
@@ -471,12 +472,12 @@ def held_parameter_elements(state: RankState) -> int:
 def _unflatten(
     modules: list[StageModule], params: list[torch.nn.Parameter], flat: torch.Tensor
 ) -> dict[str, torch.Tensor]:
-    """A flat gradient as named tensors (`chunk{k}.` before each name when the rank holds several chunks)."""
-    names = {
-        id(p): (f"chunk{k}." if len(modules) > 1 else "") + name
-        for k, module in enumerate(modules)
-        for name, p in module.named_parameters()
-    }
+    """A flat gradient as named tensors (`chunk{k}.` before each name when the rank holds several chunks; a tied
+    matrix by its first name, the embedding's)."""
+    names: dict[int, str] = {}
+    for k, module in enumerate(modules):
+        for name, p in module.named_parameters():
+            names.setdefault(id(p), (f"chunk{k}." if len(modules) > 1 else "") + name)
     out, offset = {}, 0
     for p in params:
         out[names[id(p)]] = flat[offset : offset + p.numel()].view_as(p).clone()

@@ -3,6 +3,11 @@
 Piece i of the model (0: embedding, 1..L: decoder layers, L+1: final norm and LM head) is built whole from
 `seed + i`, so every rank builds only the pieces of its stage and slices its tensor-parallel shard out of them, and a
 single-process reference (`reference_model`) builds the very same weights.
+
+A model that ties its embedding and output (`tied_embeddings`) trains one matrix, as Megatron does: where the LM head
+sits on the rank of the embedding (one stage) it uses the embedding's parameter (`tie_output`); on a last stage apart
+from the first it holds a copy of it, whose elements have the token embedding's positions in the whole model's flat
+vector, so the gradient sync sums the two copies' gradients (runtime.sync) and a checkpoint writes the matrix once.
 """
 
 from __future__ import annotations
@@ -34,11 +39,13 @@ def full_layer(model: ModelSpec, index: int, seed: int, recompute: Recompute = "
 
 
 def full_head(model: ModelSpec, seed: int) -> tuple[nn.Module, torch.Tensor]:
+    """The final norm and the output matrix: tied, the token embedding's (a copy, for a last stage of its own)."""
     torch.manual_seed(seed + 1 + model.num_layers)
     h = model.hidden_size
     norm = nn.RMSNorm(h, eps=1e-5) if model.mlp == "swiglu" else nn.LayerNorm(h, eps=1e-5)
-    output = nn.Linear(h, model.vocab_size, bias=False).weight.detach()
-    return norm, output
+    if model.tied_embeddings:
+        return norm, full_embedding(model, seed)[0]
+    return norm, nn.Linear(h, model.vocab_size, bias=False).weight.detach()
 
 
 def check_tp(model: ModelSpec, tp: int, source: str) -> None:
@@ -124,6 +131,7 @@ class StageModule(nn.Module):
         if pieces.head is not None:
             norm, output = pieces.head
             self.head = VocabParallelHead(copy.deepcopy(norm), output[lo : lo + vocab_rows], lo, tp)
+        tie_output(model, [self])
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         if self.embedding is not None:
@@ -133,6 +141,26 @@ class StageModule(nn.Module):
         if self.head is not None:
             return self.head(x, targets)
         return x
+
+
+def tie_output(model: ModelSpec, modules: list[StageModule]) -> None:
+    """A tied model's LM head on the rank of its embedding (a one-stage pipeline, its first and last model chunks)
+    computes with the embedding's parameter: one matrix, whose gradient sums both uses."""
+    embedding, head = modules[0].embedding, modules[-1].head
+    if model.tied_embeddings and embedding is not None and head is not None:
+        head.weight = embedding.weight
+
+
+def trainable_parameters(modules: list[StageModule]) -> list[nn.Parameter]:
+    """A rank's trainable parameters over its model chunks in order, each once (a tied matrix serves two chunks)."""
+    seen: set[int] = set()
+    params = []
+    for module in modules:
+        for p in module.parameters():
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                params.append(p)
+    return params
 
 
 @dataclass
@@ -153,24 +181,24 @@ def seeded_pieces(model: ModelSpec, start: int, end: int, first: bool, last: boo
 
 
 def piece_offsets(model: ModelSpec) -> list[int]:
-    """Where each piece (0: embedding, 1..L: layers, L + 1: final norm and head) starts in the whole model's flat
-    parameter vector, and its end: L + 3 numbers."""
+    """Where each piece (0: embedding, 1..L: layers, L + 1: final norm and head; tied, the norm alone) starts in the
+    whole model's flat parameter vector, and its end: L + 3 numbers."""
     h, vocab = model.hidden_size, model.vocab_size
     embedding = vocab * h + (model.seq_length * h if model.mlp == "gelu" else 0)
     layer = sum(p.numel() for p in DecoderLayer(model, 1).parameters())
     norm = h if model.mlp == "swiglu" else 2 * h
-    sizes = [embedding] + [layer] * model.num_layers + [norm + vocab * h]
+    sizes = [embedding] + [layer] * model.num_layers + [norm + (0 if model.tied_embeddings else vocab * h)]
     offsets = [0]
     for size in sizes:
         offsets.append(offsets[-1] + size)
     return offsets
 
 
-def shard_positions(
+def numbered_shard(
     model: ModelSpec, start: int, end: int, first: bool, last: bool, tp: TensorParallel, recompute: Recompute
-) -> torch.Tensor:
-    """For every element of a stage shard's trainable parameters (in `parameters()` order), its position in the whole
-    model's flat parameter vector: the shard is cut from pieces whose values are their own positions."""
+) -> StageModule:
+    """A stage shard (in float64) whose parameters' values are their elements' positions in the whole model's flat
+    parameter vector: it is cut from pieces numbered so. A tied output matrix is numbered as the token embedding."""
     offsets = piece_offsets(model)
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)  # positions stay exact integers while the shard is cut
@@ -182,18 +210,36 @@ def shard_positions(
         for layer in pieces.layers:
             numbered += [p.data for p in layer.parameters()]
         if pieces.head is not None:
-            numbered += [p.data for p in pieces.head[0].parameters()] + [pieces.head[1]]
+            numbered += [p.data for p in pieces.head[0].parameters()]
+            if not model.tied_embeddings:
+                numbered.append(pieces.head[1])
         position = offsets[0 if first else start + 1]
         for tensor in numbered:
             tensor.copy_(torch.arange(position, position + tensor.numel(), dtype=torch.float64).view_as(tensor))
             position += tensor.numel()
         if position != offsets[end + 2 if last else end + 1]:
             raise RuntimeError(f"the pieces of layers {start}-{end} do not add up to the model's parameter count")
-        shard = StageModule(model, pieces, tp, recompute)
+        if pieces.head is not None and model.tied_embeddings:
+            output = pieces.head[1]
+            output.copy_(torch.arange(output.numel(), dtype=torch.float64).view_as(output))  # the tokens' positions
+        return StageModule(model, pieces, tp, recompute)
     finally:
         torch.set_default_dtype(default)
-    trainable = [p.detach().reshape(-1) for p in shard.parameters() if p.requires_grad]
+
+
+def positions_of(model: ModelSpec, shards: list[StageModule]) -> torch.Tensor:
+    """The positions (numbered_shard's values) of a rank's trainable parameters over its chunks, in flat order."""
+    tie_output(model, shards)
+    trainable = [p.detach().reshape(-1) for p in trainable_parameters(shards)]
     return torch.cat(trainable).long() if trainable else torch.zeros(0, dtype=torch.long)
+
+
+def shard_positions(
+    model: ModelSpec, start: int, end: int, first: bool, last: bool, tp: TensorParallel, recompute: Recompute
+) -> torch.Tensor:
+    """For every element of a stage shard's trainable parameters (in `parameters()` order), its position in the whole
+    model's flat parameter vector."""
+    return positions_of(model, [numbered_shard(model, start, end, first, last, tp, recompute)])
 
 
 def gradient_pieces(reference: ReferenceModel, start: int, end: int, first: bool, last: bool) -> Pieces:
@@ -225,7 +271,7 @@ class ReferenceModel(nn.Module):
         self.positions = nn.Parameter(positions.clone()) if positions is not None else None
         self.layers = nn.ModuleList(full_layer(model, i, seed) for i in range(model.num_layers))
         self.norm, output = full_head(model, seed)
-        self.output = nn.Parameter(output.clone())
+        self.output = self.tokens if model.tied_embeddings else nn.Parameter(output.clone())
 
     def forward(self, token_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         x = F.embedding(token_ids, self.tokens)

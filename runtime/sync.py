@@ -1,14 +1,16 @@
-"""Gradient sync across pipeline families as shards, as the cost model counts it (cost_model.cross_family_sync_time_s).
+"""Gradient sync across pipeline families, and between the two copies of a tied embedding, as shards, as the cost
+model counts it (cost_model.cross_family_sync_time_s; the embedding group's sync, predictor.sharing.held_layers).
 
 Inside a family, each (stage, TP rank) reduce-scatters its flat gradient over its replicas: replica r keeps chunk r of
-the family's sum (ZeRO-1's chunk). Across families, each element of the model is held once per family by an *owner*
-(TP shards are disjoint; a parameter replicated over TP ranks, a norm, is owned by TP rank 0), so every device swaps
-with each device of another family whose owned elements meet its chunk exactly those elements (by their positions in
-the whole model's flat vector, runtime.model.shard_positions) and adds what it receives: its chunk then holds the sum
-over all families, having sent and received only its 1/replicas shard per other family. An all-gather over the
-replicas gives every replica the full gradient back (skipped under ZeRO, whose update needs only its chunk:
-`summed_chunk`). With context parallelism the "replicas" here are the dp-cp group's members,
-replica r's CP rank c being r * cp + c.
+the stage's sum (ZeRO-1's chunk). Each element of the model is then held once per (family, stage) by an *owner* (TP
+shards are disjoint; a parameter replicated over TP ranks, a norm, is owned by TP rank 0): a stage holds its own layers,
+and only a tied model's token embedding is held by two stages of a family (the first, and the last's copy of it as
+its output matrix: runtime.model). So every device swaps with each device of another (family, stage) whose owned
+elements meet its chunk exactly those elements (by their positions in the whole model's flat vector,
+runtime.model.shard_positions) and adds what it receives: its chunk then holds the sum over all families and both
+copies, having sent and received only its 1/replicas shard per other holder. An all-gather over the replicas gives
+every replica the full gradient back (skipped under ZeRO, whose update needs only its chunk: `summed_chunk`). With
+context parallelism the "replicas" here are the dp-cp group's members, replica r's CP rank c being r * cp + c.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 
 from comm.communicator import CommGroup, Communicator
 from comm.plan_groups import stage_chunks
-from runtime.model import shard_positions
+from runtime.model import numbered_shard, positions_of
 from runtime.tensor_parallel import TensorParallel
 from specs.layout import Strategy, stage_rank
 from specs.model import ModelSpec
@@ -33,17 +35,24 @@ def rank_positions(model: ModelSpec, strategy: Strategy, family: int, index: int
     stage = pipeline.stages[index]
     recompute = strategy.stage_recompute(stage)
     tp = TensorParallel(None, stage.tp, tp_rank)
-    parts = [
-        shard_positions(model, c.layer_start, c.layer_end, c.first, c.last, tp, recompute)
+    shards = [
+        numbered_shard(model, c.layer_start, c.layer_end, c.first, c.last, tp, recompute)
         for c in stage_chunks(pipeline, index, strategy.virtual_stages)
     ]
-    return torch.cat(parts)
+    return positions_of(model, shards)
+
+
+def needs_swaps(model: ModelSpec, strategy: Strategy) -> bool:
+    """Whether gradients meet beyond a stage's replicas: several families, or a tied embedding's two copies."""
+    return len(strategy.pipelines) > 1 or (model.tied_embeddings and any(len(p.stages) > 1 for p in strategy.pipelines))
 
 
 @dataclass(frozen=True)
 class Holding:
-    """What one rank holds after its family's reduce-scatter: its chunk's positions, and which of them it owns."""
+    """What one rank holds after its stage's reduce-scatter: its chunk's positions, and which of them it owns."""
 
+    family: int
+    stage: int
     rank: int
     positions: torch.Tensor  # the chunk's elements' positions in the whole model, in flat order
     owned: torch.Tensor  # bool per element: this rank speaks for its family at that position
@@ -55,11 +64,10 @@ def chunk_bounds(numel: int, index: int, count: int) -> tuple[int, int]:
     return min(numel, index * size), min(numel, (index + 1) * size)
 
 
-def family_holdings(model: ModelSpec, strategy: Strategy, offsets: dict[str, int]) -> list[list[Holding]]:
-    """Every rank's holding, family by family."""
-    families = []
+def all_holdings(model: ModelSpec, strategy: Strategy, offsets: dict[str, int]) -> list[Holding]:
+    """Every rank's holding."""
+    held = []
     for family, pipeline in enumerate(strategy.pipelines):
-        held = []
         for index, stage in enumerate(pipeline.stages):
             tp_positions = [rank_positions(model, strategy, family, index, k) for k in range(stage.tp)]
             for k, positions in enumerate(tp_positions):
@@ -68,32 +76,29 @@ def family_holdings(model: ModelSpec, strategy: Strategy, offsets: dict[str, int
                 for member in range(members):
                     lo, hi = chunk_bounds(positions.numel(), member, members)
                     rank = stage_rank(offsets, stage, member // cp, k, member % cp, cp)
-                    held.append(Holding(rank, positions[lo:hi], owned[lo:hi]))
-        families.append(held)
-    return families
+                    held.append(Holding(family, index, rank, positions[lo:hi], owned[lo:hi]))
+    return held
 
 
 @dataclass(frozen=True)
 class Swap:
-    """With one device of another family: the elements of my chunk I send (sorted by position) and receive."""
+    """With one device of another (family, stage): the elements of my chunk I send (sorted by position) and
+    receive."""
 
     peer: int
     send: torch.Tensor  # indices into my chunk
     receive: torch.Tensor  # indices into my chunk
 
 
-class CrossFamilySync:
+class ShardedSync:
     """This rank's part of the sharded sync (see the module text)."""
 
     def __init__(self, model: ModelSpec, strategy: Strategy, offsets: dict[str, int], rank: int, dp: CommGroup) -> None:
-        families = family_holdings(model, strategy, offsets)
-        mine_family = next(f for f, held in enumerate(families) if any(h.rank == rank for h in held))
-        mine = next(h for h in families[mine_family] if h.rank == rank)
+        holdings = all_holdings(model, strategy, offsets)
+        mine = next(h for h in holdings if h.rank == rank)
         self.swaps: list[Swap] = []
-        for family, held in enumerate(families):
-            if family == mine_family:
-                continue
-            for other in held:
+        for other in holdings:
+            if (other.family, other.stage) != (mine.family, mine.stage):
                 send = torch.isin(mine.positions, other.positions) & mine.owned  # what I speak for that it needs
                 receive = torch.isin(mine.positions, other.positions[other.owned])  # what it speaks for that I need
                 if send.any() or receive.any():
@@ -102,11 +107,13 @@ class CrossFamilySync:
         self.dp, self.index = dp, dp.ranks.index(rank)
 
     def sync(self, grads: torch.Tensor, comm: Communicator) -> torch.Tensor:
-        """The whole gradient summed over the replicas and the families (ZeRO-0; ZeRO keeps `summed_chunk`)."""
+        """The whole gradient summed over the replicas, the families and a tied matrix's copies (ZeRO-0; ZeRO keeps
+        `summed_chunk`)."""
         return all_gathered(self.summed_chunk(grads, comm), grads.numel(), comm, self.dp)
 
     def summed_chunk(self, grads: torch.Tensor, comm: Communicator) -> torch.Tensor:
-        """This replica's chunk of the gradient summed over the replicas and the families (ZeRO-2/3 keep only it)."""
+        """This replica's chunk of the gradient summed over the replicas, the families and a tied matrix's copies
+        (ZeRO-2/3 keep only it)."""
         mine = reduce_scattered(grads, comm, self.dp, self.index)
         received = [torch.empty(s.receive.numel(), dtype=grads.dtype) for s in self.swaps]
         pairs = zip(received, self.swaps, strict=True)

@@ -7,6 +7,9 @@ Each unit's parameters are views into one flat buffer of the unit; between uses 
 zero bytes (FSDP1's trick), so the views keep their shapes but hold no memory, and tensors autograd saved from them
 (the weights a GEMM's backward reads) see the weights again once the buffer is refilled.
 
+A tied model's LM head on the rank of its embedding computes with the embedding unit's matrix: that unit is gathered
+and freed with the head's (`Unit.borrowed`), so the head's unit holds only the final norm.
+
 A unit is gathered by a forward pre-hook and freed by a forward hook; the forward hook also puts a hook on the unit's
 output, which runs when that output's gradient is complete, i.e. just before the unit's backward (recomputation
 included: full recompute re-runs the layer inside its backward, selective recompute reads the saved weights there):
@@ -33,7 +36,7 @@ from torch import nn
 
 from comm.communicator import CommGroup, Communicator
 from predictor.schedule import stage_order
-from runtime.model import StageModule
+from runtime.model import StageModule, trainable_parameters
 from runtime.sync import chunk_bounds
 
 GATHER_TAG = 3  # point-to-point tag of the weight pieces (pipeline activations 0, gradients 1, cross-family sync 2)
@@ -42,17 +45,23 @@ GATHER_TAG = 3  # point-to-point tag of the weight pieces (pipeline activations 
 @dataclass
 class Unit:
     """Modules whose parameters are gathered together: elements [start, end) of the rank's flat parameter vector,
-    with `buffer` (end - start elements, storage freed between uses) behind the parameters' data."""
+    with `buffer` (end - start elements, storage freed between uses) behind the parameters' data; `borrowed`, earlier
+    units whose parameters the module also computes with (a tied LM head: the embedding's)."""
 
     module: nn.Module
     chunk: int
     start: int
     end: int
     buffer: torch.Tensor
+    borrowed: list[Unit]
 
     @property
     def gathered(self) -> bool:
         return self.buffer.untyped_storage().nbytes() > 0
+
+    def together(self) -> list[Unit]:
+        """The units gathered (and freed) when this one is."""
+        return [self, *self.borrowed]
 
 
 def stage_units(modules: list[StageModule]) -> list[tuple[int, nn.Module]]:
@@ -90,9 +99,10 @@ class ShardedParameters:
         self.gather_s = 0.0  # time spent receiving pieces (the run record's DP term)
         self.gathered_elements = 0
         self.peak_gathered_elements = 0
-        params = [p for module in modules for p in trainable(module)]
+        params = trainable_parameters(modules)
+        owner: dict[int, Unit] = {}  # a parameter's unit, by id
         in_units = [p for _, part in stage_units(modules) for p in trainable(part)]
-        if [id(p) for p in in_units] != [id(p) for p in params]:
+        if [id(p) for p in dict.fromkeys(in_units)] != [id(p) for p in params]:
             raise RuntimeError("the units do not hold the rank's parameters in the order of its flat vector")
         self.numel = sum(p.numel() for p in params)
         self.bounds = [chunk_bounds(self.numel, i, len(dp.ranks)) for i in range(len(dp.ranks))]
@@ -101,14 +111,17 @@ class ShardedParameters:
         start = 0
         with torch.no_grad():  # unit by unit, so that beside the built stage only one unit's copy exists at a time
             for chunk, module in stage_units(modules):
-                buffer = torch.cat([p.detach().reshape(-1) for p in trainable(module)])
-                unit = Unit(module, chunk, start, start + buffer.numel(), buffer)
+                own = [p for p in trainable(module) if id(p) not in owner]
+                borrowed = list({id(owner[id(p)]): owner[id(p)] for p in trainable(module) if id(p) in owner}.values())
+                buffer = torch.cat([p.detach().reshape(-1) for p in own])
+                unit = Unit(module, chunk, start, start + buffer.numel(), buffer, borrowed)
                 lo, hi = max(unit.start, self.lo), min(unit.end, self.hi)
                 if lo < hi:
                     self.shard[lo - self.lo : hi - self.lo] = buffer[lo - unit.start : hi - unit.start]
                 offset = 0
-                for p in trainable(module):
+                for p in own:
                     p.data = buffer[offset : offset + p.numel()].view_as(p)  # the built weights go
+                    owner[id(p)] = unit
                     offset += p.numel()
                 buffer.untyped_storage().resize_(0)
                 self.units.append(unit)
@@ -127,9 +140,11 @@ class ShardedParameters:
             for kind, _, chunk in stage_order(p, self.peer_microbatches[peer], v, index):
                 units = [u for u in self.units if u.chunk == chunk]
                 for unit in units if kind == "forward" else reversed(units):
-                    lo, hi = max(unit.start, self.lo), min(unit.end, self.hi)
-                    if lo < hi:
-                        self.sends.append(self.comm.isend(self.shard[lo - self.lo : hi - self.lo], peer, GATHER_TAG))
+                    for part in unit.together():
+                        lo, hi = max(part.start, self.lo), min(part.end, self.hi)
+                        if lo < hi:
+                            piece = self.shard[lo - self.lo : hi - self.lo]
+                            self.sends.append(self.comm.isend(piece, peer, GATHER_TAG))
 
     def wait_sends(self) -> None:
         """Before the optimizer changes the shard: every piece sent has been received."""
@@ -155,6 +170,10 @@ class ShardedParameters:
         self.backward_unit = unit
 
     def _gather(self, unit: Unit) -> None:
+        for part in unit.together():
+            self._fill(part)
+
+    def _fill(self, unit: Unit) -> None:
         """Refill the unit's buffer: this rank's own piece from its shard, the others' received."""
         if unit.gathered:
             raise RuntimeError(f"unit at {unit.start} gathered twice: the order of gathers differs from the peers'")
@@ -178,6 +197,7 @@ class ShardedParameters:
         self.peak_gathered_elements = max(self.peak_gathered_elements, self.gathered_elements)
 
     def _free(self, unit: Unit) -> None:
-        if unit.gathered:
-            unit.buffer.untyped_storage().resize_(0)
-            self.gathered_elements -= unit.end - unit.start
+        for part in unit.together():
+            if part.gathered:
+                part.buffer.untyped_storage().resize_(0)
+                self.gathered_elements -= part.end - part.start

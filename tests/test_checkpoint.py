@@ -256,18 +256,19 @@ def test_a_missing_or_interrupted_checkpoint_is_one_line(tmp_path):
     assert checkpoint.resolve(tmp_path) == complete
 
 
-@pytest.mark.parametrize("mlp", ["swiglu", "gelu"])
-def test_saved_names_are_the_whole_models_tensors(mlp):
+@pytest.mark.parametrize(("mlp", "tied"), [("swiglu", False), ("gelu", False), ("gelu", True)])
+def test_saved_names_are_the_whole_models_tensors(mlp, tied):
     """Each block a TP shard writes is the named tensor of the whole model at its offsets: the names are real (what
     another tool reading the checkpoint gets), for SwiGLU (gate and value rows) and GELU (biases, learned positions,
-    a row-parallel bias held by TP rank 0 only)."""
+    a row-parallel bias held by TP rank 0 only); tied (GPT-2's), the last stage's output matrix is the token
+    embedding's copy, and no head.output is saved."""
     from runtime.model import StageModule, seeded_pieces, shard_positions
     from runtime.tensor_parallel import TensorParallel
 
-    model = MODEL.model_copy(update={"mlp": mlp})
+    model = MODEL.model_copy(update={"mlp": mlp, "tied_embeddings": tied})
     reference = ReferenceModel(model, SEED)
     whole = {"embedding.tokens": reference.tokens, "embedding.positions": reference.positions,
-             "head.output": reference.output}  # fmt: skip
+             "head.output": None if tied else reference.output}  # fmt: skip
     whole |= {
         f"layers.{i}.{name}": p for i, layer in enumerate(reference.layers) for name, p in layer.named_parameters()
     }
@@ -283,6 +284,7 @@ def test_saved_names_are_the_whole_models_tensors(mlp):
             positions = shard_positions(model, start, end, first, last, tp, "none").numpy()
             found = checkpoint.blocks(table, positions, np.arange(positions.size))
             assert sum(b.numel for b in found) == flat.numel()
+            assert ("embedding.tokens" in {b.name for b in found}) == (first or (last and tied))
             for block in found:
                 expected = whole[block.name].detach()[
                     tuple(slice(o, o + n) for o, n in zip(block.offsets, block.sizes))
@@ -290,3 +292,54 @@ def test_saved_names_are_the_whole_models_tensors(mlp):
                 assert torch.equal(
                     flat[block.local_start : block.local_start + block.numel].view(block.sizes), expected
                 )
+
+
+@pytest.mark.parametrize(
+    ("strategy", "zero"),
+    [
+        # TP 2 -> TP 1: the last stage's whole copy of the matrix against the first stage's two vocabulary halves
+        (Strategy((PipelineStrategy(1, 2, 3, (StageStrategy("fast", 0, 2, 2, 0), StageStrategy("slow", 2, 5, 1, 0))),),
+                  "none", 0), False),
+        # 2 replicas of 3 + 2 layers under ZeRO-1 (each replica writes the moments of its slice), 2 chunks per stage
+        (Strategy((PipelineStrategy(2, 2, 2, (StageStrategy("fast", 0, 3, 1, 0), StageStrategy("slow", 3, 5, 1, 0)),
+                                    total_microbatches=3),), "none", 1, virtual_stages=2), True),
+    ],
+)  # fmt: skip
+def test_a_tied_matrix_held_by_two_stages_is_written_once(strategy, zero):
+    """A tied model's output matrix on a last stage is the token embedding's copy: only the first stage writes it
+    (DCP takes duplicate shards silently: a saved checkpoint cannot tell)."""
+    from runtime.execute import rank_roles
+    from runtime.sync import chunk_bounds, rank_positions
+
+    tied = MODEL.model_copy(update={"tied_embeddings": True})
+    weights = np.zeros(piece_offsets(tied)[-1], dtype=int)
+    moments = np.zeros_like(weights)
+    copies = 0
+    for role in rank_roles(CLUSTER, strategy).values():
+        positions = rank_positions(tied, strategy, role.family, role.stage_index, role.tp_rank)
+        replicas = strategy.pipelines[role.family].replicas
+        lo, hi = chunk_bounds(positions.numel(), role.dp_index, replicas) if zero else (0, positions.numel())
+        held = checkpoint.rank_holdings(
+            tied, strategy, role.family, role.stage_index, role.dp_index, role.tp_rank, (lo, hi), zero
+        )
+        np.add.at(weights, held.positions[held.write_params], 1)
+        np.add.at(moments, held.positions[lo:hi][held.write_moments], 1)
+        copies += role.last and not role.first and bool((positions < tied.vocab_size * tied.hidden_size).any())
+    assert copies  # a last stage held the matrix's copy
+    assert weights.min() == weights.max() == 1 and moments.min() == moments.max() == 1
+
+
+def test_a_checkpoint_of_the_untied_model_is_refused_for_the_tied_one(tmp_path):
+    """A checkpoint records whether its model ties the embedding and output (a tied one has no head.output); one
+    without that record was trained untied, as hetplan's runtime trained every model before it tied them."""
+    tied = MODEL.model_copy(update={"tied_embeddings": True})
+    saved = {"model_identity": checkpoint.model_identity(MODEL)}
+    with pytest.raises(SpecError, match="the checkpoint trained an output matrix apart from the embedding, the plan's "
+                                        "model ties its embedding and output"):  # fmt: skip
+        checkpoint.check_model(saved, tied, tmp_path)
+    del saved["model_identity"]["tied_embeddings"]  # an older checkpoint
+    with pytest.raises(SpecError, match=r"hetplan-checkpoint\.json: model\.tied_embeddings: the checkpoint trained an"):
+        checkpoint.check_model(saved, tied, tmp_path)
+    checkpoint.check_model(saved, MODEL, tmp_path)
+    with pytest.raises(SpecError, match="trained one matrix for both, the plan's model does not tie"):
+        checkpoint.check_model({"model_identity": checkpoint.model_identity(tied)}, MODEL, tmp_path)

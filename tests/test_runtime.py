@@ -15,7 +15,15 @@ from comm.plan_groups import stage_chunks  # noqa: E402
 from planner.plan import LoadedPlan  # noqa: E402
 from runtime.execute import RunSettings, synthetic_batch  # noqa: E402
 from runtime.launch import run_plan, summarize  # noqa: E402
-from runtime.model import ReferenceModel, StageModule, gradient_pieces, piece_offsets, seeded_pieces, shard_positions  # noqa: E402
+from runtime.model import (  # noqa: E402
+    ReferenceModel,
+    StageModule,
+    gradient_pieces,
+    piece_offsets,
+    seeded_pieces,
+    shard_positions,
+    tie_output,
+)
 from runtime.tensor_parallel import TensorParallel  # noqa: E402
 from specs.cluster import ClusterFile, resolve_cluster  # noqa: E402
 from specs.layout import PipelineStrategy, StageStrategy, Strategy  # noqa: E402
@@ -33,6 +41,8 @@ MODEL = load_model(str(Path(__file__).parent.parent / "examples/models/tiny-llam
         "num_kv_heads": 2,
     }
 )
+# the same model tying its embedding and output: one matrix, a copy on a last stage apart from the first
+TIED = MODEL.model_copy(update={"tied_embeddings": True})
 CLUSTER = resolve_cluster(
     ClusterFile.model_validate(
         {
@@ -110,13 +120,18 @@ def compare_with_one_process(strategy: Strategy, results: list[dict], tmp_path, 
         pipeline = strategy.pipelines[result["family"]]
         stage = pipeline.stages[result["stage"]]
         chunks = stage_chunks(pipeline, result["stage"], strategy.virtual_stages)
-        expected_grads = {}
-        for k, chunk in enumerate(chunks):  # the interleaved chunks' layers, as the runtime deals them
+        modules = []
+        for chunk in chunks:  # the interleaved chunks' layers, as the runtime deals them
             pieces = gradient_pieces(reference, chunk.layer_start, chunk.layer_end, chunk.first, chunk.last)
             tp = TensorParallel(None, stage.tp, result["tp_rank"])
+            modules.append(StageModule(model, pieces, tp, "none").double())
+        tie_output(model, modules)  # a tied matrix on one rank: its one gradient, by the embedding's name
+        expected_grads: dict[str, torch.Tensor] = {}
+        for k, module in enumerate(modules):
             prefix = f"chunk{k}." if len(chunks) > 1 else ""
-            module = StageModule(model, pieces, tp, "none").double()
-            expected_grads.update({prefix + name: p for name, p in module.named_parameters()})
+            for name, p in module.named_parameters():
+                if all(p is not seen for seen in expected_grads.values()):
+                    expected_grads[prefix + name] = p
         got = torch.load(tmp_path / f"grads-{result['rank']}.pt")
         assert set(got) == {name for name, p in expected_grads.items() if p.requires_grad}
         assert got, result
@@ -229,10 +244,12 @@ def _check_timeline(results: list[dict]) -> None:
         assert all(cpu_s >= 0 for *_, cpu_s in events)
 
 
-def test_tensor_parallel_stage_feeding_a_narrower_stage_matches_one_process(tmp_path):
-    # stage 0: 2 layers at TP 2 (vocab-parallel embedding); stage 1: 3 layers at TP 1; full recompute; 3 micro-batches
+@pytest.mark.parametrize("model", [MODEL, TIED], ids=["untied", "tied"])
+def test_tensor_parallel_stage_feeding_a_narrower_stage_matches_one_process(tmp_path, model):
+    # stage 0: 2 layers at TP 2 (vocab-parallel embedding); stage 1: 3 layers at TP 1; full recompute; 3 micro-batches.
+    # Tied, the last stage's whole output matrix meets the first stage's two vocabulary halves
     stages = (StageStrategy("fast", 0, 2, 2, 0), StageStrategy("slow", 2, 5, 1, 0))
-    _check(Strategy((PipelineStrategy(1, 2, 3, stages),), "full", 0), tmp_path)
+    _check(Strategy((PipelineStrategy(1, 2, 3, stages),), "full", 0), tmp_path, model)
 
 
 def test_every_dimension_at_once_matches_one_process(tmp_path):
@@ -261,12 +278,14 @@ def test_heads_wider_than_hidden_over_heads_split_over_tp_and_stages_match_one_p
     _check(Strategy((PipelineStrategy(1, 2, 3, stages),), "none", 1), tmp_path, wide)
 
 
-def test_families_with_uneven_replicas_zero1_and_recompute_match_one_process(tmp_path):
+@pytest.mark.parametrize("model", [MODEL, TIED], ids=["untied", "tied"])
+def test_families_with_uneven_replicas_zero1_and_recompute_match_one_process(tmp_path, model):
     # family 0: layers 0-2 -> 3-4 over both `fast` devices, 3 samples; family 1: two replicas of the whole model on
-    # `slow` sharing 3 samples as 2 + 1, ZeRO-1 inside each family, selective recompute
+    # `slow` sharing 3 samples as 2 + 1, ZeRO-1 inside each family, selective recompute. Tied: the matrix's copy on
+    # family 0's last stage, one matrix in each replica of family 1, their ZeRO-1 shards meeting
     fast = PipelineStrategy(1, 1, 3, (StageStrategy("fast", 0, 3, 1, 0), StageStrategy("fast", 3, 5, 1, 1)))
     slow = PipelineStrategy(2, 1, 2, (StageStrategy("slow", 0, 5, 1, 0),), total_microbatches=3)
-    _check(Strategy((fast, slow), "selective", 1), tmp_path)
+    _check(Strategy((fast, slow), "selective", 1), tmp_path, model)
 
 
 def test_interleaved_1f1b_with_uneven_batches_and_zero1_matches_one_process(tmp_path):
@@ -276,12 +295,14 @@ def test_interleaved_1f1b_with_uneven_batches_and_zero1_matches_one_process(tmp_
     _check(Strategy((PipelineStrategy(2, 2, 2, stages, total_microbatches=3),), "none", 1, virtual_stages=2), tmp_path)
 
 
-def test_interleaved_families_one_stage_at_tp2_and_two_stages_match_one_process(tmp_path):
+@pytest.mark.parametrize("model", [MODEL, TIED], ids=["untied", "tied"])
+def test_interleaved_families_one_stage_at_tp2_and_two_stages_match_one_process(tmp_path, model):
     # family 0: one stage at TP 2 holding 2 chunks (chunk to chunk inside the rank), 2 micro-batches of 2; family 1:
-    # 2 stages at TP 1 with 2 chunks each, 1 micro-batch; gradients meet across families as shards
+    # 2 stages at TP 1 with 2 chunks each, 1 micro-batch; gradients meet across families as shards. Tied: family 0's
+    # first and last chunks share one matrix on each rank
     fast = PipelineStrategy(1, 2, 2, (StageStrategy("fast", 0, 5, 2, 0),))
     slow = PipelineStrategy(1, 2, 1, (StageStrategy("slow", 0, 2, 1, 0), StageStrategy("slow", 2, 5, 1, 1)))
-    _check(Strategy((fast, slow), "selective", 0, virtual_stages=2), tmp_path)
+    _check(Strategy((fast, slow), "selective", 0, virtual_stages=2), tmp_path, model)
 
 
 def test_the_speed_check_sets_every_core_computing_beside_the_profiles_measurement(tmp_path):
@@ -372,7 +393,7 @@ def test_zero_syncs_gradients_with_a_reduce_scatter_as_the_cost_model_counts_the
 def test_cross_family_sync_moves_each_devices_shard_once_per_other_family():
     """Every element of a rank's chunk (its 1/replicas of its gradient) arrives once from each other family; what it
     sends is its own chunk (plus the few replicated elements a TP peer needs too): shards, not whole segments."""
-    from runtime.sync import CrossFamilySync, chunk_bounds, rank_positions
+    from runtime.sync import ShardedSync, chunk_bounds, rank_positions
     from specs.layout import group_offsets
 
     fast = PipelineStrategy(2, 1, 3, (StageStrategy("fast", 0, 5, 1, 0),))  # 2 replicas of the whole model
@@ -381,7 +402,7 @@ def test_cross_family_sync_moves_each_devices_shard_once_per_other_family():
     offsets = group_offsets(CLUSTER)
     for rank, dp_ranks, family, tp_rank in ((0, (0, 1), 0, 0), (1, (0, 1), 0, 0), (2, (2,), 1, 0), (3, (3,), 1, 1)):
         dp = CommGroup(dp_ranks, {"cpu": dp_ranks})
-        sync = CrossFamilySync(MODEL, strategy, offsets, rank, dp)
+        sync = ShardedSync(MODEL, strategy, offsets, rank, dp)
         positions = rank_positions(MODEL, strategy, family, 0, tp_rank)
         lo, hi = chunk_bounds(positions.numel(), dp_ranks.index(rank), len(dp_ranks))
         received = torch.cat([s.receive for s in sync.swaps])

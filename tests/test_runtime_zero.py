@@ -18,13 +18,14 @@ from profiler.comm_bench import free_port, run_processes  # noqa: E402
 from runtime import checkpoint  # noqa: E402
 from runtime.execute import RunJob, RunSettings, gathered_results, synthetic_batch  # noqa: E402
 from runtime.launch import summarize  # noqa: E402
-from runtime.model import ReferenceModel, StageModule, piece_offsets, seeded_pieces  # noqa: E402
+from runtime.model import ReferenceModel, StageModule, piece_offsets, seeded_pieces, tie_output  # noqa: E402
 from runtime.sync import chunk_bounds  # noqa: E402
 from runtime.tensor_parallel import TensorParallel  # noqa: E402
 from runtime.zero import stage_units, trainable  # noqa: E402
 from specs.layout import PipelineStrategy, StageStrategy, Strategy  # noqa: E402
+from specs.model import ModelSpec  # noqa: E402
 from tests.test_checkpoint import ONE_GROUP  # noqa: E402
-from tests.test_runtime import BATCH, CLUSTER, MODEL, SEED, STEPS, compare_with_one_process  # noqa: E402
+from tests.test_runtime import BATCH, CLUSTER, MODEL, SEED, STEPS, TIED, compare_with_one_process  # noqa: E402
 
 pytestmark = pytest.mark.slow  # one set of 4 processes runs every plan below
 
@@ -72,12 +73,36 @@ PLANS: dict[str, tuple[Strategy, object]] = {
         ),
         CLUSTER,
     ),
+    # a model tying its embedding and output (TIED): the whole model at TP 2 in each of 2 replicas, its LM head
+    # computing with the embedding unit's matrix
+    "tied zero3 tp2": (
+        Strategy((PipelineStrategy(2, 1, 3, (StageStrategy("cpu", 0, 5, 2, 0),)),), "none", 3),
+        ONE_GROUP,
+    ),
+    # tied: family 0 the matrix on its first stage and a copy on its last (the checkpoint writes it once), family 1 one
+    # matrix per replica (sharded)
+    "tied zero3 two families": (
+        Strategy(
+            (
+                PipelineStrategy(1, 1, 3, (StageStrategy("slow", 0, 2, 1, 0), StageStrategy("slow", 2, 5, 1, 1))),
+                PipelineStrategy(2, 1, 2, (StageStrategy("fast", 0, 5, 1, 0),), total_microbatches=3),
+            ),
+            "none",
+            3,
+        ),
+        CLUSTER,
+    ),
 }
 # name -> (plan whose checkpoint it loads, plan it runs under): 2 more steps each
 RESUMED = {
     "zero3 resumed": ("zero3 uneven pp", "zero3 uneven pp"),
     "zero2 resumed under zero3 tp2": ("zero2 uneven pp", "zero3 tp2"),
+    "tied resumed under two families": ("tied zero3 tp2", "tied zero3 two families"),
 }
+
+
+def model_of(name: str) -> ModelSpec:
+    return TIED if name.startswith("tied") else MODEL
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -118,39 +143,40 @@ def runs(tmp_path_factory) -> Path:
             steps=STEPS, seed=SEED, dtype="fp64", timeout_s=60, capture_gradients=True, dump_state=True,
             checkpoint_dir=str(out / "checkpoints"), checkpoint_every=STEPS,
         )  # fmt: skip
-        jobs.append(RunJob(cluster, MODEL, strategy, BATCH, MODEL.seq_length, settings, str(out)))
+        jobs.append(RunJob(cluster, model_of(name), strategy, BATCH, MODEL.seq_length, settings, str(out)))
     for name, (saved, plan) in RESUMED.items():
         out = _directory(root, name)
         out.mkdir()
         strategy, cluster = PLANS[plan]
         resume = checkpoint.step_dir(_directory(root, saved) / "checkpoints", STEPS)
         settings = RunSettings(steps=2 * STEPS, seed=SEED, dtype="fp64", timeout_s=60, resume_from=str(resume))
-        jobs.append(RunJob(cluster, MODEL, strategy, BATCH, MODEL.seq_length, settings, str(out)))
+        jobs.append(RunJob(cluster, model_of(name), strategy, BATCH, MODEL.seq_length, settings, str(out)))
     run_processes(_run_all, (4, free_port(), jobs), 4, 300, "ZeRO plans")
     return root
 
 
-def _reference_training(steps: int) -> tuple[list[float], torch.Tensor]:
+def _reference_training(steps: int, model: ModelSpec = MODEL) -> tuple[list[float], torch.Tensor]:
     """The whole model in this process with torch's AdamW: the losses, and the parameters after `steps` steps as
     one flat vector in piece order (the positions runtime.model.shard_positions gives)."""
-    reference = ReferenceModel(MODEL, SEED).double()
+    reference = ReferenceModel(model, SEED).double()
     optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.01)
     losses = []
     for step in range(steps):
-        tokens = synthetic_batch(MODEL, BATCH, MODEL.seq_length, SEED, step)
+        tokens = synthetic_batch(model, BATCH, model.seq_length, SEED, step)
         loss = reference(tokens[:, :-1], tokens[:, 1:])
         loss.backward()
         losses.append(float(loss.detach()))
         optimizer.step()
         optimizer.zero_grad()
-    ordered = [reference.tokens, *reference.layers.parameters(), *reference.norm.parameters(), reference.output]
+    output = [] if model.tied_embeddings else [reference.output]
+    ordered = [reference.tokens, *reference.layers.parameters(), *reference.norm.parameters(), *output]
     return losses, torch.cat([p.detach().reshape(-1) for p in ordered])
 
 
-def _check_final_parameters(out: Path, expected: torch.Tensor) -> None:
+def _check_final_parameters(out: Path, expected: torch.Tensor, model: ModelSpec = MODEL) -> None:
     """Every rank's parameters after the last step (its dump at the checkpoint) against the expected whole model,
     and every element of the model held by some rank."""
-    covered = torch.zeros(piece_offsets(MODEL)[-1], dtype=torch.bool)
+    covered = torch.zeros(piece_offsets(model)[-1], dtype=torch.bool)
     dumps = sorted(out.glob(f"state-*-step{STEPS}.pt"))
     assert dumps, f"no state dumps in {out}"
     for path in dumps:
@@ -168,22 +194,35 @@ def test_zero_plan_matches_one_process(runs, name):
     strategy, _ = PLANS[name]
     out = _directory(runs, name)
     results = json.loads((out / "results.json").read_text())
-    compare_with_one_process(strategy, results, out)
-    _, expected = _reference_training(STEPS)
-    _check_final_parameters(out, expected)
-    assert not torch.equal(expected, _reference_training(0)[1])  # the updates moved the weights
+    model = model_of(name)
+    compare_with_one_process(strategy, results, out, model)
+    _, expected = _reference_training(STEPS, model)
+    _check_final_parameters(out, expected, model)
+    assert not torch.equal(expected, _reference_training(0, model)[1])  # the updates moved the weights
 
 
-def _unit_sizes(strategy: Strategy, result: dict) -> list[int]:
-    """Parameter elements of each unit (embedding, layer, head) of a rank's chunks."""
+def _unit_sizes(strategy: Strategy, result: dict, model: ModelSpec = MODEL) -> tuple[list[int], list[int]]:
+    """Parameter elements of each unit (embedding, layer, head) of a rank's chunks: its own, and those a gather of
+    it holds (a tied LM head's, with the embedding's matrix)."""
     pipeline = strategy.pipelines[result["family"]]
     stage = pipeline.stages[result["stage"]]
     modules = [
-        StageModule(MODEL, seeded_pieces(MODEL, c.layer_start, c.layer_end, c.first, c.last, SEED),
+        StageModule(model, seeded_pieces(model, c.layer_start, c.layer_end, c.first, c.last, SEED),
                     TensorParallel(None, stage.tp, result["tp_rank"]), "none")
         for c in stage_chunks(pipeline, result["stage"], strategy.virtual_stages)
     ]  # fmt: skip
-    return [sum(p.numel() for p in trainable(unit)) for _, unit in stage_units(modules)]
+    tie_output(model, modules)
+    embedding = modules[0].embedding
+    embedding_elements = sum(p.numel() for p in trainable(embedding)) if embedding is not None else 0
+    seen: set[int] = set()
+    own, gathered = [], []
+    for _, unit in stage_units(modules):
+        params = trainable(unit)
+        own.append(sum(p.numel() for p in params if id(p) not in seen))
+        borrows = any(id(p) in seen for p in params)  # the tied matrix: the embedding unit comes along
+        gathered.append(own[-1] + (embedding_elements if borrows else 0))
+        seen.update(id(p) for p in params)
+    return own, gathered
 
 
 @pytest.mark.parametrize("name", [name for name in PLANS if PLANS[name][0].zero_stage == 3])
@@ -201,9 +240,9 @@ def test_zero3_ranks_hold_a_shard_of_their_weights_between_steps(runs, name):
         sharded += 1
         lo, hi = chunk_bounds(result["parameters"], result["replica"], pipeline.replicas)
         assert result["held_parameter_elements"] == hi - lo < result["parameters"], result
-        units = _unit_sizes(strategy, result)
+        units, gathered = _unit_sizes(strategy, result, model_of(name))
         assert sum(units) == result["parameters"] and len(units) > 1
-        assert result["peak_gathered_elements"] == max(units)
+        assert result["peak_gathered_elements"] == max(gathered)
     assert sharded >= 2
 
 
@@ -218,7 +257,7 @@ def test_a_sharded_checkpoint_resumes_onto_the_same_losses(runs, name):
     TP 2): the loss curve of one process training four steps uninterrupted."""
     results = json.loads((_directory(runs, name) / "results.json").read_text())
     assert all(r["first_step"] == STEPS for r in results)
-    expected, _ = _reference_training(2 * STEPS)
+    expected, _ = _reference_training(2 * STEPS, model_of(name))
     assert summarize(results, STEPS)["losses"] == pytest.approx(expected[STEPS:], rel=1e-9)
     assert expected[-1] < expected[0]  # it trained: fresh weights would not give these losses
 
