@@ -7,9 +7,10 @@ the rectangles of those global tensors it holds (found from each element's posit
 runtime.model.shard_positions: a TP shard is a row block or a column block, a ZeRO-1 slice of a flat vector is a few
 row runs), as DCP shards; each element is written once (family 0, replica 0 for weights and for moments without
 ZeRO, the replica that updates it under ZeRO-1/2 and, for weights too, ZeRO-3, TP rank 0 for what TP replicates, the
-first stage for a tied matrix whose copy a last stage holds: DCP takes duplicate shards silently). On load a rank asks
-DCP for the rectangles it holds under its own plan, and DCP reads the overlapping parts of whichever shards were saved:
-resharding between plans (stages, TP widths, replicas, ZeRO, families) is DCP's chunk overlap, nothing
+first stage for a tied matrix whose copy a last stage holds), and DCP's global plan check refuses a save whose shards
+overlap in other shapes (it keeps one of two identical shards silently: the writers are chosen here). On load a
+rank asks DCP for the rectangles it holds under its own plan, and DCP reads the overlapping parts of whichever shards
+were saved: resharding between plans (stages, TP widths, replicas, ZeRO, families) is DCP's chunk overlap, nothing
 hetplan-specific.
 
 Beside the tensors: the step, the samples seen (the synthetic data is a function of seed and step, so the step is
@@ -56,10 +57,9 @@ from specs.model import MODEL_SHAPE_FIELDS, NO_HEAD_DIM, ModelSpec
 CHECKPOINT_SCHEMA = "hetplan.checkpoint/1"
 INFO_FILE = "hetplan-checkpoint.json"
 METADATA_FILE = ".metadata"  # DCP's, written last
-# what a checkpoint records of its model: the shape, whether it ties its embedding (a tied model's checkpoint has no
-# head.output; one without the field was saved by a runtime that trained every model untied); head_dim only where the
-# model gives one
-MODEL_FIELDS = MODEL_SHAPE_FIELDS
+# a checkpoint records its model's shape (MODEL_SHAPE_FIELDS): whether it ties its embedding too (a tied model's
+# checkpoint has no head.output; one without the field was saved by a runtime that trained every model untied), and
+# head_dim only where the model gives one
 
 
 @dataclass(frozen=True)
@@ -395,28 +395,29 @@ def read_info(checkpoint: Path) -> dict[str, Any]:
 
 def model_identity(model: ModelSpec) -> dict[str, Any]:
     dumped = model.model_dump(mode="json")
-    return {key: dumped[key] for key in MODEL_FIELDS if key in dumped}
+    return {key: dumped[key] for key in MODEL_SHAPE_FIELDS if key in dumped}
 
 
 def check_model(info: dict[str, Any], model: ModelSpec, checkpoint: Path) -> None:
     """A checkpoint of another model is refused in one line naming the first field that differs."""
     saved, mine = {"tied_embeddings": False, **info.get("model_identity", {})}, model_identity(model)
-    for key in MODEL_FIELDS:
-        if key == "tied_embeddings" and saved[key] != mine[key]:
+    for key in MODEL_SHAPE_FIELDS:
+        if saved.get(key) == mine.get(key):
+            continue
+        if key == "tied_embeddings":
             trained = "one matrix for both" if saved[key] else "an output matrix apart from the embedding"
             raise SpecError(
                 str(checkpoint / INFO_FILE), f"model.{key}",
                 f"the checkpoint trained {trained}, the plan's model {'ties' if mine[key] else 'does not tie'} its "
                 "embedding and output: a checkpoint of another model",
             )  # fmt: skip
-        if saved.get(key) != mine.get(key):
-            was, now = (
-                NO_HEAD_DIM if key == "head_dim" and v is None else repr(v) for v in (saved.get(key), mine.get(key))
-            )
-            raise SpecError(
-                str(checkpoint / INFO_FILE), f"model.{key}",
-                f"the checkpoint was saved for {was}, the plan trains {now}: a checkpoint of another model",
-            )  # fmt: skip
+        was, now = (
+            NO_HEAD_DIM if key == "head_dim" and v is None else repr(v) for v in (saved.get(key), mine.get(key))
+        )
+        raise SpecError(
+            str(checkpoint / INFO_FILE), f"model.{key}",
+            f"the checkpoint was saved for {was}, the plan trains {now}: a checkpoint of another model",
+        )  # fmt: skip
 
 
 def load(checkpoint: Path, sharded: Sharded, plain: dict[str, Any]) -> float:
@@ -442,8 +443,8 @@ def rank_holdings(
     positions = rank_positions(model, strategy, family, index, tp_rank)
     earlier = [rank_positions(model, strategy, family, index, k) for k in range(tp_rank)]
     owned = ~torch.isin(positions, torch.cat(earlier)) if earlier else torch.ones(positions.numel(), dtype=torch.bool)
-    if model.tied_embeddings and index > 0:
-        owned &= positions >= model.vocab_size * model.hidden_size  # the token embedding comes first
+    if model.tied_embeddings and index > 0:  # a later stage's copy of the tied matrix (the token embedding, first)
+        owned &= positions >= model.vocab_size * model.hidden_size
     owned_np = owned.numpy() & (family == 0)
     lo, hi = moments
     if sharded_weights:

@@ -1,5 +1,7 @@
-"""Gradient sync across pipeline families, and between the two copies of a tied embedding, as shards, as the cost
-model counts it (cost_model.cross_family_sync_time_s; the embedding group's sync, predictor.sharing.held_layers).
+"""Gradient sync across pipeline families, and between the two copies of a tied embedding, as shards: across
+families as the cost model counts it (cost_model.cross_family_sync_time_s); the tied copies' sum, which Megatron runs as
+an all-reduce of the whole matrix between the first and last stage, moves each device's 1/replicas shard here, and the
+closed form does not count it yet (the local run's simulation waits for it: predictor.sharing.held_layers).
 
 Inside a family, each (stage, TP rank) reduce-scatters its flat gradient over its replicas: replica r keeps chunk r of
 the stage's sum (ZeRO-1's chunk). Each element of the model is then held once per (family, stage) by an *owner* (TP
@@ -8,8 +10,9 @@ and only a tied model's token embedding is held by two stages of a family (the f
 its output matrix: runtime.model). So every device swaps with each device of another (family, stage) whose owned
 elements meet its chunk exactly those elements (by their positions in the whole model's flat vector,
 runtime.model.shard_positions) and adds what it receives: its chunk then holds the sum over all families and both
-copies, having sent and received only its 1/replicas shard per other holder. An all-gather over the replicas gives
-every replica the full gradient back (skipped under ZeRO, whose update needs only its chunk: `summed_chunk`). With
+copies, having sent and received only its 1/replicas shard per other holder. Every holder adds the parts in the same
+order, by (family, stage), so the copies of an element stay equal to the last bit. An all-gather over the replicas
+gives every replica the full gradient back (skipped under ZeRO, whose update needs only its chunk: `summed_chunk`). With
 context parallelism the "replicas" here are the dp-cp group's members, replica r's CP rank c being r * cp + c.
 """
 
@@ -55,7 +58,7 @@ class Holding:
     stage: int
     rank: int
     positions: torch.Tensor  # the chunk's elements' positions in the whole model, in flat order
-    owned: torch.Tensor  # bool per element: this rank speaks for its family at that position
+    owned: torch.Tensor  # bool per element: this rank speaks for its (family, stage) at that position
 
 
 def chunk_bounds(numel: int, index: int, count: int) -> tuple[int, int]:
@@ -64,20 +67,43 @@ def chunk_bounds(numel: int, index: int, count: int) -> tuple[int, int]:
     return min(numel, index * size), min(numel, (index + 1) * size)
 
 
-def all_holdings(model: ModelSpec, strategy: Strategy, offsets: dict[str, int]) -> list[Holding]:
-    """Every rank's holding."""
+def stage_holdings(
+    model: ModelSpec, strategy: Strategy, offsets: dict[str, int], family: int, index: int
+) -> list[Holding]:
+    """The holding of every rank of one stage."""
+    pipeline = strategy.pipelines[family]
+    stage = pipeline.stages[index]
     held = []
-    for family, pipeline in enumerate(strategy.pipelines):
-        for index, stage in enumerate(pipeline.stages):
-            tp_positions = [rank_positions(model, strategy, family, index, k) for k in range(stage.tp)]
-            for k, positions in enumerate(tp_positions):
-                owned = ~torch.isin(positions, torch.cat(tp_positions[:k])) if k else torch.ones_like(positions).bool()
-                cp, members = pipeline.context_parallel, pipeline.gradient_ranks  # the DP group: replicas x CP ranks
-                for member in range(members):
-                    lo, hi = chunk_bounds(positions.numel(), member, members)
-                    rank = stage_rank(offsets, stage, member // cp, k, member % cp, cp)
-                    held.append(Holding(family, index, rank, positions[lo:hi], owned[lo:hi]))
+    tp_positions = [rank_positions(model, strategy, family, index, k) for k in range(stage.tp)]
+    for k, positions in enumerate(tp_positions):
+        owned = ~torch.isin(positions, torch.cat(tp_positions[:k])) if k else torch.ones_like(positions).bool()
+        cp, members = pipeline.context_parallel, pipeline.gradient_ranks  # the DP group: replicas x CP ranks
+        for member in range(members):
+            lo, hi = chunk_bounds(positions.numel(), member, members)
+            rank = stage_rank(offsets, stage, member // cp, k, member % cp, cp)
+            held.append(Holding(family, index, rank, positions[lo:hi], owned[lo:hi]))
     return held
+
+
+def rank_place(strategy: Strategy, offsets: dict[str, int], rank: int) -> tuple[int, int]:
+    """(family, stage) of the rank."""
+    for family, pipeline in enumerate(strategy.pipelines):
+        cp = pipeline.context_parallel
+        for index, stage in enumerate(pipeline.stages):
+            for k in range(stage.tp):
+                for member in range(pipeline.gradient_ranks):
+                    if stage_rank(offsets, stage, member // cp, k, member % cp, cp) == rank:
+                        return family, index
+    raise ValueError(f"rank {rank} holds no stage of the plan")
+
+
+def may_share(model: ModelSpec, strategy: Strategy, mine: tuple[int, int], other: tuple[int, int]) -> bool:
+    """Whether two stages can hold elements of the same position: any two of different families; in one family, a
+    tied model's first and last."""
+    if mine[0] != other[0]:
+        return True
+    last = len(strategy.pipelines[mine[0]].stages) - 1
+    return model.tied_embeddings and {mine[1], other[1]} == {0, last} and last > 0
 
 
 @dataclass(frozen=True)
@@ -86,6 +112,7 @@ class Swap:
     receive."""
 
     peer: int
+    place: tuple[int, int]  # the peer's (family, stage)
     send: torch.Tensor  # indices into my chunk
     receive: torch.Tensor  # indices into my chunk
 
@@ -94,16 +121,19 @@ class ShardedSync:
     """This rank's part of the sharded sync (see the module text)."""
 
     def __init__(self, model: ModelSpec, strategy: Strategy, offsets: dict[str, int], rank: int, dp: CommGroup) -> None:
-        holdings = all_holdings(model, strategy, offsets)
-        mine = next(h for h in holdings if h.rank == rank)
+        self.place = rank_place(strategy, offsets, rank)
+        mine = next(h for h in stage_holdings(model, strategy, offsets, *self.place) if h.rank == rank)
         self.swaps: list[Swap] = []
-        for other in holdings:
-            if (other.family, other.stage) != (mine.family, mine.stage):
-                send = torch.isin(mine.positions, other.positions) & mine.owned  # what I speak for that it needs
-                receive = torch.isin(mine.positions, other.positions[other.owned])  # what it speaks for that I need
-                if send.any() or receive.any():
-                    swap = Swap(other.rank, _by_position(mine.positions, send), _by_position(mine.positions, receive))
-                    self.swaps.append(swap)
+        for family, pipeline in enumerate(strategy.pipelines):
+            for index in range(len(pipeline.stages)):
+                if (family, index) == self.place or not may_share(model, strategy, self.place, (family, index)):
+                    continue
+                for other in stage_holdings(model, strategy, offsets, family, index):
+                    send = torch.isin(mine.positions, other.positions) & mine.owned  # what I speak for that it needs
+                    receive = torch.isin(mine.positions, other.positions[other.owned])  # what it speaks for, I need
+                    if send.any() or receive.any():
+                        sent, received = _by_position(mine.positions, send), _by_position(mine.positions, receive)
+                        self.swaps.append(Swap(other.rank, (family, index), sent, received))
         self.dp, self.index = dp, dp.ranks.index(rank)
 
     def sync(self, grads: torch.Tensor, comm: Communicator) -> torch.Tensor:
@@ -121,9 +151,14 @@ class ShardedSync:
         works += [comm.isend(mine[s.send].contiguous(), s.peer, SYNC_TAG) for s in self.swaps if s.send.numel()]
         for work in works:
             work.wait()
-        total = mine.clone()
-        for buffer, swap in zip(received, self.swaps, strict=True):
-            total[swap.receive] += buffer
+        parts = [(self.place, None, mine)]
+        parts += [(swap.place, swap.receive, part) for swap, part in zip(self.swaps, received, strict=True)]
+        total = torch.zeros_like(mine)
+        for _, where, values in sorted(parts, key=lambda part: part[0]):  # the same order on every holder
+            if where is None:
+                total += values
+            else:
+                total[where] += values
         return total
 
 

@@ -14,7 +14,8 @@ A unit is gathered by a forward pre-hook and freed by a forward hook; the forwar
 output, which runs when that output's gradient is complete, i.e. just before the unit's backward (recomputation
 included: full recompute re-runs the layer inside its backward, selective recompute reads the saved weights there):
 it frees the unit whose backward just finished and gathers this one. The runner frees the last one after each
-backward. So at most one unit is gathered at a time. No prefetch: a gather waits for its pieces.
+backward. So at most one unit is gathered at a time (a tied head's with the embedding's). No prefetch: a gather
+waits for its pieces.
 
 The gathers are point-to-point, not collectives: replicas with uneven batch shares run different numbers of
 micro-batches (and interleaved schedules group them differently), so they gather different units at different times,
@@ -39,7 +40,7 @@ from predictor.schedule import stage_order
 from runtime.model import StageModule, trainable_parameters
 from runtime.sync import chunk_bounds
 
-GATHER_TAG = 3  # point-to-point tag of the weight pieces (pipeline activations 0, gradients 1, cross-family sync 2)
+GATHER_TAG = 3  # point-to-point tag of the weight pieces (pipeline activations 0, gradients 1, sharded sync 2)
 
 
 @dataclass
@@ -112,7 +113,10 @@ class ShardedParameters:
         with torch.no_grad():  # unit by unit, so that beside the built stage only one unit's copy exists at a time
             for chunk, module in stage_units(modules):
                 own = [p for p in trainable(module) if id(p) not in owner]
-                borrowed = list({id(owner[id(p)]): owner[id(p)] for p in trainable(module) if id(p) in owner}.values())
+                borrowed: list[Unit] = []
+                for p in trainable(module):
+                    if id(p) in owner and all(unit is not owner[id(p)] for unit in borrowed):
+                        borrowed.append(owner[id(p)])
                 buffer = torch.cat([p.detach().reshape(-1) for p in own])
                 unit = Unit(module, chunk, start, start + buffer.numel(), buffer, borrowed)
                 lo, hi = max(unit.start, self.lo), min(unit.end, self.hi)

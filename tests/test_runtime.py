@@ -252,6 +252,40 @@ def test_tensor_parallel_stage_feeding_a_narrower_stage_matches_one_process(tmp_
     _check(Strategy((PipelineStrategy(1, 2, 3, stages),), "full", 0), tmp_path, model)
 
 
+def test_a_tied_matrix_over_a_narrower_first_stage_and_unsharded_replicas_matches_one_process(tmp_path):
+    # TP 1 -> TP 2: the first stage's whole matrix meets the last stage's two vocabulary halves; then 2 replicas of
+    # 3 + 2 layers without ZeRO (the sum's chunks all-gathered back), both tied
+    stages = (StageStrategy("fast", 0, 2, 1, 0), StageStrategy("slow", 2, 5, 2, 0))
+    (tmp_path / "narrower").mkdir()
+    _check(Strategy((PipelineStrategy(1, 2, 3, stages),), "none", 0), tmp_path / "narrower", TIED)
+    stages = (StageStrategy("fast", 0, 3, 1, 0), StageStrategy("slow", 3, 5, 1, 0))
+    (tmp_path / "replicas").mkdir()
+    _check(Strategy((PipelineStrategy(2, 2, 2, stages, total_microbatches=3),), "none", 0), tmp_path / "replicas", TIED)
+
+
+def test_every_copy_of_an_element_stays_equal_to_the_last_bit(tmp_path):
+    """Three families, the third of two stages holding the tied matrix twice, in fp32: every holder of an element adds
+    its parts in the same order, so after two updates its copies (the families', the tied matrix's two) are equal bit
+    for bit (they drifted where each holder added its own part first)."""
+    fast = [PipelineStrategy(1, 1, 2, (StageStrategy("fast", 0, 5, 1, k),)) for k in range(2)]
+    slow = PipelineStrategy(1, 1, 2, (StageStrategy("slow", 0, 2, 1, 0), StageStrategy("slow", 2, 5, 1, 1)))
+    strategy = Strategy((*fast, slow), "none", 0)
+    plan = LoadedPlan(strategy, TIED, TrainingSpec(global_batch_size=BATCH, dtype="fp32"), "test plan")
+    settings = RunSettings(steps=STEPS, seed=SEED, dtype="fp32", timeout_s=60, dump_state=True,
+                           checkpoint_dir=str(tmp_path / "checkpoints"), checkpoint_every=STEPS)  # fmt: skip
+    run_plan(plan, CLUSTER, settings, str(tmp_path))
+    held: dict[int, list[float]] = {}
+    for path in sorted(tmp_path.glob(f"state-*-step{STEPS}.pt")):
+        state = torch.load(path)
+        for position, value in zip(state["positions"].tolist(), state["params"].tolist(), strict=True):
+            held.setdefault(position, []).append(value)
+    assert len(held) == piece_offsets(TIED)[-1]
+    copies = [values for values in held.values() if len(values) > 1]
+    assert min(len(values) for values in held.values()) == 3  # one per family
+    assert sum(len(values) == 4 for values in copies) == TIED.vocab_size * TIED.hidden_size  # and the tied copy
+    assert all(len(set(values)) == 1 for values in copies)
+
+
 def test_every_dimension_at_once_matches_one_process(tmp_path):
     # stage 0: 2 layers at TP 2 on `fast`; stage 1: 3 layers at TP 1, 2 replicas... a stage's replicas share its TP
     # width, so on 2 + 2 devices: 2 replicas x (TP 1 on fast -> TP 1 on slow) is test 1; here one replica of
