@@ -34,6 +34,7 @@ from planner.options import SearchOptions
 from planner.row_batch import RowMemory, TpRowBatch
 from predictor.comm_model import Link
 from predictor.cost_model import (
+    GRAD_BYTES_PER_PARAM,
     CostContext,
     decoder_layer_time_s,
     edge_time_s,
@@ -107,8 +108,9 @@ class _GroupCosts:
         self._groups[g.name] = g
 
     def edge_bytes(self, group: DeviceGroup, b: int, t: int, rc: Recompute, d: int, first: bool) -> float:
-        """Bytes the first (or last) stage holds besides its layers; a lower bound: one micro-batch in flight. The last
-        stage's do not depend on the recompute mode."""
+        """Bytes the first (or last) stage holds besides its layers; a lower bound: one micro-batch in flight, and not
+        a tied model's copy of the embedding matrix (a last stage apart from the first holds one; a one-stage pipeline,
+        whose stage holds both edges, does not). The last stage's do not depend on the recompute mode."""
         key = (group.name, b, t, rc if first else "none", d, first)
         if key not in self._edge_bytes:
             memory = stage_memory(
@@ -124,7 +126,11 @@ class _GroupCosts:
                 last=not first,
                 pipeline_stages=2,
             )
-            self._edge_bytes[key] = memory.total_bytes
+            copy = 0.0
+            if not first and self.ctx.model.tied_embeddings:
+                matrix = self.ctx.model.vocab_size * self.ctx.model.hidden_size
+                copy = matrix / t * state_bytes_per_param(self.ctx, d)
+            self._edge_bytes[key] = memory.total_bytes - copy
         return self._edge_bytes[key]
 
 
@@ -268,6 +274,25 @@ class SubsetRows:
             boundaries_s += (len(self.subset) - 1) * across_s
         return boundaries_s
 
+    def tied_sync_least_s(self, tps: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        """Per row: the least time a tied model's first and last stages spend summing the embedding matrix's gradient
+        after the pipeline (cost_model.tied_embedding_sync_time_s), which the tail of either waits: none in one stage.
+        Over several groups the two stages sit in two of them (a group's stages sit together), the larger shard being
+        the narrower TP's: at least the row's second widest TP over the fastest link between groups; in one group
+        (equal groups merged, too) over its fastest link."""
+        ctx = self.costs.ctx
+        if not ctx.model.tied_embeddings:
+            return np.zeros(len(tps))
+        matrix_bytes = ctx.model.vocab_size * ctx.model.hidden_size * GRAD_BYTES_PER_PARAM
+        if len(self.subset) > 1:
+            shard_bytes, links = matrix_bytes / np.sort(tps, axis=1)[:, -2], self.across
+        else:
+            group = self.subset[0]
+            shard_bytes, links = matrix_bytes / tps[:, 0], [*self.inside[0], ctx.cross_group_link(group, group)]
+        # an all-reduce over 2 ranks (comm_model.all_reduce_time_s): the shard once, two latencies
+        least_s = np.min([shard_bytes * link.seconds_per_byte(2) + 2 * link.alpha_s for link in links], axis=0)
+        return np.where(row_sum(counts) > 1, least_s * ctx.terms.network_scale, 0.0)
+
     def least_bounds_s(
         self, replica_rows: Sequence[ReplicaRows], b: int, microbatches: Sequence[int], whole_layer_steps: int
     ) -> tuple[np.ndarray, np.ndarray]:
@@ -288,6 +313,7 @@ class SubsetRows:
         m = np.repeat(np.asarray(microbatches, dtype=float), sizes)
         stages = row_sum(counts)
         boundaries_s = self._boundaries_s(b, tps, counts)
+        tied_s = self.tied_sync_least_s(tps, counts)
         fullest = (-(-num_layers // stages))[:, None]
         least, least_root = np.full(len(replica_rows), np.inf), np.full(len(replica_rows), np.inf)
         fastest = min(modes, key=RECOMPUTE_MODES.index)
@@ -302,7 +328,7 @@ class SubsetRows:
                     for rows, start, end in zip(replica_rows, starts[:-1], starts[1:])
                 ]
             )
-            tail_no_overhead = row_min(fullest * rates)
+            tail_no_overhead = np.maximum(row_min(fullest * rates), tied_s)
             tail_s = tail_no_overhead + ctx.terms.iteration_overhead_s
             pipeline = PipelineBound.of(num_layers, a, e_first, e_last, counts)
             whole = np.zeros(len(counts))
@@ -330,6 +356,7 @@ class SubsetRows:
         columns, positions, tps, d = self.columns, rows.positions, rows.tps, rows.replicas
         stages = rows.counts.sum(axis=1)
         boundaries_s = self._boundaries_s(b, tps, rows.counts)
+        tied_s = self.tied_sync_least_s(tps, rows.counts)
         # every mode's per-layer time and activation, for the root bound of per-stage recompute plans
         mode_time = np.stack([self.tables(b, r)[0][columns, positions] for r in modes], axis=-1)
         mode_activation = np.stack([self.tables(b, r)[1][columns, positions] for r in modes], axis=-1)
@@ -342,7 +369,7 @@ class SubsetRows:
         usable_rows = np.broadcast_to(self.usable[None, :], tps.shape)
         for rc in training.recompute:
             a, activation, e_first, e_last = (t[columns, positions] for t in self.tables(b, rc))
-            tail_no_overhead = fullest_tail[:, :, modes.index(rc)].min(axis=1)
+            tail_no_overhead = np.maximum(fullest_tail[:, :, modes.index(rc)].min(axis=1), tied_s)
             tail_s = tail_no_overhead + ctx.terms.iteration_overhead_s
             tail = MixedTail(tail_no_overhead, fullest_time.reshape(len(tps), -1), fullest_tail.reshape(len(tps), -1))
             memory = None

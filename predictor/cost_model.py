@@ -5,7 +5,8 @@ over m micro-batches takes sum_i(T_i + 2*c_i) + (m-1)*max_i T_i (DESIGN.md); int
 bubble, (sum_i T_i - max_i T_i), by v while there are micro-batches enough to fill the loop through the stages
 (evaluation.pipeline_makespan_s: with m < p, the rounds wait for that loop instead). DP gradient sync overlaps the
 last micro-batch's backward when the engine overlaps it; whatever sticks out, plus the optimizer step, follows the
-pipeline flush.
+pipeline flush; a tied model's first and last stages then all-reduce the embedding matrix's gradient between them
+(Megatron's embedding group: tied_embedding_sync_time_s).
 Memory per device: bf16 weights (2 B/param), fp32 main grads (4), Adam fp32 master + m + v (12, divided by the
 DP degree under ZeRO-1), activations of in-flight micro-batches under 1F1B (min(p - i, m) on stage i).
 """
@@ -300,6 +301,26 @@ def cross_family_sync_time_s(
     return all_reduce_time_s(shard_bytes, families, slowest) * ctx.terms.network_scale + host_work
 
 
+def tied_partner(model: ModelSpec, stages: tuple[StageStrategy, ...], index: int) -> StageStrategy | None:
+    """The stage a tied model's stage `index` sums the embedding matrix's gradient with: the last stage for the first
+    (its LM head's copy of the matrix) and the first for the last, in a pipeline of several stages; else none."""
+    if not model.tied_embeddings or len(stages) < 2 or index not in (0, len(stages) - 1):
+        return None
+    return stages[-1] if index == 0 else stages[0]
+
+
+def tied_embedding_sync_time_s(ctx: CostContext, stages: tuple[StageStrategy, ...], index: int) -> float:
+    """A tied model's embedding matrix sits on the first stage and, as the LM head's copy, on the last: after the DP
+    sync each device of the two all-reduces its TP shard's gradient (fp32 main gradients) with its counterpart over
+    the link between the stages (Megatron's embedding group, finalize_model_grads), not overlapped with anything."""
+    partner = tied_partner(ctx.model, stages, index)
+    if partner is None:
+        return 0.0
+    stage = stages[index]
+    shard_bytes = ctx.model.vocab_size * ctx.model.hidden_size / stage.tp * GRAD_BYTES_PER_PARAM
+    return all_reduce_time_s(shard_bytes, 2, p2p_link(ctx, stage, partner)) * ctx.terms.network_scale
+
+
 StageCache = dict[tuple[object, ...], StageEvaluation]
 
 
@@ -313,6 +334,10 @@ def _stage_key(
     if index + 1 < len(stages):
         following = stages[index + 1]
         after = (following.group, following.tp, same_node(ctx.cluster.group(stage.group), stage, following))
+    tied: tuple[object, ...] = ()
+    partner = tied_partner(ctx.model, stages, index)
+    if partner is not None:
+        tied = (partner.group, same_node(ctx.cluster.group(stage.group), stage, partner))
     return (
         stage.group,
         stage.num_layers,
@@ -329,6 +354,7 @@ def _stage_key(
         strategy.context_parallel,
         after,
         ctx.processes_per_core,
+        tied,
     )
 
 
@@ -363,11 +389,14 @@ def _evaluate_stage(
     backward, forward = stage.num_layers * layer_cost.backward_time_s, stage.num_layers * layer_cost.forward_time_s
     sharded = sharded_exposed_time_s(ctx, sync, backward, forward)
     across = cross_family_sync_time_s(ctx, strategy, family, stage, params_per_device)
-    host_work = family_sync_overhead_s(ctx, group, params_per_device) if across > 0 else 0.0
+    tied = tied_embedding_sync_time_s(ctx, stages, index)
+    # a local run's indexing and copies of the sharded sync (runtime.sync), across families or between tied copies
+    host_work = family_sync_overhead_s(ctx, group, params_per_device) if across > 0 or tied > 0 else 0.0
     if ctx.training.zero_stage <= 1:  # the shards cross families after the family's own reduction, overlapped alike
         exposed = exposed_dp_sync_time_s(ctx, sync + DpSync(across, 0.0), backward, forward)
     else:  # ZeRO 2/3 reduce per micro-batch: the shards cross families once, after the last
         exposed = exposed_dp_sync_time_s(ctx, sync, backward, forward) + across
+    exposed += tied
     memory = stage_memory(
         ctx,
         group,
@@ -386,7 +415,7 @@ def _evaluate_stage(
         compute_time_s=compute + sharded,
         backward_time_s=backward,
         p2p_time_s=p2p_time_s(ctx, stage, stages[index + 1], b) if index + 1 < p else 0.0,
-        dp_sync_time_s=sync.total_s + across,
+        dp_sync_time_s=sync.total_s + across + tied,
         dp_exposed_time_s=exposed,
         optimizer_time_s=optimizer_time_s(ctx, group, params_per_device, replicas, stage.tp),
         memory=memory,

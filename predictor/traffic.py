@@ -11,6 +11,10 @@ convention (shared/reference/collectives.md): in a ring all-reduce of S bytes ov
   DP   per stage and TP rank, over the replicas: fp32 gradient all-reduce (ZeRO-0) or gradient reduce-scatter +
        16-bit weight all-gather (ZeRO-1); two-level (ring inside the node, ring across nodes on each rail with 1/r of
        the data) or one flat ring, whichever the cost model picked for its time.
+  DP of a tied model's embedding matrix (several stages): after the DP sync, each device of the first stage and its
+       counterparts on the last (same replica and CP rank, the TP ranks holding the same vocabulary rows) all-reduce
+       their fp32 gradient shard of the matrix, sending it once each way (Megatron's embedding group,
+       cost_model.tied_embedding_sync_time_s).
   DP across pipeline families (several families): after its family's reduce-scatter, every device all-reduces its
        1/replicas gradient shard across the F families (2(F-1)/F of it sent), as the cost model has it.
   CP   context parallelism (predictor/context_parallel.py): per micro-batch and layer, each rank passes its K/V block
@@ -23,6 +27,7 @@ node, other local rank: needs the spine), cross_group (between device groups: th
 
 from __future__ import annotations
 
+import itertools
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -194,6 +199,18 @@ def _family_traffic(
                             traffic.add_ring(Axis.DP, rail, factor * (len(rail) - 1) / len(rail) * share)
                     else:
                         traffic.add_ring(Axis.DP, ranks, factor * (len(ranks) - 1) / len(ranks) * size)
+    if ctx.model.tied_embeddings and len(stages) > 1:
+        matrix_bytes = ctx.model.vocab_size * ctx.model.hidden_size * GRAD_BYTES_PER_PARAM
+        ends = (0, len(stages) - 1)
+        for index, partner in (ends, ends[::-1]):
+            width, other = stages[index].tp, stages[partner].tp
+            for k, j in itertools.product(range(width), range(other)):  # vocabulary rows k/width.. and j/other..
+                shared = min((k + 1) / width, (j + 1) / other) - max(k / width, j / other)
+                if shared <= 0:
+                    continue
+                for replica, c in itertools.product(range(replicas), range(cp)):
+                    src, dst = device(index, replica, k, c), device(partner, replica, j, c)
+                    traffic.pairs[Axis.DP][(src, dst)] += shared * matrix_bytes
     # PP: boundaries, forward activations and backward gradients, v times each; wrap-around for interleaving
     boundaries = [(i, i + 1, v) for i in range(len(stages) - 1)]
     if v > 1 and len(stages) > 1:

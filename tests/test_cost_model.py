@@ -287,3 +287,45 @@ def test_a_runs_predicted_terms_per_stage_add_up_to_the_iteration_by_hand():
         assert set(stage["terms"]) == set(TERMS)
         assert stage["step"] == pytest.approx(sum(stage["terms"].values()))
     assert max(first["step"], second["step"]) == pytest.approx(result.iteration_time_s)
+
+
+def test_a_tied_models_first_and_last_stages_all_reduce_the_matrix_after_the_dp_sync():
+    """Megatron's embedding group: the first stage's embedding and the last stage's copy of it as the LM head sum their
+    gradients after the DP sync, each device its TP shard in fp32, over the link between the two stages; a middle
+    stage and a one-stage pipeline have nothing to sum. The stage cache tells a near partner from a far one."""
+    from dataclasses import replace
+
+    from predictor.cost_model import GRAD_BYTES_PER_PARAM
+
+    costs = FixedCosts(decoder_s=1.0, embedding_s=0.5, lm_head_s=2.0, activation_bytes=1000.0)
+    untied_ctx = CostContext(one_node_cluster(nodes=2), load_model(str(EXAMPLES / "models" / "tiny-llama.yaml")),
+                             load_training(None, {"global_batch_size": 4, "zero_stage": 0}), {"g": costs})  # fmt: skip
+    tied_ctx = replace(untied_ctx, model=untied_ctx.model.model_copy(update={"tied_embeddings": True}))
+    model = tied_ctx.model
+
+    def three_stages(last_offset: int) -> Strategy:
+        stages = (
+            StageStrategy("g", 0, 3, 2, 0),
+            StageStrategy("g", 3, 6, 2, 2),
+            StageStrategy("g", 6, 8, 2, last_offset),
+        )
+        return Strategy((PipelineStrategy(1, 1, 4, stages),), "none", 0)
+
+    near, far = three_stages(4), three_stages(8)  # the last stage on the first's node, or on the next node
+    group = tied_ctx.cluster.groups[0]
+    shard_bytes = model.vocab_size * model.hidden_size / 2 * GRAD_BYTES_PER_PARAM
+    for strategy, link in ((near, tied_ctx.in_node_link(group)), (far, tied_ctx.rail_link(group))):
+        tied, untied = evaluate(tied_ctx, strategy), evaluate(untied_ctx, strategy)
+        matrix_s = all_reduce_time_s(shard_bytes, 2, link)
+        assert matrix_s > 0
+        exposed = [t.dp_exposed_time_s - u.dp_exposed_time_s for t, u in zip(tied.stages, untied.stages, strict=True)]
+        assert exposed == pytest.approx([matrix_s, 0.0, matrix_s])
+        assert tied.iteration_time_s - untied.iteration_time_s == pytest.approx(matrix_s)
+    cache: dict = {}
+    evaluate(tied_ctx, near, cache)
+    assert (
+        evaluate(tied_ctx, far, cache).stages[2].dp_exposed_time_s
+        == evaluate(tied_ctx, far).stages[2].dp_exposed_time_s
+    )
+    one_stage = Strategy((PipelineStrategy(1, 1, 4, (StageStrategy("g", 0, 8, 2, 0),)),), "none", 0)
+    assert evaluate(tied_ctx, one_stage).stages[0].dp_sync_time_s == 0.0

@@ -81,7 +81,9 @@ def test_stopped_over_every_group_the_subsets_that_leave_a_group_idle_get_a_budg
     # nothing is left unproven (the note said "no plan left is faster than 1.128 s, -0.7% below this plan")
     default = search(ctx)
     assert default.note == "" and default.evaluations[0].iteration_time_s == pytest.approx(best_s, rel=1e-12)
-    for budget, idle in ((2, r"stopped after 2 more at ([\d.]+) s, [\d.]+% below"), (20, "searched to the end")):
+    # (20 candidates ended the idle-group search before the bounds counted GPT-3's tied embedding sync: the work
+    # bound of those subsets does not, so it takes 30 now)
+    for budget, idle in ((2, r"stopped after 2 more at ([\d.]+) s, [\d.]+% below"), (30, "searched to the end")):
         cut = search(ctx, SearchOptions(max_candidates=budget))
         pattern = rf"pipelines over every group: ([\d.]+) s, [\d.]+% below; plans leaving a group idle: {idle}\)"
         found = re.search(pattern, cut.note)

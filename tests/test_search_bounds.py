@@ -55,10 +55,11 @@ SpacePlan = tuple[Shape, tuple[int, ...], OuterConfig, tuple[int, ...], tuple[st
 
 def _instance(seed: int, context_parallel: int = 1) -> CostContext:
     """Two one-node groups of different devices with little memory (so that some plans fit and some do not), a
-    Llama-shaped model of a few layers; its sequences split over `context_parallel` ranks."""
+    Llama-shaped model of a few layers, tying its embedding and output at odd seeds (the first and last stages then
+    sum the matrix's gradient after the pipeline); its sequences split over `context_parallel` ranks."""
     rng = random.Random(seed)
     model = load_model(str(EXAMPLES / "models" / "small-llama.yaml"))
-    model = model.model_copy(update={"num_layers": rng.randint(4, 6)})
+    model = model.model_copy(update={"num_layers": rng.randint(4, 6), "tied_embeddings": seed % 2 == 1})
     sizes = [rng.choice([2, 3, 4]) for _ in range(2)]
     state_gb = model.total_params() * 18 / sum(sizes) / 2**30  # weights, grads and Adam state spread evenly
     groups = tuple(

@@ -178,3 +178,46 @@ def test_traffic_command_writes_a_readable_heatmap(tmp_path):
     assert image[..., :3].std() > 0.1  # not a blank canvas
     wrong = hetplan("traffic", str(plan_path), "--cluster", str(EXAMPLES / "hethub-768.yaml"))
     assert wrong.returncode == 2 and "the plan is for cluster" in wrong.stderr
+
+
+def test_a_tied_models_first_and_last_stages_exchange_the_matrix_as_the_cost_model_times_it():
+    """gpt3-1.7b ties its embedding and output: over PP 2 (a node each) the first stage's devices and their last-stage
+    counterparts all-reduce their TP shard of the matrix's fp32 gradient, once each way per replica; the bytes of one
+    device over the rail, plus the ring latency, are the cost model's time for it."""
+    from predictor.cost_model import tied_embedding_sync_time_s
+
+    ctx = _a100_context(1)
+    assert ctx.model.tied_embeddings
+    strategy = megatron_strategy(
+        ctx.cluster, ctx.model, ctx.training, group="a100", tp=4, pp=2, dp=2, micro_batch_size=2, recompute="full"
+    )
+    pipeline = strategy.pipelines[0]
+    first, last = pipeline.stages
+    devices = pipeline.stage_devices(first)
+    across = {pair: size for pair, size in strategy_traffic(ctx, strategy).pairs["dp"].items()
+              if (pair[0] < devices) != (pair[1] < devices)}  # fmt: skip
+    shard_bytes = ctx.model.vocab_size * ctx.model.hidden_size / 4 * GRAD_BYTES_PER_PARAM
+    assert len(across) == 2 * 2 * 4 and list(across.values()) == pytest.approx([shard_bytes] * 16)
+    group = ctx.cluster.groups[0]
+    link = ctx.rail_link(group)
+    assert first.device_offset // group.devices_per_node != last.device_offset // group.devices_per_node
+    expected_s = shard_bytes / link.bw_bytes_per_s + 2 * link.alpha_s
+    assert tied_embedding_sync_time_s(ctx, pipeline.stages, 0) == pytest.approx(expected_s, rel=1e-9)
+    assert tied_embedding_sync_time_s(ctx, pipeline.stages, 1) == pytest.approx(expected_s, rel=1e-9)
+
+
+def test_a_tied_matrix_over_stages_of_different_tp_widths_goes_to_the_ranks_holding_its_rows():
+    """First stage at TP 2 and last at TP 1, two replicas: each first-stage device swaps its half of the vocabulary with
+    the last stage's one device of its replica, which swaps each half with the device holding it."""
+    ctx = _a100_context(1)
+    stages = (StageStrategy("a100", 0, 12, 2, 0), StageStrategy("a100", 12, 24, 1, 8))
+    strategy = Strategy((PipelineStrategy(2, 1, 32, stages),), "none", 1)
+    across = {pair: size for pair, size in strategy_traffic(ctx, strategy).pairs["dp"].items()
+              if (pair[0] < 8) != (pair[1] < 8)}  # fmt: skip
+    half = ctx.model.vocab_size * ctx.model.hidden_size * GRAD_BYTES_PER_PARAM / 2
+    offsets = {0: 0, 1: 2}  # a replica's first TP rank on the first stage; its device on the last is 8 + replica
+    expected = {}
+    for replica, first in offsets.items():
+        for k in range(2):
+            expected[(first + k, 8 + replica)] = expected[(8 + replica, first + k)] = half
+    assert across == pytest.approx(expected)
