@@ -1,7 +1,8 @@
 """Gradient sync across pipeline families, and between the two copies of a tied embedding, as shards: across
-families as the cost model counts it (cost_model.cross_family_sync_time_s); the tied copies' sum, which Megatron runs as
-an all-reduce of the whole matrix between the first and last stage, moves each device's 1/replicas shard here, and the
-closed form does not count it yet (the local run's simulation waits for it: predictor.sharing.held_layers).
+families as the cost model counts it (cost_model.cross_family_sync_time_s); the tied copies' sum moves each device's
+1/replicas shard of the matrix here, where the cost model counts Megatron's all-reduce of a device's whole TP shard of
+it between the first and last stage (cost_model.tied_embedding_sync_time_s: the same bytes without replicas, more
+with them).
 
 Inside a family, each (stage, TP rank) reduce-scatters its flat gradient over its replicas: replica r keeps chunk r of
 the stage's sum (ZeRO-1's chunk). Each element of the model is then held once per (family, stage) by an *owner* (TP

@@ -35,6 +35,7 @@ from tests.test_runtime import CLUSTER, MODEL  # noqa: E402
 pytestmark = pytest.mark.slow  # several processes
 SEED, BATCH, STEPS, WORLD = 3, 6, 2, 4
 GPT = MODEL.model_copy(update={"mlp": "gelu", "num_kv_heads": MODEL.num_attention_heads})  # learned positions
+TIED_GPT = GPT.model_copy(update={"tied_embeddings": True})  # GPT-2's: one matrix for the embedding and the output
 ONE_GROUP = resolve_cluster(
     ClusterFile.model_validate(
         {
@@ -116,6 +117,21 @@ RUNS: dict[str, tuple[Any, ModelSpec, Strategy]] = {
             (
                 PipelineStrategy(1, 2, 2, _one_stage("fast", 1), context_parallel=2),
                 PipelineStrategy(1, 1, 2, _one_stage("slow", 1), context_parallel=2),
+            ),
+            "none",
+            1,
+        ),
+    ),
+    # the GPT-style model tying its embedding and output over two stages, CP 2 each: the last stage's copy of the
+    # matrix meets the first stage's across the dp-cp groups, ZeRO-1
+    "two stages, tied gpt": (
+        CLUSTER,
+        TIED_GPT,
+        Strategy(
+            (
+                PipelineStrategy(
+                    1, 2, 3, (StageStrategy("fast", 0, 3, 1, 0), StageStrategy("slow", 3, 5, 1, 0)), context_parallel=2
+                ),
             ),
             "none",
             1,
