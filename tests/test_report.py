@@ -529,9 +529,43 @@ def test_a_prime_batch_split_by_families_still_hints_at_uneven_shares():
 def test_a_run_says_which_of_its_steps_it_measured():
     """After the warm-up step of the steps the run trained: a run resumed at step 2 of 3 trained step 3 alone (it
     said "median of steps 2-3"), one resumed at step 1 of 4 trained steps 2-4 (it said "median of steps 2-4", the
-    warm-up included)."""
-    assert measured_steps_words(steps=3, trained=3) == "median of steps 2-3"
+    warm-up included). Of an even count the lower median, a step that happened (it was the mean of two)."""
+    assert measured_steps_words(steps=3, trained=3) == "the faster of steps 2 and 3"
     assert measured_steps_words(steps=2, trained=2) == "step 2"
     assert measured_steps_words(steps=1, trained=1) == "step 1, with its warm-up"
     assert measured_steps_words(steps=3, trained=1) == "step 3, with its warm-up"
-    assert measured_steps_words(steps=4, trained=3) == "median of steps 3-4"
+    assert measured_steps_words(steps=4, trained=3) == "the faster of steps 3 and 4"
+    assert measured_steps_words(steps=5, trained=5) == "lower median of steps 2-5"
+    assert measured_steps_words(steps=6, trained=6) == "median of steps 2-6"
+
+
+def test_the_measured_step_is_a_step_that_happened():
+    """Two ranks, three steps after the warm-up: the iteration is the slowest rank's step, and of an even count of
+    measured steps the lower median (the mean of 0.020 and 0.027 s read 0.0235 s, a step no rank took)."""
+    from runtime.launch import summarize
+
+    def rank(number: int, times: list[float]) -> dict:
+        steps = [{"time_s": t, "compute_s": t, "emulation_s": 0.0, "wait_s": 0.0} for t in times]
+        return {"rank": number, "replica": number, "family": 0, "stage": 0, "group": "cpu", "layers": [0, 2],
+                "tp_rank": 0, "cp_rank": 0,
+                "emulate_speed": 1.0, "microbatches": 1, "steps": steps, "loss_contributions": [1.0] * len(times),
+                "last_stage": True, "max_rss_bytes": 1}  # fmt: skip
+
+    summary = summarize([rank(0, [0.5, 0.020, 0.027, 0.018]), rank(1, [0.5, 0.019, 0.025, 0.022])], 4)
+    assert summary["step_times_s"] == [0.5, 0.020, 0.027, 0.022]
+    assert summary["measured_iteration_time_s"] == 0.022
+    summary = summarize([rank(0, [0.5, 0.020, 0.027])], 3)
+    assert summary["measured_iteration_time_s"] == 0.020
+
+
+def test_a_run_predicted_without_host_costs_says_what_that_leaves_out():
+    """From profiles without the host's step costs the work around the layers is predicted as none (a newcomer's run
+    read DP sync 0.000 s predicted, 0.007 s measured); with them, or from the predictor, nothing is said."""
+    from report.measurements import host_costs_lines
+
+    profiles = {"profiles": [{"path": "cpu.json"}]}
+    (line,) = host_costs_lines({"predicted_timeline": None, "cost_source": profiles})
+    assert line.startswith("note: the profiles have no host costs") and "--no-host" in line
+    assert host_costs_lines({"predicted_timeline": {"step_s": 0.1, "actors": []}, "cost_source": profiles}) == []
+    shipped = {"predictor": {"kind": "shipped"}, "profiles": []}
+    assert host_costs_lines({"predicted_timeline": None, "cost_source": shipped}) == []

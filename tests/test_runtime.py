@@ -513,8 +513,10 @@ def test_hetplan_run_plans_trains_records_and_feeds_fit(tmp_path):
     timeline = record["measurements"]["timeline"]
     assert timeline["step"] == 1 and len(timeline["ranks"]) == 2
     assert all(row["events"][-1][0] == "optimizer" for row in timeline["ranks"])
-    # the simulated step beside it comes with measured host costs; this profile is simulated, without them
+    # the simulated step beside it comes with measured host costs; this profile is simulated, without them, and the
+    # run says what that leaves out
     assert record["measurements"]["predicted_timeline"] is None
+    assert "note: the profiles have no host costs (profiled with --no-host, or simulated)" in ran.stdout
     assert all(stage["predicted_cpu_s"] is None for stage in terms)
     for stage in record["measurements"]["stages"]:
         assert stage["compute_s"] > 0
