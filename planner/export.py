@@ -29,6 +29,7 @@ from specs.engines import Engine, get_engine
 from specs.errors import SpecError, expect_argument, wrong_argument
 from specs.layout import Strategy, chunk_layer_counts
 from specs.loading import text_sha256
+from specs.model import ModelSpec
 from specs.training import TrainingSpec
 from specs.vendors import get_vendor
 
@@ -232,6 +233,13 @@ def _deepspeed(ctx: CostContext, strategy: Strategy, plan: Strategy) -> tuple[di
         "none": "none (activation_checkpoint_interval 0).",
         "full": "full: every layer is checkpointed (activation_checkpoint_interval 1), as predicted.",
     }[mode]
+    tied = (
+        "\nThe model ties its embedding and output: build both as TiedLayerSpec of one key, the embedding first and "
+        "the head last with a forward_fn computing the logits from the shared weight (tied_weight_attr), as planned; "
+        "two separate layers would train an output matrix of their own."
+        if ctx.model.tied_embeddings
+        else ""
+    )
     module = f'''"""PipelineModule with hetplan's stage boundaries (DeepSpeed's partition_method has no explicit list).
 
 Build your model with it in place of PipelineModule, e.g. in train.py:
@@ -246,7 +254,7 @@ Layers: [embedding, decoder 0 .. {ctx.model.num_layers - 1}, head]; stage i owns
 Tensor parallelism: none (TP 1 on {len(pipeline.stages)} stages x {pipeline.replicas} replicas); the plan used
 TP {plan_tp}. DeepSpeed's pipeline engine has no tensor parallelism of its own, so the export is the fastest TP 1
 plan that fits (export.json: "lost"); Megatron-DeepSpeed adds TP through its model-parallel unit.
-Recompute: {recompute}
+Recompute: {recompute}{tied}
 """
 
 from typing import Any
@@ -283,6 +291,36 @@ class HetplanPipelineModule(PipelineModule):
     return files, [["--deepspeed"], ["--deepspeed_config", "$here/ds_config.json"]]
 
 
+# torchtitan's Llama 3 flavors (torchtitan/models/llama3: TransformerModelArgs, the FFN from dim, ffn_dim_multiplier and
+# multiple_of), by the model shape that names one
+TORCHTITAN_LLAMA3_FLAVORS = {
+    "8B": {"num_layers": 32, "hidden_size": 4096, "ffn_hidden_size": 14336, "num_attention_heads": 32},
+    "70B": {"num_layers": 80, "hidden_size": 8192, "ffn_hidden_size": 28672, "num_attention_heads": 64},
+    "405B": {"num_layers": 126, "hidden_size": 16384, "ffn_hidden_size": 53248, "num_attention_heads": 128},
+}
+TORCHTITAN_LLAMA3_SHARED = {"mlp": "swiglu", "num_kv_heads": 8, "vocab_size": 128256, "tied_embeddings": False}
+
+
+def torchtitan_model_lines(model: ModelSpec, fp8: bool) -> list[str]:
+    """The TOML's [model] section: torchtitan's Llama 3 flavor of the model's shape (the TOML named none: torchtitan
+    trained its default model), or a comment that none has it; FP8's converter."""
+    lines = []
+    for flavor, sizes in TORCHTITAN_LLAMA3_FLAVORS.items():
+        shape = sizes | TORCHTITAN_LLAMA3_SHARED
+        if all(getattr(model, field) == value for field, value in shape.items()) and model.head_dim is None:
+            lines += ['name = "llama3"', f'flavor = "{flavor}"']
+    if not lines:
+        described = (
+            f"{model.num_layers} layers, hidden {model.hidden_size}, FFN {model.ffn_hidden_size}, "
+            f"{model.num_attention_heads} heads ({model.num_kv_heads} KV) of {model.head_size}, vocabulary "
+            f"{model.vocab_size}, {'tied' if model.tied_embeddings else 'untied'}, {model.mlp}"
+        )
+        lines.append(f"# no torchtitan Llama 3 flavor has this model's shape ({described}): name your model's here")
+    if fp8:
+        lines.append('converters = ["quantize.linear.float8"]')
+    return ["[model]", *lines, ""]
+
+
 def _torchtitan(ctx: CostContext, strategy: Strategy, plan: Strategy) -> tuple[dict[str, str], Args]:
     pipeline = strategy.pipelines[0]
     parts, start = [], 0
@@ -302,7 +340,7 @@ def _torchtitan(ctx: CostContext, strategy: Strategy, plan: Strategy) -> tuple[d
     toml = "\n".join(
         [
             "# hetplan export for torchtitan (merge into your job config)",
-            *(["[model]", 'converters = ["quantize.linear.float8"]', ""] if fp8 else []),
+            *torchtitan_model_lines(ctx.model, fp8),
             "[parallelism]",
             f"tensor_parallel_degree = {pipeline.stages[0].tp}",
             f"pipeline_parallel_degree = {len(pipeline.stages)}",
@@ -335,6 +373,11 @@ ARCHITECTURE_NOTE = (
     "the arguments give the model's shape; its rotary base, norm epsilon, per-head Q/K norms and Q/K/V biases are "
     "Megatron's defaults (10000, 1e-5, none, none): add --rotary-base, --norm-epsilon, --qk-layernorm or "
     "--add-qkv-bias where the model's differ (Llama 3: --rotary-base 500000; Qwen3: 1000000 and --qk-layernorm)"
+)
+# torchtitan's Llama has an output matrix of its own (no tie across its pipeline stages)
+TORCHTITAN_UNTIED_NOTE = (
+    "the model ties its embedding and output, torchtitan's Llama trains an output matrix of its own: the run has "
+    "vocabulary x hidden more parameters (their state on the last stage) than the plan counts, and no embedding sync"
 )
 EXPORTED_PLAN_FILE = "plan.json"  # the torchrun export's plan, which launch.sh names to every rank in $HETPLAN_PLAN
 
@@ -630,6 +673,10 @@ def export_plan(
     notes += [note] if (note := _memory_note(evaluate(runs_ctx, exported))) else []
     if engine.key in ("megatron", "flagscale") and ctx.model.mlp == "swiglu":
         notes.append(ARCHITECTURE_NOTE)
+    if engine.key == "torchtitan" and ctx.model.tied_embeddings:
+        notes.append(TORCHTITAN_UNTIED_NOTE)
+    if engine.key == "deepspeed" and ctx.model.tied_embeddings:
+        notes.append("the model ties its embedding and output: build them as one TiedLayerSpec (hetplan_pipeline.py)")
     return Export(
         engine.key,
         exported,

@@ -294,14 +294,14 @@ class _Keeper:
                 (optimizer.lo, optimizer.hi), state.zero_stage >= 1, state.sharded is not None,
             )  # fmt: skip
         self.saver = _checkpoint_module().Saver(settings.checkpoint_async) if settings.checkpoint_dir else None
-        self.first_step = 0
+        self.first_step = self.resumed_optimizer_steps = 0
         if settings.resume_from:
             started = time.perf_counter()
             load = _checkpoint_module().load_rank
             resumed = load(Path(settings.resume_from), self.table, self.holdings, *self._tensors())
             if state is not None:
                 state.optimizer.steps = resumed.optimizer_steps
-            self.first_step = resumed.step
+            self.first_step, self.resumed_optimizer_steps = resumed.step, resumed.optimizer_steps
             self.record.append({"loaded": resumed.checkpoint, "step": resumed.step, "load_s": resumed.load_s,
                                 "setup_s": time.perf_counter() - started - resumed.load_s,
                                 "loaded_unix_time_s": time.time()})  # fmt: skip
@@ -332,7 +332,12 @@ class _Keeper:
         info = checkpoint.describe(done, samples, job.model, job.strategy, job.global_batch, job.seq_length,
                                    settings.seed, settings.dtype, dist.get_world_size(), job.cluster.name)  # fmt: skip
         params, exp_avg, exp_avg_sq = self._tensors()
-        steps = self.state.optimizer.steps if self.state is not None else 0
+        # every rank writes the plan's optimizer steps (one entry: DCP keeps any rank's, an idle one's too, which wrote
+        # 0 and restarted Adam's bias correction on resume): an idle rank counts the updates the others made
+        if self.state is not None:
+            steps = self.state.optimizer.steps
+        else:
+            steps = self.resumed_optimizer_steps + done - self.first_step
         path, seconds = checkpoint.save_rank(
             self.saver, settings.checkpoint_dir, done, samples, info, self.table, self.holdings, params, exp_avg,
             exp_avg_sq, steps, settings.checkpoint_keep,

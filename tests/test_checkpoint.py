@@ -201,18 +201,24 @@ def test_losses_across_five_replans_equal_one_uninterrupted_process(chain):
     for i in range(len(CHAIN)):
         results = json.loads((chain / str(i) / "results.json").read_text())
         losses += summarize(results, STEPS_PER_PLAN)["losses"]
+    expected = _uninterrupted_losses(len(losses))
+    assert losses == pytest.approx(expected, rel=1e-9)
+    assert expected[-1] < expected[0]  # it trained: a resumption from fresh weights would not match
+
+
+def _uninterrupted_losses(steps: int) -> list[float]:
+    """One process training the whole model with torch's AdamW for `steps` steps: its losses."""
     reference = ReferenceModel(MODEL, SEED).double()
     optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.01)
     expected = []
-    for step in range(len(losses)):
+    for step in range(steps):
         tokens = synthetic_batch(MODEL, BATCH, MODEL.seq_length, SEED, step)
         loss = reference(tokens[:, :-1], tokens[:, 1:])
         loss.backward()
         expected.append(float(loss.detach()))
         optimizer.step()
         optimizer.zero_grad()
-    assert losses == pytest.approx(expected, rel=1e-9)
-    assert expected[-1] < expected[0]  # it trained: a resumption from fresh weights would not match
+    return expected
 
 
 def test_blocks_cover_column_shards_and_zero_slices_as_few_rectangles():
@@ -343,3 +349,27 @@ def test_a_checkpoint_of_the_untied_model_is_refused_for_the_tied_one(tmp_path):
     checkpoint.check_model(saved, MODEL, tmp_path)
     with pytest.raises(SpecError, match="trained one matrix for both, the plan's model does not tie"):
         checkpoint.check_model({"model_identity": checkpoint.model_identity(tied)}, MODEL, tmp_path)
+
+
+def test_a_plan_that_leaves_devices_idle_resumes_onto_the_same_losses(tmp_path):
+    """Two stages on `fast`, `slow` idle: every rank writes the optimizer's step count and DCP keeps one rank's,
+    here an idle one's, which wrote 0: the resumed run restarted Adam's bias correction (its fourth loss, the first
+    after a resumed update, 0.5% off the uninterrupted run's). Two steps, saved, two more resumed: one process's."""
+    from planner.plan import LoadedPlan
+    from runtime.launch import run_plan
+    from specs.training import TrainingSpec
+
+    strategy = Strategy(
+        (PipelineStrategy(1, 2, 3, (StageStrategy(FAST, 0, 2, 1, 0), StageStrategy(FAST, 2, 5, 1, 1))),), "none", 0
+    )
+    plan = LoadedPlan(strategy, MODEL, TrainingSpec(global_batch_size=BATCH, dtype="fp32"), "test plan")
+    saved = RunSettings(steps=2, seed=SEED, dtype="fp64", timeout_s=60, checkpoint_dir=str(tmp_path / "checkpoints"),
+                        checkpoint_every=2)  # fmt: skip
+    first = run_plan(plan, CLUSTER, saved, str(tmp_path))
+    assert sum(1 for r in first if r.get("idle")) == 2
+    resumed = RunSettings(steps=4, seed=SEED, dtype="fp64", timeout_s=60,
+                          resume_from=str(checkpoint.step_dir(tmp_path / "checkpoints", 2)))  # fmt: skip
+    (tmp_path / "resumed").mkdir()
+    second = run_plan(plan, CLUSTER, resumed, str(tmp_path / "resumed"))
+    losses = summarize(first, 2)["losses"] + summarize(second, 2)["losses"]
+    assert losses == pytest.approx(_uninterrupted_losses(4), rel=1e-9)

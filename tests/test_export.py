@@ -593,3 +593,42 @@ def test_a_layout_the_engine_runs_but_not_in_its_dtype_is_replaced_by_one_that_f
     exported = export_plan(ctx, strategy, "torchtitan", context_for=context_for)
     assert exported.strategy != strategy and evaluate(fp32, exported.strategy).fits
     assert [line.split(":")[0] for line in exported.lost] == ["fp16 -> fp32"]
+
+
+@pytest.mark.parametrize(
+    ("key", "flavor"), [("llama3-8b", "8B"), ("llama3-70b", "70B"), ("llama3-405b", "405B"), ("qwen3-4b", None)]
+)
+def test_torchtitan_names_the_llama3_flavor_of_the_models_shape(key, flavor):
+    """The TOML named no model: torchtitan trained its default flavor whatever the plan's model. A Llama 3 shape
+    names its flavor; any other says none has it, with the shape to register (and FP8's converter joins the same
+    [model] table)."""
+    from planner.export import torchtitan_model_lines
+
+    model = load_model(key)
+    parsed = tomllib.loads("\n".join(torchtitan_model_lines(model, fp8=True)))
+    assert parsed["model"]["converters"] == ["quantize.linear.float8"]
+    if flavor is None:
+        assert "name" not in parsed["model"] and "flavor" not in parsed["model"]
+        (comment,) = [line for line in torchtitan_model_lines(model, fp8=False) if line.startswith("#")]
+        assert comment.startswith("# no torchtitan Llama 3 flavor has this model's shape (36 layers, hidden 2560")
+    else:
+        assert (parsed["model"]["name"], parsed["model"]["flavor"]) == ("llama3", flavor)
+    untied = model.model_copy(update={"vocab_size": 32000})  # another vocabulary is another model
+    assert "flavor" not in tomllib.loads("\n".join(torchtitan_model_lines(untied, fp8=False)))["model"]
+
+
+@pytest.mark.parametrize("key", ["qwen3-4b", "llama3-8b"])
+def test_exports_that_cannot_say_the_tie_tell_the_user(key):
+    """A tied model's DeepSpeed module said to build [embedding, *layers, head] (two matrices) and torchtitan's
+    Llama trains an output of its own, both without a word: DeepSpeed's module and notes now say to tie them with
+    TiedLayerSpec, torchtitan's notes what the run trains beyond the plan. An untied model gets neither."""
+    from planner.export import TORCHTITAN_UNTIED_NOTE
+
+    cluster, model, training = load_cluster(EXAMPLES / "h100-mi300x.yaml"), load_model(key), load_training()
+    ctx = default_predictor().context(cluster, model, training)
+    strategy = plan(cluster, model, training).strategy
+    deepspeed, titan = export_plan(ctx, strategy, "deepspeed"), export_plan(ctx, strategy, "torchtitan")
+    tied = model.tied_embeddings
+    assert ("TiedLayerSpec" in deepspeed.files["hetplan_pipeline.py"]) == tied
+    assert any("TiedLayerSpec" in note for note in deepspeed.notes) == tied
+    assert (TORCHTITAN_UNTIED_NOTE in titan.notes) == tied

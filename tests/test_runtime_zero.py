@@ -269,9 +269,15 @@ def test_a_sharded_checkpoint_resumes_onto_the_same_losses(runs, name):
     TP 2): the loss curve of one process training four steps uninterrupted."""
     results = json.loads((_directory(runs, name) / "results.json").read_text())
     assert all(r["first_step"] == STEPS for r in results)
-    expected, _ = _reference_training(2 * STEPS, model_of(name))
-    assert summarize(results, STEPS)["losses"] == pytest.approx(expected[STEPS:], rel=1e-9)
-    assert expected[-1] < expected[0]  # it trained: fresh weights would not give these losses
+    model = model_of(name)
+    expected, _ = _reference_training(2 * STEPS, model)
+    losses = summarize(results, STEPS)["losses"]
+    assert losses == pytest.approx(expected[STEPS:], rel=1e-9)
+    # it trained: fresh weights would not give these losses on these batches
+    fresh = ReferenceModel(model, SEED).double()
+    batches = [synthetic_batch(model, BATCH, model.seq_length, SEED, step) for step in range(STEPS, 2 * STEPS)]
+    untrained = [float(fresh(tokens[:, :-1], tokens[:, 1:]).detach()) for tokens in batches]
+    assert losses != pytest.approx(untrained, rel=1e-6)
 
 
 def test_fp8_is_refused_by_the_cpu_runtime_in_one_line_and_runs_in_bf16_when_asked(tmp_path):
