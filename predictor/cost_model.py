@@ -430,6 +430,7 @@ def _evaluate_stage(
         overhead_time_s=overhead,
         sync_host_time_s=min(host_work, exposed),
         gather_exposed_time_s=exposed_dp_sync_time_s(ctx, DpSync(0.0, sync.params_s), backward, forward),
+        tied_sync_time_s=tied,
     )
 
 
