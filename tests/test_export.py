@@ -11,8 +11,9 @@ import pytest
 import tomllib
 
 from planner import plan
+from planner.engine_files import ARCHITECTURE_NOTE, WRITERS, megatron_layout
 from planner.engine_space import closest, engine_plans, engine_training, near_plans
-from planner.export import ARCHITECTURE_NOTE, WRITERS, export_plan, megatron_layout
+from planner.export import export_plan
 from planner.plan import describe_strategy, layout_changes
 from predictor.cost_model import evaluate
 from predictor.predictor import default_predictor
@@ -602,7 +603,7 @@ def test_torchtitan_names_the_llama3_flavor_of_the_models_shape(key, flavor):
     """The TOML named no model: torchtitan trained its default flavor whatever the plan's model. A Llama 3 shape
     names its flavor; any other says none has it, with the shape to register (and FP8's converter joins the same
     [model] table)."""
-    from planner.export import torchtitan_model_lines
+    from planner.engine_files import torchtitan_model_lines
 
     model = load_model(key)
     parsed = tomllib.loads("\n".join(torchtitan_model_lines(model, fp8=True)))
@@ -622,7 +623,7 @@ def test_exports_that_cannot_say_the_tie_tell_the_user(key):
     """A tied model's DeepSpeed module said to build [embedding, *layers, head] (two matrices) and torchtitan's
     Llama trains an output of its own, both without a word: DeepSpeed's module and notes now say to tie them with
     TiedLayerSpec, torchtitan's notes what the run trains beyond the plan. An untied model gets neither."""
-    from planner.export import TORCHTITAN_UNTIED_NOTE
+    from planner.engine_files import TORCHTITAN_UNTIED_NOTE
 
     cluster, model, training = load_cluster(EXAMPLES / "h100-mi300x.yaml"), load_model(key), load_training()
     ctx = default_predictor().context(cluster, model, training)
