@@ -261,7 +261,10 @@ def layout_words(ctx: CostContext, evaluation: Evaluation) -> list[str]:
         )
         ranks = shard_ranks(sharded, ctx.cluster.group(first.group), first.tp, pipeline.replicas)
         where = " inside each node (hybrid sharding)" if strategy.zero_shard == "node" and zero else ""
-        words = f"ZeRO-{zero}: {ZERO_SHARDS[zero]}" + (f" over {ranks} ranks{where}" if zero else "")
+        if zero and ranks == 1:  # it read "sharded over 1 ranks"
+            words = f"ZeRO-{zero}: one replica, nothing to shard over: every device keeps its stage's whole state"
+        else:
+            words = f"ZeRO-{zero}: {ZERO_SHARDS[zero]}" + (f" over {ranks} ranks{where}" if zero else "")
         worst = max(members, key=lambda i: stages[i].sharded_exposed_time_s)
         if zero >= 2 and stages[worst].sharded_exposed_time_s > 0:
             exposed = stages[worst].sharded_exposed_time_s

@@ -202,3 +202,19 @@ def test_interleaved_timeline_follows_megatrons_order_and_the_closed_form(pp, vi
                     assert start[(stage, "backward", j, k)] >= end[(after % pp, "backward", j, after // pp)]
     flush = max(b.end_s for b in blocks if b.micro_batch >= 0)
     assert flush == pytest.approx(evaluation.pipeline_time_s, rel=0.01)
+
+
+def test_layout_words_of_one_replica_say_there_is_nothing_to_shard():
+    """A one-replica plan at ZeRO-1 read "the optimizer state is sharded over 1 ranks" (a newcomer's tiny plan)."""
+    from predictor.schedule import layout_words
+
+    cluster = load_cluster(EXAMPLES / "a100-v100-32.yaml")
+    training = load_training(None, {"global_batch_size": 8, "zero_stage": 1})
+    ctx = build_context(cluster, load_model("gpt3-1.7b"), training)
+    for dp, expected in ((1, "ZeRO-1: one replica, nothing to shard over"), (2, "ZeRO-1: the optimizer state is "
+                                                                              "sharded over 2 ranks.")):  # fmt: skip
+        strategy = megatron_strategy(
+            cluster, ctx.model, training, group="a100", tp=8, pp=1, dp=dp, micro_batch_size=1, recompute="none"
+        )
+        (words,) = layout_words(ctx, evaluate(ctx, strategy))
+        assert words.startswith(expected), words
