@@ -55,15 +55,25 @@ def full_head(model: ModelSpec, seed: int) -> tuple[nn.Module, torch.Tensor]:
     return norm, nn.Linear(h, model.vocab_size, bias=False).weight.detach()
 
 
+def vocab_rows(model: ModelSpec, tp: int) -> int:
+    """The vocabulary rows of the embedding and LM head a TP rank holds: the first ranks ceil(vocabulary / tp), the
+    last the rest (a vocabulary TP does not divide is split unevenly rather than padded: the model stays the one
+    planned, whose rows the profiler times at the same ceiling)."""
+    return -(-model.vocab_size // tp)
+
+
 def check_tp(model: ModelSpec, tp: int, source: str) -> None:
     for what, value in (
         ("attention heads", model.num_attention_heads),
         ("kv heads", model.num_kv_heads),
         ("ffn hidden size", model.ffn_hidden_size),
-        ("vocabulary", model.vocab_size),
     ):
         if value % tp:
             raise SpecError(source, "tp", f"the runtime shards {what} ({value}) over TP {tp}: it must divide")
+    if (tp - 1) * vocab_rows(model, tp) >= model.vocab_size:
+        raise SpecError(
+            source, "tp", f"TP {tp} leaves its last rank no rows of the vocabulary ({model.vocab_size}): expected fewer"
+        )
 
 
 def shard_layer(
@@ -126,18 +136,18 @@ class StageModule(nn.Module):
         cp: ContextParallel | None = None,
     ) -> None:
         super().__init__()
-        vocab_rows = model.vocab_size // tp.size
-        lo = tp.rank * vocab_rows
+        rows = vocab_rows(model, tp.size)
+        lo = tp.rank * rows  # the last rank's slices end at the vocabulary's end
         self.embedding = None
         if pieces.embedding is not None:
             tokens, positions = pieces.embedding
             token_positions = cp.positions if cp is not None and cp.size > 1 else None
-            self.embedding = VocabParallelEmbedding(tokens[lo : lo + vocab_rows], lo, tp, positions, token_positions)
+            self.embedding = VocabParallelEmbedding(tokens[lo : lo + rows], lo, tp, positions, token_positions)
         self.layers = nn.ModuleList(shard_layer(layer, model, tp, recompute, cp) for layer in pieces.layers)
         self.head = None
         if pieces.head is not None:
             norm, output = pieces.head
-            self.head = VocabParallelHead(copy.deepcopy(norm), output[lo : lo + vocab_rows], lo, tp)
+            self.head = VocabParallelHead(copy.deepcopy(norm), output[lo : lo + rows], lo, tp)
         tie_output(model, [self])
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:

@@ -18,6 +18,7 @@ from runtime.launch import run_plan, summarize  # noqa: E402
 from runtime.model import (  # noqa: E402
     ReferenceModel,
     StageModule,
+    check_tp,
     gradient_pieces,
     piece_offsets,
     seeded_pieces,
@@ -26,6 +27,7 @@ from runtime.model import (  # noqa: E402
 )
 from runtime.tensor_parallel import TensorParallel  # noqa: E402
 from specs.cluster import ClusterFile, resolve_cluster  # noqa: E402
+from specs.errors import SpecError  # noqa: E402
 from specs.layout import PipelineStrategy, StageStrategy, Strategy  # noqa: E402
 from specs.model import ModelSpec, load_model  # noqa: E402
 from specs.training import TrainingSpec  # noqa: E402
@@ -43,6 +45,8 @@ MODEL = load_model(str(Path(__file__).parent.parent / "examples/models/tiny-llam
 )
 # the same model tying its embedding and output: one matrix, a copy on a last stage apart from the first
 TIED = MODEL.model_copy(update={"tied_embeddings": True})
+# a vocabulary TP 2 does not divide: its ranks hold 128 and 127 rows (Megatron would pad it; the runtime splits it)
+ODD_VOCAB = TIED.model_copy(update={"vocab_size": 255})
 CLUSTER = resolve_cluster(
     ClusterFile.model_validate(
         {
@@ -244,12 +248,25 @@ def _check_timeline(results: list[dict]) -> None:
         assert all(cpu_s >= 0 for *_, cpu_s in events)
 
 
-@pytest.mark.parametrize("model", [MODEL, TIED], ids=["untied", "tied"])
+@pytest.mark.parametrize("model", [MODEL, TIED, ODD_VOCAB], ids=["untied", "tied", "tied-vocabulary-255"])
 def test_tensor_parallel_stage_feeding_a_narrower_stage_matches_one_process(tmp_path, model):
     # stage 0: 2 layers at TP 2 (vocab-parallel embedding); stage 1: 3 layers at TP 1; full recompute; 3 micro-batches.
-    # Tied, the last stage's whole output matrix meets the first stage's two vocabulary halves
+    # Tied, the last stage's whole output matrix meets the first stage's two vocabulary halves (128 + 127 rows of 255)
     stages = (StageStrategy("fast", 0, 2, 2, 0), StageStrategy("slow", 2, 5, 1, 0))
     _check(Strategy((PipelineStrategy(1, 2, 3, stages),), "full", 0), tmp_path, model)
+
+
+def test_a_vocabulary_tp_does_not_divide_is_split_with_the_rest_on_the_last_rank():
+    """A plan may put TP 2 on a vocabulary of 255 (the planner costs ceil(255 / 2) rows, as the profiler times them):
+    the runtime runs it, 128 + 127 rows, rather than refusing it after planning; only a TP leaving a rank no row is
+    refused, in one line."""
+    check_tp(ODD_VOCAB, 2, "plan.json")
+    pieces = seeded_pieces(ODD_VOCAB, 0, 5, True, True, SEED)
+    shards = [StageModule(ODD_VOCAB, pieces, TensorParallel(None, 2, k), "none") for k in (0, 1)]
+    assert [shard.embedding.weight.shape[0] for shard in shards] == [128, 127]
+    assert [shard.head.weight.shape[0] for shard in shards] == [128, 127]
+    with pytest.raises(SpecError, match=r"plan.json: tp: TP 2 leaves its last rank no rows of the vocabulary \(1\)"):
+        check_tp(ODD_VOCAB.model_copy(update={"vocab_size": 1}), 2, "plan.json")
 
 
 def test_a_tied_matrix_over_a_narrower_first_stage_and_unsharded_replicas_matches_one_process(tmp_path):

@@ -25,7 +25,16 @@ from runtime.zero import stage_units, trainable  # noqa: E402
 from specs.layout import PipelineStrategy, StageStrategy, Strategy  # noqa: E402
 from specs.model import ModelSpec  # noqa: E402
 from tests.test_checkpoint import ONE_GROUP  # noqa: E402
-from tests.test_runtime import BATCH, CLUSTER, MODEL, SEED, STEPS, TIED, compare_with_one_process  # noqa: E402
+from tests.test_runtime import (  # noqa: E402
+    BATCH,
+    CLUSTER,
+    MODEL,
+    ODD_VOCAB,
+    SEED,
+    STEPS,
+    TIED,
+    compare_with_one_process,
+)
 
 pytestmark = pytest.mark.slow  # one set of 4 processes runs every plan below
 
@@ -79,6 +88,11 @@ PLANS: dict[str, tuple[Strategy, object]] = {
         Strategy((PipelineStrategy(2, 1, 3, (StageStrategy("cpu", 0, 5, 2, 0),)),), "none", 3),
         ONE_GROUP,
     ),
+    # the same with a vocabulary of 255: the TP ranks' units differ by a row (128 and 127 rows each)
+    "odd vocab tied zero3 tp2": (
+        Strategy((PipelineStrategy(2, 1, 3, (StageStrategy("cpu", 0, 5, 2, 0),)),), "none", 3),
+        ONE_GROUP,
+    ),
     # tied, 3 + 2 layers, 2 replicas: the last stage's copy of the matrix sharded as well
     "tied zero3 uneven pp": (
         Strategy((PipelineStrategy(2, 2, 2, (FAST, SLOW), total_microbatches=3),), "none", 3),
@@ -108,11 +122,12 @@ RESUMED = {
     "zero3 resumed": ("zero3 uneven pp", "zero3 uneven pp"),
     "zero2 resumed under zero3 tp2": ("zero2 uneven pp", "zero3 tp2"),
     "tied resumed under two families": ("tied zero3 tp2", "tied zero3 two families"),
+    "odd vocab resumed under two families": ("odd vocab tied zero3 tp2", "tied zero3 two families"),
 }
 
 
 def model_of(name: str) -> ModelSpec:
-    return TIED if name.startswith("tied") else MODEL
+    return ODD_VOCAB if name.startswith("odd vocab") else TIED if name.startswith("tied") else MODEL
 
 
 @pytest.fixture(autouse=True, scope="module")
