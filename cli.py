@@ -504,7 +504,8 @@ def traffic(
     output_file(png, "--png", (".png",))
     loaded, cluster_spec = plan_on_cluster(plan_file, cluster)
     result = plan_traffic(loaded, cluster_spec, tokens=tokens, epochs=epochs, png=png)
-    show(as_json, result.to_dict(), traffic_table(result), result.rail.sentence(), *written("heatmap", png))
+    show(as_json, result.to_dict(), traffic_table(result), *result.dp_parts_lines(), result.rail.sentence(),
+         *written("heatmap", png))  # fmt: skip
 
 
 @app.command("traffic-calc")

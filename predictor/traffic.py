@@ -38,6 +38,7 @@ from predictor.cost_model import GRAD_BYTES_PER_PARAM, CostContext, stage_params
 from specs.layout import Axis, PipelineStrategy, Strategy, dp_layout, group_offsets, stage_rank
 
 DIMENSIONS = (Axis.TP, Axis.CP, Axis.PP, Axis.DP)
+DP_PARTS = ("tied embedding", "across families")
 LINK_CLASSES = ("in_node", "rail", "spine", "cross_group")
 
 
@@ -53,6 +54,8 @@ class Traffic:
     pairs: dict[str, dict[tuple[int, int], float]] = field(
         default_factory=lambda: {d: defaultdict(float) for d in DIMENSIONS}
     )
+    # the DP bytes that are not the replicas' sync (DP is every gradient sync: one replica may still send these)
+    dp_parts: dict[str, float] = field(default_factory=lambda: dict.fromkeys(DP_PARTS, 0.0))
 
     def add_ring(self, dimension: str, ranks: list[int], bytes_per_rank: float) -> None:
         if len(ranks) < 2 or bytes_per_rank <= 0:
@@ -136,6 +139,7 @@ def _cross_family_traffic(ctx: CostContext, strategy: Strategy, offsets: dict[st
                         to_replica, to_tp = replica % following.replicas, tp_rank % partner.tp
                         dst = stage_rank(offsets, partner, to_replica, to_tp, cp_rank, cp)
                         traffic.pairs[Axis.DP][(src, dst)] += 2 * (families - 1) / families * shard
+                        traffic.dp_parts["across families"] += 2 * (families - 1) / families * shard
 
 
 def _family_traffic(
@@ -211,6 +215,7 @@ def _family_traffic(
                 for replica, c in itertools.product(range(replicas), range(cp)):
                     src, dst = device(index, replica, k, c), device(partner, replica, j, c)
                     traffic.pairs[Axis.DP][(src, dst)] += shared * matrix_bytes
+                    traffic.dp_parts["tied embedding"] += shared * matrix_bytes
     # PP: boundaries, forward activations and backward gradients, v times each; wrap-around for interleaving
     boundaries = [(i, i + 1, v) for i in range(len(stages) - 1)]
     if v > 1 and len(stages) > 1:

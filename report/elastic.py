@@ -47,10 +47,15 @@ def elastic_lines(record: Mapping[str, Any]) -> list[str]:
     saved = elastic["checkpoints_saved_last_attempt"]
     if saved:
         written = f", written in {_seconds(elastic['write_s'])} in the background" if elastic.get("write_s") else ""
-        kept = ", ".join(map(str, saved))
+        on_disk = elastic.get("checkpoints_on_disk")  # (records from before it: what the last attempt saved)
+        kept = (
+            f"steps {', '.join(map(str, on_disk))} on disk, the last attempt saved {', '.join(map(str, saved))}"
+            if on_disk is not None
+            else f"steps {', '.join(map(str, saved))} saved by the last attempt"
+        )
         waited = _seconds(elastic["save_s"])
         lines.append(
-            f"checkpoints: {escape(elastic['checkpoint_dir'])} (steps {kept} kept by the last attempt; the slowest "
-            f"rank waited {waited} to save{written})"
+            f"checkpoints: {escape(elastic['checkpoint_dir'])} ({kept}; the slowest rank waited {waited} to "
+            f"save{written})"
         )
     return lines

@@ -6,6 +6,7 @@ set)."""
 from __future__ import annotations
 
 import contextlib
+import difflib
 import errno
 import os
 import re
@@ -21,6 +22,8 @@ import click
 import typer
 
 from report import said
+
+MISSPELLING_CUTOFF = 0.8  # difflib's ratio: '--ou' for '--out' (0.86) passes, '--tp' for '--cp' (0.75) not
 
 if TYPE_CHECKING:
     from specs.errors import SpecError
@@ -147,7 +150,16 @@ def _usage_message(err: BaseException, args: Sequence[str] = ()) -> str:
     missing = re.fullmatch(r"Option '(-[\w-]+)' requires an argument\.?", message)
     if missing:  # the option was the last word, or another option followed it
         return f"{missing[1]}: expected a value after it"
+    if type(err).__name__ == "NoSuchOption":  # (typer's vendored click: by name, as above)
+        return _no_such_option(getattr(err, "option_name", ""), getattr(err, "possibilities", None) or [])
     return str(err.format_message())  # type: ignore[attr-defined]
+
+
+def _no_such_option(option: str, possibilities: Sequence[str]) -> str:
+    """The unknown option and the command's options it may be a misspelling of: click's own guess is loose (`predict
+    --out` offered --group, --recompute and --tp)."""
+    close = difflib.get_close_matches(option, possibilities, n=3, cutoff=MISSPELLING_CUTOFF)
+    return f"No such option: {option}" + (f" (did you mean {' or '.join(close)}?)" if close else "")
 
 
 def _given_value(args: Sequence[str], names: Sequence[str]) -> str | None:

@@ -215,18 +215,24 @@ def run_lines(record: Mapping[str, Any]) -> list[str]:
     details = record["measurements"]
     reference = record["reference_match"]
     which = measured_steps_words(details["steps"], len(details["step_times_s"]))
+    first_step = details["steps"] - len(record["losses"])  # a resumed run trained the steps after its checkpoint's
+    losses = ", ".join(f"{loss:.4f}" for loss in record["losses"])
     lines = [
         f"iteration: measured {record['measured_iteration_time_s']:.3f} s ({which}), predicted "
         f"{record['predicted_iteration_time_s']:.3f} s ({against_prediction(details['prediction_error'])})",
         *speed_lines(record),
         f"prediction from: {details['prediction_from']}",
-        "loss per step: " + ", ".join(f"{loss:.4f}" for loss in record["losses"]),
+        f"loss per step from step {first_step + 1} (resumed from step {first_step}'s checkpoint): {losses}"
+        if first_step
+        else f"loss per step: {losses}",
     ]
     if reference.get("checked"):
         verdict = "matches" if reference["match"] else "DOES NOT MATCH"
         lines.append(
             f"step 1 loss {verdict} one process: {reference['run_loss']:.6f} vs {reference['reference_loss']:.6f}"
         )
+    elif reference.get("why"):
+        lines.append(f"loss not checked against one process: {reference['why']}")
     lines.extend(memory_lines(details))
     sharing = details.get("core_sharing") or {}
     if "busy_processes_per_core" in sharing:

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from predictor.cost_model import build_context
-from predictor.traffic import DIMENSIONS, Traffic, strategy_traffic, textbook_traffic_per_rank
+from predictor.traffic import DIMENSIONS, DP_PARTS, Traffic, strategy_traffic, textbook_traffic_per_rank
 from report.figures import traffic_heatmap
 from specs.errors import SpecError
 
@@ -77,6 +77,13 @@ class TrafficReport:
     rail: RailOnly
     png: Path | None = None
 
+    def dp_parts_lines(self) -> list[str]:
+        """What of the dp row is not the replicas' sync (a plan of one replica may still send it)."""
+        words = {"tied embedding": "the tied embedding's sum", "across families": "across pipeline families"}
+        sizes = self.traffic.dp_parts
+        parts = [f"{sizes[part] / 1e9:,.1f} GB of it {words[part]}" for part in DP_PARTS if sizes[part] > 0]
+        return [f"dp is every gradient sync: {', '.join(parts)}"] if parts else []
+
     def to_dict(self) -> dict[str, Any]:
         """The JSON body of `hetplan traffic --json`."""
         table = self.by_dimension_and_link
@@ -90,6 +97,7 @@ class TrafficReport:
                 {d: {k: round(v * iterations) for k, v in table[d].items()} for d in DIMENSIONS} if iterations else None
             ),
             "rail_only": self.rail.to_dict(),
+            "dp_bytes_per_iteration_of": {part: round(size) for part, size in self.traffic.dp_parts.items()},
         }
         if self.png is not None:
             body["png"] = str(self.png)

@@ -323,6 +323,9 @@ def execute_elastic(
     if run.interruptions:  # (the record's cluster is the one the run ended on: launch.cluster_mapping)
         record["name"] = f"{record['name']} (after {len(run.interruptions)} interruption(s))"
     saved = sorted({c["step"] for r in run.results for c in r.get("checkpoints", []) if "saved" in c})
+    root = Path(settings.checkpoint_dir) if settings.checkpoint_dir else None
+    # what is left to resume from: the saves keep the last --checkpoint-keep (the summary listed the removed ones)
+    on_disk = [int(p.name.removeprefix("step-")) for p in checkpoint.complete_checkpoints(root)] if root else []
     record["elastic"] = {
         "checkpoint_dir": settings.checkpoint_dir,
         "checkpoint_every": settings.checkpoint_every,
@@ -332,6 +335,7 @@ def execute_elastic(
         ),
         "resumed_from": settings.resume_from,
         "checkpoints_saved_last_attempt": saved,
+        "checkpoints_on_disk": on_disk,
         "save_s": max(
             (c["save_s"] for r in run.results for c in r.get("checkpoints", []) if "save_s" in c), default=None
         ),

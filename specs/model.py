@@ -10,6 +10,7 @@ is 24*s*h^2 + 4*s^2*h, and model FLOPs per iteration reproduce Narayanan et al. 
 
 from __future__ import annotations
 
+import difflib
 import re
 from collections.abc import Iterable, Mapping
 from numbers import Integral
@@ -61,6 +62,13 @@ LLAMA_NAMES = {"num_layers": "num_hidden_layers", "ffn_hidden_size": "intermedia
                "seq_length": "max_position_embeddings", "tied_embeddings": "tie_word_embeddings"}  # fmt: skip
 GPT2_NAMES = {"num_layers": "n_layer", "hidden_size": "n_embd", "ffn_hidden_size": "n_inner",
               "num_attention_heads": "n_head", "num_kv_heads": "n_head", "seq_length": "n_positions"}  # fmt: skip
+# a config.json key this close to a field read and missing is taken as its misspelling (difflib's ratio:
+# tie_word_embedding for tie_word_embeddings 0.97, kv_head_dim for head_dim 0.84)
+CONFIG_MISSPELLING_CUTOFF = 0.9
+# the config.json keys the translation reads
+GPT2_READ = ("n_layer", "n_embd", "n_inner", "n_head", "vocab_size", "n_positions", "tie_word_embeddings")
+LLAMA_READ = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+              "head_dim", "vocab_size", "max_position_embeddings", "tie_word_embeddings", "hidden_act")  # fmt: skip
 # the Hugging Face config.json `model_type`s translated: Llama-style ones and GPT-2
 HF_MODEL_TYPES = ("llama", "mistral", "qwen", "qwen2", "qwen3", "internlm2", "yi", "baichuan", "gpt2")
 
@@ -275,6 +283,7 @@ def _hf_model_type(data: dict[str, Any], source: str) -> str:
 def _model_from_hf_config(data: dict[str, Any], source: str, stem: str) -> ModelSpec:
     """Translate a Hugging Face config.json (Llama/Mistral/Qwen-style or GPT-2) into a ModelSpec."""
     model_type = _hf_model_type(data, source)
+    _check_misspellings(data, GPT2_READ if model_type == "gpt2" else LLAMA_READ, source)
 
     def need(field: str) -> Any:
         if field not in data:
@@ -293,7 +302,7 @@ def _model_from_hf_config(data: dict[str, Any], source: str, stem: str) -> Model
             "vocab_size": need("vocab_size"),
             "seq_length": data.get("n_positions", 1024),
             "mlp": "gelu",
-            "tied_embeddings": True,
+            "tied_embeddings": data.get("tie_word_embeddings", True),  # GPT-2's default
         }
     else:  # Llama-style: SwiGLU, RMSNorm, rotary positions
         act = str(data.get("hidden_act", "silu")).lower()
@@ -323,6 +332,18 @@ def _model_from_hf_config(data: dict[str, Any], source: str, stem: str) -> Model
         if model_type == "gpt2":
             err = SpecError(err.source, err.field, err.expectation.replace(HEAD_DIM_HINT, ""))
         raise _in_config_names(err, names) from None
+
+
+def _check_misspellings(data: Mapping[str, Any], read: Iterable[str], source: str) -> None:
+    """A key of the config.json that misspells one the translation reads and the file lacks (`tie_word_embedding`),
+    refused in one line: Hugging Face ignores it and takes the default, so the model would silently be another."""
+    absent = sorted(set(read) - set(data))
+    for key in data:
+        close = difflib.get_close_matches(key, absent, n=1, cutoff=CONFIG_MISSPELLING_CUTOFF)
+        if close:
+            raise SpecError(
+                source, key, f"not a field of the config.json: did you mean {close[0]}? (without it, its default)"
+            )
 
 
 def _in_config_names(err: SpecError, names: Mapping[str, str]) -> SpecError:

@@ -121,6 +121,13 @@ TRAFFIC_CALC = ("traffic-calc", "-m", "llama3-8b", "--tokens", "1e9", "--global-
         ((), "missing command: one of plan, predict"),
         (("bogus",), "No such command 'bogus'"),
         (("plan", "--bogus"), "No such option: --bogus"),
+        # a misspelling gets its option; an option the command lacks gets no guess (click offered --group, --recompute
+        # and --tp for predict's --out)
+        (
+            ("predict", "-c", str(CPU), "--globl-batch", "3"),
+            "No such option: --globl-batch (did you mean --global-batch?) (see",
+        ),
+        (("predict", "-c", str(CPU), "--out", "x.json"), "No such option: --out (see 'hetplan predict --help')"),
         (("plan", "--cluster", str(CPU)), "Missing option '--model'"),
         ((*PLAN, "--top-k", "0"), "--top-k: expected a value >= 1, got '0' (see"),
         ((*PLAN, "--global-batch", "1e3"), "--global-batch: expected an integer, got '1e3' (see"),

@@ -59,6 +59,9 @@ def test_hetplan_run_survives_a_lost_rank_and_refuses_bad_resumes_in_one_line(tm
     # the last attempt trained steps 3 and 4, step 3 its warm-up: the measurement is step 4's (it said "median of
     # steps 2-4")
     assert "(step 4)" in ran.stdout
+    # the summary names the checkpoints left on disk (the 2 kept), not every one the attempt saved
+    on_disk = [int(p.name.removeprefix("step-")) for p in checkpoint.complete_checkpoints(root)]
+    assert on_disk == [2, 4] and "(steps 2, 4 on disk, the last attempt saved 4;" in ran.stdout
     from predictor.runs import load_runs
 
     (run,) = load_runs(record_path)  # `validate` and `fit --runs` read it back (its `elastic` section was refused)
@@ -68,6 +71,13 @@ def test_hetplan_run_survives_a_lost_rank_and_refuses_bad_resumes_in_one_line(tm
                       str(root), "--steps", "4", torch_allowed=True)  # fmt: skip
     assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
     assert "at step 4: ask for more --steps" in refused.stderr
+    resumed = hetplan("run", str(plan), "--cluster", str(cluster), "--out", str(tmp_path / "resumed.json"), "--resume",
+                      str(root), "--steps", "6", "--timeout", "60", "--quiet", torch_allowed=True)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr
+    (losses,) = [line for line in resumed.stdout.splitlines() if line.startswith("loss per step")]
+    assert losses.startswith("loss per step from step 5 (resumed from step 4's checkpoint): ")
+    assert len(losses.split(": ", 1)[1].split(", ")) == 2  # steps 5 and 6, numbered
+    assert "loss not checked against one process: resumed from a checkpoint at step 4" in resumed.stdout
 
     model = MODEL.model_copy(update={"num_layers": 2})
     with pytest.raises(SpecError, match=r"hetplan-checkpoint.json: model.num_layers: .* another model"):

@@ -232,7 +232,8 @@ def test_the_schedule_draws_every_family_and_waits_for_the_slowest(family_plan):
 
 def test_traffic_of_families_is_each_familys_own_plus_the_gradient_shards_across_groups(family_plan):
     ctx, strategy = family_plan.context, family_plan.strategy
-    together = strategy_traffic(ctx, strategy).by_dimension_and_link()
+    traffic = strategy_traffic(ctx, strategy)
+    together = traffic.by_dimension_and_link()
     alone = [strategy_traffic(ctx, dataclasses.replace(strategy, pipelines=(p,))) for p in strategy.pipelines]
     for dimension in ("tp", "pp"):
         assert sum(together[dimension].values()) == pytest.approx(sum(t.total_bytes(dimension) for t in alone))
@@ -246,6 +247,7 @@ def test_traffic_of_families_is_each_familys_own_plus_the_gradient_shards_across
             devices = stage.tp * pipeline.replicas
             expected += devices * 2 * (families - 1) / families * params * GRAD_BYTES_PER_PARAM / pipeline.replicas
     assert together["dp"]["cross_group"] == pytest.approx(expected, rel=1e-12)
+    assert traffic.dp_parts["across families"] == pytest.approx(expected, rel=1e-12)  # the dp row's part, said
     assert together["dp"]["cross_group"] > 0 and all(together[d]["cross_group"] == 0 for d in ("tp", "pp"))
 
 

@@ -255,8 +255,11 @@ def test_gpt2_configs_load(write):
             )
         )
     )
-    assert gpt2.mlp == "gelu" and gpt2.ffn_hidden_size == 3072
+    assert gpt2.mlp == "gelu" and gpt2.ffn_hidden_size == 3072 and gpt2.tied_embeddings  # GPT-2's default
     assert gpt2.total_params() == pytest.approx(124.4e6, rel=0.01)  # GPT-2 small: 124M parameters
+    untied = {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 2, "vocab_size": 100}
+    untied_path = write("untied.json", json.dumps({**untied, "tie_word_embeddings": False}))
+    assert not load_model(str(untied_path)).tied_embeddings
 
 
 QWEN = '"model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944, "num_attention_heads": 28'
@@ -301,6 +304,13 @@ QWEN = '"model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944, 
             "expected true or false, got 'false'",
         ),
         (f'{{{QWEN}, "vocab_size": 10, "num_hidden_layers": 28, "head_dim": "128"}}', "head_dim", "got '128'"),
+        # a misspelt key Hugging Face would ignore (the model read untied), or one that would be said missing
+        (
+            f'{{{QWEN}, "vocab_size": 10, "num_hidden_layers": 28, "tie_word_embedding": true}}',
+            "tie_word_embedding",
+            "not a field of the config.json: did you mean tie_word_embeddings? (without it, its default)",
+        ),
+        (f'{{{QWEN}, "vocab_size": 10, "num_hidden_layer": 28}}', "num_hidden_layer", "mean num_hidden_layers?"),
         (f'{{{QWEN}, "vocab_size": 10, "num_hidden_layers": 28, "head_dim": 0}}', "head_dim", ">= 1, got 0"),
     ],
 )

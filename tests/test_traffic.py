@@ -17,6 +17,7 @@ from predictor.cost_model import (
     tp_collective_time_s,
 )
 from predictor.traffic import strategy_traffic, textbook_traffic_per_rank
+from report.network import TrafficReport, rail_only
 from specs import load_cluster, load_model, load_training
 from specs.layout import PipelineStrategy, StageStrategy, Strategy, dp_layout, megatron_strategy
 from tests.conftest import EXAMPLES
@@ -194,10 +195,16 @@ def test_a_tied_models_first_and_last_stages_exchange_the_matrix_as_the_cost_mod
     pipeline = strategy.pipelines[0]
     first, last = pipeline.stages
     devices = pipeline.stage_devices(first)
-    across = {pair: size for pair, size in strategy_traffic(ctx, strategy).pairs["dp"].items()
+    traffic = strategy_traffic(ctx, strategy)
+    across = {pair: size for pair, size in traffic.pairs["dp"].items()
               if (pair[0] < devices) != (pair[1] < devices)}  # fmt: skip
     shard_bytes = ctx.model.vocab_size * ctx.model.hidden_size / 4 * GRAD_BYTES_PER_PARAM
     assert len(across) == 2 * 2 * 4 and list(across.values()) == pytest.approx([shard_bytes] * 16)
+    # the dp row says how much of it is the tied sum (a plan of one replica sends it too)
+    assert traffic.dp_parts == pytest.approx({"tied embedding": 16 * shard_bytes, "across families": 0.0})
+    report = TrafficReport("plan", traffic, traffic.by_dimension_and_link(), None, rail_only(traffic))
+    gigabytes = 16 * shard_bytes / 1e9
+    assert report.dp_parts_lines() == [f"dp is every gradient sync: {gigabytes:,.1f} GB of it the tied embedding's sum"]
     group = ctx.cluster.groups[0]
     link = ctx.rail_link(group)
     assert first.device_offset // group.devices_per_node != last.device_offset // group.devices_per_node
