@@ -23,7 +23,7 @@ import typer
 
 from report import said
 
-MISSPELLING_CUTOFF = 0.8  # difflib's ratio: '--ou' for '--out' (0.86) passes, '--tp' for '--cp' (0.75) not
+MISSPELLING_CUTOFF = 0.8  # difflib's ratio: '--ou' for '--out' (0.89) passes, '--tp' for '--cp' (0.75) not
 
 if TYPE_CHECKING:
     from specs.errors import SpecError
@@ -159,7 +159,8 @@ def _no_such_option(option: str, possibilities: Sequence[str]) -> str:
     """The unknown option and the command's options it may be a misspelling of: click's own guess is loose (`predict
     --out` offered --group, --recompute and --tp)."""
     close = difflib.get_close_matches(option, possibilities, n=3, cutoff=MISSPELLING_CUTOFF)
-    return f"No such option: {option}" + (f" (did you mean {' or '.join(close)}?)" if close else "")
+    shown = "".join(c if c.isprintable() else repr(c)[1:-1] for c in option)  # no terminal escapes from argv
+    return f"No such option: {shown}" + (f" (did you mean {' or '.join(close)}?)" if close else "")
 
 
 def _given_value(args: Sequence[str], names: Sequence[str]) -> str | None:

@@ -79,10 +79,12 @@ class TrafficReport:
 
     def dp_parts_lines(self) -> list[str]:
         """What of the dp row is not the replicas' sync (a plan of one replica may still send it)."""
+        from report.tables import bytes_text
+
         words = {"tied embedding": "the tied embedding's sum", "across families": "across pipeline families"}
         sizes = self.traffic.dp_parts
-        parts = [f"{sizes[part] / 1e9:,.1f} GB of it {words[part]}" for part in DP_PARTS if sizes[part] > 0]
-        return [f"dp is every gradient sync: {', '.join(parts)}"] if parts else []
+        parts = [f"{bytes_text(sizes[part])} of it {words[part]}" for part in DP_PARTS if sizes[part] > 0]
+        return [f"dp is every gradient sync: {', '.join(parts)} per iteration"] if parts else []
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON body of `hetplan traffic --json`."""

@@ -298,7 +298,7 @@ def traffic_table(report: TrafficReport) -> Table:
     return out
 
 
-def _bytes_text(value: float) -> str:
+def bytes_text(value: float) -> str:
     """Bytes in PB, or in the largest unit that shows them (a short run sends far less than a petabyte)."""
     units = (("PB", 1e15), ("TB", 1e12), ("GB", 1e9), ("MB", 1e6))
     unit, size = next(((unit, size) for unit, size in units if value >= size), ("kB", 1e3))
@@ -318,7 +318,7 @@ def traffic_calc_lines(body: Mapping[str, Any], global_batch: int, seq_length: i
         if value is None:
             lines.append(f"  {name:<5} n/a: {body['not_applicable'][name]}")
         else:
-            lines.append(f"  {name:<5} {_bytes_text(value)} sent per rank ({_bytes_text(value * gpus)} in all)")
+            lines.append(f"  {name:<5} {bytes_text(value)} sent per rank ({bytes_text(value * gpus)} in all)")
     return lines
 
 

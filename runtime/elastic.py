@@ -324,7 +324,7 @@ def execute_elastic(
         record["name"] = f"{record['name']} (after {len(run.interruptions)} interruption(s))"
     saved = sorted({c["step"] for r in run.results for c in r.get("checkpoints", []) if "saved" in c})
     root = Path(settings.checkpoint_dir) if settings.checkpoint_dir else None
-    # what is left to resume from: the saves keep the last --checkpoint-keep (the summary listed the removed ones)
+    # what is left to resume from: a save keeps the newest RunSettings.checkpoint_keep (the summary listed all)
     on_disk = [int(p.name.removeprefix("step-")) for p in checkpoint.complete_checkpoints(root)] if root else []
     record["elastic"] = {
         "checkpoint_dir": settings.checkpoint_dir,

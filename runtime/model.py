@@ -72,7 +72,9 @@ def check_tp(model: ModelSpec, tp: int, source: str) -> None:
             raise SpecError(source, "tp", f"the runtime shards {what} ({value}) over TP {tp}: it must divide")
     if (tp - 1) * vocab_rows(model, tp) >= model.vocab_size:
         raise SpecError(
-            source, "tp", f"TP {tp} leaves its last rank no rows of the vocabulary ({model.vocab_size}): expected fewer"
+            source,
+            "tp",
+            f"TP {tp} leaves its last rank none of the vocabulary's {model.vocab_size} rows: expected a smaller TP",
         )
 
 

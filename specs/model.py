@@ -61,7 +61,8 @@ NO_HEAD_DIM = "no head_dim (heads of hidden_size / num_attention_heads)"  # a sh
 LLAMA_NAMES = {"num_layers": "num_hidden_layers", "ffn_hidden_size": "intermediate_size",
                "seq_length": "max_position_embeddings", "tied_embeddings": "tie_word_embeddings"}  # fmt: skip
 GPT2_NAMES = {"num_layers": "n_layer", "hidden_size": "n_embd", "ffn_hidden_size": "n_inner",
-              "num_attention_heads": "n_head", "num_kv_heads": "n_head", "seq_length": "n_positions"}  # fmt: skip
+              "num_attention_heads": "n_head", "num_kv_heads": "n_head", "seq_length": "n_positions",
+              "tied_embeddings": "tie_word_embeddings"}  # fmt: skip
 # a config.json key this close to a field read and missing is taken as its misspelling (difflib's ratio:
 # tie_word_embedding for tie_word_embeddings 0.97, kv_head_dim for head_dim 0.84)
 CONFIG_MISSPELLING_CUTOFF = 0.9
@@ -338,11 +339,11 @@ def _check_misspellings(data: Mapping[str, Any], read: Iterable[str], source: st
     """A key of the config.json that misspells one the translation reads and the file lacks (`tie_word_embedding`),
     refused in one line: Hugging Face ignores it and takes the default, so the model would silently be another."""
     absent = sorted(set(read) - set(data))
-    for key in data:
+    for key in (key for key in data if isinstance(key, str)):  # (JSON's keys are; a mapping's need not be)
         close = difflib.get_close_matches(key, absent, n=1, cutoff=CONFIG_MISSPELLING_CUTOFF)
         if close:
             raise SpecError(
-                source, key, f"not a field of the config.json: did you mean {close[0]}? (without it, its default)"
+                source, key, f"not a field of the config.json: did you mean {close[0]}? (Hugging Face ignores it)"
             )
 
 

@@ -128,6 +128,7 @@ TRAFFIC_CALC = ("traffic-calc", "-m", "llama3-8b", "--tokens", "1e9", "--global-
             "No such option: --globl-batch (did you mean --global-batch?) (see",
         ),
         (("predict", "-c", str(CPU), "--out", "x.json"), "No such option: --out (see 'hetplan predict --help')"),
+        (("plan", "--o\x1b[31mx"), "No such option: --o\\x1b[31mx (see"),  # no terminal escape from the command line
         (("plan", "--cluster", str(CPU)), "Missing option '--model'"),
         ((*PLAN, "--top-k", "0"), "--top-k: expected a value >= 1, got '0' (see"),
         ((*PLAN, "--global-batch", "1e3"), "--global-batch: expected an integer, got '1e3' (see"),

@@ -260,6 +260,9 @@ def test_gpt2_configs_load(write):
     untied = {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 2, "vocab_size": 100}
     untied_path = write("untied.json", json.dumps({**untied, "tie_word_embeddings": False}))
     assert not load_model(str(untied_path)).tied_embeddings
+    wrong = write("wrong.json", json.dumps({**untied, "tie_word_embeddings": "no"}))
+    with pytest.raises(SpecError, match=r"wrong.json: tie_word_embeddings: expected true or false, got 'no'"):
+        load_model(str(wrong))  # in the config's own name
 
 
 QWEN = '"model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944, "num_attention_heads": 28'
@@ -308,7 +311,7 @@ QWEN = '"model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944, 
         (
             f'{{{QWEN}, "vocab_size": 10, "num_hidden_layers": 28, "tie_word_embedding": true}}',
             "tie_word_embedding",
-            "not a field of the config.json: did you mean tie_word_embeddings? (without it, its default)",
+            "not a field of the config.json: did you mean tie_word_embeddings? (Hugging Face ignores it)",
         ),
         (f'{{{QWEN}, "vocab_size": 10, "num_hidden_layer": 28}}', "num_hidden_layer", "mean num_hidden_layers?"),
         (f'{{{QWEN}, "vocab_size": 10, "num_hidden_layers": 28, "head_dim": 0}}', "head_dim", ">= 1, got 0"),

@@ -203,8 +203,9 @@ def test_a_tied_models_first_and_last_stages_exchange_the_matrix_as_the_cost_mod
     # the dp row says how much of it is the tied sum (a plan of one replica sends it too)
     assert traffic.dp_parts == pytest.approx({"tied embedding": 16 * shard_bytes, "across families": 0.0})
     report = TrafficReport("plan", traffic, traffic.by_dimension_and_link(), None, rail_only(traffic))
-    gigabytes = 16 * shard_bytes / 1e9
-    assert report.dp_parts_lines() == [f"dp is every gradient sync: {gigabytes:,.1f} GB of it the tied embedding's sum"]
+    sent = f"{16 * shard_bytes / 1e9:,.2f} GB"
+    (line,) = report.dp_parts_lines()
+    assert line == f"dp is every gradient sync: {sent} of it the tied embedding's sum per iteration"
     group = ctx.cluster.groups[0]
     link = ctx.rail_link(group)
     assert first.device_offset // group.devices_per_node != last.device_offset // group.devices_per_node
