@@ -83,14 +83,29 @@ def _one_stage(strategy: Strategy, engine: Engine) -> bool:
     return bool(engine.script) and all(len(pipeline.stages) == 1 for pipeline in strategy.pipelines)
 
 
+def plan_vendors(cluster: ClusterSpec, strategy: Strategy) -> list[str]:
+    """The vendors whose devices the plan trains on, sorted."""
+    return sorted({cluster.group(s.group).device.vendor for p in strategy.pipelines for s in p.stages})
+
+
 def engine_lost(
-    strategy: Strategy, engine: Engine, training: TrainingSpec | None = None, predicted_as_run: bool = False
+    strategy: Strategy,
+    engine: Engine,
+    training: TrainingSpec | None = None,
+    predicted_as_run: bool = False,
+    cluster: ClusterSpec | None = None,
 ) -> list[str]:
     """What of the plan the engine cannot express, one line each (empty: it runs the plan as planned). `training`:
     the plan's training, for its dtype (FP8 on an engine without an FP8 switch); `predicted_as_run`: the export's
-    time is predicted in the dtype the engine trains in (else in the plan's, and the line says so)."""
+    time is predicted in the dtype the engine trains in (else in the plan's, and the line says so); `cluster`: the
+    plan's, for its vendors (an engine of one collective library runs one vendor's devices)."""
     lost: list[str] = []
     pipelines, stages = strategy.pipelines, [s for p in strategy.pipelines for s in p.stages]
+    if cluster is not None and not engine.mixed_vendors and len(vendors := plan_vendors(cluster, strategy)) > 1:
+        lost.append(
+            f"vendors {', '.join(vendors)} in one job -> one vendor's devices: {engine.key} builds every process group "
+            "with one collective library (NCCL, RCCL or HCCL), which does not reach another vendor's devices"
+        )
     if len(pipelines) > 1 and not engine.pipeline_families:
         lost.append(f"{len(pipelines)} pipeline families with their own batch shares -> one family")
     if not engine.interleaving and strategy.virtual_stages > 1:
@@ -166,16 +181,41 @@ def engine_recompute(modes: tuple[Recompute, ...], engine: Engine) -> tuple[Reco
     return kept or saving or (max(engine.recompute_modes, key=RECOMPUTE_MODES.index),)
 
 
+MIXING_ENGINES = (
+    "FlagScale's hetero mode and a torchrun script over hetplan's backend (comm/) mix vendors (--engine flagscale, "
+    "--engine torchrun)"
+)
+
+
+def vendor_contexts(ctx: CostContext, engine: Engine) -> list[CostContext]:
+    """The costs on each vendor's groups alone where the engine runs one collective library and the cluster's
+    trainable groups have several vendors (the others are left idle); else `ctx` alone."""
+    groups = ctx.cluster.trains_in(ctx.training.dtype) or ctx.cluster.groups
+    vendors = sorted({group.device.vendor for group in groups})
+    if engine.mixed_vendors or len(vendors) < 2:
+        return [ctx]
+    return [
+        replace(ctx, cluster=replace(ctx.cluster, groups=tuple(g for g in groups if g.device.vendor == vendor)))
+        for vendor in vendors
+    ]
+
+
 def vendors_note(cluster: ClusterSpec, strategy: Strategy, engine: Engine) -> str:
-    """How a plan over several vendors runs on an engine of one collective library (NCCL, RCCL, HCCL: a bridge
-    between them), or "" when the engine mixes vendors or the plan has one."""
-    stages = [stage for pipeline in strategy.pipelines for stage in pipeline.stages]
-    vendors = sorted({cluster.group(stage.group).device.vendor for stage in stages})
-    if len(vendors) < 2 or engine.mixed_vendors:
+    """What a plan for an engine of one collective library leaves idle on a cluster of several vendors; for the
+    user's own script, how a plan over several vendors joins them; else ""."""
+    used = plan_vendors(cluster, strategy)
+    idle = [g.name for g in cluster.groups if g.device.vendor not in used]
+    if engine.mixed_vendors and not engine.script and len(used) > 1:
+        return (
+            f"the plan spans vendors {', '.join(used)}: build the process groups that cross them with hetplan's "
+            "backend (comm.backend.register_backend(islands, simulated=False), then backend='hetplan'); one vendor's "
+            "library (NCCL, RCCL, HCCL) does not reach the other's devices"
+        )
+    if engine.mixed_vendors or not idle:
         return ""
     return (
-        f"the plan spans vendors {', '.join(vendors)}: {engine.key} runs one collective library for the whole job; "
-        "launch it over the hetplan backend's bridge (comm/) or use FlagScale's hetero mode"
+        f"{engine.key} trains on one vendor's devices ({', '.join(used)}): groups {', '.join(idle)} of other vendors "
+        f"stay idle; {MIXING_ENGINES}"
     )
 
 
@@ -276,7 +316,7 @@ def near_plans(ctx: CostContext, strategy: Strategy, engine: Engine) -> list[Str
     # (after the batch is evened: 4 + 3 micro-batches on 4 stages become 7 on one replica, which interleave)
     plain = [_short_of_microbatches(c, engine) or _one_stage(c, engine) for c in candidates]
     candidates = [replace(c, virtual_stages=1) if p else c for c, p in zip(candidates, plain, strict=True)]
-    return [c for c in candidates if not engine_lost(c, engine)]
+    return [c for c in candidates if not engine_lost(c, engine, cluster=ctx.cluster)]
 
 
 def engine_search(
@@ -289,7 +329,11 @@ def engine_search(
     even layers and the ZeRO stage as the engine's flags require (`_layout_update`), interleaving only over as many
     micro-batches as stages where the engine's groups need them (SearchOptions.interleaving_groups_of_stages, in the
     candidates: a filter after the search lost the interleaved plans its best had outranked); without per-stage TP
-    one search per TP degree any group can use, merged best first."""
+    one search per TP degree any group can use, merged best first; an engine of one collective library searches each
+    vendor's groups alone (vendor_contexts)."""
+    if len(by_vendor := vendor_contexts(ctx, engine)) > 1:
+        found = [engine_search(vendor_ctx, engine, options, progress) for vendor_ctx in by_vendor]
+        return merge_results(found, options.top_k, lambda e: True)
     restricted = replace(ctx, training=ctx.training.model_copy(update=_layout_update(ctx.training, engine)))
     options = replace(
         options,
@@ -304,7 +348,7 @@ def engine_search(
     for tp in widths:
         sources = restricted.sources if tp is None else {k: _FixedTp(v, tp) for k, v in restricted.sources.items()}
         results.append(search(replace(restricted, sources=sources), options, progress, splitter))
-    return merge_results(results, options.top_k, lambda e: not engine_lost(e.strategy, engine))
+    return merge_results(results, options.top_k, lambda e: not engine_lost(e.strategy, engine, cluster=ctx.cluster))
 
 
 def engine_plans(ctx: CostContext, engine: Engine) -> list[Strategy]:
@@ -337,10 +381,12 @@ class Closest:
     no_near: str = ""  # why `near` is None
 
 
-def _no_near_plan(strategy: Strategy, candidates: list[Strategy]) -> str:
+def _no_near_plan(strategy: Strategy, candidates: list[Strategy], vendors: list[str]) -> str:
     """Why no plan with only the lost parts replaced runs: none can be built, or none fits memory."""
     if len(strategy.pipelines) > 1:
         return "a plan of several families has no one-family counterpart but the engine's own best plan"
+    if len(vendors) > 1:
+        return f"a plan over {', '.join(vendors)} has no one-vendor counterpart but the engine's own best plan"
     if not candidates:
         return "no plan with only those parts replaced can be made (the engine has no stand-in for one of them)"
     return "no plan with only those parts replaced fits memory"
@@ -359,13 +405,15 @@ def closest(
     `keep_layout`: only the plan with the lost parts replaced, never the engine's own best plan (a layout the user has
     validated stays as it is wherever the engine can express it)."""
     planned = planned or ctx.training
-    lost = engine_lost(strategy, engine, planned, predicted_as_run=planned.dtype != ctx.training.dtype)
+    cluster = ctx.cluster
+    lost = engine_lost(strategy, engine, planned, planned.dtype != ctx.training.dtype, cluster)
     same_dtype = planned.dtype == ctx.training.dtype
-    if not engine_lost(strategy, engine) and (same_dtype or _fastest_fitting(ctx, [strategy]) is not None):
+    runs_as_planned = not engine_lost(strategy, engine, cluster=cluster)
+    if runs_as_planned and (same_dtype or _fastest_fitting(ctx, [strategy]) is not None):
         return Closest(strategy, lost, strategy)  # at most the dtype is lost: the layout runs as planned
     candidates = near_plans(ctx, strategy, engine)
     near = _fastest_fitting(ctx, candidates)
-    no_near = "" if near is not None else _no_near_plan(strategy, candidates)
+    no_near = "" if near is not None else _no_near_plan(strategy, candidates, plan_vendors(cluster, strategy))
     if keep_layout:
         if near is None:
             raise SpecError(

@@ -129,7 +129,7 @@ def plan(
         stats["zero_shard_s"] = by_shard
     best = result.evaluations[0]
     if engine is not None and (note := vendors_note(cluster, best.strategy, engine)):
-        stats["engine_note"] = note  # it runs as planned, over a bridge
+        stats["engine_note"] = note  # one collective library: other vendors idle; the user's script: their bridge
     ctx = ctx.at_context_parallel(best.strategy.context_parallel)
     chosen = {"zero_stage": best.strategy.zero_stage, "zero_shard": best.strategy.zero_shard}
     if chosen != {"zero_stage": ctx.training.zero_stage, "zero_shard": ctx.training.zero_shard}:

@@ -344,5 +344,5 @@ def replan(
     interval = predictor.interval(base, best.strategy)
     ctx = ctx.at_context_parallel(best.strategy.context_parallel)
     plan = Plan(ctx, best, compute_bounds(ctx), elapsed, stats, (), interval)
-    lost = tuple(engine_lost(adapted.strategy, engine)) if engine is not None and adapted is not None else ()
+    lost = tuple(engine_lost(adapted.strategy, engine, cluster=cluster)) if engine and adapted is not None else ()
     return Replan(plan, adapted, elapsed, shrunk.reason, lost)

@@ -10,7 +10,7 @@ import pytest
 import tomllib
 
 from planner import plan
-from planner.engine_space import engine_lost, engine_training, engine_zero_stage
+from planner.engine_space import engine_lost, engine_training, engine_zero_stage, plan_vendors
 from planner.export import export_plan
 from planner.plan import load_plan
 from specs import get_engine, load_cluster, load_model, load_training
@@ -26,10 +26,11 @@ def h100_mi300x():
 
 def test_a_plan_for_megatron_exports_without_loss_and_beats_the_closest_export_of_the_free_plan(h100_mi300x):
     megatron = get_engine("megatron")
+    cluster = h100_mi300x[0]
     free = plan(*h100_mi300x)
     for_megatron = plan(*h100_mi300x, engine=megatron)
     assert engine_lost(free.strategy, megatron), "the example must exercise a plan Megatron cannot express"
-    assert engine_lost(for_megatron.strategy, megatron) == []
+    assert engine_lost(for_megatron.strategy, megatron, cluster=cluster) == []
     exported = export_plan(for_megatron.context, for_megatron.strategy, "megatron")
     assert exported.lost == [] and exported.strategy == for_megatron.strategy
     assert exported.predicted_iteration_time_s == pytest.approx(for_megatron.evaluation.iteration_time_s)
@@ -38,10 +39,23 @@ def test_a_plan_for_megatron_exports_without_loss_and_beats_the_closest_export_o
     assert for_megatron.evaluation.iteration_time_s <= closest_of_free.predicted_iteration_time_s + 1e-9
     assert free.evaluation.iteration_time_s <= for_megatron.evaluation.iteration_time_s + 1e-9  # the larger space
     assert for_megatron.search_stats["engine"] == "megatron"
-    # it runs as planned over the bridge between NCCL and RCCL, as the export says: `plan --engine` says so too
-    said = "the plan spans vendors amd, nvidia: megatron runs one collective library for the whole job; launch it over"
-    assert for_megatron.search_stats["engine_note"].startswith(said)
-    assert any(note.startswith(said) for note in exported.notes)
+    # Megatron's process groups are one library's (NCCL or RCCL): the free plan mixes the vendors, Megatron's trains on
+    # one, the other's group idle, and both say so (they planned over both and said to launch over a bridge the files
+    # did not set up)
+    assert plan_vendors(cluster, free.strategy) == ["amd", "nvidia"]
+    assert len(plan_vendors(cluster, for_megatron.strategy)) == 1
+    assert closest_of_free.lost[0].startswith("vendors amd, nvidia in one job -> one vendor's devices: megatron builds")
+    idle = "megatron trains on one vendor's devices (amd): groups h100 of other vendors stay idle; FlagScale's hetero"
+    assert for_megatron.search_stats["engine_note"].startswith(idle)
+    assert all(any(note.startswith(idle) for note in export.notes) for export in (exported, closest_of_free))
+    for_flagscale = plan(*h100_mi300x, engine="flagscale")  # one job over NCCL and RCCL (its hetero mode)
+    assert plan_vendors(cluster, for_flagscale.strategy) == ["amd", "nvidia"]
+    assert "engine_note" not in for_flagscale.search_stats
+    # the user's own script (torchrun) mixes them too, over hetplan's backend, which the export says
+    exported = export_plan(free.context, free.strategy, "torchrun")
+    assert exported.lost == [] and plan_vendors(cluster, exported.strategy) == ["amd", "nvidia"]
+    bridge = "the plan spans vendors amd, nvidia: build the process groups that cross them with hetplan's backend"
+    assert any(note.startswith(bridge) for note in exported.notes)
 
 
 def test_an_interleaved_plan_of_fewer_micro_batches_than_stages_exports_to_megatron_as_plain_1f1b():
