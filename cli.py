@@ -158,7 +158,7 @@ def plan(
     from specs.cluster import load_cluster
     from specs.engines import get_engine
     from specs.errors import SpecError
-    from specs.model import hf_sequence_note, load_model
+    from specs.model import hf_sequence_note, hf_unmodelled_note, load_model
     from specs.training import on_groups
 
     reads = {"--cluster": cluster, "--model": model, "--training": training, "--predictor": predictor}
@@ -178,8 +178,9 @@ def plan(
     said_before = on_groups(training_spec, cluster_spec.groups)[1] if defaulted else ""
     if said_before:  # said before the search, so that a plan that does not fit still says its dtype
         said.say(said_before)
-    if sequence_note := hf_sequence_note(model_spec, training_spec):
-        said.say(sequence_note)
+    for note in (hf_sequence_note(model_spec, training_spec), hf_unmodelled_note(model_spec, training_spec.seq_length)):
+        if note:  # a config.json's longest context taken, what it sets and hetplan does not model
+            said.say(note)
     devices = [group.device.key for group in cluster_spec.groups]
     inputs = (cluster_spec, model_spec, training_spec, profiles_said(profiles, model_spec, devices))
     chosen_engine = get_engine(engine, "--engine", "") if engine is not None else None
@@ -284,10 +285,12 @@ def predict(
         costs = plan_costs_said(given_plan, predictor, profiles, cluster_spec, model=chosen.model)
         chosen_predictor, measured = costs.predictor, costs.profiles
     else:
-        from specs.model import hf_sequence_note
+        from specs.model import hf_sequence_note, hf_unmodelled_note
 
-        if sequence_note := hf_sequence_note(chosen.model, chosen.training):
-            said.say(sequence_note)
+        model_notes = (hf_sequence_note(chosen.model, chosen.training),
+                       hf_unmodelled_note(chosen.model, chosen.training.seq_length))  # fmt: skip
+        for note in (note for note in model_notes if note):
+            said.say(note)
         devices = [group.device.key for group in cluster_spec.groups if group.name in used]  # --group's, not all
         chosen_predictor, measured = predictor_from(predictor), profiles_said(profiles, chosen.model, devices)
     ctx, evaluation, interval = predicted(chosen, cluster_spec, chosen_predictor, measured)

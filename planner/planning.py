@@ -27,7 +27,7 @@ from specs.cluster import ClusterSpec
 from specs.engines import Engine, get_engine
 from specs.errors import DoesNotFitError, SpecError, expect_argument, expect_list, wrong_argument
 from specs.layout import ZERO_SHARDS, ZERO_STAGES, Strategy, split_batch, whole_number
-from specs.model import ModelSpec
+from specs.model import ModelSpec, hf_sequence_note, hf_unmodelled_note
 from specs.training import TrainingSpec, on_groups
 from specs.units import GIB
 
@@ -116,6 +116,9 @@ def plan(
         stats["idle_note"] = found.idle_note
     if training_note:  # the dtype chosen for these devices (`hetplan plan` says it on stderr)
         stats["training_note"] = training_note.removeprefix("note: ")
+    model_notes = (hf_sequence_note(model, requested), hf_unmodelled_note(model, requested.seq_length))
+    if any(model_notes):  # a config.json's sequence length taken, what it sets and is not modelled (said on stderr)
+        stats["model_notes"] = [note.removeprefix("note: ") for note in model_notes if note]
     if engine is not None:
         stats["engine"] = engine.key
         stats["engine_changes"] = engine_changes

@@ -376,6 +376,40 @@ def hf_sequence_note(model: ModelSpec, training: TrainingSpec) -> str:
     )
 
 
+def hf_unmodelled_note(model: ModelSpec, seq_length: int | None = None) -> str:
+    """What a Hugging Face config sets that hetplan does not model, or "": the costs, the runtime's model and the
+    exports' arguments are of the model without it (a newcomer's Mistral was costed with full attention over 32768
+    tokens where its config slides a window of 4096, without a word). The config is read again from its path;
+    `seq_length`: the training's (a window as long as the sequences changes nothing), else the model's."""
+    if not model.source.startswith(HF_SOURCE):
+        return ""
+    path = model.source.removeprefix(HF_SOURCE)
+    try:
+        data = read_mapping(Path(path))
+    except (SpecError, OSError):
+        return ""
+    model_type = str(data.get("model_type", "")).lower()
+    unmodelled = []
+    if model_type == "qwen2" or data.get("attention_bias") is True:  # Qwen2's attention has them, Llama's may
+        unmodelled.append("Q/K/V biases")
+    if model_type == "qwen3":
+        unmodelled.append("per-head Q/K norms")
+    window = data.get("sliding_window")
+    if isinstance(window, int) and data.get("use_sliding_window", True) and window < (seq_length or model.seq_length):
+        unmodelled.append(f"a sliding attention window of {window} tokens (attention costed over whole sequences)")
+    if isinstance(data.get("rope_scaling"), Mapping):
+        kind = data["rope_scaling"].get("rope_type") or data["rope_scaling"].get("type") or "?"
+        unmodelled.append(f"RoPE scaling ({kind})")
+    megatron_defaults = {"rope_theta": 10000, "rms_norm_eps": 1e-5}
+    given = [f"{key} {data[key]:.10g}" for key, default in megatron_defaults.items()
+             if isinstance(data.get(key), int | float) and data[key] != default]  # fmt: skip
+    if given:
+        unmodelled.append(f"{' and '.join(given)} (no cost; the exports leave Megatron's 10000 and 1e-5: add them)")
+    if not unmodelled:
+        return ""
+    return f"note: {path} sets what hetplan does not model: {'; '.join(unmodelled)}"
+
+
 def _models() -> Catalog[ModelSpec]:
     return load_catalog("models.yaml", ModelSpec, "model")
 

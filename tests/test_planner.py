@@ -472,6 +472,26 @@ def test_python_plan_trains_on_the_clusters_devices_as_the_cli_does():
         load_cluster(EXAMPLES / "cpu-2x2.yaml"), load_model(str(EXAMPLES / "models" / "tiny-llama.yaml")), chosen
     )
     assert kept.context.training.dtype == "bf16" and "training_note" not in kept.search_stats
+    assert "model_notes" not in kept.search_stats  # a model file: nothing taken from a config.json
+
+
+def test_python_plan_says_what_a_config_json_decided_as_the_cli_does(tmp_path):
+    """plan() of a Mistral-style config.json trained at its longest context with full attention, the notes `hetplan
+    plan` prints on stderr nowhere in the result (a newcomer's launcher)."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({
+        "model_type": "mistral", "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1000, "max_position_embeddings": 1024,
+        "sliding_window": 256,
+    }))  # fmt: skip
+    cluster = load_cluster(EXAMPLES / "cpu-2x2.yaml")
+    made = plan(cluster, load_model(str(config)), load_training(overrides={"global_batch_size": 8, "dtype": "fp32"}))
+    sequence, window = made.search_stats["model_notes"]
+    assert sequence.startswith(f"sequences of 1024 tokens, the longest context of {config}")
+    assert (
+        window == f"{config} sets what hetplan does not model: a sliding attention window of 256 tokens "
+        "(attention costed over whole sequences)"
+    )
 
 
 @pytest.mark.parametrize(

@@ -484,6 +484,35 @@ def test_only_a_translated_config_json_is_said_to_train_at_its_longest_context(w
     assert hf_sequence_note(translated, load_training(None, {"seq_length": 512})) == ""
 
 
+def test_what_a_config_json_sets_and_hetplan_does_not_model_is_said(write):
+    """Mistral's sliding window (costed as full attention over 32768 tokens), Llama 3.1's RoPE scaling and rope base,
+    Qwen2's Q/K/V biases, Qwen3's Q/K norms: read and dropped without a word, as a newcomer found."""
+    from specs.model import hf_unmodelled_note
+
+    shape = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "vocab_size": 100, "max_position_embeddings": 32768}  # fmt: skip
+
+    def note(**config: object) -> str:
+        return hf_unmodelled_note(load_model(str(write("config.json", json.dumps({**shape, **config})))))
+
+    said = "sets what hetplan does not model: "
+    plain = note(model_type="llama", rope_theta=10000.0, rms_norm_eps=1e-5)  # Megatron's own values
+    assert plain == ""
+    mistral = note(model_type="mistral", sliding_window=4096)
+    assert mistral.endswith(said + "a sliding attention window of 4096 tokens (attention costed over whole sequences)")
+    path = write("config.json", json.dumps({**shape, "model_type": "mistral", "sliding_window": 4096}))
+    assert hf_unmodelled_note(load_model(str(path)), seq_length=4096) == ""  # no sequence longer than the window
+    assert note(model_type="qwen2", sliding_window=4096, use_sliding_window=False).endswith(said + "Q/K/V biases")
+    assert note(model_type="qwen3").endswith(said + "per-head Q/K norms")
+    llama = note(model_type="llama", rope_theta=500000.0, rope_scaling={"rope_type": "llama3", "factor": 8.0})
+    expected = "RoPE scaling (llama3); rope_theta 500000 (no cost; the exports leave Megatron's 10000 and 1e-5: "
+    expected += "add them)"
+    assert llama.endswith(said + expected)
+    assert note(model_type="llama", attention_bias=True).endswith(said + "Q/K/V biases")
+    cited = load_model({**load_model("llama2-7b").model_dump(exclude_none=True), "source": "Hugging Face config.json"})
+    assert hf_unmodelled_note(cited) == ""  # a model file, not a translated config
+
+
 def test_a_plan_without_its_schema_is_still_named_a_plan(tmp_path):
     """A plan has a top-level zero_stage and dtype, a training file's marks: without `schema` it read as a training
     file ('got a training file') and passed load_training's kind check."""
