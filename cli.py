@@ -207,7 +207,7 @@ def plan(
     body = {**result.to_dict(), **({"local_run": local.to_dict()} if local else {})}
     rows = plan_rows(body, result.interval)
     tables = evaluation_tables(result.context, result.evaluation, "hetplan plan", rows, local)
-    hints = hint_lines(result.context, result.evaluation)
+    hints = hint_lines(result.context, result.evaluation, chosen_engine)
     show(as_json, body, *tables, *alternatives_lines(body), *hints, *written("plan", out))
 
 
@@ -319,15 +319,29 @@ def devices(as_json: JsonOpt = False) -> None:
 
 
 @app.command()
-def models(as_json: JsonOpt = False) -> None:
-    """List the model catalog."""
+def models(
+    names: Annotated[
+        Optional[list[str]],
+        typer.Argument(
+            help="Catalog names or model files (YAML, config.json) to show; default: the catalog.",
+            metavar="MODEL",
+            show_default=False,
+        ),
+    ] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """List the model catalog, or the models given (their parameter counts and shapes, as plan reads them)."""
     from report.tables import models_table
-    from specs.model import model_catalog
+    from specs.model import hf_unmodelled_note, load_model, model_catalog
 
-    catalog = model_catalog()
-    show(
-        as_json, [dict(m.model_dump(), total_params=m.total_params()) for m in catalog.values()], models_table(catalog)
-    )
+    if names:
+        chosen = {str(i): load_model(name, "MODEL", "") for i, name in enumerate(names)}  # (two config.json: one key)
+        for note in (hf_unmodelled_note(m) for m in chosen.values()):
+            if note:
+                said.say(note)
+    else:
+        chosen = model_catalog()
+    show(as_json, [dict(m.model_dump(), total_params=m.total_params()) for m in chosen.values()], models_table(chosen))
 
 
 # ---- measuring, fitting and running (report/measuring.py) -------------------------------------------------------
@@ -446,7 +460,7 @@ def replan(
     """Re-plan after failures or additions, warm-started from the current plan; show what changed. A plan made for
     an engine (`plan --engine`) is re-planned within what that engine runs as planned."""
     from planner import predict as run_predict
-    from planner.replan import cancelled_changes, changed_cluster
+    from planner.replan import CHANGE_FLAGS, cancelled_changes, changed_cluster
     from planner.replan import replan as run_replan
     from planner.what_if import check_changes, plan_on_cluster
     from report.replanning import replan_lines, replan_summary
@@ -460,10 +474,11 @@ def replan(
     engine = get_engine(loaded.engine, str(plan_file), "search.engine") if loaded.engine else None
     changes = [*(loaded.cluster_changes or ()), (without or [], add or [])]
     if loaded.cluster_nodes and loaded.cluster_changes is None:  # its nodes, not how they came (an older export's)
-        new_cluster, history = changed_cluster(original, without or [], add or []), None
+        new_cluster, history = changed_cluster(original, without or [], add or [], names=CHANGE_FLAGS), None
     else:  # made from the cluster file with every change since (a node lost in an earlier re-plan keeps its number)
         file_cluster = load_cluster(cluster)
-        new_cluster, history = changed_cluster(file_cluster, without or [], add or [], earlier=changes[:-1]), changes
+        new_cluster = changed_cluster(file_cluster, without or [], add or [], changes[:-1], CHANGE_FLAGS)
+        history = changes
     for cancelled in cancelled_changes(original, new_cluster, without or [], add or []):
         said.say(f"note: {cancelled}")
     costs = plan_costs_said(loaded, predictor, profiles, original, new_cluster)

@@ -200,11 +200,12 @@ def vendor_contexts(ctx: CostContext, engine: Engine) -> list[CostContext]:
     ]
 
 
-def vendors_note(cluster: ClusterSpec, strategy: Strategy, engine: Engine) -> str:
-    """What a plan for an engine of one collective library leaves idle on a cluster of several vendors; for the
-    user's own script, how a plan over several vendors joins them; else ""."""
+def vendors_note(cluster: ClusterSpec, strategy: Strategy, engine: Engine, dtype: str) -> str:
+    """What a plan for an engine of one collective library leaves idle on a cluster of several vendors (of the groups
+    that train in `dtype`: the others are idle by it, as a note of their own says); for the user's own script, how a
+    plan over several vendors joins them; else ""."""
     used = plan_vendors(cluster, strategy)
-    idle = [g.name for g in cluster.groups if g.device.vendor not in used]
+    idle = [g.name for g in cluster.trains_in(dtype) if g.device.vendor not in used]
     if engine.mixed_vendors and not engine.script and len(used) > 1:
         return (
             f"the plan spans vendors {', '.join(used)}: build the process groups that cross them with hetplan's "
@@ -381,11 +382,11 @@ class Closest:
     no_near: str = ""  # why `near` is None
 
 
-def _no_near_plan(strategy: Strategy, candidates: list[Strategy], vendors: list[str]) -> str:
+def _no_near_plan(strategy: Strategy, candidates: list[Strategy], vendors: list[str], engine: Engine) -> str:
     """Why no plan with only the lost parts replaced runs: none can be built, or none fits memory."""
     if len(strategy.pipelines) > 1:
         return "a plan of several families has no one-family counterpart but the engine's own best plan"
-    if len(vendors) > 1:
+    if len(vendors) > 1 and not engine.mixed_vendors:
         return f"a plan over {', '.join(vendors)} has no one-vendor counterpart but the engine's own best plan"
     if not candidates:
         return "no plan with only those parts replaced can be made (the engine has no stand-in for one of them)"
@@ -413,7 +414,7 @@ def closest(
         return Closest(strategy, lost, strategy)  # at most the dtype is lost: the layout runs as planned
     candidates = near_plans(ctx, strategy, engine)
     near = _fastest_fitting(ctx, candidates)
-    no_near = "" if near is not None else _no_near_plan(strategy, candidates, plan_vendors(cluster, strategy))
+    no_near = "" if near is not None else _no_near_plan(strategy, candidates, plan_vendors(cluster, strategy), engine)
     if keep_layout:
         if near is None:
             raise SpecError(

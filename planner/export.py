@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import shlex
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -153,11 +153,19 @@ def _shell_word(word: str) -> str:
 
 
 def launch_script(
-    launches: list[NodeLaunch], title: str, script: str, args: Args, what: str, plan_file: str = ""
+    launches: list[NodeLaunch],
+    title: str,
+    script: str,
+    args: Args,
+    what: str,
+    plan_file: str = "",
+    group_args: Mapping[str, list[str]] | None = None,
 ) -> str:
     """A bash script every node runs: node rank from its argument, $NODE_RANK or $SLURM_NODEID; the node's visible
-    devices exported; torchrun started with the engine's arguments as a bash array (real arguments, no re-parsing);
-    `plan_file` (beside the script), when given, named to every rank in $HETPLAN_PLAN."""
+    devices exported; torchrun started with the engine's arguments as a bash array (real arguments, no re-parsing),
+    then `group_args` of the node's group (FlagScale's --hetero-current-device-type); `plan_file` (beside the
+    script), when given, named to every rank in $HETPLAN_PLAN."""
+    group_args = group_args or {}
     last = len(launches) - 1
     entry = " ".join(shlex.quote(w) for w in shlex.split(script))
     gets = "the plan's arguments, then EXTRA_ARGS" if args else "EXTRA_ARGS"
@@ -202,18 +210,23 @@ def launch_script(
         "args=(",
         *(f"  {' '.join(_shell_word(w) for w in line)}" for line in args),
         ")",
+        *(["node_args=()"] if group_args else []),
         'case "$NODE_RANK" in',
     ]
     for launch in launches:
         lines.append(f"  {launch.node_rank})  # {launch.group} node {launch.node}")
         if launch.visible_devices_env:
             lines.append(f"    export {launch.visible_devices_env}={launch.visible}")
+        if group_args.get(launch.group):
+            lines.append(f"    node_args=({' '.join(_shell_word(w) for w in group_args[launch.group])})")
         lines.append(f"    nproc={len(launch.devices)} ;;")
     lines += [
         f'  *) echo "launch.sh: NODE_RANK must be 0..{last}, got $NODE_RANK" >&2; exit 2 ;;',
         "esac",
         f'exec torchrun --nnodes {len(launches)} --node-rank "$NODE_RANK" --nproc-per-node "$nproc" \\',
-        '  --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" "${entry[@]}" "${args[@]}" "$@"',
+        '  --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" "${entry[@]}" "${args[@]}"'
+        + (' "${node_args[@]}"' if group_args else "")
+        + ' "$@"',
         "",
     ]
     return "\n".join(lines)
@@ -325,7 +338,7 @@ def export_plan(
     writer = WRITERS.get(engine.key)
     if writer is None:
         raise SpecError("--format", "", f"{engine.key} is in the engine registry but has no exporter yet")
-    ctx.check_strategy(strategy, "plan")
+    ctx.check_strategy(strategy, "export_plan(): strategy")  # (the CLI checked the plan file before)
     runs_ctx, kernels_note = ctx, ""
     kernels = None if keep_kernels or context_for is None else _kernels_context(ctx, strategy, engine, context_for)
     if kernels is not None:
@@ -342,10 +355,13 @@ def export_plan(
     what = shlex.split(engine.script)[-1] if engine.script else "your training script"
     title = f"hetplan export --format {engine.key}: one torchrun per node ({len(launches)} nodes)"
     plan_file = EXPORTED_PLAN_FILE if EXPORTED_PLAN_FILE in files else ""
-    files["launch.sh"] = launch_script(launches, title, engine.script, args, what, plan_file)
+    # FlagScale's hetero mode asks each node its device type (its runner passes it from the hostfile's type=)
+    group_args = {g.name: ["--hetero-current-device-type", g.device.key] for g in ctx.cluster.groups}
+    group_args = group_args if engine.key == "flagscale" else {}
+    files["launch.sh"] = launch_script(launches, title, engine.script, args, what, plan_file, group_args)
     notes = [] if exported == found.near else [_engine_plan_note(runs_ctx, strategy, found)]
     notes += [kernels_note] if kernels_note else []
-    notes += [note] if (note := vendors_note(ctx.cluster, exported, engine)) else []
+    notes += [note] if (note := vendors_note(ctx.cluster, exported, engine, runs_ctx.training.dtype)) else []
     if exported.virtual_stages > 1 and engine.interleaving and engine.script:  # (not the user's own script)
         notes.append(
             "interleaving keeps each rank's layer count, not its layer ids (the engine deals chunks round-robin)"

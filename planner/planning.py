@@ -7,7 +7,14 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from planner.engine_space import engine_search, engine_training, engine_zero_stage, vendors_note
+from planner.engine_space import (
+    MIXING_ENGINES,
+    engine_search,
+    engine_training,
+    engine_zero_stage,
+    vendor_contexts,
+    vendors_note,
+)
 from planner.options import DEFAULT_OPTIONS, ProgressCallback, SearchOptions
 from planner.plan import Bounds, Plan
 from planner.search import BlockScans, SearchResult, fastest, merge_results, search, searches_families
@@ -50,10 +57,10 @@ def plan(
     cluster: ClusterSpec,
     model: ModelSpec,
     training: TrainingSpec,
-    profiles: Mapping[str, DeviceProfile] | None = None,
+    profiles: Mapping[str, DeviceProfile] | str | Path | None = None,  # a directory of profiles, or what it loads
     top_k: int = 1,
     progress: ProgressCallback | None = None,
-    predictor: Predictor | None = None,
+    predictor: Predictor | str | Path | None = None,  # or a predictor file's path
     lower_bound: bool = False,
     engine: Engine | str | None = None,
     zero_stages: Sequence[int] = (),
@@ -96,7 +103,7 @@ def plan(
     elif found.idle_note:  # said of the devices that train (FP8 chosen: not of idle V100s)
         training_note = on_groups(requested, ctx.cluster.groups)[1]
     if not result.evaluations:
-        raise _does_not_fit(model, cluster.name, found, zero_stages)
+        raise _does_not_fit(model, cluster.name, found, zero_stages, engine)
     stats = {
         "configurations": result.configurations,
         "evaluated": result.evaluated,
@@ -131,7 +138,7 @@ def plan(
     if len(by_shard) > 1:
         stats["zero_shard_s"] = by_shard
     best = result.evaluations[0]
-    if engine is not None and (note := vendors_note(cluster, best.strategy, engine)):
+    if engine is not None and (note := vendors_note(cluster, best.strategy, engine, training.dtype)):
         stats["engine_note"] = note  # one collective library: other vendors idle; the user's script: their bridge
     ctx = ctx.at_context_parallel(best.strategy.context_parallel)
     chosen = {"zero_stage": best.strategy.zero_stage, "zero_shard": best.strategy.zero_shard}
@@ -149,12 +156,18 @@ def plan(
 
 
 def _does_not_fit(
-    model: ModelSpec, cluster_name: str, found: _DtypeSearch, zero_stages: Collection[int]
+    model: ModelSpec,
+    cluster_name: str,
+    found: _DtypeSearch,
+    zero_stages: Collection[int],
+    engine: Engine | None = None,
 ) -> DoesNotFitError:
     """Why nothing fit, in one line: the state alone against all the memory there is, else the closest strategy's
-    shortfall, else the batch's shape; with the groups the dtype left idle."""
+    shortfall, else the batch's shape; with the groups the dtype left idle, and an engine's one vendor at a time."""
     result, ctx, training = found.result, found.context, found.context.training
     idle = f" ({found.idle_note})" if found.idle_note else ""
+    if engine is not None and len(vendor_contexts(ctx, engine)) > 1:  # (a model that fits the vendors together)
+        idle += f"; {engine.key} trains on one vendor's devices at a time: {MIXING_ENGINES}"
     # first what no strategy can change: the state, every parameter once, against all the memory there is (the
     # closest strategy's shortfall then led to sharding remedies that leave it as it was)
     usable_groups = ctx.cluster.groups
@@ -172,7 +185,7 @@ def _does_not_fit(
         return DoesNotFitError(
             f"{model.key} does not fit on cluster {cluster_name!r}: the closest strategy "
             f"({result.smallest_shortfall_where}) needs {result.smallest_shortfall_bytes / GIB:.1f} GiB more "
-            f"per device; {fit_remedies(training, zero_stages)}{idle}",
+            f"per device; {fit_remedies(training, zero_stages, engine)}{idle}",
             result.smallest_shortfall_bytes,
         )
     least = min(training.virtual_stages)
@@ -220,7 +233,7 @@ def groups_with_dtype(
     choices = [dtype for dtype in dict.fromkeys(("bf16", every_group)) if dtype != training.dtype]
     everyone = next((d for d in choices if not any(g.device.lacks_dtype(d) for g in cluster.groups)), "")
     note = f"{names} ({devices} devices) left idle: {why}"
-    note += f"; in {everyone} every group trains (--dtype {everyone})" if everyone else ""
+    note += f"; in {everyone} every group can train (--dtype {everyone})" if everyone else ""
     return replace(cluster, groups=trains), note
 
 
@@ -308,11 +321,14 @@ def _dtype_choice_note(
     )
 
 
-def fit_remedies(training: TrainingSpec, zero_stages: Collection[int] = ()) -> str:
+def fit_remedies(training: TrainingSpec, zero_stages: Collection[int] = (), engine: Engine | None = None) -> str:
     """What would let a model fit that the training and the search (`zero_stages`; none: the training's stage) do not
     already allow, as one clause ('add devices, allow full recompute (--recompute none,selective,full) or shorten the
-    sequence (--seq-len)'): advice to allow full recompute or ZeRO-1 misleads where both are allowed, as by default."""
+    sequence (--seq-len)'): advice to allow full recompute or ZeRO-1 misleads where both are allowed, as by default;
+    ZeRO-3 where a plan's `engine` has none (Megatron's ZeRO-3 runs as its distributed optimizer) too."""
     searched = set(zero_stages) or {training.zero_stage}
+    if engine is not None and 3 not in engine.zero_stages:
+        searched |= {3}  # (nothing to suggest: the engine shards no weights)
     remedies = ["add devices"]
     if "full" not in training.recompute:
         remedies.append("allow full recompute (--recompute none,selective,full)")

@@ -17,7 +17,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from planner.engine_space import engine_lost, engine_search, engine_training
+from planner.engine_space import engine_lost, engine_search, engine_training, vendors_note
 from planner.families import _block_context, _block_plans, combine, split_batch_across
 from planner.plan import Plan
 from planner.planning import check_spec_arguments, compute_bounds, groups_with_dtype
@@ -50,18 +50,22 @@ def node_ranges(numbers: list[int]) -> str:
     return ", ".join(str(a) if a == b else f"{a}..{b}" for a, b in runs)
 
 
+CHANGE_FLAGS = ("--without", "--add")  # `hetplan replan`'s names of changed_cluster's lists, as its errors say them
+
+
 def changed_cluster(
     cluster: ClusterSpec,
     without: Sequence[str],
     add: Sequence[str],
     earlier: Sequence[tuple[Sequence[str], Sequence[str]]] = (),
+    names: tuple[str, str] = ("changed_cluster(): without", "changed_cluster(): add"),
 ) -> ClusterSpec:
     """Remove nodes (`node:GROUP/NUMBER`, the cluster file's number of the node, or `group:NAME:COUNT`, the last
     ones) and add nodes (`group:NAME:COUNT`, numbered after the highest left or lost by number: a node lost by number
     keeps it, a count taken from the tail is given back by adding as many); each group keeps the numbers of its
     nodes (DeviceGroup.node_ids), so a launch runs on the nodes that are left. `earlier`: the (without, add) changes a
     re-planned plan records (LoadedPlan.cluster_changes), applied first to `cluster`, the cluster file's: a node lost
-    by number in any of them keeps its number."""
+    by number in any of them keeps its number. `names`: what errors call `without` and `add` (the CLI: its flags)."""
     expect_argument(cluster, ClusterSpec, "changed_cluster()", "cluster", "a ClusterSpec: specs.load_cluster(path)")
     for argument, given in (("without", without), ("add", add)):
         expect_list(given, "changed_cluster()", argument, "a list of node:GROUP/NUMBER or group:NAME:COUNT")
@@ -70,19 +74,24 @@ def changed_cluster(
     numbers = {group.name: group.node_numbers for group in cluster.groups}
     lost: dict[str, list[int]] = {group.name: [] for group in cluster.groups}
     for earlier_without, earlier_add in earlier:
-        _change_nodes(numbers, lost, earlier_without, earlier_add)
-    _change_nodes(numbers, lost, without, add)
+        _change_nodes(numbers, lost, earlier_without, earlier_add, names)
+    _change_nodes(numbers, lost, without, add, names)
     groups = tuple(group.with_node_numbers(numbers[group.name]) for group in cluster.groups if numbers[group.name])
     if not groups:
-        raise SpecError("--without", "", "no nodes would be left")
+        raise SpecError(names[0], "", "no nodes would be left")
     return dataclasses.replace(cluster, groups=groups)
 
 
 def _change_nodes(
-    numbers: dict[str, list[int]], lost: dict[str, list[int]], without: Sequence[str], add: Sequence[str]
+    numbers: dict[str, list[int]],
+    lost: dict[str, list[int]],
+    without: Sequence[str],
+    add: Sequence[str],
+    names: tuple[str, str],
 ) -> None:
-    """changed_cluster's changes to each group's node numbers (`numbers`), the numbers lost so far kept in `lost`."""
-    for flag, items, sign in (("--without", without, -1), ("--add", add, 1)):
+    """changed_cluster's changes to each group's node numbers (`numbers`), the numbers lost so far kept in `lost`;
+    `names`: what errors call `without` and `add`."""
+    for flag, items, sign in ((names[0], without, -1), (names[1], add, 1)):
         for item in items:
             match = CHANGE.match(item)
             if match is None or (sign > 0 and match["node_group"]):
@@ -329,6 +338,8 @@ def replan(
     }
     if engine is not None:
         stats["engine"] = engine.key
+        if note := vendors_note(cluster, best.strategy, engine, training.dtype):  # the other vendors' groups idle
+            stats["engine_note"] = note
     if training_names_engine:  # as the old plan records it (a loaded training sets every field)
         stats["training_names_engine"] = True
     if cluster_changes is None:  # the changes from the cluster file are not known: the nodes they left are

@@ -100,11 +100,11 @@ def check_recorded_changes(plan: LoadedPlan, cluster: ClusterSpec, cluster_file:
     file, leave the nodes it records (search.cluster_nodes): else the file is not the one the plan was made or
     re-planned from (a group with fewer or more nodes, other names): its node numbers would name other machines, and
     nodes it does not know of would be launched idle."""
-    from planner.replan import changed_cluster, node_ranges
+    from planner.replan import CHANGE_FLAGS, changed_cluster, node_ranges
 
     changes = plan.cluster_changes or ()
     try:
-        replayed = changed_cluster(cluster, (), (), earlier=changes)
+        replayed = changed_cluster(cluster, (), (), earlier=changes, names=CHANGE_FLAGS)  # (as the re-plan said them)
     except SpecError as err:
         change = f"{err.source} {err.field}".strip()
         raise SpecError(

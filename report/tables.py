@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from predictor.cost_model import CostContext, Evaluation
     from report.network import TrafficReport
     from specs.device import DeviceSpec
+    from specs.engines import Engine
     from specs.model import ModelSpec
 
 Row = tuple[str, str]
@@ -260,7 +261,8 @@ def devices_table(catalog: Mapping[str, DeviceSpec]) -> Table:
 
 def models_table(catalog: Mapping[str, ModelSpec]) -> Table:
     """The model catalog, one model a row: size and shape."""
-    table = titled_table("Models", ("key", "params", "layers", "hidden", "ffn", "heads", "kv", "vocab", "seq", "mlp"))
+    columns = ("key", "params", "layers", "hidden", "ffn", "heads", "kv", "vocab", "seq", "mlp", "tied")
+    table = titled_table("Models", columns)
     for m in catalog.values():
         table.add_row(
             m.key,
@@ -273,6 +275,7 @@ def models_table(catalog: Mapping[str, ModelSpec]) -> Table:
             str(m.vocab_size),
             str(m.seq_length),
             m.mlp,
+            "yes" if m.tied_embeddings else "no",  # (embedding and output one matrix)
         )
     return table
 
@@ -339,11 +342,12 @@ def export_lines(format: str, exported: Export, summary: Mapping[str, Any], out:
     return lines
 
 
-def hint_lines(ctx: CostContext, evaluation: Evaluation) -> list[str]:
+def hint_lines(ctx: CostContext, evaluation: Evaluation, engine: Engine | None = None) -> list[str]:
     """What the user could allow for a faster plan, when the plan shows it: a prime global batch (or idle devices)
-    under `--uneven-batch off`, where every replica count must divide the batch."""
+    under `--uneven-batch off`, where every replica count must divide the batch; none for a plan made for an engine
+    that runs no uneven batches (`engine`: the flag would not help: its idle devices are another vendor's, say)."""
     training, cluster = ctx.training, ctx.cluster
-    if training.uneven_batch != "off":
+    if training.uneven_batch != "off" or (engine is not None and not engine.uneven_batch):
         return []
     batch = training.global_batch_size
     trainable = sum(g.num_devices for g in cluster.trains_in(training.dtype))

@@ -328,6 +328,14 @@ def check_strategy(
         _check_pipeline(cluster, model, strategy, pipeline, f"pipelines[{family}]", source, used)
     for name, blocks in used.items():
         group = cluster.group(name)
+        needed = sum(size for _, size in blocks)
+        if needed > group.num_devices:  # (said before an overlap, which too many devices also make)
+            raise SpecError(
+                source,
+                "pipelines",
+                f"group {name!r} has {group.num_devices} devices, the plan's stages on it need {needed} (TP x CP x "
+                "replicas each)",
+            )
         blocks.sort()
         end = 0
         for offset, size in blocks:

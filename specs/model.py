@@ -401,8 +401,8 @@ def hf_unmodelled_note(model: ModelSpec, seq_length: int | None = None) -> str:
         kind = data["rope_scaling"].get("rope_type") or data["rope_scaling"].get("type") or "?"
         unmodelled.append(f"RoPE scaling ({kind})")
     megatron_defaults = {"rope_theta": 10000, "rms_norm_eps": 1e-5}
-    given = [f"{key} {data[key]:.10g}" for key, default in megatron_defaults.items()
-             if isinstance(data.get(key), int | float) and data[key] != default]  # fmt: skip
+    numbers = {key: data[key] for key in megatron_defaults if type(data.get(key)) in (int, float)}  # (not a bool)
+    given = [f"{key} {value:.10g}" for key, value in numbers.items() if value != megatron_defaults[key]]
     if given:
         unmodelled.append(f"{' and '.join(given)} (no cost; the exports leave Megatron's 10000 and 1e-5: add them)")
     if not unmodelled:
@@ -436,8 +436,8 @@ def load_model(
     if not path.exists() and path.suffix.lower() not in (".yaml", ".yml", ".json"):
         known = ", ".join(model_catalog())
         raise SpecError(source, field, f"unknown model {name_or_path!r}; expected a file or one of: {known}")
-    if path.is_dir() and (path / "config.json").is_file():  # a Hugging Face checkpoint's directory
-        raise SpecError(str(path), "", f"expected a file, got a directory: its config.json is {path / 'config.json'}")
+    if path.is_dir() and (path / "config.json").is_file():  # a Hugging Face checkpoint's directory, as HF reads it
+        path = path / "config.json"
     checkpoint = path.resolve().parent.name if path.stem == "config" else path.stem  # a HF checkpoint's directory
     return _model_from_mapping(read_mapping(path), str(path), path.stem, checkpoint)
 

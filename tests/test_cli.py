@@ -176,12 +176,28 @@ def test_does_not_fit_exits_2_with_the_shortfall(write):
     assert "does not fit" in result.stderr and "GiB more per device" in result.stderr
 
 
-def test_catalog_listings():
+def test_catalog_listings(tmp_path):
     devices = hetplan("devices", "--json")
     assert devices.returncode == 0
     assert {"h100", "mi300x", "ascend-910b", "cpu"} <= {d["key"] for d in json.loads(devices.stdout)}
     models = hetplan("models")
     assert models.returncode == 0 and "llama-140b" in models.stdout and "139.8B" in models.stdout
+    # a config.json's count and shape before planning with it (it could only be seen through plan or predict), with
+    # what it sets and hetplan does not model
+    config = tmp_path / "qwen" / "config.json"
+    config.parent.mkdir()
+    config.write_text(json.dumps({
+        "model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
+        "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064, "max_position_embeddings": 32768,
+        "tie_word_embeddings": False,
+    }))  # fmt: skip
+    given = hetplan("models", str(config), "llama3-8b", "--json")
+    assert given.returncode == 0, given.stderr
+    qwen, llama = json.loads(given.stdout)
+    assert (qwen["key"], llama["key"]) == ("qwen", "llama3-8b") and round(qwen["total_params"] / 1e9, 2) == 7.62
+    assert given.stderr.strip() == f"note: {config} sets what hetplan does not model: Q/K/V biases"
+    unknown = hetplan("models", "llama9")
+    assert unknown.returncode == 2 and unknown.stderr.startswith("hetplan: error: MODEL: unknown model 'llama9'")
     # piped, every cell is whole (rich cut the aliases column at 100 columns: "h100-sxm, h100-sxm5, h…")
     table = hetplan("devices")
     assert table.returncode == 0

@@ -269,3 +269,51 @@ def test_an_export_of_a_plan_that_does_not_fit_memory_says_so():
         assert (notes == []) is fits, notes
         if not fits:
             assert "v100 stage (layers 0-23) holds" in notes[0] and "29.4 GiB usable" in notes[0], notes
+
+
+TWO_VENDORS = """name: two
+groups:
+  - {{name: {slow}, device: {slow}, nodes: 2, devices_per_node: 8, nics_per_node: 8, nic_gbps: 400}}
+  - {{name: mi300x, device: mi300x, nodes: 1, devices_per_node: 8, nics_per_node: 8, nic_gbps: 200}}
+network: {{topology: rail-optimized, inter_group_gbps: 100}}
+"""
+
+
+def test_an_engine_of_one_library_says_so_where_nothing_fits_and_names_only_the_vendors_idle(tmp_path):
+    """(The review's.) Llama-140B fits 2 H100 nodes and 1 MI300X node together, not either vendor alone: Megatron's
+    refusal named the H100 shortfall and suggested --zero-stage 3, which Megatron has not, and said nothing of its one
+    vendor. With V100s idle by bf16 and MI300Xs the only vendor left, the V100s were said idle by the vendor; and the
+    idle-devices hint offered `--uneven-batch exhaustive` to an engine without uneven batches."""
+    from report.tables import hint_lines
+    from specs.errors import DoesNotFitError
+
+    path = tmp_path / "h100-mi300x.yaml"
+    path.write_text(TWO_VENDORS.format(slow="h100"))
+    cluster, model = load_cluster(path), load_model("llama-140b")
+    training = load_training(overrides={"global_batch_size": 64, "seq_length": 2048})
+    assert plan(cluster, model, training).evaluation.fits
+    with pytest.raises(DoesNotFitError) as caught:
+        plan(cluster, model, training, engine="megatron")
+    said = str(caught.value)
+    assert said.endswith(
+        "megatron trains on one vendor's devices at a time: FlagScale's hetero mode and a torchrun "
+        "script over hetplan's backend (comm/) mix vendors (--engine flagscale, --engine torchrun)"
+    )
+    assert "--zero-stage 3" not in said  # Megatron's ZeRO-3 is its distributed optimizer
+    path.write_text(TWO_VENDORS.format(slow="v100"))
+    bf16 = load_training(overrides={"global_batch_size": 64, "dtype": "bf16"})
+    made = plan(load_cluster(path), load_model("llama3-8b"), bf16, engine="megatron")
+    assert "engine_note" not in made.search_stats and "v100 has no bf16" in made.search_stats["idle_note"]
+    for_megatron = plan(*_h100_mi300x_inputs(), engine="megatron")
+    assert "stay idle" in for_megatron.search_stats["engine_note"]
+    assert hint_lines(for_megatron.context, for_megatron.evaluation)  # (without the engine: the H100s idle)
+    from planner.engine_space import _no_near_plan
+
+    free = plan(*_h100_mi300x_inputs()).strategy  # over both vendors: no reason for an engine that mixes them
+    assert _no_near_plan(free, [], ["amd", "nvidia"], get_engine("flagscale")).startswith("no plan with only those")
+    assert _no_near_plan(free, [], ["amd", "nvidia"], get_engine("megatron")).startswith("a plan over amd, nvidia")
+    assert hint_lines(for_megatron.context, for_megatron.evaluation, get_engine("megatron")) == []
+
+
+def _h100_mi300x_inputs() -> tuple[object, object, object]:
+    return load_cluster(EXAMPLES / "h100-mi300x.yaml"), load_model("llama3-70b"), load_training()

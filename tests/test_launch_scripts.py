@@ -109,8 +109,14 @@ def test_every_launch_script_runs_on_every_node_and_the_engine_accepts_its_argum
         if extra:
             assert rest[-2:] == extra  # the user's own arguments arrive whole, after the plan's
             rest = rest[:-2]
+        if fmt == "flagscale":  # each node's device type, as FlagScale's runner passes it from the hostfile
+            device = ctx.cluster.group(launch.group).device.key
+            assert rest[-2:] == ["--hetero-current-device-type", device]
+            types = rest[rest.index("--hetero-device-types") + 1 :]
+            assert device in types[: next((i for i, w in enumerate(types) if w.startswith("--")), len(types))]
+            rest = rest[:-2]
         engine_args.append(rest)
-    assert all(args == engine_args[0] for args in engine_args)  # every node starts the same program
+    assert all(args == engine_args[0] for args in engine_args)  # every node starts the same program (its type apart)
     pipeline = exported.strategy.pipelines[0]
     world = sum(len(n.devices) for n in exported.nodes)
     assert world == pipeline.devices

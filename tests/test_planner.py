@@ -182,7 +182,7 @@ def test_bf16_chosen_beside_devices_without_it_plans_on_the_others_and_names_the
     assert made.context.training.dtype == "bf16" and made.context.cluster.num_devices == 32  # the whole cluster's
     assert {stage.group for p in made.strategy.pipelines for stage in p.stages} == {"a100"}
     assert made.search_stats["idle_note"] == (
-        "v100 (16 devices) left idle: v100 has no bf16; in fp16 every group trains (--dtype fp16)"
+        "v100 (16 devices) left idle: v100 has no bf16; in fp16 every group can train (--dtype fp16)"
     )
     alone = plan(
         cluster.only(cluster.group("a100")), model, load_training(overrides={"dtype": "bf16", "global_batch_size": 64})
@@ -202,7 +202,7 @@ def test_fp32_leaves_the_devices_without_a_published_fp32_peak_idle_and_names_th
     assert {stage.group for p in made.strategy.pipelines for stage in p.stages} <= {"h100", "mi300x"}
     assert made.search_stats["idle_note"] == (
         "ascend, gaudi2 (128 devices) left idle: ascend-910b has no published fp32 peak; gaudi2 has no published fp32 "
-        "peak; in bf16 every group trains (--dtype bf16)"
+        "peak; in bf16 every group can train (--dtype bf16)"
     )
     with pytest.raises(SpecError, match="ascend-910b has no published fp32 peak: train in bf16 \\(--dtype bf16\\)"):
         plan(cluster.only(cluster.group("ascend")), model, training)
@@ -225,7 +225,7 @@ def test_an_engine_without_fp16_trains_in_bf16_where_the_devices_have_it_when_th
         f"{fp32.evaluation.iteration_time_s:.3f} s); set dtype or --dtype to choose"
     )
     assert not any("fp16 -> fp32" in change for change in made.search_stats["engine_changes"])
-    assert "in fp32 every group trains (--dtype fp32)" in made.search_stats["idle_note"]
+    assert "in fp32 every group can train (--dtype fp32)" in made.search_stats["idle_note"]
 
 
 def test_plan_equals_exhaustive_search_on_a_small_heterogeneous_cluster():

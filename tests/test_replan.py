@@ -8,7 +8,7 @@ import json
 import pytest
 
 from planner import load_plan, plan
-from planner.replan import adapt_strategy, cancelled_changes, changed_cluster, replan
+from planner.replan import CHANGE_FLAGS, adapt_strategy, cancelled_changes, changed_cluster, replan
 from predictor.predictor import default_predictor
 from specs import load_cluster, load_model, load_training
 from specs.errors import SpecError
@@ -50,7 +50,7 @@ def test_a_negative_or_zero_count_of_nodes_is_named_with_the_counts_expected(wit
     """`--without group:v100:-1` got the form's message ("expected node:GROUP/NUMBER or group:NAME:COUNT"), as if
     the form were wrong rather than the count."""
     with pytest.raises(SpecError) as caught:
-        changed_cluster(load_cluster(CLUSTER), without, add)
+        changed_cluster(load_cluster(CLUSTER), without, add, names=CHANGE_FLAGS)  # as `hetplan replan` says them
     assert str(caught.value) == expected
 
 
@@ -201,8 +201,11 @@ def test_lost_nodes_keep_the_numbers_of_the_nodes_left():
     assert lost.group("ascend").node_numbers == [*range(17), *range(18, 80)] and lost.group("amd").node_ids == ()
     again = changed_cluster(lost, ["node:ascend/18"], ["group:ascend:2"])
     assert again.group("ascend").node_numbers == [*range(17), *range(19, 82)]
-    with pytest.raises(SpecError, match=r"^--without: node:ascend/17: group 'ascend' has nodes 0\.\.16, 18\.\.79$"):
+    gone = r": node:ascend/17: group 'ascend' has nodes 0\.\.16, 18\.\.79$"
+    with pytest.raises(SpecError, match=r"^changed_cluster\(\): without" + gone):  # the Python API's words
         changed_cluster(lost, ["node:ascend/17"], [])
+    with pytest.raises(SpecError, match="^--without" + gone):  # `hetplan replan`'s (it said --without to Python too)
+        changed_cluster(lost, ["node:ascend/17"], [], names=CHANGE_FLAGS)
     assert changed_cluster(lost, ["group:ascend:3"], []).group("ascend").node_numbers == [*range(17), *range(18, 77)]
 
 

@@ -219,12 +219,15 @@ def test_a_head_dim_lets_heads_not_divide_the_hidden_size(write):
         load_model(str(write("odd.yaml", json.dumps({**seven, "head_dim": 255}))))
 
 
-def test_a_checkpoints_directory_given_for_the_model_points_at_its_config(write):
-    """`--model hf/qwen3-0.6b` said "expected a file, got a directory" with no word of the config.json in it."""
+def test_a_checkpoints_directory_given_for_the_model_reads_its_config(write):
+    """`--model hf/qwen3-0.6b` said "expected a file, got a directory" with no word of the config.json in it; then
+    named the config.json and still refused: a Hugging Face checkpoint's directory is how its tools take a model."""
     config = write("config.json", json.dumps(QWEN3_4B))
-    with pytest.raises(SpecError) as caught:
-        load_model(config.parent)
-    assert str(caught.value) == (f"{config.parent}: expected a file, got a directory: its config.json is {config}")
+    from_directory = load_model(config.parent)
+    assert from_directory == load_model(config) and from_directory.key == config.parent.name
+    assert from_directory.source.endswith(str(config))
+    with pytest.raises(SpecError, match="expected a file, got a directory$"):  # one without a config.json
+        load_model(config.parent.parent)
 
 
 def test_a_config_json_given_from_its_directory_is_named_by_it(write, monkeypatch):
