@@ -356,8 +356,8 @@ def export_plan(
     title = f"hetplan export --format {engine.key}: one torchrun per node ({len(launches)} nodes)"
     plan_file = EXPORTED_PLAN_FILE if EXPORTED_PLAN_FILE in files else ""
     # FlagScale's hetero mode asks each node its device type (its runner passes it from the hostfile's type=)
-    group_args = {g.name: ["--hetero-current-device-type", g.device.key] for g in ctx.cluster.groups}
-    group_args = group_args if engine.key == "flagscale" else {}
+    flagscale = engine.key == "flagscale"
+    group_args = {g.name: ["--hetero-current-device-type", g.device.key] for g in ctx.cluster.groups if flagscale}
     files["launch.sh"] = launch_script(launches, title, engine.script, args, what, plan_file, group_args)
     notes = [] if exported == found.near else [_engine_plan_note(runs_ctx, strategy, found)]
     notes += [kernels_note] if kernels_note else []

@@ -16,6 +16,12 @@ def _rate(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f} samples/s"
 
 
+def says_losses(record: Mapping[str, Any]) -> bool:
+    """Whether the elastic summary lists the losses (a run interrupted or resumed: every step's, across attempts)."""
+    elastic = record.get("elastic")
+    return bool(elastic and (elastic["interruptions"] or elastic["first_step"]))
+
+
 def elastic_lines(record: Mapping[str, Any]) -> list[str]:
     """One line per interruption (lost devices, detect, stop, re-plan, reload, steps lost, throughput before and
     after), the loss of every step across them, and where the checkpoints are (rich markup: plans are escaped)."""
@@ -41,7 +47,7 @@ def elastic_lines(record: Mapping[str, Any]) -> list[str]:
             f"{_rate(event.get('throughput_after_samples_per_s'))} after"
         )
     losses = elastic["losses_by_step"]
-    if elastic["interruptions"] or elastic["first_step"]:
+    if says_losses(record):
         first = elastic["first_step"]
         lines.append(f"loss per step from step {first + 1}: " + ", ".join(f"{loss:.4f}" for loss in losses))
     saved = elastic["checkpoints_saved_last_attempt"]

@@ -10,6 +10,7 @@ from typing import Any
 from rich.table import Table
 
 from profiler.machine import OTHER_WORK_LIMIT_CORES
+from report.elastic import says_losses
 from report.tables import titled_table
 from specs.units import GIB
 
@@ -217,15 +218,13 @@ def run_lines(record: Mapping[str, Any]) -> list[str]:
     which = measured_steps_words(details["steps"], len(details["step_times_s"]))
     first_step = details["steps"] - len(record["losses"])  # a resumed run trained the steps after its checkpoint's
     losses = ", ".join(f"{loss:.4f}" for loss in record["losses"])
-    elastic = record.get("elastic")  # (report.elastic then says every step's loss, across the restarts)
-    elastic_says_losses = bool(elastic and (elastic["interruptions"] or elastic["first_step"]))
     lines = [
         f"iteration: measured {record['measured_iteration_time_s']:.3f} s ({which}), predicted "
         f"{record['predicted_iteration_time_s']:.3f} s ({against_prediction(details['prediction_error'])})",
         *speed_lines(record),
         f"prediction from: {details['prediction_from']}",
     ]
-    if not elastic_says_losses:
+    if not says_losses(record):  # (else report.elastic says every step's loss, across the restarts)
         lines.append(
             f"loss per step from step {first_step + 1} (resumed from step {first_step}'s checkpoint): {losses}"
             if first_step
